@@ -1,0 +1,51 @@
+"""ortrain: a training accelerator for PyTorch.
+
+The train step (forward, backward, optimizer) of an exported PyTorch model runs in a Rust engine;
+notebook magics (`%load_ext ortrain`) log the PyTorch baseline and the accelerated run to MLflow
+side by side. Heavy modules (torch, mlflow) are imported lazily so that `import ortrain` is fast.
+"""
+from importlib import import_module as _import_module
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("ortrain")
+except Exception:  # running from a source tree without an installed wheel
+    __version__ = "0.0.0+source"
+
+# public name -> (module, attribute); resolved on first access (PEP 562)
+_LAZY = {
+    "accelerate": ("ortrain.accelerate", "accelerate"),
+    "deaccelerate": ("ortrain.accelerate", "deaccelerate"),
+    "is_accelerated": ("ortrain.accelerate", "is_accelerated"),
+    "explain": ("ortrain.accelerate", "explain"),
+    "ORTTrainer": ("ortrain.trainer", "ORTTrainer"),
+    "optim": ("ortrain.optim", None),
+    "OrtrainError": ("ortrain.errors", "OrtrainError"),
+}
+
+__all__ = sorted(_LAZY) + ["load_ipython_extension", "__version__"]
+
+
+def __getattr__(name):
+    try:
+        module, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'ortrain' has no attribute {name!r}") from None
+    mod = _import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value
+
+
+def load_ipython_extension(ipython):
+    """`%load_ext ortrain`: registers the %ort / %%ort magics."""
+    from ortrain.magics import load_ipython_extension as _load
+
+    _load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    from ortrain.magics import unload_ipython_extension as _unload
+
+    _unload(ipython)

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Runs every test that CI runs: the Rust unit tests and the pytest suite (minus `slow` and `gpu`).
+# Sets up the environment first (scripts/bootstrap.sh), so it works on a fresh clone.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash scripts/bootstrap.sh
+
+echo "[test] cargo test (engine)"
+cargo test --release -q -p ortrain-engine
+
+echo "[test] pytest"
+set +e
+.venv/bin/python -m pytest -q -m "not slow and not gpu" tests "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "[test] pytest collected no tests: that is a failure" >&2
+    exit 1
+fi
+exit "$rc"
