@@ -1,0 +1,397 @@
+//! CPU kernels of ops/movement.rs. Most are dtype-agnostic copies of contiguous byte runs.
+
+use rayon::prelude::*;
+
+use super::broadcast::bcast_strides;
+use super::elementwise::{first, identity, Arith};
+use super::tensor_view::{Elem, In, Out};
+use super::{CpuCtx, KernelTable, PAR_MIN};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::util::{norm_axis, numel, strides};
+
+fn nth<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>], i: usize) -> Result<&'b In<'a>> {
+    inputs.get(i).and_then(|x| x.as_ref()).ok_or_else(|| node.err(format!("input {i} missing")))
+}
+
+fn ints(node: &Node, inputs: &[Option<In>], i: usize) -> Result<Option<Vec<i64>>> {
+    match inputs.get(i).and_then(|x| x.as_ref()) {
+        None => Ok(None),
+        Some(t) => Ok(Some(t.to_tensor().to_i64_vec().ok_or_else(|| node.err(format!("input {i} must be integers")))?)),
+    }
+}
+
+/// Element-wise permuted copy, generic over the element's byte width.
+fn transpose_typed<T: Elem + Default>(x: &In, o: &mut Out, perm: &[usize]) -> Result<()> {
+    let xs = strides(x.shape);
+    let oshape = o.shape.to_vec();
+    let src = x.slice_bytes_as::<T>();
+    let dst = o.slice_bytes_as::<T>();
+    let inner = *oshape.last().unwrap_or(&1);
+    let in_stride_inner = perm.last().map(|&p| xs[p]).unwrap_or(1);
+    let src_strides: Vec<usize> = perm.iter().map(|&p| xs[p]).collect();
+    let body = |r: usize, row: &mut [T]| {
+        let mut rr = r;
+        let mut off = 0;
+        for d in (0..oshape.len().saturating_sub(1)).rev() {
+            off += (rr % oshape[d]) * src_strides[d];
+            rr /= oshape[d];
+        }
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = src[off + j * in_stride_inner];
+        }
+    };
+    if inner == 0 {
+        return Ok(());
+    }
+    if dst.len() >= PAR_MIN {
+        dst.par_chunks_mut(inner).enumerate().for_each(|(r, row)| body(r, row));
+    } else {
+        dst.chunks_mut(inner).enumerate().for_each(|(r, row)| body(r, row));
+    }
+    Ok(())
+}
+
+impl<'a> In<'a> {
+    /// The data viewed as same-width plain elements (for dtype-agnostic copies).
+    fn slice_bytes_as<T: Elem>(&self) -> &'a [T] {
+        let b = self.bytes();
+        // SAFETY: arena and tensor buffers are aligned to at least 8 bytes, and T has the
+        // element's byte width (chosen by `by_width`), so the length divides exactly.
+        unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / std::mem::size_of::<T>()) }
+    }
+}
+impl<'a> Out<'a> {
+    fn slice_bytes_as<T: Elem>(&mut self) -> &mut [T] {
+        let b = self.bytes();
+        // SAFETY: as for In::slice_bytes_as.
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / std::mem::size_of::<T>()) }
+    }
+}
+
+macro_rules! by_width {
+    ($dtype:expr, $f:ident ( $($arg:expr),* )) => {
+        match $dtype.size() {
+            1 => $f::<u8>($($arg),*),
+            4 => $f::<i32>($($arg),*),
+            _ => $f::<i64>($($arg),*),
+        }
+    };
+}
+
+fn transpose(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let perm = crate::ops::movement_perm(node, x.shape.len())?;
+    by_width!(x.dtype, transpose_typed(x, &mut out[0], &perm))
+}
+
+fn expand_typed<T: Elem + Default>(x: &In, o: &mut Out) -> Result<()> {
+    let oshape = o.shape.to_vec();
+    let st = bcast_strides(x.shape, &oshape);
+    let src = x.slice_bytes_as::<T>();
+    let dst = o.slice_bytes_as::<T>();
+    let inner = *oshape.last().unwrap_or(&1);
+    let is = *st.last().unwrap_or(&0);
+    if inner == 0 {
+        return Ok(());
+    }
+    for (r, row) in dst.chunks_mut(inner).enumerate() {
+        let mut rr = r;
+        let mut off = 0;
+        for d in (0..oshape.len().saturating_sub(1)).rev() {
+            off += (rr % oshape[d]) * st[d];
+            rr /= oshape[d];
+        }
+        if is == 1 {
+            row.copy_from_slice(&src[off..off + inner]);
+        } else {
+            row.iter_mut().for_each(|v| *v = src[off]);
+        }
+    }
+    Ok(())
+}
+
+fn expand(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    by_width!(x.dtype, expand_typed(x, &mut out[0]))
+}
+
+/// Copies block `k` of `parts` (each [outer, len_k·inner]) into/out of the concatenation.
+fn concat(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let o = &mut out[0];
+    let r = o.shape.len();
+    let axis = norm_axis(node, node.attrs.req_int("axis")?, r)?;
+    let es = o.dtype.size();
+    let outer = numel(&o.shape[..axis]);
+    let inner = numel(&o.shape[axis + 1..]) * es;
+    let row = o.shape[axis] * inner;
+    let dst = o.bytes();
+    let mut at = 0;
+    for x in inputs.iter().flatten() {
+        let w = x.shape[axis] * inner;
+        let src = x.bytes();
+        for i in 0..outer {
+            dst[i * row + at..i * row + at + w].copy_from_slice(&src[i * w..(i + 1) * w]);
+        }
+        at += w;
+    }
+    Ok(())
+}
+
+fn concat_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let idx = node.attrs.req_int("index")? as usize;
+    let r = dy.shape.len();
+    let axis = norm_axis(node, node.attrs.req_int("axis")?, r)?;
+    let es = dy.dtype.size();
+    let mut before = 0;
+    for k in 0..idx {
+        let s = ints(node, inputs, 1 + k)?.unwrap_or_default();
+        before += s[axis] as usize;
+    }
+    let o = &mut out[0];
+    let outer = numel(&dy.shape[..axis]);
+    let inner = numel(&dy.shape[axis + 1..]) * es;
+    let row = dy.shape[axis] * inner;
+    let w = o.shape[axis] * inner;
+    let src = dy.bytes();
+    let dst = o.bytes();
+    for i in 0..outer {
+        dst[i * w..(i + 1) * w].copy_from_slice(&src[i * row + before * inner..i * row + before * inner + w]);
+    }
+    Ok(())
+}
+
+fn split(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
+    let es = x.dtype.size();
+    let outer = numel(&x.shape[..axis]);
+    let inner = numel(&x.shape[axis + 1..]) * es;
+    let row = x.shape[axis] * inner;
+    let src = x.bytes();
+    let mut at = 0;
+    for o in out.iter_mut() {
+        let w = o.shape[axis] * inner;
+        let dst = o.bytes();
+        for i in 0..outer {
+            dst[i * w..(i + 1) * w].copy_from_slice(&src[i * row + at..i * row + at + w]);
+        }
+        at += w;
+    }
+    Ok(())
+}
+
+/// (start, step, count) per axis, as ops::movement::slice_params computed at plan time.
+fn slice_plan(node: &Node, inputs: &[Option<In>], shape: &[usize], first_param: usize) -> Result<Vec<(i64, i64, usize)>> {
+    let t: Vec<Option<crate::tensor::Tensor>> = (first_param..first_param + 4).map(|i| inputs.get(i).and_then(|x| x.as_ref()).map(|x| x.to_tensor())).collect();
+    let infer: Vec<Option<crate::ops::InferIn>> = std::iter::once(None)
+        .chain(t.iter().map(|x| x.as_ref().map(|x| crate::ops::InferIn { dtype: x.dtype(), shape: &x.shape, value: Some(x) })))
+        .collect();
+    crate::ops::movement_slice_params(node, &infer, shape)
+}
+
+/// Visits (src_offset, dst_offset) pairs of a strided slice, in elements.
+fn slice_walk(shape: &[usize], p: &[(i64, i64, usize)], mut f: impl FnMut(usize, usize)) {
+    let xs = strides(shape);
+    let counts: Vec<usize> = p.iter().map(|t| t.2).collect();
+    let total = numel(&counts);
+    for o in 0..total {
+        let mut r = o;
+        let mut off = 0i64;
+        for d in (0..counts.len()).rev() {
+            let i = (r % counts[d]) as i64;
+            r /= counts[d];
+            off += (p[d].0 + i * p[d].1) * xs[d] as i64;
+        }
+        f(off as usize, o);
+    }
+}
+
+fn slice(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let p = slice_plan(node, inputs, x.shape, 1)?;
+    fn go<T: Elem>(x: &In, o: &mut Out, p: &[(i64, i64, usize)]) -> Result<()> {
+        let src = x.slice_bytes_as::<T>();
+        let dst = o.slice_bytes_as::<T>();
+        slice_walk(x.shape, p, |s, d| dst[d] = src[s]);
+        Ok(())
+    }
+    by_width!(x.dtype, go(x, &mut out[0], &p))
+}
+
+fn slice_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let o = &mut out[0];
+    let shape = o.shape.to_vec();
+    let p = slice_plan(node, inputs, &shape, 2)?;
+    fn go<T: Arith>(dy: &In, o: &mut Out, shape: &[usize], p: &[(i64, i64, usize)]) -> Result<()> {
+        let src = dy.slice::<T>()?;
+        let dst = o.slice::<T>()?;
+        dst.iter_mut().for_each(|v| *v = T::zero());
+        slice_walk(shape, p, |s, d| dst[s] = dst[s] + src[d]);
+        Ok(())
+    }
+    crate::dispatch_num!(dy.dtype, node, go::<T>(dy, o, &shape, &p))
+}
+
+fn index_list(node: &Node, idx: &In, dim: usize) -> Result<Vec<usize>> {
+    let raw = idx.to_tensor().to_i64_vec().ok_or_else(|| node.err("indices must be integers"))?;
+    raw.into_iter()
+        .map(|i| {
+            let j = if i < 0 { i + dim as i64 } else { i };
+            if j < 0 || j >= dim as i64 {
+                Err(node.err(format!("index {i} is out of range for a dimension of size {dim}")))
+            } else {
+                Ok(j as usize)
+            }
+        })
+        .collect()
+}
+
+fn gather(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let idx = nth(node, inputs, 1)?;
+    let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
+    let dim = x.shape[axis];
+    let ids = index_list(node, idx, dim)?;
+    let es = x.dtype.size();
+    let outer = numel(&x.shape[..axis]);
+    let inner = numel(&x.shape[axis + 1..]) * es;
+    let src = x.bytes();
+    let dst = out[0].bytes();
+    let n = ids.len();
+    if inner == 0 {
+        return Ok(());
+    }
+    let copy = |(k, chunk): (usize, &mut [u8])| {
+        let (i, j) = (k / n.max(1), k % n.max(1));
+        let s = (i * dim + ids[j]) * inner;
+        chunk.copy_from_slice(&src[s..s + inner]);
+    };
+    if dst.len() >= PAR_MIN * 4 {
+        dst.par_chunks_mut(inner).enumerate().for_each(copy);
+    } else {
+        dst.chunks_mut(inner).enumerate().for_each(copy);
+    }
+    let _ = outer;
+    Ok(())
+}
+
+fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let idx = nth(node, inputs, 1)?;
+    let o = &mut out[0];
+    let shape = o.shape.to_vec();
+    let axis = norm_axis(node, node.attrs.int("axis", 0)?, shape.len())?;
+    let dim = shape[axis];
+    let ids = index_list(node, idx, dim)?;
+    fn go<T: Arith>(dy: &In, o: &mut Out, shape: &[usize], axis: usize, ids: &[usize]) -> Result<()> {
+        let outer = numel(&shape[..axis]);
+        let inner = numel(&shape[axis + 1..]);
+        let dim = shape[axis];
+        let src = dy.slice::<T>()?;
+        let dst = o.slice::<T>()?;
+        dst.iter_mut().for_each(|v| *v = T::zero());
+        let n = ids.len();
+        for i in 0..outer {
+            for (j, &id) in ids.iter().enumerate() {
+                let s = (i * n + j) * inner;
+                let d = (i * dim + id) * inner;
+                for k in 0..inner {
+                    dst[d + k] = dst[d + k] + src[s + k];
+                }
+            }
+        }
+        Ok(())
+    }
+    crate::dispatch_num!(dy.dtype, node, go::<T>(dy, o, &shape, axis, &ids))
+}
+
+/// Visits (data_offset, index_position) for GatherElements along `axis`.
+fn elements_walk(node: &Node, data_shape: &[usize], idx: &In, axis: usize, mut f: impl FnMut(usize, usize)) -> Result<()> {
+    let ishape = idx.shape;
+    let raw = idx.to_tensor().to_i64_vec().ok_or_else(|| node.err("indices must be integers"))?;
+    let ds = strides(data_shape);
+    let dim = data_shape[axis] as i64;
+    for (p, &i) in raw.iter().enumerate() {
+        let j = if i < 0 { i + dim } else { i };
+        if j < 0 || j >= dim {
+            return Err(node.err(format!("index {i} is out of range for a dimension of size {dim}")));
+        }
+        let mut r = p;
+        let mut off = 0;
+        for d in (0..ishape.len()).rev() {
+            let c = r % ishape[d];
+            r /= ishape[d];
+            off += if d == axis { j as usize } else { c } * ds[d];
+        }
+        f(off, p);
+    }
+    Ok(())
+}
+
+fn gather_elements(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let idx = nth(node, inputs, 1)?;
+    let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
+    fn go<T: Elem>(node: &Node, x: &In, idx: &In, o: &mut Out, axis: usize) -> Result<()> {
+        let src = x.slice_bytes_as::<T>();
+        let dst = o.slice_bytes_as::<T>();
+        elements_walk(node, x.shape, idx, axis, |s, p| dst[p] = src[s])
+    }
+    by_width!(x.dtype, go(node, x, idx, &mut out[0], axis))
+}
+
+fn gather_elements_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let idx = nth(node, inputs, 1)?;
+    let o = &mut out[0];
+    let shape = o.shape.to_vec();
+    let axis = norm_axis(node, node.attrs.int("axis", 0)?, shape.len())?;
+    fn go<T: Arith>(node: &Node, dy: &In, idx: &In, o: &mut Out, shape: &[usize], axis: usize) -> Result<()> {
+        let src = dy.slice::<T>()?;
+        let dst = o.slice::<T>()?;
+        dst.iter_mut().for_each(|v| *v = T::zero());
+        elements_walk(node, shape, idx, axis, |d, p| dst[d] = dst[d] + src[p])
+    }
+    crate::dispatch_num!(dy.dtype, node, go::<T>(node, dy, idx, o, &shape, axis))
+}
+
+fn trilu(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let upper = node.attrs.int("upper", 1)? != 0;
+    let k = ints(node, inputs, 1)?.and_then(|v| v.first().copied()).unwrap_or(0);
+    let r = x.shape.len();
+    let (rows, cols) = (x.shape[r - 2], x.shape[r - 1]);
+    fn go<T: Elem + Default>(x: &In, o: &mut Out, rows: usize, cols: usize, upper: bool, k: i64) -> Result<()> {
+        let src = x.slice_bytes_as::<T>();
+        let dst = o.slice_bytes_as::<T>();
+        for (p, (d, &s)) in dst.iter_mut().zip(src).enumerate() {
+            let j = (p % cols) as i64;
+            let i = ((p / cols.max(1)) % rows.max(1)) as i64;
+            let keep = if upper { j - i >= k } else { j - i <= k };
+            *d = if keep { s } else { T::default() };
+        }
+        Ok(())
+    }
+    by_width!(x.dtype, go(x, &mut out[0], rows, cols, upper, k))
+}
+
+pub fn register(t: &mut KernelTable) {
+    for op in ["Reshape", "Flatten", "Squeeze", "Unsqueeze"] {
+        t.add(op, identity);
+    }
+    t.add("Transpose", transpose);
+    t.add("Expand", expand);
+    t.add("Concat", concat);
+    t.add("ConcatGrad", concat_grad);
+    t.add("Split", split);
+    t.add("Slice", slice);
+    t.add("SliceGrad", slice_grad);
+    t.add("Gather", gather);
+    t.add("GatherGrad", gather_grad);
+    t.add("GatherElements", gather_elements);
+    t.add("GatherElementsGrad", gather_elements_grad);
+    t.add("Trilu", trilu);
+}

@@ -1,0 +1,116 @@
+//! CPU kernels of ops/norm.rs: LayerNormalization forward (f64 accumulation of the row
+//! statistics) and its fused backward, parallel over rows.
+
+use rayon::prelude::*;
+
+use super::elementwise::{first, FloatElem};
+use super::tensor_view::{In, Out};
+use super::{CpuCtx, KernelTable};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::layer_norm_layout_of;
+
+fn stats<T: FloatElem>(row: &[T], eps: f64) -> (f64, f64) {
+    let n = row.len() as f64;
+    let mean = row.iter().map(|&v| v.as_()).sum::<f64>() / n;
+    let var = row.iter().map(|&v| (v.as_() - mean).powi(2)).sum::<f64>() / n;
+    (mean, 1.0 / (var + eps).sqrt())
+}
+
+fn layer_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let scale = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scale missing"))?;
+    let bias = inputs.get(2).and_then(|v| v.as_ref());
+    let eps = node.attrs.float("epsilon", 1e-5)? as f64;
+    let (_, n) = layer_norm_layout_of(node, x.shape)?;
+    fn go<T: FloatElem>(x: &In, scale: &In, bias: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+        let (xv, sv) = (x.slice::<T>()?, scale.slice::<T>()?);
+        let bv = match bias {
+            Some(b) => Some(b.slice::<T>()?),
+            None => None,
+        };
+        let (y, rest) = out.split_first_mut().expect("one output at least");
+        let yv = y.slice::<T>()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let stats_v: Vec<(f64, f64)> = xv.par_chunks(n).zip(yv.par_chunks_mut(n)).map(|(xr, yr)| {
+            let (mean, rstd) = stats(xr, eps);
+            for j in 0..n {
+                let h = T::from_f64((xr[j].as_() - mean) * rstd);
+                yr[j] = h * sv[j] + bv.map_or(T::zero(), |b| b[j]);
+            }
+            (mean, rstd)
+        }).collect();
+        // optional Mean and InvStdDev outputs (float32, or float64 for double inputs)
+        for (k, o) in rest.iter_mut().enumerate() {
+            let pick = |s: &(f64, f64)| if k == 0 { s.0 } else { s.1 };
+            match o.dtype {
+                crate::tensor::DType::F64 => o.slice::<f64>()?.iter_mut().zip(&stats_v).for_each(|(v, s)| *v = pick(s)),
+                _ => o.slice::<f32>()?.iter_mut().zip(&stats_v).for_each(|(v, s)| *v = pick(s) as f32),
+            }
+        }
+        Ok(())
+    }
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, scale, bias, out, n, eps))
+}
+
+fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("x missing"))?;
+    let scale = inputs.get(2).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scale missing"))?;
+    let eps = node.attrs.float("epsilon", 1e-5)? as f64;
+    let (_, n) = layer_norm_layout_of(node, x.shape)?;
+    fn go<T: FloatElem>(dy: &In, x: &In, scale: &In, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+        let (dv, xv, sv) = (dy.slice::<T>()?, x.slice::<T>()?, scale.slice::<T>()?);
+        let (dx, rest) = out.split_first_mut().expect("three outputs");
+        let dxv = dx.slice::<T>()?;
+        if n == 0 {
+            return Ok(());
+        }
+        // per-row dx, and per-row partial sums for dscale/dbias reduced afterwards
+        let partial: Vec<(Vec<f64>, Vec<f64>)> = dv
+            .par_chunks(n * 16)
+            .zip(xv.par_chunks(n * 16))
+            .zip(dxv.par_chunks_mut(n * 16))
+            .map(|((db, xb), ob)| {
+                let mut ds = vec![0f64; n];
+                let mut dbias = vec![0f64; n];
+                for ((dr, xr), or) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)) {
+                    let (mean, rstd) = stats(xr, eps);
+                    let (mut a, mut b) = (0f64, 0f64);
+                    for j in 0..n {
+                        let h = (xr[j].as_() - mean) * rstd;
+                        let d = dr[j].as_();
+                        let dg = d * sv[j].as_();
+                        a += dg;
+                        b += dg * h;
+                        ds[j] += d * h;
+                        dbias[j] += d;
+                    }
+                    let (a, b) = (a / n as f64, b / n as f64);
+                    for j in 0..n {
+                        let h = (xr[j].as_() - mean) * rstd;
+                        let dg = dr[j].as_() * sv[j].as_();
+                        or[j] = T::from_f64(rstd * (dg - a - h * b));
+                    }
+                }
+                (ds, dbias)
+            })
+            .collect();
+        let (ds_out, db_out) = rest.split_at_mut(1);
+        let dsv = ds_out[0].slice::<T>()?;
+        let dbv = db_out[0].slice::<T>()?;
+        for j in 0..n {
+            dsv[j] = T::from_f64(partial.iter().map(|p| p.0[j]).sum());
+            dbv[j] = T::from_f64(partial.iter().map(|p| p.1[j]).sum());
+        }
+        Ok(())
+    }
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, out, n, eps))
+}
+
+pub fn register(t: &mut KernelTable) {
+    t.add("LayerNormalization", layer_norm);
+    t.add("LayerNormGrad", layer_norm_grad);
+}

@@ -1,0 +1,43 @@
+//! The engine's error type. Every message names the thing at fault: the op type and node, the
+//! file and field, the input and its expected shape.
+
+use std::fmt;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid ONNX model: {field}: {msg}")]
+    Onnx { field: String, msg: String },
+    #[error("unsupported op {op_type} (node '{node}'): {msg}")]
+    Unsupported { op_type: String, node: String, msg: String },
+    #[error("no gradient rule for op {op_type} (node '{node}'), which lies on the path from the parameters to the loss")]
+    NoGradient { op_type: String, node: String },
+    #[error("{op_type} node '{node}': {msg}")]
+    Node { op_type: String, node: String, msg: String },
+    #[error("input '{name}': {msg}")]
+    Input { name: String, msg: String },
+    #[error("no CPU kernel for: {0}")]
+    MissingKernels(MissingList),
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A list of `op_type (node)` items, printed comma-separated.
+#[derive(Debug)]
+pub struct MissingList(pub Vec<String>);
+
+impl fmt::Display for MissingList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join(", "))
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn onnx(field: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Onnx { field: field.into(), msg: msg.into() }
+    }
+    pub fn other(msg: impl Into<String>) -> Self {
+        Error::Other(msg.into())
+    }
+}

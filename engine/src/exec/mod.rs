@@ -1,0 +1,142 @@
+//! Runs a plan: resolves every value to memory (arena offset, constant, or caller-bound
+//! pointer), builds kernel views and calls the kernels of one phase in order, optionally timing
+//! each step for profiles.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::cpu::{CpuCtx, In, Out};
+use crate::error::{Error, Result};
+use crate::ir::{Graph, ValueId};
+use crate::plan::memory::ALIGN;
+use crate::plan::{Plan, Storage};
+
+/// The arena one in-flight step uses; reused across calls while its size fits.
+pub struct Arena {
+    buf: Vec<u64>,
+}
+
+impl Arena {
+    pub fn new() -> Self {
+        Arena { buf: Vec::new() }
+    }
+    /// Makes room for `bytes` (64-byte aligned start). Returns the base pointer.
+    pub fn reserve(&mut self, bytes: usize) -> *mut u8 {
+        let words = (bytes + ALIGN) / 8 + 1;
+        if self.buf.len() < words {
+            self.buf = vec![0u64; words];
+        }
+        let p = self.buf.as_mut_ptr() as *mut u8;
+        let pad = p.align_offset(ALIGN);
+        // SAFETY: the buffer has ALIGN spare bytes, so base + pad stays inside it.
+        unsafe { p.add(pad) }
+    }
+    pub fn capacity_bytes(&self) -> usize {
+        self.buf.len() * 8
+    }
+}
+
+impl Default for Arena {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Caller memory bound for one call: a pointer per value id (null where unbound).
+pub struct Bindings {
+    ptrs: Vec<*mut u8>,
+}
+
+impl Bindings {
+    pub fn new(n_values: usize) -> Self {
+        Bindings { ptrs: vec![std::ptr::null_mut(); n_values] }
+    }
+    /// # Safety
+    /// `ptr` must point to memory holding the value's planned type (numel × element size
+    /// bytes, aligned for the element), valid for the whole call, and, for values the plan
+    /// writes (bound outputs), not read or written by anyone else during the call.
+    pub unsafe fn bind(&mut self, v: ValueId, ptr: *mut u8) {
+        self.ptrs[v.0] = ptr;
+    }
+}
+
+pub enum Phase {
+    Forward,
+    Backward,
+}
+
+fn pointer(graph: &Graph, plan: &Plan, base: *mut u8, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
+    match &plan.storage[v.0] {
+        // SAFETY: planned offsets lie inside the reserved arena of plan.arena_bytes.
+        Storage::Arena(off) => Ok(unsafe { base.add(*off) }),
+        Storage::Const(t) => Ok(t.as_bytes().as_ptr() as *mut u8),
+        Storage::Bound => {
+            let p = bind.ptrs[v.0];
+            if p.is_null() {
+                Err(Error::other(format!("no memory was bound for '{}'", graph.values[v.0].name)))
+            } else {
+                Ok(p)
+            }
+        }
+        Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
+    }
+}
+
+/// Pointer to a value's bytes after (or during) a run; for reading outputs.
+pub fn value_ptr(graph: &Graph, plan: &Plan, arena: &mut Arena, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
+    let base = arena.reserve(plan.arena_bytes);
+    pointer(graph, plan, base, bind, v)
+}
+
+/// Runs one phase of `plan`. `inputs` are the user inputs' bytes, copied into the arena at the
+/// start of the forward phase. `timings`, if given, receives each step's duration.
+pub fn run_phase(graph: &Graph, plan: &Plan, phase: Phase, arena: &mut Arena, bind: &Bindings, inputs: &[(ValueId, &[u8])], ctx: &mut CpuCtx, mut timings: Option<&mut Vec<(usize, Duration)>>) -> Result<()> {
+    let base = arena.reserve(plan.arena_bytes);
+    let range = match phase {
+        Phase::Forward => {
+            for &(v, bytes) in inputs {
+                if let Storage::Arena(off) = plan.storage[v.0] {
+                    let want = plan.shape(v).iter().product::<usize>() * plan.dtype(v).map_or(0, |d| d.size());
+                    if bytes.len() != want {
+                        return Err(Error::Input { name: graph.values[v.0].name.clone(), msg: format!("got {} bytes, the plan expects {want}", bytes.len()) });
+                    }
+                    // SAFETY: the arena slot holds `want` bytes and does not overlap `bytes`.
+                    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(off), want) };
+                }
+            }
+            0..plan.split
+        }
+        Phase::Backward => plan.split..plan.steps.len(),
+    };
+    for i in range {
+        let node = &graph.nodes[plan.steps[i].0];
+        let t0 = timings.as_ref().map(|_| Instant::now());
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for inp in &node.inputs {
+            match inp {
+                None => ins.push(None),
+                Some(v) => {
+                    let p = pointer(graph, plan, base, bind, *v)?;
+                    let dtype = plan.dtype(*v).ok_or_else(|| node.err("untyped input"))?;
+                    // SAFETY: p points to the value's planned bytes, alive for this step; no
+                    // output of this step overlaps it (the memory plan separates live buffers).
+                    ins.push(Some(unsafe { In::from_raw(dtype, plan.shape(*v), p) }));
+                }
+            }
+        }
+        let mut outs = Vec::with_capacity(node.outputs.len());
+        for &o in &node.outputs {
+            let p = pointer(graph, plan, base, bind, o)?;
+            let dtype = plan.dtype(o).ok_or_else(|| node.err("untyped output"))?;
+            // SAFETY: p points to the output's planned bytes, written only by this step.
+            outs.push(unsafe { Out::from_raw(dtype, plan.shape(o), p) });
+        }
+        (plan.kernels[i])(node, &ins, &mut outs, ctx).map_err(|e| match e {
+            Error::Node { .. } => e,
+            other => node.err(other.to_string()),
+        })?;
+        if let (Some(t), Some(t0)) = (timings.as_deref_mut(), t0) {
+            t.push((i, t0.elapsed()));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! ONNX: protobuf messages (prost, no protoc), import into the IR, export back to ONNX.
+
+mod export;
+mod import;
+pub mod proto;
+mod tensor_proto;
+
+pub use export::export_model;
+pub use import::{import_bytes, import_file, ImportOptions};
+pub use tensor_proto::{tensor_from_proto, tensor_to_proto};

@@ -1,0 +1,136 @@
+//! MatMul (numpy semantics, batch broadcasting), Gemm, and the internal FusedMatMul
+//! (transposes, alpha, and an optional target shape that sums broadcast batches away — the
+//! form every matmul gradient takes). Spec: MatMul-13, Gemm-13.
+
+use super::util::{broadcast_shapes, const_ints, input};
+use super::{InferIn, OpDef, Registry, TypeOut};
+use crate::autodiff::GradCtx;
+use crate::error::Result;
+use crate::ir::{Attr, Attrs, Node};
+
+/// Output shape of a (possibly transposed) batched matmul.
+pub fn matmul_shape(node: &Node, a: &[usize], b: &[usize], ta: bool, tb: bool) -> Result<Vec<usize>> {
+    if a.is_empty() || b.is_empty() {
+        return Err(node.err("MatMul operands must have rank ≥ 1"));
+    }
+    let a2: Vec<usize> = if a.len() == 1 { vec![1, a[0]] } else { a.to_vec() };
+    let b2: Vec<usize> = if b.len() == 1 { vec![b[0], 1] } else { b.to_vec() };
+    let (ra, rb) = (a2.len(), b2.len());
+    let (m, ka) = if ta { (a2[ra - 1], a2[ra - 2]) } else { (a2[ra - 2], a2[ra - 1]) };
+    let (kb, n) = if tb { (b2[rb - 1], b2[rb - 2]) } else { (b2[rb - 2], b2[rb - 1]) };
+    if ka != kb {
+        return Err(node.err(format!("inner dimensions differ: {a:?} · {b:?} (transA={ta}, transB={tb})")));
+    }
+    let mut out = broadcast_shapes(node, &[&a2[..ra - 2], &b2[..rb - 2]])?;
+    if a.len() > 1 {
+        out.push(m);
+    }
+    if b.len() > 1 {
+        out.push(n);
+    }
+    Ok(out)
+}
+
+struct MatMul;
+impl OpDef for MatMul {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        Ok(vec![TypeOut::new(a.dtype, matmul_shape(node, a.shape, b.shape, false, false)?)])
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|_, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            let (a, b) = (g.x(0)?, g.x(1)?);
+            if g.wants(0) {
+                let d = fused(g, dy, b, false, true, 1.0, Some(a));
+                g.set(0, d);
+            }
+            if g.wants(1) {
+                let d = fused(g, a, dy, true, false, 1.0, Some(b));
+                g.set(1, d);
+            }
+            Ok(())
+        })
+    }
+}
+
+/// Adds FusedMatMul(a, b) whose result is summed to the shape of `like`.
+fn fused(g: &mut GradCtx, a: crate::ir::ValueId, b: crate::ir::ValueId, ta: bool, tb: bool, alpha: f32, like: Option<crate::ir::ValueId>) -> crate::ir::ValueId {
+    let attrs = Attrs::default().with("transA", Attr::Int(ta as i64)).with("transB", Attr::Int(tb as i64)).with("alpha", Attr::Float(alpha));
+    match like {
+        Some(l) => {
+            let s = g.shape_of(l);
+            g.op("FusedMatMul", &[a, b, s], attrs)
+        }
+        None => g.op("FusedMatMul", &[a, b], attrs),
+    }
+}
+
+struct FusedMatMul;
+impl OpDef for FusedMatMul {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        let ta = node.attrs.int("transA", 0)? != 0;
+        let tb = node.attrs.int("transB", 0)? != 0;
+        let full = matmul_shape(node, a.shape, b.shape, ta, tb)?;
+        if inputs.get(2).is_some_and(|x| x.is_some()) {
+            let target: Vec<usize> = const_ints(node, &inputs[2], "target shape")?.into_iter().map(|d| d as usize).collect();
+            if target.len() < 2 || target[target.len() - 2..] != full[full.len() - 2..] {
+                return Err(node.err(format!("target shape {target:?} does not end like the product {full:?}")));
+            }
+            return Ok(vec![TypeOut::new(a.dtype, target)]);
+        }
+        Ok(vec![TypeOut::new(a.dtype, full)])
+    }
+    fn non_differentiable_inputs(&self) -> &'static [usize] {
+        &[2]
+    }
+}
+
+struct Gemm;
+impl OpDef for Gemm {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        if a.shape.len() != 2 || b.shape.len() != 2 {
+            return Err(node.err(format!("A and B must be 2-D, got {:?} and {:?}", a.shape, b.shape)));
+        }
+        let ta = node.attrs.int("transA", 0)? != 0;
+        let tb = node.attrs.int("transB", 0)? != 0;
+        let out = matmul_shape(node, a.shape, b.shape, ta, tb)?;
+        if let Some(Some(c)) = inputs.get(2) {
+            broadcast_shapes(node, &[c.shape, &out])?;
+        }
+        Ok(vec![TypeOut::new(a.dtype, out)])
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            let (a, b) = (g.x(0)?, g.x(1)?);
+            let ta = node.attrs.int("transA", 0)? != 0;
+            let tb = node.attrs.int("transB", 0)? != 0;
+            let alpha = node.attrs.float("alpha", 1.0)?;
+            let beta = node.attrs.float("beta", 1.0)?;
+            if g.wants(0) {
+                let d = if !ta { fused(g, dy, b, false, !tb, alpha, None) } else { fused(g, b, dy, tb, true, alpha, None) };
+                g.set(0, d);
+            }
+            if g.wants(1) {
+                let d = if !tb { fused(g, a, dy, !ta, false, alpha, None) } else { fused(g, dy, a, true, ta, alpha, None) };
+                g.set(1, d);
+            }
+            if g.wants(2) {
+                let c = g.x(2)?;
+                let scaled = if beta == 1.0 { dy } else { g.affine(dy, beta, 0.0) };
+                let d = g.sum_to(scaled, c);
+                g.set(2, d);
+            }
+            Ok(())
+        })
+    }
+}
+
+pub fn register(r: &mut Registry) {
+    r.add("MatMul", MatMul);
+    r.add("Gemm", Gemm);
+    r.internal("FusedMatMul", FusedMatMul);
+}

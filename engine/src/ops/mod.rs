@@ -1,0 +1,147 @@
+//! Op semantics, one file per op family: shape/dtype rule and gradient rule. Each family registers
+//! its ops in the registry below; kernels live in the backends, in files of the same name.
+
+mod activation;
+mod elementwise;
+mod internal;
+mod loss;
+mod matmul;
+mod movement;
+mod norm;
+mod random;
+mod reduce;
+pub(crate) mod shape_ops;
+mod softmax;
+
+pub mod util;
+
+use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use crate::autodiff::GradCtx;
+use crate::error::Result;
+use crate::ir::Node;
+use crate::tensor::{DType, Tensor};
+
+/// What shape inference knows of one input: its type, and its value when known at plan time.
+#[derive(Clone, Copy, Debug)]
+pub struct InferIn<'a> {
+    pub dtype: DType,
+    pub shape: &'a [usize],
+    pub value: Option<&'a Tensor>,
+}
+
+/// The inferred type of one output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TypeOut {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl TypeOut {
+    pub fn new(dtype: DType, shape: Vec<usize>) -> Self {
+        TypeOut { dtype, shape }
+    }
+    pub fn like(i: &InferIn) -> Self {
+        TypeOut { dtype: i.dtype, shape: i.shape.to_vec() }
+    }
+}
+
+/// The semantics of one op type.
+pub trait OpDef: Sync + Send {
+    /// Output types from input types (and values, where the op reads shapes from inputs).
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>>;
+    /// Adds the nodes computing the gradients of the inputs (see autodiff::GradCtx).
+    /// `None` means the op has no gradient rule.
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        None
+    }
+    /// Draws random numbers: never folded as a constant, re-run every step.
+    fn is_random(&self) -> bool {
+        false
+    }
+    /// Inputs through which no gradient flows (indices, shapes, masks): no error if unreachable.
+    fn non_differentiable_inputs(&self) -> &'static [usize] {
+        &[]
+    }
+}
+
+pub struct Registry {
+    ops: BTreeMap<&'static str, (Box<dyn OpDef>, bool)>,
+}
+
+impl Registry {
+    /// Registers an ONNX (default-domain) op.
+    pub fn add(&mut self, name: &'static str, op: impl OpDef + 'static) {
+        self.ops.insert(name, (Box::new(op), false));
+    }
+    /// Registers an ortrain-internal op (gradient helpers, fused ops): not an ONNX op.
+    pub fn internal(&mut self, name: &'static str, op: impl OpDef + 'static) {
+        self.ops.insert(name, (Box::new(op), true));
+    }
+}
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| {
+        let mut r = Registry { ops: BTreeMap::new() };
+        activation::register(&mut r);
+        elementwise::register(&mut r);
+        internal::register(&mut r);
+        loss::register(&mut r);
+        matmul::register(&mut r);
+        movement::register(&mut r);
+        norm::register(&mut r);
+        random::register(&mut r);
+        reduce::register(&mut r);
+        shape_ops::register(&mut r);
+        softmax::register(&mut r);
+        r
+    })
+}
+
+pub fn lookup(op_type: &str) -> Option<&'static dyn OpDef> {
+    registry().ops.get(op_type).map(|(b, _)| b.as_ref())
+}
+
+/// Every registered ONNX op type, sorted (internal ops excluded).
+pub fn onnx_op_types() -> Vec<&'static str> {
+    registry().ops.iter().filter(|(_, (_, internal))| !internal).map(|(k, _)| *k).collect()
+}
+
+/// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
+pub fn is_internal(op_type: &str) -> bool {
+    registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
+}
+
+/// Transpose's permutation for a given rank (shared with backends).
+pub fn movement_perm(node: &Node, rank: usize) -> Result<Vec<usize>> {
+    movement::perm_of(node, rank)
+}
+
+/// Slice's normalised (start, step, count) per axis (shared with backends).
+pub fn movement_slice_params(node: &Node, inputs: &[Option<InferIn>], shape: &[usize]) -> Result<Vec<(i64, i64, usize)>> {
+    movement::slice_params(node, inputs, shape)
+}
+
+pub use self::shape_ops::shape_range;
+
+/// Reduce*'s normalised axes (shared with backends).
+pub fn reduce_axes_of(node: &Node, inputs: &[Option<InferIn>], rank: usize) -> Result<Vec<usize>> {
+    reduce::reduce_axes(node, inputs, rank)
+}
+
+/// (kept-dims shape, output shape) of a reduction (shared with backends).
+pub fn reduced_shapes_of(shape: &[usize], axes: &[usize], keepdims: bool) -> (Vec<usize>, Vec<usize>) {
+    reduce::reduced_shapes(shape, axes, keepdims)
+}
+
+/// Softmax's (outer, n, inner) layout (shared with backends).
+pub fn softmax_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize, usize)> {
+    softmax::softmax_layout(node, shape)
+}
+
+/// LayerNormalization's (rows, row length) (shared with backends).
+pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
+    norm::layer_norm_layout(node, shape)
+}

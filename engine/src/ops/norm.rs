@@ -1,0 +1,66 @@
+//! LayerNormalization (opset 17; normalises over axes [axis, rank)) and its fused internal
+//! gradient LayerNormGrad(dy, x, scale) -> (dx, dscale, dbias), which recomputes mean and
+//! inverse std-dev from x rather than keeping them alive from the forward pass.
+
+use super::util::{input, norm_axis};
+use super::{InferIn, OpDef, Registry, TypeOut};
+use crate::autodiff::GradCtx;
+use crate::error::Result;
+use crate::ir::Node;
+use crate::tensor::DType;
+
+/// (rows, row length) of a LayerNormalization over `shape`.
+pub fn layer_norm_layout(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
+    let axis = norm_axis(node, node.attrs.int("axis", -1)?, shape.len())?;
+    Ok((shape[..axis].iter().product(), shape[axis..].iter().product()))
+}
+
+struct LayerNorm;
+impl OpDef for LayerNorm {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let x = input(node, inputs, 0)?;
+        let (rows, n) = layer_norm_layout(node, x.shape)?;
+        let s = input(node, inputs, 1)?;
+        if s.shape.iter().product::<usize>() != n {
+            return Err(node.err(format!("scale {:?} does not match the normalised size {n} of {:?}", s.shape, x.shape)));
+        }
+        let axis = norm_axis(node, node.attrs.int("axis", -1)?, x.shape.len())?;
+        let mut stat = x.shape.to_vec();
+        for d in stat.iter_mut().skip(axis) {
+            *d = 1;
+        }
+        let _ = rows;
+        let mut outs = vec![TypeOut::like(x)];
+        for _ in 1..node.outputs.len() {
+            outs.push(TypeOut::new(if x.dtype == DType::F64 { DType::F64 } else { DType::F32 }, stat.clone()));
+        }
+        Ok(outs)
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            let (x, scale) = (g.x(0)?, g.x(1)?);
+            let mut attrs = node.attrs.clone();
+            attrs.0.retain(|(k, _)| k == "axis" || k == "epsilon");
+            let outs = g.op_n("LayerNormGrad", vec![Some(dy), Some(x), Some(scale)], attrs, 3);
+            g.set(0, outs[0]);
+            g.set(1, outs[1]);
+            g.set(2, outs[2]);
+            Ok(())
+        })
+    }
+}
+
+struct LayerNormGrad;
+impl OpDef for LayerNormGrad {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let x = input(node, inputs, 1)?;
+        let s = input(node, inputs, 2)?;
+        Ok(vec![TypeOut::like(x), TypeOut::like(s), TypeOut::like(s)])
+    }
+}
+
+pub fn register(r: &mut Registry) {
+    r.add("LayerNormalization", LayerNorm);
+    r.internal("LayerNormGrad", LayerNormGrad);
+}

@@ -1,0 +1,307 @@
+//! Planning for concrete input shapes: which nodes run (pruned to what the requested outputs
+//! need), in which phase (forward, then backward), the type of every value, which values are
+//! constants (folded here, on the host), and where every other value lives (arena offset, or
+//! memory bound by the caller). The result is plain data that `exec` runs.
+
+pub mod memory;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use crate::backend::cpu::{self, CpuCtx, In, Kernel, Out};
+use crate::error::{Error, MissingList, Result};
+use crate::ir::{Dim, Graph, NodeId, ValueId, ValueKind};
+use crate::ops::{self, InferIn, TypeOut};
+use crate::tensor::{DType, Tensor};
+use memory::Buffer;
+
+/// Where a value lives while a plan runs.
+#[derive(Clone, Debug)]
+pub enum Storage {
+    /// Not needed by this plan.
+    Unused,
+    /// In the arena at this byte offset.
+    Arena(usize),
+    /// A constant (imported, or folded at plan time).
+    Const(Arc<Tensor>),
+    /// Memory the caller binds per call (weights, gradient seeds, gradients written in place).
+    Bound,
+}
+
+/// What to plan for.
+pub struct PlanRequest<'a> {
+    pub graph: &'a Graph,
+    /// Nodes before this index are forward nodes; the rest are backward nodes.
+    pub n_fwd: usize,
+    /// Values the forward phase must produce (returned to the caller after phase 1).
+    pub forward_outputs: Vec<ValueId>,
+    /// Values the backward phase must produce (empty: forward only).
+    pub backward_outputs: Vec<ValueId>,
+    /// Of those, the ones written straight into caller memory.
+    pub bound_outputs: Vec<ValueId>,
+    /// Concrete types of user inputs (copied into the arena) and weights (bound).
+    pub input_types: HashMap<ValueId, (DType, Vec<usize>)>,
+    /// Gradient seeds (bound per call) and the output each one is the gradient of.
+    pub seeds: Vec<(ValueId, ValueId)>,
+}
+
+pub struct Plan {
+    pub steps: Vec<NodeId>,
+    /// steps[..split] run in phase 1 (forward), steps[split..] in phase 2 (backward).
+    pub split: usize,
+    pub kernels: Vec<Kernel>,
+    pub types: Vec<Option<TypeOut>>,
+    pub storage: Vec<Storage>,
+    pub arena_bytes: usize,
+    /// User inputs, copied into the arena at the start of phase 1.
+    pub copied_inputs: Vec<ValueId>,
+    pub folded_nodes: usize,
+}
+
+impl Plan {
+    pub fn shape(&self, v: ValueId) -> &[usize] {
+        self.types[v.0].as_ref().map(|t| t.shape.as_slice()).unwrap_or(&[])
+    }
+    pub fn dtype(&self, v: ValueId) -> Option<DType> {
+        self.types[v.0].as_ref().map(|t| t.dtype)
+    }
+    /// Op type -> number of steps, for summaries.
+    pub fn op_histogram(&self, graph: &Graph) -> Vec<(String, usize)> {
+        let mut h: HashMap<&str, usize> = HashMap::new();
+        for s in &self.steps {
+            *h.entry(graph.nodes[s.0].op_type.as_str()).or_default() += 1;
+        }
+        let mut v: Vec<(String, usize)> = h.into_iter().map(|(k, n)| (k.to_string(), n)).collect();
+        v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        v
+    }
+    pub fn describe(&self, graph: &Graph) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "steps: {} forward + {} backward ({} nodes folded at plan time)", self.split, self.steps.len() - self.split, self.folded_nodes);
+        let _ = writeln!(s, "arena: {} bytes ({:.1} MiB)", self.arena_bytes, self.arena_bytes as f64 / (1 << 20) as f64);
+        let ops: Vec<String> = self.op_histogram(graph).iter().map(|(k, n)| format!("{k}×{n}")).collect();
+        let _ = writeln!(s, "ops: {}", ops.join(" "));
+        s
+    }
+}
+
+/// Nodes (among `range`) that the `targets` depend on, as a mask over all nodes.
+fn ancestors(graph: &Graph, targets: &[ValueId], range: std::ops::Range<usize>, mask: &mut [bool]) {
+    let mut stack: Vec<ValueId> = targets.to_vec();
+    let mut seen = vec![false; graph.values.len()];
+    while let Some(v) = stack.pop() {
+        if std::mem::replace(&mut seen[v.0], true) {
+            continue;
+        }
+        if let Some(p) = graph.values[v.0].producer {
+            if range.contains(&p.0) && !mask[p.0] {
+                mask[p.0] = true;
+                stack.extend(graph.nodes[p.0].inputs.iter().flatten().copied());
+            } else if range.contains(&p.0) {
+                continue;
+            }
+        }
+    }
+}
+
+pub fn build(req: &PlanRequest) -> Result<Plan> {
+    let g = req.graph;
+    let n_nodes = g.nodes.len();
+    let mut needed = vec![false; n_nodes];
+    ancestors(g, &req.backward_outputs, req.n_fwd..n_nodes, &mut needed);
+    // forward values the backward nodes read, plus the forward outputs
+    let mut fwd_targets = req.forward_outputs.clone();
+    for n in (req.n_fwd..n_nodes).filter(|&n| needed[n]) {
+        fwd_targets.extend(g.nodes[n].inputs.iter().flatten().filter(|v| g.values[v.0].producer.is_some_and(|p| p.0 < req.n_fwd)));
+    }
+    ancestors(g, &fwd_targets, 0..req.n_fwd, &mut needed);
+
+    // types and constant folding, in node order
+    let mut types: Vec<Option<TypeOut>> = vec![None; g.values.len()];
+    let mut consts: Vec<Option<Arc<Tensor>>> = vec![None; g.values.len()];
+    for (i, v) in g.values.iter().enumerate() {
+        match &v.kind {
+            ValueKind::Const(t) => {
+                types[i] = Some(TypeOut::new(t.dtype(), t.shape.clone()));
+                consts[i] = Some(t.clone());
+            }
+            ValueKind::Input | ValueKind::Weight => {
+                if let Some((dt, shape)) = req.input_types.get(&ValueId(i)) {
+                    check_declared(v, *dt, shape)?;
+                    types[i] = Some(TypeOut::new(*dt, shape.clone()));
+                } else if v.kind == ValueKind::Weight {
+                    if let (Some(dt), Some(shape)) = (v.dtype, known_shape(&v.shape)) {
+                        types[i] = Some(TypeOut::new(dt, shape));
+                    }
+                }
+            }
+            ValueKind::Computed => {}
+        }
+    }
+    let mut steps = Vec::new();
+    let mut folded = 0;
+    let mut ctx = CpuCtx::new(0);
+    for n in (0..n_nodes).filter(|&n| needed[n]) {
+        let node = &g.nodes[n];
+        let op = ops::lookup(&node.op_type).ok_or_else(|| Error::Unsupported { op_type: node.op_type.clone(), node: node.name.clone(), msg: "unknown op".into() })?;
+        for v in node.inputs.iter().flatten() {
+            if types[v.0].is_none() {
+                if let Some((_, out)) = req.seeds.iter().find(|s| s.0 == *v) {
+                    types[v.0] = types[out.0].clone();
+                }
+            }
+        }
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for inp in &node.inputs {
+            match inp {
+                None => ins.push(None),
+                Some(v) => {
+                    let t = types[v.0].as_ref().ok_or_else(|| {
+                        let val = &g.values[v.0];
+                        match val.kind {
+                            ValueKind::Input => Error::Input { name: val.name.clone(), msg: "no tensor was given for this input".into() },
+                            _ => node.err(format!("input '{}' has no known type", val.name)),
+                        }
+                    })?;
+                    ins.push(Some(InferIn { dtype: t.dtype, shape: &t.shape, value: consts[v.0].as_deref() }));
+                }
+            }
+        }
+        let outs = op.infer(node, &ins)?;
+        if outs.len() < node.outputs.len() {
+            return Err(node.err(format!("shape inference gave {} outputs for {}", outs.len(), node.outputs.len())));
+        }
+        let all_const = node.inputs.iter().flatten().all(|v| consts[v.0].is_some());
+        let foldable = all_const && !op.is_random() && node.outputs.iter().all(|o| !req.bound_outputs.contains(o));
+        let folded_vals = if foldable { fold(node, &ins, &outs, &mut ctx)? } else { None };
+        for (k, &o) in node.outputs.iter().enumerate() {
+            types[o.0] = Some(outs[k].clone());
+        }
+        match folded_vals {
+            Some(vals) => {
+                for (&o, t) in node.outputs.iter().zip(vals) {
+                    consts[o.0] = Some(Arc::new(t));
+                }
+                folded += 1;
+            }
+            None => steps.push(NodeId(n)),
+        }
+    }
+    let split = steps.iter().filter(|s| s.0 < req.n_fwd).count();
+
+    let mut missing: Vec<String> = Vec::new();
+    let mut kernels = Vec::with_capacity(steps.len());
+    for s in &steps {
+        let node = &g.nodes[s.0];
+        match cpu::kernel(&node.op_type) {
+            Some(k) => kernels.push(k),
+            None => missing.push(format!("{} ({})", node.op_type, node.name)),
+        }
+    }
+    if !missing.is_empty() {
+        return Err(Error::MissingKernels(MissingList(missing)));
+    }
+
+    // storage and lifetimes
+    let mut storage = vec![Storage::Unused; g.values.len()];
+    let mut first = vec![usize::MAX; g.values.len()];
+    let mut last = vec![0usize; g.values.len()];
+    let mut copied_inputs = Vec::new();
+    for (i, s) in steps.iter().enumerate() {
+        let node = &g.nodes[s.0];
+        for v in node.inputs.iter().flatten() {
+            if let Some(c) = &consts[v.0] {
+                storage[v.0] = Storage::Const(c.clone());
+                continue;
+            }
+            last[v.0] = last[v.0].max(i);
+            first[v.0] = first[v.0].min(i);
+        }
+        for o in &node.outputs {
+            first[o.0] = first[o.0].min(i);
+            last[o.0] = last[o.0].max(i);
+        }
+    }
+    for &o in &req.forward_outputs {
+        if let Some(c) = &consts[o.0] {
+            storage[o.0] = Storage::Const(c.clone());
+        } else if first[o.0] == usize::MAX {
+            first[o.0] = 0;
+            last[o.0] = split.saturating_sub(1);
+        } else {
+            last[o.0] = last[o.0].max(split.saturating_sub(1));
+        }
+    }
+    let mut buffers = Vec::new();
+    let mut owners = Vec::new();
+    for (i, v) in g.values.iter().enumerate() {
+        if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) {
+            continue;
+        }
+        let bound = v.kind == ValueKind::Weight || req.bound_outputs.contains(&ValueId(i)) || req.seeds.iter().any(|s| s.0 == ValueId(i));
+        if bound {
+            storage[i] = Storage::Bound;
+            continue;
+        }
+        let t = types[i].as_ref().ok_or_else(|| Error::other(format!("value '{}' has no type", v.name)))?;
+        if v.kind == ValueKind::Input {
+            first[i] = 0;
+            copied_inputs.push(ValueId(i));
+        }
+        buffers.push(Buffer { bytes: t.shape.iter().product::<usize>() * t.dtype.size(), first: first[i], last: last[i] });
+        owners.push(i);
+    }
+    let mp = memory::plan(&buffers);
+    for (k, &i) in owners.iter().enumerate() {
+        storage[i] = Storage::Arena(mp.offsets[k]);
+    }
+    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded })
+}
+
+fn known_shape(s: &Option<Vec<Dim>>) -> Option<Vec<usize>> {
+    s.as_ref()?.iter().map(|d| if let Dim::Known(k) = d { Some(*k) } else { None }).collect()
+}
+
+fn check_declared(v: &crate::ir::Value, dt: DType, shape: &[usize]) -> Result<()> {
+    if let Some(want) = v.dtype {
+        if want != dt {
+            return Err(Error::Input { name: v.name.clone(), msg: format!("expected element type {}, got {}", want.name(), dt.name()) });
+        }
+    }
+    if let Some(dims) = &v.shape {
+        let ok = dims.len() == shape.len() && dims.iter().zip(shape).all(|(d, &s)| !matches!(d, Dim::Known(k) if *k != s));
+        if !ok {
+            let want: Vec<String> = dims.iter().map(|d| match d { Dim::Known(k) => k.to_string(), Dim::Sym(s) => s.clone() }).collect();
+            return Err(Error::Input { name: v.name.clone(), msg: format!("expected shape [{}], got {:?}", want.join(", "), shape) });
+        }
+    }
+    Ok(())
+}
+
+/// Runs a node on the host over constant inputs.
+fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: &mut CpuCtx) -> Result<Option<Vec<Tensor>>> {
+    let Some(k) = cpu::kernel(&node.op_type) else { return Ok(None) };
+    let total: usize = outs.iter().map(|o| o.shape.iter().product::<usize>()).sum();
+    if total > 1 << 22 {
+        return Ok(None); // leave huge constant computations to run time
+    }
+    let mut results: Vec<Tensor> = outs.iter().take(node.outputs.len()).map(|o| Tensor::zeros(o.dtype, o.shape.clone())).collect();
+    let views: Vec<Option<In>> = ins.iter().map(|i| i.and_then(|i| i.value).map(In::of)).collect();
+    {
+        let shapes: Vec<Vec<usize>> = results.iter().map(|t| t.shape.clone()).collect();
+        let mut out_views: Vec<Out> = results
+            .iter_mut()
+            .zip(&shapes)
+            .map(|(t, shape)| {
+                let dtype = t.dtype();
+                let ptr = t.as_bytes_mut().as_mut_ptr();
+                // SAFETY: each result tensor is uniquely borrowed for the views' lifetime and its
+                // buffer holds exactly numel(shape) elements of its dtype.
+                unsafe { Out::from_raw(dtype, shape, ptr) }
+            })
+            .collect();
+        k(node, &views, &mut out_views, ctx)?;
+    }
+    Ok(Some(results))
+}

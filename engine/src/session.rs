@@ -1,0 +1,194 @@
+//! A training session: one imported model with its gradient graph, plans cached per input
+//! shape signature, and in-flight steps (forward done, backward pending) that own their arena.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::autodiff;
+use crate::backend::cpu::CpuCtx;
+use crate::error::{Error, Result};
+use crate::exec::{self, Arena, Bindings, Phase};
+use crate::ir::{Graph, ValueId, ValueKind};
+use crate::onnx::{import_bytes, ImportOptions};
+use crate::plan::{self, Plan, PlanRequest};
+use crate::tensor::DType;
+
+/// One input's element type and shape.
+pub type Sig = (DType, Vec<usize>);
+
+pub struct Session {
+    pub graph: Graph,
+    pub n_fwd: usize,
+    pub inputs: Vec<ValueId>,
+    pub outputs: Vec<ValueId>,
+    /// Gradient seed per output (None for outputs that are not float).
+    pub seeds: Vec<Option<ValueId>>,
+    /// Bound weights, in the order the caller named them.
+    pub weights: Vec<ValueId>,
+    /// Gradient of each weight (None: frozen, or it does not affect the outputs).
+    pub grads: Vec<Option<ValueId>>,
+    plans: Mutex<HashMap<(Vec<Sig>, bool), Arc<Plan>>>,
+    arenas: Mutex<Vec<Arena>>,
+}
+
+/// A forward pass whose backward pass may still come: it owns the arena holding the
+/// activations the backward pass reads.
+pub struct Pending {
+    pub plan: Arc<Plan>,
+    pub arena: Arena,
+    ctx: CpuCtx,
+    pub forward_time: Duration,
+}
+
+impl Session {
+    /// Imports `onnx` and builds gradients of every float output with respect to the trainable
+    /// weights. `weights` names the initializers the caller binds per call (all others become
+    /// constants); `trainable[i]` says whether `weights[i]` gets a gradient.
+    pub fn from_onnx(onnx: &[u8], base_dir: Option<&Path>, weights: &[String], trainable: &[bool]) -> Result<Session> {
+        if weights.len() != trainable.len() {
+            return Err(Error::other("weights and trainable flags differ in length"));
+        }
+        let mut graph = import_bytes(onnx, base_dir, &ImportOptions::default())?;
+        let mut weight_ids = Vec::with_capacity(weights.len());
+        for name in weights {
+            let v = graph.find(name).filter(|v| graph.value(*v).kind == ValueKind::Weight).ok_or_else(|| Error::Input { name: name.clone(), msg: "no initializer of this name in the model".into() })?;
+            weight_ids.push(v);
+        }
+        // initializers the caller does not bind are constants
+        let unbound: Vec<_> = graph.weights.iter().filter(|(v, _)| !weight_ids.contains(v)).cloned().collect();
+        for (v, data) in unbound {
+            let data = data.ok_or_else(|| Error::Input { name: graph.value(v).name.clone(), msg: "initializer has no data and is not bound".into() })?;
+            graph.values[v.0].kind = ValueKind::Const(data);
+        }
+        graph.weights.retain(|(v, _)| weight_ids.contains(v));
+        let n_fwd = graph.nodes.len();
+        let outputs = graph.outputs.clone();
+        let mut seeds = Vec::with_capacity(outputs.len());
+        for &o in &outputs {
+            let name = format!("grad:{}", graph.value(o).name);
+            // outputs of integer type carry no gradient; the type is only known per plan, so
+            // every output gets a seed and integer ones are simply never bound
+            seeds.push(Some(graph.add_value(&name, ValueKind::Input, None, None)));
+        }
+        let wrt: Vec<ValueId> = weight_ids.iter().zip(trainable).filter(|(_, &t)| t).map(|(&v, _)| v).collect();
+        let g = autodiff::build(&mut graph, &outputs, &seeds, &wrt)?;
+        let mut grads = vec![None; weight_ids.len()];
+        let mut k = 0;
+        for (i, &t) in trainable.iter().enumerate() {
+            if t {
+                grads[i] = g.grads[k];
+                k += 1;
+            }
+        }
+        let inputs = graph.inputs.clone();
+        Ok(Session { graph, n_fwd, inputs, outputs, seeds, weights: weight_ids, grads, plans: Mutex::new(HashMap::new()), arenas: Mutex::new(Vec::new()) })
+    }
+
+    /// The plan for these input types; `backward` adds the gradient phase.
+    pub fn plan(&self, sigs: &[Sig], backward: bool) -> Result<Arc<Plan>> {
+        let key = (sigs.to_vec(), backward);
+        if let Some(p) = self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.get(&key) {
+            return Ok(p.clone());
+        }
+        if sigs.len() != self.inputs.len() {
+            return Err(Error::other(format!("the model takes {} inputs, got {}", self.inputs.len(), sigs.len())));
+        }
+        let mut input_types: HashMap<ValueId, Sig> = self.inputs.iter().copied().zip(sigs.iter().cloned()).collect();
+        for &w in &self.weights {
+            let v = self.graph.value(w);
+            if let (Some(dt), Some(dims)) = (v.dtype, &v.shape) {
+                let shape = dims.iter().map(|d| if let crate::ir::Dim::Known(k) = d { *k } else { 0 }).collect();
+                input_types.insert(w, (dt, shape));
+            }
+        }
+        let grads: Vec<ValueId> = self.grads.iter().flatten().copied().collect();
+        let req = PlanRequest {
+            graph: &self.graph,
+            n_fwd: self.n_fwd,
+            forward_outputs: self.outputs.clone(),
+            backward_outputs: if backward { grads.clone() } else { vec![] },
+            bound_outputs: if backward { grads } else { vec![] },
+            input_types,
+            seeds: self.seeds.iter().zip(&self.outputs).filter_map(|(s, o)| s.map(|s| (s, *o))).collect(),
+        };
+        let p = Arc::new(plan::build(&req)?);
+        self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.insert(key, p.clone());
+        Ok(p)
+    }
+
+    /// Runs the forward phase. `inputs` are the user inputs' raw bytes with their types;
+    /// `weights` the bound weights' pointers in `self.weights` order.
+    ///
+    /// # Safety
+    /// Every weight pointer must point to the weight's data (its declared type and shape),
+    /// valid and unmodified for the call.
+    pub unsafe fn forward(&self, inputs: &[(Sig, &[u8])], weights: &[*mut u8], backward: bool, seed: u64) -> Result<Pending> {
+        let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
+        let plan = self.plan(&sigs, backward)?;
+        let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
+        let mut ctx = CpuCtx::new(seed);
+        let bind = self.bind_weights(weights)?;
+        let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
+        let t0 = std::time::Instant::now();
+        exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, None)?;
+        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed() })
+    }
+
+    fn bind_weights(&self, weights: &[*mut u8]) -> Result<Bindings> {
+        if weights.len() != self.weights.len() {
+            return Err(Error::other(format!("expected {} weight pointers, got {}", self.weights.len(), weights.len())));
+        }
+        let mut bind = Bindings::new(self.graph.values.len());
+        for (&v, &p) in self.weights.iter().zip(weights) {
+            // SAFETY: the caller's contract on `forward`/`backward`.
+            unsafe { bind.bind(v, p) };
+        }
+        Ok(bind)
+    }
+
+    /// Pointer to output `k` in the pending step's memory (valid while `pending` lives).
+    pub fn output_ptr(&self, pending: &mut Pending, k: usize) -> Result<(*const u8, DType, Vec<usize>)> {
+        let v = *self.outputs.get(k).ok_or_else(|| Error::other(format!("no output {k}")))?;
+        let bind = Bindings::new(self.graph.values.len());
+        let p = exec::value_ptr(&self.graph, &pending.plan, &mut pending.arena, &bind, v)?;
+        let dt = pending.plan.dtype(v).ok_or_else(|| Error::other("output has no type"))?;
+        Ok((p as *const u8, dt, pending.plan.shape(v).to_vec()))
+    }
+
+    /// Runs the backward phase of a pending step: `seeds[k]` is the gradient of output k (null
+    /// for outputs without one), `grads[i]` the memory receiving weight i's gradient (null for
+    /// weights without one). Returns the arena to the pool.
+    ///
+    /// # Safety
+    /// As for `forward`; seed pointers hold the outputs' types, gradient pointers the weights'
+    /// types and are written exclusively by this call.
+    pub unsafe fn backward(&self, mut pending: Pending, weights: &[*mut u8], seeds: &[*mut u8], grads: &[*mut u8]) -> Result<()> {
+        let mut bind = self.bind_weights(weights)?;
+        for (s, &p) in self.seeds.iter().zip(seeds) {
+            if let (Some(s), false) = (s, p.is_null()) {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { bind.bind(*s, p) };
+            }
+        }
+        for (g, &p) in self.grads.iter().zip(grads) {
+            if let (Some(g), false) = (g, p.is_null()) {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { bind.bind(*g, p) };
+            }
+        }
+        let r = exec::run_phase(&self.graph, &pending.plan, Phase::Backward, &mut pending.arena, &bind, &[], &mut pending.ctx, None);
+        self.release(pending);
+        r
+    }
+
+    /// Returns a pending step's arena to the pool (a forward pass without backward).
+    pub fn release(&self, pending: Pending) {
+        if let Ok(mut a) = self.arenas.lock() {
+            if a.len() < 4 {
+                a.push(pending.arena);
+            }
+        }
+    }
+}
