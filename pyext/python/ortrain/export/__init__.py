@@ -6,10 +6,11 @@ way whatever exporter ran (export/graph.py), and record what happened. Exporter 
 silenced (export/quiet.py); failures are never silent: each attempt's reason is recorded and,
 if all fail, ExportError names the model class and every exporter's reason.
 
-Order for exporter="auto": legacy first, then dynamo (measured, doc/EXPORT.md): the legacy
-exporter takes 0.05-0.2 s and covers the tutorial nn.Transformer, BERT and CNNs; the dynamo
-exporter takes 2-4 s and covers GPT-2 under transformers 5.x (legacy fails there on aten::diff)
-and Llama-style models.
+Order for exporter="auto": dynamo first, then legacy (measured, doc/EXPORT.md). The dynamo
+exporter (2-5 s) exports every zoo model with truly symbolic dims (the tutorial once its causal
+-mask check is neutralised, export/dynamo.py). The legacy exporter (0.1-0.2 s) is faster but
+fails on GPT-2 under transformers 5.x (aten::diff) and bakes nn.MultiheadAttention's key length
+into a Reshape: its tutorial graph runs only at the exported sequence length.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ortrain.export.quiet import quiet
 __all__ = ["ExportedGraph", "export_module", "signature", "unflatten_outputs", "EXPORTERS"]
 
 EXPORTERS = {"legacy": _legacy, "dynamo": _dynamo}
-AUTO_ORDER = ("legacy", "dynamo")
+AUTO_ORDER = ("dynamo", "legacy")
 _PREFIX = "ortrain_inner."
 _RECORDS: dict = {}  # id(wrapper) -> what its forward saw (output structure and names)
 
@@ -57,11 +58,13 @@ class ExportedGraph:
     dropout_fixes: list  # Dropout node names set to training mode
     seconds: float
     training: bool = True
+    batchnorm_fixes: list = field(default_factory=list)  # BatchNorm nodes set to training mode
     constants: tuple = ()  # ((argument path, value), ...) non-tensor inputs baked in
     signature: tuple = ()  # signature(args, kwargs) of the exported call
     buffer_updates: dict = field(default_factory=dict)  # buffer key -> value with its new data
     unused_params: list = field(default_factory=list)  # trainable params the graph never reads
     static_dims: dict = field(default_factory=dict)  # input -> axes left fixed by the exporter
+    notes: list = field(default_factory=list)  # exporter remarks (legacy tracer warnings)
 
     def model(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.onnx_bytes)
@@ -122,7 +125,7 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
 
     training: export train()-mode semantics (Dropout active, BatchNorm batch statistics) or
         eval(). The module's own modes, buffers and RNG state are restored afterwards.
-    exporter: "auto" (legacy, then dynamo), "legacy" or "dynamo".
+    exporter: "auto" (dynamo, then legacy), "legacy" or "dynamo".
     dynamic: every dimension of every tensor input symbolic (True) or fixed (False).
     """
     order = _order(exporter)
@@ -142,12 +145,13 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
     else:
         reasons = "; ".join(f"{n}: {r}" for n, r in attempts)
         raise ExportError(f"could not export {type(module).__name__} to ONNX: {reasons}")
-    model, wrapper = model
+    model, wrapper, notes = model
     record = _RECORDS.pop(wrapper.key)
     seconds = time.perf_counter() - t0
     _graph.strip_prefix(model, _PREFIX)
     _graph.name_outputs(model, record["names"] or [])
     fixes = _graph.fix_dropouts(model) if training else []
+    bn_fixes = _graph.fix_batchnorms(model) if training else []
     pmap, kinds, aliases, unused = _graph.map_parameters(model, module)
     updates = _graph.buffer_updates(model, pmap, kinds) if training else {}
     input_names = list(spec.input_names)
@@ -156,9 +160,9 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
         onnx_bytes=model.SerializeToString(), input_names=input_names,
         output_names=[o.name for o in model.graph.output], param_map=pmap, param_kinds=kinds,
         aliases=aliases, output_structure=record["structure"], exporter=name,
-        opset=_graph.opset_of(model), attempts=attempts, dropout_fixes=fixes, seconds=seconds,
+        opset=_graph.opset_of(model), attempts=attempts, dropout_fixes=fixes, batchnorm_fixes=bn_fixes, seconds=seconds,
         training=training, constants=spec.constants, signature=sig, buffer_updates=updates,
-        unused_params=unused, static_dims=_graph.static_input_dims(model, input_names))
+        unused_params=unused, notes=notes, static_dims=_graph.static_input_dims(model, input_names))
 
 
 def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, attempts):
@@ -169,10 +173,10 @@ def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, 
     try:
         module.train(training)
         with quiet(quiet_logs):
-            model = backend.export(wrapper, flat, list(spec.input_names), [], training=training,
+            model, notes = backend.export(wrapper, flat, list(spec.input_names), [], training=training,
                                    dynamic=dynamic, opset=opset)
         attempts.append((backend.NAME, None))
-        return model, wrapper
+        return model, wrapper, notes
     except Exception as exc:  # recorded, reported in ExportError if every exporter fails
         attempts.append((backend.NAME, _reason(exc)))
         _RECORDS.pop(wrapper.key, None)

@@ -204,6 +204,33 @@ def fix_dropouts(model: onnx.ModelProto) -> list:
     return fixed
 
 
+def fix_batchnorms(model: onnx.ModelProto) -> list:
+    """In a training export, make every BatchNormalization use batch statistics.
+
+    The dynamo exporter writes a train()-mode BatchNorm as an inference BatchNormalization
+    (running statistics, no training_mode, no updated-statistics outputs): silently wrong for
+    training. Sets training_mode=1 and adds the running_mean/running_var outputs (opset >= 14).
+    Returns the names of the nodes it fixed.
+    """
+    fixed = []
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if "training_mode" in attrs and attrs["training_mode"].i == 1:
+            continue
+        if not node.name:
+            node.name = f"BatchNormalization_{i}"
+        if "training_mode" in attrs:
+            attrs["training_mode"].i = 1
+        else:
+            node.attribute.append(helper.make_attribute("training_mode", 1))
+        while len(node.output) < 3:
+            node.output.append(f"{node.output[0]}_{('running_mean', 'running_var')[len(node.output) - 1]}")
+        fixed.append(node.name)
+    return fixed
+
+
 def static_input_dims(model: onnx.ModelProto, input_names: list) -> dict:
     """Input name -> axes whose size is fixed (dim_value) rather than symbolic (dim_param)."""
     out = {}

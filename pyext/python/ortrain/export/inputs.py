@@ -46,24 +46,29 @@ def _clean(name: str) -> str:
     return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
 
 
-def _tree(value, path: str, tensors: list, names: list, consts: list):
+def _tree(value, path: str, tensors: list, names: list, consts: list, root: str | None = None):
+    root = root or path
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         names.append(_clean(path))
         return ("tensor", len(tensors) - 1)
+    if isinstance(value, str) and path != root:
+        raise TypeError(f"argument {root!r} (at {path}) holds a string: ortrain cannot export "
+                        "data that is not tensors (strings are allowed only as a whole argument)")
     if isinstance(value, _CONST_TYPES):
         consts.append((path, value))
         return ("const", value)
     if isinstance(value, (tuple, list)):
-        kids = tuple(_tree(v, f"{path}_{i}", tensors, names, consts) for i, v in enumerate(value))
+        kids = tuple(_tree(v, f"{path}_{i}", tensors, names, consts, root) for i, v in enumerate(value))
         return ("tuple" if isinstance(value, tuple) else "list", kids)
     if isinstance(value, dict):
-        kids = tuple((k, _tree(v, f"{path}_{k}", tensors, names, consts)) for k, v in value.items())
+        kids = tuple((k, _tree(v, f"{path}_{k}", tensors, names, consts, root)) for k, v in value.items())
         if not all(isinstance(k, str) for k in value):
-            raise TypeError(f"argument {path!r}: dict keys must be strings to export")
+            raise TypeError(f"argument {root!r}: dict keys must be strings to export")
         return ("dict", kids)
     raise TypeError(
-        f"argument {path!r} has type {type(value).__name__}, which ortrain cannot export: "
+        f"argument {root!r}" + ("" if path == root else f" (at {path})")
+        + f" has type {type(value).__name__}, which ortrain cannot export: "
         "pass tensors, (nested) tuples/lists/dicts of tensors, or int/float/bool/str/None constants")
 
 

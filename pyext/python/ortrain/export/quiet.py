@@ -11,7 +11,7 @@ import logging
 import os
 import warnings
 
-_LOGGERS = ("torch.onnx", "torch.export", "torch._dynamo", "torch._export", "torch.fx",
+_LOGGERS = ("torch.onnx", "torch.__trace", "torch.export", "torch._dynamo", "torch._export", "torch.fx",
             "onnxscript", "onnx_ir", "transformers")
 
 
