@@ -103,6 +103,7 @@ def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dro
     cfg = GPT2Config(vocab_size=vocab, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
                      n_positions=n_positions, n_inner=4 * n_embd, resid_pdrop=dropout,
                      embd_pdrop=dropout, attn_pdrop=dropout, use_cache=False,
+                     bos_token_id=vocab - 1, eos_token_id=vocab - 1,
                      attn_implementation=attn_implementation)
     model = GPT2LMHeadModel(cfg).train()
     (ids,) = gpt2_inputs(vocab, batch, seq, seed)
