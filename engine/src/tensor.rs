@@ -60,9 +60,17 @@ impl DType {
         })
     }
     pub fn from_name(name: &str) -> Option<DType> {
-        [DType::F32, DType::F64, DType::I64, DType::I32, DType::Bool, DType::U8, DType::I8]
-            .into_iter()
-            .find(|d| d.name() == name)
+        [
+            DType::F32,
+            DType::F64,
+            DType::I64,
+            DType::I32,
+            DType::Bool,
+            DType::U8,
+            DType::I8,
+        ]
+        .into_iter()
+        .find(|d| d.name() == name)
     }
 }
 
@@ -111,13 +119,22 @@ impl Tensor {
         Tensor { shape, data }
     }
     pub fn scalar_f32(v: f32) -> Tensor {
-        Tensor { shape: vec![], data: Data::F32(vec![v]) }
+        Tensor {
+            shape: vec![],
+            data: Data::F32(vec![v]),
+        }
     }
     pub fn from_i64(shape: Vec<usize>, v: Vec<i64>) -> Tensor {
-        Tensor { shape, data: Data::I64(v) }
+        Tensor {
+            shape,
+            data: Data::I64(v),
+        }
     }
     pub fn from_f32(shape: Vec<usize>, v: Vec<f32>) -> Tensor {
-        Tensor { shape, data: Data::F32(v) }
+        Tensor {
+            shape,
+            data: Data::F32(v),
+        }
     }
     pub fn dtype(&self) -> DType {
         match &self.data {
@@ -167,7 +184,9 @@ impl Tensor {
         fn bytes<T>(v: &mut [T]) -> &mut [u8] {
             // SAFETY: plain-old-data element types (every bit pattern is valid); the byte view
             // covers exactly the vector's elements and holds the unique borrow of `v`.
-            unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+            unsafe {
+                std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
+            }
         }
         match &mut self.data {
             Data::F32(v) => bytes(v),
@@ -192,7 +211,9 @@ impl Tensor {
         }
         macro_rules! conv {
             ($t:ty, $w:literal) => {
-                raw.chunks_exact($w).map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $w]))).collect()
+                raw.chunks_exact($w)
+                    .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $w])))
+                    .collect()
             };
         }
         let data = match dtype {

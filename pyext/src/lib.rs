@@ -1,10 +1,15 @@
 //! ortrain-py: the thin pyo3 binding of the ortrain engine. Conversions only; all user-facing
 //! behaviour lives in the Python package (`pyext/python/ortrain`).
 
+mod optim;
+mod session;
+
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_VERSION", env!("CARGO_PKG_VERSION"))?;
+    session::register(m)?;
+    optim::register(m)?;
     Ok(())
 }

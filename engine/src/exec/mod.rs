@@ -48,7 +48,9 @@ pub struct Bindings {
 
 impl Bindings {
     pub fn new(n_values: usize) -> Self {
-        Bindings { ptrs: vec![std::ptr::null_mut(); n_values] }
+        Bindings {
+            ptrs: vec![std::ptr::null_mut(); n_values],
+        }
     }
     /// # Safety
     /// `ptr` must point to memory holding the value's planned type (numel × element size
@@ -64,7 +66,13 @@ pub enum Phase {
     Backward,
 }
 
-fn pointer(graph: &Graph, plan: &Plan, base: *mut u8, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
+fn pointer(
+    graph: &Graph,
+    plan: &Plan,
+    base: *mut u8,
+    bind: &Bindings,
+    v: ValueId,
+) -> Result<*mut u8> {
     match &plan.storage[v.0] {
         // SAFETY: planned offsets lie inside the reserved arena of plan.arena_bytes.
         Storage::Arena(off) => Ok(unsafe { base.add(*off) }),
@@ -72,32 +80,57 @@ fn pointer(graph: &Graph, plan: &Plan, base: *mut u8, bind: &Bindings, v: ValueI
         Storage::Bound => {
             let p = bind.ptrs[v.0];
             if p.is_null() {
-                Err(Error::other(format!("no memory was bound for '{}'", graph.values[v.0].name)))
+                Err(Error::other(format!(
+                    "no memory was bound for '{}'",
+                    graph.values[v.0].name
+                )))
             } else {
                 Ok(p)
             }
         }
-        Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
+        Storage::Unused => Err(Error::other(format!(
+            "value '{}' has no storage in this plan",
+            graph.values[v.0].name
+        ))),
     }
 }
 
 /// Pointer to a value's bytes after (or during) a run; for reading outputs.
-pub fn value_ptr(graph: &Graph, plan: &Plan, arena: &mut Arena, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
+pub fn value_ptr(
+    graph: &Graph,
+    plan: &Plan,
+    arena: &mut Arena,
+    bind: &Bindings,
+    v: ValueId,
+) -> Result<*mut u8> {
     let base = arena.reserve(plan.arena_bytes);
     pointer(graph, plan, base, bind, v)
 }
 
 /// Runs one phase of `plan`. `inputs` are the user inputs' bytes, copied into the arena at the
 /// start of the forward phase. `timings`, if given, receives each step's duration.
-pub fn run_phase(graph: &Graph, plan: &Plan, phase: Phase, arena: &mut Arena, bind: &Bindings, inputs: &[(ValueId, &[u8])], ctx: &mut CpuCtx, mut timings: Option<&mut Vec<(usize, Duration)>>) -> Result<()> {
+pub fn run_phase(
+    graph: &Graph,
+    plan: &Plan,
+    phase: Phase,
+    arena: &mut Arena,
+    bind: &Bindings,
+    inputs: &[(ValueId, &[u8])],
+    ctx: &mut CpuCtx,
+    mut timings: Option<&mut Vec<(usize, Duration)>>,
+) -> Result<()> {
     let base = arena.reserve(plan.arena_bytes);
     let range = match phase {
         Phase::Forward => {
             for &(v, bytes) in inputs {
                 if let Storage::Arena(off) = plan.storage[v.0] {
-                    let want = plan.shape(v).iter().product::<usize>() * plan.dtype(v).map_or(0, |d| d.size());
+                    let want = plan.shape(v).iter().product::<usize>()
+                        * plan.dtype(v).map_or(0, |d| d.size());
                     if bytes.len() != want {
-                        return Err(Error::Input { name: graph.values[v.0].name.clone(), msg: format!("got {} bytes, the plan expects {want}", bytes.len()) });
+                        return Err(Error::Input {
+                            name: graph.values[v.0].name.clone(),
+                            msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
+                        });
                     }
                     // SAFETY: the arena slot holds `want` bytes and does not overlap `bytes`.
                     unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(off), want) };

@@ -23,7 +23,10 @@ impl OpDef for Shape {
 pub fn shape_range(node: &Node, rank: usize) -> Result<(usize, usize)> {
     let r = rank as i64;
     let fix = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
-    Ok((fix(node.attrs.int("start", 0)?), fix(node.attrs.int("end", r)?)))
+    Ok((
+        fix(node.attrs.int("start", 0)?),
+        fix(node.attrs.int("end", r)?),
+    ))
 }
 
 struct Size;
@@ -40,8 +43,15 @@ struct ConstantOfShape;
 impl OpDef for ConstantOfShape {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let s = const_ints(node, &inputs[0], "shape")?;
-        let dtype = node.attrs.tensor("value").map(|t| t.dtype()).unwrap_or(DType::F32);
-        Ok(vec![TypeOut::new(dtype, s.into_iter().map(|d| d.max(0) as usize).collect())])
+        let dtype = node
+            .attrs
+            .tensor("value")
+            .map(|t| t.dtype())
+            .unwrap_or(DType::F32);
+        Ok(vec![TypeOut::new(
+            dtype,
+            s.into_iter().map(|d| d.max(0) as usize).collect(),
+        )])
     }
 }
 
@@ -50,7 +60,13 @@ impl OpDef for Range {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let start = input(node, inputs, 0)?;
         let vals: Vec<f64> = (0..3)
-            .map(|i| inputs[i].as_ref().and_then(|x| x.value).map(|t| t.to_f64_vec()[0]).ok_or_else(|| node.err("start, limit and delta must be known before the step")))
+            .map(|i| {
+                inputs[i]
+                    .as_ref()
+                    .and_then(|x| x.value)
+                    .map(|t| t.to_f64_vec()[0])
+                    .ok_or_else(|| node.err("start, limit and delta must be known before the step"))
+            })
             .collect::<Result<_>>()?;
         if vals[2] == 0.0 {
             return Err(node.err("delta is 0"));

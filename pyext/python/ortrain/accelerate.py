@@ -1,0 +1,173 @@
+"""`ortrain.accelerate(model, optimizer)`: the module's forward and backward run in the engine,
+the optimizer's step too. The module is patched in place (every reference to it is accelerated),
+its parameters stay its own (the engine reads and writes their memory), and its state_dict keys
+do not change. Whatever the engine cannot take runs in PyTorch, with one warning naming why."""
+from __future__ import annotations
+
+import time
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from ortrain.errors import OrtrainError
+
+_VALID_DEVICES = ("cpu", "cuda")
+
+
+class _State:
+    """Per-module acceleration state: exports and runners cached per call signature and mode."""
+
+    def __init__(self, module, optimizer, device, strict, exporter):
+        self.module = module
+        self.optimizer = optimizer
+        self.device = device
+        self.strict = strict
+        self.exporter = exporter
+        self.runners: dict = {}  # (signature, training, trainable mask) -> Runner | Exception
+        self.last_key = None
+        self.last_inputs = None
+        self.calls = 0
+        self.engine_calls = 0
+        self.first_call_seconds = None
+        self.optimizer_in_engine = False
+
+    @contextmanager
+    def plain(self):
+        """The module's own forward, for exporting and fallback."""
+        patched = self.module.__dict__.pop("forward", None)
+        try:
+            yield
+        finally:
+            if patched is not None:
+                self.module.__dict__["forward"] = patched
+
+    def runner_for(self, args, kwargs):
+        from ortrain.export import export_module, signature
+        from ortrain.engine.runner import Runner
+
+        mask = tuple(p.requires_grad for p in self.module.parameters())
+        key = (signature(args, kwargs), self.module.training, mask)
+        self.last_key = key
+        if key not in self.runners:
+            t0 = time.perf_counter()
+            try:
+                with self.plain():
+                    exported = export_module(self.module, args, kwargs, training=self.module.training,
+                                             exporter=self.exporter)
+                self.runners[key] = Runner(self.module, exported)
+            except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
+                self.runners[key] = exc
+                self._fall_back(exc)
+            self.first_call_seconds = self.first_call_seconds or time.perf_counter() - t0
+        return self.runners[key]
+
+    def _fall_back(self, exc: Exception):
+        if self.strict:
+            raise OrtrainError(f"ortrain (strict): {type(self.module).__name__} cannot run in the engine: {exc}") from exc
+        warnings.warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}", stacklevel=4)
+
+    def forward(self, *args, **kwargs):
+        from ortrain.export import flatten_call, unflatten_outputs
+        from ortrain.engine.runner import Runner
+
+        self.calls += 1
+        runner = self.runner_for(args, kwargs)
+        if not isinstance(runner, Runner):
+            with self.plain():
+                return self.module.forward(*args, **kwargs)
+        _, flat = flatten_call(self.module, args, kwargs)
+        self.last_inputs = flat
+        try:
+            outs = runner(flat, torch.is_grad_enabled())
+        except Exception as exc:  # noqa: BLE001
+            from ortrain._ortrain import EngineError
+
+            if not isinstance(exc, (EngineError, OrtrainError)):
+                raise
+            self.runners[self.last_key] = exc
+            self._fall_back(exc)
+            with self.plain():
+                return self.module.forward(*args, **kwargs)
+        self.engine_calls += 1
+        return unflatten_outputs(runner.exported.output_structure, outs)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
+               exporter: str = "auto"):
+    """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
+
+    The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
+    into an error. `exporter`: "auto" | "dynamo" | "legacy".
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
+    if device not in _VALID_DEVICES:
+        raise ValueError(f"device={device!r} is not one of {', '.join(_VALID_DEVICES)}")
+    if device == "cuda":
+        raise OrtrainError("device='cuda': the CUDA backend is not available in this build yet; use device='cpu'")
+    if exporter not in ("auto", "dynamo", "legacy"):
+        raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
+    state = getattr(model, "_ortrain_state", None)
+    if state is None:
+        state = _State(model, optimizer, device, strict, exporter)
+        model.__dict__["_ortrain_state"] = state
+        model.__dict__["forward"] = state.forward
+    if optimizer is not None:
+        from ortrain.engine.optimizer import accelerate_optimizer
+
+        state.optimizer = optimizer
+        state.optimizer_in_engine = accelerate_optimizer(optimizer, strict)
+    return model
+
+
+def deaccelerate(model: torch.nn.Module):
+    """Restores plain PyTorch (same parameters, same optimizer state)."""
+    state = model.__dict__.pop("_ortrain_state", None)
+    model.__dict__.pop("forward", None)
+    if state is not None and state.optimizer is not None:
+        from ortrain.engine.optimizer import restore_optimizer
+
+        restore_optimizer(state.optimizer)
+    return model
+
+
+def is_accelerated(model) -> bool:
+    return isinstance(getattr(model, "__dict__", {}).get("_ortrain_state"), _State)
+
+
+def explain(model) -> str:
+    """What runs where: exporter, engine graph size, planned peak memory, fallbacks."""
+    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    if state is None:
+        return f"{type(model).__name__}: not accelerated"
+    from ortrain.engine.runner import Runner
+
+    n_params = sum(p.numel() for p in model.parameters())
+    lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
+             f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"]
+    if not state.runners:
+        lines.append("  not called yet: the model is exported on its first call")
+    for key, r in state.runners.items():
+        mode = "train" if key[1] else "eval"
+        if isinstance(r, Runner):
+            e = r.exported
+            fwd, bwd = r.session.node_count
+            lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
+                         f"{fwd} forward + {bwd} gradient nodes")
+            if e.dropout_fixes:
+                lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
+            if key == state.last_key and state.last_inputs is not None:
+                info = r.plan_info(state.last_inputs, bool(key[1]) and bool(r.trainable_params))
+                shapes = ", ".join(str(list(x.shape)) for x in state.last_inputs)
+                lines.append(f"    plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
+                             f"{info['forward_steps']} forward + {info['backward_steps']} backward steps, "
+                             f"{info['folded_nodes']} nodes folded")
+        else:
+            lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
+    return "\n".join(lines)

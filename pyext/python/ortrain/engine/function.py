@@ -1,0 +1,74 @@
+"""The autograd.Function that runs one forward pass in the engine and, when autograd asks for
+it, the matching backward pass: parameter gradients are written straight into fresh tensors
+that torch then accumulates into `.grad` as usual (hooks, accumulation and clipping keep working)."""
+from __future__ import annotations
+
+import torch
+
+from .tensors import address, torch_dtype, triple
+
+
+def _outputs(pending, n: int) -> list:
+    outs = []
+    for k in range(n):
+        _, dt, shape = pending.output(k)
+        t = torch.empty(shape, dtype=torch_dtype(dt))
+        if t.numel():
+            pending.copy_output(k, t.data_ptr())
+        outs.append(t)
+    return outs
+
+
+def _seed() -> int:
+    # drawn from torch's generator, so torch.manual_seed makes engine dropout reproducible
+    return int(torch.randint(0, 2**62, (1,)).item())
+
+
+def run_inference(runner, inputs: list) -> list:
+    """Forward only (eval, or no_grad): no activations kept."""
+    pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
+                                     runner.weight_addresses(), False, _seed())
+    try:
+        return _outputs(pending, runner.n_outputs)
+    finally:
+        pending.release()
+
+
+class EngineFunction(torch.autograd.Function):
+    """apply(runner, n_inputs, *inputs, *trainable_params) -> outputs."""
+
+    @staticmethod
+    def forward(ctx, runner, n_inputs, *tensors):
+        inputs = [t.detach().contiguous() for t in tensors[:n_inputs]]
+        pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
+                                         runner.weight_addresses(), True, _seed())
+        outs = _outputs(pending, runner.n_outputs)
+        ctx.pending = pending
+        ctx.runner = runner
+        ctx.n_inputs = n_inputs
+        ctx.out_meta = [(o.shape, o.dtype) for o in outs]
+        non_diff = [o for o in outs if not o.is_floating_point()]
+        if non_diff:
+            ctx.mark_non_differentiable(*non_diff)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        runner, pending = ctx.runner, ctx.pending
+        ctx.pending = None
+        seeds, keep = [], []
+        for g, (shape, dtype) in zip(grad_outputs, ctx.out_meta):
+            if not dtype.is_floating_point:
+                seeds.append(0)
+                continue
+            if g is None:
+                g = torch.zeros(shape, dtype=dtype)
+            g = g.contiguous()
+            if g.dtype != dtype:
+                g = g.to(dtype)
+            keep.append(g)
+            seeds.append(address(g, "output gradient"))
+        grads = runner.new_grad_buffers()
+        runner.session.backward(pending, runner.weight_addresses(), seeds,
+                                [0 if g is None else g.data_ptr() for g in grads])
+        return (None, None) + (None,) * ctx.n_inputs + tuple(runner.grads_for_trainable(grads))

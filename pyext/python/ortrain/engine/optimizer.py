@@ -1,0 +1,133 @@
+"""torch.optim.Adam / AdamW / SGD whose step() runs in the engine over the same parameter,
+gradient and state memory. The optimizer object keeps its class hierarchy, param_groups and
+state (so state_dict() loads into plain PyTorch and back), step hooks keep working."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ortrain import _ortrain
+
+_SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _engine_ok(p: torch.Tensor) -> bool:
+    g = p.grad
+    return (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and g is not None
+            and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
+
+
+def _adam_group(opt, group) -> list:
+    """Engine-updatable params of an Adam group; the others are returned for PyTorch."""
+    todo, rest = [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if not _engine_ok(p) or torch.is_complex(p):
+            rest.append(p)
+            continue
+        state = opt.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        todo.append((p.data_ptr(), p.grad.data_ptr(), state["exp_avg"].data_ptr(),
+                     state["exp_avg_sq"].data_ptr(), p.numel(), int(state["step"].item())))
+    return todo, rest
+
+
+def _engine_step(self, closure=None):
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    leftovers = []
+    with torch.no_grad():
+        for group in self.param_groups:
+            if isinstance(self, torch.optim.SGD):
+                leftovers += _sgd_group(self, group)
+                continue
+            todo, rest = _adam_group(self, group)
+            leftovers += rest
+            b1, b2 = group["betas"]
+            decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+            _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                               float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)))
+    if leftovers:
+        _torch_step_for(self, leftovers)
+    return loss
+
+
+def _sgd_group(opt, group) -> list:
+    todo, rest = [], []
+    momentum = float(group["momentum"])
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if not _engine_ok(p):
+            rest.append(p)
+            continue
+        buf_addr, first = 0, False
+        if momentum != 0.0:
+            state = opt.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = torch.empty_like(p)
+                state["momentum_buffer"] = buf
+                first = True
+            buf_addr = buf.data_ptr()
+        todo.append((p.data_ptr(), p.grad.data_ptr(), buf_addr, p.numel(), first))
+    _ortrain.sgd_step(todo, float(group["lr"]), momentum, float(group["dampening"]),
+                      float(group["weight_decay"]), bool(group["nesterov"]), bool(group.get("maximize", False)))
+    return rest
+
+
+def _torch_step_for(opt, params: list) -> None:
+    """Runs PyTorch's own update for parameters the engine cannot take (e.g. sparse grads)."""
+    keep = {id(p) for p in params}
+    saved = [g["params"] for g in opt.param_groups]
+    try:
+        for g in opt.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in keep]
+        opt._ortrain_base.step(opt)
+    finally:
+        for g, ps in zip(opt.param_groups, saved):
+            g["params"] = ps
+
+
+def accelerate_optimizer(opt, strict: bool = False) -> bool:
+    """Makes `opt.step()` run in the engine. Returns False (with a warning) where it cannot."""
+    if getattr(opt, "_ortrain_base", None) is not None:
+        return True
+    if not isinstance(opt, _SUPPORTED) or type(opt) not in _SUPPORTED:
+        msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch (the engine has "
+               "Adam, AdamW and SGD); gradients still land in each parameter's .grad")
+        if strict:
+            from ortrain.errors import UnsupportedError
+            raise UnsupportedError(msg)
+        warnings.warn(msg, stacklevel=3)
+        return False
+    for g in opt.param_groups:
+        if g.get("amsgrad"):
+            msg = "ortrain: Adam(amsgrad=True) is not supported by the engine; step() stays in PyTorch"
+            if strict:
+                from ortrain.errors import UnsupportedError
+                raise UnsupportedError(msg)
+            warnings.warn(msg, stacklevel=3)
+            return False
+    base = type(opt)
+    cls = type(f"Ortrain{base.__name__}", (base,), {"step": _engine_step, "__module__": __name__,
+                                                     "__qualname__": f"Ortrain{base.__name__}"})
+    opt._ortrain_base = base
+    opt.__class__ = cls
+    opt._patch_step_function()  # torch wraps step() with its pre/post hook machinery
+    return True
+
+
+def restore_optimizer(opt) -> None:
+    base = getattr(opt, "_ortrain_base", None)
+    if base is not None:
+        opt.__class__ = base
+        del opt._ortrain_base

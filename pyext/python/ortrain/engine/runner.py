@@ -1,0 +1,81 @@
+"""A Runner binds one exported graph to a module's live parameters and buffers: it builds the
+engine session (weights named by their ONNX initializer names, bound to the torch tensors'
+memory on every call, so nothing is copied per step) and runs calls through it."""
+from __future__ import annotations
+
+import onnx
+import torch
+
+from ortrain import _ortrain
+from ortrain.errors import UnsupportedError
+
+from .function import EngineFunction, run_inference
+from .tensors import engine_dtype
+
+
+def _with_buffer_outputs(exported) -> tuple[bytes, list]:
+    """Adds the updated BatchNorm statistics as graph outputs; returns (bytes, [(key, output)])."""
+    if not exported.buffer_updates:
+        return exported.onnx_bytes, []
+    model = onnx.load_from_string(exported.onnx_bytes)
+    extra = []
+    for key, value in exported.buffer_updates.items():
+        model.graph.output.append(onnx.helper.make_empty_tensor_value_info(value))
+        extra.append((key, value))
+    return model.SerializeToString(), extra
+
+
+class Runner:
+    def __init__(self, module: torch.nn.Module, exported):
+        self.exported = exported
+        named = dict(module.named_parameters(remove_duplicate=False))
+        named.update(dict(module.named_buffers(remove_duplicate=False)))
+        names, tensors, trainable = [], [], []
+        for onnx_name, key in exported.param_map.items():
+            t = named.get(key)
+            if t is None:
+                raise UnsupportedError(f"initializer '{onnx_name}' maps to '{key}', which the module does not have")
+            engine_dtype(t, f"parameter '{key}'")
+            if t.device.type != "cpu" or not t.is_contiguous():
+                raise UnsupportedError(f"parameter '{key}' must be a contiguous CPU tensor")
+            names.append(onnx_name)
+            tensors.append(t)
+            trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
+                             and t.is_floating_point())
+        onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
+        self.session = _ortrain.Session(onnx_bytes, names, trainable)
+        self.weights = tensors
+        self.trainable = trainable
+        self.has_grad = self.session.has_grad
+        self.input_names = list(exported.input_names)
+        self.n_outputs = len(self.session.output_names)
+        self.n_user_outputs = self.n_outputs - len(self.buffer_outputs)
+        self.trainable_params = [t for t, tr in zip(tensors, trainable) if tr]
+
+    def weight_addresses(self) -> list:
+        return [t.data_ptr() for t in self.weights]
+
+    def new_grad_buffers(self) -> list:
+        return [torch.empty_like(t) if tr and hg else None
+                for t, tr, hg in zip(self.weights, self.trainable, self.has_grad)]
+
+    def grads_for_trainable(self, grads: list) -> list:
+        return [g for g, tr in zip(grads, self.trainable) if tr]
+
+    def __call__(self, inputs: list, grad: bool) -> list:
+        """Runs the graph; returns the user outputs (buffer updates are applied in place)."""
+        if grad and self.trainable_params:
+            outs = EngineFunction.apply(self, len(inputs), *inputs, *self.trainable_params)
+        else:
+            outs = run_inference(self, [x.detach().contiguous() for x in inputs])
+        outs = list(outs)
+        if self.buffer_outputs:
+            named = {k: t for k, t in zip(self.exported.param_map.values(), self.weights)}
+            with torch.no_grad():
+                for (key, _), new in zip(self.buffer_outputs, outs[self.n_user_outputs:]):
+                    named[key].copy_(new)
+        return outs[:self.n_user_outputs]
+
+    def plan_info(self, inputs: list, backward: bool) -> dict:
+        sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, self.input_names)]
+        return self.session.plan_info(sigs, backward)

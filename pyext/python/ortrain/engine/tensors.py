@@ -1,0 +1,41 @@
+"""torch.Tensor <-> the engine's (address, dtype, shape) triples."""
+from __future__ import annotations
+
+import torch
+
+from ortrain.errors import UnsupportedError
+
+_TO_ENGINE = {
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.bool: "bool",
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+}
+_TO_TORCH = {v: k for k, v in _TO_ENGINE.items()}
+
+
+def engine_dtype(t: torch.Tensor, what: str) -> str:
+    try:
+        return _TO_ENGINE[t.dtype]
+    except KeyError:
+        raise UnsupportedError(f"{what}: element type {t.dtype} is not supported by the engine yet") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _TO_TORCH[name]
+
+
+def triple(t: torch.Tensor, what: str) -> tuple:
+    """(address, dtype, shape) of a contiguous CPU tensor."""
+    if t.device.type != "cpu":
+        raise UnsupportedError(f"{what}: tensor on {t.device}; the engine's CPU backend needs CPU tensors")
+    if not t.is_contiguous():
+        raise UnsupportedError(f"{what}: tensor is not contiguous")
+    return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
+
+
+def address(t: torch.Tensor, what: str) -> int:
+    return triple(t, what)[0]

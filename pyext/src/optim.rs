@@ -1,0 +1,96 @@
+//! Python entry points of engine::optim: fused Adam/AdamW and SGD steps over lists of
+//! parameter tensors given by address, and the squared norm used for clipping.
+
+use ortrain_engine::optim::{self, AdamHyper, SgdHyper};
+use pyo3::prelude::*;
+
+#[derive(Clone, Copy)]
+struct Addr(usize);
+// SAFETY: plain integers; the Python caller keeps the tensors alive for the call.
+unsafe impl Send for Addr {}
+
+/// # Safety
+/// `a` must address `n` f32 values valid for writes, not aliased during the call.
+unsafe fn f32s<'a>(a: Addr, n: usize) -> &'a mut [f32] {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(a.0 as *mut f32, n) }
+}
+
+/// Adam/AdamW over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (tensors, lr, beta1, beta2, eps, weight_decay, decoupled, maximize))]
+fn adam_step(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize, usize, usize, usize, u64)>,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    decoupled: bool,
+    maximize: bool,
+) {
+    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> = tensors
+        .into_iter()
+        .map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s))
+        .collect();
+    py.detach(move || {
+        for (p, g, m, v, n, step) in t {
+            let h = AdamHyper {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                maximize,
+                step,
+            };
+            // SAFETY: the caller passes distinct live f32 tensors of n elements each.
+            unsafe { optim::adam(f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n), &h) };
+        }
+    });
+}
+
+/// SGD over tensors given as (param, grad, momentum_buffer or 0, numel, first_step).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn sgd_step(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize, usize, usize, bool)>,
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    nesterov: bool,
+    maximize: bool,
+) {
+    let t: Vec<(Addr, Addr, Addr, usize, bool)> = tensors
+        .into_iter()
+        .map(|(p, g, b, n, f)| (Addr(p), Addr(g), Addr(b), n, f))
+        .collect();
+    py.detach(move || {
+        let h = SgdHyper {
+            lr,
+            momentum,
+            dampening,
+            weight_decay,
+            nesterov,
+            maximize,
+        };
+        for (p, g, b, n, first) in t {
+            // SAFETY: the caller passes distinct live f32 tensors of n elements each (b may be 0).
+            unsafe {
+                let buf = if b.0 == 0 { None } else { Some(f32s(b, n)) };
+                optim::sgd(f32s(p, n), f32s(g, n), buf, first, &h);
+            }
+        }
+    });
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,249 @@
+//! Python classes over engine::session: Session (an imported model with its gradient graph) and
+//! Pending (a forward pass awaiting its backward pass). Tensors cross as (address, dtype, shape)
+//! triples taken from torch's data_ptr(): the Python side keeps them alive and contiguous.
+
+use std::sync::Arc;
+
+use ortrain_engine::session::{Pending, Session, Sig};
+use ortrain_engine::{DType, Error};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+pyo3::create_exception!(_ortrain, EngineError, pyo3::exceptions::PyRuntimeError);
+
+pub fn to_py(e: Error) -> PyErr {
+    EngineError::new_err(e.to_string())
+}
+
+/// A raw tensor address crossing the GIL boundary.
+#[derive(Clone, Copy)]
+struct Addr(usize);
+// SAFETY: addresses are plain integers here; the Python caller guarantees the memory stays
+// valid for the call (it holds the torch tensors), whichever thread the engine runs on.
+unsafe impl Send for Addr {}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8)")))
+}
+
+#[pyclass(frozen, name = "Session", module = "ortrain._ortrain")]
+pub struct PySession {
+    inner: Arc<Session>,
+}
+
+#[pyclass(name = "Pending", module = "ortrain._ortrain")]
+pub struct PyPending {
+    inner: Option<Pending>,
+    session: Arc<Session>,
+}
+
+#[pymethods]
+impl PySession {
+    /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
+    /// flags which of them get gradients.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        onnx: &Bound<'_, PyBytes>,
+        weights: Vec<String>,
+        trainable: Vec<bool>,
+    ) -> PyResult<Self> {
+        let bytes = onnx.as_bytes().to_vec();
+        let s = py
+            .detach(move || Session::from_onnx(&bytes, None, &weights, &trainable))
+            .map_err(to_py)?;
+        Ok(PySession { inner: Arc::new(s) })
+    }
+
+    #[getter]
+    fn input_names(&self) -> Vec<String> {
+        self.inner
+            .inputs
+            .iter()
+            .map(|v| self.inner.graph.value(*v).name.clone())
+            .collect()
+    }
+
+    #[getter]
+    fn output_names(&self) -> Vec<String> {
+        self.inner
+            .outputs
+            .iter()
+            .map(|v| self.inner.graph.value(*v).name.clone())
+            .collect()
+    }
+
+    #[getter]
+    fn weight_names(&self) -> Vec<String> {
+        self.inner
+            .weights
+            .iter()
+            .map(|v| self.inner.graph.value(*v).name.clone())
+            .collect()
+    }
+
+    /// Which weights receive a gradient (False: frozen or not on the path to any output).
+    #[getter]
+    fn has_grad(&self) -> Vec<bool> {
+        self.inner.grads.iter().map(|g| g.is_some()).collect()
+    }
+
+    #[getter]
+    fn node_count(&self) -> (usize, usize) {
+        (
+            self.inner.n_fwd,
+            self.inner.graph.nodes.len() - self.inner.n_fwd,
+        )
+    }
+
+    /// Plans for these input types and returns a summary dict (arena bytes, step counts, ops).
+    fn plan_info(
+        &self,
+        py: Python<'_>,
+        sigs: Vec<(String, Vec<usize>)>,
+        backward: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let sigs: Vec<Sig> = sigs
+            .into_iter()
+            .map(|(d, s)| Ok((dtype(&d)?, s)))
+            .collect::<PyResult<_>>()?;
+        let plan = self.inner.plan(&sigs, backward).map_err(to_py)?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("arena_bytes", plan.arena_bytes)?;
+        d.set_item("forward_steps", plan.split)?;
+        d.set_item("backward_steps", plan.steps.len() - plan.split)?;
+        d.set_item("folded_nodes", plan.folded_nodes)?;
+        d.set_item("ops", plan.op_histogram(&self.inner.graph))?;
+        d.set_item("text", plan.describe(&self.inner.graph))?;
+        Ok(d.into_any().unbind())
+    }
+
+    /// Runs the forward pass. `inputs`: (address, dtype, shape) per model input; `weights`: one
+    /// address per weight. Returns a Pending holding the outputs (and activations if backward).
+    fn forward(
+        &self,
+        py: Python<'_>,
+        inputs: Vec<(usize, String, Vec<usize>)>,
+        weights: Vec<usize>,
+        backward: bool,
+        seed: u64,
+    ) -> PyResult<PyPending> {
+        let mut feed = Vec::with_capacity(inputs.len());
+        for (addr, dt, shape) in inputs {
+            let dt = dtype(&dt)?;
+            let n: usize = shape.iter().product::<usize>() * dt.size();
+            feed.push((Addr(addr), n, (dt, shape)));
+        }
+        let w: Vec<Addr> = weights.into_iter().map(Addr).collect();
+        let s = self.inner.clone();
+        let pending = py
+            .detach(move || {
+                let views: Vec<(Sig, &[u8])> = feed
+                    .iter()
+                    // SAFETY: the caller holds each input tensor alive and contiguous with
+                    // exactly `n` bytes at `addr` for the duration of this call.
+                    .map(|(a, n, sig)| {
+                        (
+                            sig.clone(),
+                            if *n == 0 {
+                                &[][..]
+                            } else {
+                                unsafe { std::slice::from_raw_parts(a.0 as *const u8, *n) }
+                            },
+                        )
+                    })
+                    .collect();
+                let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
+                // SAFETY: weight addresses are the live torch parameters of the declared shapes.
+                unsafe { s.forward(&views, &wp, backward, seed) }
+            })
+            .map_err(to_py)?;
+        Ok(PyPending {
+            inner: Some(pending),
+            session: self.inner.clone(),
+        })
+    }
+
+    /// Runs the backward pass of `pending`: `seeds` one address per output (0: none), `grads`
+    /// one address per weight (0: not wanted), written in place.
+    fn backward(
+        &self,
+        py: Python<'_>,
+        pending: &mut PyPending,
+        weights: Vec<usize>,
+        seeds: Vec<usize>,
+        grads: Vec<usize>,
+    ) -> PyResult<()> {
+        let p = pending.inner.take().ok_or_else(|| {
+            PyRuntimeError::new_err(
+                "this forward pass was already used for a backward pass or released",
+            )
+        })?;
+        let (w, sd, g): (Vec<Addr>, Vec<Addr>, Vec<Addr>) = (
+            weights.into_iter().map(Addr).collect(),
+            seeds.into_iter().map(Addr).collect(),
+            grads.into_iter().map(Addr).collect(),
+        );
+        let s = self.inner.clone();
+        py.detach(move || {
+            let c = |v: &[Addr]| v.iter().map(|a| a.0 as *mut u8).collect::<Vec<_>>();
+            // SAFETY: the caller holds weights, seeds and gradient buffers alive, of the planned
+            // types; gradient buffers are fresh tensors written only here.
+            unsafe { s.backward(p, &c(&w), &c(&sd), &c(&g)) }
+        })
+        .map_err(to_py)
+    }
+}
+
+#[pymethods]
+impl PyPending {
+    /// (address, dtype, shape) of output k; valid until backward() or release().
+    fn output(&mut self, k: usize) -> PyResult<(usize, String, Vec<usize>)> {
+        let p = self
+            .inner
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("this forward pass was released"))?;
+        let (ptr, dt, shape) = self.session.output_ptr(p, k).map_err(to_py)?;
+        Ok((ptr as usize, dt.name().to_string(), shape))
+    }
+
+    /// Copies output k into memory at `dst` (which must hold its bytes).
+    fn copy_output(&mut self, py: Python<'_>, k: usize, dst: usize) -> PyResult<()> {
+        let (src, dt, shape) = self.output(k)?;
+        let n = shape.iter().product::<usize>() * dtype(&dt)?.size();
+        let (s, d) = (Addr(src), Addr(dst));
+        py.detach(move || {
+            // SAFETY: src holds the output's n bytes in the pending arena; the caller passes a
+            // distinct buffer of at least n bytes at dst.
+            unsafe { std::ptr::copy_nonoverlapping(s.0 as *const u8, d.0 as *mut u8, n) }
+        });
+        Ok(())
+    }
+
+    #[getter]
+    fn forward_ms(&self) -> f64 {
+        self.inner
+            .as_ref()
+            .map_or(0.0, |p| p.forward_time.as_secs_f64() * 1e3)
+    }
+
+    #[getter]
+    fn arena_bytes(&self) -> usize {
+        self.inner.as_ref().map_or(0, |p| p.plan.arena_bytes)
+    }
+
+    /// Frees the activations (a forward pass that needs no backward pass).
+    fn release(&mut self) {
+        if let Some(p) = self.inner.take() {
+            self.session.release(p);
+        }
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PySession>()?;
+    m.add_class::<PyPending>()?;
+    m.add("EngineError", m.py().get_type::<EngineError>())?;
+    Ok(())
+}
