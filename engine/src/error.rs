@@ -8,19 +8,13 @@ pub enum Error {
     #[error("invalid ONNX model: {field}: {msg}")]
     Onnx { field: String, msg: String },
     #[error("unsupported op {op_type} (node '{node}'): {msg}")]
-    Unsupported {
-        op_type: String,
-        node: String,
-        msg: String,
-    },
+    Unsupported { op_type: String, node: String, msg: String },
+    #[error("unsupported op type(s) {op_types}: {nodes} (see doc/SUPPORTED-OPS.md)")]
+    UnknownOps { op_types: String, nodes: String },
     #[error("no gradient rule for op {op_type} (node '{node}'), which lies on the path from the parameters to the loss")]
     NoGradient { op_type: String, node: String },
     #[error("{op_type} node '{node}': {msg}")]
-    Node {
-        op_type: String,
-        node: String,
-        msg: String,
-    },
+    Node { op_type: String, node: String, msg: String },
     #[error("input '{name}': {msg}")]
     Input { name: String, msg: String },
     #[error("no CPU kernel for: {0}")]
@@ -43,10 +37,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn onnx(field: impl Into<String>, msg: impl Into<String>) -> Self {
-        Error::Onnx {
-            field: field.into(),
-            msg: msg.into(),
-        }
+        Error::Onnx { field: field.into(), msg: msg.into() }
     }
     pub fn other(msg: impl Into<String>) -> Self {
         Error::Other(msg.into())

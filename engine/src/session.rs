@@ -46,12 +46,7 @@ impl Session {
     /// Imports `onnx` and builds gradients of every float output with respect to the trainable
     /// weights. `weights` names the initializers the caller binds per call (all others become
     /// constants); `trainable[i]` says whether `weights[i]` gets a gradient.
-    pub fn from_onnx(
-        onnx: &[u8],
-        base_dir: Option<&Path>,
-        weights: &[String],
-        trainable: &[bool],
-    ) -> Result<Session> {
+    pub fn from_onnx(onnx: &[u8], base_dir: Option<&Path>, weights: &[String], trainable: &[bool]) -> Result<Session> {
         if weights.len() != trainable.len() {
             return Err(Error::other("weights and trainable flags differ in length"));
         }
@@ -61,19 +56,11 @@ impl Session {
             let v = graph
                 .find(name)
                 .filter(|v| graph.value(*v).kind == ValueKind::Weight)
-                .ok_or_else(|| Error::Input {
-                    name: name.clone(),
-                    msg: "no initializer of this name in the model".into(),
-                })?;
+                .ok_or_else(|| Error::Input { name: name.clone(), msg: "no initializer of this name in the model".into() })?;
             weight_ids.push(v);
         }
         // initializers the caller does not bind are constants
-        let unbound: Vec<_> = graph
-            .weights
-            .iter()
-            .filter(|(v, _)| !weight_ids.contains(v))
-            .cloned()
-            .collect();
+        let unbound: Vec<_> = graph.weights.iter().filter(|(v, _)| !weight_ids.contains(v)).cloned().collect();
         for (v, data) in unbound {
             let data = data.ok_or_else(|| Error::Input {
                 name: graph.value(v).name.clone(),
@@ -91,12 +78,7 @@ impl Session {
             // every output gets a seed and integer ones are simply never bound
             seeds.push(Some(graph.add_value(&name, ValueKind::Input, None, None)));
         }
-        let wrt: Vec<ValueId> = weight_ids
-            .iter()
-            .zip(trainable)
-            .filter(|(_, &t)| t)
-            .map(|(&v, _)| v)
-            .collect();
+        let wrt: Vec<ValueId> = weight_ids.iter().zip(trainable).filter(|(_, &t)| t).map(|(&v, _)| v).collect();
         let g = autodiff::build(&mut graph, &outputs, &seeds, &wrt)?;
         let mut grads = vec![None; weight_ids.len()];
         let mut k = 0;
@@ -123,40 +105,17 @@ impl Session {
     /// The plan for these input types; `backward` adds the gradient phase.
     pub fn plan(&self, sigs: &[Sig], backward: bool) -> Result<Arc<Plan>> {
         let key = (sigs.to_vec(), backward);
-        if let Some(p) = self
-            .plans
-            .lock()
-            .map_err(|_| Error::other("plan cache poisoned"))?
-            .get(&key)
-        {
+        if let Some(p) = self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.get(&key) {
             return Ok(p.clone());
         }
         if sigs.len() != self.inputs.len() {
-            return Err(Error::other(format!(
-                "the model takes {} inputs, got {}",
-                self.inputs.len(),
-                sigs.len()
-            )));
+            return Err(Error::other(format!("the model takes {} inputs, got {}", self.inputs.len(), sigs.len())));
         }
-        let mut input_types: HashMap<ValueId, Sig> = self
-            .inputs
-            .iter()
-            .copied()
-            .zip(sigs.iter().cloned())
-            .collect();
+        let mut input_types: HashMap<ValueId, Sig> = self.inputs.iter().copied().zip(sigs.iter().cloned()).collect();
         for &w in &self.weights {
             let v = self.graph.value(w);
             if let (Some(dt), Some(dims)) = (v.dtype, &v.shape) {
-                let shape = dims
-                    .iter()
-                    .map(|d| {
-                        if let crate::ir::Dim::Known(k) = d {
-                            *k
-                        } else {
-                            0
-                        }
-                    })
-                    .collect();
+                let shape = dims.iter().map(|d| if let crate::ir::Dim::Known(k) = d { *k } else { 0 }).collect();
                 input_types.insert(w, (dt, shape));
             }
         }
@@ -168,18 +127,10 @@ impl Session {
             backward_outputs: if backward { grads.clone() } else { vec![] },
             bound_outputs: if backward { grads } else { vec![] },
             input_types,
-            seeds: self
-                .seeds
-                .iter()
-                .zip(&self.outputs)
-                .filter_map(|(s, o)| s.map(|s| (s, *o)))
-                .collect(),
+            seeds: self.seeds.iter().zip(&self.outputs).filter_map(|(s, o)| s.map(|s| (s, *o))).collect(),
         };
         let p = Arc::new(plan::build(&req)?);
-        self.plans
-            .lock()
-            .map_err(|_| Error::other("plan cache poisoned"))?
-            .insert(key, p.clone());
+        self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.insert(key, p.clone());
         Ok(p)
     }
 
@@ -189,55 +140,21 @@ impl Session {
     /// # Safety
     /// Every weight pointer must point to the weight's data (its declared type and shape),
     /// valid and unmodified for the call.
-    pub unsafe fn forward(
-        &self,
-        inputs: &[(Sig, &[u8])],
-        weights: &[*mut u8],
-        backward: bool,
-        seed: u64,
-    ) -> Result<Pending> {
+    pub unsafe fn forward(&self, inputs: &[(Sig, &[u8])], weights: &[*mut u8], backward: bool, seed: u64) -> Result<Pending> {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         let plan = self.plan(&sigs, backward)?;
-        let mut arena = self
-            .arenas
-            .lock()
-            .ok()
-            .and_then(|mut a| a.pop())
-            .unwrap_or_default();
+        let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
         let mut ctx = CpuCtx::new(seed);
         let bind = self.bind_weights(weights)?;
-        let feed: Vec<(ValueId, &[u8])> = self
-            .inputs
-            .iter()
-            .copied()
-            .zip(inputs.iter().map(|(_, b)| *b))
-            .collect();
+        let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
         let t0 = std::time::Instant::now();
-        exec::run_phase(
-            &self.graph,
-            &plan,
-            Phase::Forward,
-            &mut arena,
-            &bind,
-            &feed,
-            &mut ctx,
-            None,
-        )?;
-        Ok(Pending {
-            plan,
-            arena,
-            ctx,
-            forward_time: t0.elapsed(),
-        })
+        exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, None)?;
+        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed() })
     }
 
     fn bind_weights(&self, weights: &[*mut u8]) -> Result<Bindings> {
         if weights.len() != self.weights.len() {
-            return Err(Error::other(format!(
-                "expected {} weight pointers, got {}",
-                self.weights.len(),
-                weights.len()
-            )));
+            return Err(Error::other(format!("expected {} weight pointers, got {}", self.weights.len(), weights.len())));
         }
         let mut bind = Bindings::new(self.graph.values.len());
         for (&v, &p) in self.weights.iter().zip(weights) {
@@ -248,21 +165,11 @@ impl Session {
     }
 
     /// Pointer to output `k` in the pending step's memory (valid while `pending` lives).
-    pub fn output_ptr(
-        &self,
-        pending: &mut Pending,
-        k: usize,
-    ) -> Result<(*const u8, DType, Vec<usize>)> {
-        let v = *self
-            .outputs
-            .get(k)
-            .ok_or_else(|| Error::other(format!("no output {k}")))?;
+    pub fn output_ptr(&self, pending: &mut Pending, k: usize) -> Result<(*const u8, DType, Vec<usize>)> {
+        let v = *self.outputs.get(k).ok_or_else(|| Error::other(format!("no output {k}")))?;
         let bind = Bindings::new(self.graph.values.len());
         let p = exec::value_ptr(&self.graph, &pending.plan, &mut pending.arena, &bind, v)?;
-        let dt = pending
-            .plan
-            .dtype(v)
-            .ok_or_else(|| Error::other("output has no type"))?;
+        let dt = pending.plan.dtype(v).ok_or_else(|| Error::other("output has no type"))?;
         Ok((p as *const u8, dt, pending.plan.shape(v).to_vec()))
     }
 
@@ -273,13 +180,7 @@ impl Session {
     /// # Safety
     /// As for `forward`; seed pointers hold the outputs' types, gradient pointers the weights'
     /// types and are written exclusively by this call.
-    pub unsafe fn backward(
-        &self,
-        mut pending: Pending,
-        weights: &[*mut u8],
-        seeds: &[*mut u8],
-        grads: &[*mut u8],
-    ) -> Result<()> {
+    pub unsafe fn backward(&self, mut pending: Pending, weights: &[*mut u8], seeds: &[*mut u8], grads: &[*mut u8]) -> Result<()> {
         let mut bind = self.bind_weights(weights)?;
         for (s, &p) in self.seeds.iter().zip(seeds) {
             if let (Some(s), false) = (s, p.is_null()) {
@@ -293,16 +194,7 @@ impl Session {
                 unsafe { bind.bind(*g, p) };
             }
         }
-        let r = exec::run_phase(
-            &self.graph,
-            &pending.plan,
-            Phase::Backward,
-            &mut pending.arena,
-            &bind,
-            &[],
-            &mut pending.ctx,
-            None,
-        );
+        let r = exec::run_phase(&self.graph, &pending.plan, Phase::Backward, &mut pending.arena, &bind, &[], &mut pending.ctx, None);
         self.release(pending);
         r
     }

@@ -60,17 +60,7 @@ impl DType {
         })
     }
     pub fn from_name(name: &str) -> Option<DType> {
-        [
-            DType::F32,
-            DType::F64,
-            DType::I64,
-            DType::I32,
-            DType::Bool,
-            DType::U8,
-            DType::I8,
-        ]
-        .into_iter()
-        .find(|d| d.name() == name)
+        [DType::F32, DType::F64, DType::I64, DType::I32, DType::Bool, DType::U8, DType::I8].into_iter().find(|d| d.name() == name)
     }
 }
 
@@ -96,12 +86,7 @@ impl Tensor {
     pub fn new(shape: Vec<usize>, data: Data) -> Result<Tensor> {
         let t = Tensor { shape, data };
         if t.len() != t.numel() {
-            return Err(Error::other(format!(
-                "tensor of shape {:?} needs {} elements, got {}",
-                t.shape,
-                t.numel(),
-                t.len()
-            )));
+            return Err(Error::other(format!("tensor of shape {:?} needs {} elements, got {}", t.shape, t.numel(), t.len())));
         }
         Ok(t)
     }
@@ -119,22 +104,13 @@ impl Tensor {
         Tensor { shape, data }
     }
     pub fn scalar_f32(v: f32) -> Tensor {
-        Tensor {
-            shape: vec![],
-            data: Data::F32(vec![v]),
-        }
+        Tensor { shape: vec![], data: Data::F32(vec![v]) }
     }
     pub fn from_i64(shape: Vec<usize>, v: Vec<i64>) -> Tensor {
-        Tensor {
-            shape,
-            data: Data::I64(v),
-        }
+        Tensor { shape, data: Data::I64(v) }
     }
     pub fn from_f32(shape: Vec<usize>, v: Vec<f32>) -> Tensor {
-        Tensor {
-            shape,
-            data: Data::F32(v),
-        }
+        Tensor { shape, data: Data::F32(v) }
     }
     pub fn dtype(&self) -> DType {
         match &self.data {
@@ -184,9 +160,7 @@ impl Tensor {
         fn bytes<T>(v: &mut [T]) -> &mut [u8] {
             // SAFETY: plain-old-data element types (every bit pattern is valid); the byte view
             // covers exactly the vector's elements and holds the unique borrow of `v`.
-            unsafe {
-                std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v))
-            }
+            unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
         }
         match &mut self.data {
             Data::F32(v) => bytes(v),
@@ -211,9 +185,7 @@ impl Tensor {
         }
         macro_rules! conv {
             ($t:ty, $w:literal) => {
-                raw.chunks_exact($w)
-                    .map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $w])))
-                    .collect()
+                raw.chunks_exact($w).map(|c| <$t>::from_le_bytes(c.try_into().unwrap_or([0; $w]))).collect()
             };
         }
         let data = match dtype {

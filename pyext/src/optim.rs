@@ -31,22 +31,11 @@ fn adam_step(
     decoupled: bool,
     maximize: bool,
 ) {
-    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> = tensors
-        .into_iter()
-        .map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s))
-        .collect();
+    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> =
+        tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
     py.detach(move || {
         for (p, g, m, v, n, step) in t {
-            let h = AdamHyper {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                decoupled,
-                maximize,
-                step,
-            };
+            let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
             // SAFETY: the caller passes distinct live f32 tensors of n elements each.
             unsafe { optim::adam(f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n), &h) };
         }
@@ -66,19 +55,9 @@ fn sgd_step(
     nesterov: bool,
     maximize: bool,
 ) {
-    let t: Vec<(Addr, Addr, Addr, usize, bool)> = tensors
-        .into_iter()
-        .map(|(p, g, b, n, f)| (Addr(p), Addr(g), Addr(b), n, f))
-        .collect();
+    let t: Vec<(Addr, Addr, Addr, usize, bool)> = tensors.into_iter().map(|(p, g, b, n, f)| (Addr(p), Addr(g), Addr(b), n, f)).collect();
     py.detach(move || {
-        let h = SgdHyper {
-            lr,
-            momentum,
-            dampening,
-            weight_decay,
-            nesterov,
-            maximize,
-        };
+        let h = SgdHyper { lr, momentum, dampening, weight_decay, nesterov, maximize };
         for (p, g, b, n, first) in t {
             // SAFETY: the caller passes distinct live f32 tensors of n elements each (b may be 0).
             unsafe {

@@ -24,7 +24,9 @@ struct Addr(usize);
 unsafe impl Send for Addr {}
 
 fn dtype(name: &str) -> PyResult<DType> {
-    DType::from_name(name).ok_or_else(|| PyValueError::new_err(format!("unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8)")))
+    DType::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!("unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8)"))
+    })
 }
 
 #[pyclass(frozen, name = "Session", module = "ortrain._ortrain")]
@@ -43,44 +45,25 @@ impl PySession {
     /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
     /// flags which of them get gradients.
     #[new]
-    fn new(
-        py: Python<'_>,
-        onnx: &Bound<'_, PyBytes>,
-        weights: Vec<String>,
-        trainable: Vec<bool>,
-    ) -> PyResult<Self> {
+    fn new(py: Python<'_>, onnx: &Bound<'_, PyBytes>, weights: Vec<String>, trainable: Vec<bool>) -> PyResult<Self> {
         let bytes = onnx.as_bytes().to_vec();
-        let s = py
-            .detach(move || Session::from_onnx(&bytes, None, &weights, &trainable))
-            .map_err(to_py)?;
+        let s = py.detach(move || Session::from_onnx(&bytes, None, &weights, &trainable)).map_err(to_py)?;
         Ok(PySession { inner: Arc::new(s) })
     }
 
     #[getter]
     fn input_names(&self) -> Vec<String> {
-        self.inner
-            .inputs
-            .iter()
-            .map(|v| self.inner.graph.value(*v).name.clone())
-            .collect()
+        self.inner.inputs.iter().map(|v| self.inner.graph.value(*v).name.clone()).collect()
     }
 
     #[getter]
     fn output_names(&self) -> Vec<String> {
-        self.inner
-            .outputs
-            .iter()
-            .map(|v| self.inner.graph.value(*v).name.clone())
-            .collect()
+        self.inner.outputs.iter().map(|v| self.inner.graph.value(*v).name.clone()).collect()
     }
 
     #[getter]
     fn weight_names(&self) -> Vec<String> {
-        self.inner
-            .weights
-            .iter()
-            .map(|v| self.inner.graph.value(*v).name.clone())
-            .collect()
+        self.inner.weights.iter().map(|v| self.inner.graph.value(*v).name.clone()).collect()
     }
 
     /// Which weights receive a gradient (False: frozen or not on the path to any output).
@@ -91,23 +74,12 @@ impl PySession {
 
     #[getter]
     fn node_count(&self) -> (usize, usize) {
-        (
-            self.inner.n_fwd,
-            self.inner.graph.nodes.len() - self.inner.n_fwd,
-        )
+        (self.inner.n_fwd, self.inner.graph.nodes.len() - self.inner.n_fwd)
     }
 
     /// Plans for these input types and returns a summary dict (arena bytes, step counts, ops).
-    fn plan_info(
-        &self,
-        py: Python<'_>,
-        sigs: Vec<(String, Vec<usize>)>,
-        backward: bool,
-    ) -> PyResult<Py<PyAny>> {
-        let sigs: Vec<Sig> = sigs
-            .into_iter()
-            .map(|(d, s)| Ok((dtype(&d)?, s)))
-            .collect::<PyResult<_>>()?;
+    fn plan_info(&self, py: Python<'_>, sigs: Vec<(String, Vec<usize>)>, backward: bool) -> PyResult<Py<PyAny>> {
+        let sigs: Vec<Sig> = sigs.into_iter().map(|(d, s)| Ok((dtype(&d)?, s))).collect::<PyResult<_>>()?;
         let plan = self.inner.plan(&sigs, backward).map_err(to_py)?;
         let d = pyo3::types::PyDict::new(py);
         d.set_item("arena_bytes", plan.arena_bytes)?;
@@ -144,14 +116,7 @@ impl PySession {
                     // SAFETY: the caller holds each input tensor alive and contiguous with
                     // exactly `n` bytes at `addr` for the duration of this call.
                     .map(|(a, n, sig)| {
-                        (
-                            sig.clone(),
-                            if *n == 0 {
-                                &[][..]
-                            } else {
-                                unsafe { std::slice::from_raw_parts(a.0 as *const u8, *n) }
-                            },
-                        )
+                        (sig.clone(), if *n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(a.0 as *const u8, *n) } })
                     })
                     .collect();
                 let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
@@ -159,32 +124,18 @@ impl PySession {
                 unsafe { s.forward(&views, &wp, backward, seed) }
             })
             .map_err(to_py)?;
-        Ok(PyPending {
-            inner: Some(pending),
-            session: self.inner.clone(),
-        })
+        Ok(PyPending { inner: Some(pending), session: self.inner.clone() })
     }
 
     /// Runs the backward pass of `pending`: `seeds` one address per output (0: none), `grads`
     /// one address per weight (0: not wanted), written in place.
-    fn backward(
-        &self,
-        py: Python<'_>,
-        pending: &mut PyPending,
-        weights: Vec<usize>,
-        seeds: Vec<usize>,
-        grads: Vec<usize>,
-    ) -> PyResult<()> {
-        let p = pending.inner.take().ok_or_else(|| {
-            PyRuntimeError::new_err(
-                "this forward pass was already used for a backward pass or released",
-            )
-        })?;
-        let (w, sd, g): (Vec<Addr>, Vec<Addr>, Vec<Addr>) = (
-            weights.into_iter().map(Addr).collect(),
-            seeds.into_iter().map(Addr).collect(),
-            grads.into_iter().map(Addr).collect(),
-        );
+    fn backward(&self, py: Python<'_>, pending: &mut PyPending, weights: Vec<usize>, seeds: Vec<usize>, grads: Vec<usize>) -> PyResult<()> {
+        let p = pending
+            .inner
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this forward pass was already used for a backward pass or released"))?;
+        let (w, sd, g): (Vec<Addr>, Vec<Addr>, Vec<Addr>) =
+            (weights.into_iter().map(Addr).collect(), seeds.into_iter().map(Addr).collect(), grads.into_iter().map(Addr).collect());
         let s = self.inner.clone();
         py.detach(move || {
             let c = |v: &[Addr]| v.iter().map(|a| a.0 as *mut u8).collect::<Vec<_>>();
@@ -200,10 +151,7 @@ impl PySession {
 impl PyPending {
     /// (address, dtype, shape) of output k; valid until backward() or release().
     fn output(&mut self, k: usize) -> PyResult<(usize, String, Vec<usize>)> {
-        let p = self
-            .inner
-            .as_mut()
-            .ok_or_else(|| PyRuntimeError::new_err("this forward pass was released"))?;
+        let p = self.inner.as_mut().ok_or_else(|| PyRuntimeError::new_err("this forward pass was released"))?;
         let (ptr, dt, shape) = self.session.output_ptr(p, k).map_err(to_py)?;
         Ok((ptr as usize, dt.name().to_string(), shape))
     }
@@ -223,9 +171,7 @@ impl PyPending {
 
     #[getter]
     fn forward_ms(&self) -> f64 {
-        self.inner
-            .as_ref()
-            .map_or(0.0, |p| p.forward_time.as_secs_f64() * 1e3)
+        self.inner.as_ref().map_or(0.0, |p| p.forward_time.as_secs_f64() * 1e3)
     }
 
     #[getter]

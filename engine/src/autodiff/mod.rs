@@ -52,13 +52,7 @@ impl<'g> GradCtx<'g> {
     pub fn op(&mut self, op_type: &str, inputs: &[ValueId], attrs: Attrs) -> ValueId {
         self.op_n(op_type, inputs.iter().map(|&v| Some(v)).collect(), attrs, 1)[0]
     }
-    pub fn op_n(
-        &mut self,
-        op_type: &str,
-        inputs: Vec<Option<ValueId>>,
-        attrs: Attrs,
-        n: usize,
-    ) -> Vec<ValueId> {
+    pub fn op_n(&mut self, op_type: &str, inputs: Vec<Option<ValueId>>, attrs: Attrs, n: usize) -> Vec<ValueId> {
         self.counter += 1;
         let name = format!("{}/grad/{}{}", self.node().name, op_type, self.counter);
         self.graph.add_node(&name, op_type, inputs, attrs, n)
@@ -73,13 +67,7 @@ impl<'g> GradCtx<'g> {
     }
     /// `alpha * v + beta`, in v's dtype.
     pub fn affine(&mut self, v: ValueId, alpha: f32, beta: f32) -> ValueId {
-        self.op(
-            "Affine",
-            &[v],
-            Attrs::default()
-                .with("alpha", Attr::Float(alpha))
-                .with("beta", Attr::Float(beta)),
-        )
+        self.op("Affine", &[v], Attrs::default().with("alpha", Attr::Float(alpha)).with("beta", Attr::Float(beta)))
     }
     pub fn attrs(&self) -> &Attrs {
         &self.node().attrs
@@ -96,23 +84,14 @@ pub struct Gradients {
 
 /// Appends to `graph` the nodes computing d(outputs)/d(wrt), given one gradient seed value per
 /// output (`seeds[k]` is the gradient flowing into `outputs[k]`; None for an output without one).
-pub fn build(
-    graph: &mut Graph,
-    outputs: &[ValueId],
-    seeds: &[Option<ValueId>],
-    wrt: &[ValueId],
-) -> Result<Gradients> {
+pub fn build(graph: &mut Graph, outputs: &[ValueId], seeds: &[Option<ValueId>], wrt: &[ValueId]) -> Result<Gradients> {
     let n_fwd = graph.nodes.len();
     // values that depend on a wrt value through differentiable inputs
     let mut depends: HashSet<ValueId> = wrt.iter().copied().collect();
     for node in &graph.nodes[..n_fwd] {
         let op = ops::lookup(&node.op_type);
         let nd = op.map(|o| o.non_differentiable_inputs()).unwrap_or(&[]);
-        let hit = node
-            .inputs
-            .iter()
-            .enumerate()
-            .any(|(i, v)| !nd.contains(&i) && v.is_some_and(|v| depends.contains(&v)));
+        let hit = node.inputs.iter().enumerate().any(|(i, v)| !nd.contains(&i) && v.is_some_and(|v| depends.contains(&v)));
         if hit {
             depends.extend(node.outputs.iter().copied());
         }
@@ -136,32 +115,14 @@ pub fn build(
             msg: "unknown op".into(),
         })?;
         let nd = op.non_differentiable_inputs();
-        let wants: Vec<bool> = node
-            .inputs
-            .iter()
-            .enumerate()
-            .map(|(i, v)| !nd.contains(&i) && v.is_some_and(|v| depends.contains(&v)))
-            .collect();
+        let wants: Vec<bool> =
+            node.inputs.iter().enumerate().map(|(i, v)| !nd.contains(&i) && v.is_some_and(|v| depends.contains(&v))).collect();
         if !wants.iter().any(|&w| w) {
             continue;
         }
-        let rule = op.gradient().ok_or_else(|| Error::NoGradient {
-            op_type: node.op_type.clone(),
-            node: node.name.clone(),
-        })?;
-        let dys: Vec<Option<ValueId>> = node
-            .outputs
-            .iter()
-            .map(|o| sum_contributions(graph, &mut contrib, *o))
-            .collect();
-        let mut ctx = GradCtx {
-            graph,
-            node: NodeId(n),
-            dys,
-            wants: wants.clone(),
-            dxs: vec![None; node.inputs.len()],
-            counter: 0,
-        };
+        let rule = op.gradient().ok_or_else(|| Error::NoGradient { op_type: node.op_type.clone(), node: node.name.clone() })?;
+        let dys: Vec<Option<ValueId>> = node.outputs.iter().map(|o| sum_contributions(graph, &mut contrib, *o)).collect();
+        let mut ctx = GradCtx { graph, node: NodeId(n), dys, wants: wants.clone(), dxs: vec![None; node.inputs.len()], counter: 0 };
         rule(&node, &mut ctx)?;
         let dxs = ctx.dxs;
         contrib.resize(graph.values.len(), Vec::new());
@@ -171,10 +132,7 @@ pub fn build(
             }
         }
     }
-    let grads = wrt
-        .iter()
-        .map(|&w| sum_contributions(graph, &mut contrib, w))
-        .collect::<Vec<_>>();
+    let grads = wrt.iter().map(|&w| sum_contributions(graph, &mut contrib, w)).collect::<Vec<_>>();
     // every gradient must be computed by a backward node, so that callers can bind its storage
     let grads = grads
         .into_iter()
@@ -188,21 +146,11 @@ pub fn build(
             })
         })
         .collect();
-    debug_assert!(graph
-        .values
-        .iter()
-        .all(|v| v.kind != ValueKind::Computed || v.producer.is_some()));
-    Ok(Gradients {
-        grads,
-        first_backward_node: n_fwd,
-    })
+    debug_assert!(graph.values.iter().all(|v| v.kind != ValueKind::Computed || v.producer.is_some()));
+    Ok(Gradients { grads, first_backward_node: n_fwd })
 }
 
-fn sum_contributions(
-    graph: &mut Graph,
-    contrib: &mut Vec<Vec<ValueId>>,
-    v: ValueId,
-) -> Option<ValueId> {
+fn sum_contributions(graph: &mut Graph, contrib: &mut Vec<Vec<ValueId>>, v: ValueId) -> Option<ValueId> {
     contrib.resize(graph.values.len(), Vec::new());
     let parts = std::mem::take(&mut contrib[v.0]);
     let mut it = parts.into_iter();

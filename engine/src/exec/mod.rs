@@ -48,9 +48,7 @@ pub struct Bindings {
 
 impl Bindings {
     pub fn new(n_values: usize) -> Self {
-        Bindings {
-            ptrs: vec![std::ptr::null_mut(); n_values],
-        }
+        Bindings { ptrs: vec![std::ptr::null_mut(); n_values] }
     }
     /// # Safety
     /// `ptr` must point to memory holding the value's planned type (numel × element size
@@ -66,13 +64,7 @@ pub enum Phase {
     Backward,
 }
 
-fn pointer(
-    graph: &Graph,
-    plan: &Plan,
-    base: *mut u8,
-    bind: &Bindings,
-    v: ValueId,
-) -> Result<*mut u8> {
+fn pointer(graph: &Graph, plan: &Plan, base: *mut u8, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
     match &plan.storage[v.0] {
         // SAFETY: planned offsets lie inside the reserved arena of plan.arena_bytes.
         Storage::Arena(off) => Ok(unsafe { base.add(*off) }),
@@ -80,29 +72,17 @@ fn pointer(
         Storage::Bound => {
             let p = bind.ptrs[v.0];
             if p.is_null() {
-                Err(Error::other(format!(
-                    "no memory was bound for '{}'",
-                    graph.values[v.0].name
-                )))
+                Err(Error::other(format!("no memory was bound for '{}'", graph.values[v.0].name)))
             } else {
                 Ok(p)
             }
         }
-        Storage::Unused => Err(Error::other(format!(
-            "value '{}' has no storage in this plan",
-            graph.values[v.0].name
-        ))),
+        Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
     }
 }
 
 /// Pointer to a value's bytes after (or during) a run; for reading outputs.
-pub fn value_ptr(
-    graph: &Graph,
-    plan: &Plan,
-    arena: &mut Arena,
-    bind: &Bindings,
-    v: ValueId,
-) -> Result<*mut u8> {
+pub fn value_ptr(graph: &Graph, plan: &Plan, arena: &mut Arena, bind: &Bindings, v: ValueId) -> Result<*mut u8> {
     let base = arena.reserve(plan.arena_bytes);
     pointer(graph, plan, base, bind, v)
 }
@@ -124,8 +104,7 @@ pub fn run_phase(
         Phase::Forward => {
             for &(v, bytes) in inputs {
                 if let Storage::Arena(off) = plan.storage[v.0] {
-                    let want = plan.shape(v).iter().product::<usize>()
-                        * plan.dtype(v).map_or(0, |d| d.size());
+                    let want = plan.shape(v).iter().product::<usize>() * plan.dtype(v).map_or(0, |d| d.size());
                     if bytes.len() != want {
                         return Err(Error::Input {
                             name: graph.values[v.0].name.clone(),

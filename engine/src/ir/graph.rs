@@ -66,11 +66,7 @@ impl Node {
         })
     }
     pub fn err(&self, msg: impl Into<String>) -> Error {
-        Error::Node {
-            op_type: self.op_type.clone(),
-            node: self.name.clone(),
-            msg: msg.into(),
-        }
+        Error::Node { op_type: self.op_type.clone(), node: self.name.clone(), msg: msg.into() }
     }
 }
 
@@ -93,13 +89,7 @@ impl Graph {
         self.by_name.get(name).copied()
     }
     /// Adds a value; the name is made unique if taken.
-    pub fn add_value(
-        &mut self,
-        name: &str,
-        kind: ValueKind,
-        dtype: Option<DType>,
-        shape: Option<Vec<Dim>>,
-    ) -> ValueId {
+    pub fn add_value(&mut self, name: &str, kind: ValueKind, dtype: Option<DType>, shape: Option<Vec<Dim>>) -> ValueId {
         let mut unique = name.to_string();
         let mut k = 1;
         while self.by_name.contains_key(&unique) {
@@ -108,34 +98,16 @@ impl Graph {
         }
         let id = ValueId(self.values.len());
         self.by_name.insert(unique.clone(), id);
-        self.values.push(Value {
-            name: unique,
-            kind,
-            dtype,
-            shape,
-            producer: None,
-        });
+        self.values.push(Value { name: unique, kind, dtype, shape, producer: None });
         id
     }
     pub fn add_const(&mut self, name: &str, t: Tensor) -> ValueId {
         let dtype = t.dtype();
         let shape = t.shape.iter().map(|&d| Dim::Known(d)).collect();
-        self.add_value(
-            name,
-            ValueKind::Const(Arc::new(t)),
-            Some(dtype),
-            Some(shape),
-        )
+        self.add_value(name, ValueKind::Const(Arc::new(t)), Some(dtype), Some(shape))
     }
     /// Appends a node computing `n_out` new values; returns their ids.
-    pub fn add_node(
-        &mut self,
-        name: &str,
-        op_type: &str,
-        inputs: Vec<Option<ValueId>>,
-        attrs: Attrs,
-        n_out: usize,
-    ) -> Vec<ValueId> {
+    pub fn add_node(&mut self, name: &str, op_type: &str, inputs: Vec<Option<ValueId>>, attrs: Attrs, n_out: usize) -> Vec<ValueId> {
         let node_id = NodeId(self.nodes.len());
         let outputs: Vec<ValueId> = (0..n_out)
             .map(|i| {
@@ -144,13 +116,7 @@ impl Graph {
                 v
             })
             .collect();
-        self.nodes.push(Node {
-            name: name.to_string(),
-            op_type: op_type.to_string(),
-            inputs,
-            outputs: outputs.clone(),
-            attrs,
-        });
+        self.nodes.push(Node { name: name.to_string(), op_type: op_type.to_string(), inputs, outputs: outputs.clone(), attrs });
         outputs
     }
     /// Appends a node whose outputs are existing, producer-less values (used by importers).

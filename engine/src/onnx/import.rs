@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use prost::Message;
 
-use super::proto::{
-    attr_type, AttributeProto, DimensionValue, ModelProto, NodeProto, ValueInfoProto,
-};
+use super::proto::{attr_type, AttributeProto, DimensionValue, ModelProto, NodeProto, ValueInfoProto};
 use super::tensor_proto::tensor_from_proto;
 use crate::error::{Error, Result};
 use crate::ir::{Attr, Attrs, Dim, Graph, Node, ValueKind};
@@ -26,28 +24,17 @@ pub struct ImportOptions {
 }
 
 pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Graph> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| Error::onnx(path.display().to_string(), format!("cannot read: {e}")))?;
+    let bytes = std::fs::read(path).map_err(|e| Error::onnx(path.display().to_string(), format!("cannot read: {e}")))?;
     import_bytes(&bytes, path.parent(), opts)
 }
 
 pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions) -> Result<Graph> {
-    let model = ModelProto::decode(bytes).map_err(|e| {
-        Error::onnx(
-            "ModelProto",
-            format!("cannot decode protobuf ({} bytes): {e}", bytes.len()),
-        )
-    })?;
+    let model =
+        ModelProto::decode(bytes).map_err(|e| Error::onnx("ModelProto", format!("cannot decode protobuf ({} bytes): {e}", bytes.len())))?;
     let opset = default_opset(&model)?;
-    let g = model
-        .graph
-        .as_ref()
-        .ok_or_else(|| Error::onnx("ModelProto.graph", "missing"))?;
+    let g = model.graph.as_ref().ok_or_else(|| Error::onnx("ModelProto.graph", "missing"))?;
     if g.node.is_empty() && g.output.is_empty() {
-        return Err(Error::onnx(
-            "ModelProto.graph",
-            "the graph is empty (truncated file?)",
-        ));
+        return Err(Error::onnx("ModelProto.graph", "the graph is empty (truncated file?)"));
     }
     let mut graph = Graph::default();
 
@@ -59,12 +46,7 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         }
         let tensor = tensor_from_proto(t, base_dir, &field)?;
         let shape = tensor.shape.iter().map(|&d| Dim::Known(d)).collect();
-        let v = graph.add_value(
-            &t.name,
-            ValueKind::Weight,
-            Some(tensor.dtype()),
-            Some(shape),
-        );
+        let v = graph.add_value(&t.name, ValueKind::Weight, Some(tensor.dtype()), Some(shape));
         graph.weights.push((v, Some(Arc::new(tensor))));
     }
     for (i, vi) in g.input.iter().enumerate() {
@@ -80,27 +62,16 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         import_node(&mut graph, n, i, opset, base_dir, opts, &mut unknown)?;
     }
     if !unknown.is_empty() {
-        return Err(Error::Unsupported {
-            op_type: unknown
-                .iter()
-                .map(|(op, _): &(String, String)| op.clone())
-                .collect::<Vec<_>>()
-                .join(", "),
-            node: unknown
-                .iter()
-                .map(|(_, n)| n.clone())
-                .collect::<Vec<_>>()
-                .join(", "),
-            msg: "the engine does not know these op types (see doc/SUPPORTED-OPS.md)".into(),
-        });
+        let mut types: Vec<&str> = unknown.iter().map(|(op, _)| op.as_str()).collect();
+        types.sort_unstable();
+        types.dedup();
+        let list: Vec<String> = unknown.iter().map(|(op, n)| format!("{op} (node '{n}')")).collect();
+        return Err(Error::UnknownOps { op_types: types.join(", "), nodes: list.join(", ") });
     }
     for (i, vi) in g.output.iter().enumerate() {
-        let v = graph.find(&vi.name).ok_or_else(|| {
-            Error::onnx(
-                format!("graph.output[{i}]"),
-                format!("'{}' is produced by no node", vi.name),
-            )
-        })?;
+        let v = graph
+            .find(&vi.name)
+            .ok_or_else(|| Error::onnx(format!("graph.output[{i}]"), format!("'{}' is produced by no node", vi.name)))?;
         graph.outputs.push(v);
     }
     Ok(graph)
@@ -112,20 +83,11 @@ fn default_opset(model: &ModelProto) -> Result<i64> {
         .iter()
         .find(|o| o.domain.is_empty() || o.domain == "ai.onnx")
         .map(|o| o.version)
-        .ok_or_else(|| {
-            Error::onnx(
-                "ModelProto.opset_import",
-                "no default-domain (ai.onnx) opset",
-            )
-        })?;
+        .ok_or_else(|| Error::onnx("ModelProto.opset_import", "no default-domain (ai.onnx) opset"))?;
     if !OPSET_RANGE.contains(&v) {
         return Err(Error::onnx(
             "ModelProto.opset_import",
-            format!(
-                "opset {v} is not supported (supported: {}..={})",
-                OPSET_RANGE.start(),
-                OPSET_RANGE.end()
-            ),
+            format!("opset {v} is not supported (supported: {}..={})", OPSET_RANGE.start(), OPSET_RANGE.end()),
         ));
     }
     Ok(v)
@@ -137,19 +99,10 @@ fn value_type(vi: &ValueInfoProto, field: &str) -> Result<(DType, Vec<Dim>)> {
         .as_ref()
         .and_then(|t| t.tensor_type.as_ref())
         .ok_or_else(|| Error::onnx(format!("{field}.type"), "only tensor inputs are supported"))?;
-    let dtype = DType::from_onnx(tt.elem_type).ok_or_else(|| {
-        Error::onnx(
-            format!("{field}.type.elem_type"),
-            format!("element type code {} is not supported", tt.elem_type),
-        )
-    })?;
+    let dtype = DType::from_onnx(tt.elem_type)
+        .ok_or_else(|| Error::onnx(format!("{field}.type.elem_type"), format!("element type code {} is not supported", tt.elem_type)))?;
     let dims = match &tt.shape {
-        None => {
-            return Err(Error::onnx(
-                format!("{field}.type.shape"),
-                "the input's rank is unknown",
-            ))
-        }
+        None => return Err(Error::onnx(format!("{field}.type.shape"), "the input's rank is unknown")),
         Some(s) => s
             .dim
             .iter()
@@ -173,34 +126,32 @@ fn import_node(
     opts: &ImportOptions,
     unknown: &mut Vec<(String, String)>,
 ) -> Result<()> {
-    let name = if n.name.is_empty() {
-        format!("{}_{index}", n.op_type)
-    } else {
-        n.name.clone()
-    };
+    let name = if n.name.is_empty() { format!("{}_{index}", n.op_type) } else { n.name.clone() };
     let field = format!("graph.node[{index}] '{name}' ({})", n.op_type);
     if !(n.domain.is_empty() || n.domain == "ai.onnx") {
+        for out in n.output.iter().filter(|o| !o.is_empty()) {
+            graph.add_value(out, ValueKind::Computed, None, None);
+        }
         unknown.push((format!("{}::{}", n.domain, n.op_type), name));
         return Ok(());
     }
     let mut attrs = Attrs::default();
     for a in &n.attribute {
-        attrs
-            .0
-            .push((a.name.clone(), convert_attr(a, base_dir, &field)?));
+        attrs.0.push((a.name.clone(), convert_attr(a, base_dir, &field)?));
     }
     if n.op_type == "Constant" {
         let t = constant_value(&attrs).map_err(|e| Error::onnx(field.clone(), e.to_string()))?;
-        let out = n
-            .output
-            .first()
-            .ok_or_else(|| Error::onnx(field.clone(), "Constant without output"))?;
+        let out = n.output.first().ok_or_else(|| Error::onnx(field.clone(), "Constant without output"))?;
         let dtype = t.dtype();
         let shape = t.shape.iter().map(|&d| Dim::Known(d)).collect();
         graph.add_value(out, ValueKind::Const(Arc::new(t)), Some(dtype), Some(shape));
         return Ok(());
     }
     if ops::lookup(&n.op_type).is_none() && !opts.allow_unknown_ops {
+        // define the outputs anyway, so that every unknown op is reported, not just the first
+        for out in n.output.iter().filter(|o| !o.is_empty()) {
+            graph.add_value(out, ValueKind::Computed, None, None);
+        }
         unknown.push((n.op_type.clone(), name));
         return Ok(());
     }
@@ -210,27 +161,17 @@ fn import_node(
             inputs.push(None);
             continue;
         }
-        let v = graph.find(inp).ok_or_else(|| {
-            Error::onnx(
-                format!("{field}.input[{k}]"),
-                format!("'{inp}' is not defined before this node"),
-            )
-        })?;
+        let v = graph
+            .find(inp)
+            .ok_or_else(|| Error::onnx(format!("{field}.input[{k}]"), format!("'{inp}' is not defined before this node")))?;
         inputs.push(Some(v));
     }
     let mut outputs = Vec::with_capacity(n.output.len());
     for out in &n.output {
         // an unused optional output has an empty name; give it one so kernels can still write it
-        let out_name = if out.is_empty() {
-            format!("{name}:unused{}", outputs.len())
-        } else {
-            out.clone()
-        };
+        let out_name = if out.is_empty() { format!("{name}:unused{}", outputs.len()) } else { out.clone() };
         if graph.find(&out_name).is_some() {
-            return Err(Error::onnx(
-                field.clone(),
-                format!("output '{out_name}' is defined twice"),
-            ));
+            return Err(Error::onnx(field.clone(), format!("output '{out_name}' is defined twice")));
         }
         outputs.push(graph.add_value(&out_name, ValueKind::Computed, None, None));
     }
@@ -239,13 +180,7 @@ fn import_node(
         outputs.push(graph.add_value(&format!("{name}:mask"), ValueKind::Computed, None, None));
     }
     attrs.set("__opset", Attr::Int(opset));
-    graph.push_node(Node {
-        name,
-        op_type: n.op_type.clone(),
-        inputs,
-        outputs,
-        attrs,
-    })?;
+    graph.push_node(Node { name, op_type: n.op_type.clone(), inputs, outputs, attrs })?;
     Ok(())
 }
 
@@ -257,26 +192,15 @@ fn convert_attr(a: &AttributeProto, base_dir: Option<&Path>, field: &str) -> Res
         attr_type::INT => Attr::Int(a.i),
         attr_type::STRING => Attr::String(s(&a.s)),
         attr_type::TENSOR => Attr::Tensor(tensor_from_proto(
-            a.t.as_ref()
-                .ok_or_else(|| Error::onnx(f.clone(), "tensor attribute without a tensor"))?,
+            a.t.as_ref().ok_or_else(|| Error::onnx(f.clone(), "tensor attribute without a tensor"))?,
             base_dir,
             &f,
         )?),
         attr_type::FLOATS => Attr::Floats(a.floats.clone()),
         attr_type::INTS => Attr::Ints(a.ints.clone()),
         attr_type::STRINGS => Attr::Strings(a.strings.iter().map(|b| s(b)).collect()),
-        attr_type::GRAPH => {
-            return Err(Error::onnx(
-                f,
-                "graph attributes (If/Loop/Scan bodies) are not supported yet",
-            ))
-        }
-        other => {
-            return Err(Error::onnx(
-                f,
-                format!("attribute type {other} is not supported"),
-            ))
-        }
+        attr_type::GRAPH => return Err(Error::onnx(f, "graph attributes (If/Loop/Scan bodies) are not supported yet")),
+        other => return Err(Error::onnx(f, format!("attribute type {other} is not supported"))),
     })
 }
 
@@ -289,8 +213,6 @@ fn constant_value(attrs: &Attrs) -> Result<Tensor> {
         Some(("value_floats", Attr::Floats(v))) => Ok(Tensor::from_f32(vec![v.len()], v.clone())),
         Some(("value_int", Attr::Int(v))) => Ok(Tensor::from_i64(vec![], vec![*v])),
         Some(("value_ints", Attr::Ints(v))) => Ok(Tensor::from_i64(vec![v.len()], v.clone())),
-        _ => Err(Error::other(
-            "Constant needs one of value, value_float(s), value_int(s)",
-        )),
+        _ => Err(Error::other("Constant needs one of value, value_float(s), value_int(s)")),
     }
 }

@@ -15,30 +15,22 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>, field: &str) 
             data_type::BFLOAT16 => "bfloat16".to_string(),
             other => format!("code {other}"),
         };
-        Error::onnx(
-            format!("{field}.data_type"),
-            format!("element type {what} is not supported yet"),
-        )
+        Error::onnx(format!("{field}.data_type"), format!("element type {what} is not supported yet"))
     })?;
     let mut shape = Vec::with_capacity(t.dims.len());
     for &d in &t.dims {
         if d < 0 {
-            return Err(Error::onnx(
-                format!("{field}.dims"),
-                format!("negative dimension {d}"),
-            ));
+            return Err(Error::onnx(format!("{field}.dims"), format!("negative dimension {d}")));
         }
         shape.push(d as usize);
     }
     let n: usize = shape.iter().product();
     if t.data_location == 1 {
         let raw = read_external(t, base_dir, field)?;
-        return Tensor::from_bytes(dtype, shape, &raw)
-            .map_err(|e| Error::onnx(format!("{field}.external_data"), e.to_string()));
+        return Tensor::from_bytes(dtype, shape, &raw).map_err(|e| Error::onnx(format!("{field}.external_data"), e.to_string()));
     }
     if !t.raw_data.is_empty() || n == 0 {
-        return Tensor::from_bytes(dtype, shape, &t.raw_data)
-            .map_err(|e| Error::onnx(format!("{field}.raw_data"), e.to_string()));
+        return Tensor::from_bytes(dtype, shape, &t.raw_data).map_err(|e| Error::onnx(format!("{field}.raw_data"), e.to_string()));
     }
     let data = match dtype {
         DType::F32 => Data::F32(t.float_data.clone()),
@@ -53,24 +45,11 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>, field: &str) 
 }
 
 fn read_external(t: &TensorProto, base_dir: Option<&Path>, field: &str) -> Result<Vec<u8>> {
-    let get = |k: &str| {
-        t.external_data
-            .iter()
-            .find(|e| e.key == k)
-            .map(|e| e.value.as_str())
-    };
-    let location = get("location")
-        .ok_or_else(|| Error::onnx(format!("{field}.external_data"), "no 'location' entry"))?;
+    let get = |k: &str| t.external_data.iter().find(|e| e.key == k).map(|e| e.value.as_str());
+    let location = get("location").ok_or_else(|| Error::onnx(format!("{field}.external_data"), "no 'location' entry"))?;
     let parse = |k: &str| -> Result<Option<u64>> {
         get(k)
-            .map(|v| {
-                v.parse::<u64>().map_err(|_| {
-                    Error::onnx(
-                        format!("{field}.external_data.{k}"),
-                        format!("not a number: {v:?}"),
-                    )
-                })
-            })
+            .map(|v| v.parse::<u64>().map_err(|_| Error::onnx(format!("{field}.external_data.{k}"), format!("not a number: {v:?}"))))
             .transpose()
     };
     let offset = parse("offset")?.unwrap_or(0);
@@ -82,18 +61,11 @@ fn read_external(t: &TensorProto, base_dir: Option<&Path>, field: &str) -> Resul
         ));
     }
     let base = base_dir.ok_or_else(|| {
-        Error::onnx(
-            format!("{field}.external_data"),
-            "external data needs the model loaded from a file (its folder holds the data)",
-        )
+        Error::onnx(format!("{field}.external_data"), "external data needs the model loaded from a file (its folder holds the data)")
     })?;
     let path = base.join(location);
-    let bytes = std::fs::read(&path).map_err(|e| {
-        Error::onnx(
-            format!("{field}.external_data.location"),
-            format!("{}: {e}", path.display()),
-        )
-    })?;
+    let bytes =
+        std::fs::read(&path).map_err(|e| Error::onnx(format!("{field}.external_data.location"), format!("{}: {e}", path.display())))?;
     let start = offset as usize;
     let end = match length {
         Some(l) => start + l as usize,
@@ -102,11 +74,7 @@ fn read_external(t: &TensorProto, base_dir: Option<&Path>, field: &str) -> Resul
     if start > end || end > bytes.len() {
         return Err(Error::onnx(
             format!("{field}.external_data"),
-            format!(
-                "offset {start}..{end} is past the end of {} ({} bytes)",
-                path.display(),
-                bytes.len()
-            ),
+            format!("offset {start}..{end} is past the end of {} ({} bytes)", path.display(), bytes.len()),
         ));
     }
     Ok(bytes[start..end].to_vec())

@@ -31,69 +31,18 @@ impl OpDef for Act {
 
 /// (gradient op, whether it reads the output rather than the input) per activation.
 fn grad_def(op: &str) -> Option<(&'static str, bool)> {
-    TABLE
-        .iter()
-        .find(|(name, _)| *name == op)
-        .map(|(_, a)| (a.grad_op, a.from_output))
+    TABLE.iter().find(|(name, _)| *name == op).map(|(_, a)| (a.grad_op, a.from_output))
 }
 
 const TABLE: &[(&str, Act)] = &[
-    (
-        "Relu",
-        Act {
-            grad_op: "ReluGrad",
-            from_output: true,
-        },
-    ),
-    (
-        "LeakyRelu",
-        Act {
-            grad_op: "LeakyReluGrad",
-            from_output: false,
-        },
-    ),
-    (
-        "Tanh",
-        Act {
-            grad_op: "TanhGrad",
-            from_output: true,
-        },
-    ),
-    (
-        "Sigmoid",
-        Act {
-            grad_op: "SigmoidGrad",
-            from_output: true,
-        },
-    ),
-    (
-        "Gelu",
-        Act {
-            grad_op: "GeluGrad",
-            from_output: false,
-        },
-    ),
-    (
-        "Softplus",
-        Act {
-            grad_op: "SoftplusGrad",
-            from_output: false,
-        },
-    ),
-    (
-        "HardSigmoid",
-        Act {
-            grad_op: "HardSigmoidGrad",
-            from_output: false,
-        },
-    ),
-    (
-        "HardSwish",
-        Act {
-            grad_op: "HardSwishGrad",
-            from_output: false,
-        },
-    ),
+    ("Relu", Act { grad_op: "ReluGrad", from_output: true }),
+    ("LeakyRelu", Act { grad_op: "LeakyReluGrad", from_output: false }),
+    ("Tanh", Act { grad_op: "TanhGrad", from_output: true }),
+    ("Sigmoid", Act { grad_op: "SigmoidGrad", from_output: true }),
+    ("Gelu", Act { grad_op: "GeluGrad", from_output: false }),
+    ("Softplus", Act { grad_op: "SoftplusGrad", from_output: false }),
+    ("HardSigmoid", Act { grad_op: "HardSigmoidGrad", from_output: false }),
+    ("HardSwish", Act { grad_op: "HardSwishGrad", from_output: false }),
 ];
 
 struct SameAsFirst;
@@ -105,13 +54,7 @@ impl OpDef for SameAsFirst {
 
 pub fn register(r: &mut Registry) {
     for (name, a) in TABLE {
-        r.add(
-            name,
-            Act {
-                grad_op: a.grad_op,
-                from_output: a.from_output,
-            },
-        );
+        r.add(name, Act { grad_op: a.grad_op, from_output: a.from_output });
         r.internal(a.grad_op, SameAsFirst);
     }
 }

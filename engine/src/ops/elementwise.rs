@@ -19,17 +19,10 @@ impl OpDef for Binary {
         let a = input(node, inputs, 0)?;
         let b = input(node, inputs, 1)?;
         if a.dtype != b.dtype && node.op_type != "Pow" {
-            return Err(node.err(format!(
-                "operands have different element types ({} and {})",
-                a.dtype.name(),
-                b.dtype.name()
-            )));
+            return Err(node.err(format!("operands have different element types ({} and {})", a.dtype.name(), b.dtype.name())));
         }
         let shape = broadcast_shapes(node, &[a.shape, b.shape])?;
-        Ok(vec![TypeOut::new(
-            if self.logical { DType::Bool } else { a.dtype },
-            shape,
-        )])
+        Ok(vec![TypeOut::new(if self.logical { DType::Bool } else { a.dtype }, shape)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         self.grad
@@ -44,10 +37,7 @@ struct Unary {
 impl OpDef for Unary {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let a = input(node, inputs, 0)?;
-        Ok(vec![TypeOut::new(
-            self.out.unwrap_or(a.dtype),
-            a.shape.to_vec(),
-        )])
+        Ok(vec![TypeOut::new(self.out.unwrap_or(a.dtype), a.shape.to_vec())])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         self.grad
@@ -61,16 +51,9 @@ impl OpDef for Where {
         let x = input(node, inputs, 1)?;
         let y = input(node, inputs, 2)?;
         if x.dtype != y.dtype {
-            return Err(node.err(format!(
-                "X and Y have different element types ({} and {})",
-                x.dtype.name(),
-                y.dtype.name()
-            )));
+            return Err(node.err(format!("X and Y have different element types ({} and {})", x.dtype.name(), y.dtype.name())));
         }
-        Ok(vec![TypeOut::new(
-            x.dtype,
-            broadcast_shapes(node, &[c.shape, x.shape, y.shape])?,
-        )])
+        Ok(vec![TypeOut::new(x.dtype, broadcast_shapes(node, &[c.shape, x.shape, y.shape])?)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|_, g| {
@@ -78,11 +61,7 @@ impl OpDef for Where {
             let c = g.x(0)?;
             for (i, keep) in [(1usize, 1i64), (2, 0)] {
                 if g.wants(i) {
-                    let sel = g.op(
-                        "MaskSelect",
-                        &[c, dy],
-                        Attrs::default().with("keep", Attr::Int(keep)),
-                    );
+                    let sel = g.op("MaskSelect", &[c, dy], Attrs::default().with("keep", Attr::Int(keep)));
                     let x = g.x(i)?;
                     let d = g.sum_to(sel, x);
                     g.set(i, d);
@@ -103,13 +82,8 @@ impl OpDef for Cast {
         let to = if node.op_type == "CastLike" {
             input(node, inputs, 1)?.dtype
         } else {
-            let code = node
-                .attrs
-                .req_int("to")
-                .map_err(|e| node.err(e.to_string()))?;
-            DType::from_onnx(code as i32).ok_or_else(|| {
-                node.err(format!("cast to element type code {code} is not supported"))
-            })?
+            let code = node.attrs.req_int("to").map_err(|e| node.err(e.to_string()))?;
+            DType::from_onnx(code as i32).ok_or_else(|| node.err(format!("cast to element type code {code} is not supported")))?
         };
         Ok(vec![TypeOut::new(to, a.shape.to_vec())])
     }
@@ -234,10 +208,7 @@ macro_rules! unary_grad {
 }
 
 pub fn register(r: &mut Registry) {
-    let arith = |grad| Binary {
-        logical: false,
-        grad,
-    };
+    let arith = |grad| Binary { logical: false, grad };
     r.add("Add", arith(Some(grad_add)));
     r.add("Sub", arith(Some(grad_sub)));
     r.add("Mul", arith(Some(grad_mul)));
@@ -246,83 +217,20 @@ pub fn register(r: &mut Registry) {
     r.add("Mod", arith(None));
     r.add("Max", arith(None));
     r.add("Min", arith(None));
-    for op in [
-        "Equal",
-        "Less",
-        "Greater",
-        "LessOrEqual",
-        "GreaterOrEqual",
-        "And",
-        "Or",
-        "Xor",
-    ] {
-        r.add(
-            op,
-            Binary {
-                logical: true,
-                grad: None,
-            },
-        );
+    for op in ["Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"] {
+        r.add(op, Binary { logical: true, grad: None });
     }
     r.add("Where", Where);
     r.add("Cast", Cast);
     r.add("CastLike", Cast);
-    r.add(
-        "Not",
-        Unary {
-            out: Some(DType::Bool),
-            grad: None,
-        },
-    );
-    r.add(
-        "IsNaN",
-        Unary {
-            out: Some(DType::Bool),
-            grad: None,
-        },
-    );
-    r.add(
-        "IsInf",
-        Unary {
-            out: Some(DType::Bool),
-            grad: None,
-        },
-    );
-    r.add(
-        "Sign",
-        Unary {
-            out: None,
-            grad: None,
-        },
-    );
-    r.add(
-        "Floor",
-        Unary {
-            out: None,
-            grad: None,
-        },
-    );
-    r.add(
-        "Ceil",
-        Unary {
-            out: None,
-            grad: None,
-        },
-    );
-    r.add(
-        "Identity",
-        Unary {
-            out: None,
-            grad: unary_grad!(|g, dy, x, y| dy),
-        },
-    );
-    r.add(
-        "Neg",
-        Unary {
-            out: None,
-            grad: unary_grad!(|g, dy, x, y| g.op("Neg", &[dy], Attrs::default())),
-        },
-    );
+    r.add("Not", Unary { out: Some(DType::Bool), grad: None });
+    r.add("IsNaN", Unary { out: Some(DType::Bool), grad: None });
+    r.add("IsInf", Unary { out: Some(DType::Bool), grad: None });
+    r.add("Sign", Unary { out: None, grad: None });
+    r.add("Floor", Unary { out: None, grad: None });
+    r.add("Ceil", Unary { out: None, grad: None });
+    r.add("Identity", Unary { out: None, grad: unary_grad!(|g, dy, x, y| dy) });
+    r.add("Neg", Unary { out: None, grad: unary_grad!(|g, dy, x, y| g.op("Neg", &[dy], Attrs::default())) });
     r.add(
         "Sqrt",
         Unary {
@@ -333,20 +241,8 @@ pub fn register(r: &mut Registry) {
             }),
         },
     );
-    r.add(
-        "Exp",
-        Unary {
-            out: None,
-            grad: unary_grad!(|g, dy, x, y| g.op("Mul", &[dy, y], Attrs::default())),
-        },
-    );
-    r.add(
-        "Log",
-        Unary {
-            out: None,
-            grad: unary_grad!(|g, dy, x, y| g.op("Div", &[dy, x], Attrs::default())),
-        },
-    );
+    r.add("Exp", Unary { out: None, grad: unary_grad!(|g, dy, x, y| g.op("Mul", &[dy, y], Attrs::default())) });
+    r.add("Log", Unary { out: None, grad: unary_grad!(|g, dy, x, y| g.op("Div", &[dy, x], Attrs::default())) });
     r.add(
         "Abs",
         Unary {
@@ -389,11 +285,5 @@ pub fn register(r: &mut Registry) {
             }),
         },
     );
-    r.add(
-        "Erf",
-        Unary {
-            out: None,
-            grad: unary_grad!(|g, dy, x, y| g.op("ErfGrad", &[dy, x], Attrs::default())),
-        },
-    );
+    r.add("Erf", Unary { out: None, grad: unary_grad!(|g, dy, x, y| g.op("ErfGrad", &[dy, x], Attrs::default())) });
 }

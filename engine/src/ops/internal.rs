@@ -10,15 +10,9 @@ struct ReduceSumTo;
 impl OpDef for ReduceSumTo {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
-        let shape: Vec<usize> = const_ints(node, &inputs[1], "target shape")?
-            .into_iter()
-            .map(|d| d.max(0) as usize)
-            .collect();
+        let shape: Vec<usize> = const_ints(node, &inputs[1], "target shape")?.into_iter().map(|d| d.max(0) as usize).collect();
         if shape.len() > x.shape.len() {
-            return Err(node.err(format!(
-                "cannot sum {:?} down to the larger rank {:?}",
-                x.shape, shape
-            )));
+            return Err(node.err(format!("cannot sum {:?} down to the larger rank {:?}", x.shape, shape)));
         }
         let off = x.shape.len() - shape.len();
         for (i, &d) in shape.iter().enumerate() {

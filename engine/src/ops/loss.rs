@@ -14,23 +14,14 @@ impl OpDef for Loss {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let t = input(node, inputs, 1)?;
-        if x.shape.len() < 2
-            || t.shape.len() + 1 != x.shape.len()
-            || t.shape[0] != x.shape[0]
-            || t.shape[1..] != x.shape[2..]
-        {
-            return Err(node.err(format!(
-                "scores {:?} and labels {:?} do not match ([N, C, d...] and [N, d...])",
-                x.shape, t.shape
-            )));
+        if x.shape.len() < 2 || t.shape.len() + 1 != x.shape.len() || t.shape[0] != x.shape[0] || t.shape[1..] != x.shape[2..] {
+            return Err(node.err(format!("scores {:?} and labels {:?} do not match ([N, C, d...] and [N, d...])", x.shape, t.shape)));
         }
         let reduction = node.attrs.string("reduction", "mean")?;
         let shape = match reduction.as_str() {
             "none" => t.shape.to_vec(),
             "sum" | "mean" => vec![],
-            other => {
-                return Err(node.err(format!("reduction '{other}' is not one of none, sum, mean")))
-            }
+            other => return Err(node.err(format!("reduction '{other}' is not one of none, sum, mean"))),
         };
         let mut outs = vec![TypeOut::new(x.dtype, shape)];
         if node.outputs.len() > 1 {
@@ -44,17 +35,8 @@ impl OpDef for Loss {
                 return Err(node.err("a gradient through the log_prob output is not supported yet"));
             }
             let Some(dy) = g.dy(0) else { return Ok(()) };
-            let op = if node.op_type == "SoftmaxCrossEntropyLoss" {
-                "SoftmaxCrossEntropyLossGrad"
-            } else {
-                "NLLLossGrad"
-            };
-            let d = g.op_n(
-                op,
-                vec![Some(dy), node.input(0), node.input(1), node.input(2)],
-                node.attrs.clone(),
-                1,
-            )[0];
+            let op = if node.op_type == "SoftmaxCrossEntropyLoss" { "SoftmaxCrossEntropyLossGrad" } else { "NLLLossGrad" };
+            let d = g.op_n(op, vec![Some(dy), node.input(0), node.input(1), node.input(2)], node.attrs.clone(), 1)[0];
             g.set(0, d);
             Ok(())
         })

@@ -9,41 +9,17 @@ use crate::error::Result;
 use crate::ir::{Attr, Attrs, Node};
 
 /// Output shape of a (possibly transposed) batched matmul.
-pub fn matmul_shape(
-    node: &Node,
-    a: &[usize],
-    b: &[usize],
-    ta: bool,
-    tb: bool,
-) -> Result<Vec<usize>> {
+pub fn matmul_shape(node: &Node, a: &[usize], b: &[usize], ta: bool, tb: bool) -> Result<Vec<usize>> {
     if a.is_empty() || b.is_empty() {
         return Err(node.err("MatMul operands must have rank ≥ 1"));
     }
-    let a2: Vec<usize> = if a.len() == 1 {
-        vec![1, a[0]]
-    } else {
-        a.to_vec()
-    };
-    let b2: Vec<usize> = if b.len() == 1 {
-        vec![b[0], 1]
-    } else {
-        b.to_vec()
-    };
+    let a2: Vec<usize> = if a.len() == 1 { vec![1, a[0]] } else { a.to_vec() };
+    let b2: Vec<usize> = if b.len() == 1 { vec![b[0], 1] } else { b.to_vec() };
     let (ra, rb) = (a2.len(), b2.len());
-    let (m, ka) = if ta {
-        (a2[ra - 1], a2[ra - 2])
-    } else {
-        (a2[ra - 2], a2[ra - 1])
-    };
-    let (kb, n) = if tb {
-        (b2[rb - 1], b2[rb - 2])
-    } else {
-        (b2[rb - 2], b2[rb - 1])
-    };
+    let (m, ka) = if ta { (a2[ra - 1], a2[ra - 2]) } else { (a2[ra - 2], a2[ra - 1]) };
+    let (kb, n) = if tb { (b2[rb - 1], b2[rb - 2]) } else { (b2[rb - 2], b2[rb - 1]) };
     if ka != kb {
-        return Err(node.err(format!(
-            "inner dimensions differ: {a:?} · {b:?} (transA={ta}, transB={tb})"
-        )));
+        return Err(node.err(format!("inner dimensions differ: {a:?} · {b:?} (transA={ta}, transB={tb})")));
     }
     let mut out = broadcast_shapes(node, &[&a2[..ra - 2], &b2[..rb - 2]])?;
     if a.len() > 1 {
@@ -59,10 +35,7 @@ struct MatMul;
 impl OpDef for MatMul {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
-        Ok(vec![TypeOut::new(
-            a.dtype,
-            matmul_shape(node, a.shape, b.shape, false, false)?,
-        )])
+        Ok(vec![TypeOut::new(a.dtype, matmul_shape(node, a.shape, b.shape, false, false)?)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|_, g| {
@@ -91,10 +64,8 @@ fn fused(
     alpha: f32,
     like: Option<crate::ir::ValueId>,
 ) -> crate::ir::ValueId {
-    let attrs = Attrs::default()
-        .with("transA", Attr::Int(ta as i64))
-        .with("transB", Attr::Int(tb as i64))
-        .with("alpha", Attr::Float(alpha));
+    let attrs =
+        Attrs::default().with("transA", Attr::Int(ta as i64)).with("transB", Attr::Int(tb as i64)).with("alpha", Attr::Float(alpha));
     match like {
         Some(l) => {
             let s = g.shape_of(l);
@@ -112,14 +83,9 @@ impl OpDef for FusedMatMul {
         let tb = node.attrs.int("transB", 0)? != 0;
         let full = matmul_shape(node, a.shape, b.shape, ta, tb)?;
         if inputs.get(2).is_some_and(|x| x.is_some()) {
-            let target: Vec<usize> = const_ints(node, &inputs[2], "target shape")?
-                .into_iter()
-                .map(|d| d as usize)
-                .collect();
+            let target: Vec<usize> = const_ints(node, &inputs[2], "target shape")?.into_iter().map(|d| d as usize).collect();
             if target.len() < 2 || target[target.len() - 2..] != full[full.len() - 2..] {
-                return Err(node.err(format!(
-                    "target shape {target:?} does not end like the product {full:?}"
-                )));
+                return Err(node.err(format!("target shape {target:?} does not end like the product {full:?}")));
             }
             return Ok(vec![TypeOut::new(a.dtype, target)]);
         }
@@ -135,10 +101,7 @@ impl OpDef for Gemm {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
         if a.shape.len() != 2 || b.shape.len() != 2 {
-            return Err(node.err(format!(
-                "A and B must be 2-D, got {:?} and {:?}",
-                a.shape, b.shape
-            )));
+            return Err(node.err(format!("A and B must be 2-D, got {:?} and {:?}", a.shape, b.shape)));
         }
         let ta = node.attrs.int("transA", 0)? != 0;
         let tb = node.attrs.int("transB", 0)? != 0;
@@ -157,28 +120,16 @@ impl OpDef for Gemm {
             let alpha = node.attrs.float("alpha", 1.0)?;
             let beta = node.attrs.float("beta", 1.0)?;
             if g.wants(0) {
-                let d = if !ta {
-                    fused(g, dy, b, false, !tb, alpha, None)
-                } else {
-                    fused(g, b, dy, tb, true, alpha, None)
-                };
+                let d = if !ta { fused(g, dy, b, false, !tb, alpha, None) } else { fused(g, b, dy, tb, true, alpha, None) };
                 g.set(0, d);
             }
             if g.wants(1) {
-                let d = if !tb {
-                    fused(g, a, dy, !ta, false, alpha, None)
-                } else {
-                    fused(g, dy, a, true, ta, alpha, None)
-                };
+                let d = if !tb { fused(g, a, dy, !ta, false, alpha, None) } else { fused(g, dy, a, true, ta, alpha, None) };
                 g.set(1, d);
             }
             if g.wants(2) {
                 let c = g.x(2)?;
-                let scaled = if beta == 1.0 {
-                    dy
-                } else {
-                    g.affine(dy, beta, 0.0)
-                };
+                let scaled = if beta == 1.0 { dy } else { g.affine(dy, beta, 0.0) };
                 let d = g.sum_to(scaled, c);
                 g.set(2, d);
             }

@@ -43,10 +43,7 @@ impl TypeOut {
         TypeOut { dtype, shape }
     }
     pub fn like(i: &InferIn) -> Self {
-        TypeOut {
-            dtype: i.dtype,
-            shape: i.shape.to_vec(),
-        }
+        TypeOut { dtype: i.dtype, shape: i.shape.to_vec() }
     }
 }
 
@@ -87,9 +84,7 @@ impl Registry {
 fn registry() -> &'static Registry {
     static REG: OnceLock<Registry> = OnceLock::new();
     REG.get_or_init(|| {
-        let mut r = Registry {
-            ops: BTreeMap::new(),
-        };
+        let mut r = Registry { ops: BTreeMap::new() };
         activation::register(&mut r);
         elementwise::register(&mut r);
         internal::register(&mut r);
@@ -111,20 +106,12 @@ pub fn lookup(op_type: &str) -> Option<&'static dyn OpDef> {
 
 /// Every registered ONNX op type, sorted (internal ops excluded).
 pub fn onnx_op_types() -> Vec<&'static str> {
-    registry()
-        .ops
-        .iter()
-        .filter(|(_, (_, internal))| !internal)
-        .map(|(k, _)| *k)
-        .collect()
+    registry().ops.iter().filter(|(_, (_, internal))| !internal).map(|(k, _)| *k).collect()
 }
 
 /// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
 pub fn is_internal(op_type: &str) -> bool {
-    registry()
-        .ops
-        .get(op_type)
-        .is_some_and(|(_, internal)| *internal)
+    registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
 }
 
 /// Transpose's permutation for a given rank (shared with backends).
@@ -133,11 +120,7 @@ pub fn movement_perm(node: &Node, rank: usize) -> Result<Vec<usize>> {
 }
 
 /// Slice's normalised (start, step, count) per axis (shared with backends).
-pub fn movement_slice_params(
-    node: &Node,
-    inputs: &[Option<InferIn>],
-    shape: &[usize],
-) -> Result<Vec<(i64, i64, usize)>> {
+pub fn movement_slice_params(node: &Node, inputs: &[Option<InferIn>], shape: &[usize]) -> Result<Vec<(i64, i64, usize)>> {
     movement::slice_params(node, inputs, shape)
 }
 
@@ -149,11 +132,7 @@ pub fn reduce_axes_of(node: &Node, inputs: &[Option<InferIn>], rank: usize) -> R
 }
 
 /// (kept-dims shape, output shape) of a reduction (shared with backends).
-pub fn reduced_shapes_of(
-    shape: &[usize],
-    axes: &[usize],
-    keepdims: bool,
-) -> (Vec<usize>, Vec<usize>) {
+pub fn reduced_shapes_of(shape: &[usize], axes: &[usize], keepdims: bool) -> (Vec<usize>, Vec<usize>) {
     reduce::reduced_shapes(shape, axes, keepdims)
 }
 

@@ -36,34 +36,25 @@ impl OpDef for Reshape {
                     infer_at = Some(i);
                     out.push(1);
                 }
-                0 if !allowzero => out.push(*x.shape.get(i).ok_or_else(|| {
-                    node.err(format!(
-                        "shape {spec:?} copies dim {i} of the rank-{} input",
-                        x.shape.len()
-                    ))
-                })?),
+                0 if !allowzero => out.push(
+                    *x.shape
+                        .get(i)
+                        .ok_or_else(|| node.err(format!("shape {spec:?} copies dim {i} of the rank-{} input", x.shape.len())))?,
+                ),
                 d if d >= 0 => out.push(d as usize),
                 _ => return Err(node.err(format!("invalid target shape {spec:?}"))),
             }
         }
         let total = numel(x.shape);
         if let Some(i) = infer_at {
-            let known: usize = out
-                .iter()
-                .enumerate()
-                .filter(|(j, _)| *j != i)
-                .map(|(_, &d)| d)
-                .product();
+            let known: usize = out.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, &d)| d).product();
             if known == 0 || total % known != 0 {
                 return Err(node.err(format!("cannot reshape {:?} to {spec:?}", x.shape)));
             }
             out[i] = total / known;
         }
         if numel(&out) != total {
-            return Err(node.err(format!(
-                "cannot reshape {:?} ({total} elements) to {spec:?}",
-                x.shape
-            )));
+            return Err(node.err(format!("cannot reshape {:?} ({total} elements) to {spec:?}", x.shape)));
         }
         Ok(vec![TypeOut::new(x.dtype, out)])
     }
@@ -86,10 +77,7 @@ impl OpDef for Flatten {
             return Err(node.err(format!("axis {axis} out of range for rank {r}")));
         }
         let a = a as usize;
-        Ok(vec![TypeOut::new(
-            x.dtype,
-            vec![numel(&x.shape[..a]), numel(&x.shape[a..])],
-        )])
+        Ok(vec![TypeOut::new(x.dtype, vec![numel(&x.shape[..a]), numel(&x.shape[a..])])])
     }
     fn gradient(&self) -> Option<Rule> {
         Some(grad_reshape_back)
@@ -111,23 +99,13 @@ impl OpDef for Squeeze {
         let out = match axes_input_or_attr(node, inputs)? {
             None => x.shape.iter().copied().filter(|&d| d != 1).collect(),
             Some(axes) => {
-                let axes = axes
-                    .iter()
-                    .map(|&a| norm_axis(node, a, x.shape.len()))
-                    .collect::<Result<Vec<_>>>()?;
+                let axes = axes.iter().map(|&a| norm_axis(node, a, x.shape.len())).collect::<Result<Vec<_>>>()?;
                 for &a in &axes {
                     if x.shape[a] != 1 {
-                        return Err(
-                            node.err(format!("cannot squeeze axis {a} of size {}", x.shape[a]))
-                        );
+                        return Err(node.err(format!("cannot squeeze axis {a} of size {}", x.shape[a])));
                     }
                 }
-                x.shape
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| !axes.contains(i))
-                    .map(|(_, &d)| d)
-                    .collect()
+                x.shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect()
             }
         };
         Ok(vec![TypeOut::new(x.dtype, out)])
@@ -144,24 +122,12 @@ struct Unsqueeze;
 impl OpDef for Unsqueeze {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
-        let axes =
-            axes_input_or_attr(node, inputs)?.ok_or_else(|| node.err("axes are required"))?;
+        let axes = axes_input_or_attr(node, inputs)?.ok_or_else(|| node.err("axes are required"))?;
         let r = x.shape.len() + axes.len();
-        let mut axes = axes
-            .iter()
-            .map(|&a| norm_axis(node, a, r))
-            .collect::<Result<Vec<_>>>()?;
+        let mut axes = axes.iter().map(|&a| norm_axis(node, a, r)).collect::<Result<Vec<_>>>()?;
         axes.sort_unstable();
         let mut src = x.shape.iter();
-        let out = (0..r)
-            .map(|i| {
-                if axes.contains(&i) {
-                    1
-                } else {
-                    src.next().copied().unwrap_or(1)
-                }
-            })
-            .collect();
+        let out = (0..r).map(|i| if axes.contains(&i) { 1 } else { src.next().copied().unwrap_or(1) }).collect();
         Ok(vec![TypeOut::new(x.dtype, out)])
     }
     fn gradient(&self) -> Option<Rule> {
@@ -176,10 +142,7 @@ pub fn perm_of(node: &Node, rank: usize) -> Result<Vec<usize>> {
     match node.attrs.ints("perm")? {
         None => Ok((0..rank).rev().collect()),
         Some(p) => {
-            let p: Vec<usize> = p
-                .iter()
-                .map(|&a| norm_axis(node, a, rank))
-                .collect::<Result<_>>()?;
+            let p: Vec<usize> = p.iter().map(|&a| norm_axis(node, a, rank)).collect::<Result<_>>()?;
             let mut seen = vec![false; rank];
             for &a in &p {
                 if seen[a] {
@@ -200,10 +163,7 @@ impl OpDef for Transpose {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let p = perm_of(node, x.shape.len())?;
-        Ok(vec![TypeOut::new(
-            x.dtype,
-            p.iter().map(|&a| x.shape[a]).collect(),
-        )])
+        Ok(vec![TypeOut::new(x.dtype, p.iter().map(|&a| x.shape[a]).collect())])
     }
     fn gradient(&self) -> Option<Rule> {
         Some(|node, g| {
@@ -231,14 +191,8 @@ struct Expand;
 impl OpDef for Expand {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
-        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?
-            .into_iter()
-            .map(|d| d.max(0) as usize)
-            .collect();
-        Ok(vec![TypeOut::new(
-            x.dtype,
-            broadcast_shapes(node, &[x.shape, &s])?,
-        )])
+        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?.into_iter().map(|d| d.max(0) as usize).collect();
+        Ok(vec![TypeOut::new(x.dtype, broadcast_shapes(node, &[x.shape, &s])?)])
     }
     fn gradient(&self) -> Option<Rule> {
         Some(|_, g| {
@@ -260,27 +214,12 @@ impl OpDef for Concat {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let first = input(node, inputs, 0)?;
         let r = first.shape.len();
-        let axis = norm_axis(
-            node,
-            node.attrs
-                .req_int("axis")
-                .map_err(|e| node.err(e.to_string()))?,
-            r,
-        )?;
+        let axis = norm_axis(node, node.attrs.req_int("axis").map_err(|e| node.err(e.to_string()))?, r)?;
         let mut out = first.shape.to_vec();
         out[axis] = 0;
         for i in inputs.iter().flatten() {
-            if i.shape.len() != r
-                || i.shape
-                    .iter()
-                    .enumerate()
-                    .any(|(k, &d)| k != axis && d != first.shape[k])
-                || i.dtype != first.dtype
-            {
-                return Err(node.err(format!(
-                    "inputs {:?} and {:?} cannot be concatenated on axis {axis}",
-                    first.shape, i.shape
-                )));
+            if i.shape.len() != r || i.shape.iter().enumerate().any(|(k, &d)| k != axis && d != first.shape[k]) || i.dtype != first.dtype {
+                return Err(node.err(format!("inputs {:?} and {:?} cannot be concatenated on axis {axis}", first.shape, i.shape)));
             }
             out[axis] += i.shape[axis];
         }
@@ -289,19 +228,14 @@ impl OpDef for Concat {
     fn gradient(&self) -> Option<Rule> {
         Some(|node, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
-            let shapes: Vec<_> = (0..node.inputs.len())
-                .map(|i| g.x(i))
-                .collect::<Result<_>>()?;
+            let shapes: Vec<_> = (0..node.inputs.len()).map(|i| g.x(i)).collect::<Result<_>>()?;
             let shapes: Vec<_> = shapes.into_iter().map(|x| g.shape_of(x)).collect();
             for i in 0..node.inputs.len() {
                 if g.wants(i) {
                     let mut ins = vec![dy];
                     ins.extend(&shapes);
                     let attrs = Attrs::default()
-                        .with(
-                            "axis",
-                            node.attrs.get("axis").cloned().unwrap_or(Attr::Int(0)),
-                        )
+                        .with("axis", node.attrs.get("axis").cloned().unwrap_or(Attr::Int(0)))
                         .with("index", Attr::Int(i as i64));
                     let d = g.op("ConcatGrad", &ins, attrs);
                     g.set(i, d);
@@ -318,10 +252,7 @@ impl OpDef for ConcatGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let dy = input(node, inputs, 0)?;
         let idx = node.attrs.req_int("index")? as usize;
-        let s: Vec<usize> = const_ints(node, &inputs[1 + idx], "shape")?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
+        let s: Vec<usize> = const_ints(node, &inputs[1 + idx], "shape")?.into_iter().map(|d| d as usize).collect();
         Ok(vec![TypeOut::new(dy.dtype, s)])
     }
 }
@@ -337,15 +268,11 @@ pub fn split_sizes(node: &Node, inputs: &[Option<InferIn>], dim: usize) -> Resul
         Some(v) => v.into_iter().map(|d| d.max(0) as usize).collect(),
         None => {
             let chunk = dim.div_ceil(n.max(1));
-            (0..n)
-                .map(|i| chunk.min(dim.saturating_sub(i * chunk)))
-                .collect()
+            (0..n).map(|i| chunk.min(dim.saturating_sub(i * chunk))).collect()
         }
     };
     if sizes.len() != n || sizes.iter().sum::<usize>() != dim {
-        return Err(node.err(format!(
-            "split sizes {sizes:?} do not cover dimension {dim} with {n} outputs"
-        )));
+        return Err(node.err(format!("split sizes {sizes:?} do not cover dimension {dim} with {n} outputs")));
     }
     Ok(sizes)
 }
@@ -391,11 +318,7 @@ impl OpDef for Split {
 }
 
 /// Normalised slice parameters along every axis: (start, step, count).
-pub fn slice_params(
-    node: &Node,
-    inputs: &[Option<InferIn>],
-    shape: &[usize],
-) -> Result<Vec<(i64, i64, usize)>> {
+pub fn slice_params(node: &Node, inputs: &[Option<InferIn>], shape: &[usize]) -> Result<Vec<(i64, i64, usize)>> {
     let r = shape.len();
     let starts = const_ints(node, &inputs[1], "starts")?;
     let ends = const_ints(node, &inputs[2], "ends")?;
@@ -423,16 +346,9 @@ pub fn slice_params(
         let (s, e) = if step > 0 {
             (clamp(fix(starts[k]), 0, d), clamp(fix(ends[k]), 0, d))
         } else {
-            (
-                clamp(fix(starts[k]), 0, d - 1),
-                clamp(fix(ends[k]), -1, d - 1),
-            )
+            (clamp(fix(starts[k]), 0, d - 1), clamp(fix(ends[k]), -1, d - 1))
         };
-        let count = if step > 0 {
-            ((e - s).max(0) + step - 1) / step
-        } else {
-            ((s - e).max(0) + (-step) - 1) / (-step)
-        };
+        let count = if step > 0 { ((e - s).max(0) + step - 1) / step } else { ((s - e).max(0) + (-step) - 1) / (-step) };
         p[a] = (s, step, count as usize);
     }
     Ok(p)
@@ -467,10 +383,7 @@ struct SliceGrad;
 impl OpDef for SliceGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let dy = input(node, inputs, 0)?;
-        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
+        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?.into_iter().map(|d| d as usize).collect();
         Ok(vec![TypeOut::new(dy.dtype, s)])
     }
 }
@@ -481,10 +394,7 @@ impl OpDef for Gather {
         let x = input(node, inputs, 0)?;
         let idx = input(node, inputs, 1)?;
         if !matches!(idx.dtype, DType::I64 | DType::I32) {
-            return Err(node.err(format!(
-                "indices must be int64 or int32, got {}",
-                idx.dtype.name()
-            )));
+            return Err(node.err(format!("indices must be int64 or int32, got {}", idx.dtype.name())));
         }
         let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
         let mut out = x.shape[..axis].to_vec();
@@ -513,10 +423,7 @@ struct ShapedBy(usize);
 impl OpDef for ShapedBy {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let dy = input(node, inputs, 0)?;
-        let s: Vec<usize> = const_ints(node, &inputs[self.0], "shape")?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
+        let s: Vec<usize> = const_ints(node, &inputs[self.0], "shape")?.into_iter().map(|d| d as usize).collect();
         Ok(vec![TypeOut::new(dy.dtype, s)])
     }
 }

@@ -12,10 +12,7 @@ use crate::tensor::DType;
 /// (rows, row length) of a LayerNormalization over `shape`.
 pub fn layer_norm_layout(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
     let axis = norm_axis(node, node.attrs.int("axis", -1)?, shape.len())?;
-    Ok((
-        shape[..axis].iter().product(),
-        shape[axis..].iter().product(),
-    ))
+    Ok((shape[..axis].iter().product(), shape[axis..].iter().product()))
 }
 
 struct LayerNorm;
@@ -25,10 +22,7 @@ impl OpDef for LayerNorm {
         let (rows, n) = layer_norm_layout(node, x.shape)?;
         let s = input(node, inputs, 1)?;
         if s.shape.iter().product::<usize>() != n {
-            return Err(node.err(format!(
-                "scale {:?} does not match the normalised size {n} of {:?}",
-                s.shape, x.shape
-            )));
+            return Err(node.err(format!("scale {:?} does not match the normalised size {n} of {:?}", s.shape, x.shape)));
         }
         let axis = norm_axis(node, node.attrs.int("axis", -1)?, x.shape.len())?;
         let mut stat = x.shape.to_vec();
@@ -38,14 +32,7 @@ impl OpDef for LayerNorm {
         let _ = rows;
         let mut outs = vec![TypeOut::like(x)];
         for _ in 1..node.outputs.len() {
-            outs.push(TypeOut::new(
-                if x.dtype == DType::F64 {
-                    DType::F64
-                } else {
-                    DType::F32
-                },
-                stat.clone(),
-            ));
+            outs.push(TypeOut::new(if x.dtype == DType::F64 { DType::F64 } else { DType::F32 }, stat.clone()));
         }
         Ok(outs)
     }
@@ -55,12 +42,7 @@ impl OpDef for LayerNorm {
             let (x, scale) = (g.x(0)?, g.x(1)?);
             let mut attrs = node.attrs.clone();
             attrs.0.retain(|(k, _)| k == "axis" || k == "epsilon");
-            let outs = g.op_n(
-                "LayerNormGrad",
-                vec![Some(dy), Some(x), Some(scale)],
-                attrs,
-                3,
-            );
+            let outs = g.op_n("LayerNormGrad", vec![Some(dy), Some(x), Some(scale)], attrs, 3);
             g.set(0, outs[0]);
             g.set(1, outs[1]);
             g.set(2, outs[2]);

@@ -25,12 +25,7 @@ impl OpDef for Dropout {
                 return Err(node.err("the mask output is missing (the importer adds it)"));
             }
             let mask = g.y(1);
-            let d = g.op_n(
-                "DropoutGrad",
-                vec![Some(dy), Some(mask), node.input(1), node.input(2)],
-                node.attrs.clone(),
-                1,
-            )[0];
+            let d = g.op_n("DropoutGrad", vec![Some(dy), Some(mask), node.input(1), node.input(2)], node.attrs.clone(), 1)[0];
             g.set(0, d);
             Ok(())
         })

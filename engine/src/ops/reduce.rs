@@ -18,10 +18,7 @@ pub fn reduce_axes(node: &Node, inputs: &[Option<InferIn>], rank: usize) -> Resu
         None if node.attrs.int("noop_with_empty_axes", 0)? != 0 => Ok(vec![]),
         None => Ok((0..rank).collect()),
         Some(v) => {
-            let mut a = v
-                .iter()
-                .map(|&x| norm_axis(node, x, rank))
-                .collect::<Result<Vec<_>>>()?;
+            let mut a = v.iter().map(|&x| norm_axis(node, x, rank)).collect::<Result<Vec<_>>>()?;
             a.sort_unstable();
             a.dedup();
             Ok(a)
@@ -31,21 +28,8 @@ pub fn reduce_axes(node: &Node, inputs: &[Option<InferIn>], rank: usize) -> Resu
 
 /// Output shape with reduced axes kept as 1 (`keep`) and the final shape.
 pub fn reduced_shapes(shape: &[usize], axes: &[usize], keepdims: bool) -> (Vec<usize>, Vec<usize>) {
-    let keep: Vec<usize> = shape
-        .iter()
-        .enumerate()
-        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
-        .collect();
-    let out = if keepdims {
-        keep.clone()
-    } else {
-        shape
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !axes.contains(i))
-            .map(|(_, &d)| d)
-            .collect()
-    };
+    let keep: Vec<usize> = shape.iter().enumerate().map(|(i, &d)| if axes.contains(&i) { 1 } else { d }).collect();
+    let out = if keepdims { keep.clone() } else { shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, &d)| d).collect() };
     (keep, out)
 }
 
@@ -57,10 +41,7 @@ impl OpDef for Reduce {
         let x = input(node, inputs, 0)?;
         let axes = reduce_axes(node, inputs, x.shape.len())?;
         let keepdims = node.attrs.int("keepdims", 1)? != 0;
-        Ok(vec![TypeOut::new(
-            x.dtype,
-            reduced_shapes(x.shape, &axes, keepdims).1,
-        )])
+        Ok(vec![TypeOut::new(x.dtype, reduced_shapes(x.shape, &axes, keepdims).1)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         self.grad
@@ -76,12 +57,7 @@ fn grad_sum_mean(node: &Node, g: &mut GradCtx) -> Result<()> {
     let s = g.shape_of(x);
     let mut attrs = node.attrs.clone();
     attrs.set("mean", Attr::Int((node.op_type == "ReduceMean") as i64));
-    let d = g.op_n(
-        "ReduceGrad",
-        vec![Some(dy), Some(s), node.input(1)],
-        attrs,
-        1,
-    )[0];
+    let d = g.op_n("ReduceGrad", vec![Some(dy), Some(s), node.input(1)], attrs, 1)[0];
     g.set(0, d);
     Ok(())
 }
@@ -91,27 +67,14 @@ struct ReduceGrad;
 impl OpDef for ReduceGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let dy = input(node, inputs, 0)?;
-        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?
-            .into_iter()
-            .map(|d| d as usize)
-            .collect();
+        let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?.into_iter().map(|d| d as usize).collect();
         Ok(vec![TypeOut::new(dy.dtype, s)])
     }
 }
 
 pub fn register(r: &mut Registry) {
-    r.add(
-        "ReduceSum",
-        Reduce {
-            grad: Some(grad_sum_mean),
-        },
-    );
-    r.add(
-        "ReduceMean",
-        Reduce {
-            grad: Some(grad_sum_mean),
-        },
-    );
+    r.add("ReduceSum", Reduce { grad: Some(grad_sum_mean) });
+    r.add("ReduceMean", Reduce { grad: Some(grad_sum_mean) });
     r.add("ReduceMax", Reduce { grad: None });
     r.add("ReduceMin", Reduce { grad: None });
     r.internal("ReduceGrad", ReduceGrad);

@@ -23,10 +23,7 @@ impl OpDef for Shape {
 pub fn shape_range(node: &Node, rank: usize) -> Result<(usize, usize)> {
     let r = rank as i64;
     let fix = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
-    Ok((
-        fix(node.attrs.int("start", 0)?),
-        fix(node.attrs.int("end", r)?),
-    ))
+    Ok((fix(node.attrs.int("start", 0)?), fix(node.attrs.int("end", r)?)))
 }
 
 struct Size;
@@ -43,15 +40,8 @@ struct ConstantOfShape;
 impl OpDef for ConstantOfShape {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let s = const_ints(node, &inputs[0], "shape")?;
-        let dtype = node
-            .attrs
-            .tensor("value")
-            .map(|t| t.dtype())
-            .unwrap_or(DType::F32);
-        Ok(vec![TypeOut::new(
-            dtype,
-            s.into_iter().map(|d| d.max(0) as usize).collect(),
-        )])
+        let dtype = node.attrs.tensor("value").map(|t| t.dtype()).unwrap_or(DType::F32);
+        Ok(vec![TypeOut::new(dtype, s.into_iter().map(|d| d.max(0) as usize).collect())])
     }
 }
 

@@ -31,11 +31,7 @@ impl OpDef for Softmax {
         Some(|node, g| {
             if let Some(dy) = g.dy(0) {
                 let y = g.y(0);
-                let op = if node.op_type == "Softmax" {
-                    "SoftmaxGrad"
-                } else {
-                    "LogSoftmaxGrad"
-                };
+                let op = if node.op_type == "Softmax" { "SoftmaxGrad" } else { "LogSoftmaxGrad" };
                 let mut attrs = node.attrs.clone();
                 attrs.0.retain(|(k, _)| k == "axis" || k == "__opset");
                 let d = g.op(op, &[dy, y], attrs);

@@ -45,27 +45,13 @@ pub fn norm_axis(node: &Node, axis: i64, rank: usize) -> Result<usize> {
 
 /// The input's value as i64s; an error if it is not known at plan time.
 pub fn const_ints(node: &Node, inp: &Option<InferIn>, what: &str) -> Result<Vec<i64>> {
-    let i = inp
-        .as_ref()
-        .ok_or_else(|| node.err(format!("{what} input is required")))?;
-    let v = i.value.ok_or_else(|| {
-        node.err(format!(
-            "{what} must be computable before the step (it depends on data)"
-        ))
-    })?;
-    v.to_i64_vec()
-        .ok_or_else(|| node.err(format!("{what} must be an integer tensor")))
+    let i = inp.as_ref().ok_or_else(|| node.err(format!("{what} input is required")))?;
+    let v = i.value.ok_or_else(|| node.err(format!("{what} must be computable before the step (it depends on data)")))?;
+    v.to_i64_vec().ok_or_else(|| node.err(format!("{what} must be an integer tensor")))
 }
 
-pub fn input<'a>(
-    node: &Node,
-    inputs: &'a [Option<InferIn<'a>>],
-    i: usize,
-) -> Result<&'a InferIn<'a>> {
-    inputs
-        .get(i)
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err(format!("input {i} is required")))
+pub fn input<'a>(node: &Node, inputs: &'a [Option<InferIn<'a>>], i: usize) -> Result<&'a InferIn<'a>> {
+    inputs.get(i).and_then(|x| x.as_ref()).ok_or_else(|| node.err(format!("input {i} is required")))
 }
 
 /// Strides (in elements) of a contiguous row-major shape.
@@ -82,26 +68,15 @@ pub fn numel(shape: &[usize]) -> usize {
 }
 
 /// Axes attribute (or, from opset 13 on for some ops, an axes input) as normalised, sorted axes.
-pub fn axes_of(
-    node: &Node,
-    from_input: Option<&Tensor>,
-    attr: Option<Vec<i64>>,
-    rank: usize,
-) -> Result<Option<Vec<usize>>> {
+pub fn axes_of(node: &Node, from_input: Option<&Tensor>, attr: Option<Vec<i64>>, rank: usize) -> Result<Option<Vec<usize>>> {
     let raw = match (from_input, attr) {
-        (Some(t), _) => Some(
-            t.to_i64_vec()
-                .ok_or_else(|| node.err("axes must be integers"))?,
-        ),
+        (Some(t), _) => Some(t.to_i64_vec().ok_or_else(|| node.err("axes must be integers"))?),
         (None, a) => a,
     };
     match raw {
         None => Ok(None),
         Some(v) => {
-            let mut axes = v
-                .iter()
-                .map(|&a| norm_axis(node, a, rank))
-                .collect::<Result<Vec<_>>>()?;
+            let mut axes = v.iter().map(|&a| norm_axis(node, a, rank)).collect::<Result<Vec<_>>>()?;
             axes.sort_unstable();
             axes.dedup();
             Ok(Some(axes))
@@ -110,8 +85,5 @@ pub fn axes_of(
 }
 
 pub fn err_dtype(node: &Node, what: &str, got: crate::tensor::DType) -> Error {
-    node.err(format!(
-        "{what} has unsupported element type {}",
-        got.name()
-    ))
+    node.err(format!("{what} has unsupported element type {}", got.name()))
 }

@@ -29,11 +29,8 @@ pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHype
     let w1 = 1.0 - h.beta1;
     let w2 = 1.0 - h.beta2;
     let decay = 1.0 - h.lr * h.weight_decay;
-    p.par_chunks_mut(CHUNK)
-        .zip(g.par_chunks(CHUNK))
-        .zip(m.par_chunks_mut(CHUNK))
-        .zip(v.par_chunks_mut(CHUNK))
-        .for_each(|(((p, g), m), v)| {
+    p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).for_each(
+        |(((p, g), m), v)| {
             for i in 0..p.len() {
                 let mut grad = if h.maximize { -g[i] } else { g[i] };
                 if h.weight_decay != 0.0 {
@@ -50,7 +47,8 @@ pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHype
                 let denom = v[i].sqrt() / bc2_sqrt + h.eps;
                 p[i] -= step_size * (m[i] / denom);
             }
-        });
+        },
+    );
 }
 
 #[derive(Clone, Debug)]
@@ -73,44 +71,28 @@ pub fn sgd(p: &mut [f32], g: &[f32], buf: Option<&mut [f32]>, first: bool, h: &S
                 d += h.weight_decay * p[i];
             }
             if let Some(b) = b.as_deref_mut() {
-                b[i] = if first {
-                    d
-                } else {
-                    b[i] * h.momentum + (1.0 - h.dampening) * d
-                };
-                d = if h.nesterov {
-                    d + h.momentum * b[i]
-                } else {
-                    b[i]
-                };
+                b[i] = if first { d } else { b[i] * h.momentum + (1.0 - h.dampening) * d };
+                d = if h.nesterov { d + h.momentum * b[i] } else { b[i] };
             }
             p[i] -= h.lr * d;
         }
     };
     match buf {
-        Some(b) if h.momentum != 0.0 => p
-            .par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(b.par_chunks_mut(CHUNK))
-            .for_each(|((p, g), b)| upd(p, g, Some(b))),
-        _ => p
-            .par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .for_each(|(p, g)| upd(p, g, None)),
+        Some(b) if h.momentum != 0.0 => {
+            p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(b.par_chunks_mut(CHUNK)).for_each(|((p, g), b)| upd(p, g, Some(b)))
+        }
+        _ => p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).for_each(|(p, g)| upd(p, g, None)),
     }
 }
 
 /// Sum of squares of a gradient tensor, accumulated in f64.
 pub fn sum_squares(g: &[f32]) -> f64 {
-    g.par_chunks(CHUNK)
-        .map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>())
-        .sum()
+    g.par_chunks(CHUNK).map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum()
 }
 
 /// Scales a tensor in place.
 pub fn scale(g: &mut [f32], s: f32) {
-    g.par_chunks_mut(CHUNK)
-        .for_each(|c| c.iter_mut().for_each(|x| *x *= s));
+    g.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= s));
 }
 
 #[cfg(test)]
@@ -123,35 +105,16 @@ mod tests {
         let mut p = vec![1.0f32, -2.0];
         let g = vec![0.5f32, -3.0];
         let (mut m, mut v) = (vec![0.0; 2], vec![0.0; 2]);
-        let h = AdamHyper {
-            lr: 0.1,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            decoupled: false,
-            maximize: false,
-            step: 1,
-        };
+        let h = AdamHyper { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 1 };
         adam(&mut p, &g, &mut m, &mut v, &h);
-        assert!(
-            (p[0] - 0.9).abs() < 1e-5 && (p[1] + 1.9).abs() < 1e-5,
-            "{p:?}"
-        );
+        assert!((p[0] - 0.9).abs() < 1e-5 && (p[1] + 1.9).abs() < 1e-5, "{p:?}");
     }
 
     #[test]
     fn sgd_momentum_first_step_uses_gradient() {
         let mut p = vec![1.0f32];
         let mut b = vec![123.0f32];
-        let h = SgdHyper {
-            lr: 0.5,
-            momentum: 0.9,
-            dampening: 0.0,
-            weight_decay: 0.0,
-            nesterov: false,
-            maximize: false,
-        };
+        let h = SgdHyper { lr: 0.5, momentum: 0.9, dampening: 0.0, weight_decay: 0.0, nesterov: false, maximize: false };
         sgd(&mut p, &[2.0], Some(&mut b), true, &h);
         assert_eq!((p[0], b[0]), (0.0, 2.0));
         sgd(&mut p, &[2.0], Some(&mut b), false, &h);

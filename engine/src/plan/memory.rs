@@ -28,12 +28,7 @@ pub fn align_up(n: usize) -> usize {
 /// Places the buffers; `offsets[i]` belongs to `buffers[i]`.
 pub fn plan(buffers: &[Buffer]) -> MemoryPlan {
     let mut order: Vec<usize> = (0..buffers.len()).collect();
-    order.sort_by(|&a, &b| {
-        buffers[b]
-            .bytes
-            .cmp(&buffers[a].bytes)
-            .then(buffers[a].first.cmp(&buffers[b].first))
-    });
+    order.sort_by(|&a, &b| buffers[b].bytes.cmp(&buffers[a].bytes).then(buffers[a].first.cmp(&buffers[b].first)));
     let mut offsets = vec![usize::MAX; buffers.len()];
     let mut placed: Vec<usize> = Vec::with_capacity(buffers.len());
     let mut arena = 0usize;
@@ -63,10 +58,7 @@ pub fn plan(buffers: &[Buffer]) -> MemoryPlan {
         arena = arena.max(offset + size);
         placed.push(i);
     }
-    MemoryPlan {
-        offsets,
-        arena_bytes: arena,
-    }
+    MemoryPlan { offsets, arena_bytes: arena }
 }
 
 #[cfg(test)]

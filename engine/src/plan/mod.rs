@@ -61,10 +61,7 @@ pub struct Plan {
 
 impl Plan {
     pub fn shape(&self, v: ValueId) -> &[usize] {
-        self.types[v.0]
-            .as_ref()
-            .map(|t| t.shape.as_slice())
-            .unwrap_or(&[])
+        self.types[v.0].as_ref().map(|t| t.shape.as_slice()).unwrap_or(&[])
     }
     pub fn dtype(&self, v: ValueId) -> Option<DType> {
         self.types[v.0].as_ref().map(|t| t.dtype)
@@ -88,17 +85,8 @@ impl Plan {
             self.steps.len() - self.split,
             self.folded_nodes
         );
-        let _ = writeln!(
-            s,
-            "arena: {} bytes ({:.1} MiB)",
-            self.arena_bytes,
-            self.arena_bytes as f64 / (1 << 20) as f64
-        );
-        let ops: Vec<String> = self
-            .op_histogram(graph)
-            .iter()
-            .map(|(k, n)| format!("{k}×{n}"))
-            .collect();
+        let _ = writeln!(s, "arena: {} bytes ({:.1} MiB)", self.arena_bytes, self.arena_bytes as f64 / (1 << 20) as f64);
+        let ops: Vec<String> = self.op_histogram(graph).iter().map(|(k, n)| format!("{k}×{n}")).collect();
         let _ = writeln!(s, "ops: {}", ops.join(" "));
         s
     }
@@ -131,13 +119,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     // forward values the backward nodes read, plus the forward outputs
     let mut fwd_targets = req.forward_outputs.clone();
     for n in (req.n_fwd..n_nodes).filter(|&n| needed[n]) {
-        fwd_targets.extend(
-            g.nodes[n]
-                .inputs
-                .iter()
-                .flatten()
-                .filter(|v| g.values[v.0].producer.is_some_and(|p| p.0 < req.n_fwd)),
-        );
+        fwd_targets.extend(g.nodes[n].inputs.iter().flatten().filter(|v| g.values[v.0].producer.is_some_and(|p| p.0 < req.n_fwd)));
     }
     ancestors(g, &fwd_targets, 0..req.n_fwd, &mut needed);
 
@@ -188,41 +170,23 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
                     let t = types[v.0].as_ref().ok_or_else(|| {
                         let val = &g.values[v.0];
                         match val.kind {
-                            ValueKind::Input => Error::Input {
-                                name: val.name.clone(),
-                                msg: "no tensor was given for this input".into(),
-                            },
+                            ValueKind::Input => Error::Input { name: val.name.clone(), msg: "no tensor was given for this input".into() },
                             _ => node.err(format!("input '{}' has no known type", val.name)),
                         }
                     })?;
-                    ins.push(Some(InferIn {
-                        dtype: t.dtype,
-                        shape: &t.shape,
-                        value: consts[v.0].as_deref(),
-                    }));
+                    ins.push(Some(InferIn { dtype: t.dtype, shape: &t.shape, value: consts[v.0].as_deref() }));
                 }
             }
         }
         let outs = op.infer(node, &ins)?;
         if outs.len() < node.outputs.len() {
-            return Err(node.err(format!(
-                "shape inference gave {} outputs for {}",
-                outs.len(),
-                node.outputs.len()
-            )));
+            return Err(node.err(format!("shape inference gave {} outputs for {}", outs.len(), node.outputs.len())));
         }
         // Shape and Size read only the (known) type of their input
         let reads_type_only = matches!(node.op_type.as_str(), "Shape" | "Size");
-        let all_const =
-            reads_type_only || node.inputs.iter().flatten().all(|v| consts[v.0].is_some());
-        let foldable = all_const
-            && !op.is_random()
-            && node.outputs.iter().all(|o| !req.bound_outputs.contains(o));
-        let folded_vals = if foldable {
-            fold(node, &ins, &outs, &mut ctx)?
-        } else {
-            None
-        };
+        let all_const = reads_type_only || node.inputs.iter().flatten().all(|v| consts[v.0].is_some());
+        let foldable = all_const && !op.is_random() && node.outputs.iter().all(|o| !req.bound_outputs.contains(o));
+        let folded_vals = if foldable { fold(node, &ins, &outs, &mut ctx)? } else { None };
         for (k, &o) in node.outputs.iter().enumerate() {
             types[o.0] = Some(outs[k].clone());
         }
@@ -287,71 +251,38 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) {
             continue;
         }
-        let bound = v.kind == ValueKind::Weight
-            || req.bound_outputs.contains(&ValueId(i))
-            || req.seeds.iter().any(|s| s.0 == ValueId(i));
+        let bound = v.kind == ValueKind::Weight || req.bound_outputs.contains(&ValueId(i)) || req.seeds.iter().any(|s| s.0 == ValueId(i));
         if bound {
             storage[i] = Storage::Bound;
             continue;
         }
-        let t = types[i]
-            .as_ref()
-            .ok_or_else(|| Error::other(format!("value '{}' has no type", v.name)))?;
+        let t = types[i].as_ref().ok_or_else(|| Error::other(format!("value '{}' has no type", v.name)))?;
         if v.kind == ValueKind::Input {
             first[i] = 0;
             copied_inputs.push(ValueId(i));
         }
-        buffers.push(Buffer {
-            bytes: t.shape.iter().product::<usize>() * t.dtype.size(),
-            first: first[i],
-            last: last[i],
-        });
+        buffers.push(Buffer { bytes: t.shape.iter().product::<usize>() * t.dtype.size(), first: first[i], last: last[i] });
         owners.push(i);
     }
     let mp = memory::plan(&buffers);
     for (k, &i) in owners.iter().enumerate() {
         storage[i] = Storage::Arena(mp.offsets[k]);
     }
-    Ok(Plan {
-        steps,
-        split,
-        kernels,
-        types,
-        storage,
-        arena_bytes: mp.arena_bytes,
-        copied_inputs,
-        folded_nodes: folded,
-    })
+    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded })
 }
 
 fn known_shape(s: &Option<Vec<Dim>>) -> Option<Vec<usize>> {
-    s.as_ref()?
-        .iter()
-        .map(|d| {
-            if let Dim::Known(k) = d {
-                Some(*k)
-            } else {
-                None
-            }
-        })
-        .collect()
+    s.as_ref()?.iter().map(|d| if let Dim::Known(k) = d { Some(*k) } else { None }).collect()
 }
 
 fn check_declared(v: &crate::ir::Value, dt: DType, shape: &[usize]) -> Result<()> {
     if let Some(want) = v.dtype {
         if want != dt {
-            return Err(Error::Input {
-                name: v.name.clone(),
-                msg: format!("expected element type {}, got {}", want.name(), dt.name()),
-            });
+            return Err(Error::Input { name: v.name.clone(), msg: format!("expected element type {}, got {}", want.name(), dt.name()) });
         }
     }
     if let Some(dims) = &v.shape {
-        let ok = dims.len() == shape.len()
-            && dims
-                .iter()
-                .zip(shape)
-                .all(|(d, &s)| !matches!(d, Dim::Known(k) if *k != s));
+        let ok = dims.len() == shape.len() && dims.iter().zip(shape).all(|(d, &s)| !matches!(d, Dim::Known(k) if *k != s));
         if !ok {
             let want: Vec<String> = dims
                 .iter()
@@ -360,22 +291,14 @@ fn check_declared(v: &crate::ir::Value, dt: DType, shape: &[usize]) -> Result<()
                     Dim::Sym(s) => s.clone(),
                 })
                 .collect();
-            return Err(Error::Input {
-                name: v.name.clone(),
-                msg: format!("expected shape [{}], got {:?}", want.join(", "), shape),
-            });
+            return Err(Error::Input { name: v.name.clone(), msg: format!("expected shape [{}], got {:?}", want.join(", "), shape) });
         }
     }
     Ok(())
 }
 
 /// Runs a node on the host over constant inputs.
-fn fold(
-    node: &crate::ir::Node,
-    ins: &[Option<InferIn>],
-    outs: &[TypeOut],
-    ctx: &mut CpuCtx,
-) -> Result<Option<Vec<Tensor>>> {
+fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: &mut CpuCtx) -> Result<Option<Vec<Tensor>>> {
     let Some(k) = cpu::kernel(&node.op_type) else {
         return Ok(None);
     };
@@ -383,11 +306,7 @@ fn fold(
     if total > 1 << 22 {
         return Ok(None); // leave huge constant computations to run time
     }
-    let mut results: Vec<Tensor> = outs
-        .iter()
-        .take(node.outputs.len())
-        .map(|o| Tensor::zeros(o.dtype, o.shape.clone()))
-        .collect();
+    let mut results: Vec<Tensor> = outs.iter().take(node.outputs.len()).map(|o| Tensor::zeros(o.dtype, o.shape.clone())).collect();
     // a type-only input (Shape/Size of a runtime value) gets a view with no data behind it
     let views: Vec<Option<In>> = ins
         .iter()
@@ -395,13 +314,7 @@ fn fold(
             i.map(|i| match i.value {
                 Some(t) => In::of(t),
                 // SAFETY: Shape and Size kernels read only dtype and shape, never the data.
-                None => unsafe {
-                    In::from_raw(
-                        i.dtype,
-                        i.shape,
-                        std::ptr::NonNull::<u64>::dangling().as_ptr() as *const u8,
-                    )
-                },
+                None => unsafe { In::from_raw(i.dtype, i.shape, std::ptr::NonNull::<u64>::dangling().as_ptr() as *const u8) },
             })
         })
         .collect();

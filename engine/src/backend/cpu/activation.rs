@@ -10,14 +10,7 @@ use crate::ir::Node;
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 
 fn params(node: &Node) -> Result<(f64, f64, bool)> {
-    let alpha = node.attrs.float(
-        "alpha",
-        if node.op_type.starts_with("HardSigmoid") {
-            0.2
-        } else {
-            0.01
-        },
-    )? as f64;
+    let alpha = node.attrs.float("alpha", if node.op_type.starts_with("HardSigmoid") { 0.2 } else { 0.01 })? as f64;
     let beta = node.attrs.float("beta", 0.5)? as f64;
     let tanh = node.attrs.string("approximate", "none")? == "tanh";
     Ok((alpha, beta, tanh))
@@ -26,14 +19,7 @@ fn params(node: &Node) -> Result<(f64, f64, bool)> {
 fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let (alpha, beta, tanh) = params(node)?;
-    fn go<T: FloatElem>(
-        op: &str,
-        x: &In,
-        o: &mut Out,
-        alpha: f64,
-        beta: f64,
-        tanh: bool,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(op: &str, x: &In, o: &mut Out, alpha: f64, beta: f64, tanh: bool) -> Result<()> {
         let (a, b) = (T::from_f64(alpha), T::from_f64(beta));
         let (zero, one, half) = (T::zero(), T::one(), T::from_f64(0.5));
         match op {
@@ -44,21 +30,13 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
             "Gelu" if tanh => {
                 let k = T::from_f64(SQRT_2_OVER_PI);
                 let c = T::from_f64(0.044715);
-                map1::<T, T>(x, o, move |v| {
-                    half * v * (one + (k * (v + c * v * v * v)).tanh())
-                })
+                map1::<T, T>(x, o, move |v| half * v * (one + (k * (v + c * v * v * v)).tanh()))
             }
             "Gelu" => {
                 let r = T::from_f64(std::f64::consts::FRAC_1_SQRT_2);
                 map1::<T, T>(x, o, move |v| half * v * (one + (v * r).erf()))
             }
-            "Softplus" => map1::<T, T>(x, o, move |v| {
-                if v > T::from_f64(20.0) {
-                    v
-                } else {
-                    (one + v.exp()).ln()
-                }
-            }),
+            "Softplus" => map1::<T, T>(x, o, move |v| if v > T::from_f64(20.0) { v } else { (one + v.exp()).ln() }),
             "HardSigmoid" => map1::<T, T>(x, o, move |v| (a * v + b).max(zero).min(one)),
             _ => {
                 let s = T::from_f64(1.0 / 6.0);
@@ -67,32 +45,18 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
         }
     }
     let op = node.op_type.as_str();
-    crate::dispatch_float!(
-        x.dtype,
-        node,
-        go::<T>(op, x, &mut out[0], alpha, beta, tanh)
-    )
+    crate::dispatch_float!(x.dtype, node, go::<T>(op, x, &mut out[0], alpha, beta, tanh))
 }
 
 fn backward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let (dy, s) = ab(node, inputs)?;
     let (alpha, beta, tanh) = params(node)?;
-    fn go<T: FloatElem>(
-        op: &str,
-        dy: &In,
-        s: &In,
-        o: &mut Out,
-        alpha: f64,
-        beta: f64,
-        tanh: bool,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(op: &str, dy: &In, s: &In, o: &mut Out, alpha: f64, beta: f64, tanh: bool) -> Result<()> {
         let (a, b) = (T::from_f64(alpha), T::from_f64(beta));
         let (zero, one, half) = (T::zero(), T::one(), T::from_f64(0.5));
         match op {
             "ReluGrad" => map2::<T, T, T>(dy, s, o, |d, y| if y > zero { d } else { zero }),
-            "LeakyReluGrad" => {
-                map2::<T, T, T>(dy, s, o, move |d, x| if x >= zero { d } else { a * d })
-            }
+            "LeakyReluGrad" => map2::<T, T, T>(dy, s, o, move |d, x| if x >= zero { d } else { a * d }),
             "TanhGrad" => map2::<T, T, T>(dy, s, o, move |d, y| d * (one - y * y)),
             "SigmoidGrad" => map2::<T, T, T>(dy, s, o, move |d, y| d * y * (one - y)),
             "GeluGrad" if tanh => {
@@ -107,9 +71,7 @@ fn backward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx)
             "GeluGrad" => {
                 let r = T::from_f64(std::f64::consts::FRAC_1_SQRT_2);
                 let p = T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt());
-                map2::<T, T, T>(dy, s, o, move |d, x| {
-                    d * (half * (one + (x * r).erf()) + x * p * (-(x * x) * half).exp())
-                })
+                map2::<T, T, T>(dy, s, o, move |d, x| d * (half * (one + (x * r).erf()) + x * p * (-(x * x) * half).exp()))
             }
             "SoftplusGrad" => map2::<T, T, T>(dy, s, o, move |d, x| d / (one + (-x).exp())),
             "HardSigmoidGrad" => map2::<T, T, T>(dy, s, o, move |d, x| {
@@ -136,36 +98,14 @@ fn backward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx)
         }
     }
     let op = node.op_type.as_str();
-    crate::dispatch_float!(
-        dy.dtype,
-        node,
-        go::<T>(op, dy, s, &mut out[0], alpha, beta, tanh)
-    )
+    crate::dispatch_float!(dy.dtype, node, go::<T>(op, dy, s, &mut out[0], alpha, beta, tanh))
 }
 
 pub fn register(t: &mut KernelTable) {
-    for op in [
-        "Relu",
-        "LeakyRelu",
-        "Tanh",
-        "Sigmoid",
-        "Gelu",
-        "Softplus",
-        "HardSigmoid",
-        "HardSwish",
-    ] {
+    for op in ["Relu", "LeakyRelu", "Tanh", "Sigmoid", "Gelu", "Softplus", "HardSigmoid", "HardSwish"] {
         t.add(op, forward);
     }
-    for op in [
-        "ReluGrad",
-        "LeakyReluGrad",
-        "TanhGrad",
-        "SigmoidGrad",
-        "GeluGrad",
-        "SoftplusGrad",
-        "HardSigmoidGrad",
-        "HardSwishGrad",
-    ] {
+    for op in ["ReluGrad", "LeakyReluGrad", "TanhGrad", "SigmoidGrad", "GeluGrad", "SoftplusGrad", "HardSigmoidGrad", "HardSwishGrad"] {
         t.add(op, backward);
     }
 }

@@ -39,62 +39,40 @@ fn for_rows<O: Elem>(ov: &mut [O], inner: usize, f: impl Fn(usize, &mut [O]) + S
         return;
     }
     if ov.len() >= PAR_MIN {
-        ov.par_chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
+        ov.par_chunks_mut(inner).enumerate().for_each(|(r, row)| f(r, row));
     } else {
-        ov.chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, row)| f(r, row));
+        ov.chunks_mut(inner).enumerate().for_each(|(r, row)| f(r, row));
     }
 }
 
-pub fn map1<A: Elem, O: Elem>(
-    a: &In,
-    out: &mut Out,
-    f: impl Fn(A) -> O + Sync + Send,
-) -> Result<()> {
+pub fn map1<A: Elem, O: Elem>(a: &In, out: &mut Out, f: impl Fn(A) -> O + Sync + Send) -> Result<()> {
     let av = a.slice::<A>()?;
     let ov = out.slice::<O>()?;
     if ov.len() >= PAR_MIN {
-        ov.par_iter_mut()
-            .zip(av.par_iter())
-            .for_each(|(o, &x)| *o = f(x));
+        ov.par_iter_mut().zip(av.par_iter()).for_each(|(o, &x)| *o = f(x));
     } else {
         ov.iter_mut().zip(av).for_each(|(o, &x)| *o = f(x));
     }
     Ok(())
 }
 
-pub fn map2<A: Elem, B: Elem, O: Elem>(
-    a: &In,
-    b: &In,
-    out: &mut Out,
-    f: impl Fn(A, B) -> O + Sync + Send,
-) -> Result<()> {
+pub fn map2<A: Elem, B: Elem, O: Elem>(a: &In, b: &In, out: &mut Out, f: impl Fn(A, B) -> O + Sync + Send) -> Result<()> {
     let shape = out.shape.to_vec();
     let av = a.slice::<A>()?;
     let bv = b.slice::<B>()?;
     let ov = out.slice::<O>()?;
     if a.shape == shape.as_slice() && b.shape == shape.as_slice() {
         if ov.len() >= PAR_MIN {
-            ov.par_iter_mut()
-                .zip(av.par_iter().zip(bv.par_iter()))
-                .for_each(|(o, (&x, &y))| *o = f(x, y));
+            ov.par_iter_mut().zip(av.par_iter().zip(bv.par_iter())).for_each(|(o, (&x, &y))| *o = f(x, y));
         } else {
-            ov.iter_mut()
-                .zip(av.iter().zip(bv))
-                .for_each(|(o, (&x, &y))| *o = f(x, y));
+            ov.iter_mut().zip(av.iter().zip(bv)).for_each(|(o, (&x, &y))| *o = f(x, y));
         }
         return Ok(());
     }
     let inner = shape.last().copied().unwrap_or(1);
     let sa = bcast_strides(a.shape, &shape);
     let sb = bcast_strides(b.shape, &shape);
-    let (ia, ib) = (
-        sa.last().copied().unwrap_or(0),
-        sb.last().copied().unwrap_or(0),
-    );
+    let (ia, ib) = (sa.last().copied().unwrap_or(0), sb.last().copied().unwrap_or(0));
     for_rows(ov, inner, |r, row| {
         let (oa, ob) = (row_offset(r, &shape, &sa), row_offset(r, &shape, &sb));
         for (j, o) in row.iter_mut().enumerate() {
@@ -115,19 +93,11 @@ pub fn map3<A: Elem, B: Elem, C: Elem, O: Elem>(
     let (av, bv, cv) = (a.slice::<A>()?, b.slice::<B>()?, c.slice::<C>()?);
     let ov = out.slice::<O>()?;
     let inner = shape.last().copied().unwrap_or(1);
-    let (sa, sb, sc) = (
-        bcast_strides(a.shape, &shape),
-        bcast_strides(b.shape, &shape),
-        bcast_strides(c.shape, &shape),
-    );
+    let (sa, sb, sc) = (bcast_strides(a.shape, &shape), bcast_strides(b.shape, &shape), bcast_strides(c.shape, &shape));
     let last = |s: &[usize]| s.last().copied().unwrap_or(0);
     let (ia, ib, ic) = (last(&sa), last(&sb), last(&sc));
     for_rows(ov, inner, |r, row| {
-        let (oa, ob, oc) = (
-            row_offset(r, &shape, &sa),
-            row_offset(r, &shape, &sb),
-            row_offset(r, &shape, &sc),
-        );
+        let (oa, ob, oc) = (row_offset(r, &shape, &sa), row_offset(r, &shape, &sb), row_offset(r, &shape, &sc));
         for (j, o) in row.iter_mut().enumerate() {
             *o = f(av[oa + j * ia], bv[ob + j * ib], cv[oc + j * ic]);
         }

@@ -35,36 +35,19 @@ impl FloatElem for f64 {
     }
 }
 
-pub(super) fn ab<'a, 'b>(
-    node: &Node,
-    inputs: &'b [Option<In<'a>>],
-) -> Result<(&'b In<'a>, &'b In<'a>)> {
-    let a = inputs
-        .first()
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err("input 0 missing"))?;
-    let b = inputs
-        .get(1)
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err("input 1 missing"))?;
+pub(super) fn ab<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>]) -> Result<(&'b In<'a>, &'b In<'a>)> {
+    let a = inputs.first().and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 0 missing"))?;
+    let b = inputs.get(1).and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 1 missing"))?;
     Ok((a, b))
 }
 
 pub(super) fn first<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>]) -> Result<&'b In<'a>> {
-    inputs
-        .first()
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err("input 0 missing"))
+    inputs.first().and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 0 missing"))
 }
 
 macro_rules! binary_num {
     ($name:ident, |$x:ident, $y:ident| $e:expr) => {
-        fn $name(
-            node: &Node,
-            inputs: &[Option<In>],
-            out: &mut [Out],
-            _: &mut CpuCtx,
-        ) -> Result<()> {
+        fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
             fn go<T: Arith>(a: &In, b: &In, o: &mut Out) -> Result<()> {
                 map2::<T, T, T>(a, b, o, |$x, $y| $e)
             }
@@ -80,12 +63,7 @@ binary_num!(div, |x, y| x / y);
 binary_num!(max, |x, y| if y > x || y != y { y } else { x });
 binary_num!(min, |x, y| if y < x || y != y { y } else { x });
 
-fn div_checked(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    ctx: &mut CpuCtx,
-) -> Result<()> {
+fn div_checked(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (_, b) = ab(node, inputs)?;
     if !b.dtype.is_float() {
         let zero = match b.dtype {
@@ -102,11 +80,7 @@ fn div_checked(
 
 fn variadic_check(node: &Node, inputs: &[Option<In>]) -> Result<()> {
     if inputs.len() != 2 {
-        return Err(node.err(format!(
-            "{} with {} inputs is not supported yet (2 only)",
-            node.op_type,
-            inputs.len()
-        )));
+        return Err(node.err(format!("{} with {} inputs is not supported yet (2 only)", node.op_type, inputs.len())));
     }
     Ok(())
 }
@@ -142,34 +116,15 @@ fn pow(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> R
         (DType::F64, DType::F64) => go::<f64, f64>(a, b, &mut out[0]),
         (DType::F64, DType::F32) => go::<f64, f32>(a, b, &mut out[0]),
         (DType::F64, DType::I64) => go::<f64, i64>(a, b, &mut out[0]),
-        (DType::I64, DType::I64) => map2::<i64, i64, i64>(a, b, &mut out[0], |x, y| {
-            if y < 0 {
-                0
-            } else {
-                x.wrapping_pow(y as u32)
-            }
-        }),
-        (x, y) => Err(node.err(format!(
-            "Pow of {} by {} is not supported",
-            x.name(),
-            y.name()
-        ))),
+        (DType::I64, DType::I64) => map2::<i64, i64, i64>(a, b, &mut out[0], |x, y| if y < 0 { 0 } else { x.wrapping_pow(y as u32) }),
+        (x, y) => Err(node.err(format!("Pow of {} by {} is not supported", x.name(), y.name()))),
     }
 }
 
 fn modulo(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
-    let fmod = node
-        .attrs
-        .int("fmod", 0)
-        .map_err(|e| node.err(e.to_string()))?
-        != 0;
+    let fmod = node.attrs.int("fmod", 0).map_err(|e| node.err(e.to_string()))? != 0;
     let (a, b) = ab(node, inputs)?;
-    fn int<T: Arith + std::ops::Rem<Output = T>>(
-        a: &In,
-        b: &In,
-        o: &mut Out,
-        fmod: bool,
-    ) -> Result<()> {
+    fn int<T: Arith + std::ops::Rem<Output = T>>(a: &In, b: &In, o: &mut Out, fmod: bool) -> Result<()> {
         map2::<T, T, T>(a, b, o, move |x, y| {
             if y == T::zero() {
                 return T::zero();
@@ -194,12 +149,7 @@ fn modulo(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
 
 macro_rules! compare {
     ($name:ident, |$x:ident, $y:ident| $e:expr) => {
-        fn $name(
-            node: &Node,
-            inputs: &[Option<In>],
-            out: &mut [Out],
-            _: &mut CpuCtx,
-        ) -> Result<()> {
+        fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
             fn go<T: Arith>(a: &In, b: &In, o: &mut Out) -> Result<()> {
                 map2::<T, T, u8>(a, b, o, |$x, $y| ($e) as u8)
             }
@@ -216,12 +166,7 @@ compare!(greater_eq, |x, y| x >= y);
 
 macro_rules! logic {
     ($name:ident, |$x:ident, $y:ident| $e:expr) => {
-        fn $name(
-            node: &Node,
-            inputs: &[Option<In>],
-            out: &mut [Out],
-            _: &mut CpuCtx,
-        ) -> Result<()> {
+        fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
             let (a, b) = ab(node, inputs)?;
             map2::<u8, u8, u8>(a, b, &mut out[0], |$x, $y| ($e) as u8)
         }
@@ -282,12 +227,7 @@ fn cast(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
 
 macro_rules! unary_float {
     ($name:ident, |$x:ident| $e:expr) => {
-        fn $name(
-            node: &Node,
-            inputs: &[Option<In>],
-            out: &mut [Out],
-            _: &mut CpuCtx,
-        ) -> Result<()> {
+        fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
             fn go<T: FloatElem>(a: &In, o: &mut Out) -> Result<()> {
                 map1::<T, T>(a, o, |$x| $e)
             }
@@ -308,12 +248,7 @@ unary_float!(ceil, |x| x.ceil());
 
 macro_rules! unary_num {
     ($name:ident, |$x:ident| $e:expr) => {
-        fn $name(
-            node: &Node,
-            inputs: &[Option<In>],
-            out: &mut [Out],
-            _: &mut CpuCtx,
-        ) -> Result<()> {
+        fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
             fn go<T: Arith>(a: &In, o: &mut Out) -> Result<()> {
                 map1::<T, T>(a, o, |$x| $e)
             }
@@ -341,25 +276,15 @@ fn is_nan(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
 }
 
 fn is_inf(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
-    let (pos, neg) = (
-        node.attrs.int("detect_positive", 1).unwrap_or(1) != 0,
-        node.attrs.int("detect_negative", 1).unwrap_or(1) != 0,
-    );
+    let (pos, neg) = (node.attrs.int("detect_positive", 1).unwrap_or(1) != 0, node.attrs.int("detect_negative", 1).unwrap_or(1) != 0);
     fn go<T: FloatElem>(a: &In, o: &mut Out, pos: bool, neg: bool) -> Result<()> {
-        map1::<T, u8>(a, o, move |x| {
-            (x.is_infinite() && ((x > T::zero() && pos) || (x < T::zero() && neg))) as u8
-        })
+        map1::<T, u8>(a, o, move |x| (x.is_infinite() && ((x > T::zero() && pos) || (x < T::zero() && neg))) as u8)
     }
     let a = first(node, inputs)?;
     crate::dispatch_float!(a.dtype, node, go::<T>(a, &mut out[0], pos, neg))
 }
 
-pub(super) fn identity(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    _: &mut CpuCtx,
-) -> Result<()> {
+pub(super) fn identity(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let a = first(node, inputs)?;
     out[0].bytes().copy_from_slice(a.bytes());
     Ok(())

@@ -7,12 +7,7 @@ use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
 
-fn reduce_sum_to(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    _: &mut CpuCtx,
-) -> Result<()> {
+fn reduce_sum_to(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     fn go<T: Arith>(x: &In, o: &mut Out) -> Result<()> {
         let target = o.shape.to_vec();
         let xv = x.slice::<T>()?;
@@ -65,17 +60,9 @@ fn affine(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
 fn mask_select(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let keep = node.attrs.int("keep", 1)? != 0;
     let c = first(node, inputs)?;
-    let x = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("input 1 missing"))?;
+    let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 missing"))?;
     fn go<T: Arith>(c: &In, x: &In, o: &mut Out, keep: bool) -> Result<()> {
-        map2::<u8, T, T>(
-            c,
-            x,
-            o,
-            move |c, v| if (c != 0) == keep { v } else { T::zero() },
-        )
+        map2::<u8, T, T>(c, x, o, move |c, v| if (c != 0) == keep { v } else { T::zero() })
     }
     crate::dispatch_num!(x.dtype, node, go::<T>(c, x, &mut out[0], keep))
 }
@@ -86,10 +73,7 @@ fn erf_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx)
         map2::<T, T, T>(dy, x, o, move |d, v| d * k * (-(v * v)).exp())
     }
     let dy = first(node, inputs)?;
-    let x = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("input 1 missing"))?;
+    let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 missing"))?;
     crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, &mut out[0]))
 }
 

@@ -23,27 +23,15 @@ fn layout(node: &Node, scores: &In) -> Result<Layout> {
         n: scores.shape[0],
         c: scores.shape[1],
         inner: scores.shape[2..].iter().product(),
-        ignore: node
-            .attrs
-            .get("ignore_index")
-            .map(|_| node.attrs.int("ignore_index", 0))
-            .transpose()?,
+        ignore: node.attrs.get("ignore_index").map(|_| node.attrs.int("ignore_index", 0)).transpose()?,
         reduction: node.attrs.string("reduction", "mean")?,
         softmax: node.op_type.starts_with("SoftmaxCrossEntropy"),
     })
 }
 
 /// Per-sample (label, weight) with the label validated; weight 0 for ignored samples.
-fn targets(
-    node: &Node,
-    l: &Layout,
-    labels: &In,
-    weights: Option<&In>,
-) -> Result<Vec<(usize, f64)>> {
-    let raw = labels
-        .to_tensor()
-        .to_i64_vec()
-        .ok_or_else(|| node.err("labels must be integers"))?;
+fn targets(node: &Node, l: &Layout, labels: &In, weights: Option<&In>) -> Result<Vec<(usize, f64)>> {
+    let raw = labels.to_tensor().to_i64_vec().ok_or_else(|| node.err("labels must be integers"))?;
     let w = weights.map(|w| w.to_tensor().to_f64_vec());
     raw.iter()
         .map(|&y| {
@@ -74,10 +62,7 @@ fn sample_base(s: usize, l: &Layout) -> usize {
 
 fn loss(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
-    let labels = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("labels missing"))?;
+    let labels = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("labels missing"))?;
     let l = layout(node, x)?;
     let t = targets(node, &l, labels, inputs.get(2).and_then(|v| v.as_ref()))?;
     fn go<T: FloatElem>(x: &In, out: &mut [Out], l: &Layout, t: &[(usize, f64)]) -> Result<()> {
@@ -102,18 +87,11 @@ fn loss(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
         let (lo, rest) = out.split_first_mut().expect("loss output");
         let lv = lo.slice::<T>()?;
         match l.reduction.as_str() {
-            "none" => lv
-                .iter_mut()
-                .zip(&per)
-                .for_each(|(o, &v)| *o = T::from_f64(v)),
+            "none" => lv.iter_mut().zip(&per).for_each(|(o, &v)| *o = T::from_f64(v)),
             "sum" => lv[0] = T::from_f64(per.iter().sum()),
             _ => {
                 let wsum: f64 = t.iter().map(|p| p.1).sum();
-                lv[0] = T::from_f64(if wsum == 0.0 {
-                    f64::NAN
-                } else {
-                    per.iter().sum::<f64>() / wsum
-                });
+                lv[0] = T::from_f64(if wsum == 0.0 { f64::NAN } else { per.iter().sum::<f64>() / wsum });
             }
         }
         if let Some(lp) = rest.first_mut() {
@@ -133,30 +111,12 @@ fn loss(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
 
 fn loss_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
-    let x = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("scores missing"))?;
-    let labels = inputs
-        .get(2)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("labels missing"))?;
+    let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scores missing"))?;
+    let labels = inputs.get(2).and_then(|v| v.as_ref()).ok_or_else(|| node.err("labels missing"))?;
     let l = layout(node, x)?;
     let t = targets(node, &l, labels, inputs.get(3).and_then(|v| v.as_ref()))?;
-    fn go<T: FloatElem>(
-        dy: &In,
-        x: &In,
-        o: &mut Out,
-        l: &Layout,
-        t: &[(usize, f64)],
-    ) -> Result<()> {
-        let (dv, xv) = (
-            dy.slice::<T>()?
-                .iter()
-                .map(|v| v.as_())
-                .collect::<Vec<f64>>(),
-            x.slice::<T>()?,
-        );
+    fn go<T: FloatElem>(dy: &In, x: &In, o: &mut Out, l: &Layout, t: &[(usize, f64)]) -> Result<()> {
+        let (dv, xv) = (dy.slice::<T>()?.iter().map(|v| v.as_()).collect::<Vec<f64>>(), x.slice::<T>()?);
         let wsum: f64 = t.iter().map(|p| p.1).sum();
         let scale = |s: usize| -> f64 {
             match l.reduction.as_str() {
@@ -173,29 +133,26 @@ fn loss_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx
         };
         let ov = o.slice::<T>()?;
         let block = l.c * l.inner;
-        ov.par_chunks_mut(block.max(1))
-            .enumerate()
-            .for_each(|(i, ob)| {
-                for j in 0..l.inner {
-                    let s = i * l.inner + j;
-                    let (y, w) = t[s];
-                    let base = sample_base(s, l) - i * block;
-                    let g = w * scale(s);
-                    if l.softmax {
-                        let (m, lse) = row_stats(xv, i * block + j, l.c, l.inner);
-                        for k in 0..l.c {
-                            let p = (xv[i * block + j + k * l.inner].as_() - m - lse).exp();
-                            let oh = if k == y && w != 0.0 { 1.0 } else { 0.0 };
-                            ob[base + k * l.inner] = T::from_f64(g * (p - oh));
-                        }
-                    } else {
-                        for k in 0..l.c {
-                            ob[base + k * l.inner] =
-                                T::from_f64(if k == y && w != 0.0 { -g } else { 0.0 });
-                        }
+        ov.par_chunks_mut(block.max(1)).enumerate().for_each(|(i, ob)| {
+            for j in 0..l.inner {
+                let s = i * l.inner + j;
+                let (y, w) = t[s];
+                let base = sample_base(s, l) - i * block;
+                let g = w * scale(s);
+                if l.softmax {
+                    let (m, lse) = row_stats(xv, i * block + j, l.c, l.inner);
+                    for k in 0..l.c {
+                        let p = (xv[i * block + j + k * l.inner].as_() - m - lse).exp();
+                        let oh = if k == y && w != 0.0 { 1.0 } else { 0.0 };
+                        ob[base + k * l.inner] = T::from_f64(g * (p - oh));
+                    }
+                } else {
+                    for k in 0..l.c {
+                        ob[base + k * l.inner] = T::from_f64(if k == y && w != 0.0 { -g } else { 0.0 });
                     }
                 }
-            });
+            }
+        });
         Ok(())
     }
     crate::dispatch_float!(x.dtype, node, go::<T>(dy, x, &mut out[0], &l, &t))

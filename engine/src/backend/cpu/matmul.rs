@@ -24,22 +24,9 @@ struct Mat<T> {
 /// # Safety
 /// The pointers must cover the m×k, k×n and m×n views with the given strides, dst not
 /// overlapping the operands.
-unsafe fn gemm_call<T: FloatElem>(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    lhs: Mat<T>,
-    rhs: Mat<T>,
-    alpha: T,
-    accumulate: bool,
-) {
+unsafe fn gemm_call<T: FloatElem>(m: usize, n: usize, k: usize, dst: *mut T, lhs: Mat<T>, rhs: Mat<T>, alpha: T, accumulate: bool) {
     let flops = m * n * k;
-    let par = if flops >= 1 << 16 {
-        Parallelism::Rayon(0)
-    } else {
-        Parallelism::None
-    };
+    let par = if flops >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).
     unsafe {
         gemm::gemm(
@@ -68,41 +55,16 @@ unsafe fn gemm_call<T: FloatElem>(
 
 /// out = alpha · op(a) · op(b), batched with broadcasting; out's batch dims may be fewer than the
 /// broadcast batch (those batches are summed), as FusedMatMul's target shape asks.
-fn batched<T: FloatElem>(
-    node: &Node,
-    a: &In,
-    b: &In,
-    o: &mut Out,
-    ta: bool,
-    tb: bool,
-    alpha: f64,
-    accumulate: bool,
-) -> Result<()> {
-    let a2: Vec<usize> = if a.shape.len() == 1 {
-        vec![1, a.shape[0]]
-    } else {
-        a.shape.to_vec()
-    };
-    let b2: Vec<usize> = if b.shape.len() == 1 {
-        vec![b.shape[0], 1]
-    } else {
-        b.shape.to_vec()
-    };
+fn batched<T: FloatElem>(node: &Node, a: &In, b: &In, o: &mut Out, ta: bool, tb: bool, alpha: f64, accumulate: bool) -> Result<()> {
+    let a2: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
+    let b2: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (ra, rb) = (a2.len(), b2.len());
-    let (m, k) = if ta {
-        (a2[ra - 1], a2[ra - 2])
-    } else {
-        (a2[ra - 2], a2[ra - 1])
-    };
+    let (m, k) = if ta { (a2[ra - 1], a2[ra - 2]) } else { (a2[ra - 2], a2[ra - 1]) };
     let n = if tb { b2[rb - 2] } else { b2[rb - 1] };
     let (ba, bb) = (&a2[..ra - 2], &b2[..rb - 2]);
     let full = broadcast_shapes(node, &[ba, bb])?;
     let out_numel = o.numel();
-    let out_batch: Vec<usize> = if a.shape.len() > 1 && b.shape.len() > 1 {
-        o.shape[..o.shape.len() - 2].to_vec()
-    } else {
-        full.clone()
-    };
+    let out_batch: Vec<usize> = if a.shape.len() > 1 && b.shape.len() > 1 { o.shape[..o.shape.len() - 2].to_vec() } else { full.clone() };
     let alpha = T::from_f64(alpha);
     let av = a.slice::<T>()?;
     let bv = b.slice::<T>()?;
@@ -122,33 +84,17 @@ fn batched<T: FloatElem>(
         // SAFETY (of the later use): offsets stay inside av by construction of the batch loops.
         let ptr = av[off..].as_ptr();
         if ta {
-            Mat {
-                ptr,
-                rs: 1,
-                cs: m as isize,
-            }
+            Mat { ptr, rs: 1, cs: m as isize }
         } else {
-            Mat {
-                ptr,
-                rs: k as isize,
-                cs: 1,
-            }
+            Mat { ptr, rs: k as isize, cs: 1 }
         }
     };
     let mat_b = |off: usize| -> Mat<T> {
         let ptr = bv[off..].as_ptr();
         if tb {
-            Mat {
-                ptr,
-                rs: 1,
-                cs: k as isize,
-            }
+            Mat { ptr, rs: 1, cs: k as isize }
         } else {
-            Mat {
-                ptr,
-                rs: n as isize,
-                cs: 1,
-            }
+            Mat { ptr, rs: n as isize, cs: 1 }
         }
     };
     let batch_a: usize = ba.iter().product();
@@ -157,33 +103,14 @@ fn batched<T: FloatElem>(
     // fast path 1: b has no batch and a is not transposed: fold a's batch into M
     if bb.is_empty() && !ta && batch_out == batch_a {
         // SAFETY: a is [batch·m, k] row-major, b is k×n, out is [batch·m, n].
-        unsafe {
-            gemm_call(
-                batch_a * m,
-                n,
-                k,
-                ov.as_mut_ptr(),
-                mat_a(0, batch_a * m),
-                mat_b(0),
-                alpha,
-                accumulate,
-            )
-        };
+        unsafe { gemm_call(batch_a * m, n, k, ov.as_mut_ptr(), mat_a(0, batch_a * m), mat_b(0), alpha, accumulate) };
         return Ok(());
     }
     // fast path 2: aᵀ·b over identical batches summed into one 2-D output: fold the batch into K
     if ta && !tb && batch_out == 1 && ba == bb && batch_a > 1 {
         let kk = k * batch_a;
-        let lhs = Mat {
-            ptr: av.as_ptr(),
-            rs: 1,
-            cs: m as isize,
-        };
-        let rhs = Mat {
-            ptr: bv.as_ptr(),
-            rs: n as isize,
-            cs: 1,
-        };
+        let lhs = Mat { ptr: av.as_ptr(), rs: 1, cs: m as isize };
+        let rhs = Mat { ptr: bv.as_ptr(), rs: n as isize, cs: 1 };
         // SAFETY: a is [batch·k, m] and b is [batch·k, n] row-major; out is m×n.
         unsafe { gemm_call(m, n, kk, ov.as_mut_ptr(), lhs, rhs, alpha, accumulate) };
         return Ok(());
@@ -205,36 +132,18 @@ fn batched<T: FloatElem>(
             oo += i * so[d];
         }
         // SAFETY: batch offsets index whole matrices inside each buffer.
-        unsafe {
-            gemm_call(
-                m,
-                n,
-                k,
-                ov[oo * m * n..].as_mut_ptr(),
-                mat_a(oa * m * k, m),
-                mat_b(ob * k * n),
-                alpha,
-                accumulate || reduced,
-            )
-        };
+        unsafe { gemm_call(m, n, k, ov[oo * m * n..].as_mut_ptr(), mat_a(oa * m * k, m), mat_b(ob * k * n), alpha, accumulate || reduced) };
     }
     Ok(())
 }
 
 fn second<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>]) -> Result<&'b In<'a>> {
-    inputs
-        .get(1)
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err("input 1 missing"))
+    inputs.get(1).and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 1 missing"))
 }
 
 fn matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let (a, b) = (first(node, inputs)?, second(node, inputs)?);
-    crate::dispatch_float!(
-        a.dtype,
-        node,
-        batched::<T>(node, a, b, &mut out[0], false, false, 1.0, false)
-    )
+    crate::dispatch_float!(a.dtype, node, batched::<T>(node, a, b, &mut out[0], false, false, 1.0, false))
 }
 
 fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
@@ -242,11 +151,7 @@ fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     let ta = node.attrs.int("transA", 0)? != 0;
     let tb = node.attrs.int("transB", 0)? != 0;
     let alpha = node.attrs.float("alpha", 1.0)? as f64;
-    crate::dispatch_float!(
-        a.dtype,
-        node,
-        batched::<T>(node, a, b, &mut out[0], ta, tb, alpha, false)
-    )
+    crate::dispatch_float!(a.dtype, node, batched::<T>(node, a, b, &mut out[0], ta, tb, alpha, false))
 }
 
 fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
@@ -256,17 +161,7 @@ fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
     let alpha = node.attrs.float("alpha", 1.0)? as f64;
     let beta = node.attrs.float("beta", 1.0)? as f64;
     let c = inputs.get(2).and_then(|x| x.as_ref());
-    fn go<T: FloatElem>(
-        node: &Node,
-        a: &In,
-        b: &In,
-        c: Option<&In>,
-        o: &mut Out,
-        ta: bool,
-        tb: bool,
-        alpha: f64,
-        beta: f64,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(node: &Node, a: &In, b: &In, c: Option<&In>, o: &mut Out, ta: bool, tb: bool, alpha: f64, beta: f64) -> Result<()> {
         let accumulate = match c {
             Some(c) if beta != 0.0 => {
                 let shape = o.shape.to_vec();
@@ -286,11 +181,7 @@ fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
         };
         batched::<T>(node, a, b, o, ta, tb, alpha, accumulate)
     }
-    crate::dispatch_float!(
-        a.dtype,
-        node,
-        go::<T>(node, a, b, c, &mut out[0], ta, tb, alpha, beta)
-    )
+    crate::dispatch_float!(a.dtype, node, go::<T>(node, a, b, c, &mut out[0], ta, tb, alpha, beta))
 }
 
 pub fn register(t: &mut KernelTable) {

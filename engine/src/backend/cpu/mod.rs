@@ -30,9 +30,7 @@ pub struct CpuCtx {
 
 impl CpuCtx {
     pub fn new(seed: u64) -> Self {
-        CpuCtx {
-            rng: random::Rng::new(seed),
-        }
+        CpuCtx { rng: random::Rng::new(seed) }
     }
 }
 
@@ -76,11 +74,7 @@ impl super::Backend for CpuBackend {
         "cpu"
     }
     fn missing_kernels<'a>(&self, op_types: &[&'a str]) -> Vec<&'a str> {
-        op_types
-            .iter()
-            .copied()
-            .filter(|o| kernel(o).is_none())
-            .collect()
+        op_types.iter().copied().filter(|o| kernel(o).is_none()).collect()
     }
 }
 

@@ -11,20 +11,13 @@ use crate::ir::Node;
 use crate::ops::util::{norm_axis, numel, strides};
 
 fn nth<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>], i: usize) -> Result<&'b In<'a>> {
-    inputs
-        .get(i)
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err(format!("input {i} missing")))
+    inputs.get(i).and_then(|x| x.as_ref()).ok_or_else(|| node.err(format!("input {i} missing")))
 }
 
 fn ints(node: &Node, inputs: &[Option<In>], i: usize) -> Result<Option<Vec<i64>>> {
     match inputs.get(i).and_then(|x| x.as_ref()) {
         None => Ok(None),
-        Some(t) => {
-            Ok(Some(t.to_tensor().to_i64_vec().ok_or_else(|| {
-                node.err(format!("input {i} must be integers"))
-            })?))
-        }
+        Some(t) => Ok(Some(t.to_tensor().to_i64_vec().ok_or_else(|| node.err(format!("input {i} must be integers")))?)),
     }
 }
 
@@ -52,13 +45,9 @@ fn transpose_typed<T: Elem + Default>(x: &In, o: &mut Out, perm: &[usize]) -> Re
         return Ok(());
     }
     if dst.len() >= PAR_MIN {
-        dst.par_chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, row)| body(r, row));
+        dst.par_chunks_mut(inner).enumerate().for_each(|(r, row)| body(r, row));
     } else {
-        dst.chunks_mut(inner)
-            .enumerate()
-            .for_each(|(r, row)| body(r, row));
+        dst.chunks_mut(inner).enumerate().for_each(|(r, row)| body(r, row));
     }
     Ok(())
 }
@@ -69,21 +58,14 @@ impl<'a> In<'a> {
         let b = self.bytes();
         // SAFETY: arena and tensor buffers are aligned to at least 8 bytes, and T has the
         // element's byte width (chosen by `by_width`), so the length divides exactly.
-        unsafe {
-            std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / std::mem::size_of::<T>())
-        }
+        unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / std::mem::size_of::<T>()) }
     }
 }
 impl<'a> Out<'a> {
     fn slice_bytes_as<T: Elem>(&mut self) -> &mut [T] {
         let b = self.bytes();
         // SAFETY: as for In::slice_bytes_as.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                b.as_mut_ptr() as *mut T,
-                b.len() / std::mem::size_of::<T>(),
-            )
-        }
+        unsafe { std::slice::from_raw_parts_mut(b.as_mut_ptr() as *mut T, b.len() / std::mem::size_of::<T>()) }
     }
 }
 
@@ -175,8 +157,7 @@ fn concat_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     let src = dy.bytes();
     let dst = o.bytes();
     for i in 0..outer {
-        dst[i * w..(i + 1) * w]
-            .copy_from_slice(&src[i * row + before * inner..i * row + before * inner + w]);
+        dst[i * w..(i + 1) * w].copy_from_slice(&src[i * row + before * inner..i * row + before * inner + w]);
     }
     Ok(())
 }
@@ -202,28 +183,11 @@ fn split(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) ->
 }
 
 /// (start, step, count) per axis, as ops::movement::slice_params computed at plan time.
-fn slice_plan(
-    node: &Node,
-    inputs: &[Option<In>],
-    shape: &[usize],
-    first_param: usize,
-) -> Result<Vec<(i64, i64, usize)>> {
-    let t: Vec<Option<crate::tensor::Tensor>> = (first_param..first_param + 4)
-        .map(|i| {
-            inputs
-                .get(i)
-                .and_then(|x| x.as_ref())
-                .map(|x| x.to_tensor())
-        })
-        .collect();
+fn slice_plan(node: &Node, inputs: &[Option<In>], shape: &[usize], first_param: usize) -> Result<Vec<(i64, i64, usize)>> {
+    let t: Vec<Option<crate::tensor::Tensor>> =
+        (first_param..first_param + 4).map(|i| inputs.get(i).and_then(|x| x.as_ref()).map(|x| x.to_tensor())).collect();
     let infer: Vec<Option<crate::ops::InferIn>> = std::iter::once(None)
-        .chain(t.iter().map(|x| {
-            x.as_ref().map(|x| crate::ops::InferIn {
-                dtype: x.dtype(),
-                shape: &x.shape,
-                value: Some(x),
-            })
-        }))
+        .chain(t.iter().map(|x| x.as_ref().map(|x| crate::ops::InferIn { dtype: x.dtype(), shape: &x.shape, value: Some(x) })))
         .collect();
     crate::ops::movement_slice_params(node, &infer, shape)
 }
@@ -273,17 +237,12 @@ fn slice_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCt
 }
 
 fn index_list(node: &Node, idx: &In, dim: usize) -> Result<Vec<usize>> {
-    let raw = idx
-        .to_tensor()
-        .to_i64_vec()
-        .ok_or_else(|| node.err("indices must be integers"))?;
+    let raw = idx.to_tensor().to_i64_vec().ok_or_else(|| node.err("indices must be integers"))?;
     raw.into_iter()
         .map(|i| {
             let j = if i < 0 { i + dim as i64 } else { i };
             if j < 0 || j >= dim as i64 {
-                Err(node.err(format!(
-                    "index {i} is out of range for a dimension of size {dim}"
-                )))
+                Err(node.err(format!("index {i} is out of range for a dimension of size {dim}")))
             } else {
                 Ok(j as usize)
             }
@@ -328,13 +287,7 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     let axis = norm_axis(node, node.attrs.int("axis", 0)?, shape.len())?;
     let dim = shape[axis];
     let ids = index_list(node, idx, dim)?;
-    fn go<T: Arith>(
-        dy: &In,
-        o: &mut Out,
-        shape: &[usize],
-        axis: usize,
-        ids: &[usize],
-    ) -> Result<()> {
+    fn go<T: Arith>(dy: &In, o: &mut Out, shape: &[usize], axis: usize, ids: &[usize]) -> Result<()> {
         let outer = numel(&shape[..axis]);
         let inner = numel(&shape[axis + 1..]);
         let dim = shape[axis];
@@ -357,26 +310,15 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
 }
 
 /// Visits (data_offset, index_position) for GatherElements along `axis`.
-fn elements_walk(
-    node: &Node,
-    data_shape: &[usize],
-    idx: &In,
-    axis: usize,
-    mut f: impl FnMut(usize, usize),
-) -> Result<()> {
+fn elements_walk(node: &Node, data_shape: &[usize], idx: &In, axis: usize, mut f: impl FnMut(usize, usize)) -> Result<()> {
     let ishape = idx.shape;
-    let raw = idx
-        .to_tensor()
-        .to_i64_vec()
-        .ok_or_else(|| node.err("indices must be integers"))?;
+    let raw = idx.to_tensor().to_i64_vec().ok_or_else(|| node.err("indices must be integers"))?;
     let ds = strides(data_shape);
     let dim = data_shape[axis] as i64;
     for (p, &i) in raw.iter().enumerate() {
         let j = if i < 0 { i + dim } else { i };
         if j < 0 || j >= dim {
-            return Err(node.err(format!(
-                "index {i} is out of range for a dimension of size {dim}"
-            )));
+            return Err(node.err(format!("index {i} is out of range for a dimension of size {dim}")));
         }
         let mut r = p;
         let mut off = 0;
@@ -390,12 +332,7 @@ fn elements_walk(
     Ok(())
 }
 
-fn gather_elements(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    _: &mut CpuCtx,
-) -> Result<()> {
+fn gather_elements(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let idx = nth(node, inputs, 1)?;
     let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
@@ -407,25 +344,13 @@ fn gather_elements(
     by_width!(x.dtype, go(node, x, idx, &mut out[0], axis))
 }
 
-fn gather_elements_grad(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    _: &mut CpuCtx,
-) -> Result<()> {
+fn gather_elements_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
     let idx = nth(node, inputs, 1)?;
     let o = &mut out[0];
     let shape = o.shape.to_vec();
     let axis = norm_axis(node, node.attrs.int("axis", 0)?, shape.len())?;
-    fn go<T: Arith>(
-        node: &Node,
-        dy: &In,
-        idx: &In,
-        o: &mut Out,
-        shape: &[usize],
-        axis: usize,
-    ) -> Result<()> {
+    fn go<T: Arith>(node: &Node, dy: &In, idx: &In, o: &mut Out, shape: &[usize], axis: usize) -> Result<()> {
         let src = dy.slice::<T>()?;
         let dst = o.slice::<T>()?;
         dst.iter_mut().for_each(|v| *v = T::zero());
@@ -437,19 +362,10 @@ fn gather_elements_grad(
 fn trilu(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let upper = node.attrs.int("upper", 1)? != 0;
-    let k = ints(node, inputs, 1)?
-        .and_then(|v| v.first().copied())
-        .unwrap_or(0);
+    let k = ints(node, inputs, 1)?.and_then(|v| v.first().copied()).unwrap_or(0);
     let r = x.shape.len();
     let (rows, cols) = (x.shape[r - 2], x.shape[r - 1]);
-    fn go<T: Elem + Default>(
-        x: &In,
-        o: &mut Out,
-        rows: usize,
-        cols: usize,
-        upper: bool,
-        k: i64,
-    ) -> Result<()> {
+    fn go<T: Elem + Default>(x: &In, o: &mut Out, rows: usize, cols: usize, upper: bool, k: i64) -> Result<()> {
         let src = x.slice_bytes_as::<T>();
         let dst = o.slice_bytes_as::<T>();
         for (p, (d, &s)) in dst.iter_mut().zip(src).enumerate() {

@@ -19,21 +19,11 @@ fn stats<T: FloatElem>(row: &[T], eps: f64) -> (f64, f64) {
 
 fn layer_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
-    let scale = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("scale missing"))?;
+    let scale = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scale missing"))?;
     let bias = inputs.get(2).and_then(|v| v.as_ref());
     let eps = node.attrs.float("epsilon", 1e-5)? as f64;
     let (_, n) = layer_norm_layout_of(node, x.shape)?;
-    fn go<T: FloatElem>(
-        x: &In,
-        scale: &In,
-        bias: Option<&In>,
-        out: &mut [Out],
-        n: usize,
-        eps: f64,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(x: &In, scale: &In, bias: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
         let (xv, sv) = (x.slice::<T>()?, scale.slice::<T>()?);
         let bv = match bias {
             Some(b) => Some(b.slice::<T>()?),
@@ -60,16 +50,8 @@ fn layer_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCt
         for (k, o) in rest.iter_mut().enumerate() {
             let pick = |s: &(f64, f64)| if k == 0 { s.0 } else { s.1 };
             match o.dtype {
-                crate::tensor::DType::F64 => o
-                    .slice::<f64>()?
-                    .iter_mut()
-                    .zip(&stats_v)
-                    .for_each(|(v, s)| *v = pick(s)),
-                _ => o
-                    .slice::<f32>()?
-                    .iter_mut()
-                    .zip(&stats_v)
-                    .for_each(|(v, s)| *v = pick(s) as f32),
+                crate::tensor::DType::F64 => o.slice::<f64>()?.iter_mut().zip(&stats_v).for_each(|(v, s)| *v = pick(s)),
+                _ => o.slice::<f32>()?.iter_mut().zip(&stats_v).for_each(|(v, s)| *v = pick(s) as f32),
             }
         }
         Ok(())
@@ -77,31 +59,13 @@ fn layer_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCt
     crate::dispatch_float!(x.dtype, node, go::<T>(x, scale, bias, out, n, eps))
 }
 
-fn layer_norm_grad(
-    node: &Node,
-    inputs: &[Option<In>],
-    out: &mut [Out],
-    _: &mut CpuCtx,
-) -> Result<()> {
+fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
-    let x = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("x missing"))?;
-    let scale = inputs
-        .get(2)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("scale missing"))?;
+    let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("x missing"))?;
+    let scale = inputs.get(2).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scale missing"))?;
     let eps = node.attrs.float("epsilon", 1e-5)? as f64;
     let (_, n) = layer_norm_layout_of(node, x.shape)?;
-    fn go<T: FloatElem>(
-        dy: &In,
-        x: &In,
-        scale: &In,
-        out: &mut [Out],
-        n: usize,
-        eps: f64,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(dy: &In, x: &In, scale: &In, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
         let (dv, xv, sv) = (dy.slice::<T>()?, x.slice::<T>()?, scale.slice::<T>()?);
         let (dx, rest) = out.split_first_mut().expect("three outputs");
         let dxv = dx.slice::<T>()?;

@@ -36,8 +36,7 @@ fn splitmix(mut z: u64) -> u64 {
 /// Uniform in [0, 1) for element `i` of the stream `key`.
 #[inline]
 pub fn uniform(key: u64, i: u64) -> f64 {
-    (splitmix(key ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 11) as f64
-        * (1.0 / (1u64 << 53) as f64)
+    (splitmix(key ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// (ratio, training) of a Dropout node from its optional inputs (defaults 0.5, false).
@@ -47,11 +46,7 @@ fn dropout_params(node: &Node, inputs: &[Option<In>], ratio_at: usize) -> Result
         None => node.attrs.float("ratio", 0.5)? as f64,
     };
     let training = match inputs.get(ratio_at + 1).and_then(|x| x.as_ref()) {
-        Some(t) => t
-            .to_tensor()
-            .to_f64_vec()
-            .first()
-            .is_some_and(|&v| v != 0.0),
+        Some(t) => t.to_tensor().to_f64_vec().first().is_some_and(|&v| v != 0.0),
         None => false,
     };
     if !(0.0..1.0).contains(&ratio) {
@@ -64,13 +59,7 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
     let x = first(node, inputs)?;
     let (ratio, training) = dropout_params(node, inputs, 1)?;
     let key = ctx.rng.next_key();
-    fn go<T: FloatElem>(
-        x: &In,
-        out: &mut [Out],
-        ratio: f64,
-        training: bool,
-        key: u64,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(x: &In, out: &mut [Out], ratio: f64, training: bool, key: u64) -> Result<()> {
         let xv = x.slice::<T>()?;
         let (y, rest) = out.split_first_mut().expect("one output at least");
         let yv = y.slice::<T>()?;
@@ -94,17 +83,9 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
             *y = if keep { v * scale } else { T::zero() };
         };
         if xv.len() >= PAR_MIN {
-            yv.par_iter_mut()
-                .zip(mv.par_iter_mut())
-                .zip(xv.par_iter())
-                .enumerate()
-                .for_each(body);
+            yv.par_iter_mut().zip(mv.par_iter_mut()).zip(xv.par_iter()).enumerate().for_each(body);
         } else {
-            yv.iter_mut()
-                .zip(mv.iter_mut())
-                .zip(xv.iter())
-                .enumerate()
-                .for_each(body);
+            yv.iter_mut().zip(mv.iter_mut()).zip(xv.iter()).enumerate().for_each(body);
         }
         Ok(())
     }
@@ -113,20 +94,12 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
 
 fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
-    let mask = inputs
-        .get(1)
-        .and_then(|x| x.as_ref())
-        .ok_or_else(|| node.err("mask missing"))?;
+    let mask = inputs.get(1).and_then(|x| x.as_ref()).ok_or_else(|| node.err("mask missing"))?;
     let (ratio, training) = dropout_params(node, inputs, 2)?;
     let scale = if training { 1.0 / (1.0 - ratio) } else { 1.0 };
     fn go<T: FloatElem>(dy: &In, mask: &In, o: &mut Out, scale: f64) -> Result<()> {
         let s = T::from_f64(scale);
-        super::broadcast::map2::<T, u8, T>(
-            dy,
-            mask,
-            o,
-            move |d, m| if m != 0 { d * s } else { T::zero() },
-        )
+        super::broadcast::map2::<T, u8, T>(dy, mask, o, move |d, m| if m != 0 { d * s } else { T::zero() })
     }
     crate::dispatch_float!(dy.dtype, node, go::<T>(dy, mask, &mut out[0], scale))
 }

@@ -10,18 +10,8 @@ use crate::ir::Node;
 use crate::ops::{reduce_axes_of, InferIn};
 
 fn axes(node: &Node, inputs: &[Option<In>], rank: usize) -> Result<Vec<usize>> {
-    let t = inputs
-        .get(1)
-        .and_then(|x| x.as_ref())
-        .map(|x| x.to_tensor());
-    let infer: Vec<Option<InferIn>> = vec![
-        None,
-        t.as_ref().map(|x| InferIn {
-            dtype: x.dtype(),
-            shape: &x.shape,
-            value: Some(x),
-        }),
-    ];
+    let t = inputs.get(1).and_then(|x| x.as_ref()).map(|x| x.to_tensor());
+    let infer: Vec<Option<InferIn>> = vec![None, t.as_ref().map(|x| InferIn { dtype: x.dtype(), shape: &x.shape, value: Some(x) })];
     reduce_axes_of(node, &infer, rank)
 }
 
@@ -56,13 +46,7 @@ fn reduce(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
     let ax = axes(node, inputs, x.shape.len())?;
     let (keep, _) = crate::ops::reduced_shapes_of(x.shape, &ax, true);
     let count: usize = ax.iter().map(|&a| x.shape[a]).product();
-    fn go<T: FloatElem>(
-        node: &Node,
-        x: &In,
-        keep: &[usize],
-        count: usize,
-        o: &mut Out,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(node: &Node, x: &In, keep: &[usize], count: usize, o: &mut Out) -> Result<()> {
         let xv = x.slice::<T>()?;
         let ov = o.slice::<T>()?;
         match node.op_type.as_str() {
@@ -76,23 +60,11 @@ fn reduce(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
             }
             "ReduceMax" => {
                 ov.iter_mut().for_each(|v| *v = T::neg_infinity());
-                fold(
-                    xv,
-                    x.shape,
-                    keep,
-                    ov,
-                    |a, v| if v > a || v != v { v } else { a },
-                );
+                fold(xv, x.shape, keep, ov, |a, v| if v > a || v != v { v } else { a });
             }
             _ => {
                 ov.iter_mut().for_each(|v| *v = T::infinity());
-                fold(
-                    xv,
-                    x.shape,
-                    keep,
-                    ov,
-                    |a, v| if v < a || v != v { v } else { a },
-                );
+                fold(xv, x.shape, keep, ov, |a, v| if v < a || v != v { v } else { a });
             }
         }
         Ok(())
@@ -113,29 +85,13 @@ fn reduce_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     let dy = first(node, inputs)?;
     let o = &mut out[0];
     let shape = o.shape.to_vec();
-    let t = inputs
-        .get(2)
-        .and_then(|x| x.as_ref())
-        .map(|x| x.to_tensor());
-    let infer: Vec<Option<InferIn>> = vec![
-        None,
-        t.as_ref().map(|x| InferIn {
-            dtype: x.dtype(),
-            shape: &x.shape,
-            value: Some(x),
-        }),
-    ];
+    let t = inputs.get(2).and_then(|x| x.as_ref()).map(|x| x.to_tensor());
+    let infer: Vec<Option<InferIn>> = vec![None, t.as_ref().map(|x| InferIn { dtype: x.dtype(), shape: &x.shape, value: Some(x) })];
     let ax = reduce_axes_of(node, &infer, shape.len())?;
     let (keep, _) = crate::ops::reduced_shapes_of(&shape, &ax, true);
     let mean = node.attrs.int("mean", 0)? != 0;
     let count: usize = ax.iter().map(|&a| shape[a]).product();
-    fn go<T: FloatElem>(
-        dy: &In,
-        o: &mut Out,
-        shape: &[usize],
-        keep: &[usize],
-        scale: f64,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(dy: &In, o: &mut Out, shape: &[usize], keep: &[usize], scale: f64) -> Result<()> {
         let st = bcast_strides(keep, shape);
         let dv = dy.slice::<T>()?;
         let ov = o.slice::<T>()?;

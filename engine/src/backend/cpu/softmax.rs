@@ -41,9 +41,7 @@ fn softmax_rows<T: FloatElem>(x: &[T], y: &mut [T], n: usize, inner: usize, log:
         }
     };
     if x.len() >= 1 << 14 {
-        x.par_chunks(block)
-            .zip(y.par_chunks_mut(block))
-            .for_each(run);
+        x.par_chunks(block).zip(y.par_chunks_mut(block)).for_each(run);
     } else {
         x.chunks(block).zip(y.chunks_mut(block)).for_each(run);
     }
@@ -62,20 +60,10 @@ fn softmax(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
 
 fn softmax_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
-    let y = inputs
-        .get(1)
-        .and_then(|v| v.as_ref())
-        .ok_or_else(|| node.err("input 1 missing"))?;
+    let y = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 missing"))?;
     let (_, n, inner) = softmax_layout_of(node, dy.shape)?;
     let log = node.op_type == "LogSoftmaxGrad";
-    fn go<T: FloatElem>(
-        dy: &In,
-        y: &In,
-        o: &mut Out,
-        n: usize,
-        inner: usize,
-        log: bool,
-    ) -> Result<()> {
+    fn go<T: FloatElem>(dy: &In, y: &In, o: &mut Out, n: usize, inner: usize, log: bool) -> Result<()> {
         let (dv, yv, ov) = (dy.slice::<T>()?, y.slice::<T>()?, o.slice::<T>()?);
         let block = n * inner;
         if block == 0 {
@@ -90,24 +78,14 @@ fn softmax_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
                 }
                 for k in 0..n {
                     let i = k * inner + j;
-                    ob[i] = if log {
-                        db[i] - yb[i].exp() * s
-                    } else {
-                        yb[i] * (db[i] - s)
-                    };
+                    ob[i] = if log { db[i] - yb[i].exp() * s } else { yb[i] * (db[i] - s) };
                 }
             }
         };
         if dv.len() >= 1 << 14 {
-            dv.par_chunks(block)
-                .zip(yv.par_chunks(block))
-                .zip(ov.par_chunks_mut(block))
-                .for_each(run);
+            dv.par_chunks(block).zip(yv.par_chunks(block)).zip(ov.par_chunks_mut(block)).for_each(run);
         } else {
-            dv.chunks(block)
-                .zip(yv.chunks(block))
-                .zip(ov.chunks_mut(block))
-                .for_each(run);
+            dv.chunks(block).zip(yv.chunks(block)).zip(ov.chunks_mut(block)).for_each(run);
         }
         Ok(())
     }

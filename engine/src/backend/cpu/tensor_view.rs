@@ -51,11 +51,7 @@ fn check(dtype: DType, want: DType) -> Result<()> {
     if dtype == want || (dtype == DType::Bool && want == DType::U8) {
         Ok(())
     } else {
-        Err(Error::other(format!(
-            "kernel expected {} data, got {}",
-            want.name(),
-            dtype.name()
-        )))
+        Err(Error::other(format!("kernel expected {} data, got {}", want.name(), dtype.name())))
     }
 }
 
@@ -67,11 +63,7 @@ impl<'a> In<'a> {
         In { dtype, shape, ptr }
     }
     pub fn of(t: &'a Tensor) -> Self {
-        In {
-            dtype: t.dtype(),
-            shape: &t.shape,
-            ptr: t.as_bytes().as_ptr(),
-        }
+        In { dtype: t.dtype(), shape: &t.shape, ptr: t.as_bytes().as_ptr() }
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
@@ -90,8 +82,7 @@ impl<'a> In<'a> {
     }
     /// Reads the tensor into an owned host Tensor.
     pub fn to_tensor(&self) -> Tensor {
-        Tensor::from_bytes(self.dtype, self.shape.to_vec(), self.bytes())
-            .expect("sizes match by construction")
+        Tensor::from_bytes(self.dtype, self.shape.to_vec(), self.bytes()).expect("sizes match by construction")
     }
 }
 
