@@ -1,0 +1,106 @@
+"""The nn.Transformer tutorial model trained in the engine matches PyTorch eager: step-1 loss and
+every gradient, 50 Adam steps with clipping, dropout statistics, a shorter last batch."""
+import copy
+
+import pytest
+import torch
+
+import models
+import ortrain
+from parity import rel_diff, worst_grad
+
+NTOK = 1000
+
+
+def _batches(n, seq=35, batch=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, NTOK, (seq, batch), generator=g), torch.randint(0, NTOK, (seq * batch,), generator=g))
+            for _ in range(n)]
+
+
+def _train(model, opt, batches, clip=0.5):
+    crit = torch.nn.CrossEntropyLoss()
+    losses = []
+    for x, y in batches:
+        out = model(x)
+        loss = crit(out.view(-1, NTOK), y[: out.shape[0] * out.shape[1]])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_first_step_loss_and_every_gradient_match():
+    ref, (x,), _ = models.tutorial_transformer(NTOK, dropout=0.0)
+    acc = ortrain.accelerate(copy.deepcopy(ref))
+    y = torch.randint(0, NTOK, (x.numel(),), generator=torch.Generator().manual_seed(5))
+    crit = torch.nn.CrossEntropyLoss()
+    la = crit(acc(x).view(-1, NTOK), y)
+    lr = crit(ref(x).view(-1, NTOK), y)
+    la.backward()
+    lr.backward()
+    assert "runs in PyTorch" not in ortrain.explain(acc), ortrain.explain(acc)
+    assert abs(la.item() - lr.item()) <= 1e-6 * abs(lr.item())
+    name, d = worst_grad(acc, ref)
+    print(f"worst gradient: {name} rel {d:.2e}")
+    assert d <= 1e-4, f"{name}: relative gradient difference {d:.2e}"
+
+
+def test_fifty_adam_steps_follow_pytorch():
+    ref, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
+    acc = copy.deepcopy(ref)
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt_a = torch.optim.Adam(acc.parameters(), lr=1e-3)
+    ortrain.accelerate(acc, opt_a)
+    batches = _batches(50)
+    lr = _train(ref, opt_r, batches)
+    la = _train(acc, opt_a, batches)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(la, lr))
+    print(f"50 Adam steps: worst relative loss difference {worst:.2e}; last {la[-1]:.5f} vs {lr[-1]:.5f}")
+    assert worst <= 1e-4
+    assert la[-1] < la[0] - 0.2, "the model did not learn"
+    # Adam turns rounding noise in ~zero gradients (the attention key bias has an exactly zero
+    # gradient in exact arithmetic) into full-size steps, so parameters get a looser bound
+    for (n, pa), (_, pb) in zip(acc.named_parameters(), ref.named_parameters()):
+        assert float((pa.detach() - pb.detach()).norm() / pb.detach().norm()) < 1e-2, n
+
+
+def test_dropout_trains_like_pytorch_and_drops_at_the_rate():
+    torch.manual_seed(0)
+    ref, _, _ = models.tutorial_transformer(NTOK, dropout=0.2)
+    acc = copy.deepcopy(ref)
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt_a = torch.optim.Adam(acc.parameters(), lr=1e-3)
+    ortrain.accelerate(acc, opt_a)
+    batches = _batches(50, seed=1)
+    lr = _train(ref, opt_r, batches)
+    la = _train(acc, opt_a, batches)
+    mean_rel = sum(abs(a - b) / b for a, b in zip(la, lr)) / len(lr)
+    print(f"dropout 0.2: mean relative loss difference over 50 steps {mean_rel:.4f}")
+    assert mean_rel < 0.02
+    # empirical drop rate of the first dropout: the positional-encoding output
+    x = batches[0][0]
+    acc.train()
+    emb = acc.encoder(x) * (acc.ninp ** 0.5)
+    dropped = (acc.pos_encoder(emb) == 0).float().mean().item()
+    assert 0.17 < dropped < 0.23
+
+
+def test_last_shorter_batch_and_eval_mode():
+    ref, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
+    acc = ortrain.accelerate(copy.deepcopy(ref))
+    for seq, batch in [(35, 20), (17, 20), (35, 7)]:
+        x = torch.randint(0, NTOK, (seq, batch))
+        for m in (acc, ref):
+            m.zero_grad()
+            m(x).sum().backward()
+        name, d = worst_grad(acc, ref)
+        assert d <= 1e-4, f"seq {seq} batch {batch}: {name} {d:.2e}"
+    acc.eval()
+    ref.eval()
+    with torch.no_grad():
+        x = torch.randint(0, NTOK, (12, 3))
+        assert rel_diff(acc(x), ref(x)) < 1e-5
+    assert "[eval]" in ortrain.explain(acc)
