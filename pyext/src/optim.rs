@@ -1,7 +1,7 @@
 //! Python entry points of engine::optim: fused Adam/AdamW and SGD steps over lists of
 //! parameter tensors given by address, and the squared norm used for clipping.
 
-use ortrain_engine::optim::{self, AdamHyper, SgdHyper};
+use ortrain_engine::optim::{self, AdamHyper, LambHyper, SgdHyper};
 use pyo3::prelude::*;
 
 #[derive(Clone, Copy)]
@@ -68,8 +68,41 @@ fn sgd_step(
     });
 }
 
+/// LAMB over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn lamb_step(py: Python<'_>, tensors: Vec<(usize, usize, usize, usize, usize, u64)>, lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32, bias_correction: bool, ratio_min: f32, ratio_max: f32) {
+    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> = tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
+    py.detach(move || {
+        for (p, g, m, v, n, step) in t {
+            let h = LambHyper { lr, beta1, beta2, eps, weight_decay, bias_correction, ratio_min, ratio_max, step };
+            // SAFETY: the caller passes distinct live f32 tensors of n elements each.
+            unsafe { optim::lamb(f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n), &h) };
+        }
+    });
+}
+
+/// Sum of squares of f32 tensors given as (address, numel), accumulated in f64.
+#[pyfunction]
+fn sum_squares(py: Python<'_>, tensors: Vec<(usize, usize)>) -> f64 {
+    let t: Vec<(Addr, usize)> = tensors.into_iter().map(|(a, n)| (Addr(a), n)).collect();
+    // SAFETY: the caller passes live f32 tensors of n elements (only read here).
+    py.detach(move || t.into_iter().map(|(a, n)| optim::sum_squares(unsafe { f32s(a, n) })).sum())
+}
+
+/// Scales f32 tensors given as (address, numel) in place.
+#[pyfunction]
+fn scale(py: Python<'_>, tensors: Vec<(usize, usize)>, factor: f32) {
+    let t: Vec<(Addr, usize)> = tensors.into_iter().map(|(a, n)| (Addr(a), n)).collect();
+    // SAFETY: the caller passes distinct live f32 tensors of n elements.
+    py.detach(move || t.into_iter().for_each(|(a, n)| optim::scale(unsafe { f32s(a, n) }, factor)));
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
+    m.add_function(wrap_pyfunction!(lamb_step, m)?)?;
+    m.add_function(wrap_pyfunction!(sum_squares, m)?)?;
+    m.add_function(wrap_pyfunction!(scale, m)?)?;
     Ok(())
 }

@@ -85,6 +85,47 @@ pub fn sgd(p: &mut [f32], g: &[f32], buf: Option<&mut [f32]>, first: bool, h: &S
     }
 }
 
+#[derive(Clone, Debug)]
+pub struct LambHyper {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    pub bias_correction: bool,
+    /// Bounds of the trust ratio ||p|| / ||update||.
+    pub ratio_min: f32,
+    pub ratio_max: f32,
+    pub step: u64,
+}
+
+/// One LAMB update (You et al. 2019; ORT's LambOptimizer): Adam direction plus weight decay,
+/// scaled per tensor by the trust ratio ||p|| / ||direction||.
+pub fn lamb(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &LambHyper) {
+    let (bc1, bc2) = if h.bias_correction {
+        (1.0 - (h.beta1 as f64).powi(h.step as i32), 1.0 - (h.beta2 as f64).powi(h.step as i32))
+    } else {
+        (1.0, 1.0)
+    };
+    let mut dir = vec![0f32; p.len()];
+    dir.par_chunks_mut(CHUNK).zip(p.par_chunks(CHUNK)).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).for_each(
+        |((((d, p), g), m), v)| {
+            for i in 0..d.len() {
+                m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * g[i];
+                v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * g[i] * g[i];
+                let mh = m[i] as f64 / bc1;
+                let vh = v[i] as f64 / bc2;
+                d[i] = (mh / (vh.sqrt() + h.eps as f64)) as f32 + h.weight_decay * p[i];
+            }
+        },
+    );
+    let pn = sum_squares(p).sqrt();
+    let dn = sum_squares(&dir).sqrt();
+    let ratio = if pn > 0.0 && dn > 0.0 { ((pn / dn) as f32).clamp(h.ratio_min, h.ratio_max) } else { 1.0 };
+    let step = h.lr * ratio;
+    p.par_chunks_mut(CHUNK).zip(dir.par_chunks(CHUNK)).for_each(|(p, d)| p.iter_mut().zip(d).for_each(|(p, d)| *p -= step * d));
+}
+
 /// Sum of squares of a gradient tensor, accumulated in f64.
 pub fn sum_squares(g: &[f32]) -> f64 {
     g.par_chunks(CHUNK).map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum()

@@ -1,0 +1,198 @@
+"""ORTTrainer: the whole train step — forward, loss, backward, gradient clipping and the
+optimizer update — in the engine, with ONNX Runtime Training's API (model_desc, optim_config,
+loss_fn, options; train_step, eval_step, save_as_onnx, state_dict, load_state_dict)."""
+from __future__ import annotations
+
+import inspect
+
+import onnx
+import torch
+
+from ortrain import _ortrain
+from ortrain import optim as _optim
+from ortrain import trainer_options
+from ortrain.errors import UnsupportedError
+
+
+def _check_model_desc(desc) -> dict:
+    if not isinstance(desc, dict) or set(desc) - {"inputs", "outputs"} or "inputs" not in desc or "outputs" not in desc:
+        raise ValueError("model_desc must be {'inputs': [(name, shape)], 'outputs': [(name, shape[, is_loss])]}")
+    for i, item in enumerate(desc["inputs"]):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise ValueError(f"model_desc['inputs'][{i}] must be (name, shape), got {item!r}")
+    losses = [o for o in desc["outputs"] if len(o) > 2 and o[2]]
+    if len(losses) > 1:
+        raise ValueError("model_desc['outputs'] marks more than one output as the loss")
+    return desc
+
+
+class _WithLoss(torch.nn.Module):
+    """model + loss_fn as one module: forward(*inputs) -> (loss, *model outputs)."""
+
+    def __init__(self, model, loss_fn, n_model_inputs):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.n = n_model_inputs
+
+    def forward(self, *inputs):
+        out = self.model(*inputs[: self.n])
+        loss = self.loss_fn(out, *inputs[self.n:])
+        outs = out if isinstance(out, tuple) else (out,)
+        return (loss,) + tuple(outs)
+
+
+def _n_forward_args(model) -> int:
+    """The model takes its required positional arguments; the remaining inputs go to loss_fn."""
+    params = inspect.signature(model.forward).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)
+
+
+class ORTTrainer:
+    def __init__(self, model: torch.nn.Module, model_desc: dict, optim_config, loss_fn=None, options: dict | None = None):
+        if not isinstance(optim_config, (_optim.SGDConfig, _optim.AdamConfig, _optim.LambConfig)):
+            raise TypeError("optim_config must be ortrain.optim.SGDConfig, AdamConfig or LambConfig")
+        optim_config.validate()
+        self.model = model
+        self.model_desc = _check_model_desc(model_desc)
+        self.optim_config = optim_config
+        self.options = trainer_options.validate(options)
+        self.loss_fn = loss_fn
+        if loss_fn is None and not any(len(o) > 2 and o[2] for o in model_desc["outputs"]):
+            raise ValueError("without loss_fn, model_desc must mark one output as the loss: (name, shape, True)")
+        frozen = set(self.options["utils"]["frozen_weights"])
+        unknown = frozen - {n for n, _ in model.named_parameters()}
+        if unknown:
+            raise ValueError(f"options['utils']['frozen_weights'] names unknown parameters: {sorted(unknown)}")
+        for n, p in model.named_parameters():
+            if n in frozen:
+                p.requires_grad_(False)
+        self._module = _WithLoss(model, loss_fn, _n_forward_args(model)) if loss_fn else model
+        self._prefix = "model." if loss_fn else ""
+        self._loss_index = 0 if loss_fn else next(i for i, o in enumerate(model_desc["outputs"]) if len(o) > 2 and o[2])
+        self._runners: dict = {}
+        self._state: dict = {}  # parameter name -> {"exp_avg", "exp_avg_sq"} or {"momentum_buffer"}
+        self._accum: dict = {}
+        self.step = 0  # optimizer steps taken
+        self._micro = 0
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _runner(self, inputs: tuple, training: bool):
+        from ortrain.engine.runner import Runner
+        from ortrain.export import export_module, signature
+
+        key = (signature(inputs), training)
+        if key not in self._runners:
+            self._module.train(training)
+            exported = export_module(self._module, inputs, training=training)
+            self._runners[key] = Runner(self._module, exported)
+        return self._runners[key]
+
+    def _param_name(self, onnx_name: str, runner) -> str:
+        key = runner.exported.param_map[onnx_name]
+        return key[len(self._prefix):] if key.startswith(self._prefix) else key
+
+    def _lr(self) -> float:
+        sched = self.options["lr_scheduler"]
+        return self.optim_config.lr * (sched.factor(self.step) if sched else 1.0)
+
+    # ----------------------------------------------------------------------------- API
+    def train_step(self, *inputs):
+        """Forward, loss, backward and (every gradient_accumulation_steps calls) the update."""
+        from ortrain.engine.tensors import triple
+
+        inputs = tuple(x.contiguous() for x in inputs)
+        runner = self._runner(inputs, True)
+        session = runner.session
+        pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
+                                  runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()))
+        from ortrain.engine.function import _outputs
+
+        outs = _outputs(pending, runner.n_outputs)
+        seeds = [torch.ones_like(o) if k == self._loss_index else torch.zeros_like(o) if o.is_floating_point() else None
+                 for k, o in enumerate(outs)]
+        grads = runner.new_grad_buffers()
+        session.backward(pending, runner.weight_addresses(), [0 if s is None else s.data_ptr() for s in seeds],
+                         [0 if g is None else g.data_ptr() for g in grads])
+        named = [(self._param_name(n, runner), w, g) for n, w, g in zip(session.weight_names, runner.weights, grads) if g is not None]
+        accum = self.options["batch"]["gradient_accumulation_steps"]
+        for name, _, g in named:
+            if name in self._accum:
+                self._accum[name].add_(g)
+            else:
+                self._accum[name] = g
+        self._micro += 1
+        if self._micro % accum == 0:
+            self._update([(n, w, self._accum[n].div_(accum) if accum > 1 else self._accum[n]) for n, w, _ in named])
+            self._accum = {}
+        loss = outs[self._loss_index]
+        rest = [o for k, o in enumerate(outs) if k != self._loss_index]
+        return loss if not rest else (loss, *rest)
+
+    def _update(self, named: list):
+        clip = self.options["utils"]["grad_norm_clip"]
+        if clip:
+            max_norm = 1.0 if clip is True else float(clip)
+            total = _ortrain.sum_squares([(g.data_ptr(), g.numel()) for _, _, g in named]) ** 0.5
+            if total > max_norm:
+                _ortrain.scale([(g.data_ptr(), g.numel()) for _, _, g in named], max_norm / (total + 1e-6))
+        self.step += 1
+        lr_factor = self._lr() / self.optim_config.lr
+        cfg = self.optim_config
+        for name, w, g in named:
+            hp = cfg.for_param(name)
+            st = self._state.setdefault(name, {})
+            if isinstance(cfg, _optim.SGDConfig):
+                first = "momentum_buffer" not in st and hp["momentum"] != 0
+                if hp["momentum"] != 0 and first:
+                    st["momentum_buffer"] = torch.empty_like(w)
+                buf = st.get("momentum_buffer")
+                _ortrain.sgd_step([(w.data_ptr(), g.data_ptr(), 0 if buf is None else buf.data_ptr(), w.numel(), first)],
+                                  hp["lr"] * lr_factor, hp["momentum"], hp["dampening"], hp["weight_decay"], hp["nesterov"], False)
+                continue
+            if not st:
+                st["exp_avg"] = torch.zeros_like(w)
+                st["exp_avg_sq"] = torch.zeros_like(w)
+            t = [(w.data_ptr(), g.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), w.numel(), self.step)]
+            if isinstance(cfg, _optim.AdamConfig):
+                _ortrain.adam_step(t, hp["lr"] * lr_factor, hp["alpha"], hp["beta"], hp["epsilon"], hp["lambda_coef"],
+                                   hp["decoupled_weight_decay"], False)
+            else:
+                _ortrain.lamb_step(t, hp["lr"] * lr_factor, hp["alpha"], hp["beta"], hp["epsilon"], hp["lambda_coef"],
+                                   hp["do_bias_correction"], hp["ratio_min"], hp["ratio_max"])
+
+    def eval_step(self, *inputs):
+        """Forward (with the loss, if loss_fn was given) in eval mode; no update."""
+        from ortrain.engine.function import run_inference
+
+        inputs = tuple(x.contiguous() for x in inputs)
+        runner = self._runner(inputs, False)
+        outs = run_inference(runner, list(inputs))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def save_as_onnx(self, path: str, *example_inputs):
+        """Writes the model (with loss, if any) as ONNX with the current trained weights."""
+        if not self._runners and not example_inputs:
+            raise ValueError("save_as_onnx needs example inputs before the first train_step/eval_step")
+        runner = next(iter(self._runners.values())) if self._runners else self._runner(tuple(example_inputs), False)
+        model = onnx.load_from_string(runner.exported.onnx_bytes)
+        live = dict(zip(runner.session.weight_names, runner.weights))
+        for init in model.graph.initializer:
+            if init.name in live:
+                init.CopyFrom(onnx.numpy_helper.from_array(live[init.name].detach().numpy(), init.name))
+        onnx.save(model, path)
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(),
+                "optimizer": {"step": self.step, "state": {k: {n: t.clone() for n, t in v.items()} for k, v in self._state.items()}}}
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        if set(state) != {"model", "optimizer"}:
+            raise ValueError("state_dict must have the keys 'model' and 'optimizer' (from ORTTrainer.state_dict())")
+        with torch.no_grad():
+            self.model.load_state_dict(state["model"], strict=strict)
+        self.step = int(state["optimizer"]["step"])
+        self._state = {k: {n: t.clone() for n, t in v.items()} for k, v in state["optimizer"]["state"].items()}
+
+
+__all__ = ["ORTTrainer", "UnsupportedError"]
