@@ -179,6 +179,12 @@ impl PyPending {
         self.inner.as_ref().map_or(0, |p| p.plan.arena_bytes)
     }
 
+    /// Bytes the executor really holds for this step's arena.
+    #[getter]
+    fn arena_capacity(&self) -> usize {
+        self.inner.as_ref().map_or(0, |p| p.arena.capacity_bytes())
+    }
+
     /// Frees the activations (a forward pass that needs no backward pass).
     fn release(&mut self) {
         if let Some(p) = self.inner.take() {
