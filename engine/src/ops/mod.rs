@@ -109,6 +109,11 @@ pub fn onnx_op_types() -> Vec<&'static str> {
     registry().ops.iter().filter(|(_, (_, internal))| !internal).map(|(k, _)| *k).collect()
 }
 
+/// Every registered op type, sorted, with whether it is internal.
+pub fn all_op_types() -> Vec<(&'static str, bool)> {
+    registry().ops.iter().map(|(k, (_, internal))| (*k, *internal)).collect()
+}
+
 /// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
 pub fn is_internal(op_type: &str) -> bool {
     registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
