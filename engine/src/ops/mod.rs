@@ -146,6 +146,17 @@ pub fn softmax_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize, 
     softmax::softmax_layout(node, shape)
 }
 
+/// FusedMatMul's operand and target shapes with MatMul's dropped 1-D dims restored (shared
+/// with backends).
+pub fn matmul_fused_shapes(
+    node: &Node,
+    a: &[usize],
+    b: &[usize],
+    target: Option<&[usize]>,
+) -> Result<(Vec<usize>, Vec<usize>, Option<Vec<usize>>)> {
+    matmul::fused_shapes(node, a, b, target)
+}
+
 /// LayerNormalization's (rows, row length) (shared with backends).
 pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
     norm::layer_norm_layout(node, shape)
