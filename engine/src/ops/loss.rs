@@ -32,7 +32,8 @@ impl OpDef for Loss {
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
             let op = if node.op_type == "SoftmaxCrossEntropyLoss" { "SoftmaxCrossEntropyLossGrad" } else { "NLLLossGrad" };
-            let from_loss = g.dy(0).map(|dy| g.op_n(op, vec![Some(dy), node.input(0), node.input(1), node.input(2)], node.attrs.clone(), 1)[0]);
+            let from_loss =
+                g.dy(0).map(|dy| g.op_n(op, vec![Some(dy), node.input(0), node.input(1), node.input(2)], node.attrs.clone(), 1)[0]);
             // SoftmaxCrossEntropyLoss's optional log_prob output is LogSoftmax(scores) over axis 1
             let from_log_prob = g.dy(1).map(|dlp| {
                 let attrs = Attrs::default().with("axis", Attr::Int(1)).with("__opset", Attr::Int(13));
