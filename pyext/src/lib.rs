@@ -1,6 +1,7 @@
 //! ortrain-py: the thin pyo3 binding of the ortrain engine. Conversions only; all user-facing
 //! behaviour lives in the Python package (`pyext/python/ortrain`).
 
+mod ops;
 mod optim;
 mod session;
 
@@ -11,5 +12,6 @@ fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_VERSION", env!("CARGO_PKG_VERSION"))?;
     session::register(m)?;
     optim::register(m)?;
+    ops::register(m)?;
     Ok(())
 }

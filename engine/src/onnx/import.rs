@@ -14,8 +14,11 @@ use crate::ir::{Attr, Attrs, Dim, Graph, Node, ValueKind};
 use crate::ops;
 use crate::tensor::{DType, Tensor};
 
-/// The default-domain opsets the importer accepts.
-pub const OPSET_RANGE: std::ops::RangeInclusive<i64> = 11..=23;
+/// The default-domain opsets the importer accepts: 11 up to the newest the pinned onnx (1.23)
+/// defines. Opsets 24–28 change no semantics of the registered ops for the element types the
+/// engine has (they add types: float8/4/6, int2/4; Mod-28 defines float fmod=0, Range-27 adds a
+/// float16 stash type); a newly registered op must check its own version history.
+pub const OPSET_RANGE: std::ops::RangeInclusive<i64> = 11..=28;
 
 #[derive(Clone, Debug, Default)]
 pub struct ImportOptions {

@@ -7,7 +7,7 @@ use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
-use crate::ir::Node;
+use crate::ir::{Attr, Attrs, Node};
 
 struct Loss;
 impl OpDef for Loss {
@@ -31,12 +31,20 @@ impl OpDef for Loss {
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
-            if g.dy(1).is_some() {
-                return Err(node.err("a gradient through the log_prob output is not supported yet"));
-            }
-            let Some(dy) = g.dy(0) else { return Ok(()) };
             let op = if node.op_type == "SoftmaxCrossEntropyLoss" { "SoftmaxCrossEntropyLossGrad" } else { "NLLLossGrad" };
-            let d = g.op_n(op, vec![Some(dy), node.input(0), node.input(1), node.input(2)], node.attrs.clone(), 1)[0];
+            let from_loss =
+                g.dy(0).map(|dy| g.op_n(op, vec![Some(dy), node.input(0), node.input(1), node.input(2)], node.attrs.clone(), 1)[0]);
+            // SoftmaxCrossEntropyLoss's optional log_prob output is LogSoftmax(scores) over axis 1
+            let from_log_prob = g.dy(1).map(|dlp| {
+                let attrs = Attrs::default().with("axis", Attr::Int(1)).with("__opset", Attr::Int(13));
+                let lp = g.y(1);
+                g.op("LogSoftmaxGrad", &[dlp, lp], attrs)
+            });
+            let d = match (from_loss, from_log_prob) {
+                (Some(a), Some(b)) => g.op("Add", &[a, b], Attrs::default()),
+                (Some(a), None) | (None, Some(a)) => a,
+                (None, None) => return Ok(()),
+            };
             g.set(0, d);
             Ok(())
         })

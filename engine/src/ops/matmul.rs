@@ -41,12 +41,13 @@ impl OpDef for MatMul {
         Some(|_, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
             let (a, b) = (g.x(0)?, g.x(1)?);
+            // `grad_of` lets FusedMatMul restore the dims MatMul dropped for 1-D operands
             if g.wants(0) {
-                let d = fused(g, dy, b, false, true, 1.0, Some(a));
+                let d = fused(g, dy, b, false, true, 1.0, Some((a, 0)));
                 g.set(0, d);
             }
             if g.wants(1) {
-                let d = fused(g, a, dy, true, false, 1.0, Some(b));
+                let d = fused(g, a, dy, true, false, 1.0, Some((b, 1)));
                 g.set(1, d);
             }
             Ok(())
@@ -54,7 +55,38 @@ impl OpDef for MatMul {
     }
 }
 
-/// Adds FusedMatMul(a, b) whose result is summed to the shape of `like`.
+/// FusedMatMul's operand and target shapes with MatMul's dropped 1-D dims restored.
+///
+/// With `grad_of` = 0 the node computes dA = dY·Bᵀ (inputs dY, B; target A's shape), with
+/// `grad_of` = 1 it computes dB = Aᵀ·dY (inputs A, dY; target B's shape). Where A or B is 1-D,
+/// MatMul dropped a dim of Y (M at -2 for a 1-D A, N at -1 for a 1-D B); here dY gets it back,
+/// the 1-D operand becomes [1, K] (A) or [K, 1] (B), and so does the target. Without `grad_of`
+/// (or with 2-D+ operands) the shapes are returned unchanged. Same memory layout either way.
+pub fn fused_shapes(
+    node: &Node,
+    a: &[usize],
+    b: &[usize],
+    target: Option<&[usize]>,
+) -> Result<(Vec<usize>, Vec<usize>, Option<Vec<usize>>)> {
+    let which = node.attrs.int("grad_of", -1)?;
+    let (Some(t), 0 | 1) = (target, which) else { return Ok((a.to_vec(), b.to_vec(), target.map(|t| t.to_vec()))) };
+    let (ra, rb) = if which == 0 { (t.len(), b.len()) } else { (a.len(), t.len()) };
+    let dy = if which == 0 { a } else { b };
+    let mut dy2 = dy.to_vec();
+    if ra == 1 && rb == 1 {
+        dy2 = vec![1, 1];
+    } else if ra == 1 {
+        dy2.insert(dy2.len().saturating_sub(1), 1);
+    } else if rb == 1 {
+        dy2.push(1);
+    }
+    let row = |v: &[usize]| if v.len() == 1 { vec![1, v[0]] } else { v.to_vec() };
+    let col = |v: &[usize]| if v.len() == 1 { vec![v[0], 1] } else { v.to_vec() };
+    Ok(if which == 0 { (dy2, col(b), Some(row(t))) } else { (row(a), dy2, Some(col(t))) })
+}
+
+/// Adds FusedMatMul(a, b) whose result is summed to the shape of `like`: (value, which MatMul
+/// operand's gradient this is, see `fused_shapes`).
 fn fused(
     g: &mut GradCtx,
     a: crate::ir::ValueId,
@@ -62,14 +94,14 @@ fn fused(
     ta: bool,
     tb: bool,
     alpha: f32,
-    like: Option<crate::ir::ValueId>,
+    like: Option<(crate::ir::ValueId, i64)>,
 ) -> crate::ir::ValueId {
     let attrs =
         Attrs::default().with("transA", Attr::Int(ta as i64)).with("transB", Attr::Int(tb as i64)).with("alpha", Attr::Float(alpha));
     match like {
-        Some(l) => {
+        Some((l, which)) => {
             let s = g.shape_of(l);
-            g.op("FusedMatMul", &[a, b, s], attrs)
+            g.op("FusedMatMul", &[a, b, s], attrs.with("grad_of", Attr::Int(which)))
         }
         None => g.op("FusedMatMul", &[a, b], attrs),
     }
@@ -81,15 +113,17 @@ impl OpDef for FusedMatMul {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
         let ta = node.attrs.int("transA", 0)? != 0;
         let tb = node.attrs.int("transB", 0)? != 0;
-        let full = matmul_shape(node, a.shape, b.shape, ta, tb)?;
         if inputs.get(2).is_some_and(|x| x.is_some()) {
             let target: Vec<usize> = const_ints(node, &inputs[2], "target shape")?.into_iter().map(|d| d as usize).collect();
-            if target.len() < 2 || target[target.len() - 2..] != full[full.len() - 2..] {
+            let (a2, b2, t2) = fused_shapes(node, a.shape, b.shape, Some(&target))?;
+            let full = matmul_shape(node, &a2, &b2, ta, tb)?;
+            let t2 = t2.unwrap_or_default();
+            if t2.len() < 2 || full.len() < 2 || t2[t2.len() - 2..] != full[full.len() - 2..] {
                 return Err(node.err(format!("target shape {target:?} does not end like the product {full:?}")));
             }
             return Ok(vec![TypeOut::new(a.dtype, target)]);
         }
-        Ok(vec![TypeOut::new(a.dtype, full)])
+        Ok(vec![TypeOut::new(a.dtype, matmul_shape(node, a.shape, b.shape, ta, tb)?)])
     }
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[2]

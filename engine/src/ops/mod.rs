@@ -109,6 +109,11 @@ pub fn onnx_op_types() -> Vec<&'static str> {
     registry().ops.iter().filter(|(_, (_, internal))| !internal).map(|(k, _)| *k).collect()
 }
 
+/// Every registered op type, sorted, with whether it is internal.
+pub fn all_op_types() -> Vec<(&'static str, bool)> {
+    registry().ops.iter().map(|(k, (_, internal))| (*k, *internal)).collect()
+}
+
 /// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
 pub fn is_internal(op_type: &str) -> bool {
     registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
@@ -139,6 +144,17 @@ pub fn reduced_shapes_of(shape: &[usize], axes: &[usize], keepdims: bool) -> (Ve
 /// Softmax's (outer, n, inner) layout (shared with backends).
 pub fn softmax_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize, usize)> {
     softmax::softmax_layout(node, shape)
+}
+
+/// FusedMatMul's operand and target shapes with MatMul's dropped 1-D dims restored (shared
+/// with backends).
+pub fn matmul_fused_shapes(
+    node: &Node,
+    a: &[usize],
+    b: &[usize],
+    target: Option<&[usize]>,
+) -> Result<(Vec<usize>, Vec<usize>, Option<Vec<usize>>)> {
+    matmul::fused_shapes(node, a, b, target)
 }
 
 /// LayerNormalization's (rows, row length) (shared with backends).

@@ -23,7 +23,9 @@ impl OpDef for Shape {
 pub fn shape_range(node: &Node, rank: usize) -> Result<(usize, usize)> {
     let r = rank as i64;
     let fix = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
-    Ok((fix(node.attrs.int("start", 0)?), fix(node.attrs.int("end", r)?)))
+    let start = fix(node.attrs.int("start", 0)?);
+    // an end before the start selects nothing (Shape-15: an empty output, not an error)
+    Ok((start, fix(node.attrs.int("end", r)?).max(start)))
 }
 
 struct Size;

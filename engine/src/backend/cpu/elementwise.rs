@@ -138,11 +138,25 @@ fn modulo(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
             }
         })
     }
+    // floats: no zero-divisor guard, x % ±0 is NaN (Mod-28's special cases follow from % and
+    // the sign fix-up, ±inf included)
+    fn float<T: Arith + std::ops::Rem<Output = T>>(a: &In, b: &In, o: &mut Out, fmod: bool) -> Result<()> {
+        map2::<T, T, T>(a, b, o, move |x, y| {
+            let r = x % y;
+            if !fmod && r != T::zero() && ((r < T::zero()) != (y < T::zero())) {
+                r + y
+            } else {
+                r
+            }
+        })
+    }
     match a.dtype {
         DType::I64 => int::<i64>(a, b, &mut out[0], fmod),
         DType::I32 => int::<i32>(a, b, &mut out[0], fmod),
-        DType::F32 => int::<f32>(a, b, &mut out[0], fmod),
-        DType::F64 => int::<f64>(a, b, &mut out[0], fmod),
+        DType::I8 => int::<i8>(a, b, &mut out[0], fmod),
+        DType::U8 => int::<u8>(a, b, &mut out[0], fmod),
+        DType::F32 => float::<f32>(a, b, &mut out[0], fmod),
+        DType::F64 => float::<f64>(a, b, &mut out[0], fmod),
         d => Err(node.err(format!("Mod of {} is not supported", d.name()))),
     }
 }

@@ -151,7 +151,13 @@ fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     let ta = node.attrs.int("transA", 0)? != 0;
     let tb = node.attrs.int("transB", 0)? != 0;
     let alpha = node.attrs.float("alpha", 1.0)? as f64;
-    crate::dispatch_float!(a.dtype, node, batched::<T>(node, a, b, &mut out[0], ta, tb, alpha, false))
+    // a MatMul gradient with 1-D operands: the same memory seen with the dropped dims restored
+    let target = if inputs.get(2).is_some_and(|x| x.is_some()) { Some(out[0].shape) } else { None };
+    let (sa, sb, st) = crate::ops::matmul_fused_shapes(node, a.shape, b.shape, target)?;
+    let st = st.unwrap_or_else(|| out[0].shape.to_vec());
+    let (a, b) = (a.reshaped(&sa), b.reshaped(&sb));
+    let mut o = out[0].reshaped(&st);
+    crate::dispatch_float!(a.dtype, node, batched::<T>(node, &a, &b, &mut o, ta, tb, alpha, false))
 }
 
 fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

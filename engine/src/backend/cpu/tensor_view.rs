@@ -80,6 +80,14 @@ impl<'a> In<'a> {
         // SAFETY: as for `slice`, viewed as bytes.
         unsafe { std::slice::from_raw_parts(self.ptr, self.numel() * self.dtype.size()) }
     }
+    /// The same memory under another shape of as many elements.
+    pub fn reshaped<'b>(&self, shape: &'b [usize]) -> In<'b>
+    where
+        'a: 'b,
+    {
+        assert_eq!(shape.iter().product::<usize>(), self.numel(), "reshape must keep the element count");
+        In { dtype: self.dtype, shape, ptr: self.ptr }
+    }
     /// Reads the tensor into an owned host Tensor.
     pub fn to_tensor(&self) -> Tensor {
         Tensor::from_bytes(self.dtype, self.shape.to_vec(), self.bytes()).expect("sizes match by construction")
@@ -103,6 +111,11 @@ impl<'a> Out<'a> {
         }
         // SAFETY: the constructor's contract: exclusive, aligned, numel elements of T.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut T, self.numel()) })
+    }
+    /// The same memory under another shape of as many elements (borrowing this view).
+    pub fn reshaped<'b>(&'b mut self, shape: &'b [usize]) -> Out<'b> {
+        assert_eq!(shape.iter().product::<usize>(), self.numel(), "reshape must keep the element count");
+        Out { dtype: self.dtype, shape, ptr: self.ptr }
     }
     pub fn bytes(&mut self) -> &mut [u8] {
         // SAFETY: as for `slice`, viewed as bytes.

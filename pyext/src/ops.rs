@@ -1,0 +1,21 @@
+//! The op table for tools and tests: every registered op with what the engine has for it.
+
+use ortrain_engine::backend::cpu;
+use ortrain_engine::ops;
+use pyo3::prelude::*;
+
+/// [(op_type, has_gradient, has_cpu_kernel, is_internal)] for every registered op, sorted.
+#[pyfunction]
+fn op_table() -> Vec<(String, bool, bool, bool)> {
+    ops::all_op_types()
+        .into_iter()
+        .map(|(op, internal)| {
+            let grad = ops::lookup(op).is_some_and(|d| d.gradient().is_some());
+            (op.to_string(), grad, cpu::kernel(op).is_some(), internal)
+        })
+        .collect()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(op_table, m)?)
+}
