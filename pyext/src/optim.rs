@@ -71,8 +71,20 @@ fn sgd_step(
 /// LAMB over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-fn lamb_step(py: Python<'_>, tensors: Vec<(usize, usize, usize, usize, usize, u64)>, lr: f32, beta1: f32, beta2: f32, eps: f32, weight_decay: f32, bias_correction: bool, ratio_min: f32, ratio_max: f32) {
-    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> = tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
+fn lamb_step(
+    py: Python<'_>,
+    tensors: Vec<(usize, usize, usize, usize, usize, u64)>,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    bias_correction: bool,
+    ratio_min: f32,
+    ratio_max: f32,
+) {
+    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> =
+        tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
     py.detach(move || {
         for (p, g, m, v, n, step) in t {
             let h = LambHyper { lr, beta1, beta2, eps, weight_decay, bias_correction, ratio_min, ratio_max, step };

@@ -108,8 +108,12 @@ pub fn lamb(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &LambHype
         (1.0, 1.0)
     };
     let mut dir = vec![0f32; p.len()];
-    dir.par_chunks_mut(CHUNK).zip(p.par_chunks(CHUNK)).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).for_each(
-        |((((d, p), g), m), v)| {
+    dir.par_chunks_mut(CHUNK)
+        .zip(p.par_chunks(CHUNK))
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .for_each(|((((d, p), g), m), v)| {
             for i in 0..d.len() {
                 m[i] = h.beta1 * m[i] + (1.0 - h.beta1) * g[i];
                 v[i] = h.beta2 * v[i] + (1.0 - h.beta2) * g[i] * g[i];
@@ -117,8 +121,7 @@ pub fn lamb(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &LambHype
                 let vh = v[i] as f64 / bc2;
                 d[i] = (mh / (vh.sqrt() + h.eps as f64)) as f32 + h.weight_decay * p[i];
             }
-        },
-    );
+        });
     let pn = sum_squares(p).sqrt();
     let dn = sum_squares(&dir).sqrt();
     let ratio = if pn > 0.0 && dn > 0.0 { ((pn / dn) as f32).clamp(h.ratio_min, h.ratio_max) } else { 1.0 };

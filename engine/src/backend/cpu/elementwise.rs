@@ -64,18 +64,24 @@ binary_num!(max, |x, y| if y > x || y != y { y } else { x });
 binary_num!(min, |x, y| if y < x || y != y { y } else { x });
 
 fn div_checked(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    let (_, b) = ab(node, inputs)?;
-    if !b.dtype.is_float() {
-        let zero = match b.dtype {
-            DType::I64 => b.slice::<i64>()?.contains(&0),
-            DType::I32 => b.slice::<i32>()?.contains(&0),
-            _ => false,
-        };
-        if zero {
+    let (a, b) = ab(node, inputs)?;
+    if b.dtype.is_float() {
+        return div(node, inputs, out, ctx);
+    }
+    // integers: a zero divisor is an error; MIN / -1 wraps instead of trapping
+    fn int<T: Arith + num_traits::CheckedDiv + num_traits::WrappingNeg>(node: &Node, a: &In, b: &In, o: &mut Out) -> Result<()> {
+        if b.slice::<T>()?.contains(&T::zero()) {
             return Err(node.err("integer division by zero"));
         }
+        map2::<T, T, T>(a, b, o, |x, y| x.checked_div(&y).unwrap_or_else(|| x.wrapping_neg()))
     }
-    div(node, inputs, out, ctx)
+    match a.dtype {
+        DType::I64 => int::<i64>(node, a, b, &mut out[0]),
+        DType::I32 => int::<i32>(node, a, b, &mut out[0]),
+        DType::I8 => int::<i8>(node, a, b, &mut out[0]),
+        DType::U8 | DType::Bool => int::<u8>(node, a, b, &mut out[0]),
+        d => Err(node.err(format!("Div of {} is not supported", d.name()))),
+    }
 }
 
 fn variadic_check(node: &Node, inputs: &[Option<In>]) -> Result<()> {
@@ -124,12 +130,10 @@ fn pow(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> R
 fn modulo(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let fmod = node.attrs.int("fmod", 0).map_err(|e| node.err(e.to_string()))? != 0;
     let (a, b) = ab(node, inputs)?;
-    fn int<T: Arith + std::ops::Rem<Output = T>>(a: &In, b: &In, o: &mut Out, fmod: bool) -> Result<()> {
+    fn int<T: Arith + num_traits::CheckedRem>(a: &In, b: &In, o: &mut Out, fmod: bool) -> Result<()> {
         map2::<T, T, T>(a, b, o, move |x, y| {
-            if y == T::zero() {
-                return T::zero();
-            }
-            let r = x % y;
+            // a zero divisor gives 0, and MIN % -1 (which overflows) is 0 as well
+            let Some(r) = x.checked_rem(&y) else { return T::zero() };
             // Python-style: the result takes the divisor's sign
             if !fmod && r != T::zero() && ((r < T::zero()) != (y < T::zero())) {
                 r + y
