@@ -51,6 +51,18 @@ impl PySession {
         Ok(PySession { inner: Arc::new(s) })
     }
 
+    /// Imports an ONNX file; external data files are read from the file's folder.
+    #[staticmethod]
+    fn load(py: Python<'_>, path: std::path::PathBuf, weights: Vec<String>, trainable: Vec<bool>) -> PyResult<Self> {
+        let s = py
+            .detach(move || {
+                let bytes = std::fs::read(&path).map_err(|e| Error::onnx(path.display().to_string(), format!("cannot read: {e}")))?;
+                Session::from_onnx(&bytes, path.parent(), &weights, &trainable)
+            })
+            .map_err(to_py)?;
+        Ok(PySession { inner: Arc::new(s) })
+    }
+
     #[getter]
     fn input_names(&self) -> Vec<String> {
         self.inner.inputs.iter().map(|v| self.inner.graph.value(*v).name.clone()).collect()

@@ -21,6 +21,7 @@ _LAZY = {
     "explain": ("ortrain.accelerate", "explain"),
     "ORTTrainer": ("ortrain.trainer", "ORTTrainer"),
     "optim": ("ortrain.optim", None),
+    "load_onnx": ("ortrain.onnx_model", "load_onnx"),
     "OrtrainError": ("ortrain.errors", "OrtrainError"),
 }
 

@@ -141,12 +141,22 @@ def is_accelerated(model) -> bool:
     return isinstance(getattr(model, "__dict__", {}).get("_ortrain_state"), _State)
 
 
-def explain(model) -> str:
-    """What runs where: exporter, engine graph size, planned peak memory, fallbacks."""
+def explain(model, *example_args, **example_kwargs) -> str:
+    """What runs where: exporter, engine graph size, planned peak memory, fallbacks.
+
+    With example inputs, the model is exported and planned for them first (nothing runs), so the
+    memory plan is known before the first step.
+    """
     state = getattr(model, "__dict__", {}).get("_ortrain_state")
     if state is None:
         return f"{type(model).__name__}: not accelerated"
     from ortrain.engine.runner import Runner
+
+    if example_args or example_kwargs:
+        from ortrain.export import flatten_call
+
+        state.runner_for(example_args, example_kwargs)
+        state.last_inputs = flatten_call(model, example_args, example_kwargs)[1]
 
     n_params = sum(p.numel() for p in model.parameters())
     lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "

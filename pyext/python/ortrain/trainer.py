@@ -106,9 +106,9 @@ class ORTTrainer:
         session = runner.session
         pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                   runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()))
-        from ortrain.engine.function import _outputs
+        from ortrain.engine.function import read_outputs
 
-        outs = _outputs(pending, runner.n_outputs)
+        outs = read_outputs(pending, runner.n_outputs)
         seeds = [torch.ones_like(o) if k == self._loss_index else torch.zeros_like(o) if o.is_floating_point() else None
                  for k, o in enumerate(outs)]
         grads = runner.new_grad_buffers()

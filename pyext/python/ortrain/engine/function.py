@@ -8,7 +8,7 @@ import torch
 from .tensors import address, torch_dtype, triple
 
 
-def _outputs(pending, n: int) -> list:
+def read_outputs(pending, n: int) -> list:
     outs = []
     for k in range(n):
         _, dt, shape = pending.output(k)
@@ -29,7 +29,7 @@ def run_inference(runner, inputs: list) -> list:
     pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                      runner.weight_addresses(), False, _seed())
     try:
-        return _outputs(pending, runner.n_outputs)
+        return read_outputs(pending, runner.n_outputs)
     finally:
         pending.release()
 
@@ -42,7 +42,7 @@ class EngineFunction(torch.autograd.Function):
         inputs = [t.detach().contiguous() for t in tensors[:n_inputs]]
         pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                          runner.weight_addresses(), True, _seed())
-        outs = _outputs(pending, runner.n_outputs)
+        outs = read_outputs(pending, runner.n_outputs)
         ctx.pending = pending
         ctx.runner = runner
         ctx.n_inputs = n_inputs

@@ -1,0 +1,67 @@
+"""User-facing API details: keyword and non-tensor arguments, dict outputs, the memory plan
+shown before the first step, and running a model that starts as an ONNX file."""
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import models
+import ortrain
+
+
+class _KwModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 6)
+        self.b = torch.nn.Linear(6, 3)
+
+    def forward(self, x, *, scale=None, double=False):
+        h = torch.relu(self.a(x))
+        if scale is not None:
+            h = h * scale
+        if double:
+            h = h * 2
+        return {"logits": self.b(h), "hidden": h}
+
+
+def test_keyword_tensor_and_flag_arguments_and_dict_outputs():
+    torch.manual_seed(0)
+    ref = _KwModel()
+    acc = ortrain.accelerate(_KwModel())
+    acc.load_state_dict(ref.state_dict())
+    x, s = torch.randn(4, 6), torch.rand(6)
+    for double in (False, True, False):
+        out_a = acc(x, scale=s, double=double)
+        out_r = ref(x, scale=s, double=double)
+        assert set(out_a) == {"logits", "hidden"}
+        torch.testing.assert_close(out_a["logits"], out_r["logits"])
+        out_a["logits"].sum().backward()
+        out_r["logits"].sum().backward()
+    torch.testing.assert_close(acc.a.weight.grad, ref.a.weight.grad)
+    runners = acc._ortrain_state.runners
+    assert len(runners) == 2  # one export per value of the bool flag, reused when it comes back
+    assert "runs in PyTorch" not in ortrain.explain(acc)
+
+
+def test_explain_shows_the_plan_before_the_first_step():
+    model, (x,), _ = models.tutorial_transformer(1000, dropout=0.0)
+    ortrain.accelerate(model)
+    text = ortrain.explain(model, x)
+    assert "peak arena" in text and "MiB" in text and "exporter" in text
+    assert model._ortrain_state.engine_calls == 0
+
+
+def test_onnx_file_with_external_data(tmp_path):
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32])],
+                          [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "model.onnx"
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="weights.bin", size_threshold=0)
+    assert (tmp_path / "weights.bin").exists()
+    model = ortrain.load_onnx(str(path))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(model(x), x @ torch.from_numpy(w))
