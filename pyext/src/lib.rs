@@ -3,8 +3,11 @@
 
 use pyo3::prelude::*;
 
+mod tracking;
+
 #[pymodule]
 fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_VERSION", env!("CARGO_PKG_VERSION"))?;
+    tracking::register(m)?;
     Ok(())
 }
