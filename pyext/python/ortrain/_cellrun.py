@@ -18,8 +18,11 @@ from ortrain._steps import StepRecorder, StopCell, find_modules, find_optimizers
 
 
 def _compile(shell, cell: str):
-    # IPython strips leading blank lines in transform_cell, so the line of `%%ort` is added after
-    source = "\n" + shell.transform_cell(cell)
+    # IPython strips leading blank lines in transform_cell: put them and the `%%ort` line back so
+    # that line numbers in tracebacks are those of the cell as the user sees it
+    lines = cell.split("\n")
+    blank = next((i for i, ln in enumerate(lines) if ln.strip()), len(lines))
+    source = "\n" * (1 + blank) + shell.transform_cell(cell)
     filename = shell.compile.cache(source, shell.execution_count, raw_code="\n" + cell)
     tree = shell.compile.ast_parse(source, filename=filename)
     tree = shell.transform_ast(tree)

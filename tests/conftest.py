@@ -1,0 +1,48 @@
+"""Shared fixtures: a real MLflow server (session-wide, sqlite store in a temp dir, free loopback
+port) and an in-process IPython shell with `%load_ext ortrain`, pointed at that server."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    os.environ.setdefault("ORTRAIN_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    from ortrain.tracking import EmbeddedServer
+
+    server = EmbeddedServer(tmp_path_factory.mktemp("mlflow")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def client(mlflow_server):
+    from ortrain._ortrain import MlflowClient
+
+    return MlflowClient(mlflow_server.uri)
+
+
+@pytest.fixture
+def shell(mlflow_server, monkeypatch, tmp_path):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("ORTRAIN_TRACKING_URI", mlflow_server.uri)
+    monkeypatch.chdir(tmp_path)
+    sh = InteractiveShell.instance()
+    if "ortrain" not in sh.extension_manager.loaded:
+        sh.run_cell("%load_ext ortrain")
+    sh.user_ns.clear()
+    sh.init_user_ns()
+    yield sh
+    sh.user_ns.clear()
+    sh.init_user_ns()
+
+
+def runs_of(client, experiment: str) -> list:
+    exp = client.get_experiment_id(experiment)
+    return client.search_runs([exp]) if exp else []
