@@ -1,7 +1,8 @@
 """Where ortrain's metrics go, and the Python face of the Rust tracking client.
 
 Tracking URI resolution (first match wins): the explicit argument (`--tracking-uri`), then
-$ORTRAIN_TRACKING_URI, then $MLFLOW_TRACKING_URI, else the embedded default: one local
+$ORTRAIN_TRACKING_URI, then $MLFLOW_TRACKING_URI, then `databricks` on a Databricks cluster,
+else the embedded default: one local
 `mlflow server` per kernel (sqlite store ./mlflow.db, artifacts ./mlartifacts in the working
 directory, a free loopback port), started on first use, announced once, stopped at exit.
 `http(s)://...` names a server; `databricks` / `databricks://PROFILE` a Databricks workspace.
@@ -136,6 +137,8 @@ def resolve_tracking_uri(uri: str | None = None, *, start: bool = True) -> str:
         v = os.environ.get(key, "").strip()
         if v:
             return v
+    if os.environ.get("DATABRICKS_RUNTIME_VERSION"):
+        return "databricks"  # on a Databricks cluster, runs belong in the workspace
     server = embedded_server(start=start)
     return server.uri if server else "(embedded local server, not started yet)"
 
