@@ -46,3 +46,26 @@ def shell(mlflow_server, monkeypatch, tmp_path):
 def runs_of(client, experiment: str) -> list:
     exp = client.get_experiment_id(experiment)
     return client.search_runs([exp]) if exp else []
+
+
+@pytest.fixture
+def stand_in_engine():
+    """Until the engine is merged: an engine stand-in that keeps the model in PyTorch, so that
+    the magics' own logic (which model, state handling, modes) is exercised. Never used when the
+    real `ortrain.accelerate` exists."""
+    import ortrain.magics as m
+
+    if m.engine() is not None:
+        yield m.engine()
+        return
+    accelerated = set()
+    m._TEST_ENGINE = {
+        "accelerate": lambda model, optimizer=None, *, device="cpu", strict=False: (accelerated.add(id(model)), model)[1],
+        "deaccelerate": lambda model: (accelerated.discard(id(model)), model)[1],
+        "is_accelerated": lambda model: id(model) in accelerated,
+        "explain": lambda model: "stand-in engine (PyTorch)",
+    }
+    try:
+        yield m._TEST_ENGINE
+    finally:
+        m._TEST_ENGINE = None
