@@ -27,7 +27,10 @@ pub struct Client {
 impl Client {
     /// A client for a tracking URI (`http(s)://…`, `databricks`, `databricks://PROFILE`).
     pub fn new(tracking_uri: &str) -> Result<Self> {
-        Ok(Self::for_target(Target::from_uri(tracking_uri)?, Duration::from_secs(30)))
+        Ok(Self::for_target(
+            Target::from_uri(tracking_uri)?,
+            Duration::from_secs(30),
+        ))
     }
 
     /// A client for a resolved target with a per-request timeout.
@@ -46,7 +49,11 @@ impl Client {
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
-        format!("{}/api/2.0/{}", self.target.base_url, path.trim_start_matches('/'))
+        format!(
+            "{}/api/2.0/{}",
+            self.target.base_url,
+            path.trim_start_matches('/')
+        )
     }
 
     fn auth<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -62,14 +69,20 @@ impl Client {
         endpoint: &str,
         res: std::result::Result<ureq::http::Response<ureq::Body>, ureq::Error>,
     ) -> Result<String> {
-        let mut resp = res.map_err(|e| Error::Connection { endpoint: endpoint.to_string(), message: e.to_string() })?;
+        let mut resp = res.map_err(|e| Error::Connection {
+            endpoint: endpoint.to_string(),
+            message: e.to_string(),
+        })?;
         let status = resp.status().as_u16();
         let body = resp
             .body_mut()
             .with_config()
             .limit(256 << 20)
             .read_to_string()
-            .map_err(|e| Error::Connection { endpoint: endpoint.to_string(), message: e.to_string() })?;
+            .map_err(|e| Error::Connection {
+                endpoint: endpoint.to_string(),
+                message: e.to_string(),
+            })?;
         if (200..300).contains(&status) {
             return Ok(body);
         }
@@ -84,12 +97,20 @@ impl Client {
             error_code: String::new(),
             message: body.chars().take(300).collect(),
         });
-        Err(Error::Server { endpoint: endpoint.to_string(), status, code: eb.error_code, message: eb.message })
+        Err(Error::Server {
+            endpoint: endpoint.to_string(),
+            status,
+            code: eb.error_code,
+            message: eb.message,
+        })
     }
 
     fn decode<T: DeserializeOwned>(endpoint: &str, body: &str) -> Result<T> {
         let body = if body.trim().is_empty() { "{}" } else { body };
-        serde_json::from_str(body).map_err(|e| Error::Decode { endpoint: endpoint.to_string(), message: e.to_string() })
+        serde_json::from_str(body).map_err(|e| Error::Decode {
+            endpoint: endpoint.to_string(),
+            message: e.to_string(),
+        })
     }
 
     /// POST a JSON body to `mlflow/<endpoint>`.
@@ -112,7 +133,9 @@ impl Client {
     }
 
     pub(crate) fn put_bytes(&self, path: &str, bytes: &[u8]) -> Result<()> {
-        let req = self.auth(self.agent.put(&self.url(path))).header("Content-Type", "application/octet-stream");
+        let req = self
+            .auth(self.agent.put(&self.url(path)))
+            .header("Content-Type", "application/octet-stream");
         self.finish(path, req.send(bytes)).map(|_| ())
     }
 
@@ -154,7 +177,9 @@ impl Client {
             Err(Error::Server { code, .. }) if code == "RESOURCE_ALREADY_EXISTS" => self
                 .get_experiment_by_name(name)?
                 .map(|e| e.experiment_id)
-                .ok_or_else(|| Error::Config(format!("experiment {name:?} vanished while being created"))),
+                .ok_or_else(|| {
+                    Error::Config(format!("experiment {name:?} vanished while being created"))
+                }),
             Err(e) => Err(e),
         }
     }
@@ -174,9 +199,13 @@ impl Client {
             validate_key("tag", &t.key)?;
         }
         if let Some(p) = parent_run_id {
-            tags.push(Tag { key: "mlflow.parentRunId".into(), value: p.into() });
+            tags.push(Tag {
+                key: "mlflow.parentRunId".into(),
+                value: p.into(),
+            });
         }
-        let mut body = json!({ "experiment_id": experiment_id, "start_time": now_ms(), "tags": tags });
+        let mut body =
+            json!({ "experiment_id": experiment_id, "start_time": now_ms(), "tags": tags });
         if let Some(n) = run_name {
             body["run_name"] = json!(n);
         }
@@ -211,24 +240,38 @@ impl Client {
             #[serde(default)]
             runs: Vec<Run>,
         }
-        let body = json!({ "experiment_ids": experiment_ids, "filter": filter, "max_results": 1000 });
+        let body =
+            json!({ "experiment_ids": experiment_ids, "filter": filter, "max_results": 1000 });
         Ok(self.post::<R>("runs/search", &body)?.runs)
     }
 
     pub fn set_tag(&self, run_id: &str, key: &str, value: &str) -> Result<()> {
         validate_key("tag", key)?;
-        self.post::<Value>("runs/set-tag", &json!({ "run_id": run_id, "key": key, "value": value })).map(|_| ())
+        self.post::<Value>(
+            "runs/set-tag",
+            &json!({ "run_id": run_id, "key": key, "value": value }),
+        )
+        .map(|_| ())
     }
 
     pub fn log_param(&self, run_id: &str, key: &str, value: &str) -> Result<()> {
         validate_key("param", key)?;
-        self.post::<Value>("runs/log-parameter", &json!({ "run_id": run_id, "key": key, "value": value }))
-            .map(|_| ())
+        self.post::<Value>(
+            "runs/log-parameter",
+            &json!({ "run_id": run_id, "key": key, "value": value }),
+        )
+        .map(|_| ())
     }
 
     /// Logs metrics, params and tags, split into as many log-batch requests as MLflow's limits
     /// need. Returns the number of requests sent.
-    pub fn log_batch(&self, run_id: &str, metrics: &[Metric], params: &[Param], tags: &[Tag]) -> Result<usize> {
+    pub fn log_batch(
+        &self,
+        run_id: &str,
+        metrics: &[Metric],
+        params: &[Param],
+        tags: &[Tag],
+    ) -> Result<usize> {
         for m in metrics {
             validate_key("metric", &m.key)?;
         }
@@ -264,7 +307,11 @@ impl Client {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let mut q = vec![("run_id", run_id), ("metric_key", key), ("max_results", "25000")];
+            let mut q = vec![
+                ("run_id", run_id),
+                ("metric_key", key),
+                ("max_results", "25000"),
+            ];
             if let Some(t) = token.as_deref() {
                 q.push(("page_token", t));
             }
@@ -294,8 +341,14 @@ pub fn plan_batches(n_metrics: usize, n_params: usize, n_tags: usize) -> Vec<Bat
     while m < n_metrics || p < n_params || t < n_tags {
         let np = (n_params - p).min(MAX_PARAMS_PER_BATCH);
         let nt = (n_tags - t).min(MAX_TAGS_PER_BATCH);
-        let nm = (n_metrics - m).min(MAX_METRICS_PER_BATCH).min(MAX_ITEMS_PER_BATCH - np - nt);
-        out.push(BatchChunk { metrics: m..m + nm, params: p..p + np, tags: t..t + nt });
+        let nm = (n_metrics - m)
+            .min(MAX_METRICS_PER_BATCH)
+            .min(MAX_ITEMS_PER_BATCH - np - nt);
+        out.push(BatchChunk {
+            metrics: m..m + nm,
+            params: p..p + np,
+            tags: t..t + nt,
+        });
         m += nm;
         p += np;
         t += nt;

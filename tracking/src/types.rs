@@ -142,10 +142,18 @@ pub struct Run {
 
 impl Run {
     pub fn tag(&self, key: &str) -> Option<&str> {
-        self.data.tags.iter().find(|t| t.key == key).map(|t| t.value.as_str())
+        self.data
+            .tags
+            .iter()
+            .find(|t| t.key == key)
+            .map(|t| t.value.as_str())
     }
     pub fn param(&self, key: &str) -> Option<&str> {
-        self.data.params.iter().find(|p| p.key == key).map(|p| p.value.as_str())
+        self.data
+            .params
+            .iter()
+            .find(|p| p.key == key)
+            .map(|p| p.value.as_str())
     }
 }
 

@@ -9,7 +9,13 @@ pub const MAX_KEY_LEN: usize = 250;
 /// Checks a metric/param/tag key: non-empty, at most 250 characters, only alphanumerics,
 /// `_ - . space : /`, not an absolute path and without `..` components.
 pub fn validate_key(kind: &'static str, key: &str) -> Result<()> {
-    let bad = |reason: String| Err(Error::InvalidKey { kind, key: key.to_string(), reason });
+    let bad = |reason: String| {
+        Err(Error::InvalidKey {
+            kind,
+            key: key.to_string(),
+            reason,
+        })
+    };
     if key.is_empty() {
         return bad("keys must not be empty".into());
     }

@@ -88,21 +88,26 @@ class EmbeddedServer:
         self.stop()
         raise RuntimeError(f"the local MLflow server did not start within {timeout:.0f} s; see {self.log_path}")
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL to whatever is left after `timeout`."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
+        if proc is None:
             return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=timeout)
-        except (ProcessLookupError, PermissionError):
-            pass
-        except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                break
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                continue
+            # the leader is gone; its workers share the group: make sure they go too
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except (ProcessLookupError, PermissionError):
                 pass
-            proc.wait(timeout=timeout)
+            break
 
 
 _EMBEDDED: EmbeddedServer | None = None

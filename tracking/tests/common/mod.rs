@@ -15,14 +15,17 @@ pub struct MlflowServer {
 }
 
 pub fn mlflow_bin() -> Option<PathBuf> {
-    let p = std::env::var_os("ORTRAIN_MLFLOW_BIN").map(PathBuf::from).unwrap_or_else(|| {
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/mlflow")
-    });
+    let p = std::env::var_os("ORTRAIN_MLFLOW_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.venv/bin/mlflow"));
     p.exists().then_some(p)
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free port")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
 }
 
 impl MlflowServer {
@@ -32,10 +35,16 @@ impl MlflowServer {
             eprintln!("SKIP: no mlflow binary (set ORTRAIN_MLFLOW_BIN or create .venv with scripts/bootstrap.sh)");
             return None;
         };
-        let dir = std::env::temp_dir().join(format!("ortrain-tracking-{tag}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("ortrain-tracking-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let mut s = MlflowServer { bin, dir, port: free_port(), child: None };
+        let mut s = MlflowServer {
+            bin,
+            dir,
+            port: free_port(),
+            child: None,
+        };
         s.launch();
         Some(s)
     }
@@ -49,7 +58,15 @@ impl MlflowServer {
         use std::os::unix::process::CommandExt;
         let log = std::fs::File::create(self.dir.join("server.log")).expect("log");
         let child = Command::new(&self.bin)
-            .args(["server", "--host", "127.0.0.1", "--port", &self.port.to_string(), "--workers", "1"])
+            .args([
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &self.port.to_string(),
+                "--workers",
+                "1",
+            ])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}/mlflow.db", self.dir.display()))
             .arg("--artifacts-destination")
@@ -78,11 +95,14 @@ impl MlflowServer {
     /// Kills the whole process group (server and its workers) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill").args(["-s", "KILL", "--", &format!("-{}", c.id())]).status();
+            let _ = Command::new("kill")
+                .args(["-s", "KILL", "--", &format!("-{}", c.id())])
+                .status();
             let _ = c.wait();
             // wait until the port is free again so a restart can bind it
             let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline && TcpListener::bind(("127.0.0.1", self.port)).is_err() {
+            while Instant::now() < deadline && TcpListener::bind(("127.0.0.1", self.port)).is_err()
+            {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
