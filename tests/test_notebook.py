@@ -101,6 +101,7 @@ def test_parent_and_two_children_in_mlflow(executed, client):
     assert files.get("compare/summary.json") and files.get("compare/loss_and_batch_time.png", 0) > 1000
     # the inline table and plot
     assert "median ms" in out and "speedup" in out
+    print(out)
     assert any("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
 
 

@@ -70,7 +70,7 @@ def _params(model, optimizer, step, mode: str, args, device: str) -> dict:
     import ortrain
 
     p = {"mode": mode, "ortrain_version": ortrain.__version__, "torch_version": torch.__version__,
-         "engine_device": device, "engine_strict": False, "max_steps": args.max_steps}
+         "engine_device": device, "max_steps": args.max_steps}
     if model is not None:
         first = next(model.parameters(), None)
         p.update(model_class=type(model).__name__, parameter_count=sum(x.numel() for x in model.parameters()),

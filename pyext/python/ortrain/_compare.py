@@ -112,6 +112,11 @@ def report(parent, runs: list, display) -> dict:
             data = base64.b64encode(f.read()).decode()
         display({"image/png": data, "text/plain": "<ortrain compare plot>"}, raw=True)
         if parent.run_id:
-            for p in (png, js):
-                parent.exp.client.log_artifact(parent.run_id, p, "compare")
+            try:
+                for p in (png, js):
+                    parent.exp.client.log_artifact(parent.run_id, p, "compare")
+            except (OSError, ValueError, RuntimeError) as e:  # both runs are logged; say what is missing
+                from ortrain._runlog import warn
+
+                warn(f"the comparison plot and summary could not be stored as artifacts: {e}")
     return summary

@@ -34,8 +34,8 @@ class Experiment:
         self.uri = tracking.resolve_tracking_uri(tracking_uri)
         self.client = tracking.client(self.uri)
         if self.client.is_databricks and not name.startswith("/"):
-            # Databricks experiments are workspace paths
-            name = f"/Shared/ortrain/{name}"
+            # Databricks experiments are workspace paths; /Shared always exists
+            name = f"/Shared/{name}"
         self.name = name
         self._id = None
 
