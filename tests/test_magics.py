@@ -135,3 +135,19 @@ def test_nan_loss_is_logged_and_warned(shell, capsys):
     hist = c.get_metric_history(run["run_id"], "loss")
     assert len(hist) == 6 and math.isfinite(hist[0][1]) and all(math.isnan(v) for _, v, _ in hist[1:])
     assert run["status"] == "FINISHED"
+
+
+def test_optimizer_step_replaced_on_the_instance_counts_once(shell):
+    setup(shell)
+    # what an engine may do: replace step() on the optimizer object; with and without calling
+    # torch's own step (and so its hooks) underneath
+    shell.run_cell("import types\n"
+                   "opt.step = types.MethodType(lambda self, closure=None: type(self).step(self, closure), opt)")
+    assert shell.run_cell("%%ort baseline --experiment m-wrapped --no-progress\n" + LOOP.format(n=5, extra="")).success
+    shell.run_cell("opt2 = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                   "opt.step = lambda closure=None: None\ndel opt2")
+    assert shell.run_cell("%%ort baseline --experiment m-bypass --no-progress\n" + LOOP.format(n=4, extra="")).success
+    c = shell_client()
+    for exp, n in (("m-wrapped", 5), ("m-bypass", 4)):
+        (run,) = runs_of(c, exp)
+        assert [s for s, _, _ in c.get_metric_history(run["run_id"], "loss")] == list(range(n)), exp

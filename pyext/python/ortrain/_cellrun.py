@@ -103,7 +103,7 @@ def execute(shell, code, run: RunLog, models: list, args, label: str, mode: str,
             rec.restart_clock()
         progress.update(step.index, run.log_step(step))
 
-    rec = StepRecorder(models, on_step, args.max_steps)
+    rec = StepRecorder(models, on_step, args.max_steps, list(find_optimizers(shell.user_ns).values()))
     status = "FINISHED"
     try:
         with rec:
@@ -241,7 +241,7 @@ def _check(shell, code, args, eng, modules, ns, device):
         elif eng["is_accelerated"](model):
             eng["deaccelerate"](model)
         got = []
-        rec = StepRecorder([model], lambda s: got.append(s.loss), steps)
+        rec = StepRecorder([model], lambda s: got.append(s.loss), steps, [opt] if opt is not None else [])
         with rec:
             try:
                 exec(code, shell.user_ns)

@@ -72,8 +72,11 @@ class StepRecorder:
     """Context manager that calls `on_step(Step)` after every step of the first optimizer that
     steps, and raises StopCell after `max_steps` steps."""
 
-    def __init__(self, models: list, on_step, max_steps: int | None = None):
+    def __init__(self, models: list, on_step, max_steps: int | None = None, optimizers: list = ()):
         self.models = models
+        self.optimizers = list(optimizers)
+        self._wrapped = []
+        self._inside_wrapper = 0
         self.on_step = on_step
         self.max_steps = max_steps
         self.steps = 0
@@ -102,6 +105,24 @@ class StepRecorder:
         backward.__doc__ = orig.__doc__
         torch.Tensor.backward = backward
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        for opt in self.optimizers:
+            # an optimizer whose step() was replaced on the instance (as an engine may do) can
+            # bypass torch's step hooks: wrap it, and count each step once either way
+            if "step" in vars(opt):
+                orig_step = vars(opt)["step"]
+
+                def step(*args, _orig=orig_step, _opt=opt, **kwargs):
+                    recorder._inside_wrapper += 1
+                    try:
+                        out = _orig(*args, **kwargs)
+                    finally:
+                        recorder._inside_wrapper -= 1
+                    if recorder._inside_wrapper == 0:
+                        recorder._post_step(_opt, args, kwargs, _from_wrapper=True)
+                    return out
+
+                opt.step = step
+                self._wrapped.append((opt, orig_step))
         for m in self.models:
             dim = _batch_dim(m)
             self._handles.append(m.register_forward_pre_hook(lambda mod, args, d=dim: self._pre_forward(args, d)))
@@ -112,6 +133,9 @@ class StepRecorder:
 
     def __exit__(self, *exc):
         self._torch.Tensor.backward = self._orig_backward
+        for opt, orig_step in self._wrapped:
+            opt.step = orig_step
+        self._wrapped.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -126,7 +150,9 @@ class StepRecorder:
         if x is not None:
             self._input = (tuple(x.shape), x.dtype, batch_dim)
 
-    def _post_step(self, optimizer, args, kwargs):
+    def _post_step(self, optimizer, args, kwargs, _from_wrapper: bool = False):
+        if self._inside_wrapper and not _from_wrapper:
+            return  # the wrapper around this optimizer's own step() reports it once it returns
         if self.optimizer is None:
             self.optimizer = optimizer
         elif optimizer is not self.optimizer:
