@@ -9,6 +9,9 @@ bash scripts/bootstrap.sh
 echo "[test] cargo test (engine)"
 cargo test --release -q -p ortrain-engine
 
+echo "[test] cargo test (tracking, against a real mlflow server from .venv)"
+cargo test --release -q -p ortrain-tracking
+
 echo "[test] pytest"
 set +e
 .venv/bin/python -m pytest -q -m "not slow and not gpu" tests "$@"

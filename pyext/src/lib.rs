@@ -4,6 +4,7 @@
 mod ops;
 mod optim;
 mod session;
+mod tracking;
 
 use pyo3::prelude::*;
 
@@ -13,5 +14,6 @@ fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     session::register(m)?;
     optim::register(m)?;
     ops::register(m)?;
+    tracking::register(m)?;
     Ok(())
 }

@@ -1,0 +1,201 @@
+"""Step capture for `%%ort`: the step boundary is `optimizer.step()` (a global torch optimizer
+step post-hook), the loss is the scalar on which `backward()` ran (Tensor.backward is wrapped
+for the duration of the cell), the batch shape comes from a forward pre-hook on the model. The
+user's loop is not changed. Everything is removed again when the cell ends."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+
+class StopCell(BaseException):
+    """Raised from the step hook after `--max-steps` steps; ends the cell as FINISHED.
+    A BaseException so that a user's `except Exception` does not swallow it."""
+
+
+@dataclass
+class Step:
+    index: int
+    batch_time_ms: float
+    loss: float | None
+    loss_kind: str | None
+    learning_rate: float | None
+    samples: int | None
+    tokens: int | None
+    rss_bytes: int | None
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def find_modules(ns: dict) -> dict:
+    """Top-level nn.Modules with parameters in a namespace: {name: module} (one name per object,
+    submodules of another found module left out)."""
+    import torch
+
+    found = {}
+    for name, v in ns.items():
+        if name.startswith("_") or not isinstance(v, torch.nn.Module):
+            continue
+        if any(True for _ in v.parameters()) and all(v is not o for o in found.values()):
+            found[name] = v
+    children = {id(m) for v in found.values() for m in v.modules() if m is not v}
+    return {k: v for k, v in found.items() if id(v) not in children}
+
+
+def find_optimizers(ns: dict) -> dict:
+    import torch
+
+    found = {}
+    for name, v in ns.items():
+        if not name.startswith("_") and isinstance(v, torch.optim.Optimizer) and all(v is not o for o in found.values()):
+            found[name] = v
+    return found
+
+
+def _batch_dim(model) -> int:
+    """0, or 1 for sequence-first models (any submodule with batch_first == False)."""
+    for m in model.modules():
+        if getattr(m, "batch_first", True) is False:
+            return 1
+    return 0
+
+
+class StepRecorder:
+    """Context manager that calls `on_step(Step)` after every step of the first optimizer that
+    steps, and raises StopCell after `max_steps` steps."""
+
+    def __init__(self, models: list, on_step, max_steps: int | None = None, optimizers: list = ()):
+        self.models = models
+        self.optimizers = list(optimizers)
+        self._wrapped = []
+        self._inside_wrapper = 0
+        self.on_step = on_step
+        self.max_steps = max_steps
+        self.steps = 0
+        self.optimizer = None
+        self._handles = []
+        self._last_loss = None
+        self._loss_kind = None
+        self._input = None
+        self._cuda = False
+
+    def __enter__(self):
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._torch = torch
+        self._orig_backward = torch.Tensor.backward
+        recorder = self
+        orig = self._orig_backward
+
+        def backward(tensor, *args, **kwargs):
+            if tensor.numel() == 1:
+                recorder._last_loss = tensor.detach()
+                recorder._loss_kind = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else None
+            return orig(tensor, *args, **kwargs)
+
+        backward.__doc__ = orig.__doc__
+        torch.Tensor.backward = backward
+        self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        for opt in self.optimizers:
+            # an optimizer whose step() was replaced on the instance (as an engine may do) can
+            # bypass torch's step hooks: wrap it, and count each step once either way
+            if "step" in vars(opt):
+                orig_step = vars(opt)["step"]
+
+                def step(*args, _orig=orig_step, _opt=opt, **kwargs):
+                    recorder._inside_wrapper += 1
+                    try:
+                        out = _orig(*args, **kwargs)
+                    finally:
+                        recorder._inside_wrapper -= 1
+                    if recorder._inside_wrapper == 0:
+                        recorder._post_step(_opt, args, kwargs, _from_wrapper=True)
+                    return out
+
+                opt.step = step
+                self._wrapped.append((opt, orig_step))
+        for m in self.models:
+            dim = _batch_dim(m)
+            self._handles.append(m.register_forward_pre_hook(lambda mod, args, d=dim: self._pre_forward(args, d)))
+            p = next(m.parameters(), None)
+            self._cuda = self._cuda or (p is not None and p.is_cuda)
+        self._last_end = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._torch.Tensor.backward = self._orig_backward
+        for opt, orig_step in self._wrapped:
+            opt.step = orig_step
+        self._wrapped.clear()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        return False
+
+    def restart_clock(self) -> None:
+        """Excludes ortrain's own one-off work (creating the run) from the next batch time."""
+        self._last_end = time.perf_counter()
+
+    def _pre_forward(self, args, batch_dim):
+        x = next((a for a in args if isinstance(a, self._torch.Tensor)), None)
+        if x is not None:
+            self._input = (tuple(x.shape), x.dtype, batch_dim)
+
+    def _post_step(self, optimizer, args, kwargs, _from_wrapper: bool = False):
+        if self._inside_wrapper and not _from_wrapper:
+            return  # the wrapper around this optimizer's own step() reports it once it returns
+        if self.optimizer is None:
+            self.optimizer = optimizer
+        elif optimizer is not self.optimizer:
+            return
+        if self._cuda:
+            self._torch.cuda.synchronize()
+        now = time.perf_counter()
+        dt_ms = (now - self._last_end) * 1000.0
+        loss = float(self._last_loss.item()) if self._last_loss is not None else None
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        lr = float(lr) if lr is not None else None
+        samples = tokens = None
+        if self._input is not None:
+            shape, dtype, bdim = self._input
+            if shape:
+                samples = shape[bdim] if len(shape) > bdim else shape[0]
+                if not dtype.is_floating_point and not dtype.is_complex:
+                    tokens = math.prod(shape)
+        step = Step(self.steps, dt_ms, loss, self._loss_kind, lr, samples, tokens, _rss_bytes())
+        self.steps += 1
+        self._last_loss = None
+        self.on_step(step)
+        self._last_end = time.perf_counter() if self.steps == 1 else now
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            raise StopCell()
+
+
+def is_cross_entropy(loss_kind: str | None) -> bool:
+    return bool(loss_kind) and ("NllLoss" in loss_kind or "CrossEntropy" in loss_kind)
+
+
+def step_metrics(step: Step) -> dict:
+    """The per-step metrics ortrain logs."""
+    m = {"batch_time_ms": step.batch_time_ms}
+    if step.loss is not None:
+        m["loss"] = step.loss
+        if is_cross_entropy(step.loss_kind):
+            m["ppl"] = math.exp(min(step.loss, 700.0)) if not math.isnan(step.loss) else math.nan
+    if step.learning_rate is not None:
+        m["learning_rate"] = step.learning_rate
+    sec = step.batch_time_ms / 1000.0
+    if sec > 0 and step.samples:
+        m["samples_per_sec"] = step.samples / sec
+    if sec > 0 and step.tokens:
+        m["tokens_per_sec"] = step.tokens / sec
+    return m

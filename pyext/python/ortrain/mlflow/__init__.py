@@ -1,0 +1,1 @@
+"""`python -m ortrain.mlflow replay FILE`: tools around ortrain's MLflow logging."""
