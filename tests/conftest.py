@@ -61,23 +61,8 @@ def runs_of(client, experiment: str) -> list:
 
 
 @pytest.fixture
-def stand_in_engine():
-    """Until the engine is merged: an engine stand-in that keeps the model in PyTorch, so that
-    the magics' own logic (which model, state handling, modes) is exercised. Never used when the
-    real `ortrain.accelerate` exists."""
+def engine_api():
+    """The engine API the magics use."""
     import ortrain.magics as m
 
-    if m.engine() is not None:
-        yield m.engine()
-        return
-    accelerated = set()
-    m._TEST_ENGINE = {
-        "accelerate": lambda model, optimizer=None, *, device="cpu", strict=False: (accelerated.add(id(model)), model)[1],
-        "deaccelerate": lambda model: (accelerated.discard(id(model)), model)[1],
-        "is_accelerated": lambda model: id(model) in accelerated,
-        "explain": lambda model: "stand-in engine (PyTorch)",
-    }
-    try:
-        yield m._TEST_ENGINE
-    finally:
-        m._TEST_ENGINE = None
+    return m.engine()

@@ -1,15 +1,10 @@
 """notebooks/tutorial_transformer.ipynb executed headless by nbclient in a real IPython kernel
 against a real MLflow server, then checked through the REST API: one parent run with two child
 runs, per-step histories of the expected length, params, tags and the parent's artifacts.
-
-Until the engine is merged (`ortrain.accelerate` missing), the test installs a stand-in engine
-that leaves the model in PyTorch, so that the whole compare machinery (state snapshot and
-restore, parent/child runs, table, plot, artifacts) runs for real; the identical loss curves of
-both children then prove the restore. The accelerated half's own checks skip with the reason
-"engine not merged yet"."""
+The accelerated child ran in the engine (its explain line says which exporter ran), starting
+from the same state as the baseline."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,34 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "tutorial_transformer.ipynb"
 STEPS = 4
 
-STAND_IN = """
-import ortrain.magics as _m
-_acc = set()
-_m._TEST_ENGINE = {
-    "accelerate": lambda model, optimizer=None, *, device="cpu", strict=False: (_acc.add(id(model)), model)[1],
-    "deaccelerate": lambda model: (_acc.discard(id(model)), model)[1],
-    "is_accelerated": lambda model: id(model) in _acc,
-    "explain": lambda model: "stand-in engine: PyTorch",
-}
-"""
-
-
-def engine_available() -> bool:
-    try:
-        import ortrain
-
-        ortrain.accelerate  # noqa: B018
-        return True
-    except (ImportError, AttributeError):
-        return False
-
-
 @pytest.fixture(scope="module")
 def executed(mlflow_server, tmp_path_factory):
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    stand_in = not engine_available()
-    if stand_in:
-        nb.cells.insert(1, nbformat.v4.new_code_cell(STAND_IN))
     env = {"ORTRAIN_TRACKING_URI": mlflow_server.uri, "ORTRAIN_TUTORIAL_STEPS": str(STEPS),
            "ORTRAIN_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     old = {k: os.environ.get(k) for k in env}
@@ -65,7 +35,7 @@ def executed(mlflow_server, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return nb, stand_in
+    return nb
 
 
 def outputs(nb) -> str:
@@ -77,7 +47,7 @@ def outputs(nb) -> str:
 
 
 def test_parent_and_two_children_in_mlflow(executed, client):
-    nb, _ = executed
+    nb = executed
     out = outputs(nb)
     assert "pydoc_data.topics (offline)" in out
     runs = runs_of(client, "tutorial")
@@ -106,22 +76,21 @@ def test_parent_and_two_children_in_mlflow(executed, client):
 
 
 def test_compare_starts_both_runs_from_the_same_state(executed, client):
-    nb, stand_in = executed
-    if not stand_in:
-        pytest.skip("with the real engine the losses agree only to tolerance (checked by the parity tests)")
     runs = runs_of(client, "tutorial")
     by_role = {r["tags"].get("ortrain.role"): r for r in runs}
     base = [v for _, v, _ in client.get_metric_history(by_role["baseline"]["run_id"], "loss")]
     acc = [v for _, v, _ in client.get_metric_history(by_role["accelerated"]["run_id"], "loss")]
-    assert base == acc  # same weights, optimizer state, RNG (dropout) and data: identical
+    # same weights and data; dropout masks differ (the engine draws its own), so the first
+    # losses agree to dropout noise, far closer than two different initialisations would
+    assert abs(base[0] - acc[0]) / base[0] < 0.02, (base, acc)
 
 
-def test_accelerated_half(executed, client):
-    nb, stand_in = executed
-    if stand_in:
-        pytest.skip("engine not merged yet")
+def test_accelerated_half_ran_in_the_engine(executed, client):
+    nb = executed
+    out = outputs(nb)
+    assert "runs in the engine" in out or "exporter" in out, out[-2000:]
+    assert "runs in PyTorch" not in out, out[-2000:]
     runs = runs_of(client, "tutorial")
     acc = next(r for r in runs if r["tags"].get("ortrain.role") == "accelerated")
-    assert acc["params"]["engine_device"] in ("cpu", "cuda")
-    summary = json.loads(json.dumps(acc))
-    assert summary["status"] == "FINISHED"
+    assert acc["status"] == "FINISHED"
+    assert len(client.get_metric_history(acc["run_id"], "batch_time_ms")) == STEPS

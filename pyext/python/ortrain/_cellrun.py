@@ -77,7 +77,7 @@ def _params(model, optimizer, step, mode: str, args, device: str) -> dict:
                  device=str(first.device) if first is not None else "cpu",
                  precision=str(first.dtype).replace("torch.", "") if first is not None else "-")
     if optimizer is not None:
-        p["optimizer"] = type(optimizer).__name__
+        p["optimizer"] = getattr(optimizer, "_ortrain_base", type(optimizer)).__name__  # the user's class, also when its step runs in the engine
         for k, v in optimizer.param_groups[0].items():
             if k != "params" and isinstance(v, (int, float, str, bool, tuple, type(None))):
                 p[f"optimizer.{k}"] = v
@@ -143,13 +143,10 @@ def run_cell_magic(mg, args, cell: str):
     __tracebackhide__ = True
     from IPython.display import display
 
-    from ortrain.magics import ENGINE_MISSING, _pick, _restore, _snapshot, engine
+    from ortrain.magics import _pick, _restore, _snapshot, engine
 
     shell, ns = mg.shell, mg.shell.user_ns
     eng = engine()
-    if (args.mode in ("accelerated", "compare") or args.check) and eng is None:
-        hint = "; use %%ort baseline to log the PyTorch run alone" if args.mode != "baseline" else ""
-        raise UsageError(f"%%ort {'--check' if args.check else args.mode}: {ENGINE_MISSING}{hint}")
     code = _compile(shell, cell)
     import torch  # noqa: F401  (the cell trains with torch; the hooks need it)
 

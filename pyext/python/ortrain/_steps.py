@@ -146,7 +146,10 @@ class StepRecorder:
         self._last_end = time.perf_counter()
 
     def _pre_forward(self, args, batch_dim):
-        x = next((a for a in args if isinstance(a, self._torch.Tensor)), None)
+        torch = self._torch
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return  # an exporter tracing the model (symbolic shapes), not a real batch
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is not None:
             self._input = (tuple(x.shape), x.dtype, batch_dim)
 

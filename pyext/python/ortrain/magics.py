@@ -16,26 +16,13 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 MODES = ("accelerated", "baseline", "compare")
-ENGINE_MISSING = ("the ortrain engine (ortrain.accelerate) is not available in this build "
-                  "(engine not merged yet)")
 
 
-# Tests of the compare machinery (snapshot/restore, parent/child runs, report) may install a
-# stand-in engine here while the real one is missing; it is never set by ortrain itself.
-_TEST_ENGINE = None
+def engine() -> dict:
+    """The engine's Python API the magics use (accelerate, deaccelerate, is_accelerated, explain)."""
+    import ortrain
 
-
-def engine():
-    """The engine's Python API (accelerate, deaccelerate, is_accelerated, explain) or None."""
-    if _TEST_ENGINE is not None:
-        return _TEST_ENGINE
-    try:
-        import ortrain
-
-        fns = [getattr(ortrain, n) for n in ("accelerate", "deaccelerate", "is_accelerated", "explain")]
-    except (ImportError, AttributeError):
-        return None
-    return dict(zip(("accelerate", "deaccelerate", "is_accelerated", "explain"), fns))
+    return {n: getattr(ortrain, n) for n in ("accelerate", "deaccelerate", "is_accelerated", "explain")}
 
 
 def _pick(kind: str, found: dict, name: str | None, ns: dict):
@@ -118,8 +105,6 @@ class OrtMagics(Magics):
         """%ort accelerate [MODEL] [--optimizer OPT] [--device cpu|cuda] [--strict]"""
         args = parse_argstring(self._accelerate, line)
         eng = engine()
-        if eng is None:
-            raise UsageError(f"%ort accelerate: {ENGINE_MISSING}")
         from ortrain._steps import find_modules, find_optimizers
 
         ns = self.shell.user_ns
@@ -142,7 +127,7 @@ class OrtMagics(Magics):
             print("ortrain: nothing is accelerated")
             return
         for name, (model, _, _) in list(self.accelerated.items()):
-            if eng is not None and eng["is_accelerated"](model):
+            if eng["is_accelerated"](model):
                 eng["deaccelerate"](model)
             del self.accelerated[name]
             print(f"ortrain: {name} runs in plain PyTorch again")
@@ -152,10 +137,9 @@ class OrtMagics(Magics):
         from ortrain import tracking
 
         eng = engine()
-        print(f"ortrain engine: {'available' if eng else ENGINE_MISSING}")
         if self.accelerated:
             for name, (model, _, device) in self.accelerated.items():
-                on = eng is not None and eng["is_accelerated"](model)
+                on = eng["is_accelerated"](model)
                 print(f"  {name}: {type(model).__name__} on {device} ({'accelerated' if on else 'plain PyTorch'})")
         else:
             print("  no model accelerated (use %ort accelerate)")
