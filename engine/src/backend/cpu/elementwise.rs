@@ -63,6 +63,28 @@ binary_num!(div, |x, y| x / y);
 binary_num!(max, |x, y| if y > x || y != y { y } else { x });
 binary_num!(min, |x, y| if y < x || y != y { y } else { x });
 
+/// MinMaxGrad(dy, a, b): dy where input `which` won, dy/2 on ties, 0 elsewhere (shaped like dy).
+fn min_max_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let (a, b) = ab(node, &inputs[1..])?;
+    let is_max = node.attrs.int("is_max", 1).map_err(|e| node.err(e.to_string()))? != 0;
+    let which = node.attrs.int("which", 0).map_err(|e| node.err(e.to_string()))?;
+    fn go<T: FloatElem>(dy: &In, a: &In, b: &In, o: &mut Out, is_max: bool, which: i64) -> Result<()> {
+        let half = T::from_f64(0.5);
+        map3::<T, T, T, T>(dy, a, b, o, move |d, x, y| {
+            let (mine, other) = if which == 0 { (x, y) } else { (y, x) };
+            if mine == other {
+                d * half
+            } else if (mine > other) == is_max {
+                d
+            } else {
+                T::zero()
+            }
+        })
+    }
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, a, b, &mut out[0], is_max, which))
+}
+
 fn div_checked(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (_, b) = ab(node, inputs)?;
     if !b.dtype.is_float() {
@@ -299,6 +321,7 @@ pub fn register(t: &mut KernelTable) {
     t.add("Mod", modulo);
     t.add("Max", max2);
     t.add("Min", min2);
+    t.add("MinMaxGrad", min_max_grad);
     t.add("Equal", equal);
     t.add("Less", less);
     t.add("Greater", greater);
