@@ -32,8 +32,8 @@ STEPS = 10
 
 # zoo builder, builder kwargs, inputs at another shape
 CASES = {
-    "gpt2": (models.gpt2_small, dict(dropout=0.0), lambda: models.gpt2_inputs(batch=3, seq=20)),
-    "bert": (models.bert_small, dict(dropout=0.0), lambda: models.bert_inputs(batch=3, seq=20)),
+    "gpt2": (models.gpt2_small, dict(vocab=200, dropout=0.0), lambda: models.gpt2_inputs(vocab=200, batch=3, seq=20)),
+    "bert": (models.bert_small, dict(vocab=200, dropout=0.0), lambda: models.bert_inputs(vocab=200, batch=3, seq=20)),
     "cnn": (models.small_cnn, dict(), lambda: models.cnn_inputs(batch=5)),
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use prost::Message;
 
-use super::sequence::Sequences;
 use super::proto::{attr_type, AttributeProto, DimensionValue, ModelProto, NodeProto, ValueInfoProto};
+use super::sequence::Sequences;
 use super::tensor_proto::tensor_from_proto;
 use crate::error::{Error, Result};
 use crate::ir::{Attr, Attrs, Dim, Graph, Node, ValueKind};
@@ -157,7 +157,9 @@ fn import_node(
     }
     if n.op_type == "SequenceAt" && n.input.first().is_some_and(|s| seqs.is_sequence(s)) {
         let (out, pos) = (n.output.first(), n.input.get(1));
-        let (Some(out), Some(pos)) = (out, pos) else { return Err(Error::onnx(field, "SequenceAt needs a sequence, a position and an output")) };
+        let (Some(out), Some(pos)) = (out, pos) else {
+            return Err(Error::onnx(field, "SequenceAt needs a sequence, a position and an output"));
+        };
         return seqs.sequence_at(graph, &name, &n.input[0], pos, out, opset);
     }
     if ops::lookup(&n.op_type).is_none() && !opts.allow_unknown_ops {

@@ -107,9 +107,101 @@ impl Sequences {
         };
         graph.push_node(slice)?;
         if !s.keepdims {
-            let sq = Node { name: format!("{name}/Squeeze"), op_type: "Squeeze".into(), inputs: vec![Some(sliced), Some(ax)], outputs: vec![out], attrs };
+            let sq = Node {
+                name: format!("{name}/Squeeze"),
+                op_type: "Squeeze".into(),
+                inputs: vec![Some(sliced), Some(ax)],
+                outputs: vec![out],
+                attrs,
+            };
             graph.push_node(sq)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prost::Message;
+
+    use crate::ir::ValueKind;
+    use crate::onnx::proto::*;
+    use crate::onnx::{import_bytes, tensor_to_proto, ImportOptions};
+    use crate::tensor::Tensor;
+
+    fn constant(out: &str, t: Tensor) -> NodeProto {
+        let value =
+            AttributeProto { name: "value".into(), r#type: attr_type::TENSOR, t: Some(tensor_to_proto("", &t)), ..Default::default() };
+        NodeProto { output: vec![out.into()], op_type: "Constant".into(), attribute: vec![value], ..Default::default() }
+    }
+
+    fn model(split: Option<Tensor>, position: i64, reader: &str) -> Vec<u8> {
+        let dims = [2i64, 6].map(|d| Dimension { value: Some(DimensionValue::DimValue(d)), ..Default::default() });
+        let ty = TypeProto {
+            tensor_type: Some(TypeProtoTensor { elem_type: 1, shape: Some(TensorShapeProto { dim: dims.to_vec() }) }),
+            ..Default::default()
+        };
+        let mut nodes = vec![constant("pos", Tensor::from_i64(vec![], vec![position]))];
+        let mut split_inputs = vec!["x".to_string()];
+        if let Some(s) = split {
+            nodes.push(constant("split", s));
+            split_inputs.push("split".into());
+        }
+        let axis = AttributeProto { name: "axis".into(), r#type: attr_type::INT, i: 1, ..Default::default() };
+        nodes.push(NodeProto {
+            input: split_inputs,
+            output: vec!["seq".into()],
+            name: "s2s".into(),
+            op_type: "SplitToSequence".into(),
+            attribute: vec![axis],
+            ..Default::default()
+        });
+        nodes.push(NodeProto {
+            input: vec!["seq".into(), "pos".into()],
+            output: vec!["y".into()],
+            name: "at".into(),
+            op_type: reader.into(),
+            ..Default::default()
+        });
+        let graph = GraphProto {
+            node: nodes,
+            input: vec![ValueInfoProto { name: "x".into(), r#type: Some(ty), ..Default::default() }],
+            output: vec![ValueInfoProto { name: "y".into(), ..Default::default() }],
+            ..Default::default()
+        };
+        let m = ModelProto {
+            ir_version: 8,
+            opset_import: vec![OperatorSetIdProto { domain: String::new(), version: 18 }],
+            graph: Some(graph),
+            ..Default::default()
+        };
+        m.encode_to_vec()
+    }
+
+    /// (start, end) constants of the Slice that replaced the SequenceAt.
+    fn slice_bounds(bytes: &[u8]) -> (i64, i64) {
+        let g = import_bytes(bytes, None, &ImportOptions::default()).unwrap();
+        let s = g.nodes.iter().find(|n| n.op_type == "Slice").expect("a Slice");
+        let c = |i: usize| match &g.value(s.inputs[i].unwrap()).kind {
+            ValueKind::Const(t) => t.to_i64_vec().unwrap()[0],
+            _ => panic!("not a constant"),
+        };
+        assert_eq!(g.value(*s.outputs.first().unwrap()).name, "y");
+        (c(1), c(2))
+    }
+
+    #[test]
+    fn sequence_at_becomes_slice() {
+        // scalar chunk size 4 over 6 columns: part 1 is [4, 8) (clamped to 6 by Slice)
+        assert_eq!(slice_bounds(&model(Some(Tensor::from_i64(vec![], vec![4])), 1, "SequenceAt")), (4, 8));
+        // explicit sizes [1, 2, 3]: part -1 is [3, 6)
+        assert_eq!(slice_bounds(&model(Some(Tensor::from_i64(vec![3], vec![1, 2, 3])), -1, "SequenceAt")), (3, 6));
+        // no split: parts of one
+        assert_eq!(slice_bounds(&model(None, 2, "SequenceAt")), (2, 3));
+        // anything else reading the sequence is refused by name
+        let e = import_bytes(&model(None, 0, "Identity"), None, &ImportOptions::default()).unwrap_err().to_string();
+        assert!(e.contains("sequence") && e.contains("at"), "{e}");
+        let e = import_bytes(&model(Some(Tensor::from_i64(vec![3], vec![1, 2, 3])), 3, "SequenceAt"), None, &ImportOptions::default());
+        assert!(e.unwrap_err().to_string().contains("out of range"));
     }
 }

@@ -131,7 +131,12 @@ impl OpDef for PoolGrad {
         if node.op_type == "MaxPoolGrad" {
             let idx = input(node, inputs, 1)?;
             if idx.shape != dy.shape || idx.dtype != DType::I64 {
-                return Err(node.err(format!("indices {:?} ({}) must be int64 shaped like dy {:?}", idx.shape, idx.dtype.name(), dy.shape)));
+                return Err(node.err(format!(
+                    "indices {:?} ({}) must be int64 shaped like dy {:?}",
+                    idx.shape,
+                    idx.dtype.name(),
+                    dy.shape
+                )));
             }
         }
         Ok(vec![TypeOut::new(dy.dtype, s)])

@@ -111,10 +111,9 @@ pub fn resolve(node: &Node, input: &[usize], kernel: Option<&[usize]>, allow_cei
             for i in 0..k {
                 let full = input[i] + pad_begin[i] + pad_end[i];
                 if full < span[i] {
-                    return Err(node.err(format!(
-                        "the window (extent {}) is larger than the padded input ({full}) on spatial axis {i}",
-                        span[i]
-                    )));
+                    return Err(
+                        node.err(format!("the window (extent {}) is larger than the padded input ({full}) on spatial axis {i}", span[i]))
+                    );
                 }
                 let room = full - span[i];
                 let mut o = if ceil { room.div_ceil(strides[i]) + 1 } else { room / strides[i] + 1 };
@@ -169,10 +168,8 @@ mod tests {
         let w = resolve(&node(a), &[32, 32], None, true).unwrap();
         assert_eq!(w.output, vec![32, 32]);
         // ceil mode: 5 with k2 s2 -> 3 windows (the last one half outside)
-        let a = Attrs::default()
-            .with("kernel_shape", Attr::Ints(vec![2]))
-            .with("strides", Attr::Ints(vec![2]))
-            .with("ceil_mode", Attr::Int(1));
+        let a =
+            Attrs::default().with("kernel_shape", Attr::Ints(vec![2])).with("strides", Attr::Ints(vec![2])).with("ceil_mode", Attr::Int(1));
         assert_eq!(resolve(&node(a.clone()), &[5], None, true).unwrap().output, vec![3]);
         assert_eq!(resolve(&node(a), &[5], None, false).unwrap().output, vec![2]);
         // SAME_UPPER, stride 2 on 5: out 3, total pad 2 -> (1, 1); SAME_LOWER with k2: pad (1, 0)

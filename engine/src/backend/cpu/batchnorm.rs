@@ -75,7 +75,8 @@ fn batch_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCt
     ) -> Result<()> {
         let xv = x.slice::<T>()?;
         let [sv, bv, mv, vv] = [p[0].slice::<T>()?, p[1].slice::<T>()?, p[2].slice::<T>()?, p[3].slice::<T>()?];
-        let stats: Vec<(f64, f64)> = if training { channel_stats(xv, n, c, plane) } else { (0..c).map(|k| (mv[k].as_(), vv[k].as_())).collect() };
+        let stats: Vec<(f64, f64)> =
+            if training { channel_stats(xv, n, c, plane) } else { (0..c).map(|k| (mv[k].as_(), vv[k].as_())).collect() };
         // y = x·a + b per channel
         let coef: Vec<(f64, f64)> = (0..c)
             .map(|k| {
@@ -115,10 +116,19 @@ fn batch_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
     let eps = node.attrs.float("epsilon", 1e-5).map_err(|e| node.err(e.to_string()))? as f64;
     let training = node.attrs.int("training_mode", 0).map_err(|e| node.err(e.to_string()))? != 0;
     let dims = layout(node, x)?;
-    fn go<T: FloatElem>(dy: &In, x: &In, p: [&In; 3], out: &mut [Out], (n, c, plane): (usize, usize, usize), eps: f64, training: bool) -> Result<()> {
+    fn go<T: FloatElem>(
+        dy: &In,
+        x: &In,
+        p: [&In; 3],
+        out: &mut [Out],
+        (n, c, plane): (usize, usize, usize),
+        eps: f64,
+        training: bool,
+    ) -> Result<()> {
         let (dyv, xv) = (dy.slice::<T>()?, x.slice::<T>()?);
         let [sv, mv, vv] = [p[0].slice::<T>()?, p[1].slice::<T>()?, p[2].slice::<T>()?];
-        let stats: Vec<(f64, f64)> = if training { channel_stats(xv, n, c, plane) } else { (0..c).map(|k| (mv[k].as_(), vv[k].as_())).collect() };
+        let stats: Vec<(f64, f64)> =
+            if training { channel_stats(xv, n, c, plane) } else { (0..c).map(|k| (mv[k].as_(), vv[k].as_())).collect() };
         // per channel: Σdy and Σdy·x̂
         let sums = |k: usize| {
             let (mean, rstd) = (stats[k].0, 1.0 / (stats[k].1 + eps).sqrt());
@@ -133,7 +143,8 @@ fn batch_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
             }
             (sd, sdh)
         };
-        let sums: Vec<(f64, f64)> = if xv.len() >= PAR_MIN { (0..c).into_par_iter().map(sums).collect() } else { (0..c).map(sums).collect() };
+        let sums: Vec<(f64, f64)> =
+            if xv.len() >= PAR_MIN { (0..c).into_par_iter().map(sums).collect() } else { (0..c).map(sums).collect() };
         let count = (n * plane).max(1) as f64;
         let (dx, rest) = out.split_first_mut().expect("three outputs");
         let dxv = dx.slice::<T>()?;

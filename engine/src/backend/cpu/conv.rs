@@ -42,7 +42,27 @@ unsafe fn mm<T: FloatElem>(
     let parallelism = if par && m * n * k >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract.
     unsafe {
-        gemm::gemm(m, n, k, dst, 1, dst_rs as isize, accumulate, a.0, a.2, a.1, b.0, b.2, b.1, T::one(), T::one(), false, false, false, parallelism);
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.0,
+            a.2,
+            a.1,
+            b.0,
+            b.2,
+            b.1,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
     }
 }
 
@@ -176,7 +196,15 @@ fn conv(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
                 let yg = &mut ys[gi * g.mg * ohw..][..g.mg * ohw];
                 // SAFETY: wg is mg×rows, src is rows×ohw, yg is mg×ohw, all row-major and disjoint.
                 unsafe {
-                    mm((g.mg, ohw, rows), yg.as_mut_ptr(), ohw, (wg.as_ptr(), rows as isize, 1), (src.as_ptr(), ohw as isize, 1), false, par)
+                    mm(
+                        (g.mg, ohw, rows),
+                        yg.as_mut_ptr(),
+                        ohw,
+                        (wg.as_ptr(), rows as isize, 1),
+                        (src.as_ptr(), ohw as isize, 1),
+                        false,
+                        par,
+                    )
                 };
             }
             if let Some(bv) = bv {
@@ -246,7 +274,17 @@ fn conv_grad_w(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
                 let dyg = &dyv[n * dy_sample + gi * g.mg * ohw..][..g.mg * ohw];
                 let dwg = &mut acc[gi * g.mg * rows..][..g.mg * rows];
                 // SAFETY: dyg is mg×ohw, srcᵀ is ohw×rows (strides 1, ohw), dwg is mg×rows.
-                unsafe { mm((g.mg, rows, ohw), dwg.as_mut_ptr(), rows, (dyg.as_ptr(), ohw as isize, 1), (src.as_ptr(), 1, ohw as isize), true, par) };
+                unsafe {
+                    mm(
+                        (g.mg, rows, ohw),
+                        dwg.as_mut_ptr(),
+                        rows,
+                        (dyg.as_ptr(), ohw as isize, 1),
+                        (src.as_ptr(), 1, ohw as isize),
+                        true,
+                        par,
+                    )
+                };
             }
         };
         dwv.iter_mut().for_each(|v| *v = T::zero());
@@ -262,10 +300,13 @@ fn conv_grad_w(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
                     },
                 )
                 .map(|(acc, _)| acc)
-                .reduce(|| vec![T::zero(); len], |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(x, y)| *x = *x + *y);
-                    a
-                });
+                .reduce(
+                    || vec![T::zero(); len],
+                    |mut a, b| {
+                        a.iter_mut().zip(&b).for_each(|(x, y)| *x = *x + *y);
+                        a
+                    },
+                );
             dwv.copy_from_slice(&partial);
         } else {
             let mut col = vec![T::zero(); if g.direct { 0 } else { rows * ohw }];

@@ -350,3 +350,24 @@ pub fn register(t: &mut KernelTable) {
     t.add("IsInf", is_inf);
     t.add("Identity", identity);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::run;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::Tensor;
+
+    #[test]
+    fn min_max_grad_splits_ties() {
+        // a = [1, 5, 3], b = 3 (broadcast): Max winners a: [no, yes, tie]
+        let (dy, a, b) =
+            (Tensor::from_f32(vec![3], vec![2., 2., 2.]), Tensor::from_f32(vec![3], vec![1., 5., 3.]), Tensor::from_f32(vec![1], vec![3.]));
+        let g = |is_max: i64, which: i64| {
+            let attrs = Attrs::default().with("is_max", Attr::Int(is_max)).with("which", Attr::Int(which));
+            run("MinMaxGrad", attrs, &[&dy, &a, &b])[0].to_f64_vec()
+        };
+        assert_eq!(g(1, 0), vec![0., 2., 1.]);
+        assert_eq!(g(1, 1), vec![2., 0., 1.]);
+        assert_eq!(g(0, 0), vec![2., 0., 1.]);
+    }
+}

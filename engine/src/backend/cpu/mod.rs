@@ -3,9 +3,9 @@
 
 mod activation;
 mod batchnorm;
+mod broadcast;
 mod conv;
 mod cumsum;
-mod broadcast;
 mod elementwise;
 mod gather_nd;
 mod internal;

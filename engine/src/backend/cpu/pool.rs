@@ -34,7 +34,14 @@ fn each_tap(w: &Window, oi: usize, oj: usize, mut f: impl FnMut(usize, usize)) {
 }
 
 /// Runs `f(plane, chunk_a, chunk_b)` over planes of two outputs, in parallel for large work.
-fn planes2<A: Send, B: Send>(a: &mut [A], ca: usize, b: &mut [B], cb: usize, work: usize, f: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send) {
+fn planes2<A: Send, B: Send>(
+    a: &mut [A],
+    ca: usize,
+    b: &mut [B],
+    cb: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [A], &mut [B]) + Sync + Send,
+) {
     if ca == 0 {
         return;
     }
@@ -143,11 +150,8 @@ fn avg_divisors(node: &Node, w: &Window) -> Result<Vec<f64>> {
             let (oi, oj) = (o / ow, o % ow);
             let count = |a: usize, oa: usize| -> usize {
                 let start = (oa * w.strides[a]) as isize - w.pad_begin[a] as isize;
-                let (lo, hi) = if include_pad {
-                    (-(w.pad_begin[a] as isize), (w.input[a] + w.pad_end[a]) as isize)
-                } else {
-                    (0, w.input[a] as isize)
-                };
+                let (lo, hi) =
+                    if include_pad { (-(w.pad_begin[a] as isize), (w.input[a] + w.pad_end[a]) as isize) } else { (0, w.input[a] as isize) };
                 (0..w.kernel[a]).filter(|&k| (lo..hi).contains(&(start + (k * w.dilations[a]) as isize))).count()
             };
             (count(0, oi) * count(1, oj)).max(1) as f64
@@ -284,7 +288,8 @@ mod tests {
     fn max_pool_ceil_and_pads() {
         // 1-D: [1, 3, 2, 5, 4], k 2, s 2, ceil: windows [1,3] [2,5] [4] -> 3 5 4
         let x = Tensor::from_f32(vec![1, 1, 5], vec![1., 3., 2., 5., 4.]);
-        let a = Attrs::default().with("kernel_shape", Attr::Ints(vec![2])).with("strides", Attr::Ints(vec![2])).with("ceil_mode", Attr::Int(1));
+        let a =
+            Attrs::default().with("kernel_shape", Attr::Ints(vec![2])).with("strides", Attr::Ints(vec![2])).with("ceil_mode", Attr::Int(1));
         let r = run("MaxPool", a, &[&x]);
         assert_eq!((r[0].to_f64_vec(), r[1].to_i64_vec().unwrap()), (vec![3., 5., 4.], vec![1, 3, 4]));
         // pads never win, even against negatives
@@ -297,7 +302,10 @@ mod tests {
     fn average_pools_and_grads() {
         let x = Tensor::from_f32(vec![1, 1, 3], vec![3., 6., 9.]);
         // k 2, pad 1 each side: windows [pad,3] [6,9]... with stride 2: [p,3] [6,9] ; divisor 1 vs 2
-        let a = Attrs::default().with("kernel_shape", Attr::Ints(vec![2])).with("strides", Attr::Ints(vec![2])).with("pads", Attr::Ints(vec![1, 1]));
+        let a = Attrs::default()
+            .with("kernel_shape", Attr::Ints(vec![2]))
+            .with("strides", Attr::Ints(vec![2]))
+            .with("pads", Attr::Ints(vec![1, 1]));
         assert_eq!(run("AveragePool", a.clone(), &[&x])[0].to_f64_vec(), vec![3., 7.5]);
         let inc = a.clone().with("count_include_pad", Attr::Int(1));
         assert_eq!(run("AveragePool", inc, &[&x])[0].to_f64_vec(), vec![1.5, 7.5]);
