@@ -119,6 +119,7 @@ fn value_type(vi: &ValueInfoProto, field: &str) -> Result<(DType, Vec<Dim>)> {
     Ok((dtype, dims))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn import_node(
     graph: &mut Graph,
     n: &NodeProto,

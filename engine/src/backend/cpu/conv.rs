@@ -382,4 +382,18 @@ mod tests {
         let db = run("ConvGradB", Attrs::default(), &[&dy]);
         assert_eq!(db[0].to_f64_vec(), vec![3., 7.]);
     }
+
+    #[test]
+    fn conv_1d_same_upper_dilated() {
+        // x = 1..5, w = [1, 0, -1], dilation 2: extent 5, SAME_UPPER pads (2, 2)
+        let x = Tensor::from_f32(vec![1, 1, 5], vec![1., 2., 3., 4., 5.]);
+        let w = Tensor::from_f32(vec![1, 1, 3], vec![1., 0., -1.]);
+        let a = Attrs::default().with("dilations", Attr::Ints(vec![2])).with("auto_pad", Attr::String("SAME_UPPER".into()));
+        let y = run("Conv", a.clone(), &[&x, &w]);
+        assert_eq!(y[0].to_f64_vec(), vec![-3., -4., -4., 2., 3.]);
+        // y0 = -x2, so dy = e0 gives dx = -e2
+        let dy = Tensor::from_f32(vec![1, 1, 5], vec![1., 0., 0., 0., 0.]);
+        let dx = run("ConvGradX", a, &[&dy, &w, &Tensor::from_i64(vec![3], vec![1, 1, 5])]);
+        assert_eq!(dx[0].to_f64_vec(), vec![0., 0., -1., 0., 0.]);
+    }
 }
