@@ -8,6 +8,7 @@ use std::sync::Arc;
 use prost::Message;
 
 use super::proto::{attr_type, AttributeProto, DimensionValue, ModelProto, NodeProto, ValueInfoProto};
+use super::sequence::Sequences;
 use super::tensor_proto::tensor_from_proto;
 use crate::error::{Error, Result};
 use crate::ir::{Attr, Attrs, Dim, Graph, Node, ValueKind};
@@ -61,8 +62,9 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         graph.inputs.push(v);
     }
     let mut unknown = Vec::new();
+    let mut seqs = Sequences::default();
     for (i, n) in g.node.iter().enumerate() {
-        import_node(&mut graph, n, i, opset, base_dir, opts, &mut unknown)?;
+        import_node(&mut graph, n, i, opset, base_dir, opts, &mut unknown, &mut seqs)?;
     }
     if !unknown.is_empty() {
         let mut types: Vec<&str> = unknown.iter().map(|(op, _)| op.as_str()).collect();
@@ -120,6 +122,7 @@ fn value_type(vi: &ValueInfoProto, field: &str) -> Result<(DType, Vec<Dim>)> {
     Ok((dtype, dims))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn import_node(
     graph: &mut Graph,
     n: &NodeProto,
@@ -128,6 +131,7 @@ fn import_node(
     base_dir: Option<&Path>,
     opts: &ImportOptions,
     unknown: &mut Vec<(String, String)>,
+    seqs: &mut Sequences,
 ) -> Result<()> {
     let name = if n.name.is_empty() { format!("{}_{index}", n.op_type) } else { n.name.clone() };
     let field = format!("graph.node[{index}] '{name}' ({})", n.op_type);
@@ -150,6 +154,18 @@ fn import_node(
         graph.add_value(out, ValueKind::Const(Arc::new(t)), Some(dtype), Some(shape));
         return Ok(());
     }
+    // sequences: SplitToSequence read by SequenceAt(constant) becomes Slices (see sequence.rs)
+    if n.op_type == "SplitToSequence" {
+        let out = n.output.first().ok_or_else(|| Error::onnx(field.clone(), "SplitToSequence without output"))?;
+        return seqs.split_to_sequence(graph, &name, &n.input, out, &attrs);
+    }
+    if n.op_type == "SequenceAt" && n.input.first().is_some_and(|s| seqs.is_sequence(s)) {
+        let (out, pos) = (n.output.first(), n.input.get(1));
+        let (Some(out), Some(pos)) = (out, pos) else {
+            return Err(Error::onnx(field, "SequenceAt needs a sequence, a position and an output"));
+        };
+        return seqs.sequence_at(graph, &name, &n.input[0], pos, out, opset);
+    }
     if ops::lookup(&n.op_type).is_none() && !opts.allow_unknown_ops {
         // define the outputs anyway, so that every unknown op is reported, not just the first
         for out in n.output.iter().filter(|o| !o.is_empty()) {
@@ -163,6 +179,12 @@ fn import_node(
         if inp.is_empty() {
             inputs.push(None);
             continue;
+        }
+        if seqs.is_sequence(inp) {
+            return Err(Error::onnx(
+                format!("{field}.input[{k}]"),
+                format!("'{inp}' is a sequence (from SplitToSequence); only SequenceAt with a constant position may read it"),
+            ));
         }
         let v = graph
             .find(inp)
@@ -181,6 +203,10 @@ fn import_node(
     if n.op_type == "Dropout" && outputs.len() == 1 {
         // the gradient needs the mask: always materialise it
         outputs.push(graph.add_value(&format!("{name}:mask"), ValueKind::Computed, None, None));
+    }
+    if n.op_type == "MaxPool" && outputs.len() == 1 {
+        // the gradient scatters at the argmax positions: always materialise Indices
+        outputs.push(graph.add_value(&format!("{name}:indices"), ValueKind::Computed, None, None));
     }
     attrs.set("__opset", Attr::Int(opset));
     graph.push_node(Node { name, op_type: n.op_type.clone(), inputs, outputs, attrs })?;

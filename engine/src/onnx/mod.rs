@@ -3,6 +3,7 @@
 mod export;
 mod import;
 pub mod proto;
+mod sequence;
 mod tensor_proto;
 
 pub use export::export_model;

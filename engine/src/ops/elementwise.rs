@@ -166,6 +166,36 @@ fn grad_div(_: &Node, g: &mut GradCtx) -> Result<()> {
     Ok(())
 }
 
+/// Max/Min of two inputs: dy goes to the input that won, half to each on a tie (as PyTorch's
+/// maximum/minimum do), through the internal MinMaxGrad(dy, a, b) (attrs is_max, which).
+fn grad_min_max(node: &Node, g: &mut GradCtx) -> Result<()> {
+    let Some(dy) = g.dy(0) else { return Ok(()) };
+    if node.inputs.len() != 2 {
+        return Err(node.err(format!("the gradient of {} with {} inputs is not supported (2 only)", node.op_type, node.inputs.len())));
+    }
+    let (a, b) = (g.x(0)?, g.x(1)?);
+    let is_max = (node.op_type == "Max") as i64;
+    for i in 0..2 {
+        if g.wants(i) {
+            let attrs = Attrs::default().with("is_max", Attr::Int(is_max)).with("which", Attr::Int(i as i64));
+            let p = g.op("MinMaxGrad", &[dy, a, b], attrs);
+            let x = g.x(i)?;
+            let d = g.sum_to(p, x);
+            g.set(i, d);
+        }
+    }
+    Ok(())
+}
+
+/// MinMaxGrad(dy, a, b): dy's share of input `which`, shaped like dy.
+struct MinMaxGrad;
+impl OpDef for MinMaxGrad {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let dy = input(node, inputs, 0)?;
+        Ok(vec![TypeOut::like(dy)])
+    }
+}
+
 fn grad_pow(_: &Node, g: &mut GradCtx) -> Result<()> {
     let Some(dy) = g.dy(0) else { return Ok(()) };
     let (a, b) = (g.x(0)?, g.x(1)?);
@@ -215,8 +245,9 @@ pub fn register(r: &mut Registry) {
     r.add("Div", arith(Some(grad_div)));
     r.add("Pow", arith(Some(grad_pow)));
     r.add("Mod", arith(None));
-    r.add("Max", arith(None));
-    r.add("Min", arith(None));
+    r.add("Max", arith(Some(grad_min_max)));
+    r.add("Min", arith(Some(grad_min_max)));
+    r.internal("MinMaxGrad", MinMaxGrad);
     for op in ["Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor"] {
         r.add(op, Binary { logical: true, grad: None });
     }

@@ -2,16 +2,22 @@
 //! its ops in the registry below; kernels live in the backends, in files of the same name.
 
 mod activation;
+mod batchnorm;
+mod conv;
+mod cumsum;
 mod elementwise;
+pub mod gather_nd;
 mod internal;
 mod loss;
 mod matmul;
 mod movement;
 mod norm;
+mod pool;
 mod random;
 mod reduce;
 pub(crate) mod shape_ops;
 mod softmax;
+pub mod window;
 
 pub mod util;
 
@@ -86,12 +92,17 @@ fn registry() -> &'static Registry {
     REG.get_or_init(|| {
         let mut r = Registry { ops: BTreeMap::new() };
         activation::register(&mut r);
+        batchnorm::register(&mut r);
+        conv::register(&mut r);
+        cumsum::register(&mut r);
         elementwise::register(&mut r);
+        gather_nd::register(&mut r);
         internal::register(&mut r);
         loss::register(&mut r);
         matmul::register(&mut r);
         movement::register(&mut r);
         norm::register(&mut r);
+        pool::register(&mut r);
         random::register(&mut r);
         reduce::register(&mut r);
         shape_ops::register(&mut r);
@@ -160,4 +171,24 @@ pub fn matmul_fused_shapes(
 /// LayerNormalization's (rows, row length) (shared with backends).
 pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
     norm::layer_norm_layout(node, shape)
+}
+
+/// Conv's (group, window) for input and weight shapes (shared with backends).
+pub fn conv_geometry_of(node: &Node, x: &[usize], w: &[usize]) -> Result<(usize, window::Window)> {
+    conv::conv_geometry(node, x, w)
+}
+
+/// A pool's window over input shape `x` (shared with backends).
+pub fn pool_geometry_of(node: &Node, x: &[usize]) -> Result<window::Window> {
+    pool::pool_geometry(node, x)
+}
+
+/// GatherND's layout (shared with backends).
+pub fn gather_nd_layout_of(node: &Node, data: &[usize], indices: &[usize]) -> Result<gather_nd::GatherNdLayout> {
+    gather_nd::gather_nd_layout(node, data, indices)
+}
+
+/// CumSum's normalised axis (shared with backends).
+pub fn cumsum_axis_of(node: &Node, axis: &Option<InferIn>, rank: usize) -> Result<usize> {
+    cumsum::cumsum_axis(node, axis, rank)
 }

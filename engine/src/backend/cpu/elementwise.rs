@@ -63,6 +63,28 @@ binary_num!(div, |x, y| x / y);
 binary_num!(max, |x, y| if y > x || y != y { y } else { x });
 binary_num!(min, |x, y| if y < x || y != y { y } else { x });
 
+/// MinMaxGrad(dy, a, b): dy where input `which` won, dy/2 on ties, 0 elsewhere (shaped like dy).
+fn min_max_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let (a, b) = ab(node, &inputs[1..])?;
+    let is_max = node.attrs.int("is_max", 1).map_err(|e| node.err(e.to_string()))? != 0;
+    let which = node.attrs.int("which", 0).map_err(|e| node.err(e.to_string()))?;
+    fn go<T: FloatElem>(dy: &In, a: &In, b: &In, o: &mut Out, is_max: bool, which: i64) -> Result<()> {
+        let half = T::from_f64(0.5);
+        map3::<T, T, T, T>(dy, a, b, o, move |d, x, y| {
+            let (mine, other) = if which == 0 { (x, y) } else { (y, x) };
+            if mine == other {
+                d * half
+            } else if (mine > other) == is_max {
+                d
+            } else {
+                T::zero()
+            }
+        })
+    }
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, a, b, &mut out[0], is_max, which))
+}
+
 fn div_checked(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (a, b) = ab(node, inputs)?;
     if b.dtype.is_float() {
@@ -317,6 +339,7 @@ pub fn register(t: &mut KernelTable) {
     t.add("Mod", modulo);
     t.add("Max", max2);
     t.add("Min", min2);
+    t.add("MinMaxGrad", min_max_grad);
     t.add("Equal", equal);
     t.add("Less", less);
     t.add("Greater", greater);
@@ -344,4 +367,25 @@ pub fn register(t: &mut KernelTable) {
     t.add("IsNaN", is_nan);
     t.add("IsInf", is_inf);
     t.add("Identity", identity);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::run;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::Tensor;
+
+    #[test]
+    fn min_max_grad_splits_ties() {
+        // a = [1, 5, 3], b = 3 (broadcast): Max winners a: [no, yes, tie]
+        let (dy, a, b) =
+            (Tensor::from_f32(vec![3], vec![2., 2., 2.]), Tensor::from_f32(vec![3], vec![1., 5., 3.]), Tensor::from_f32(vec![1], vec![3.]));
+        let g = |is_max: i64, which: i64| {
+            let attrs = Attrs::default().with("is_max", Attr::Int(is_max)).with("which", Attr::Int(which));
+            run("MinMaxGrad", attrs, &[&dy, &a, &b])[0].to_f64_vec()
+        };
+        assert_eq!(g(1, 0), vec![0., 2., 1.]);
+        assert_eq!(g(1, 1), vec![2., 0., 1.]);
+        assert_eq!(g(0, 0), vec![2., 0., 1.]);
+    }
 }

@@ -2,13 +2,18 @@
 //! `gemm` crate (which picks AVX2/AVX-512/FMA paths at run time from CPU features).
 
 mod activation;
+mod batchnorm;
 mod broadcast;
+mod conv;
+mod cumsum;
 mod elementwise;
+mod gather_nd;
 mod internal;
 mod loss;
 mod matmul;
 mod movement;
 mod norm;
+mod pool;
 mod random;
 mod reduce;
 mod shape_ops;
@@ -49,12 +54,17 @@ pub fn kernels() -> &'static KernelTable {
     T.get_or_init(|| {
         let mut t = KernelTable(HashMap::new());
         activation::register(&mut t);
+        batchnorm::register(&mut t);
+        conv::register(&mut t);
+        cumsum::register(&mut t);
         elementwise::register(&mut t);
+        gather_nd::register(&mut t);
         internal::register(&mut t);
         loss::register(&mut t);
         matmul::register(&mut t);
         movement::register(&mut t);
         norm::register(&mut t);
+        pool::register(&mut t);
         random::register(&mut t);
         reduce::register(&mut t);
         shape_ops::register(&mut t);
@@ -80,3 +90,48 @@ impl super::Backend for CpuBackend {
 
 /// Below this many elements a kernel runs on one thread (rayon's overhead would dominate).
 pub const PAR_MIN: usize = 1 << 15;
+
+/// Runs one op on host tensors (types from the op's shape rule, like plan-time folding): for
+/// kernel unit tests.
+#[cfg(test)]
+pub(crate) mod testutil {
+    use super::{kernel, CpuCtx, In, Out};
+    use crate::error::Result;
+    use crate::ir::{Attrs, Node};
+    use crate::ops::{self, InferIn};
+    use crate::tensor::Tensor;
+
+    pub fn try_run(op: &str, attrs: Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        let def = ops::lookup(op).expect("registered op");
+        let probe = Node { name: "t".into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs: attrs.clone() };
+        let ins: Vec<Option<InferIn>> =
+            inputs.iter().map(|t| Some(InferIn { dtype: t.dtype(), shape: &t.shape, value: Some(*t) })).collect();
+        let types = def.infer(&probe, &ins)?;
+        let node = Node {
+            name: "t".into(),
+            op_type: op.into(),
+            inputs: vec![None; inputs.len()],
+            outputs: (0..types.len()).map(crate::ir::ValueId).collect(),
+            attrs,
+        };
+        let mut results: Vec<Tensor> = types.iter().map(|t| Tensor::zeros(t.dtype, t.shape.clone())).collect();
+        let views: Vec<Option<In>> = inputs.iter().map(|t| Some(In::of(t))).collect();
+        let shapes: Vec<Vec<usize>> = results.iter().map(|t| t.shape.clone()).collect();
+        let mut outs: Vec<Out> = results
+            .iter_mut()
+            .zip(&shapes)
+            .map(|(t, s)| {
+                let d = t.dtype();
+                // SAFETY: each tensor is uniquely borrowed and holds numel(s) elements of d.
+                unsafe { Out::from_raw(d, s, t.as_bytes_mut().as_mut_ptr()) }
+            })
+            .collect();
+        kernel(op).expect("kernel")(&node, &views, &mut outs, &mut CpuCtx::new(0))?;
+        drop(outs);
+        Ok(results)
+    }
+
+    pub fn run(op: &str, attrs: Attrs, inputs: &[&Tensor]) -> Vec<Tensor> {
+        try_run(op, attrs, inputs).unwrap_or_else(|e| panic!("{op}: {e}"))
+    }
+}

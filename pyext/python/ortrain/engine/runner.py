@@ -14,15 +14,37 @@ from .tensors import engine_dtype
 
 
 def _with_buffer_outputs(exported) -> tuple[bytes, list]:
-    """Adds the updated BatchNorm statistics as graph outputs; returns (bytes, [(key, output)])."""
+    """Adds the updated BatchNorm statistics as graph outputs; returns (bytes, [(key, output)]).
+
+    PyTorch updates running_var with the unbiased batch variance, ONNX's BatchNormalization with
+    the biased one: training-mode BatchNormalization nodes get the engine's extension attribute
+    `unbiased_running_var=1` so that the running statistics match PyTorch's."""
     if not exported.buffer_updates:
         return exported.onnx_bytes, []
     model = onnx.load_from_string(exported.onnx_bytes)
+    for node in model.graph.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and any(
+                a.name == "training_mode" and a.i for a in node.attribute):
+            node.attribute.append(onnx.helper.make_attribute("unbiased_running_var", 1))
     extra = []
     for key, value in exported.buffer_updates.items():
         model.graph.output.append(onnx.helper.make_empty_tensor_value_info(value))
         extra.append((key, value))
     return model.SerializeToString(), extra
+
+
+def _batch_counters(module: torch.nn.Module, updated: list) -> list:
+    """The `num_batches_tracked` buffers of the BatchNorm modules whose running statistics the
+    graph updates: the exporters drop that increment, so the runner does it after each call."""
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    counters, seen = [], set()
+    for key in updated:
+        prefix = key.rpartition(".")[0]
+        counter = buffers.get(f"{prefix}.num_batches_tracked" if prefix else "num_batches_tracked")
+        if counter is not None and id(counter) not in seen:
+            seen.add(id(counter))
+            counters.append(counter)
+    return counters
 
 
 class Runner:
@@ -51,6 +73,7 @@ class Runner:
         self.n_outputs = len(self.session.output_names)
         self.n_user_outputs = self.n_outputs - len(self.buffer_outputs)
         self.trainable_params = [t for t, tr in zip(tensors, trainable) if tr]
+        self.batch_counters = _batch_counters(module, [key for key, _ in self.buffer_outputs])
 
     def weight_addresses(self) -> list:
         return [t.data_ptr() for t in self.weights]
@@ -74,6 +97,8 @@ class Runner:
             with torch.no_grad():
                 for (key, _), new in zip(self.buffer_outputs, outs[self.n_user_outputs:]):
                     named[key].copy_(new)
+                for counter in self.batch_counters:
+                    counter.add_(1)
         return outs[:self.n_user_outputs]
 
     def plan_info(self, inputs: list, backward: bool) -> dict:
