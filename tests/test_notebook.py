@@ -88,7 +88,7 @@ def test_compare_starts_both_runs_from_the_same_state(executed, client):
 def test_accelerated_half_ran_in_the_engine(executed, client):
     nb = executed
     out = outputs(nb)
-    assert "runs in the engine" in out or "exporter" in out, out[-2000:]
+    assert "ortrain engine: [train] exporter" in out and "peak arena" in out, out[-2000:]
     assert "runs in PyTorch" not in out, out[-2000:]
     runs = runs_of(client, "tutorial")
     acc = next(r for r in runs if r["tags"].get("ortrain.role") == "accelerated")

@@ -139,6 +139,14 @@ def _tags(mode: str, group: str, ns: dict, role: str | None = None) -> dict:
     return t
 
 
+def engine_summary(eng, model) -> str:
+    """One line: what ran in the engine (exporter, graph, planned arena) or why it did not."""
+    lines = [ln.strip() for ln in eng["explain"](model).splitlines()[1:]]
+    plan = next((ln.split(": ", 1)[1] for ln in lines if ln.startswith("plan for inputs")), "")
+    head = next((ln for ln in lines if ln.startswith("[train]")), lines[0] if lines else "not called")
+    return "ortrain engine: " + head + (f"; {plan}" if plan else "")
+
+
 def run_cell_magic(mg, args, cell: str):
     __tracebackhide__ = True
     from IPython.display import display
@@ -182,6 +190,7 @@ def run_cell_magic(mg, args, cell: str):
             mg.accelerated[name] = (model, opt, device)
         run = RunLog(exp, run_name=args.run_name or "ortrain", tags=_tags("accelerated", group, ns, "accelerated"), params={})
         execute(shell, code, run, [model], args, "ortrain", "accelerated", device)
+        print(engine_summary(eng, model))
         return None
 
     # compare: PyTorch first, then ortrain, from the same state, as two children of one parent
@@ -198,6 +207,7 @@ def run_cell_magic(mg, args, cell: str):
         eng["accelerate"](model, opt, device=device)
         mg.accelerated[name] = (model, opt, device)
         execute(shell, code, acc, [model], args, "ortrain", "accelerated", device)
+        print(engine_summary(eng, model))
         if base.started and acc.started:
             summary = report_compare(parent, base, acc, display)
             if summary.get("speedup"):
