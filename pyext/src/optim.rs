@@ -16,6 +16,11 @@ unsafe fn f32s<'a>(a: Addr, n: usize) -> &'a mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(a.0 as *mut f32, n) }
 }
 
+/// (param, grad, first moment, second moment, numel, step) as addresses that may cross threads.
+fn moment_tensors(tensors: Vec<(usize, usize, usize, usize, usize, u64)>) -> Vec<(Addr, Addr, Addr, Addr, usize, u64)> {
+    tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect()
+}
+
 /// Adam/AdamW over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -31,8 +36,7 @@ fn adam_step(
     decoupled: bool,
     maximize: bool,
 ) {
-    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> =
-        tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
+    let t = moment_tensors(tensors);
     py.detach(move || {
         for (p, g, m, v, n, step) in t {
             let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
@@ -83,8 +87,7 @@ fn lamb_step(
     ratio_min: f32,
     ratio_max: f32,
 ) {
-    let t: Vec<(Addr, Addr, Addr, Addr, usize, u64)> =
-        tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect();
+    let t = moment_tensors(tensors);
     py.detach(move || {
         for (p, g, m, v, n, step) in t {
             let h = LambHyper { lr, beta1, beta2, eps, weight_decay, bias_correction, ratio_min, ratio_max, step };
