@@ -33,9 +33,13 @@ class W:
     lo: float = -1.0
     hi: float = 1.0
     away: float = 0.0
+    distinct: bool = False  # values a grid step (hi - lo) / size apart: no ties (max pooling)
 
     def draw(self, rng: np.random.Generator) -> np.ndarray:
         x = rng.uniform(self.lo, self.hi, self.shape)
+        if self.distinct:
+            n = x.size
+            x = (self.lo + (self.hi - self.lo) * (rng.permutation(n) + 0.5) / n).reshape(self.shape)
         if self.away:
             x = np.where(np.abs(x) < self.away, np.sign(x + 1e-30) * self.away + x, x)
         return x.astype(np.float64)
@@ -159,6 +163,39 @@ def cases() -> list[Case]:
             label="weights-ignore-nd",
         )
     )
+    # convolutions (1-D and 2-D; bias, strides, asymmetric pads, dilations, groups)
+    add(Case("Conv", [W((1, 2, 5, 5)), W((3, 2, 2, 2)), W((3,))], {"strides": [2, 1], "pads": [1, 0, 1, 2], "dilations": [1, 2]}, label="2d-bias-stride-pad-dil"))
+    add(Case("Conv", [W((2, 4, 4, 4)), W((6, 2, 3, 3)), None], {"group": 2, "pads": [1, 1, 1, 1]}, label="2d-group2"))
+    add(Case("Conv", [W((1, 3, 4, 3)), W((3, 1, 2, 2)), W((3,))], {"group": 3, "strides": [2, 2]}, label="2d-depthwise"))
+    add(Case("Conv", [W((2, 3, 7)), W((4, 3, 3)), None], {"strides": [2], "pads": [1, 2], "dilations": [2]}, label="1d-stride-pad-dil"))
+    add(Case("Conv", [W((1, 2, 6)), W((2, 2, 3)), W((2,))], {"auto_pad": "SAME_UPPER", "strides": [2]}, label="1d-same-upper"))
+    # pools (max pooling over distinct values: no ties)
+    add(Case("MaxPool", [W((1, 2, 5, 5), distinct=True)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, n_out=2, label="2d-indices"))
+    add(Case("MaxPool", [W((2, 2, 4, 5), distinct=True)], {"kernel_shape": [2, 2], "strides": [1, 2], "dilations": [2, 1], "ceil_mode": 1}, label="2d-dil-ceil"))
+    add(Case("MaxPool", [W((2, 3, 7), distinct=True)], {"kernel_shape": [3], "strides": [2], "pads": [1, 0]}, label="1d"))
+    add(Case("AveragePool", [W((1, 2, 5, 5))], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}, label="2d-pad-exclude"))
+    add(Case("AveragePool", [W((1, 2, 5, 5))], {"kernel_shape": [3, 2], "strides": [2, 2], "pads": [1, 0, 1, 1], "count_include_pad": 1}, label="2d-pad-include"))
+    add(Case("AveragePool", [W((2, 3, 7))], {"kernel_shape": [2], "strides": [2], "ceil_mode": 1}, label="1d-ceil"))
+    add(Case("GlobalAveragePool", [W((2, 3, 4, 3))], label="2d"))
+    add(Case("GlobalAveragePool", [W((2, 3, 5))], label="1d"))
+    # batch norm: batch statistics (training, w.r.t. X, scale, B) and running statistics (inference);
+    # input_mean/input_var are buffers (no gradient)
+    mean3, var3 = C([0.1, -0.2, 0.3], np.float64), C([0.5, 1.2, 0.8], np.float64)
+    add(Case("BatchNormalization", [W((3, 2, 4)), W((2,)), W((2,)), C([0.1, -0.2], np.float64), C([0.5, 1.2], np.float64)], {"training_mode": 1, "epsilon": 1e-3}, label="train-1d"))
+    add(Case("BatchNormalization", [W((2, 3, 2, 2)), W((3,)), W((3,)), mean3, var3], {"training_mode": 1, "momentum": 0.8}, label="train-2d"))
+    add(Case("BatchNormalization", [W((2, 3, 2, 2)), W((3,)), W((3,)), mean3, var3], {"epsilon": 1e-2}, label="inference-2d"))
+    # gather/scan
+    add(Case("GatherND", [W((3, 4, 2)), C([[0, 1], [2, 3], [0, 1]], np.int64)], label="repeat"))
+    add(Case("GatherND", [W((2, 3, 4)), C([[[1], [1]], [[2], [0]]], np.int64)], {"batch_dims": 1}, label="batch-dims1"))
+    add(Case("GatherND", [W((2, 3)), C([[1, 2], [0, 0]], np.int64)], label="scalars"))
+    add(Case("CumSum", [W((3, 4)), C(1, np.int64)], label="axis1"))
+    add(Case("CumSum", [W((3, 4)), C(0, np.int64)], {"exclusive": 1}, label="exclusive"))
+    add(Case("CumSum", [W((2, 3, 4)), C(-1, np.int64)], {"reverse": 1}, label="reverse"))
+    add(Case("CumSum", [W((3, 4)), C(0, np.int64)], {"exclusive": 1, "reverse": 1}, label="exclusive-reverse"))
+    # Max/Min of two inputs, with broadcasting (continuous draws: no ties)
+    for op in ("Max", "Min"):
+        add(Case(op, [W((2, 3, 4)), W((3, 1))], label="bcast"))
+        add(Case(op, [W((4,)), W((2, 3, 4))], label="bcast2"))
     # ortrain-internal ops with their own gradient rules (gradients of gradients)
     add(Case("Affine", [x234], {"alpha": 0.7, "beta": -0.2}))
     add(Case("ReduceSumTo", [x234, C([3, 1], np.int64)]))
