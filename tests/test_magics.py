@@ -42,7 +42,6 @@ def setup(shell):
     ("baseline --log-every 0", "--log-every must be at least 1"),
     ("baseline --max-steps many", "invalid int value"),
     ("baseline --bogus", "unrecognized arguments"),
-    ("compare", "engine not merged yet"),
 ])
 def test_argument_errors(shell, capsys, line, message):
     setup(shell)
