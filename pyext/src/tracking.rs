@@ -20,11 +20,8 @@ fn to_py(e: tr::Error) -> PyErr {
 }
 
 fn status(s: &str) -> PyResult<tr::RunStatus> {
-    tr::RunStatus::parse(s).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "run status {s:?} is not one of RUNNING, FINISHED, FAILED, KILLED"
-        ))
-    })
+    tr::RunStatus::parse(s)
+        .ok_or_else(|| PyValueError::new_err(format!("run status {s:?} is not one of RUNNING, FINISHED, FAILED, KILLED")))
 }
 
 fn kv<T>(m: Option<HashMap<String, String>>, f: impl Fn(String, String) -> T) -> Vec<T> {
@@ -42,24 +39,9 @@ fn run_dict<'py>(py: Python<'py>, run: &tr::Run) -> PyResult<Bound<'py, PyDict>>
     d.set_item("start_time", run.info.start_time)?;
     d.set_item("end_time", run.info.end_time)?;
     d.set_item("artifact_uri", &run.info.artifact_uri)?;
-    let m: HashMap<&str, f64> = run
-        .data
-        .metrics
-        .iter()
-        .map(|m| (m.key.as_str(), m.value.0))
-        .collect();
-    let p: HashMap<&str, &str> = run
-        .data
-        .params
-        .iter()
-        .map(|p| (p.key.as_str(), p.value.as_str()))
-        .collect();
-    let t: HashMap<&str, &str> = run
-        .data
-        .tags
-        .iter()
-        .map(|t| (t.key.as_str(), t.value.as_str()))
-        .collect();
+    let m: HashMap<&str, f64> = run.data.metrics.iter().map(|m| (m.key.as_str(), m.value.0)).collect();
+    let p: HashMap<&str, &str> = run.data.params.iter().map(|p| (p.key.as_str(), p.value.as_str())).collect();
+    let t: HashMap<&str, &str> = run.data.tags.iter().map(|t| (t.key.as_str(), t.value.as_str())).collect();
     d.set_item("metrics", m)?;
     d.set_item("params", p)?;
     d.set_item("tags", t)?;
@@ -79,9 +61,7 @@ impl PyClient {
     fn new(tracking_uri: &str, timeout_s: f64) -> PyResult<Self> {
         let target = tr::Target::from_uri(tracking_uri).map_err(to_py)?;
         let timeout = Duration::from_secs_f64(timeout_s.clamp(0.1, 3600.0));
-        Ok(PyClient {
-            inner: tr::Client::for_target(target, timeout),
-        })
+        Ok(PyClient { inner: tr::Client::for_target(target, timeout) })
     }
 
     #[getter]
@@ -99,14 +79,11 @@ impl PyClient {
     }
 
     fn get_experiment_id(&self, py: Python<'_>, name: &str) -> PyResult<Option<String>> {
-        py.detach(|| self.inner.get_experiment_by_name(name))
-            .map(|e| e.map(|e| e.experiment_id))
-            .map_err(to_py)
+        py.detach(|| self.inner.get_experiment_by_name(name)).map(|e| e.map(|e| e.experiment_id)).map_err(to_py)
     }
 
     fn get_or_create_experiment(&self, py: Python<'_>, name: &str) -> PyResult<String> {
-        py.detach(|| self.inner.get_or_create_experiment(name))
-            .map_err(to_py)
+        py.detach(|| self.inner.get_or_create_experiment(name)).map_err(to_py)
     }
 
     #[pyo3(signature = (experiment_id, run_name = None, tags = None, parent_run_id = None))]
@@ -119,25 +96,13 @@ impl PyClient {
         parent_run_id: Option<&str>,
     ) -> PyResult<String> {
         let tags = kv(tags, |key, value| tr::Tag { key, value });
-        py.detach(|| {
-            self.inner
-                .create_run(experiment_id, run_name, &tags, parent_run_id)
-        })
-        .map(|i| i.run_id)
-        .map_err(to_py)
+        py.detach(|| self.inner.create_run(experiment_id, run_name, &tags, parent_run_id)).map(|i| i.run_id).map_err(to_py)
     }
 
     #[pyo3(signature = (run_id, status, end_time_ms = None))]
-    fn update_run(
-        &self,
-        py: Python<'_>,
-        run_id: &str,
-        status: &str,
-        end_time_ms: Option<i64>,
-    ) -> PyResult<()> {
+    fn update_run(&self, py: Python<'_>, run_id: &str, status: &str, end_time_ms: Option<i64>) -> PyResult<()> {
         let s = self::status(status)?;
-        py.detach(|| self.inner.update_run(run_id, s, end_time_ms))
-            .map_err(to_py)
+        py.detach(|| self.inner.update_run(run_id, s, end_time_ms)).map_err(to_py)
     }
 
     fn get_run<'py>(&self, py: Python<'py>, run_id: &str) -> PyResult<Bound<'py, PyDict>> {
@@ -146,27 +111,18 @@ impl PyClient {
     }
 
     #[pyo3(signature = (experiment_ids, filter = ""))]
-    fn search_runs<'py>(
-        &self,
-        py: Python<'py>,
-        experiment_ids: Vec<String>,
-        filter: &str,
-    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    fn search_runs<'py>(&self, py: Python<'py>, experiment_ids: Vec<String>, filter: &str) -> PyResult<Vec<Bound<'py, PyDict>>> {
         let ids: Vec<&str> = experiment_ids.iter().map(|s| s.as_str()).collect();
-        let runs = py
-            .detach(|| self.inner.search_runs(&ids, filter))
-            .map_err(to_py)?;
+        let runs = py.detach(|| self.inner.search_runs(&ids, filter)).map_err(to_py)?;
         runs.iter().map(|r| run_dict(py, r)).collect()
     }
 
     fn set_tag(&self, py: Python<'_>, run_id: &str, key: &str, value: &str) -> PyResult<()> {
-        py.detach(|| self.inner.set_tag(run_id, key, value))
-            .map_err(to_py)
+        py.detach(|| self.inner.set_tag(run_id, key, value)).map_err(to_py)
     }
 
     fn log_param(&self, py: Python<'_>, run_id: &str, key: &str, value: &str) -> PyResult<()> {
-        py.detach(|| self.inner.log_param(run_id, key, value))
-            .map_err(to_py)
+        py.detach(|| self.inner.log_param(run_id, key, value)).map_err(to_py)
     }
 
     /// metrics: [(key, value, step, timestamp_ms)]; returns the number of requests sent.
@@ -182,71 +138,36 @@ impl PyClient {
         let metrics: Vec<tr::Metric> = metrics
             .unwrap_or_default()
             .into_iter()
-            .map(|(key, v, step, timestamp)| tr::Metric {
-                key,
-                value: tr::MetricValue(v),
-                timestamp,
-                step,
-            })
+            .map(|(key, v, step, timestamp)| tr::Metric { key, value: tr::MetricValue(v), timestamp, step })
             .collect();
         let params = kv(params, |key, value| tr::Param { key, value });
         let tags = kv(tags, |key, value| tr::Tag { key, value });
-        py.detach(|| self.inner.log_batch(run_id, &metrics, &params, &tags))
-            .map_err(to_py)
+        py.detach(|| self.inner.log_batch(run_id, &metrics, &params, &tags)).map_err(to_py)
     }
 
     /// [(step, value, timestamp_ms)] of one metric, sorted by step then timestamp.
-    fn get_metric_history(
-        &self,
-        py: Python<'_>,
-        run_id: &str,
-        key: &str,
-    ) -> PyResult<Vec<(i64, f64, i64)>> {
-        let h = py
-            .detach(|| self.inner.get_metric_history(run_id, key))
-            .map_err(to_py)?;
-        let mut v: Vec<(i64, f64, i64)> = h
-            .into_iter()
-            .map(|m| (m.step, m.value.0, m.timestamp))
-            .collect();
+    fn get_metric_history(&self, py: Python<'_>, run_id: &str, key: &str) -> PyResult<Vec<(i64, f64, i64)>> {
+        let h = py.detach(|| self.inner.get_metric_history(run_id, key)).map_err(to_py)?;
+        let mut v: Vec<(i64, f64, i64)> = h.into_iter().map(|m| (m.step, m.value.0, m.timestamp)).collect();
         v.sort_by(|a, b| (a.0, a.2).cmp(&(b.0, b.2)));
         Ok(v)
     }
 
     #[pyo3(signature = (run_id, local_path, artifact_path = None))]
-    fn log_artifact(
-        &self,
-        py: Python<'_>,
-        run_id: &str,
-        local_path: PathBuf,
-        artifact_path: Option<&str>,
-    ) -> PyResult<()> {
-        py.detach(|| self.inner.log_artifact(run_id, &local_path, artifact_path))
-            .map_err(to_py)
+    fn log_artifact(&self, py: Python<'_>, run_id: &str, local_path: PathBuf, artifact_path: Option<&str>) -> PyResult<()> {
+        py.detach(|| self.inner.log_artifact(run_id, &local_path, artifact_path)).map_err(to_py)
     }
 
     /// [(path, is_dir, size)] directly under `path`.
     #[pyo3(signature = (run_id, path = ""))]
-    fn list_artifacts(
-        &self,
-        py: Python<'_>,
-        run_id: &str,
-        path: &str,
-    ) -> PyResult<Vec<(String, bool, Option<i64>)>> {
-        let files = py
-            .detach(|| self.inner.list_artifacts(run_id, path))
-            .map_err(to_py)?;
-        Ok(files
-            .into_iter()
-            .map(|f| (f.path, f.is_dir, f.file_size))
-            .collect())
+    fn list_artifacts(&self, py: Python<'_>, run_id: &str, path: &str) -> PyResult<Vec<(String, bool, Option<i64>)>> {
+        let files = py.detach(|| self.inner.list_artifacts(run_id, path)).map_err(to_py)?;
+        Ok(files.into_iter().map(|f| (f.path, f.is_dir, f.file_size)).collect())
     }
 
     /// Re-sends a spill file; returns {"records", "metrics", "params", "tags"}.
     fn replay(&self, py: Python<'_>, spill_file: PathBuf) -> PyResult<HashMap<&'static str, u64>> {
-        let s = py
-            .detach(|| tr::replay(&self.inner, &spill_file))
-            .map_err(to_py)?;
+        let s = py.detach(|| tr::replay(&self.inner, &spill_file)).map_err(to_py)?;
         Ok(HashMap::from([
             ("records", s.records),
             ("metrics", s.metrics),
@@ -269,10 +190,7 @@ fn stats_dict<'py>(py: Python<'py>, s: &tr::LoggerStats) -> PyResult<Bound<'py, 
     d.set_item("metrics_spilled", s.metrics_spilled)?;
     d.set_item("requests", s.requests)?;
     d.set_item("retries", s.retries)?;
-    d.set_item(
-        "spill_path",
-        s.spill_path.as_ref().map(|p| p.display().to_string()),
-    )?;
+    d.set_item("spill_path", s.spill_path.as_ref().map(|p| p.display().to_string()))?;
     d.set_item("last_error", s.last_error.clone())?;
     Ok(d)
 }
@@ -295,8 +213,7 @@ impl PyLogger {
             initial_backoff: Duration::from_millis(initial_backoff_ms),
             spill_path,
         };
-        let inner =
-            tr::BackgroundLogger::start(client.inner.clone(), run_id, opts).map_err(to_py)?;
+        let inner = tr::BackgroundLogger::start(client.inner.clone(), run_id, opts).map_err(to_py)?;
         Ok(PyLogger { inner })
     }
 
@@ -307,16 +224,8 @@ impl PyLogger {
 
     /// Queues a metric point; never waits on the network.
     #[pyo3(signature = (key, value, step, timestamp_ms = None))]
-    fn log_metric(
-        &self,
-        key: &str,
-        value: f64,
-        step: i64,
-        timestamp_ms: Option<i64>,
-    ) -> PyResult<()> {
-        self.inner
-            .log_metric(key, value, step, timestamp_ms)
-            .map_err(to_py)
+    fn log_metric(&self, key: &str, value: f64, step: i64, timestamp_ms: Option<i64>) -> PyResult<()> {
+        self.inner.log_metric(key, value, step, timestamp_ms).map_err(to_py)
     }
 
     fn log_param(&self, key: &str, value: &str) -> PyResult<()> {

@@ -59,9 +59,7 @@ fn join_rel(parts: &[&str]) -> Result<String> {
     for p in parts {
         for s in p.split('/').filter(|s| !s.is_empty() && *s != ".") {
             if s == ".." {
-                return Err(Error::Config(format!(
-                    "artifact path {p:?} must not contain '..'"
-                )));
+                return Err(Error::Config(format!("artifact path {p:?} must not contain '..'")));
             }
             segs.push(s.to_string());
         }
@@ -71,12 +69,7 @@ fn join_rel(parts: &[&str]) -> Result<String> {
 
 impl Client {
     /// Stores `local_file` as artifact `<artifact_dir>/<file name>` of the run.
-    pub fn log_artifact(
-        &self,
-        run_id: &str,
-        local_file: &Path,
-        artifact_dir: Option<&str>,
-    ) -> Result<()> {
+    pub fn log_artifact(&self, run_id: &str, local_file: &Path, artifact_dir: Option<&str>) -> Result<()> {
         let name = local_file
             .file_name()
             .and_then(|n| n.to_str())
@@ -88,10 +81,7 @@ impl Client {
                 let bytes = std::fs::read(local_file).map_err(|e| Error::io(local_file, e))?;
                 let full = join_rel(&[&root, &rel])?;
                 let path: Vec<String> = full.split('/').map(encode_segment).collect();
-                self.put_bytes(
-                    &format!("mlflow-artifacts/artifacts/{}", path.join("/")),
-                    &bytes,
-                )
+                self.put_bytes(&format!("mlflow-artifacts/artifacts/{}", path.join("/")), &bytes)
             }
             ArtifactStore::Local(root) => {
                 let dest = root.join(&rel);
@@ -125,22 +115,13 @@ mod tests {
 
     #[test]
     fn classifies_artifact_uris() {
-        assert_eq!(
-            ArtifactStore::from_uri("mlflow-artifacts:/1/abc/artifacts").unwrap(),
-            ArtifactStore::Proxied("1/abc/artifacts".into())
-        );
+        assert_eq!(ArtifactStore::from_uri("mlflow-artifacts:/1/abc/artifacts").unwrap(), ArtifactStore::Proxied("1/abc/artifacts".into()));
         assert_eq!(
             ArtifactStore::from_uri("mlflow-artifacts://h:5000/1/abc/artifacts").unwrap(),
             ArtifactStore::Proxied("1/abc/artifacts".into())
         );
-        assert_eq!(
-            ArtifactStore::from_uri("file:///tmp/a").unwrap(),
-            ArtifactStore::Local("/tmp/a".into())
-        );
-        assert!(ArtifactStore::from_uri("s3://bucket/x")
-            .unwrap_err()
-            .to_string()
-            .contains("s3://bucket/x"));
+        assert_eq!(ArtifactStore::from_uri("file:///tmp/a").unwrap(), ArtifactStore::Local("/tmp/a".into()));
+        assert!(ArtifactStore::from_uri("s3://bucket/x").unwrap_err().to_string().contains("s3://bucket/x"));
         assert_eq!(encode_segment("a b.png"), "a%20b.png");
         assert!(join_rel(&["x/../y"]).is_err());
     }

@@ -27,10 +27,7 @@ pub struct Client {
 impl Client {
     /// A client for a tracking URI (`http(s)://…`, `databricks`, `databricks://PROFILE`).
     pub fn new(tracking_uri: &str) -> Result<Self> {
-        Ok(Self::for_target(
-            Target::from_uri(tracking_uri)?,
-            Duration::from_secs(30),
-        ))
+        Ok(Self::for_target(Target::from_uri(tracking_uri)?, Duration::from_secs(30)))
     }
 
     /// A client for a resolved target with a per-request timeout.
@@ -49,11 +46,7 @@ impl Client {
     }
 
     pub(crate) fn url(&self, path: &str) -> String {
-        format!(
-            "{}/api/2.0/{}",
-            self.target.base_url,
-            path.trim_start_matches('/')
-        )
+        format!("{}/api/2.0/{}", self.target.base_url, path.trim_start_matches('/'))
     }
 
     fn auth<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
@@ -64,25 +57,15 @@ impl Client {
     }
 
     /// Turns a ureq result into the body text, mapping transport and HTTP errors.
-    pub(crate) fn finish(
-        &self,
-        endpoint: &str,
-        res: std::result::Result<ureq::http::Response<ureq::Body>, ureq::Error>,
-    ) -> Result<String> {
-        let mut resp = res.map_err(|e| Error::Connection {
-            endpoint: endpoint.to_string(),
-            message: e.to_string(),
-        })?;
+    pub(crate) fn finish(&self, endpoint: &str, res: std::result::Result<ureq::http::Response<ureq::Body>, ureq::Error>) -> Result<String> {
+        let mut resp = res.map_err(|e| Error::Connection { endpoint: endpoint.to_string(), message: e.to_string() })?;
         let status = resp.status().as_u16();
         let body = resp
             .body_mut()
             .with_config()
             .limit(256 << 20)
             .read_to_string()
-            .map_err(|e| Error::Connection {
-                endpoint: endpoint.to_string(),
-                message: e.to_string(),
-            })?;
+            .map_err(|e| Error::Connection { endpoint: endpoint.to_string(), message: e.to_string() })?;
         if (200..300).contains(&status) {
             return Ok(body);
         }
@@ -93,24 +76,14 @@ impl Client {
             #[serde(default)]
             message: String,
         }
-        let eb: ErrBody = serde_json::from_str(&body).unwrap_or_else(|_| ErrBody {
-            error_code: String::new(),
-            message: body.chars().take(300).collect(),
-        });
-        Err(Error::Server {
-            endpoint: endpoint.to_string(),
-            status,
-            code: eb.error_code,
-            message: eb.message,
-        })
+        let eb: ErrBody = serde_json::from_str(&body)
+            .unwrap_or_else(|_| ErrBody { error_code: String::new(), message: body.chars().take(300).collect() });
+        Err(Error::Server { endpoint: endpoint.to_string(), status, code: eb.error_code, message: eb.message })
     }
 
     fn decode<T: DeserializeOwned>(endpoint: &str, body: &str) -> Result<T> {
         let body = if body.trim().is_empty() { "{}" } else { body };
-        serde_json::from_str(body).map_err(|e| Error::Decode {
-            endpoint: endpoint.to_string(),
-            message: e.to_string(),
-        })
+        serde_json::from_str(body).map_err(|e| Error::Decode { endpoint: endpoint.to_string(), message: e.to_string() })
     }
 
     /// POST a JSON body to `mlflow/<endpoint>`.
@@ -133,9 +106,7 @@ impl Client {
     }
 
     pub(crate) fn put_bytes(&self, path: &str, bytes: &[u8]) -> Result<()> {
-        let req = self
-            .auth(self.agent.put(&self.url(path)))
-            .header("Content-Type", "application/octet-stream");
+        let req = self.auth(self.agent.put(&self.url(path))).header("Content-Type", "application/octet-stream");
         self.finish(path, req.send(bytes)).map(|_| ())
     }
 
@@ -177,9 +148,7 @@ impl Client {
             Err(Error::Server { code, .. }) if code == "RESOURCE_ALREADY_EXISTS" => self
                 .get_experiment_by_name(name)?
                 .map(|e| e.experiment_id)
-                .ok_or_else(|| {
-                    Error::Config(format!("experiment {name:?} vanished while being created"))
-                }),
+                .ok_or_else(|| Error::Config(format!("experiment {name:?} vanished while being created"))),
             Err(e) => Err(e),
         }
     }
@@ -187,25 +156,15 @@ impl Client {
     // ---- runs ----
 
     /// Creates a run (status RUNNING) with tags; `parent_run_id` nests it under a parent.
-    pub fn create_run(
-        &self,
-        experiment_id: &str,
-        run_name: Option<&str>,
-        tags: &[Tag],
-        parent_run_id: Option<&str>,
-    ) -> Result<RunInfo> {
+    pub fn create_run(&self, experiment_id: &str, run_name: Option<&str>, tags: &[Tag], parent_run_id: Option<&str>) -> Result<RunInfo> {
         let mut tags: Vec<Tag> = tags.to_vec();
         for t in &tags {
             validate_key("tag", &t.key)?;
         }
         if let Some(p) = parent_run_id {
-            tags.push(Tag {
-                key: "mlflow.parentRunId".into(),
-                value: p.into(),
-            });
+            tags.push(Tag { key: "mlflow.parentRunId".into(), value: p.into() });
         }
-        let mut body =
-            json!({ "experiment_id": experiment_id, "start_time": now_ms(), "tags": tags });
+        let mut body = json!({ "experiment_id": experiment_id, "start_time": now_ms(), "tags": tags });
         if let Some(n) = run_name {
             body["run_name"] = json!(n);
         }
@@ -240,38 +199,23 @@ impl Client {
             #[serde(default)]
             runs: Vec<Run>,
         }
-        let body =
-            json!({ "experiment_ids": experiment_ids, "filter": filter, "max_results": 1000 });
+        let body = json!({ "experiment_ids": experiment_ids, "filter": filter, "max_results": 1000 });
         Ok(self.post::<R>("runs/search", &body)?.runs)
     }
 
     pub fn set_tag(&self, run_id: &str, key: &str, value: &str) -> Result<()> {
         validate_key("tag", key)?;
-        self.post::<Value>(
-            "runs/set-tag",
-            &json!({ "run_id": run_id, "key": key, "value": value }),
-        )
-        .map(|_| ())
+        self.post::<Value>("runs/set-tag", &json!({ "run_id": run_id, "key": key, "value": value })).map(|_| ())
     }
 
     pub fn log_param(&self, run_id: &str, key: &str, value: &str) -> Result<()> {
         validate_key("param", key)?;
-        self.post::<Value>(
-            "runs/log-parameter",
-            &json!({ "run_id": run_id, "key": key, "value": value }),
-        )
-        .map(|_| ())
+        self.post::<Value>("runs/log-parameter", &json!({ "run_id": run_id, "key": key, "value": value })).map(|_| ())
     }
 
     /// Logs metrics, params and tags, split into as many log-batch requests as MLflow's limits
     /// need. Returns the number of requests sent.
-    pub fn log_batch(
-        &self,
-        run_id: &str,
-        metrics: &[Metric],
-        params: &[Param],
-        tags: &[Tag],
-    ) -> Result<usize> {
+    pub fn log_batch(&self, run_id: &str, metrics: &[Metric], params: &[Param], tags: &[Tag]) -> Result<usize> {
         for m in metrics {
             validate_key("metric", &m.key)?;
         }
@@ -307,11 +251,7 @@ impl Client {
         let mut out = Vec::new();
         let mut token: Option<String> = None;
         loop {
-            let mut q = vec![
-                ("run_id", run_id),
-                ("metric_key", key),
-                ("max_results", "25000"),
-            ];
+            let mut q = vec![("run_id", run_id), ("metric_key", key), ("max_results", "25000")];
             if let Some(t) = token.as_deref() {
                 q.push(("page_token", t));
             }
@@ -341,14 +281,8 @@ pub fn plan_batches(n_metrics: usize, n_params: usize, n_tags: usize) -> Vec<Bat
     while m < n_metrics || p < n_params || t < n_tags {
         let np = (n_params - p).min(MAX_PARAMS_PER_BATCH);
         let nt = (n_tags - t).min(MAX_TAGS_PER_BATCH);
-        let nm = (n_metrics - m)
-            .min(MAX_METRICS_PER_BATCH)
-            .min(MAX_ITEMS_PER_BATCH - np - nt);
-        out.push(BatchChunk {
-            metrics: m..m + nm,
-            params: p..p + np,
-            tags: t..t + nt,
-        });
+        let nm = (n_metrics - m).min(MAX_METRICS_PER_BATCH).min(MAX_ITEMS_PER_BATCH - np - nt);
+        out.push(BatchChunk { metrics: m..m + nm, params: p..p + np, tags: t..t + nt });
         m += nm;
         p += np;
         t += nt;

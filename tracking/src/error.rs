@@ -8,22 +8,13 @@ use std::path::PathBuf;
 pub enum Error {
     /// A metric, param or tag key MLflow would reject.
     #[error("invalid {kind} key {key:?}: {reason}")]
-    InvalidKey {
-        kind: &'static str,
-        key: String,
-        reason: String,
-    },
+    InvalidKey { kind: &'static str, key: String, reason: String },
     /// The server could not be reached (refused, reset, timed out, DNS).
     #[error("cannot reach MLflow at {endpoint}: {message}")]
     Connection { endpoint: String, message: String },
     /// The server answered with an HTTP error.
     #[error("MLflow {endpoint} returned HTTP {status} {code}: {message}")]
-    Server {
-        endpoint: String,
-        status: u16,
-        code: String,
-        message: String,
-    },
+    Server { endpoint: String, status: u16, code: String, message: String },
     /// The server answered with a body we could not decode.
     #[error("cannot decode the answer of MLflow {endpoint}: {message}")]
     Decode { endpoint: String, message: String },
@@ -32,10 +23,7 @@ pub enum Error {
     Config(String),
     /// A local file (artifact, spill file) could not be read or written.
     #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     /// The background logger thread is gone.
     #[error("the background MLflow logger has stopped")]
     LoggerStopped,
@@ -52,10 +40,7 @@ impl Error {
     }
 
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.into(),
-            source,
-        }
+        Error::Io { path: path.into(), source }
     }
 }
 

@@ -19,7 +19,5 @@ pub use client::{plan_batches, Client};
 pub use error::{Error, Result};
 pub use logger::{replay, BackgroundLogger, LoggerOptions, LoggerStats, ReplayStats, SpillRecord};
 pub use target::{Secret, Target};
-pub use types::{
-    now_ms, Experiment, FileInfo, Metric, MetricValue, Param, Run, RunInfo, RunStatus, Tag,
-};
+pub use types::{now_ms, Experiment, FileInfo, Metric, MetricValue, Param, Run, RunInfo, RunStatus, Tag};
 pub use validate::validate_key;

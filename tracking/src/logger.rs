@@ -91,9 +91,7 @@ pub struct BackgroundLogger {
 
 impl std::fmt::Debug for BackgroundLogger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BackgroundLogger")
-            .field("run_id", &self.run_id)
-            .finish_non_exhaustive()
+        f.debug_struct("BackgroundLogger").field("run_id", &self.run_id).finish_non_exhaustive()
     }
 }
 
@@ -102,27 +100,13 @@ impl BackgroundLogger {
     pub fn start(client: Client, run_id: &str, options: LoggerOptions) -> Result<Self> {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(Mutex::new(LoggerStats::default()));
-        let spill_path = options
-            .spill_path
-            .clone()
-            .unwrap_or_else(|| PathBuf::from(format!("ortrain-mlflow-spill-{run_id}.jsonl")));
-        let worker = Worker {
-            client,
-            run_id: run_id.to_string(),
-            options,
-            spill_path,
-            stats: stats.clone(),
-        };
+        let spill_path = options.spill_path.clone().unwrap_or_else(|| PathBuf::from(format!("ortrain-mlflow-spill-{run_id}.jsonl")));
+        let worker = Worker { client, run_id: run_id.to_string(), options, spill_path, stats: stats.clone() };
         let handle = std::thread::Builder::new()
             .name("ortrain-mlflow".into())
             .spawn(move || worker.run(rx))
             .map_err(|e| Error::Config(format!("cannot start the MLflow logger thread: {e}")))?;
-        Ok(BackgroundLogger {
-            run_id: run_id.to_string(),
-            tx: Some(tx),
-            handle: Some(handle),
-            stats,
-        })
+        Ok(BackgroundLogger { run_id: run_id.to_string(), tx: Some(tx), handle: Some(handle), stats })
     }
 
     pub fn run_id(&self) -> &str {
@@ -130,45 +114,24 @@ impl BackgroundLogger {
     }
 
     fn send(&self, msg: Msg) -> Result<()> {
-        self.tx
-            .as_ref()
-            .ok_or(Error::LoggerStopped)?
-            .send(msg)
-            .map_err(|_| Error::LoggerStopped)
+        self.tx.as_ref().ok_or(Error::LoggerStopped)?.send(msg).map_err(|_| Error::LoggerStopped)
     }
 
     /// Queues one metric point; never waits on the network. `timestamp_ms` defaults to now.
-    pub fn log_metric(
-        &self,
-        key: &str,
-        value: f64,
-        step: i64,
-        timestamp_ms: Option<i64>,
-    ) -> Result<()> {
+    pub fn log_metric(&self, key: &str, value: f64, step: i64, timestamp_ms: Option<i64>) -> Result<()> {
         validate_key("metric", key)?;
         let timestamp = timestamp_ms.unwrap_or_else(now_ms);
-        self.send(Msg::Metric(Metric {
-            key: key.to_string(),
-            value: MetricValue(value),
-            timestamp,
-            step,
-        }))
+        self.send(Msg::Metric(Metric { key: key.to_string(), value: MetricValue(value), timestamp, step }))
     }
 
     pub fn log_param(&self, key: &str, value: &str) -> Result<()> {
         validate_key("param", key)?;
-        self.send(Msg::Param(Param {
-            key: key.to_string(),
-            value: value.to_string(),
-        }))
+        self.send(Msg::Param(Param { key: key.to_string(), value: value.to_string() }))
     }
 
     pub fn set_tag(&self, key: &str, value: &str) -> Result<()> {
         validate_key("tag", key)?;
-        self.send(Msg::Tag(Tag {
-            key: key.to_string(),
-            value: value.to_string(),
-        }))
+        self.send(Msg::Tag(Tag { key: key.to_string(), value: value.to_string() }))
     }
 
     /// Sends everything queued so far (with retries / spilling) and returns the counters.
@@ -273,13 +236,9 @@ impl Worker {
     /// Never loses data.
     fn deliver(&self, pending: &mut Pending, end: Option<(RunStatus, i64)>) {
         let batch = std::mem::take(pending);
-        let has_batch =
-            !(batch.metrics.is_empty() && batch.params.is_empty() && batch.tags.is_empty());
+        let has_batch = !(batch.metrics.is_empty() && batch.params.is_empty() && batch.tags.is_empty());
         if has_batch {
-            let sent = self.with_retries(|| {
-                self.client
-                    .log_batch(&self.run_id, &batch.metrics, &batch.params, &batch.tags)
-            });
+            let sent = self.with_retries(|| self.client.log_batch(&self.run_id, &batch.metrics, &batch.params, &batch.tags));
             match sent {
                 Ok(n) => self.with_stats(|s| {
                     s.metrics_sent += batch.metrics.len() as u64;
@@ -289,11 +248,7 @@ impl Worker {
             }
         }
         if let Some((status, end_time)) = end {
-            if let Err(e) = self.with_retries(|| {
-                self.client
-                    .update_run(&self.run_id, status, Some(end_time))
-                    .map(|_| 0)
-            }) {
+            if let Err(e) = self.with_retries(|| self.client.update_run(&self.run_id, status, Some(end_time)).map(|_| 0)) {
                 self.spill(Pending::default(), end, e);
             }
         }
@@ -340,13 +295,8 @@ impl Worker {
 }
 
 fn append_spill(path: &Path, record: &SpillRecord) -> Result<()> {
-    let line = serde_json::to_string(record)
-        .map_err(|e| Error::Config(format!("cannot encode spill record: {e}")))?;
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|e| Error::io(path, e))?;
+    let line = serde_json::to_string(record).map_err(|e| Error::Config(format!("cannot encode spill record: {e}")))?;
+    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).map_err(|e| Error::io(path, e))?;
     writeln!(f, "{line}").map_err(|e| Error::io(path, e))
 }
 
@@ -371,10 +321,8 @@ pub fn replay(client: &Client, spill_file: &Path) -> Result<ReplayStats> {
         if line.trim().is_empty() {
             continue;
         }
-        let rec: SpillRecord = serde_json::from_str(&line).map_err(|e| Error::Decode {
-            endpoint: format!("{} line {}", spill_file.display(), i + 1),
-            message: e.to_string(),
-        })?;
+        let rec: SpillRecord = serde_json::from_str(&line)
+            .map_err(|e| Error::Decode { endpoint: format!("{} line {}", spill_file.display(), i + 1), message: e.to_string() })?;
         client.log_batch(&rec.run_id, &rec.metrics, &rec.params, &rec.tags)?;
         if let Some(status) = rec.status {
             client.update_run(&rec.run_id, status, rec.end_time)?;

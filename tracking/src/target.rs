@@ -49,65 +49,27 @@ impl Target {
     pub fn from_uri(uri: &str) -> Result<Self> {
         let uri = uri.trim();
         if uri.starts_with("http://") || uri.starts_with("https://") {
-            return Ok(Target {
-                base_url: uri.trim_end_matches('/').to_string(),
-                token: None,
-                databricks: false,
-            });
+            return Ok(Target { base_url: uri.trim_end_matches('/').to_string(), token: None, databricks: false });
         }
         if uri == "databricks" || uri.starts_with("databricks://") {
-            let profile = uri
-                .strip_prefix("databricks://")
-                .unwrap_or("")
-                .trim_matches('/');
-            let profile = if profile.is_empty() {
-                "DEFAULT"
-            } else {
-                profile
-            };
+            let profile = uri.strip_prefix("databricks://").unwrap_or("").trim_matches('/');
+            let profile = if profile.is_empty() { "DEFAULT" } else { profile };
             let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
-            let cfg_path = env("DATABRICKS_CONFIG_FILE")
-                .map(PathBuf::from)
-                .or_else(|| env("HOME").map(|h| Path::new(&h).join(".databrickscfg")));
-            return Self::databricks(
-                profile,
-                env("DATABRICKS_HOST"),
-                env("DATABRICKS_TOKEN"),
-                cfg_path,
-            );
+            let cfg_path =
+                env("DATABRICKS_CONFIG_FILE").map(PathBuf::from).or_else(|| env("HOME").map(|h| Path::new(&h).join(".databrickscfg")));
+            return Self::databricks(profile, env("DATABRICKS_HOST"), env("DATABRICKS_TOKEN"), cfg_path);
         }
-        Err(Error::Config(format!(
-            "unsupported tracking URI {uri:?}: use http(s)://HOST:PORT of an MLflow server or 'databricks'"
-        )))
+        Err(Error::Config(format!("unsupported tracking URI {uri:?}: use http(s)://HOST:PORT of an MLflow server or 'databricks'")))
     }
 
-    fn databricks(
-        profile: &str,
-        env_host: Option<String>,
-        env_token: Option<String>,
-        cfg_path: Option<PathBuf>,
-    ) -> Result<Self> {
-        let (mut host, mut token) = if profile == "DEFAULT" {
-            (env_host, env_token)
-        } else {
-            (None, None)
-        };
+    fn databricks(profile: &str, env_host: Option<String>, env_token: Option<String>, cfg_path: Option<PathBuf>) -> Result<Self> {
+        let (mut host, mut token) = if profile == "DEFAULT" { (env_host, env_token) } else { (None, None) };
         if host.is_none() || token.is_none() {
             if let Some(path) = cfg_path.as_deref().filter(|p| p.exists()) {
                 let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
                 let section = parse_ini_section(&text, profile);
-                host = host.or_else(|| {
-                    section
-                        .iter()
-                        .find(|(k, _)| k == "host")
-                        .map(|(_, v)| v.clone())
-                });
-                token = token.or_else(|| {
-                    section
-                        .iter()
-                        .find(|(k, _)| k == "token")
-                        .map(|(_, v)| v.clone())
-                });
+                host = host.or_else(|| section.iter().find(|(k, _)| k == "host").map(|(_, v)| v.clone()));
+                token = token.or_else(|| section.iter().find(|(k, _)| k == "token").map(|(_, v)| v.clone()));
             }
         }
         let host = host.ok_or_else(|| {
@@ -121,16 +83,9 @@ impl Target {
             ))
         })?;
         let host = host.trim().trim_end_matches('/');
-        let base_url = if host.starts_with("http://") || host.starts_with("https://") {
-            host.to_string()
-        } else {
-            format!("https://{host}")
-        };
-        Ok(Target {
-            base_url,
-            token: Some(Secret::new(token.trim())),
-            databricks: true,
-        })
+        let base_url =
+            if host.starts_with("http://") || host.starts_with("https://") { host.to_string() } else { format!("https://{host}") };
+        Ok(Target { base_url, token: Some(Secret::new(token.trim())), databricks: true })
     }
 }
 
@@ -170,13 +125,7 @@ mod tests {
 
     #[test]
     fn databricks_from_env_and_cfg_never_prints_the_token() {
-        let t = Target::databricks(
-            "DEFAULT",
-            Some("adb-1.azuredatabricks.net/".into()),
-            Some("dapiSECRET".into()),
-            None,
-        )
-        .unwrap();
+        let t = Target::databricks("DEFAULT", Some("adb-1.azuredatabricks.net/".into()), Some("dapiSECRET".into()), None).unwrap();
         assert_eq!(t.base_url, "https://adb-1.azuredatabricks.net");
         assert!(!format!("{t:?}").contains("dapiSECRET"));
         assert_eq!(t.token.as_ref().unwrap().expose(), "dapiSECRET");
@@ -184,17 +133,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ortrain-dbcfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let cfg = dir.join("cfg");
-        std::fs::write(&cfg, "[DEFAULT]\nhost = https://a.cloud.databricks.com\ntoken = dapiA\n[dev]\nhost=https://b\ntoken=dapiB\n").unwrap();
+        std::fs::write(&cfg, "[DEFAULT]\nhost = https://a.cloud.databricks.com\ntoken = dapiA\n[dev]\nhost=https://b\ntoken=dapiB\n")
+            .unwrap();
         let a = Target::databricks("DEFAULT", None, None, Some(cfg.clone())).unwrap();
-        assert_eq!(
-            (a.base_url.as_str(), a.token.unwrap().expose()),
-            ("https://a.cloud.databricks.com", "dapiA")
-        );
+        assert_eq!((a.base_url.as_str(), a.token.unwrap().expose()), ("https://a.cloud.databricks.com", "dapiA"));
         let b = Target::databricks("dev", Some("ignored".into()), None, Some(cfg.clone())).unwrap();
         assert_eq!(b.base_url, "https://b");
-        let e = Target::databricks("nope", None, None, Some(cfg))
-            .unwrap_err()
-            .to_string();
+        let e = Target::databricks("nope", None, None, Some(cfg)).unwrap_err().to_string();
         assert!(e.contains("DATABRICKS_HOST") && e.contains("[nope]"), "{e}");
         std::fs::remove_dir_all(dir).ok();
     }

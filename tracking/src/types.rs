@@ -36,10 +36,7 @@ impl<'de> Deserialize<'de> for MetricValue {
                 "NaN" | "nan" => Ok(MetricValue(f64::NAN)),
                 "Infinity" | "inf" => Ok(MetricValue(f64::INFINITY)),
                 "-Infinity" | "-inf" => Ok(MetricValue(f64::NEG_INFINITY)),
-                other => other
-                    .parse::<f64>()
-                    .map(MetricValue)
-                    .map_err(|_| serde::de::Error::custom(format!("bad metric value {other:?}"))),
+                other => other.parse::<f64>().map(MetricValue).map_err(|_| serde::de::Error::custom(format!("bad metric value {other:?}"))),
             },
         }
     }
@@ -142,18 +139,10 @@ pub struct Run {
 
 impl Run {
     pub fn tag(&self, key: &str) -> Option<&str> {
-        self.data
-            .tags
-            .iter()
-            .find(|t| t.key == key)
-            .map(|t| t.value.as_str())
+        self.data.tags.iter().find(|t| t.key == key).map(|t| t.value.as_str())
     }
     pub fn param(&self, key: &str) -> Option<&str> {
-        self.data
-            .params
-            .iter()
-            .find(|p| p.key == key)
-            .map(|p| p.value.as_str())
+        self.data.params.iter().find(|p| p.key == key).map(|p| p.value.as_str())
     }
 }
 
@@ -180,10 +169,7 @@ pub struct FileInfo {
 
 /// Milliseconds since the Unix epoch, now.
 pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
 }
 
 #[cfg(test)]

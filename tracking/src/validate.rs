@@ -9,26 +9,15 @@ pub const MAX_KEY_LEN: usize = 250;
 /// Checks a metric/param/tag key: non-empty, at most 250 characters, only alphanumerics,
 /// `_ - . space : /`, not an absolute path and without `..` components.
 pub fn validate_key(kind: &'static str, key: &str) -> Result<()> {
-    let bad = |reason: String| {
-        Err(Error::InvalidKey {
-            kind,
-            key: key.to_string(),
-            reason,
-        })
-    };
+    let bad = |reason: String| Err(Error::InvalidKey { kind, key: key.to_string(), reason });
     if key.is_empty() {
         return bad("keys must not be empty".into());
     }
     if key.chars().count() > MAX_KEY_LEN {
         return bad(format!("keys are at most {MAX_KEY_LEN} characters"));
     }
-    if let Some(c) = key
-        .chars()
-        .find(|c| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ' ' | ':' | '/')))
-    {
-        return bad(format!(
-            "character {c:?} is not allowed; use alphanumerics, '_', '-', '.', ' ', ':' or '/'"
-        ));
+    if let Some(c) = key.chars().find(|c| !(c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | ' ' | ':' | '/'))) {
+        return bad(format!("character {c:?} is not allowed; use alphanumerics, '_', '-', '.', ' ', ':' or '/'"));
     }
     if key.starts_with('/') || key.split('/').any(|part| part == "..") {
         return bad("keys must be relative paths without '..'".into());

@@ -5,7 +5,7 @@ use super::util::{const_ints, input, norm_axis};
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
-use crate::ir::{Attr, Attrs, Node};
+use crate::ir::{Attr, Node};
 
 /// The reduced axes of a Reduce* node for an input of rank `rank`.
 pub fn reduce_axes(node: &Node, inputs: &[Option<InferIn>], rank: usize) -> Result<Vec<usize>> {
@@ -78,5 +78,4 @@ pub fn register(r: &mut Registry) {
     r.add("ReduceMax", Reduce { grad: None });
     r.add("ReduceMin", Reduce { grad: None });
     r.internal("ReduceGrad", ReduceGrad);
-    let _ = Attrs::default();
 }

@@ -104,8 +104,6 @@ fn ancestors(graph: &Graph, targets: &[ValueId], range: std::ops::Range<usize>, 
             if range.contains(&p.0) && !mask[p.0] {
                 mask[p.0] = true;
                 stack.extend(graph.nodes[p.0].inputs.iter().flatten().copied());
-            } else if range.contains(&p.0) {
-                continue;
             }
         }
     }

@@ -4,7 +4,6 @@ its parameters stay its own (the engine reads and writes their memory), and its 
 do not change. Whatever the engine cannot take runs in PyTorch, with one warning naming why."""
 from __future__ import annotations
 
-import time
 import warnings
 from contextlib import contextmanager
 
@@ -29,7 +28,6 @@ class _State:
         self.last_inputs = None
         self.calls = 0
         self.engine_calls = 0
-        self.first_call_seconds = None
         self.optimizer_in_engine = False
 
     @contextmanager
@@ -50,7 +48,6 @@ class _State:
         key = (signature(args, kwargs), self.module.training, mask)
         self.last_key = key
         if key not in self.runners:
-            t0 = time.perf_counter()
             try:
                 with self.plain():
                     exported = export_module(self.module, args, kwargs, training=self.module.training,
@@ -59,7 +56,6 @@ class _State:
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
                 self.runners[key] = exc
                 self._fall_back(exc)
-            self.first_call_seconds = self.first_call_seconds or time.perf_counter() - t0
         return self.runners[key]
 
     def _fall_back(self, exc: Exception):

@@ -11,7 +11,8 @@ import torch
 from ortrain import _ortrain
 from ortrain import optim as _optim
 from ortrain import trainer_options
-from ortrain.errors import UnsupportedError
+from ortrain.engine.function import read_outputs, run_inference
+from ortrain.engine.tensors import triple
 
 
 def _check_model_desc(desc) -> dict:
@@ -99,15 +100,11 @@ class ORTTrainer:
     # ----------------------------------------------------------------------------- API
     def train_step(self, *inputs):
         """Forward, loss, backward and (every gradient_accumulation_steps calls) the update."""
-        from ortrain.engine.tensors import triple
-
         inputs = tuple(x.contiguous() for x in inputs)
         runner = self._runner(inputs, True)
         session = runner.session
         pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                   runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()))
-        from ortrain.engine.function import read_outputs
-
         outs = read_outputs(pending, runner.n_outputs)
         seeds = [torch.ones_like(o) if k == self._loss_index else torch.zeros_like(o) if o.is_floating_point() else None
                  for k, o in enumerate(outs)]
@@ -163,8 +160,6 @@ class ORTTrainer:
 
     def eval_step(self, *inputs):
         """Forward (with the loss, if loss_fn was given) in eval mode; no update."""
-        from ortrain.engine.function import run_inference
-
         inputs = tuple(x.contiguous() for x in inputs)
         runner = self._runner(inputs, False)
         outs = run_inference(runner, list(inputs))
@@ -194,5 +189,3 @@ class ORTTrainer:
         self.step = int(state["optimizer"]["step"])
         self._state = {k: {n: t.clone() for n, t in v.items()} for k, v in state["optimizer"]["state"].items()}
 
-
-__all__ = ["ORTTrainer", "UnsupportedError"]

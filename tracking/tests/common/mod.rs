@@ -22,10 +22,7 @@ pub fn mlflow_bin() -> Option<PathBuf> {
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("no free port")
 }
 
 impl MlflowServer {
@@ -35,16 +32,10 @@ impl MlflowServer {
             eprintln!("SKIP: no mlflow binary (set ORTRAIN_MLFLOW_BIN or create .venv with scripts/bootstrap.sh)");
             return None;
         };
-        let dir =
-            std::env::temp_dir().join(format!("ortrain-tracking-{tag}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ortrain-tracking-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
-        let mut s = MlflowServer {
-            bin,
-            dir,
-            port: free_port(),
-            child: None,
-        };
+        let mut s = MlflowServer { bin, dir, port: free_port(), child: None };
         s.launch();
         Some(s)
     }
@@ -58,15 +49,7 @@ impl MlflowServer {
         use std::os::unix::process::CommandExt;
         let log = std::fs::File::create(self.dir.join("server.log")).expect("log");
         let child = Command::new(&self.bin)
-            .args([
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &self.port.to_string(),
-                "--workers",
-                "1",
-            ])
+            .args(["server", "--host", "127.0.0.1", "--port", &self.port.to_string(), "--workers", "1"])
             .arg("--backend-store-uri")
             .arg(format!("sqlite:///{}/mlflow.db", self.dir.display()))
             .arg("--artifacts-destination")
@@ -77,10 +60,7 @@ impl MlflowServer {
             .spawn()
             .expect("spawn mlflow server");
         self.child = Some(child);
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_global(Some(Duration::from_secs(2)))
-            .build()
-            .into();
+        let agent: ureq::Agent = ureq::Agent::config_builder().timeout_global(Some(Duration::from_secs(2))).build().into();
         let deadline = Instant::now() + Duration::from_secs(90);
         while Instant::now() < deadline {
             if agent.get(&format!("{}/health", self.uri())).call().is_ok() {
@@ -95,14 +75,11 @@ impl MlflowServer {
     /// Kills the whole process group (server and its workers) and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-s", "KILL", "--", &format!("-{}", c.id())])
-                .status();
+            let _ = Command::new("kill").args(["-s", "KILL", "--", &format!("-{}", c.id())]).status();
             let _ = c.wait();
             // wait until the port is free again so a restart can bind it
             let deadline = Instant::now() + Duration::from_secs(10);
-            while Instant::now() < deadline && TcpListener::bind(("127.0.0.1", self.port)).is_err()
-            {
+            while Instant::now() < deadline && TcpListener::bind(("127.0.0.1", self.port)).is_err() {
                 std::thread::sleep(Duration::from_millis(100));
             }
         }

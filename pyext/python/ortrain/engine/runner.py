@@ -73,6 +73,8 @@ class Runner:
         self.n_outputs = len(self.session.output_names)
         self.n_user_outputs = self.n_outputs - len(self.buffer_outputs)
         self.trainable_params = [t for t, tr in zip(tensors, trainable) if tr]
+        by_key = dict(zip(exported.param_map.values(), tensors))
+        self.buffer_targets = [by_key[key] for key, _ in self.buffer_outputs]
         self.batch_counters = _batch_counters(module, [key for key, _ in self.buffer_outputs])
 
     def weight_addresses(self) -> list:
@@ -93,10 +95,9 @@ class Runner:
             outs = run_inference(self, [x.detach().contiguous() for x in inputs])
         outs = list(outs)
         if self.buffer_outputs:
-            named = {k: t for k, t in zip(self.exported.param_map.values(), self.weights)}
             with torch.no_grad():
-                for (key, _), new in zip(self.buffer_outputs, outs[self.n_user_outputs:]):
-                    named[key].copy_(new)
+                for target, new in zip(self.buffer_targets, outs[self.n_user_outputs:]):
+                    target.copy_(new)
                 for counter in self.batch_counters:
                     counter.add_(1)
         return outs[:self.n_user_outputs]
