@@ -11,6 +11,7 @@ pub mod ir;
 pub mod onnx;
 pub mod ops;
 pub mod optim;
+pub mod passes;
 pub mod plan;
 pub mod session;
 pub mod tensor;

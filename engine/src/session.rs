@@ -9,6 +9,7 @@ use std::time::Duration;
 use crate::autodiff;
 use crate::backend::cpu::CpuCtx;
 use crate::error::{Error, Result};
+use crate::exec::profile::Profile;
 use crate::exec::{self, Arena, Bindings, Phase};
 use crate::ir::{Graph, ValueId, ValueKind};
 use crate::onnx::{import_bytes, ImportOptions};
@@ -31,6 +32,9 @@ pub struct Session {
     pub grads: Vec<Option<ValueId>>,
     plans: Mutex<HashMap<(Vec<Sig>, bool), Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
+    profile: Mutex<Profile>,
+    /// What the graph passes rewrote at import.
+    pub passes: crate::passes::PassReport,
 }
 
 /// A forward pass whose backward pass may still come: it owns the arena holding the
@@ -69,6 +73,7 @@ impl Session {
             graph.values[v.0].kind = ValueKind::Const(data);
         }
         graph.weights.retain(|(v, _)| weight_ids.contains(v));
+        let passes = crate::passes::run(&mut graph)?;
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());
@@ -99,6 +104,8 @@ impl Session {
             grads,
             plans: Mutex::new(HashMap::new()),
             arenas: Mutex::new(Vec::new()),
+            profile: Mutex::new(Profile::default()),
+            passes,
         })
     }
 
@@ -148,7 +155,9 @@ impl Session {
         let bind = self.bind_weights(weights)?;
         let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
         let t0 = std::time::Instant::now();
-        exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, None)?;
+        let mut timings = Vec::with_capacity(plan.split);
+        exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, Some(&mut timings))?;
+        self.record("forward", &plan, &timings);
         Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed() })
     }
 
@@ -194,9 +203,40 @@ impl Session {
                 unsafe { bind.bind(*g, p) };
             }
         }
-        let r = exec::run_phase(&self.graph, &pending.plan, Phase::Backward, &mut pending.arena, &bind, &[], &mut pending.ctx, None);
+        let mut timings = Vec::with_capacity(pending.plan.steps.len() - pending.plan.split);
+        let r = exec::run_phase(
+            &self.graph,
+            &pending.plan,
+            Phase::Backward,
+            &mut pending.arena,
+            &bind,
+            &[],
+            &mut pending.ctx,
+            Some(&mut timings),
+        );
+        if r.is_ok() {
+            self.record("backward", &pending.plan, &timings);
+        }
         self.release(pending);
         r
+    }
+
+    fn record(&self, phase: &'static str, plan: &Plan, timings: &[(usize, Duration)]) {
+        if let Ok(mut p) = self.profile.lock() {
+            p.record(&self.graph, plan, phase, timings);
+        }
+    }
+
+    /// The timings collected since the last reset (every forward and backward phase is timed
+    /// per step; the cost is two clock reads per step).
+    pub fn profile(&self) -> Profile {
+        self.profile.lock().map(|p| p.clone()).unwrap_or_default()
+    }
+
+    pub fn reset_profile(&self) {
+        if let Ok(mut p) = self.profile.lock() {
+            *p = Profile::default();
+        }
     }
 
     /// Returns a pending step's arena to the pool (a forward pass without backward).

@@ -84,6 +84,12 @@ impl PySession {
         self.inner.grads.iter().map(|g| g.is_some()).collect()
     }
 
+    /// Rewrites made by each graph pass at import: [(pass name, count)].
+    #[getter]
+    fn passes(&self) -> Vec<(String, usize)> {
+        self.inner.passes.rewrites.iter().map(|(n, k)| (n.to_string(), *k)).collect()
+    }
+
     #[getter]
     fn node_count(&self) -> (usize, usize) {
         (self.inner.n_fwd, self.inner.graph.nodes.len() - self.inner.n_fwd)
@@ -98,9 +104,25 @@ impl PySession {
         d.set_item("forward_steps", plan.split)?;
         d.set_item("backward_steps", plan.steps.len() - plan.split)?;
         d.set_item("folded_nodes", plan.folded_nodes)?;
+        d.set_item("view_nodes", plan.views)?;
         d.set_item("ops", plan.op_histogram(&self.inner.graph))?;
         d.set_item("text", plan.describe(&self.inner.graph))?;
         Ok(d.into_any().unbind())
+    }
+
+    /// Timings summed since the last reset: a list of (phase, op type, node name, calls,
+    /// seconds) per node, and a dict phase -> (runs, seconds).
+    #[allow(clippy::type_complexity)]
+    fn profile(&self) -> (Vec<(String, String, String, u64, f64)>, std::collections::HashMap<String, (u64, f64)>) {
+        let p = self.inner.profile();
+        let nodes =
+            p.by_node.into_iter().map(|((phase, name, op), st)| (phase.to_string(), op, name, st.calls, st.total.as_secs_f64())).collect();
+        let phases = p.phases.into_iter().map(|(k, st)| (k.to_string(), (st.calls, st.total.as_secs_f64()))).collect();
+        (nodes, phases)
+    }
+
+    fn reset_profile(&self) {
+        self.inner.reset_profile();
     }
 
     /// Runs the forward pass. `inputs`: (address, dtype, shape) per model input; `weights`: one

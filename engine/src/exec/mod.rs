@@ -4,6 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+pub mod profile;
+
 use crate::backend::cpu::{CpuCtx, In, Out};
 use crate::error::{Error, Result};
 use crate::ir::{Graph, ValueId};
@@ -77,6 +79,7 @@ fn pointer(graph: &Graph, plan: &Plan, base: *mut u8, bind: &Bindings, v: ValueI
                 Ok(p)
             }
         }
+        Storage::Alias(src) => pointer(graph, plan, base, bind, *src),
         Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
     }
 }

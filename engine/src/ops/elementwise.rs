@@ -237,6 +237,21 @@ macro_rules! unary_grad {
     }};
 }
 
+/// Identity: a view of its input.
+struct IdentityOp;
+impl OpDef for IdentityOp {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let a = input(node, inputs, 0)?;
+        Ok(vec![TypeOut::new(a.dtype, a.shape.to_vec())])
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        unary_grad!(|g, dy, x, y| dy)
+    }
+    fn is_view(&self) -> bool {
+        true
+    }
+}
+
 pub fn register(r: &mut Registry) {
     let arith = |grad| Binary { logical: false, grad };
     r.add("Add", arith(Some(grad_add)));
@@ -260,7 +275,7 @@ pub fn register(r: &mut Registry) {
     r.add("Sign", Unary { out: None, grad: None });
     r.add("Floor", Unary { out: None, grad: None });
     r.add("Ceil", Unary { out: None, grad: None });
-    r.add("Identity", Unary { out: None, grad: unary_grad!(|g, dy, x, y| dy) });
+    r.add("Identity", IdentityOp);
     r.add("Neg", Unary { out: None, grad: unary_grad!(|g, dy, x, y| g.op("Neg", &[dy], Attrs::default())) });
     r.add(
         "Sqrt",

@@ -36,6 +36,9 @@ impl OpDef for ReduceSumTo {
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[1]
     }
+    fn is_view(&self) -> bool {
+        true
+    }
 }
 
 /// Output shaped like input 0 (or like input `like`).

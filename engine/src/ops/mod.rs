@@ -8,6 +8,7 @@ mod cumsum;
 mod elementwise;
 pub mod gather_nd;
 mod internal;
+pub mod linear;
 mod loss;
 mod matmul;
 mod movement;
@@ -70,6 +71,11 @@ pub trait OpDef: Sync + Send {
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[]
     }
+    /// Output 0 holds input 0's bytes unchanged whenever both have the same element count
+    /// (Reshape and friends): the plan lets it share input 0's memory instead of copying.
+    fn is_view(&self) -> bool {
+        false
+    }
 }
 
 pub struct Registry {
@@ -98,6 +104,7 @@ fn registry() -> &'static Registry {
         elementwise::register(&mut r);
         gather_nd::register(&mut r);
         internal::register(&mut r);
+        linear::register(&mut r);
         loss::register(&mut r);
         matmul::register(&mut r);
         movement::register(&mut r);

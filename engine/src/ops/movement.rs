@@ -24,6 +24,9 @@ fn grad_reshape_back(_: &Node, g: &mut GradCtx) -> Result<()> {
 
 struct Reshape;
 impl OpDef for Reshape {
+    fn is_view(&self) -> bool {
+        true
+    }
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let spec = const_ints(node, &inputs[1], "shape")?;
@@ -68,6 +71,9 @@ impl OpDef for Reshape {
 
 struct Flatten;
 impl OpDef for Flatten {
+    fn is_view(&self) -> bool {
+        true
+    }
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let r = x.shape.len();
@@ -94,6 +100,9 @@ fn axes_input_or_attr(node: &Node, inputs: &[Option<InferIn>]) -> Result<Option<
 
 struct Squeeze;
 impl OpDef for Squeeze {
+    fn is_view(&self) -> bool {
+        true
+    }
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let out = match axes_input_or_attr(node, inputs)? {
@@ -120,6 +129,9 @@ impl OpDef for Squeeze {
 
 struct Unsqueeze;
 impl OpDef for Unsqueeze {
+    fn is_view(&self) -> bool {
+        true
+    }
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
         let axes = axes_input_or_attr(node, inputs)?.ok_or_else(|| node.err("axes are required"))?;

@@ -27,6 +27,8 @@ pub enum Storage {
     Const(Arc<Tensor>),
     /// Memory the caller binds per call (weights, gradient seeds, gradients written in place).
     Bound,
+    /// The same bytes as another value (a view op's output sharing its input's memory).
+    Alias(ValueId),
 }
 
 /// What to plan for.
@@ -57,6 +59,8 @@ pub struct Plan {
     /// User inputs, copied into the arena at the start of phase 1.
     pub copied_inputs: Vec<ValueId>,
     pub folded_nodes: usize,
+    /// View nodes (Reshape and friends) that share their input's memory instead of running.
+    pub views: usize,
 }
 
 impl Plan {
@@ -145,6 +149,9 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     }
     let mut steps = Vec::new();
     let mut folded = 0;
+    let mut views = 0;
+    // view outputs share their input's memory: value -> the value owning the bytes
+    let mut alias: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut ctx = CpuCtx::new(0);
     for n in (0..n_nodes).filter(|&n| needed[n]) {
         let node = &g.nodes[n];
@@ -195,7 +202,18 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
                 }
                 folded += 1;
             }
-            None => steps.push(NodeId(n)),
+            None => {
+                let root = view_source(op, node, &types, &req.bound_outputs).map(|src| alias[src.0].unwrap_or(src));
+                // forward outputs are read after the call, when caller memory is no longer bound
+                let readable = |r: ValueId| !(is_bound(req, r) && req.forward_outputs.contains(&node.outputs[0]));
+                match root {
+                    Some(r) if consts[r.0].is_none() && readable(r) => {
+                        alias[node.outputs[0].0] = Some(r);
+                        views += 1;
+                    }
+                    _ => steps.push(NodeId(n)),
+                }
+            }
         }
     }
     let split = steps.iter().filter(|s| s.0 < req.n_fwd).count();
@@ -218,13 +236,15 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     let mut first = vec![usize::MAX; g.values.len()];
     let mut last = vec![0usize; g.values.len()];
     let mut copied_inputs = Vec::new();
+    let owner = |v: ValueId| alias[v.0].unwrap_or(v);
     for (i, s) in steps.iter().enumerate() {
         let node = &g.nodes[s.0];
-        for v in node.inputs.iter().flatten() {
+        for &v in node.inputs.iter().flatten() {
             if let Some(c) = &consts[v.0] {
                 storage[v.0] = Storage::Const(c.clone());
                 continue;
             }
+            let v = owner(v);
             last[v.0] = last[v.0].max(i);
             first[v.0] = first[v.0].min(i);
         }
@@ -234,6 +254,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         }
     }
     for &o in &req.forward_outputs {
+        let o = if consts[o.0].is_some() { o } else { owner(o) };
         if let Some(c) = &consts[o.0] {
             storage[o.0] = Storage::Const(c.clone());
         } else if first[o.0] == usize::MAX {
@@ -249,8 +270,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) {
             continue;
         }
-        let bound = v.kind == ValueKind::Weight || req.bound_outputs.contains(&ValueId(i)) || req.seeds.iter().any(|s| s.0 == ValueId(i));
-        if bound {
+        if is_bound(req, ValueId(i)) {
             storage[i] = Storage::Bound;
             continue;
         }
@@ -266,7 +286,29 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     for (k, &i) in owners.iter().enumerate() {
         storage[i] = Storage::Arena(mp.offsets[k]);
     }
-    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded })
+    for (i, a) in alias.iter().enumerate() {
+        if let Some(a) = a {
+            storage[i] = Storage::Alias(*a);
+        }
+    }
+    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded, views })
+}
+
+/// Values living in memory the caller binds per call.
+fn is_bound(req: &PlanRequest, v: ValueId) -> bool {
+    req.graph.values[v.0].kind == ValueKind::Weight || req.bound_outputs.contains(&v) || req.seeds.iter().any(|s| s.0 == v)
+}
+
+/// The input whose memory a view node's output may share: the op is a view, element type and
+/// count agree, and the output is not written into caller memory.
+fn view_source(op: &dyn ops::OpDef, node: &crate::ir::Node, types: &[Option<TypeOut>], bound: &[ValueId]) -> Option<ValueId> {
+    if !op.is_view() || node.outputs.len() != 1 || bound.contains(&node.outputs[0]) {
+        return None;
+    }
+    let src = node.input(0)?;
+    let (ti, to) = (types[src.0].as_ref()?, types[node.outputs[0].0].as_ref()?);
+    let numel = |t: &TypeOut| t.shape.iter().product::<usize>();
+    (ti.dtype == to.dtype && numel(ti) == numel(to)).then_some(src)
 }
 
 fn known_shape(s: &Option<Vec<Dim>>) -> Option<Vec<usize>> {

@@ -13,10 +13,10 @@ use crate::ops::util::broadcast_shapes;
 
 /// Row-major matrix operand: pointer plus (row stride, column stride) for the logical view.
 #[derive(Clone, Copy)]
-struct Mat<T> {
-    ptr: *const T,
-    rs: isize,
-    cs: isize,
+pub(super) struct Mat<T> {
+    pub ptr: *const T,
+    pub rs: isize,
+    pub cs: isize,
 }
 
 /// dst[m×n] = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]
@@ -24,7 +24,16 @@ struct Mat<T> {
 /// # Safety
 /// The pointers must cover the m×k, k×n and m×n views with the given strides, dst not
 /// overlapping the operands.
-unsafe fn gemm_call<T: FloatElem>(m: usize, n: usize, k: usize, dst: *mut T, lhs: Mat<T>, rhs: Mat<T>, alpha: T, accumulate: bool) {
+pub(super) unsafe fn gemm_call<T: FloatElem>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    alpha: T,
+    accumulate: bool,
+) {
     let flops = m * n * k;
     let par = if flops >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).

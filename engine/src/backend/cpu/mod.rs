@@ -9,6 +9,7 @@ mod cumsum;
 mod elementwise;
 mod gather_nd;
 mod internal;
+mod linear;
 mod loss;
 mod matmul;
 mod movement;
@@ -60,6 +61,7 @@ pub fn kernels() -> &'static KernelTable {
         elementwise::register(&mut t);
         gather_nd::register(&mut t);
         internal::register(&mut t);
+        linear::register(&mut t);
         loss::register(&mut t);
         matmul::register(&mut t);
         movement::register(&mut t);

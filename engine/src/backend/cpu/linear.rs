@@ -1,0 +1,90 @@
+//! CPU kernels of ops/linear.rs: Linear (bias rows written first, then one gemm accumulating
+//! into them), FlattenRows (a copy, for when the plan could not make it a view) and SumRows
+//! (column sums, split across threads by column blocks).
+
+use rayon::prelude::*;
+
+use super::elementwise::{first, FloatElem};
+use super::matmul::{gemm_call, Mat};
+use super::tensor_view::{In, Out};
+use super::{CpuCtx, KernelTable, PAR_MIN};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::linear::linear_dims;
+
+fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let w = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 (weight) missing"))?;
+    let b = inputs.get(2).and_then(|v| v.as_ref());
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let (k, n) = linear_dims(node, w.shape)?;
+    fn go<T: FloatElem>(x: &In, w: &In, b: Option<&In>, o: &mut Out, k: usize, n: usize, tb: bool) -> Result<()> {
+        let (xv, wv, ov) = (x.slice::<T>()?, w.slice::<T>()?, o.slice::<T>()?);
+        if ov.is_empty() {
+            return Ok(());
+        }
+        let rows = ov.len() / n;
+        if let Some(b) = b {
+            let bv = b.slice::<T>()?;
+            let fill = |row: &mut [T]| row.copy_from_slice(bv);
+            if ov.len() >= PAR_MIN {
+                ov.par_chunks_mut(n).for_each(fill);
+            } else {
+                ov.chunks_mut(n).for_each(fill);
+            }
+        }
+        if k == 0 {
+            if b.is_none() {
+                ov.iter_mut().for_each(|v| *v = T::zero());
+            }
+            return Ok(());
+        }
+        let lhs = Mat { ptr: xv.as_ptr(), rs: k as isize, cs: 1 };
+        let rhs = if tb { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
+        // SAFETY: x is [rows, k] row-major, w is [n, k] (tb) or [k, n] row-major, out is [rows, n]
+        // and distinct from both (the plan never places an output over a live input).
+        unsafe { gemm_call(rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), b.is_some()) };
+        Ok(())
+    }
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, w, b, &mut out[0], k, n, tb))
+}
+
+fn flatten_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let bytes = x.bytes();
+    out[0].bytes().copy_from_slice(bytes);
+    Ok(())
+}
+
+fn sum_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    fn go<T: FloatElem>(x: &In, o: &mut Out) -> Result<()> {
+        let n = x.shape[1];
+        let xv = x.slice::<T>()?;
+        let ov = o.slice::<T>()?;
+        // a block of columns per task: each task walks every row over its own columns
+        const COLS: usize = 256;
+        let sum_block = |(c, dst): (usize, &mut [T])| {
+            dst.iter_mut().for_each(|v| *v = T::zero());
+            let (start, width) = (c * COLS, dst.len());
+            for row in xv.chunks_exact(n.max(1)) {
+                for (d, &v) in dst.iter_mut().zip(&row[start..start + width]) {
+                    *d = *d + v;
+                }
+            }
+        };
+        if xv.len() >= PAR_MIN {
+            ov.par_chunks_mut(COLS).enumerate().for_each(sum_block);
+        } else {
+            ov.chunks_mut(COLS).enumerate().for_each(sum_block);
+        }
+        Ok(())
+    }
+    let x = first(node, inputs)?;
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, &mut out[0]))
+}
+
+pub fn register(t: &mut KernelTable) {
+    t.add("Linear", linear);
+    t.add("FlattenRows", flatten_rows);
+    t.add("SumRows", sum_rows);
+}

@@ -1,0 +1,85 @@
+//! Graph passes run on the forward graph after import and before autodiff, so that gradients
+//! are built from the fused ops' own rules. One file per rule; the pipeline is the list below.
+//! `ORTRAIN_DISABLE_PASSES` (a comma list of pass names, or `all`) turns passes off, for
+//! fused-vs-unfused comparisons and for bisecting a suspected miscompile.
+
+mod fuse_linear;
+
+use crate::error::{Error, Result};
+use crate::ir::{Graph, NodeId};
+
+type Pass = fn(&mut Graph) -> Result<usize>;
+
+/// The pipeline, in order: (name, pass). A pass returns how many rewrites it made.
+const PIPELINE: &[(&str, Pass)] = &[("fuse_linear", fuse_linear::run)];
+
+pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
+
+/// Rewrites made by each pass that ran.
+#[derive(Clone, Debug, Default)]
+pub struct PassReport {
+    pub rewrites: Vec<(&'static str, usize)>,
+}
+
+/// Pass names turned off by the environment.
+fn disabled() -> Result<Vec<String>> {
+    let Ok(v) = std::env::var(ENV_DISABLE) else { return Ok(vec![]) };
+    let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    if names.iter().any(|n| n == "all") {
+        return Ok(PIPELINE.iter().map(|(n, _)| n.to_string()).collect());
+    }
+    for n in &names {
+        if !PIPELINE.iter().any(|(p, _)| p == n) {
+            let valid: Vec<&str> = PIPELINE.iter().map(|(p, _)| *p).collect();
+            return Err(Error::other(format!("{ENV_DISABLE}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
+        }
+    }
+    Ok(names)
+}
+
+/// Runs the pipeline over `graph` (forward nodes only: call before autodiff).
+pub fn run(graph: &mut Graph) -> Result<PassReport> {
+    let off = disabled()?;
+    let mut report = PassReport::default();
+    for (name, pass) in PIPELINE {
+        if off.iter().any(|n| n == name) {
+            continue;
+        }
+        let n = pass(graph)?;
+        report.rewrites.push((name, n));
+        if n > 0 {
+            remove_dead_nodes(graph);
+        }
+    }
+    Ok(report)
+}
+
+/// Drops nodes none of whose outputs is consumed or a graph output, then renumbers producers.
+fn remove_dead_nodes(graph: &mut Graph) {
+    let mut live = vec![false; graph.values.len()];
+    for o in &graph.outputs {
+        live[o.0] = true;
+    }
+    let mut keep = vec![false; graph.nodes.len()];
+    for (i, node) in graph.nodes.iter().enumerate().rev() {
+        if node.outputs.iter().any(|o| live[o.0]) {
+            keep[i] = true;
+            for v in node.inputs.iter().flatten() {
+                live[v.0] = true;
+            }
+        }
+    }
+    let nodes = std::mem::take(&mut graph.nodes);
+    for v in graph.values.iter_mut() {
+        v.producer = None;
+    }
+    for (node, k) in nodes.into_iter().zip(keep) {
+        if k {
+            let id = NodeId(graph.nodes.len());
+            for o in &node.outputs {
+                graph.values[o.0].producer = Some(id);
+            }
+            graph.nodes.push(node);
+        }
+    }
+}
