@@ -30,7 +30,7 @@ pub struct Session {
     pub weights: Vec<ValueId>,
     /// Gradient of each weight (None: frozen, or it does not affect the outputs).
     pub grads: Vec<Option<ValueId>>,
-    plans: Mutex<HashMap<(Vec<Sig>, bool), Arc<Plan>>>,
+    plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>), Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
     profile: Mutex<Profile>,
     /// What the graph passes rewrote at import.
@@ -44,6 +44,8 @@ pub struct Pending {
     pub arena: Arena,
     ctx: CpuCtx,
     pub forward_time: Duration,
+    /// Outputs written into caller memory: (value, address), bound again for the backward pass.
+    out_binds: Vec<(ValueId, usize)>,
 }
 
 impl Session {
@@ -51,6 +53,18 @@ impl Session {
     /// weights. `weights` names the initializers the caller binds per call (all others become
     /// constants); `trainable[i]` says whether `weights[i]` gets a gradient.
     pub fn from_onnx(onnx: &[u8], base_dir: Option<&Path>, weights: &[String], trainable: &[bool]) -> Result<Session> {
+        Self::from_onnx_seeded(onnx, base_dir, weights, trainable, None)
+    }
+
+    /// As `from_onnx`; `seeded[k]` false makes output k carry no gradient (an output the caller
+    /// reads but never differentiates, such as logits next to the loss computed from them).
+    pub fn from_onnx_seeded(
+        onnx: &[u8],
+        base_dir: Option<&Path>,
+        weights: &[String],
+        trainable: &[bool],
+        seeded: Option<&[bool]>,
+    ) -> Result<Session> {
         if weights.len() != trainable.len() {
             return Err(Error::other("weights and trainable flags differ in length"));
         }
@@ -77,7 +91,14 @@ impl Session {
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());
-        for &o in &outputs {
+        if seeded.is_some_and(|s| s.len() != outputs.len()) {
+            return Err(Error::other(format!("seeded flags: {} for {} outputs", seeded.map_or(0, |s| s.len()), outputs.len())));
+        }
+        for (k, &o) in outputs.iter().enumerate() {
+            if seeded.is_some_and(|s| !s[k]) {
+                seeds.push(None);
+                continue;
+            }
             let name = format!("grad:{}", graph.value(o).name);
             // outputs of integer type carry no gradient; the type is only known per plan, so
             // every output gets a seed and integer ones are simply never bound
@@ -111,7 +132,12 @@ impl Session {
 
     /// The plan for these input types; `backward` adds the gradient phase.
     pub fn plan(&self, sigs: &[Sig], backward: bool) -> Result<Arc<Plan>> {
-        let key = (sigs.to_vec(), backward);
+        self.plan_bound(sigs, backward, &[])
+    }
+
+    /// As `plan`, with `out_bound[k]` true for outputs the caller's memory receives.
+    pub fn plan_bound(&self, sigs: &[Sig], backward: bool, out_bound: &[bool]) -> Result<Arc<Plan>> {
+        let key = (sigs.to_vec(), backward, out_bound.to_vec());
         if let Some(p) = self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.get(&key) {
             return Ok(p.clone());
         }
@@ -127,12 +153,13 @@ impl Session {
             }
         }
         let grads: Vec<ValueId> = self.grads.iter().flatten().copied().collect();
+        let bound_fwd: Vec<ValueId> = self.outputs.iter().zip(out_bound).filter(|(_, &b)| b).map(|(&o, _)| o).collect();
         let req = PlanRequest {
             graph: &self.graph,
             n_fwd: self.n_fwd,
             forward_outputs: self.outputs.clone(),
             backward_outputs: if backward { grads.clone() } else { vec![] },
-            bound_outputs: if backward { grads } else { vec![] },
+            bound_outputs: if backward { grads.into_iter().chain(bound_fwd).collect() } else { bound_fwd },
             input_types,
             seeds: self.seeds.iter().zip(&self.outputs).filter_map(|(s, o)| s.map(|s| (s, *o))).collect(),
         };
@@ -147,18 +174,37 @@ impl Session {
     /// # Safety
     /// Every weight pointer must point to the weight's data (its declared type and shape),
     /// valid and unmodified for the call.
-    pub unsafe fn forward(&self, inputs: &[(Sig, &[u8])], weights: &[*mut u8], backward: bool, seed: u64) -> Result<Pending> {
+    /// `outputs[k]`, where given and not null, is caller memory receiving output k (its planned
+    /// type), kept bound through the backward pass.
+    pub unsafe fn forward(
+        &self,
+        inputs: &[(Sig, &[u8])],
+        weights: &[*mut u8],
+        backward: bool,
+        seed: u64,
+        outputs: &[*mut u8],
+    ) -> Result<Pending> {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
-        let plan = self.plan(&sigs, backward)?;
+        if outputs.len() > self.outputs.len() {
+            return Err(Error::other(format!("{} output buffers for {} outputs", outputs.len(), self.outputs.len())));
+        }
+        let out_bound: Vec<bool> = outputs.iter().map(|p| !p.is_null()).collect();
+        let plan = self.plan_bound(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] })?;
         let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
         let mut ctx = CpuCtx::new(seed);
-        let bind = self.bind_weights(weights)?;
+        let mut bind = self.bind_weights(weights)?;
+        let out_binds: Vec<(ValueId, usize)> =
+            self.outputs.iter().zip(outputs).filter(|(_, p)| !p.is_null()).map(|(&o, &p)| (o, p as usize)).collect();
+        for &(o, p) in &out_binds {
+            // SAFETY: the caller's contract: p holds output o's planned bytes, exclusively ours.
+            unsafe { bind.bind(o, p as *mut u8) };
+        }
         let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
         let t0 = std::time::Instant::now();
         let mut timings = Vec::with_capacity(plan.split);
         exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, Some(&mut timings))?;
         self.record("forward", &plan, &timings);
-        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed() })
+        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed(), out_binds })
     }
 
     fn bind_weights(&self, weights: &[*mut u8]) -> Result<Bindings> {
@@ -176,7 +222,11 @@ impl Session {
     /// Pointer to output `k` in the pending step's memory (valid while `pending` lives).
     pub fn output_ptr(&self, pending: &mut Pending, k: usize) -> Result<(*const u8, DType, Vec<usize>)> {
         let v = *self.outputs.get(k).ok_or_else(|| Error::other(format!("no output {k}")))?;
-        let bind = Bindings::new(self.graph.values.len());
+        let mut bind = Bindings::new(self.graph.values.len());
+        for &(o, p) in &pending.out_binds {
+            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
+            unsafe { bind.bind(o, p as *mut u8) };
+        }
         let p = exec::value_ptr(&self.graph, &pending.plan, &mut pending.arena, &bind, v)?;
         let dt = pending.plan.dtype(v).ok_or_else(|| Error::other("output has no type"))?;
         Ok((p as *const u8, dt, pending.plan.shape(v).to_vec()))
@@ -191,6 +241,10 @@ impl Session {
     /// types and are written exclusively by this call.
     pub unsafe fn backward(&self, mut pending: Pending, weights: &[*mut u8], seeds: &[*mut u8], grads: &[*mut u8]) -> Result<()> {
         let mut bind = self.bind_weights(weights)?;
+        for &(o, p) in &pending.out_binds {
+            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
+            unsafe { bind.bind(o, p as *mut u8) };
+        }
         for (s, &p) in self.seeds.iter().zip(seeds) {
             if let (Some(s), false) = (s, p.is_null()) {
                 // SAFETY: forwarded from this function's contract.

@@ -44,10 +44,18 @@ pub struct PyPending {
 impl PySession {
     /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
     /// flags which of them get gradients.
+    /// `seeded` (optional, one flag per output): False for outputs that carry no gradient.
     #[new]
-    fn new(py: Python<'_>, onnx: &Bound<'_, PyBytes>, weights: Vec<String>, trainable: Vec<bool>) -> PyResult<Self> {
+    #[pyo3(signature = (onnx, weights, trainable, seeded=None))]
+    fn new(
+        py: Python<'_>,
+        onnx: &Bound<'_, PyBytes>,
+        weights: Vec<String>,
+        trainable: Vec<bool>,
+        seeded: Option<Vec<bool>>,
+    ) -> PyResult<Self> {
         let bytes = onnx.as_bytes().to_vec();
-        let s = py.detach(move || Session::from_onnx(&bytes, None, &weights, &trainable)).map_err(to_py)?;
+        let s = py.detach(move || Session::from_onnx_seeded(&bytes, None, &weights, &trainable, seeded.as_deref())).map_err(to_py)?;
         Ok(PySession { inner: Arc::new(s) })
     }
 
@@ -82,6 +90,25 @@ impl PySession {
     #[getter]
     fn has_grad(&self) -> Vec<bool> {
         self.inner.grads.iter().map(|g| g.is_some()).collect()
+    }
+
+    /// (dtype, shape) of every output for these input types (plans them if needed).
+    fn output_types(&self, sigs: Vec<(String, Vec<usize>)>, backward: bool) -> PyResult<Vec<(String, Vec<usize>)>> {
+        let sigs: Vec<Sig> = sigs.into_iter().map(|(d, s)| Ok((dtype(&d)?, s))).collect::<PyResult<_>>()?;
+        let plan = self.inner.plan(&sigs, backward).map_err(to_py)?;
+        self.inner
+            .outputs
+            .iter()
+            .map(|&o| {
+                Ok((plan.dtype(o).ok_or_else(|| PyRuntimeError::new_err("output has no type"))?.name().to_string(), plan.shape(o).to_vec()))
+            })
+            .collect()
+    }
+
+    /// Which outputs carry a gradient seed.
+    #[getter]
+    fn seeded(&self) -> Vec<bool> {
+        self.inner.seeds.iter().map(|s| s.is_some()).collect()
     }
 
     /// Rewrites made by each graph pass at import: [(pass name, count)].
@@ -126,7 +153,9 @@ impl PySession {
     }
 
     /// Runs the forward pass. `inputs`: (address, dtype, shape) per model input; `weights`: one
-    /// address per weight. Returns a Pending holding the outputs (and activations if backward).
+    /// address per weight; `outputs` (optional): per output an address receiving it (0: kept in
+    /// the engine's memory). Returns a Pending holding the outputs (and activations if backward).
+    #[pyo3(signature = (inputs, weights, backward, seed, outputs=None))]
     fn forward(
         &self,
         py: Python<'_>,
@@ -134,6 +163,7 @@ impl PySession {
         weights: Vec<usize>,
         backward: bool,
         seed: u64,
+        outputs: Option<Vec<usize>>,
     ) -> PyResult<PyPending> {
         let mut feed = Vec::with_capacity(inputs.len());
         for (addr, dt, shape) in inputs {
@@ -142,6 +172,7 @@ impl PySession {
             feed.push((Addr(addr), n, (dt, shape)));
         }
         let w: Vec<Addr> = weights.into_iter().map(Addr).collect();
+        let o: Vec<Addr> = outputs.unwrap_or_default().into_iter().map(Addr).collect();
         let s = self.inner.clone();
         let pending = py
             .detach(move || {
@@ -154,8 +185,10 @@ impl PySession {
                     })
                     .collect();
                 let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
-                // SAFETY: weight addresses are the live torch parameters of the declared shapes.
-                unsafe { s.forward(&views, &wp, backward, seed) }
+                let op: Vec<*mut u8> = o.iter().map(|a| a.0 as *mut u8).collect();
+                // SAFETY: weight addresses are the live torch parameters of the declared shapes;
+                // output addresses (0: none) are tensors the caller keeps alive with this step.
+                unsafe { s.forward(&views, &wp, backward, seed, &op) }
             })
             .map_err(to_py)?;
         Ok(PyPending { inner: Some(pending), session: self.inner.clone() })

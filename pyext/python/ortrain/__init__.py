@@ -19,6 +19,7 @@ _LAZY = {
     "deaccelerate": ("ortrain.accelerate", "deaccelerate"),
     "is_accelerated": ("ortrain.accelerate", "is_accelerated"),
     "explain": ("ortrain.accelerate", "explain"),
+    "reset_profile": ("ortrain.accelerate", "reset_profile"),
     "ORTTrainer": ("ortrain.trainer", "ORTTrainer"),
     "optim": ("ortrain.optim", None),
     "load_onnx": ("ortrain.onnx_model", "load_onnx"),

@@ -17,7 +17,7 @@ _VALID_DEVICES = ("cpu", "cuda")
 class _State:
     """Per-module acceleration state: exports and runners cached per call signature and mode."""
 
-    def __init__(self, module, optimizer, device, strict, exporter):
+    def __init__(self, module, optimizer, device, strict, exporter, fuse_loss=True):
         self.module = module
         self.optimizer = optimizer
         self.device = device
@@ -29,6 +29,9 @@ class _State:
         self.calls = 0
         self.engine_calls = 0
         self.optimizer_in_engine = False
+        self.fuse_loss = fuse_loss
+        self.loss_runners: dict = {}  # (runner key, classes, ignore_index, reduction) -> runner | Exception
+        self.fused_loss_calls = 0
 
     @contextmanager
     def plain(self):
@@ -74,6 +77,9 @@ class _State:
                 return self.module.forward(*args, **kwargs)
         _, flat = flatten_call(self.module, args, kwargs)
         self.last_inputs = flat
+        lazy = self._deferred(runner, flat, args, kwargs)
+        if lazy is not None:
+            return lazy
         try:
             outs = runner(flat, torch.is_grad_enabled())
         except Exception as exc:  # noqa: BLE001
@@ -89,17 +95,87 @@ class _State:
         return unflatten_outputs(runner.exported.output_structure, outs)
 
 
+    def _deferred(self, runner, flat, args, kwargs):
+        """A LazyOutput where the loss may be fused into the engine graph: training with
+        gradients, one float output, no buffers updated as a side effect."""
+        if not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
+                and runner.n_user_outputs == 1 and not runner.buffer_outputs
+                and runner.exported.output_structure == ("tensor", 0)):
+            return None
+        from ortrain.engine.lazy import Deferred, LazyOutput
+
+        try:
+            (dtype, shape), = runner.output_types(flat)
+        except Exception:  # noqa: BLE001 - planning errors surface on the normal path below
+            return None
+        if not dtype.is_floating_point or len(shape) < 2:
+            return None
+        call = Deferred(self, runner, self.last_key, flat, args, kwargs, shape, dtype)
+        self.engine_calls += 1
+        return LazyOutput(call, shape)
+
+    def run_now(self, call) -> torch.Tensor:
+        """Runs a deferred call as a plain engine forward (PyTorch if the engine fails)."""
+        from ortrain._ortrain import EngineError
+
+        try:
+            (out,) = call.runner(call.inputs, True, seed=call.seed)
+            return out
+        except (EngineError, OrtrainError) as exc:
+            self.runners[call.key] = exc
+            self._fall_back(exc)
+            with self.plain():
+                return self.module.forward(*call.args, **call.kwargs)
+
+    def run_cross_entropy(self, call, target, ignore_index: int, reduction: str):
+        """The loss of a deferred call computed in the engine with the model (None: not possible,
+        the caller computes it in PyTorch)."""
+        from ortrain.engine.cross_entropy import CrossEntropyRunner
+        from ortrain._ortrain import EngineError
+
+        classes = call.shape[-1]
+        key = (call.key, classes, ignore_index, reduction)
+        runner = self.loss_runners.get(key)
+        if runner is None:
+            try:
+                runner = CrossEntropyRunner(self.module, call.runner.exported, classes, ignore_index, reduction)
+            except Exception as exc:  # noqa: BLE001 - the loss then runs in PyTorch
+                runner = exc
+                if self.strict:
+                    raise OrtrainError(f"ortrain (strict): the cross-entropy cannot run in the engine: {exc}") from exc
+                warnings.warn(f"ortrain: the loss runs in PyTorch (cannot fuse it into the engine: {_first_line(exc)})",
+                              stacklevel=4)
+            self.loss_runners[key] = runner
+        if isinstance(runner, Exception):
+            return None
+        logits = runner.logits_buffer(call.shape, call.dtype)
+        try:
+            loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
+        except (EngineError, OrtrainError) as exc:
+            if self.strict:
+                raise
+            self.loss_runners[key] = exc
+            warnings.warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}", stacklevel=4)
+            return None
+        call.fused_logits = logits
+        self.fused_loss_calls += 1
+        return loss
+
+
 def _first_line(exc: Exception) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
-               exporter: str = "auto"):
+               exporter: str = "auto", fuse_loss: bool = True):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
-    into an error. `exporter`: "auto" | "dynamo" | "legacy".
+    into an error. `exporter`: "auto" | "dynamo" | "legacy". `fuse_loss`: in training, the
+    output is returned lazily so that `F.cross_entropy` / `nn.CrossEntropyLoss` on it runs inside
+    the engine with the model (the logits and their gradient never pass through PyTorch); any
+    other use of the output computes it as usual.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -111,7 +187,7 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     state = getattr(model, "_ortrain_state", None)
     if state is None:
-        state = _State(model, optimizer, device, strict, exporter)
+        state = _State(model, optimizer, device, strict, exporter, fuse_loss)
         model.__dict__["_ortrain_state"] = state
         model.__dict__["forward"] = state.forward
     if optimizer is not None:
@@ -137,11 +213,13 @@ def is_accelerated(model) -> bool:
     return isinstance(getattr(model, "__dict__", {}).get("_ortrain_state"), _State)
 
 
-def explain(model, *example_args, **example_kwargs) -> str:
+def explain(model, *example_args, profile: bool = False, **example_kwargs) -> str:
     """What runs where: exporter, engine graph size, planned peak memory, fallbacks.
 
     With example inputs, the model is exported and planned for them first (nothing runs), so the
-    memory plan is known before the first step.
+    memory plan is known before the first step. `profile=True` adds the engine's time per op type
+    and the slowest nodes, averaged over the steps run so far (`ortrain.reset_profile(model)`
+    starts a new measurement).
     """
     state = getattr(model, "__dict__", {}).get("_ortrain_state")
     if state is None:
@@ -176,4 +254,19 @@ def explain(model, *example_args, **example_kwargs) -> str:
                              f"{info['folded_nodes']} nodes folded")
         else:
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
+    if state.fused_loss_calls:
+        lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
+    if profile:
+        from ortrain._profile import format_profile
+
+        lines += format_profile(state)
     return "\n".join(lines)
+
+
+def reset_profile(model) -> None:
+    """Starts a new profile measurement for `explain(model, profile=True)`."""
+    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    if state is not None:
+        from ortrain._profile import reset
+
+        reset(state)

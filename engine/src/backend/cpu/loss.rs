@@ -5,9 +5,11 @@ use rayon::prelude::*;
 
 use super::elementwise::{first, FloatElem};
 use super::tensor_view::{In, Out};
+use super::vmath;
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
+use crate::tensor::DType;
 
 struct Layout {
     n: usize,
@@ -56,6 +58,11 @@ fn row_stats<T: FloatElem>(x: &[T], base: usize, c: usize, inner: usize) -> (f64
     (m, s.ln())
 }
 
+/// The scores as f32 rows when the vectorised path applies: softmax, [N, C] f32.
+fn fast_rows<'a>(x: &In<'a>, l: &Layout) -> Result<Option<&'a [f32]>> {
+    Ok(if l.softmax && l.inner == 1 && x.dtype == DType::F32 { Some(x.slice::<f32>()?) } else { None })
+}
+
 fn sample_base(s: usize, l: &Layout) -> usize {
     (s / l.inner) * l.c * l.inner + s % l.inner
 }
@@ -67,23 +74,30 @@ fn loss(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
     let t = targets(node, &l, labels, inputs.get(2).and_then(|v| v.as_ref()))?;
     fn go<T: FloatElem>(x: &In, out: &mut [Out], l: &Layout, t: &[(usize, f64)]) -> Result<()> {
         let xv = x.slice::<T>()?;
-        let per: Vec<f64> = (0..l.n * l.inner)
-            .into_par_iter()
-            .map(|s| {
-                let (y, w) = t[s];
-                if w == 0.0 {
-                    return 0.0;
-                }
-                let base = sample_base(s, l);
-                let logp = if l.softmax {
-                    let (m, lse) = row_stats(xv, base, l.c, l.inner);
-                    xv[base + y * l.inner].as_() - m - lse
-                } else {
-                    xv[base + y * l.inner].as_()
-                };
-                -w * logp
-            })
-            .collect();
+        let per: Vec<f64> = if let Some(xf) = fast_rows(x, l)? {
+            xf.par_chunks(l.c.max(1))
+                .zip(t.par_iter())
+                .map(|(row, &(y, w))| if w == 0.0 { 0.0 } else { -w * (row[y] as f64 - vmath::row_lse(row) as f64) })
+                .collect()
+        } else {
+            (0..l.n * l.inner)
+                .into_par_iter()
+                .map(|s| {
+                    let (y, w) = t[s];
+                    if w == 0.0 {
+                        return 0.0;
+                    }
+                    let base = sample_base(s, l);
+                    let logp = if l.softmax {
+                        let (m, lse) = row_stats(xv, base, l.c, l.inner);
+                        xv[base + y * l.inner].as_() - m - lse
+                    } else {
+                        xv[base + y * l.inner].as_()
+                    };
+                    -w * logp
+                })
+                .collect()
+        };
         let (lo, rest) = out.split_first_mut().expect("loss output");
         let lv = lo.slice::<T>()?;
         match l.reduction.as_str() {
@@ -131,6 +145,18 @@ fn loss_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx
                 }
             }
         };
+        if let (Some(xf), DType::F32) = (fast_rows(x, l)?, o.dtype) {
+            let of = o.slice::<f32>()?;
+            of.par_chunks_mut(l.c.max(1)).zip(xf.par_chunks(l.c.max(1))).enumerate().for_each(|(s, (orow, row))| {
+                let (y, w) = t[s];
+                let g = (w * scale(s)) as f32;
+                vmath::row_scaled_softmax::call(orow, row, vmath::row_lse(row), g);
+                if w != 0.0 {
+                    orow[y] -= g;
+                }
+            });
+            return Ok(());
+        }
         let ov = o.slice::<T>()?;
         let block = l.c * l.inner;
         ov.par_chunks_mut(block.max(1)).enumerate().for_each(|(i, ob)| {

@@ -20,6 +20,7 @@ mod reduce;
 mod shape_ops;
 mod softmax;
 pub mod tensor_view;
+mod vmath;
 
 use std::collections::HashMap;
 use std::sync::OnceLock;

@@ -8,9 +8,14 @@ import torch
 from .tensors import address, torch_dtype, triple
 
 
-def read_outputs(pending, n: int) -> list:
+def read_outputs(pending, n: int, bound: dict | None = None) -> list:
+    """The outputs as torch tensors: copied out of the engine, except those written straight
+    into caller tensors (`bound`: output index -> tensor)."""
     outs = []
     for k in range(n):
+        if bound and k in bound:
+            outs.append(bound[k])
+            continue
         _, dt, shape = pending.output(k)
         t = torch.empty(shape, dtype=torch_dtype(dt))
         if t.numel():
@@ -19,7 +24,7 @@ def read_outputs(pending, n: int) -> list:
     return outs
 
 
-def _seed() -> int:
+def new_seed() -> int:
     # drawn from torch's generator, so torch.manual_seed makes engine dropout reproducible
     return int(torch.randint(0, 2**62, (1,)).item())
 
@@ -27,7 +32,7 @@ def _seed() -> int:
 def run_inference(runner, inputs: list) -> list:
     """Forward only (eval, or no_grad): no activations kept."""
     pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                     runner.weight_addresses(), False, _seed())
+                                     runner.weight_addresses(), False, new_seed())
     try:
         return read_outputs(pending, runner.n_outputs)
     finally:
@@ -35,19 +40,26 @@ def run_inference(runner, inputs: list) -> list:
 
 
 class EngineFunction(torch.autograd.Function):
-    """apply(runner, n_inputs, *inputs, *trainable_params) -> outputs."""
+    """apply(runner, n_inputs, seed, bound, *inputs, *trainable_params) -> outputs.
+
+    `seed` (None: drawn from torch's generator) fixes dropout masks; `bound` (output index ->
+    tensor, or None) are outputs written straight into those tensors."""
 
     @staticmethod
-    def forward(ctx, runner, n_inputs, *tensors):
+    def forward(ctx, runner, n_inputs, seed, bound, *tensors):
         inputs = [t.detach().contiguous() for t in tensors[:n_inputs]]
+        addrs = None
+        if bound:
+            addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)]
         pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                         runner.weight_addresses(), True, _seed())
-        outs = read_outputs(pending, runner.n_outputs)
+                                         runner.weight_addresses(), True, new_seed() if seed is None else seed, addrs)
+        outs = read_outputs(pending, runner.n_outputs, bound)
+        ctx.bound = bound  # the engine reads them again in the backward pass
         ctx.pending = pending
         ctx.runner = runner
         ctx.n_inputs = n_inputs
         ctx.out_meta = [(o.shape, o.dtype) for o in outs]
-        non_diff = [o for o in outs if not o.is_floating_point()]
+        non_diff = [o for o, sd in zip(outs, runner.seeded) if not o.is_floating_point() or not sd]
         if non_diff:
             ctx.mark_non_differentiable(*non_diff)
         return tuple(outs)
@@ -57,8 +69,8 @@ class EngineFunction(torch.autograd.Function):
         runner, pending = ctx.runner, ctx.pending
         ctx.pending = None
         seeds, keep = [], []
-        for g, (shape, dtype) in zip(grad_outputs, ctx.out_meta):
-            if not dtype.is_floating_point:
+        for g, (shape, dtype), sd in zip(grad_outputs, ctx.out_meta, runner.seeded):
+            if not dtype.is_floating_point or not sd:
                 seeds.append(0)
                 continue
             if g is None:
@@ -71,4 +83,5 @@ class EngineFunction(torch.autograd.Function):
         grads = runner.new_grad_buffers()
         runner.session.backward(pending, runner.weight_addresses(), seeds,
                                 [0 if g is None else g.data_ptr() for g in grads])
-        return (None, None) + (None,) * ctx.n_inputs + tuple(runner.grads_for_trainable(grads))
+        ctx.bound = None
+        return (None, None, None, None) + (None,) * ctx.n_inputs + tuple(runner.grads_for_trainable(grads))

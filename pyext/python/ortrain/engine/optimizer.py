@@ -55,6 +55,9 @@ def _engine_step(self, closure=None):
             decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
             _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                                float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)))
+    # the engine wrote the parameters through their addresses: bump their autograd versions as an
+    # in-place torch update would, so that stale saved tensors are detected like in PyTorch
+    torch.autograd.graph.increment_version([p for g in self.param_groups for p in g["params"] if p.grad is not None])
     if leftovers:
         _torch_step_for(self, leftovers)
     return loss

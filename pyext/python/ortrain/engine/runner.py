@@ -48,6 +48,9 @@ def _batch_counters(module: torch.nn.Module, updated: list) -> list:
 
 
 class Runner:
+    #: per output, False where it carries no gradient (None: all do)
+    seeded_outputs = None
+
     def __init__(self, module: torch.nn.Module, exported):
         self.exported = exported
         named = dict(module.named_parameters(remove_duplicate=False))
@@ -65,7 +68,11 @@ class Runner:
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
                              and t.is_floating_point())
         onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
-        self.session = _ortrain.Session(onnx_bytes, names, trainable)
+        seeded = None
+        if self.seeded_outputs is not None:
+            seeded = list(self.seeded_outputs) + [True] * (len(exported.output_names) + len(self.buffer_outputs) - len(self.seeded_outputs))
+        self.session = _ortrain.Session(onnx_bytes, names, trainable, seeded)
+        self.seeded = self.session.seeded
         self.weights = tensors
         self.trainable = trainable
         self.has_grad = self.session.has_grad
@@ -87,10 +94,11 @@ class Runner:
     def grads_for_trainable(self, grads: list) -> list:
         return [g for g, tr in zip(grads, self.trainable) if tr]
 
-    def __call__(self, inputs: list, grad: bool) -> list:
-        """Runs the graph; returns the user outputs (buffer updates are applied in place)."""
+    def __call__(self, inputs: list, grad: bool, seed: int | None = None, bound: dict | None = None) -> list:
+        """Runs the graph; returns the user outputs (buffer updates are applied in place).
+        `seed` fixes dropout masks; `bound` maps output index -> tensor receiving it."""
         if grad and self.trainable_params:
-            outs = EngineFunction.apply(self, len(inputs), *inputs, *self.trainable_params)
+            outs = EngineFunction.apply(self, len(inputs), seed, bound, *inputs, *self.trainable_params)
         else:
             outs = run_inference(self, [x.detach().contiguous() for x in inputs])
         outs = list(outs)
@@ -101,6 +109,13 @@ class Runner:
                 for counter in self.batch_counters:
                     counter.add_(1)
         return outs[:self.n_user_outputs]
+
+    def output_types(self, inputs: list) -> list:
+        """(torch dtype, shape) of every output for these inputs, without running anything."""
+        from .tensors import torch_dtype
+
+        sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, self.input_names)]
+        return [(torch_dtype(d), tuple(s)) for d, s in self.session.output_types(sigs, True)]
 
     def plan_info(self, inputs: list, backward: bool) -> dict:
         sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, self.input_names)]

@@ -1,0 +1,65 @@
+"""The model with a softmax cross-entropy appended, as one engine graph: what a user's
+`criterion(output.view(-1, C), target)` becomes when it is fused (engine/lazy.py). The logits are
+written straight into a reusable torch buffer (the user may still read them), and the loss and
+its gradient are computed inside the engine: the logits and their gradient never round-trip
+through PyTorch."""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from .runner import Runner
+
+TARGET = "ortrain_ce_target"
+LOSS = "ortrain_ce_loss"
+
+
+def _with_cross_entropy(onnx_bytes: bytes, classes: int, ignore_index: int, reduction: str) -> bytes:
+    """Outputs become [loss, logits, ...the other outputs]; one new input, the int64 targets."""
+    model = onnx.load_from_string(onnx_bytes)
+    g = model.graph
+    logits = g.output[0].name
+    g.initializer.append(numpy_helper.from_array(np.array([-1, classes], dtype=np.int64), "ortrain_ce_shape"))
+    g.node.append(helper.make_node("Reshape", [logits, "ortrain_ce_shape"], ["ortrain_ce_rows"], name="ortrain_ce_reshape"))
+    g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["ortrain_ce_rows", TARGET], [LOSS],
+                                   name="ortrain_ce_loss", reduction=reduction, ignore_index=ignore_index))
+    g.input.append(helper.make_tensor_value_info(TARGET, TensorProto.INT64, ["ortrain_ce_n"]))
+    outputs = list(g.output)
+    del g.output[:]
+    g.output.append(helper.make_empty_tensor_value_info(LOSS))
+    g.output.extend(outputs)
+    return model.SerializeToString()
+
+
+class CrossEntropyRunner(Runner):
+    """A Runner over the model + loss graph; output 0 is the loss, output 1 the logits (read,
+    never differentiated: their gradient stays inside the engine)."""
+
+    seeded_outputs = (True, False)
+
+    def __init__(self, module, exported, classes: int, ignore_index: int, reduction: str):
+        fused = dataclasses.replace(
+            exported,
+            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, classes, ignore_index, reduction),
+            input_names=list(exported.input_names) + [TARGET],
+            output_names=[LOSS] + list(exported.output_names),
+        )
+        super().__init__(module, fused)
+        self._pool: list = []
+
+    def logits_buffer(self, shape, dtype) -> torch.Tensor:
+        """A tensor for the logits: one from an earlier step that nobody holds any more, else new
+        (so that after the first steps the logits land in memory that is already mapped)."""
+        for t in self._pool:
+            # references: the pool's list, the loop variable and getrefcount's argument
+            if sys.getrefcount(t) <= 3 and t.shape == shape and t.dtype == dtype:
+                return t
+        t = torch.empty(shape, dtype=dtype)
+        if len(self._pool) < 3:
+            self._pool.append(t)
+        return t

@@ -1,0 +1,132 @@
+"""Deferred model outputs, so that the user's loss can run inside the engine.
+
+In training, an accelerated module whose only output is one float tensor returns a LazyOutput:
+a tensor subclass with the right shape and dtype but no data yet. Views of it (`view`,
+`reshape`, `flatten`, `contiguous`) stay lazy. When it reaches `F.cross_entropy` (what
+`nn.CrossEntropyLoss` calls) with class-index targets, the engine runs the model and the loss as
+one graph (engine/cross_entropy.py) and returns the loss: the logits are written once and never
+copied, and their gradient never leaves the engine. Any other use materialises it: the logits
+of the fused run if there was one (exact, the same values), else a normal engine forward. A
+gradient through a materialised fused output is computed by replaying the forward with the same
+dropout seed, which requires the parameters unchanged since the forward pass (as PyTorch
+itself requires)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .function import EngineFunction, new_seed
+
+_VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
+          torch.Tensor.contiguous}
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.is_floating_point,
+             torch.Tensor.__len__, torch.Tensor.is_contiguous,
+             torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+             torch.Tensor.is_sparse.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__}
+
+
+class Deferred:
+    """One model call not run yet: what it needs to run, and what it produced once it ran."""
+
+    def __init__(self, state, runner, key, inputs, args, kwargs, shape, dtype):
+        self.state, self.runner, self.key = state, runner, key
+        self.inputs, self.args, self.kwargs = inputs, args, kwargs
+        self.shape, self.dtype = tuple(shape), dtype
+        self.seed = new_seed()
+        self.versions = [p._version for p in runner.trainable_params]
+        self.fused_logits = None  # the logits a fused loss run wrote
+        self.value = None  # the materialised output (with autograd history)
+
+    def materialize(self) -> torch.Tensor:
+        if self.value is None:
+            if self.fused_logits is not None:
+                self.value = _Replay.apply(self, self.fused_logits, *self.runner.trainable_params)
+            else:
+                self.value = self.state.run_now(self)
+        return self.value
+
+    def replay_backward(self, grad: torch.Tensor):
+        """Gradients of the parameters for `grad` flowing into the output: the forward again
+        (same seed, so the same dropout masks), then its backward."""
+        if [p._version for p in self.runner.trainable_params] != self.versions:
+            raise RuntimeError("ortrain: a model output was backpropagated after the parameters changed (an "
+                               "optimizer step since the forward pass); PyTorch refuses this too")
+        with torch.enable_grad():
+            (out,) = self.runner(self.inputs, True, seed=self.seed)
+            torch.autograd.backward(out, grad)
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call, logits, *params):
+        ctx.call = call
+        return logits.view_as(logits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.call.replay_backward(grad)
+        return (None, None) + (None,) * len(ctx.call.runner.trainable_params)
+
+
+class LazyOutput(torch.Tensor):
+    @staticmethod
+    def __new__(cls, call: Deferred, shape):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=call.dtype, device=torch.device("cpu"),
+                                                requires_grad=True)
+        t._call = call
+        return t
+
+    def __repr__(self):
+        return repr(self._call.materialize().view(self.shape))
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _VIEWS and isinstance(args[0], LazyOutput):
+            meta = torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
+            shape = func(meta, *args[1:], **kwargs).shape
+            return LazyOutput(args[0]._call, shape)
+        if func is F.cross_entropy:
+            loss = _fused_cross_entropy(*args, **kwargs)
+            if loss is not None:
+                return loss
+        args, kwargs = _materialize((args, kwargs))
+        return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # reached only where torch_function was bypassed: compute on the real values
+        args, kwargs = _materialize((args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _materialize(tree):
+    if isinstance(tree, LazyOutput):
+        return tree._call.materialize().view(tree.shape)
+    if isinstance(tree, tuple):
+        return tuple(_materialize(x) for x in tree)
+    if isinstance(tree, list):
+        return [_materialize(x) for x in tree]
+    if isinstance(tree, dict):
+        return {k: _materialize(v) for k, v in tree.items()}
+    return tree
+
+
+def _fused_cross_entropy(input=None, target=None, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                         reduction="mean", label_smoothing=0.0):
+    """The loss computed in the engine, or None where that does not apply (then the caller
+    materialises the output and PyTorch computes the loss)."""
+    if not isinstance(input, LazyOutput) or isinstance(target, LazyOutput):
+        return None
+    call = input._call
+    if (call.value is not None or call.fused_logits is not None or not torch.is_grad_enabled()
+            or weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
+            or reduction not in ("mean", "sum") or input.dim() != 2 or input.shape[1] != call.shape[-1]
+            or not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.dim() != 1
+            or target.shape[0] != input.shape[0] or target.device.type != "cpu" or target.requires_grad):
+        return None
+    return call.state.run_cross_entropy(call, target, int(ignore_index), reduction)

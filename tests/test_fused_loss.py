@@ -1,0 +1,147 @@
+"""The user's own cross-entropy fused into the engine graph (accelerate(..., fuse_loss=True), the
+default): the tutorial loop `criterion(output.view(-1, ntokens), targets)` computes the loss and
+its gradient inside the engine, and every other use of the output still behaves as in PyTorch
+(reading it after the optimizer step, a second differentiable term, unsupported loss options,
+printing it)."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import models  # noqa: E402
+
+import ortrain  # noqa: E402
+from ortrain.engine.lazy import LazyOutput  # noqa: E402
+
+V = 300
+
+
+def _pair(fuse_loss=True):
+    torch.manual_seed(0)
+    model, (x,), _ = models.tutorial_transformer(V, dropout=0.0)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, strict=True, fuse_loss=fuse_loss)
+    y = torch.randint(0, V, (x.numel(),), generator=torch.Generator().manual_seed(3))
+    return model, opt, ref, opt_ref, x, y
+
+
+def _grads(m):
+    return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+
+def _close_grads(a, b, rtol=1e-4):
+    assert a.keys() == b.keys()
+    for n in a:
+        scale = max(b[n].abs().max().item(), 1e-6)
+        assert (a[n] - b[n]).abs().max().item() <= rtol * scale, n
+
+
+def test_tutorial_loop_fuses_the_loss_and_matches_pytorch():
+    model, opt, ref, opt_ref, x, y = _pair()
+    crit = torch.nn.CrossEntropyLoss()
+    for step in range(5):
+        results = []
+        for m, o in ((model, opt), (ref, opt_ref)):
+            o.zero_grad()
+            out = m(x)
+            loss = crit(out.view(-1, V), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            grads = _grads(m)
+            o.step()
+            # read after the step, as accuracy code does: the values of this step's forward
+            acc = (out.argmax(-1).reshape(-1) == y).float().mean().item()
+            results.append((loss.item(), grads, acc, out.detach().clone()))
+        (l, g, a, o1), (lr, gr, ar, o2) = results
+        assert abs(l - lr) <= 1e-5 * abs(lr)
+        _close_grads(g, gr)
+        assert a == ar
+        torch.testing.assert_close(o1, o2, rtol=1e-4, atol=1e-5)
+    state = model._ortrain_state
+    assert state.fused_loss_calls == 5
+    assert "loss fused into the engine graph" in ortrain.explain(model)
+
+
+def test_output_is_lazy_only_in_training_with_grad():
+    model, _, _, _, x, _ = _pair()
+    assert isinstance(model(x), LazyOutput)
+    with torch.no_grad():
+        assert type(model(x)) is torch.Tensor
+    model.eval()
+    assert type(model(x)) is torch.Tensor
+    model2, _, _, _, _, _ = _pair(fuse_loss=False)
+    assert type(model2(x)) is torch.Tensor
+
+
+def test_second_differentiable_use_of_the_output_gets_its_gradient():
+    model, opt, ref, opt_ref, x, y = _pair()
+    grads = []
+    for m in (model, ref):
+        out = m(x)
+        loss = F.cross_entropy(out.view(-1, V), y) + 1e-2 * out.pow(2).mean()
+        loss.backward()
+        grads.append(_grads(m))
+    assert model._ortrain_state.fused_loss_calls == 1
+    _close_grads(grads[0], grads[1])
+
+
+def test_unsupported_loss_options_run_in_pytorch_with_the_same_result():
+    model, opt, ref, opt_ref, x, y = _pair()
+    w = torch.rand(V)
+    for kwargs in (dict(label_smoothing=0.1), dict(weight=w), dict(reduction="none")):
+        model.zero_grad(), ref.zero_grad()
+        losses = []
+        for m in (model, ref):
+            out = m(x)
+            loss = F.cross_entropy(out.view(-1, V), y, **kwargs)
+            loss.sum().backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+        _close_grads(_grads(model), _grads(ref))
+    assert model._ortrain_state.fused_loss_calls == 0
+
+
+def test_ignore_index_and_sum_reduction_are_fused():
+    model, opt, ref, opt_ref, x, y = _pair()
+    y = y.clone()
+    y[::7] = -100
+    losses = []
+    for m in (model, ref):
+        out = m(x)
+        loss = F.cross_entropy(out.reshape(-1, V), y, reduction="sum", ignore_index=-100)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    _close_grads(_grads(model), _grads(ref))
+    assert model._ortrain_state.fused_loss_calls == 1
+
+
+def test_using_the_output_first_works_like_a_tensor():
+    model, opt, ref, opt_ref, x, y = _pair()
+    out, out_ref = model(x), ref(x)
+    assert out.shape == out_ref.shape and out.dtype == torch.float32 and out.requires_grad
+    assert "tensor(" in repr(out)
+    torch.testing.assert_close(out.sum(), out_ref.sum(), rtol=1e-4, atol=1e-3)
+    loss = F.cross_entropy(out.view(-1, V), y)  # already materialised: PyTorch computes it
+    loss.backward()
+    loss_ref = F.cross_entropy(out_ref.view(-1, V), y)
+    loss_ref.backward()
+    assert abs(loss.item() - loss_ref.item()) <= 1e-5 * loss_ref.item()
+    _close_grads(_grads(model), _grads(ref))
+
+
+def test_backward_through_the_output_after_the_step_is_refused():
+    model, opt, _, _, x, y = _pair()
+    out = model(x)
+    F.cross_entropy(out.view(-1, V), y).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="parameters changed"):
+        out.sum().backward()
