@@ -145,3 +145,22 @@ def test_backward_through_the_output_after_the_step_is_refused():
     opt.step()
     with pytest.raises(RuntimeError, match="parameters changed"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("case", ["gpt2", "bert"])
+def test_hugging_face_lm_losses_are_fused(case):
+    """GPT-2's shifted loss slices the logits (`logits[:, :-1, :]`), BERT's MLM loss reshapes
+    them with -100 labels; both return a ModelOutput around the lazy logits."""
+    build = models.gpt2_small if case == "gpt2" else models.bert_small
+    torch.manual_seed(0)
+    model, inputs, loss_fn = build(vocab=200, dropout=0.0)
+    ref = copy.deepcopy(model)
+    ortrain.accelerate(model, strict=True)
+    losses = []
+    for m in (model, ref):
+        loss = loss_fn(m(*inputs), *inputs)
+        loss.backward()
+        losses.append(loss.item())
+    assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
+    _close_grads(_grads(model), _grads(ref))
+    assert model._ortrain_state.fused_loss_calls == 1

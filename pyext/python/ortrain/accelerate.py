@@ -99,8 +99,7 @@ class _State:
         """A LazyOutput where the loss may be fused into the engine graph: training with
         gradients, one float output, no buffers updated as a side effect."""
         if not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
-                and runner.n_user_outputs == 1 and not runner.buffer_outputs
-                and runner.exported.output_structure == ("tensor", 0)):
+                and runner.n_user_outputs == 1 and not runner.buffer_outputs):
             return None
         from ortrain.engine.lazy import Deferred, LazyOutput
 
@@ -110,9 +109,11 @@ class _State:
             return None
         if not dtype.is_floating_point or len(shape) < 2:
             return None
+        from ortrain.export import unflatten_outputs
+
         call = Deferred(self, runner, self.last_key, flat, args, kwargs, shape, dtype)
         self.engine_calls += 1
-        return LazyOutput(call, shape)
+        return unflatten_outputs(runner.exported.output_structure, [LazyOutput(call, shape)])
 
     def run_now(self, call) -> torch.Tensor:
         """Runs a deferred call as a plain engine forward (PyTorch if the engine fails)."""
@@ -124,21 +125,24 @@ class _State:
         except (EngineError, OrtrainError) as exc:
             self.runners[call.key] = exc
             self._fall_back(exc)
-            with self.plain():
-                return self.module.forward(*call.args, **call.kwargs)
+            from ortrain.export.outputs import flatten_outputs
 
-    def run_cross_entropy(self, call, target, ignore_index: int, reduction: str):
+            with self.plain():
+                out = self.module.forward(*call.args, **call.kwargs)
+            return flatten_outputs(out)[1][0]
+
+    def run_cross_entropy(self, call, slices, target, ignore_index: int, reduction: str):
         """The loss of a deferred call computed in the engine with the model (None: not possible,
         the caller computes it in PyTorch)."""
         from ortrain.engine.cross_entropy import CrossEntropyRunner
         from ortrain._ortrain import EngineError
 
         classes = call.shape[-1]
-        key = (call.key, classes, ignore_index, reduction)
+        key = (call.key, tuple(slices), classes, ignore_index, reduction)
         runner = self.loss_runners.get(key)
         if runner is None:
             try:
-                runner = CrossEntropyRunner(self.module, call.runner.exported, classes, ignore_index, reduction)
+                runner = CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index, reduction)
             except Exception as exc:  # noqa: BLE001 - the loss then runs in PyTorch
                 runner = exc
                 if self.strict:

@@ -19,13 +19,24 @@ TARGET = "ortrain_ce_target"
 LOSS = "ortrain_ce_loss"
 
 
-def _with_cross_entropy(onnx_bytes: bytes, classes: int, ignore_index: int, reduction: str) -> bytes:
-    """Outputs become [loss, logits, ...the other outputs]; one new input, the int64 targets."""
+def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: int, reduction: str) -> bytes:
+    """Outputs become [loss, logits, ...the other outputs]; one new input, the int64 targets.
+    `slices` ((axis, start, stop), ...) are applied to the logits before the rows are formed."""
     model = onnx.load_from_string(onnx_bytes)
     g = model.graph
     logits = g.output[0].name
+    scores = logits
+    if slices:
+        big = np.iinfo(np.int64).max
+        for name, values in (("starts", [0 if a is None else a for _, a, _ in slices]),
+                             ("ends", [big if b is None else b for _, _, b in slices]),
+                             ("axes", [axis for axis, _, _ in slices])):
+            g.initializer.append(numpy_helper.from_array(np.array(values, dtype=np.int64), f"ortrain_ce_{name}"))
+        g.node.append(helper.make_node("Slice", [logits, "ortrain_ce_starts", "ortrain_ce_ends", "ortrain_ce_axes"],
+                                       ["ortrain_ce_sliced"], name="ortrain_ce_slice"))
+        scores = "ortrain_ce_sliced"
     g.initializer.append(numpy_helper.from_array(np.array([-1, classes], dtype=np.int64), "ortrain_ce_shape"))
-    g.node.append(helper.make_node("Reshape", [logits, "ortrain_ce_shape"], ["ortrain_ce_rows"], name="ortrain_ce_reshape"))
+    g.node.append(helper.make_node("Reshape", [scores, "ortrain_ce_shape"], ["ortrain_ce_rows"], name="ortrain_ce_reshape"))
     g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["ortrain_ce_rows", TARGET], [LOSS],
                                    name="ortrain_ce_loss", reduction=reduction, ignore_index=ignore_index))
     g.input.append(helper.make_tensor_value_info(TARGET, TensorProto.INT64, ["ortrain_ce_n"]))
@@ -42,10 +53,10 @@ class CrossEntropyRunner(Runner):
 
     seeded_outputs = (True, False)
 
-    def __init__(self, module, exported, classes: int, ignore_index: int, reduction: str):
+    def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str):
         fused = dataclasses.replace(
             exported,
-            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, classes, ignore_index, reduction),
+            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction),
             input_names=list(exported.input_names) + [TARGET],
             output_names=[LOSS] + list(exported.output_names),
         )

@@ -1,8 +1,9 @@
 """Deferred model outputs, so that the user's loss can run inside the engine.
 
-In training, an accelerated module whose only output is one float tensor returns a LazyOutput:
-a tensor subclass with the right shape and dtype but no data yet. Views of it (`view`,
-`reshape`, `flatten`, `contiguous`) stay lazy. When it reaches `F.cross_entropy` (what
+In training, an accelerated module whose only output is one float tensor returns a LazyOutput
+(inside the module's output structure, e.g. a Hugging Face ModelOutput): a tensor subclass with
+the right shape and dtype but no data yet. Basic slicing (`logits[:, :-1, :]`) and views
+(`view`, `reshape`, `flatten`, `contiguous`) stay lazy. When it reaches `F.cross_entropy` (what
 `nn.CrossEntropyLoss` calls) with class-index targets, the engine runs the model and the loss as
 one graph (engine/cross_entropy.py) and returns the loss: the logits are written once and never
 copied, and their gradient never leaves the engine. Any other use materialises it: the logits
@@ -70,15 +71,30 @@ class _Replay(torch.autograd.Function):
 
 
 class LazyOutput(torch.Tensor):
+    """`slices`: ((axis, start, stop), ...) applied to the output first; `reshaped`: whether a
+    view changed the shape after them (slicing is lazy only before that)."""
+
     @staticmethod
-    def __new__(cls, call: Deferred, shape):
+    def __new__(cls, call: Deferred, shape, slices=(), reshaped=False):
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=call.dtype, device=torch.device("cpu"),
                                                 requires_grad=True)
         t._call = call
+        t._slices = tuple(slices)
+        t._reshaped = reshaped
         return t
 
+    def _value(self) -> torch.Tensor:
+        """The real tensor this lazy one stands for."""
+        v = self._call.materialize()
+        if self._slices:
+            index = [slice(None)] * v.dim()
+            for axis, start, stop in self._slices:
+                index[axis] = slice(start, stop)
+            v = v[tuple(index)]
+        return v.reshape(self.shape)
+
     def __repr__(self):
-        return repr(self._call.materialize().view(self.shape))
+        return repr(self._value())
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -87,9 +103,14 @@ class LazyOutput(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func in _VIEWS and isinstance(args[0], LazyOutput):
-            meta = torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
+            x = args[0]
+            meta = torch.empty(x.shape, dtype=x.dtype, device="meta")
             shape = func(meta, *args[1:], **kwargs).shape
-            return LazyOutput(args[0]._call, shape)
+            return LazyOutput(x._call, shape, x._slices, x._reshaped or tuple(shape) != tuple(x.shape))
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], LazyOutput):
+            sliced = _lazy_slice(args[0], args[1])
+            if sliced is not None:
+                return sliced
         if func is F.cross_entropy:
             loss = _fused_cross_entropy(*args, **kwargs)
             if loss is not None:
@@ -104,9 +125,31 @@ class LazyOutput(torch.Tensor):
         return func(*args, **kwargs)
 
 
+def _lazy_slice(x: LazyOutput, index):
+    """x[index] kept lazy for basic slices with step 1 (ints, tensors, steps: None)."""
+    if x._reshaped:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in items:
+        k = items.index(Ellipsis)
+        items = items[:k] + (slice(None),) * (x.dim() - len(items) + 1) + items[k + 1:]
+    if len(items) > x.dim() or not all(isinstance(i, slice) and i.step in (None, 1)
+                                       and all(b is None or isinstance(b, int) for b in (i.start, i.stop)) for i in items):
+        return None
+    slices = list(x._slices)
+    for axis, i in enumerate(items):
+        if i.start is None and i.stop is None:
+            continue
+        if any(a == axis for a, _, _ in slices):
+            return None  # a second slice of one axis: not worth composing
+        slices.append((axis, i.start, i.stop))
+    shape = torch.empty(x.shape, device="meta")[index].shape
+    return LazyOutput(x._call, shape, slices, False)
+
+
 def _materialize(tree):
     if isinstance(tree, LazyOutput):
-        return tree._call.materialize().view(tree.shape)
+        return tree._value()
     if isinstance(tree, tuple):
         return tuple(_materialize(x) for x in tree)
     if isinstance(tree, list):
@@ -126,7 +169,8 @@ def _fused_cross_entropy(input=None, target=None, weight=None, size_average=None
     if (call.value is not None or call.fused_logits is not None or not torch.is_grad_enabled()
             or weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
             or reduction not in ("mean", "sum") or input.dim() != 2 or input.shape[1] != call.shape[-1]
+            or any(axis == len(call.shape) - 1 for axis, _, _ in input._slices)
             or not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.dim() != 1
             or target.shape[0] != input.shape[0] or target.device.type != "cpu" or target.requires_grad):
         return None
-    return call.state.run_cross_entropy(call, target, int(ignore_index), reduction)
+    return call.state.run_cross_entropy(call, input._slices, target, int(ignore_index), reduction)
