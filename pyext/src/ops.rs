@@ -16,6 +16,18 @@ fn op_table() -> Vec<(String, bool, bool, bool)> {
         .collect()
 }
 
+/// Sizes the engine's thread pool (once per process, before the first kernel runs): the caller
+/// passes torch's thread count so that the two pools do not oversubscribe the cores. Returns the
+/// pool's size (unchanged if it was already built, or if RAYON_NUM_THREADS is set).
+#[pyfunction]
+fn init_threads(n: usize) -> usize {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() && n > 0 {
+        let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
+    }
+    rayon::current_num_threads()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(op_table, m)?)
+    m.add_function(wrap_pyfunction!(op_table, m)?)?;
+    m.add_function(wrap_pyfunction!(init_threads, m)?)
 }

@@ -47,6 +47,16 @@ def _batch_counters(module: torch.nn.Module, updated: list) -> list:
     return counters
 
 
+_THREADS = None
+
+
+def _init_threads():
+    """The engine's pool gets torch's thread count (set once, at the first engine graph)."""
+    global _THREADS
+    if _THREADS is None:
+        _THREADS = _ortrain.init_threads(torch.get_num_threads())
+
+
 class Runner:
     #: per output, False where it carries no gradient (None: all do)
     seeded_outputs = None
@@ -67,6 +77,7 @@ class Runner:
             tensors.append(t)
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
                              and t.is_floating_point())
+        _init_threads()
         onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
         seeded = None
         if self.seeded_outputs is not None:
