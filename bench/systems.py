@@ -53,7 +53,8 @@ def _prepare_ortrain(model, optimizer, precision) -> Prepared:
     if kwargs:
         try:
             with warnings.catch_warnings():
-                warnings.filterwarnings("error", message="ortrain")  # a precision it only warns about is unsupported too
+                # a precision it only warns about is unsupported too
+                warnings.filterwarnings("error", message="ortrain")
                 ortrain.accelerate(model, optimizer, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any refusal of the precision is "unsupported"
             raise Unsupported(f"accelerate(precision={precision!r}): {type(exc).__name__}: {_first_line(exc)}") from exc

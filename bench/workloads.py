@@ -89,7 +89,7 @@ def _build_gpt2() -> Job:
 
     seq, bsz = 128, 4
     model, _, _ = models.gpt2_small(vocab=GPT2_VOCAB, n_layer=2, n_embd=256, n_head=4, n_positions=seq,
-                                    dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="eager")
+                                    dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(SEED + 1)
     batches = [torch.randint(0, GPT2_VOCAB, (bsz, seq), generator=g) for _ in range(N_BATCHES)]
@@ -109,7 +109,7 @@ def _build_bert() -> Job:
 
     seq, bsz = 128, 4
     model, _, _ = models.bert_small(vocab=BERT_VOCAB, layers=2, hidden=256, heads=4, intermediate=1024,
-                                    dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="eager")
+                                    dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(SEED + 1)
     batches = []
@@ -137,10 +137,11 @@ WORKLOADS = {
         Workload("tutorial", _TUTORIAL_TITLE + ", fp32", "fp32", False, _build_tutorial),
         Workload("tutorial-bf16", _TUTORIAL_TITLE + ", bf16 (fp32 master weights)", "bf16", False,
                  _build_tutorial),
-        Workload("gpt2", f"GPT2LMHeadModel (2 layers, n_embd 256, 4 heads, dropout 0.1), vocab {GPT2_VOCAB}, "
-                 "seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2),
-        Workload("bert", f"BertForMaskedLM (2 layers, hidden 256, 4 heads, dropout 0.1), vocab {BERT_VOCAB}, "
-                 "seq 128 x batch 4, 15% masked, AdamW lr 1e-3, fp32", "fp32", True, _build_bert),
+        Workload("gpt2", "GPT2LMHeadModel (2 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention), "
+                 f"vocab {GPT2_VOCAB}, seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2),
+        Workload("bert", "BertForMaskedLM (2 layers, hidden 256, 4 heads, dropout 0.1, sdpa attention), "
+                 f"vocab {BERT_VOCAB}, seq 128 x batch 4, 15% masked, AdamW lr 1e-3, fp32", "fp32", True,
+                 _build_bert),
     )
 }
 
