@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     for name in args.workloads:
         w = WORKLOADS[name]
         log_stderr(f"bench: {name} ...")
+        load_start = os.getloadavg()[0]
         skip = {} if name in args.compile_workloads else {
             "compile": f"torch.compile runs on {', '.join(args.compile_workloads)} only (--compile-workloads)"}
         runs = run_workload(name, args.systems, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
@@ -90,8 +91,11 @@ def main(argv=None) -> int:
         summaries = {s: report.summarize(r) for s, r in runs.items()}
         report.add_ratios(summaries)
         entry = report.workload_json(w.title, w.precision, runs, summaries)
+        entry["loadavg_1min"] = {"start": load_start, "end": os.getloadavg()[0]}
         doc["workloads"][name] = entry
         print("\n" + report.table(name, w.title, entry["params"], runs, summaries), flush=True)
+        print(f"(load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
+              f"{info['usable_cores']} cores: above that, other work shared them)", flush=True)
         _write(path, doc, time.perf_counter() - t0)
     doc["versions"] = _versions(doc)
     _write(path, doc, time.perf_counter() - t0)
