@@ -1,0 +1,83 @@
+"""The side-by-side benchmark (`python -m bench --quick`, bench/) runs end to end: every workload on
+every system (torch.compile on the tutorial only: --quick's default, compiling takes 20-70 s a
+model), each in its own worker process, a table per workload printed and a JSON file with
+per-step times. Checks the output only, never the timings: PyTorch eager and torch.compile never
+fail, ortrain never fails (nor falls back to PyTorch) on the fp32 workloads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # the bench package
+
+
+def test_quick_bench_prints_tables_and_writes_raw_times(tmp_path):
+    from bench.workloads import WORKLOADS
+
+    out_json = tmp_path / "bench.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--json", str(out_json)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    doc = json.loads(out_json.read_text())
+    assert doc["config"]["quick"] is True
+    assert doc["machine"]["cpu_model"] and "avx512f" in doc["machine"]["cpu_flags"]
+    assert set(doc["workloads"]) == set(WORKLOADS)
+    for name, w in WORKLOADS.items():
+        assert f"== {name}: " in proc.stdout, f"no table for {name}"
+        systems = doc["workloads"][name]["systems"]
+        assert set(systems) == {"eager", "compile", "ortrain"}
+        for system, r in systems.items():
+            if system == "compile" and name not in doc["config"]["compile_workloads"]:
+                assert r["status"] == "skipped" and "SKIPPED: " in proc.stdout, (name, r["status"])
+            elif system in ("eager", "compile") or (system == "ortrain" and w.precision == "fp32"):
+                assert r["status"] == "ok", f"{name}/{system}: {r['error']}\n{r['error_detail']}"
+            if r["status"] != "ok":
+                assert r["error"], f"{name}/{system}: {r['status']} without a reason"
+                assert f"{r['status'].upper()}: " in proc.stdout
+                continue
+            steps = doc["config"]["steps"]
+            assert len(r["step_ms"]) == steps and all(t > 0 for t in r["step_ms"]), (name, system)
+            assert len(r["losses"]) == steps and r["first_step_ms"] > 0
+            s = r["summary"]
+            assert s["p10_ms"] <= s["median_ms"] <= s["p90_ms"]
+            assert s["peak_rss_mib"] > s["rss_after_import_mib"] > 0
+            assert s["speedup_vs_eager"] > 0
+            assert s.get("speedup_vs_compile", 1) > 0
+        # same data and initial weights: the first losses agree across systems (dropout aside)
+        firsts = [r["warmup_losses"][0] for r in systems.values() if r["status"] == "ok"]
+        assert max(firsts) - min(firsts) < 0.2 * max(firsts), (name, firsts)
+
+
+class _Det(torch.nn.Module):
+    """A model the engine cannot take (no Det kernel): ortrain.accelerate falls back to PyTorch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.linalg.det(self.lin(x))
+
+
+def test_ortrain_fallback_to_pytorch_is_a_failure_not_a_measurement():
+    from bench import systems
+
+    model = _Det()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared = systems.prepare("ortrain", model, opt, "fp32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        prepared.model(torch.randn(2, 3, 3)).sum().backward()
+        with pytest.raises(systems.FellBack, match="fell back to PyTorch: .*Det"):
+            prepared.check(caught)
