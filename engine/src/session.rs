@@ -86,7 +86,9 @@ impl Session {
             })?;
             graph.values[v.0].kind = ValueKind::Const(data);
         }
-        graph.weights.retain(|(v, _)| weight_ids.contains(v));
+        // bound weights are read from the caller's memory on every call: the imported copy of their
+        // data would only double the model's memory
+        graph.weights = graph.weights.into_iter().filter(|(v, _)| weight_ids.contains(v)).map(|(v, _)| (v, None)).collect();
         let passes = crate::passes::run(&mut graph)?;
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();

@@ -13,7 +13,14 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from .function import EngineFunction
 from .runner import Runner
+
+
+class FusedCrossEntropyLoss(EngineFunction):
+    """EngineFunction for model + cross-entropy: the loss's grad_fn reads
+    `FusedCrossEntropyLossBackward`, so tools that recognise a cross-entropy loss by its grad_fn
+    (perplexity logging) still do."""
 
 TARGET = "ortrain_ce_target"
 LOSS = "ortrain_ce_loss"
@@ -52,6 +59,7 @@ class CrossEntropyRunner(Runner):
     never differentiated: their gradient stays inside the engine)."""
 
     seeded_outputs = (True, False)
+    function = FusedCrossEntropyLoss
 
     def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str):
         fused = dataclasses.replace(

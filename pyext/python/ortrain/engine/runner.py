@@ -60,6 +60,8 @@ def _init_threads():
 class Runner:
     #: per output, False where it carries no gradient (None: all do)
     seeded_outputs = None
+    #: the autograd.Function running it (its name is what grad_fn shows)
+    function = EngineFunction
 
     def __init__(self, module: torch.nn.Module, exported):
         self.exported = exported
@@ -109,7 +111,7 @@ class Runner:
         """Runs the graph; returns the user outputs (buffer updates are applied in place).
         `seed` fixes dropout masks; `bound` maps output index -> tensor receiving it."""
         if grad and self.trainable_params:
-            outs = EngineFunction.apply(self, len(inputs), seed, bound, *inputs, *self.trainable_params)
+            outs = self.function.apply(self, len(inputs), seed, bound, *inputs, *self.trainable_params)
         else:
             outs = run_inference(self, [x.detach().contiguous() for x in inputs])
         outs = list(outs)
