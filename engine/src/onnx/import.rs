@@ -32,6 +32,25 @@ pub fn import_file(path: &Path, opts: &ImportOptions) -> Result<Graph> {
     import_bytes(&bytes, path.parent(), opts)
 }
 
+/// External-data location of an initializer whose data the caller binds at run time (the
+/// Python exporter strips the module's parameters this way): no data, only type and shape.
+pub const BOUND_LOCATION: &str = "ortrain:bound";
+
+/// (dtype, dims) of an initializer marked as bound by the caller, None for ordinary ones.
+fn bound_placeholder(t: &crate::onnx::proto::TensorProto, field: &str) -> Result<Option<(crate::tensor::DType, Vec<usize>)>> {
+    if t.data_location != 1 || !t.external_data.iter().any(|e| e.key == "location" && e.value == BOUND_LOCATION) {
+        return Ok(None);
+    }
+    let dtype = crate::tensor::DType::from_onnx(t.data_type)
+        .ok_or_else(|| Error::onnx(format!("{field}.data_type"), format!("element type code {} is not supported yet", t.data_type)))?;
+    let dims = t
+        .dims
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| Error::onnx(format!("{field}.dims"), format!("negative dimension {d}"))))
+        .collect::<Result<Vec<usize>>>()?;
+    Ok(Some((dtype, dims)))
+}
+
 pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions) -> Result<Graph> {
     let model =
         ModelProto::decode(bytes).map_err(|e| Error::onnx("ModelProto", format!("cannot decode protobuf ({} bytes): {e}", bytes.len())))?;
@@ -47,6 +66,11 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         let field = format!("graph.initializer[{i}] '{}'", t.name);
         if t.name.is_empty() {
             return Err(Error::onnx(field, "initializer without a name"));
+        }
+        if let Some((dtype, dims)) = bound_placeholder(t, &field)? {
+            let v = graph.add_value(&t.name, ValueKind::Weight, Some(dtype), Some(dims.into_iter().map(Dim::Known).collect()));
+            graph.weights.push((v, None));
+            continue;
         }
         let tensor = tensor_from_proto(t, base_dir, &field)?;
         let shape = tensor.shape.iter().map(|&d| Dim::Known(d)).collect();

@@ -3,11 +3,14 @@ engine session (weights named by their ONNX initializer names, bound to the torc
 memory on every call, so nothing is copied per step) and runs calls through it."""
 from __future__ import annotations
 
+import dataclasses
+
 import onnx
 import torch
 
 from ortrain import _ortrain
 from ortrain.errors import UnsupportedError
+from ortrain.export.graph import strip_bound_weights
 
 from .function import EngineFunction, run_inference
 from .tensors import engine_dtype
@@ -64,6 +67,9 @@ class Runner:
     function = EngineFunction
 
     def __init__(self, module: torch.nn.Module, exported):
+        # the runner keeps the graph without the parameters' data: the engine binds the live
+        # tensors, and the complete export (model-sized) can be freed
+        exported = dataclasses.replace(exported, onnx_bytes=strip_bound_weights(exported.onnx_bytes, exported.param_map))
         self.exported = exported
         named = dict(module.named_parameters(remove_duplicate=False))
         named.update(dict(module.named_buffers(remove_duplicate=False)))

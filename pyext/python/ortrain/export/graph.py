@@ -247,3 +247,25 @@ def opset_of(model: onnx.ModelProto) -> int:
         if op.domain in ("", "ai.onnx"):
             return op.version
     return 0
+
+
+BOUND_LOCATION = "ortrain:bound"
+
+
+def strip_bound_weights(onnx_bytes: bytes, param_map: dict) -> bytes:
+    """Drops the data of the initializers the engine binds to the module's live tensors (every
+    call reads those): each keeps its name, type and shape, with the data marked as external at
+    the location `ortrain:bound`. The graph then weighs kilobytes, not the model's size, in
+    memory and in every session built from it. (Not a valid standalone model any more: the
+    runner keeps this form, export_module's result stays complete.)"""
+    model = onnx.load_from_string(onnx_bytes)
+    for init in model.graph.initializer:
+        if init.name not in param_map:
+            continue
+        for fld in ("raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data"):
+            init.ClearField(fld)
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.EXTERNAL
+        entry = init.external_data.add()
+        entry.key, entry.value = "location", BOUND_LOCATION
+    return model.SerializeToString()
