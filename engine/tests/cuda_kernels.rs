@@ -14,6 +14,7 @@ use std::path::PathBuf;
 use ortrain_engine::backend::cuda::compile::{self, Origin};
 use ortrain_engine::backend::cuda::nvrtc::{self, Nvrtc};
 use ortrain_engine::backend::cuda::registry::{types, Family, Group, FAMILIES};
+use ortrain_engine::backend::cuda::abi::{self, Arg};
 use ortrain_engine::backend::cuda::elf;
 use ortrain_engine::Error;
 
@@ -63,7 +64,7 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
 static TINY: Family = Family {
     name: "tiny_test",
     source: "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x) { x[threadIdx.x] = 1.f; }\n",
-    groups: &[Group { ops: &["k"], dtypes: types::F32 }],
+    groups: &[Group { ops: &["k"], dtypes: types::F32, args: &[Arg::Ptr] }],
 };
 
 #[test]
@@ -90,13 +91,13 @@ fn the_disk_cache_round_trips_and_recompiles_corrupt_entries() {
 static BROKEN: Family = Family {
     name: "broken_test",
     source: "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x) { x[0] = undefined_name; }\n",
-    groups: &[Group { ops: &["k"], dtypes: types::F32 }],
+    groups: &[Group { ops: &["k"], dtypes: types::F32, args: &[Arg::Ptr] }],
 };
 
 static UNREGISTERED: Family = Family {
     name: "unregistered_test",
     source: "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x) {}\nextern \"C\" __global__ void extra_f32(float* x) {}\n",
-    groups: &[Group { ops: &["k", "missing"], dtypes: types::F32 }],
+    groups: &[Group { ops: &["k", "missing"], dtypes: types::F32, args: &[Arg::Ptr] }],
 };
 
 #[test]
@@ -111,4 +112,18 @@ fn compile_errors_name_the_file_and_carry_the_nvrtc_log() {
     }
     let e = compile::compile_checked(nv, &UNREGISTERED, ARCH).unwrap_err().to_string();
     assert!(e.contains("missing [\"missing_f32\"]") && e.contains("not registered [\"extra_f32\"]"), "{e}");
+}
+
+static WRONG_SIGNATURE: Family = Family {
+    name: "wrong_signature_test",
+    source: "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x, int n) { if (n) x[0] = 0.f; }\n",
+    groups: &[Group { ops: &["k"], dtypes: types::F32, args: &[Arg::Ptr, Arg::I64] }],
+};
+
+#[test]
+fn a_signature_that_differs_from_the_kernel_is_caught_without_a_gpu() {
+    let Some(nv) = nvrtc_or_skip("launch ABI") else { return };
+    let e = compile::compile_checked(nv, &WRONG_SIGNATURE, ARCH).unwrap_err().to_string();
+    assert!(e.contains("launch ABI") && e.contains("k_f32: the CUBIN has (offset, size) [(0, 8), (8, 4)]"), "{e}");
+    assert_eq!(abi::layout(&[Arg::Ptr, Arg::I64]), vec![(0, 8), (8, 8)]);
 }

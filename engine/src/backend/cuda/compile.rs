@@ -10,7 +10,7 @@ use std::time::Instant;
 use super::cache::{self, Key};
 use super::nvrtc::{self, Nvrtc};
 use super::registry::{Family, PRELUDE};
-use super::elf;
+use super::{abi, elf};
 use crate::error::{Error, Result};
 
 /// Where a CUBIN came from.
@@ -48,6 +48,7 @@ pub fn compile_checked(nv: &Nvrtc, family: &Family, arch: &str) -> Result<(Vec<u
     let out = nvrtc::compile_cubin(nv, &family.file(), family.source, &[PRELUDE], arch)?;
     let millis = t.elapsed().as_secs_f64() * 1e3;
     check_symbols(family, &out.cubin)?;
+    check_params(family, &out.cubin)?;
     Ok((out.cubin, out.log, millis))
 }
 
@@ -64,6 +65,24 @@ pub fn check_symbols(family: &Family, cubin: &[u8]) -> Result<()> {
         "{}: the CUBIN does not match the registry (engine/src/backend/cuda/registry.rs): missing {missing:?}, not registered {extra:?}",
         family.file()
     )))
+}
+
+/// Errors unless every kernel's parameters, as NVRTC laid them out, are those of its signature
+/// in the registry (same count, offsets and sizes): the host's launch ABI (abi.rs).
+pub fn check_params(family: &Family, cubin: &[u8]) -> Result<()> {
+    let found = elf::kernel_params(cubin).map_err(|e| Error::Cuda(format!("{}: bad CUBIN: {e}", family.file())))?;
+    let mut bad = Vec::new();
+    for (name, args) in family.kernels() {
+        let want = abi::layout(args);
+        let got: Vec<(usize, usize)> = found.get(&name).map(|ps| ps.iter().map(|p| (p.offset as usize, p.size as usize)).collect()).unwrap_or_default();
+        if got != want {
+            bad.push(format!("{name}: the CUBIN has (offset, size) {got:?}, the registry's signature {args:?} gives {want:?}"));
+        }
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Cuda(format!("{}: kernel parameters do not match the launch ABI:\n{}", family.file(), bad.join("\n"))))
 }
 
 /// The CUBIN of `family` for `arch`: memo, disk cache (`cache_dir`, None = no disk cache), or

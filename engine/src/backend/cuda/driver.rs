@@ -59,7 +59,13 @@ fn probe_uncached() -> std::result::Result<DriverInfo, String> {
     // handle is stored in a static and never unloaded.
     let lib = match unsafe { libloading::Library::new(DRIVER_LIB) } {
         Ok(l) => LIB.get_or_init(|| l),
-        Err(e) => return Err(format!("{DRIVER_LIB} not found (no NVIDIA driver on this machine): {e}")),
+        Err(e) => {
+            // the loader's message adds nothing to "not found"; anything else (a wrong ELF class,
+            // an unresolved symbol) is worth showing
+            let detail = e.to_string();
+            let detail = if detail.contains("No such file") { String::new() } else { format!(": {detail}") };
+            return Err(format!("{DRIVER_LIB} not found (no NVIDIA driver on this machine){detail}"));
+        }
     };
     // SAFETY: these are the driver API's C signatures (cuda.h, stable since CUDA 2.x); the
     // symbols live as long as `lib`, which is 'static.

@@ -1,7 +1,10 @@
-//! A minimal reader of the symbol table of a CUBIN (a 64-bit little-endian ELF file whose
-//! machine is `EM_CUDA`): enough to list the kernel entry points that NVRTC produced, so the
-//! kernel registry can be checked against what was compiled without a GPU, and a cached CUBIN
-//! can be checked before it is used. Every read is bounds-checked; a malformed file is an error.
+//! A minimal reader of a CUBIN (a 64-bit little-endian ELF file whose machine is `EM_CUDA`):
+//! the kernel entry points of its symbol table, and each kernel's parameter layout from its
+//! `.nv.info.<kernel>` section. Enough to check the kernel registry, and the launch ABI the
+//! host will use, against what NVRTC compiled, without a GPU; and to check a cached CUBIN before
+//! it is used. Every read is bounds-checked; a malformed file is an error.
+
+use std::collections::HashMap;
 
 /// `e_machine` of NVIDIA CUDA objects.
 pub const EM_CUDA: u16 = 190;
@@ -69,6 +72,7 @@ pub fn header(b: &[u8]) -> Result<Header, String> {
 }
 
 struct Section {
+    name_at: u32,
     kind: u32,
     offset: u64,
     size: u64,
@@ -87,6 +91,7 @@ fn sections(b: &[u8]) -> Result<Vec<Section>, String> {
         .map(|i| {
             let at = shoff.saturating_add(i * shentsize);
             Ok(Section {
+                name_at: u32_at(b, at)?,
                 kind: u32_at(b, at.saturating_add(4))?,
                 offset: u64_at(b, at.saturating_add(0x18))?,
                 size: u64_at(b, at.saturating_add(0x20))?,
@@ -144,6 +149,66 @@ pub fn kernel_names(cubin: &[u8]) -> Result<Vec<String>, String> {
     names.sort();
     names.dedup();
     Ok(names)
+}
+
+/// One kernel parameter as the compiler laid it out: its position in the signature, byte
+/// offset in the parameter buffer and size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Param {
+    pub ordinal: u16,
+    pub offset: u16,
+    pub size: u32,
+}
+
+/// `.nv.info` attribute formats (a record is a format byte, an attribute byte, then: nothing
+/// for NVAL, one byte for BVAL, two for HVAL, each padded to 4 bytes; for SVAL a u16 size and
+/// that many bytes), and the attribute holding one parameter's layout.
+const EIFMT_NVAL: u8 = 1;
+const EIFMT_BVAL: u8 = 2;
+const EIFMT_HVAL: u8 = 3;
+const EIFMT_SVAL: u8 = 4;
+const EIATTR_KPARAM_INFO: u8 = 0x17;
+
+/// Every kernel's parameters (sorted by ordinal), from the `.nv.info.<kernel>` sections.
+pub fn kernel_params(b: &[u8]) -> Result<HashMap<String, Vec<Param>>, String> {
+    let secs = sections(b)?;
+    let shstrndx = u16_at(b, 0x3E)? as usize;
+    let names_sec = secs.get(shstrndx).ok_or("no section name table")?;
+    let names = slice(b, names_sec.offset, names_sec.size)?;
+    let mut out = HashMap::new();
+    for s in &secs {
+        let name = c_str(names, s.name_at)?;
+        if let Some(kernel) = name.strip_prefix(".nv.info.") {
+            out.insert(kernel.to_string(), params_of(&name, slice(b, s.offset, s.size)?)?);
+        }
+    }
+    Ok(out)
+}
+
+fn params_of(section: &str, info: &[u8]) -> Result<Vec<Param>, String> {
+    let mut params = Vec::new();
+    let mut i = 0usize;
+    while i + 2 <= info.len() {
+        let (fmt, attr) = (info[i], info[i + 1]);
+        match fmt {
+            EIFMT_NVAL | EIFMT_BVAL | EIFMT_HVAL => i += 4,
+            EIFMT_SVAL => {
+                let size = u16_at(info, i as u64 + 2)? as usize;
+                let payload = slice(info, i as u64 + 4, size as u64)?;
+                if attr == EIATTR_KPARAM_INFO {
+                    if size < 12 {
+                        return Err(format!("{section}: parameter record of {size} bytes"));
+                    }
+                    // u32 index, u16 ordinal, u16 offset, u32 with the size in its top 14 bits
+                    params.push(Param { ordinal: u16_at(payload, 4)?, offset: u16_at(payload, 6)?, size: u32_at(payload, 8)? >> 18 });
+                }
+                i += 4 + size;
+            }
+            other => return Err(format!("{section}: unknown attribute format {other} at byte {i}")),
+        }
+    }
+    params.sort_by_key(|p| p.ordinal);
+    Ok(params)
 }
 
 #[cfg(test)]
