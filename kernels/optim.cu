@@ -47,57 +47,56 @@ template <typename TS> __device__ __forceinline__ void chunk_range(const TS* ts,
     end = begin + chunk < ts[t].n ? begin + chunk : ts[t].n;
 }
 
-template <typename G> __device__ __forceinline__ void adam(const AdamTensor* ts, const i32* chunk_tensor, const i64* chunk_start, i64 chunks,
-                                                           i64 chunk, f32 beta1, f32 beta2, f32 eps, f32 weight_decay, f32 decay,
-                                                           f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize) {
-    const f32 w1 = 1.0f - beta1, w2 = 1.0f - beta2;
+// f(descriptor, i) for every element of this block's chunks (the block's threads stride over
+// each chunk).
+template <typename TS, typename F> __device__ __forceinline__ void for_each_element(const TS* ts, const i32* chunk_tensor, const i64* chunk_start,
+                                                                                   i64 chunks, i64 chunk, F f) {
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         int t;
         i64 begin, end;
         chunk_range(ts, chunk_tensor, chunk_start, chunk, c, t, begin, end);
-        const AdamTensor a = ts[t];
-        const G* g = (const G*)a.g;
-        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            f32 grad = Num<G>::load(g[i]);
-            if (maximize) grad = -grad;
-            f32 p = a.p[i];
-            if (weight_decay != 0.0f) {
-                if (decoupled) p *= decay;
-                else grad += weight_decay * p;
-            }
-            f32 m = a.m[i], v = a.v[i];
-            m += w1 * (grad - m);                // exp_avg.lerp_(grad, 1 - beta1)
-            v = v * beta2 + w2 * grad * grad;    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
-            const f32 denom = sqrtf(v) / bc2_sqrt + eps;
-            a.p[i] = p - step_size * (m / denom);
-            a.m[i] = m;
-            a.v[i] = v;
-        }
+        const TS d = ts[t];
+        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) f(d, i);
     }
+}
+
+template <typename G> __device__ __forceinline__ void adam(const AdamTensor* ts, const i32* chunk_tensor, const i64* chunk_start, i64 chunks,
+                                                           i64 chunk, f32 beta1, f32 beta2, f32 eps, f32 weight_decay, f32 decay,
+                                                           f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize) {
+    const f32 w1 = 1.0f - beta1, w2 = 1.0f - beta2;
+    for_each_element(ts, chunk_tensor, chunk_start, chunks, chunk, [&](const AdamTensor& a, i64 i) {
+        f32 grad = Num<G>::load(((const G*)a.g)[i]);
+        if (maximize) grad = -grad;
+        f32 p = a.p[i];
+        if (weight_decay != 0.0f) {
+            if (decoupled) p *= decay;
+            else grad += weight_decay * p;
+        }
+        f32 m = a.m[i], v = a.v[i];
+        m += w1 * (grad - m);              // exp_avg.lerp_(grad, 1 - beta1)
+        v = v * beta2 + w2 * grad * grad;  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+        const f32 denom = sqrtf(v) / bc2_sqrt + eps;
+        a.p[i] = p - step_size * (m / denom);
+        a.m[i] = m;
+        a.v[i] = v;
+    });
 }
 
 template <typename G> __device__ __forceinline__ void sgd(const SgdTensor* ts, const i32* chunk_tensor, const i64* chunk_start, i64 chunks,
                                                           i64 chunk, f32 lr, f32 momentum, f32 dampening, f32 weight_decay, i32 nesterov,
                                                           i32 maximize, i32 first) {
-    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
-        int t;
-        i64 begin, end;
-        chunk_range(ts, chunk_tensor, chunk_start, chunk, c, t, begin, end);
-        const SgdTensor a = ts[t];
-        const G* g = (const G*)a.g;
-        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            f32 d = Num<G>::load(g[i]);
-            if (maximize) d = -d;
-            const f32 p = a.p[i];
-            if (weight_decay != 0.0f) d += weight_decay * p;
-            if (a.buf && momentum != 0.0f) {
-                const f32 b = first ? d : a.buf[i] * momentum + (1.0f - dampening) * d;
-                a.buf[i] = b;
-                d = nesterov ? d + momentum * b : b;
-            }
-            a.p[i] = p - lr * d;
+    for_each_element(ts, chunk_tensor, chunk_start, chunks, chunk, [&](const SgdTensor& a, i64 i) {
+        f32 d = Num<G>::load(((const G*)a.g)[i]);
+        if (maximize) d = -d;
+        const f32 p = a.p[i];
+        if (weight_decay != 0.0f) d += weight_decay * p;
+        if (a.buf && momentum != 0.0f) {
+            const f32 b = first ? d : a.buf[i] * momentum + (1.0f - dampening) * d;
+            a.buf[i] = b;
+            d = nesterov ? d + momentum * b : b;
         }
-    }
+        a.p[i] = p - lr * d;
+    });
 }
 
 template <typename G> __device__ __forceinline__ void sum_squares(const GradTensor* ts, const i32* chunk_tensor, const i64* chunk_start,
@@ -121,13 +120,10 @@ template <typename G> __device__ __forceinline__ void sum_squares(const GradTens
 template <typename G> __device__ __forceinline__ void scale_by(const GradTensor* ts, const i32* chunk_tensor, const i64* chunk_start,
                                                                i64 chunks, i64 chunk, const f32* coef) {
     const f32 k = *coef;
-    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
-        int t;
-        i64 begin, end;
-        chunk_range(ts, chunk_tensor, chunk_start, chunk, c, t, begin, end);
-        G* g = (G*)ts[t].g;
-        for (i64 i = begin + threadIdx.x; i < end; i += blockDim.x) g[i] = Num<G>::store(Num<G>::load(g[i]) * k);
-    }
+    for_each_element(ts, chunk_tensor, chunk_start, chunks, chunk, [&](const GradTensor& d, i64 i) {
+        G* g = (G*)d.g;
+        g[i] = Num<G>::store(Num<G>::load(g[i]) * k);
+    });
 }
 
 #define CHUNK_ARGS const i32 *chunk_tensor, const i64 *chunk_start, i64 chunks, i64 chunk

@@ -87,10 +87,9 @@ impl Arg {
     }
     pub fn align(self) -> usize {
         match self {
-            Arg::I32 | Arg::F32 => 4,
-            Arg::Ptr | Arg::I64 | Arg::U64 | Arg::F64 => 8,
             Arg::Strides => std::mem::align_of::<Strides>(),
             Arg::Reduce => std::mem::align_of::<Reduce>(),
+            scalar => scalar.size(),
         }
     }
 }

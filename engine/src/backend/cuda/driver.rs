@@ -62,7 +62,7 @@ fn probe_uncached() -> std::result::Result<DriverInfo, String> {
         Err(e) => {
             // the loader's message adds nothing to "not found"; anything else (a wrong ELF class,
             // an unresolved symbol) is worth showing
-            let detail = e.to_string();
+            let detail = dl_error(&e);
             let detail = if detail.contains("No such file") { String::new() } else { format!(": {detail}") };
             return Err(format!("{DRIVER_LIB} not found (no NVIDIA driver on this machine){detail}"));
         }
@@ -121,6 +121,11 @@ fn probe_uncached() -> std::result::Result<DriverInfo, String> {
         return Err(no_device_message());
     }
     Ok(DriverInfo { version: v, devices: n })
+}
+
+/// The loader's own message (libloading's Display says only "dlopen failed").
+pub(super) fn dl_error(e: &libloading::Error) -> String {
+    std::error::Error::source(e).map_or_else(|| e.to_string(), |s| s.to_string())
 }
 
 fn no_device_message() -> String {

@@ -22,6 +22,7 @@ pub mod driver;
 pub mod elf;
 pub mod loader;
 pub mod nvrtc;
+pub mod philox;
 pub mod registry;
 
 pub use driver::{probe, DriverInfo};

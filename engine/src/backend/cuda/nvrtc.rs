@@ -20,6 +20,7 @@ use std::sync::Mutex;
 
 use cudarc::nvrtc::sys;
 
+use super::driver::dl_error;
 use crate::error::{Error, Result};
 
 /// The NVRTC major version the backend is built for (cudarc feature `cuda-13000`).
@@ -79,11 +80,11 @@ fn open_path(path: &Path) -> std::result::Result<Vec<libloading::Library>, Strin
     if let Some(b) = builtins_next_to(path) {
         let s = b.to_str().ok_or_else(|| format!("{} is not a UTF-8 path", b.display()))?;
         // SAFETY: NVRTC's builtins library has no initialisers with preconditions.
-        libs.push(unsafe { libloading::Library::new(s) }.map_err(|e| e.to_string())?);
+        libs.push(unsafe { libloading::Library::new(s) }.map_err(|e| dl_error(&e))?);
     }
     let s = path.to_str().ok_or_else(|| format!("{} is not a UTF-8 path", path.display()))?;
     // SAFETY: as above, for NVRTC itself.
-    libs.push(unsafe { libloading::Library::new(s) }.map_err(|e| e.to_string())?);
+    libs.push(unsafe { libloading::Library::new(s) }.map_err(|e| dl_error(&e))?);
     Ok(libs)
 }
 
@@ -121,7 +122,7 @@ pub fn load(dirs: &[PathBuf]) -> Result<&'static Nvrtc> {
         let opened = match &c {
             None => {
                 // SAFETY: as in open_path.
-                unsafe { libloading::Library::new(NVRTC_LIB) }.map(|l| vec![l]).map_err(|e| e.to_string())
+                unsafe { libloading::Library::new(NVRTC_LIB) }.map(|l| vec![l]).map_err(|e| dl_error(&e))
             }
             Some(p) if !p.is_file() => Err("no such file".to_string()),
             Some(p) => open_path(p),

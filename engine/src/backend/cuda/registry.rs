@@ -2,8 +2,9 @@
 //! it the list of kernels it must define. Kernel names are `<op>_<dtype>` on both sides: the
 //! `.cu` files instantiate templates through X-macros (`ORT_FLOATS(UNARY, exp)` defines
 //! `exp_f32`, `exp_f64`, `exp_bf16`, `exp_f16`), and the groups below name the same ops and the
-//! same type lists. A test compiles every file with NVRTC and checks that the CUBIN defines
-//! exactly these kernels (engine/tests/cuda_kernels.rs).
+//! same type lists. Each group also gives its kernels' parameters (the launch ABI, abi.rs). A
+//! test compiles every file with NVRTC and checks that the CUBIN defines exactly these kernels,
+//! with these parameter layouts (engine/tests/cuda_kernels.rs).
 
 /// The element-type suffixes of the prelude's X-macros (kernels/prelude.cuh).
 pub mod types {
