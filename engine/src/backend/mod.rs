@@ -21,8 +21,7 @@ pub fn cuda_status() -> crate::Result<String> {
     {
         let info = cuda::probe()?;
         Err(crate::Error::CudaUnavailable(format!(
-            "the NVIDIA driver is usable (CUDA {}, {} device(s)), but ortrain's CUDA executor is not implemented yet: \
-             its kernels are compiled, not run (see doc/GPU-RUNS.md)",
+            "the NVIDIA driver is usable (CUDA {}, {} device(s)), but ortrain has no CUDA executor yet (its kernels are compiled, not run)",
             info.version_string(),
             info.devices
         )))
