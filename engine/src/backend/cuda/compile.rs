@@ -36,6 +36,10 @@ pub struct Cubin {
     pub log: String,
 }
 
+/// The oldest compute capability the kernels compile for: bf16 conversions (`cvt.rn.bf16.f32`)
+/// need sm_80 (Ampere).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
 /// The architecture NVRTC targets for a device of compute capability major.minor ("sm_90").
 pub fn arch_of(major: i32, minor: i32) -> String {
     format!("sm_{major}{minor}")

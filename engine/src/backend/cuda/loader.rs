@@ -44,6 +44,12 @@ pub fn load_all(ordinal: usize, nv: &Nvrtc, cache_dir: Option<&Path>) -> Result<
     driver::probe()?;
     let ctx = CudaContext::new(ordinal).map_err(driver_err("retaining the primary context"))?;
     let (major, minor) = ctx.compute_capability().map_err(driver_err("compute capability"))?;
+    let (min_major, min_minor) = compile::MIN_COMPUTE_CAPABILITY;
+    if (major, minor) < (min_major, min_minor) {
+        return Err(Error::CudaUnavailable(format!(
+            "GPU {ordinal} has compute capability {major}.{minor}; ortrain's CUDA kernels need {min_major}.{min_minor} (Ampere) or newer"
+        )));
+    }
     let arch = arch_of(major, minor);
     let mut modules = Vec::new();
     let mut origins = Vec::new();
