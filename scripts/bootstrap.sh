@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets up everything a fresh machine needs: the pinned Python environment in .venv and the
-# ortrain wheel built from this checkout (release build). Idempotent: a second run only rebuilds.
+# Sets up everything a fresh machine needs: the pinned Python environment in .venv, the pinned
+# CUDA 13.0 NVRTC wheels in .cuda-wheels (to compile the CUDA kernels; no GPU needed) and the
+# ortrain wheel built from this checkout (release build, with the CUDA backend). Idempotent: a
+# second run only rebuilds.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -16,6 +18,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[bootstrap] installing pinned packages from requirements.txt (first time: several minutes)"
     .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
     echo "$want" > "$stamp"
+fi
+cuda_stamp=".cuda-wheels/.requirements.sha256"
+want_cuda="$(sha256sum requirements-cuda.txt | cut -d' ' -f1)"
+if [ "$(cat "$cuda_stamp" 2>/dev/null)" != "$want_cuda" ]; then
+    echo "[bootstrap] installing the pinned CUDA 13.0 NVRTC wheels into .cuda-wheels (CI compiles every CUDA kernel with them)"
+    rm -rf .cuda-wheels
+    .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --target .cuda-wheels -r requirements-cuda.txt
+    echo "$want_cuda" > "$cuda_stamp"
 fi
 
 if ! command -v cargo >/dev/null; then

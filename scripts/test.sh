@@ -6,8 +6,14 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash scripts/bootstrap.sh
 
-echo "[test] cargo test (engine)"
-cargo test --release -q -p ortrain-engine
+echo "[test] cargo test (engine, with the cuda feature)"
+export ORTRAIN_NVRTC_LIB="$root/.cuda-wheels/nvidia/cu13/lib"
+cargo test --release -q -p ortrain-engine --features cuda -- --skip every_kernel_file
+echo "[test] every CUDA kernel file compiled by NVRTC to an sm_90 CUBIN, every kernel symbol checked (no GPU: compiled, not run)"
+cargo test --release -q -p ortrain-engine --features cuda --test cuda_kernels every_kernel_file -- --nocapture
+
+echo "[test] cargo check (engine without the cuda feature)"
+cargo check --release -q -p ortrain-engine
 
 echo "[test] cargo test (tracking, against a real mlflow server from .venv)"
 cargo test --release -q -p ortrain-tracking

@@ -19,6 +19,16 @@ pub enum Error {
     Input { name: String, msg: String },
     #[error("no CPU kernel for: {0}")]
     MissingKernels(MissingList),
+    /// No usable CUDA here (no driver, no device, driver too old, NVRTC missing, or a build
+    /// without the `cuda` feature); the text says which and what to do.
+    #[error("CUDA is not available: {0}")]
+    CudaUnavailable(String),
+    /// NVRTC rejected a kernel file; `log` is NVRTC's program log (the compiler's messages).
+    #[error("NVRTC could not compile {file} for {arch}: {msg}{}", log_suffix(log))]
+    KernelCompile { file: String, arch: String, msg: String, log: String },
+    /// A CUDA driver, NVRTC or kernel-cache operation failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     #[error("{0}")]
     Other(String),
 }
@@ -30,6 +40,14 @@ pub struct MissingList(pub Vec<String>);
 impl fmt::Display for MissingList {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0.join(", "))
+    }
+}
+
+fn log_suffix(log: &str) -> String {
+    if log.trim().is_empty() {
+        String::new()
+    } else {
+        format!("\n--- NVRTC log ---\n{}", log.trim_end())
     }
 }
 

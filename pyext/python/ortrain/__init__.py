@@ -24,6 +24,7 @@ _LAZY = {
     "optim": ("ortrain.optim", None),
     "load_onnx": ("ortrain.onnx_model", "load_onnx"),
     "OrtrainError": ("ortrain.errors", "OrtrainError"),
+    "cuda_available": ("ortrain.cuda", "cuda_available"),
 }
 
 __all__ = sorted(_LAZY) + ["load_ipython_extension", "__version__"]

@@ -186,7 +186,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     if device not in _VALID_DEVICES:
         raise ValueError(f"device={device!r} is not one of {', '.join(_VALID_DEVICES)}")
     if device == "cuda":
-        raise OrtrainError("device='cuda': the CUDA backend is not available in this build yet; use device='cpu'")
+        from ortrain.cuda import unavailable_message
+
+        raise OrtrainError(unavailable_message("device='cuda'"))
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     state = getattr(model, "_ortrain_state", None)

@@ -79,6 +79,10 @@ class Runner:
             if t is None:
                 raise UnsupportedError(f"initializer '{onnx_name}' maps to '{key}', which the module does not have")
             engine_dtype(t, f"parameter '{key}'")
+            if t.device.type == "cuda":
+                from ortrain.cuda import unavailable_message
+
+                raise UnsupportedError(unavailable_message(f"parameter '{key}' is on {t.device}"))
             if t.device.type != "cpu" or not t.is_contiguous():
                 raise UnsupportedError(f"parameter '{key}' must be a contiguous CPU tensor")
             names.append(onnx_name)

@@ -1,0 +1,128 @@
+//! Kernel files compiled once per process and cached on disk: [`cubin`] returns the CUBIN of a
+//! family for an architecture, from the process memo, else the disk cache (checked), else
+//! NVRTC (then stored). Loading the CUBIN into a CUDA context is the executor's part.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::cache::{self, Key};
+use super::nvrtc::{self, Nvrtc};
+use super::registry::{Family, PRELUDE};
+use super::{abi, elf};
+use crate::error::{Error, Result};
+
+/// Where a CUBIN came from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Origin {
+    /// Already compiled in this process.
+    Memo,
+    /// Read from the disk cache.
+    Disk,
+    /// Compiled now by NVRTC, in this many milliseconds; `stored` says whether the disk cache
+    /// took it (false: no cache folder, or it could not be written).
+    Compiled { millis: f64, stored: bool },
+}
+
+/// A family's CUBIN for one architecture.
+#[derive(Clone, Debug)]
+pub struct Cubin {
+    pub family: &'static str,
+    pub arch: String,
+    pub bytes: Arc<Vec<u8>>,
+    pub origin: Origin,
+    /// NVRTC's warnings, when it compiled now.
+    pub log: String,
+}
+
+/// The oldest compute capability the kernels compile for: bf16 conversions (`cvt.rn.bf16.f32`)
+/// need sm_80 (Ampere).
+pub const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// The architecture NVRTC targets for a device of compute capability major.minor ("sm_90").
+pub fn arch_of(major: i32, minor: i32) -> String {
+    format!("sm_{major}{minor}")
+}
+
+/// Compiles `family` for `arch` with NVRTC, no cache, and checks that the CUBIN defines every
+/// kernel the registry lists (and no other). For CI and for [`cubin`].
+pub fn compile_checked(nv: &Nvrtc, family: &Family, arch: &str) -> Result<(Vec<u8>, String, f64)> {
+    let t = Instant::now();
+    let out = nvrtc::compile_cubin(nv, &family.file(), family.source, &[PRELUDE], arch)?;
+    let millis = t.elapsed().as_secs_f64() * 1e3;
+    check_symbols(family, &out.cubin)?;
+    check_params(family, &out.cubin)?;
+    Ok((out.cubin, out.log, millis))
+}
+
+/// Errors unless the CUBIN's kernels are exactly the family's registered names.
+pub fn check_symbols(family: &Family, cubin: &[u8]) -> Result<()> {
+    let found = elf::kernel_names(cubin).map_err(|e| Error::Cuda(format!("{}: bad CUBIN: {e}", family.file())))?;
+    let want = family.kernel_names();
+    let missing: Vec<&String> = want.iter().filter(|k| found.binary_search(k).is_err()).collect();
+    let extra: Vec<&String> = found.iter().filter(|k| want.binary_search(k).is_err()).collect();
+    if missing.is_empty() && extra.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Cuda(format!(
+        "{}: the CUBIN does not match the registry (engine/src/backend/cuda/registry.rs): missing {missing:?}, not registered {extra:?}",
+        family.file()
+    )))
+}
+
+/// Errors unless every kernel's parameters, as NVRTC laid them out, are those of its signature
+/// in the registry (same count, offsets and sizes): the host's launch ABI (abi.rs).
+pub fn check_params(family: &Family, cubin: &[u8]) -> Result<()> {
+    let found = elf::kernel_params(cubin).map_err(|e| Error::Cuda(format!("{}: bad CUBIN: {e}", family.file())))?;
+    let mut bad = Vec::new();
+    for (name, args) in family.kernels() {
+        let want = abi::layout(args);
+        let got: Vec<(usize, usize)> = found.get(&name).map(|ps| ps.iter().map(|p| (p.offset as usize, p.size as usize)).collect()).unwrap_or_default();
+        if got != want {
+            bad.push(format!("{name}: the CUBIN has (offset, size) {got:?}, the registry's signature {args:?} gives {want:?}"));
+        }
+    }
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Cuda(format!("{}: kernel parameters do not match the launch ABI:\n{}", family.file(), bad.join("\n"))))
+}
+
+/// The CUBIN of `family` for `arch`: memo, disk cache (`cache_dir`, None = no disk cache), or
+/// NVRTC.
+pub fn cubin(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<&Path>) -> Result<Cubin> {
+    type Memo = HashMap<(&'static str, String), Arc<Vec<u8>>>;
+    static MEMO: Mutex<Option<Memo>> = Mutex::new(None);
+    let memo_key = (family.name, arch.to_string());
+    if let Some(b) = MEMO.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new).get(&memo_key) {
+        return Ok(Cubin { family: family.name, arch: arch.into(), bytes: b.clone(), origin: Origin::Memo, log: String::new() });
+    }
+    let mut c = load_or_compile(nv, family, arch, cache_dir)?;
+    let bytes = MEMO.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert_with(HashMap::new).entry(memo_key).or_insert(c.bytes).clone();
+    c.bytes = bytes;
+    Ok(c)
+}
+
+/// The disk cache, else NVRTC (storing the result), without the process memo.
+pub fn load_or_compile(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<&Path>) -> Result<Cubin> {
+    let version = nv.version_string();
+    let key = Key {
+        family: family.name,
+        source: family.source,
+        headers: &[PRELUDE],
+        arch,
+        nvrtc_version: &version,
+        options: nvrtc::BASE_OPTIONS,
+    };
+    let expected = family.kernel_names();
+    let (bytes, origin, log) = match cache_dir.map(|d| cache::read(d, &key, &expected)) {
+        Some(Ok(b)) => (b, Origin::Disk, String::new()),
+        _ => {
+            let (b, log, millis) = compile_checked(nv, family, arch)?;
+            let stored = cache_dir.is_some_and(|d| cache::write(d, &key, &b).is_ok());
+            (b, Origin::Compiled { millis, stored }, log)
+        }
+    };
+    Ok(Cubin { family: family.name, arch: arch.into(), bytes: Arc::new(bytes), origin, log })
+}

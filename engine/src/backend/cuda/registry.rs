@@ -1,0 +1,237 @@
+//! The kernel registry: every `kernels/<family>.cu` embedded with `include_str!`, and next to
+//! it the list of kernels it must define. Kernel names are `<op>_<dtype>` on both sides: the
+//! `.cu` files instantiate templates through X-macros (`ORT_FLOATS(UNARY, exp)` defines
+//! `exp_f32`, `exp_f64`, `exp_bf16`, `exp_f16`), and the groups below name the same ops and the
+//! same type lists. Each group also gives its kernels' parameters (the launch ABI, abi.rs). A
+//! test compiles every file with NVRTC and checks that the CUBIN defines exactly these kernels,
+//! with these parameter layouts (engine/tests/cuda_kernels.rs).
+
+/// The element-type suffixes of the prelude's X-macros (kernels/prelude.cuh).
+pub mod types {
+    pub const FLOATS: &[&str] = &["f32", "f64", "bf16", "f16"];
+    pub const NUMS: &[&str] = &["f32", "f64", "bf16", "f16", "i64", "i32", "u8", "i8"];
+    /// Types arithmetic is instantiated for (`ORT_ARITH`).
+    pub const ARITH: &[&str] = &["f32", "f64", "bf16", "f16", "i64", "i32"];
+    /// Element widths for ops that only move bits (`ORT_WIDTHS`).
+    pub const WIDTHS: &[&str] = &["u8", "u16", "u32", "u64"];
+    /// Cast destinations: every number type and bool.
+    pub const CAST_TO: &[&str] = &["f32", "f64", "bf16", "f16", "i64", "i32", "u8", "i8", "bool"];
+    /// Types with a native atomic add (scatter-add gradients).
+    pub const FLOATS_F32_F64: &[&str] = &["f32", "f64"];
+    /// Gradient types of the fused optimizers (parameters and moments are f32).
+    pub const GRADS: &[&str] = &["f32", "bf16", "f16"];
+    pub const F32: &[&str] = &["f32"];
+    pub const F64: &[&str] = &["f64"];
+    pub const U8: &[&str] = &["u8"];
+    pub const I64: &[&str] = &["i64"];
+}
+
+/// Ops instantiated for the same element types, with the same parameter list.
+#[derive(Debug)]
+pub struct Group {
+    pub ops: &'static [&'static str],
+    pub dtypes: &'static [&'static str],
+    /// The kernels' parameters (checked against the CUBIN's layout by the kernel tests).
+    pub args: &'static [Arg],
+}
+
+/// One kernel file and the kernels it defines.
+#[derive(Debug)]
+pub struct Family {
+    /// The file's stem: kernels/<name>.cu.
+    pub name: &'static str,
+    pub source: &'static str,
+    pub groups: &'static [Group],
+}
+
+impl Family {
+    /// "kernels/softmax.cu": the name used in compile errors and logs.
+    pub fn file(&self) -> String {
+        format!("kernels/{}.cu", self.name)
+    }
+    /// Every kernel this file must define, with its parameters, sorted by name.
+    pub fn kernels(&self) -> Vec<(String, &'static [Arg])> {
+        let mut v: Vec<(String, &'static [Arg])> = self
+            .groups
+            .iter()
+            .flat_map(|g| g.ops.iter().flat_map(move |op| g.dtypes.iter().map(move |t| (kernel_name(op, t), g.args))))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+    /// Every kernel this file must define, sorted.
+    pub fn kernel_names(&self) -> Vec<String> {
+        let mut v: Vec<String> =
+            self.groups.iter().flat_map(|g| g.ops.iter().flat_map(move |op| g.dtypes.iter().map(move |t| kernel_name(op, t)))).collect();
+        v.sort();
+        v
+    }
+}
+
+/// `<op>_<dtype>`, the name convention of every kernel.
+pub fn kernel_name(op: &str, dtype: &str) -> String {
+    format!("{op}_{dtype}")
+}
+
+/// The kernel-name suffix of an engine element type (bool data is u8).
+pub fn dtype_suffix(d: crate::tensor::DType) -> &'static str {
+    use crate::tensor::DType::*;
+    match d {
+        F32 => "f32",
+        F64 => "f64",
+        I64 => "i64",
+        I32 => "i32",
+        Bool | U8 => "u8",
+        I8 => "i8",
+    }
+}
+
+use super::abi::Arg;
+
+/// The prelude every kernel file includes as "prelude.cuh".
+pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kernels/prelude.cuh"));
+
+use types::*;
+
+const CAST_OPS: &[&str] = &["cast_f32", "cast_f64", "cast_bf16", "cast_f16", "cast_i64", "cast_i32", "cast_u8", "cast_i8"];
+
+macro_rules! family {
+    ($name:literal, [$($group:expr),* $(,)?]) => {
+        Family { name: $name, source: include_str!(concat!("../../../../kernels/", $name, ".cu")), groups: &[$($group),*] }
+    };
+}
+
+const fn g(ops: &'static [&'static str], dtypes: &'static [&'static str], args: &'static [Arg]) -> Group {
+    Group { ops, dtypes, args }
+}
+
+use Arg::{Ptr, Reduce, Strides, F32 as AF32, F64 as AF64, I32 as AI32, I64 as AI64, U64 as AU64};
+
+/// Signatures shared by many kernels.
+const UNARY: &[Arg] = &[Ptr, Ptr, AI64];
+const BINARY: &[Arg] = &[Ptr, Ptr, Ptr, Strides, AI64];
+const ACT: &[Arg] = &[Ptr, Ptr, AI64, AF32, AF32];
+const ACT_GRAD: &[Arg] = &[Ptr, Ptr, Ptr, AI64, AF32, AF32];
+
+/// Every kernel file, in kernels/ at the repository root, with its kernels and their signatures
+/// (the comment at the top of each file describes the parameters).
+pub static FAMILIES: &[Family] = &[
+    family!("elementwise", [
+        g(&["sqrt", "exp", "log", "sin", "cos", "erf", "reciprocal", "floor", "ceil", "is_nan"], FLOATS, UNARY),
+        g(&["neg", "abs", "sign"], NUMS, UNARY),
+        g(&["not"], U8, UNARY),
+        g(CAST_OPS, CAST_TO, UNARY),
+        g(&["is_inf"], FLOATS, &[Ptr, Ptr, AI64, AI32, AI32]),
+        g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], ARITH, BINARY),
+        g(&["pow"], FLOATS, BINARY),
+        g(&["pow"], I64, BINARY),
+        g(&["equal", "less", "greater", "less_equal", "greater_equal"], ARITH, BINARY),
+        g(&["and", "or", "xor", "equal"], U8, BINARY),
+        g(&["where"], WIDTHS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64]),
+        g(&["mask_select"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32]),
+        g(&["min_max_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64, AI32, AI32]),
+        g(&["erf_grad"], FLOATS, BINARY),
+        g(&["affine"], FLOATS, &[Ptr, Ptr, AI64, AF64, AF64]),
+    ]),
+    family!("activation", [
+        g(&["relu", "leaky_relu", "tanh", "sigmoid", "gelu", "gelu_tanh", "softplus", "hard_sigmoid", "hard_swish"], FLOATS, ACT),
+        g(
+            &[
+                "relu_grad", "leaky_relu_grad", "tanh_grad", "sigmoid_grad", "gelu_grad", "gelu_tanh_grad", "softplus_grad",
+                "hard_sigmoid_grad", "hard_swish_grad",
+            ],
+            FLOATS,
+            ACT_GRAD,
+        ),
+    ]),
+    family!("softmax", [
+        g(&["softmax", "log_softmax"], FLOATS, &[Ptr, Ptr, AI64, AI64, AI64]),
+        g(&["softmax_grad", "log_softmax_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64]),
+    ]),
+    family!("layernorm", [
+        g(&["layer_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
+        g(&["layer_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32]),
+        g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
+        g(&["layer_norm_grad_params"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
+        g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64]),
+    ]),
+    family!("reduce", [
+        g(&["reduce_sum", "reduce_sum_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
+        g(&["reduce_sum", "reduce_sum_thread"], I64, &[Ptr, Ptr, Reduce, AF64]),
+        g(&["reduce_max", "reduce_max_thread", "reduce_min", "reduce_min_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
+        g(&["reduce_grad"], FLOATS, &[Ptr, Ptr, Strides, AI64, AF64]),
+    ]),
+    family!("movement", [
+        g(&["copy"], WIDTHS, &[Ptr, Ptr, Strides, AI64]),
+        g(&["fill"], WIDTHS, &[Ptr, AI64, AU64]),
+        g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64]),
+    ]),
+    family!("gather", [
+        g(&["gather"], WIDTHS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
+        g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
+        g(&["gather_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
+        g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
+    ]),
+    family!("dropout", [
+        g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
+        g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
+    ]),
+    family!("loss", [
+        g(&["sce_loss"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, Ptr]),
+        g(&["sce_reduce"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI32]),
+        g(&["sce_grad_scale"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
+        g(&["sce_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, AI32]),
+    ]),
+    family!("optim", [
+        g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),
+        g(&["sgd"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AI32, AI32, AI32]),
+        g(&["sum_squares", "scale_by"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
+        g(&["grad_norm"], F64, &[Ptr, AI64, AF32, Ptr, Ptr]),
+    ]),
+];
+
+/// The family that defines `kernel`, if any.
+pub fn family_of(kernel: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.kernel_names().iter().any(|k| k == kernel))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_across_families() {
+        let mut all: Vec<String> = FAMILIES.iter().flat_map(|f| f.kernel_names()).collect();
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), n, "a kernel name is defined twice");
+    }
+
+    #[test]
+    fn every_kernel_file_is_registered() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../kernels");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .expect("kernels/")
+            .flatten()
+            .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".cu")).map(String::from))
+            .collect();
+        on_disk.sort();
+        let mut registered: Vec<String> = FAMILIES.iter().map(|f| f.name.to_string()).collect();
+        registered.sort();
+        assert_eq!(on_disk, registered);
+    }
+
+    #[test]
+    fn every_family_includes_the_prelude_and_is_named_after_its_file() {
+        for f in FAMILIES {
+            assert!(f.source.contains("#include \"prelude.cuh\""), "{}", f.file());
+            assert!(!f.kernel_names().is_empty());
+        }
+        assert_eq!(family_of("exp_bf16").map(|f| f.name), Some("elementwise"));
+        assert_eq!(family_of("layer_norm_grad_f32").map(|f| f.name), Some("layernorm"));
+        assert_eq!(family_of("adam_bf16").map(|f| f.name), Some("optim"));
+        assert!(family_of("gather_grad_bf16").is_none());
+        assert_eq!(kernel_name("add", dtype_suffix(crate::tensor::DType::Bool)), "add_u8");
+    }
+}

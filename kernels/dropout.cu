@@ -1,0 +1,65 @@
+// Dropout forward (producing the keep mask) and backward (engine/src/ops/random.rs; CPU kernels
+// engine/src/backend/cpu/random.rs), with the Philox4x32-10 counter-based generator (Salmon et
+// al., SC 2011): element i draws from counter (offset + i / 4) under key `seed`, so a launch is
+// deterministic for any grid, and the host advances `offset` by ceil(n / 4) per call for a
+// fresh stream. The masks differ from the CPU backend's (which hashes with SplitMix64), as
+// PyTorch's CPU and CUDA masks differ; their statistics and the y = x * mask / (1 - ratio)
+// identity are what a parity test checks.
+//
+//   dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
+//       keep where uniform >= ratio (as the CPU kernel); y = keep ? x / (1 - ratio) : 0;
+//       mask may be null. Training with ratio 0, or inference, is a copy (no launch needed).
+//   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
+//       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
+// T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy).
+
+#include "prelude.cuh"
+
+struct U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ U4 philox4x32_10(U4 c, u32 k0, u32 k1) {
+    const u32 M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        const u32 hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
+        const u32 hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
+        c = U4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
+        k0 += W0;
+        k1 += W1;
+    }
+    return c;
+}
+
+// Uniform in [0, 1) from the top 24 bits (exact in f32).
+__device__ __forceinline__ f32 uniform24(u32 r) { return (f32)(r >> 8) * (1.0f / 16777216.0f); }
+
+template <typename T> __device__ __forceinline__ void dropout_fwd(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
+    typedef typename Num<T>::Acc A;
+    const A scale = (A)1 / ((A)1 - (A)ratio);
+    const i64 groups = (n + 3) / 4;
+    ORT_GRID_LOOP(g, groups) {
+        const u64 c = offset + (u64)g;
+        const U4 r = philox4x32_10(U4{(u32)c, (u32)(c >> 32), 0u, 0u}, (u32)seed, (u32)(seed >> 32));
+        const u32 rs[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const i64 i = g * 4 + k;
+            if (i < n) {
+                const bool keep = uniform24(rs[k]) >= ratio;
+                y[i] = keep ? Num<T>::store(Num<T>::load(x[i]) * scale) : Num<T>::store((A)0);
+                if (mask) mask[i] = keep ? 1 : 0;
+            }
+        }
+    }
+}
+
+#define DROPOUT(op, T)                                                                        \
+    extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
+        dropout_fwd<T>(x, y, mask, n, ratio, seed, offset);                                   \
+    }                                                                                         \
+    extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
+        typedef Num<T>::Acc A;                                                                \
+        const A s = (A)scale;                                                                 \
+        ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(dy[i]) * s : (A)0);  \
+    }
+ORT_FLOATS(DROPOUT, _)

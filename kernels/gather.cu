@@ -1,0 +1,87 @@
+// Gather (embedding lookups) and GatherElements with their scatter-add gradients
+// (engine/src/ops/movement.rs; CPU kernels engine/src/backend/cpu/movement.rs).
+//
+// Indices are i64 (what PyTorch exports; int32 indices are cast first) and may be negative
+// (counted from the end of the axis). An index out of range cannot fail a kernel: its output
+// is 0 (its gradient is dropped) and *err is set to 1 (err may be null); the executor checks
+// err after the step and reports the node, as the CPU kernel does.
+//
+//   gather_W(const W* x, const i64* idx, W* y, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err)
+//       x viewed as [outer, dim, inner], y as [outer, n_idx, inner], n = outer * n_idx * inner;
+//       by element width W: u8 u16 u32 u64
+//   gather_grad_T(const T* dy, const i64* idx, T* dx, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err)
+//       dx (zeroed by the caller) += dy scattered back; float atomics, so the summation order
+//       of repeated indices varies run to run. T: f32 f64 (bf16/f16 gradients are accumulated
+//       in an f32 buffer and cast)
+//   gather_elements_W(const W* x, const i64* idx, W* y, Strides s, i64 n, i32 axis, i64 dim, i32* err)
+//       s.dims is the index tensor's shape (and y's), s.stride[0] the strides of x, s.base[0] 0:
+//       y[p] = x[coords of p, with idx[p] on `axis`]
+//   gather_elements_grad_T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i32 axis, i64 dim, i32* err)
+
+#include "prelude.cuh"
+
+// The index normalised into [0, dim), or -1 (and *err set) when out of range.
+__device__ __forceinline__ i64 checked_index(i64 id, i64 dim, i32* err) {
+    if (id < 0) id += dim;
+    if (id < 0 || id >= dim) {
+        if (err) *err = 1;
+        return -1;
+    }
+    return id;
+}
+
+// Source offset of element e of the gather output, or -1.
+__device__ __forceinline__ i64 gather_src(i64 e, const i64* idx, i64 dim, i64 n_idx, i64 inner, i32* err) {
+    const i64 k = e % inner, t = e / inner;
+    const i64 j = t % n_idx, outer = t / n_idx;
+    const i64 id = checked_index(idx[j], dim, err);
+    return id < 0 ? -1 : (outer * dim + id) * inner + k;
+}
+
+// Offset in x of element p of a GatherElements output, or -1.
+__device__ __forceinline__ i64 elements_src(const Strides& s, i64 p, const i64* idx, int axis, i64 dim, i32* err) {
+    const i64 id = checked_index(idx[p], dim, err);
+    if (id < 0) return -1;
+    i64 off = 0, rest = p;
+#pragma unroll 1
+    for (int d = s.rank - 1; d >= 0; --d) {
+        const i64 q = rest / s.dims[d], c = rest - q * s.dims[d];
+        rest = q;
+        off += (d == axis ? id : c) * s.stride[0][d];
+    }
+    return off;
+}
+
+__device__ __forceinline__ void atomic_add(f32* p, f32 v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(f64* p, f64 v) { atomicAdd(p, v); }
+
+#define GATHER(op, W)                                                                         \
+    extern "C" __global__ void gather_##W(const W* x, const i64* idx, W* y, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err) { \
+        ORT_GRID_LOOP(e, n) {                                                                 \
+            const i64 src = gather_src(e, idx, dim, n_idx, inner, err);                       \
+            y[e] = src < 0 ? (W)0 : x[src];                                                   \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void gather_elements_##W(const W* x, const i64* idx, W* y, Strides s, i64 n, i32 axis, i64 dim, i32* err) { \
+        ORT_GRID_LOOP(p, n) {                                                                 \
+            const i64 src = elements_src(s, p, idx, axis, dim, err);                          \
+            y[p] = src < 0 ? (W)0 : x[src];                                                   \
+        }                                                                                     \
+    }
+ORT_WIDTHS(GATHER, _)
+
+#define GATHER_GRAD(op, T)                                                                    \
+    extern "C" __global__ void gather_grad_##T(const T* dy, const i64* idx, T* dx, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err) { \
+        ORT_GRID_LOOP(e, n) {                                                                 \
+            const i64 dst = gather_src(e, idx, dim, n_idx, inner, err);                       \
+            if (dst >= 0) atomic_add(dx + dst, dy[e]);                                        \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void gather_elements_grad_##T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i32 axis, i64 dim, i32* err) { \
+        ORT_GRID_LOOP(p, n) {                                                                 \
+            const i64 dst = elements_src(s, p, idx, axis, dim, err);                          \
+            if (dst >= 0) atomic_add(dx + dst, dy[p]);                                        \
+        }                                                                                     \
+    }
+GATHER_GRAD(_, f32)
+GATHER_GRAD(_, f64)

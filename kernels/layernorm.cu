@@ -1,0 +1,147 @@
+// LayerNormalization forward (saving the row mean and 1/std for the backward) and its backward
+// (engine/src/ops/norm.rs; CPU kernels engine/src/backend/cpu/norm.rs, which accumulate the
+// row statistics in f64: here f32, f64 for f64, with a two-pass variance). The input is
+// [rows, n], normalised over n. Mean and rstd are `A` = f32 (f64 for f64), as the CPU's
+// optional Mean / InvStdDev outputs.
+//
+// One block per row (grid-stride over rows; blockDim.x a multiple of 32, at most 1024):
+//   layer_norm_T(const T* x, const T* scale, const T* bias, T* y, A* mean, A* rstd,
+//                i64 rows, i64 n, f32 eps)                 bias, mean, rstd may be null
+//   layer_norm_stats_T(const T* x, A* mean, A* rstd, i64 rows, i64 n, f32 eps)
+//                                                          (the backward's input when the
+//                                                          forward's statistics were not kept)
+//   layer_norm_grad_T(const T* dy, const T* x, const T* scale, const A* mean, const A* rstd,
+//                     T* dx, i64 rows, i64 n)              dx = rstd (g - mean(g) - h mean(g h)),
+//                                                          g = dy scale, h = (x - mean) rstd
+// dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic):
+//   layer_norm_grad_params_T(const T* dy, const T* x, const A* mean, const A* rstd, A* partial,
+//                            i64 rows, i64 n, i64 rows_per_chunk)
+//       blockDim (32, 8), grid (ceil(n / 32), chunks); partial is [chunks][2][n]
+//   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, i64 chunks, i64 n)
+//       one thread per column (grid-stride); dscale or dbias may be null
+// T: f32 f64 bf16 f16.
+
+#include "prelude.cuh"
+
+// Mean and 1/sqrt(var + eps) of one row, on every thread of the block.
+template <typename T, typename A> __device__ __forceinline__ void row_stats(const T* xr, i64 n, A eps, A* scratch, A& mean, A& rstd) {
+    A s = (A)0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) s += Num<T>::load(xr[j]);
+    mean = block_reduce<OpSum>(s, scratch) / (A)n;
+    A q = (A)0;
+    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+        const A d = Num<T>::load(xr[j]) - mean;
+        q += d * d;
+    }
+    const A var = block_reduce<OpSum>(q, scratch) / (A)n;
+    rstd = (A)1 / m_sqrt(var + eps);
+}
+
+template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T* scale, const T* bias, T* y,
+                                                             typename Num<T>::Acc* mean_out, typename Num<T>::Acc* rstd_out,
+                                                             i64 rows, i64 n, f32 eps) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * n;
+        A mean, rstd;
+        row_stats<T, A>(xr, n, (A)eps, scratch, mean, rstd);
+        if (threadIdx.x == 0) {
+            if (mean_out) mean_out[r] = mean;
+            if (rstd_out) rstd_out[r] = rstd;
+        }
+        if (y) {
+            for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+                A v = (Num<T>::load(xr[j]) - mean) * rstd * Num<T>::load(scale[j]);
+                if (bias) v += Num<T>::load(bias[j]);
+                y[r * n + j] = Num<T>::store(v);
+            }
+        }
+    }
+}
+
+template <typename T> __device__ __forceinline__ void ln_grad(const T* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
+                                                              const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* dr = dy + r * n;
+        const T* xr = x + r * n;
+        const A mu = mean[r], rs = rstd[r];
+        A a = (A)0, b = (A)0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
+            a += g;
+            b += g * (Num<T>::load(xr[j]) - mu) * rs;
+        }
+        a = block_reduce<OpSum>(a, scratch) / (A)n;
+        b = block_reduce<OpSum>(b, scratch) / (A)n;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
+            const A h = (Num<T>::load(xr[j]) - mu) * rs;
+            dx[r * n + j] = Num<T>::store(rs * (g - a - h * b));
+        }
+    }
+}
+
+template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy, const T* x, const typename Num<T>::Acc* mean,
+                                                                     const typename Num<T>::Acc* rstd, typename Num<T>::Acc* partial,
+                                                                     i64 rows, i64 n, i64 rows_per_chunk) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A ds[8][33];
+    __shared__ A db[8][33];
+    const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
+    const i64 chunk = blockIdx.y;
+    const i64 r0 = chunk * rows_per_chunk;
+    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    A s = (A)0, b = (A)0;
+    if (j < n) {
+        for (i64 r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+            const A d = Num<T>::load(dy[r * n + j]);
+            s += d * (Num<T>::load(x[r * n + j]) - mean[r]) * rstd[r];
+            b += d;
+        }
+    }
+    ds[threadIdx.y][threadIdx.x] = s;
+    db[threadIdx.y][threadIdx.x] = b;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+        for (int k = 1; k < (int)blockDim.y; ++k) {
+            s += ds[k][threadIdx.x];
+            b += db[k][threadIdx.x];
+        }
+        partial[(chunk * 2) * n + j] = s;
+        partial[(chunk * 2 + 1) * n + j] = b;
+    }
+}
+
+#define LAYER_NORM(op, T)                                                                     \
+    extern "C" __global__ void layer_norm_##T(const T* x, const T* scale, const T* bias, T* y, \
+                                              Num<T>::Acc* mean, Num<T>::Acc* rstd, i64 rows, i64 n, f32 eps) { \
+        ln_fwd<T>(x, scale, bias, y, mean, rstd, rows, n, eps);                               \
+    }                                                                                         \
+    extern "C" __global__ void layer_norm_stats_##T(const T* x, Num<T>::Acc* mean, Num<T>::Acc* rstd, i64 rows, i64 n, f32 eps) { \
+        ln_fwd<T>(x, nullptr, nullptr, nullptr, mean, rstd, rows, n, eps);                    \
+    }                                                                                         \
+    extern "C" __global__ void layer_norm_grad_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
+                                                   const Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) { \
+        ln_grad<T>(dy, x, scale, mean, rstd, dx, rows, n);                                    \
+    }                                                                                         \
+    extern "C" __global__ void layer_norm_grad_params_##T(const T* dy, const T* x, const Num<T>::Acc* mean, \
+                                                          const Num<T>::Acc* rstd, Num<T>::Acc* partial, \
+                                                          i64 rows, i64 n, i64 rows_per_chunk) { \
+        ln_grad_params<T>(dy, x, mean, rstd, partial, rows, n, rows_per_chunk);               \
+    }                                                                                         \
+    extern "C" __global__ void layer_norm_grad_params_reduce_##T(const Num<T>::Acc* partial, T* dscale, T* dbias, \
+                                                                 i64 chunks, i64 n) {         \
+        ORT_GRID_LOOP(j, n) {                                                                 \
+            Num<T>::Acc s = 0, b = 0;                                                         \
+            for (i64 c = 0; c < chunks; ++c) {                                                \
+                s += partial[(c * 2) * n + j];                                                \
+                b += partial[(c * 2 + 1) * n + j];                                            \
+            }                                                                                 \
+            if (dscale) dscale[j] = Num<T>::store(s);                                         \
+            if (dbias) dbias[j] = Num<T>::store(b);                                           \
+        }                                                                                     \
+    }
+ORT_FLOATS(LAYER_NORM, _)

@@ -1,0 +1,171 @@
+// SoftmaxCrossEntropyLoss and NegativeLogLikelihoodLoss, forward and backward, with
+// ignore_index, class weights and reduction none/sum/mean (engine/src/ops/loss.rs; CPU kernels
+// engine/src/backend/cpu/loss.rs). Scores are [N, C, d...]; a sample s = (n, d...) reads its C
+// scores `inner` = prod(d...) apart; S = N * inner samples. Labels are i64.
+//
+// Fused forward and backward: the forward can write the gradient of each sample's loss term
+// (w (softmax - onehot), before the reduction's scaling) while the row is in registers, and the
+// backward only scales it in place (sce_grad_scale_T). sce_grad_T recomputes it instead, for a
+// memory plan that does not keep the forward's gradient.
+//
+//   sce_loss_T(const T* x, const i64* labels, const T* weights, A* loss_s, A* w_s, T* logp, T* grad,
+//              i64 S, i64 C, i64 inner, i64 ignore_index, i32 has_ignore, i32 softmax, i32* err)
+//       one block per sample (grid-stride; blockDim.x a multiple of 32): loss_s[s] = -w log p(label),
+//       w_s[s] = w (0 for an ignored sample); logp (the optional log-probability output, softmax
+//       only) and grad may be null; weights (per class) may be null.
+//   sce_reduce_T(const A* loss_s, const A* w_s, T* out, A* wsum, i64 S, i32 reduction)
+//       ONE block: reduction 0 none (out[s] = loss_s[s]), 1 sum, 2 mean (sum / sum of weights, NaN
+//       when every sample is ignored, as the CPU kernel); wsum (may be null) gets the sum of weights
+//       for the backward.
+//   sce_grad_scale_T(const T* dy, const A* wsum, T* grad, i64 S, i64 C, i64 inner, i32 reduction)
+//       grad (N*C*inner, in place) *= dy[s] (none), dy[0] (sum), dy[0] / wsum (mean; 0 if wsum is 0)
+//   sce_grad_T(const T* dy, const T* x, const i64* labels, const T* weights, const A* wsum, T* dx,
+//              i64 S, i64 C, i64 inner, i64 ignore_index, i32 has_ignore, i32 softmax, i32 reduction)
+//       the same gradient, recomputed from the scores (one block per sample)
+// A label outside [0, C) that is not ignore_index counts as ignored and sets *err = 1 (err may be
+// null); the executor reports it, as the CPU kernel fails on it. T: f32 f64 bf16 f16; A = f32
+// (f64 for f64).
+
+#include "prelude.cuh"
+
+struct Sample {
+    i64 base;   // offset of class 0
+    i64 label;  // valid when w != 0
+};
+
+__device__ __forceinline__ Sample sample_of(i64 s, i64 C, i64 inner, const i64* labels) {
+    Sample r;
+    r.base = inner == 1 ? s * C : (s / inner) * C * inner + s % inner;
+    r.label = labels[s];
+    return r;
+}
+
+// Weight of a sample: 0 when ignored or invalid (then *err is set).
+template <typename T> __device__ __forceinline__ typename Num<T>::Acc sample_weight(i64 y, const T* weights, i64 C, i64 ignore_index,
+                                                                                 i32 has_ignore, i32* err) {
+    typedef typename Num<T>::Acc A;
+    if (has_ignore && y == ignore_index) return (A)0;
+    if (y < 0 || y >= C) {
+        if (err) *err = 1;
+        return (A)0;
+    }
+    return weights ? Num<T>::load(weights[y]) : (A)1;
+}
+
+// Max and log-sum-exp of a sample's scores, on every thread of the block.
+template <typename T, typename A> __device__ __forceinline__ void lse_of(const T* x, i64 base, i64 C, i64 inner, A* scratch, A& m, A& lse) {
+    A mx = OpMax::init<A>();
+    for (i64 k = threadIdx.x; k < C; k += blockDim.x) mx = OpMax::apply(mx, Num<T>::load(x[base + k * inner]));
+    m = block_reduce<OpMax>(mx, scratch);
+    A s = (A)0;
+    for (i64 k = threadIdx.x; k < C; k += blockDim.x) s += m_exp(Num<T>::load(x[base + k * inner]) - m);
+    lse = m_log(block_reduce<OpSum>(s, scratch));
+}
+
+template <typename T> __device__ __forceinline__ void sce_loss(const T* x, const i64* labels, const T* weights, typename Num<T>::Acc* loss_s,
+                                                               typename Num<T>::Acc* w_s, T* logp, T* grad, i64 S, i64 C, i64 inner,
+                                                               i64 ignore_index, i32 has_ignore, i32 softmax, i32* err) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    for (i64 s = blockIdx.x; s < S; s += gridDim.x) {
+        const Sample p = sample_of(s, C, inner, labels);
+        const A w = sample_weight<T>(p.label, weights, C, ignore_index, has_ignore, threadIdx.x == 0 ? err : nullptr);
+        A m = (A)0, lse = (A)0;
+        if (softmax) lse_of<T, A>(x, p.base, C, inner, scratch, m, lse);
+        if (threadIdx.x == 0) {
+            const A lp = w == (A)0 ? (A)0 : Num<T>::load(x[p.base + p.label * inner]) - (softmax ? m + lse : (A)0);
+            loss_s[s] = w == (A)0 ? (A)0 : -w * lp;
+            w_s[s] = w;
+        }
+        if (logp && softmax) {
+            for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
+                const i64 at = p.base + k * inner;
+                logp[at] = Num<T>::store(Num<T>::load(x[at]) - m - lse);
+            }
+        }
+        if (grad) {
+            for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
+                const i64 at = p.base + k * inner;
+                const A onehot = (w != (A)0 && k == p.label) ? (A)1 : (A)0;
+                const A g = softmax ? w * (m_exp(Num<T>::load(x[at]) - m - lse) - onehot) : -w * onehot;
+                grad[at] = Num<T>::store(g);
+            }
+        }
+        __syncthreads();
+    }
+}
+
+template <typename T> __device__ __forceinline__ void sce_reduce(const typename Num<T>::Acc* loss_s, const typename Num<T>::Acc* w_s, T* out,
+                                                                 typename Num<T>::Acc* wsum, i64 S, i32 reduction) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    if (blockIdx.x != 0) return;
+    A l = (A)0, w = (A)0;
+    for (i64 s = threadIdx.x; s < S; s += blockDim.x) {
+        l += loss_s[s];
+        w += w_s[s];
+        if (reduction == 0) out[s] = Num<T>::store(loss_s[s]);
+    }
+    l = block_reduce<OpSum>(l, scratch);
+    w = block_reduce<OpSum>(w, scratch);
+    if (threadIdx.x == 0) {
+        if (wsum) *wsum = w;
+        if (reduction == 1) out[0] = Num<T>::store(l);
+        if (reduction == 2) out[0] = Num<T>::store(w == (A)0 ? (A)(0.0 / 0.0) : l / w);
+    }
+}
+
+// The factor the backward applies to sample s's term.
+template <typename T> __device__ __forceinline__ typename Num<T>::Acc grad_factor(const T* dy, const typename Num<T>::Acc* wsum, i64 s,
+                                                                                i32 reduction) {
+    typedef typename Num<T>::Acc A;
+    if (reduction == 0) return Num<T>::load(dy[s]);
+    if (reduction == 1) return Num<T>::load(dy[0]);
+    const A w = *wsum;
+    return w == (A)0 ? (A)0 : Num<T>::load(dy[0]) / w;
+}
+
+template <typename T> __device__ __forceinline__ void sce_grad(const T* dy, const T* x, const i64* labels, const T* weights,
+                                                               const typename Num<T>::Acc* wsum, T* dx, i64 S, i64 C, i64 inner,
+                                                               i64 ignore_index, i32 has_ignore, i32 softmax, i32 reduction) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    for (i64 s = blockIdx.x; s < S; s += gridDim.x) {
+        const Sample p = sample_of(s, C, inner, labels);
+        const A w = sample_weight<T>(p.label, weights, C, ignore_index, has_ignore, nullptr);
+        const A g = w * grad_factor<T>(dy, wsum, s, reduction);
+        A m = (A)0, lse = (A)0;
+        if (softmax) lse_of<T, A>(x, p.base, C, inner, scratch, m, lse);
+        for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
+            const i64 at = p.base + k * inner;
+            const A onehot = (w != (A)0 && k == p.label) ? (A)1 : (A)0;
+            dx[at] = Num<T>::store(softmax ? g * (m_exp(Num<T>::load(x[at]) - m - lse) - onehot) : -g * onehot);
+        }
+        __syncthreads();
+    }
+}
+
+#define LOSS(op, T)                                                                           \
+    extern "C" __global__ void sce_loss_##T(const T* x, const i64* labels, const T* weights, Num<T>::Acc* loss_s, \
+                                            Num<T>::Acc* w_s, T* logp, T* grad, i64 S, i64 C, i64 inner, \
+                                            i64 ignore_index, i32 has_ignore, i32 softmax, i32* err) { \
+        sce_loss<T>(x, labels, weights, loss_s, w_s, logp, grad, S, C, inner, ignore_index, has_ignore, softmax, err); \
+    }                                                                                         \
+    extern "C" __global__ void sce_reduce_##T(const Num<T>::Acc* loss_s, const Num<T>::Acc* w_s, T* out, \
+                                              Num<T>::Acc* wsum, i64 S, i32 reduction) {      \
+        sce_reduce<T>(loss_s, w_s, out, wsum, S, reduction);                                  \
+    }                                                                                         \
+    extern "C" __global__ void sce_grad_scale_##T(const T* dy, const Num<T>::Acc* wsum, T* grad, i64 S, i64 C, \
+                                                  i64 inner, i32 reduction) {                 \
+        const i64 n = S * C;                                                                  \
+        ORT_GRID_LOOP(e, n) {                                                                 \
+            const i64 s = inner == 1 ? e / C : (e / (C * inner)) * inner + e % inner;          \
+            grad[e] = Num<T>::store(Num<T>::load(grad[e]) * grad_factor<T>(dy, wsum, s, reduction)); \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void sce_grad_##T(const T* dy, const T* x, const i64* labels, const T* weights, \
+                                            const Num<T>::Acc* wsum, T* dx, i64 S, i64 C, i64 inner, \
+                                            i64 ignore_index, i32 has_ignore, i32 softmax, i32 reduction) { \
+        sce_grad<T>(dy, x, labels, weights, wsum, dx, S, C, inner, ignore_index, has_ignore, softmax, reduction); \
+    }
+ORT_FLOATS(LOSS, _)

@@ -1,0 +1,62 @@
+"""CUDA support as users meet it on any machine: `ortrain.cuda_available()` answers without
+raising, a CUDA request fails with a message that names the reason, and the wheel (built with the
+CUDA backend) links no CUDA library, so it imports where there is none. The kernels themselves
+are checked by engine/tests/cuda_kernels.rs (compiled by NVRTC, not run; doc/GPU-RUNS.md)."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+import ortrain
+from ortrain import _ortrain
+
+
+def _driver_loadable() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+def test_cuda_available_answers_with_a_reason():
+    ok, why = ortrain.cuda_available()
+    assert ok is False and why, "there is no CUDA executor yet: the answer must be False with a reason"
+    if not _driver_loadable():
+        assert why.startswith("libcuda.so.1 not found (no NVIDIA driver on this machine)"), why
+    else:
+        assert "no CUDA executor yet" in why or "driver" in why, why
+
+
+def test_accelerate_on_cuda_names_the_reason():
+    _, why = ortrain.cuda_available()
+    with pytest.raises(ortrain.OrtrainError) as err:
+        ortrain.accelerate(torch.nn.Linear(2, 2), device="cuda")
+    msg = str(err.value)
+    assert msg.startswith("device='cuda': the CUDA backend is not available: ") and why in msg, msg
+    assert "compiled but not yet verified on a GPU" in msg and "device='cpu'" in msg, msg
+
+
+def test_the_extension_links_no_cuda_library():
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed: cannot list the extension's DT_NEEDED entries")
+    out = subprocess.run([readelf, "-d", _ortrain.__file__], capture_output=True, text=True, check=True).stdout
+    needed = [line.split("[", 1)[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+    assert needed, out
+    cuda = [n for n in needed if any(k in n for k in ("cuda", "nvrtc", "cublas", "nvidia"))]
+    assert not cuda, f"the wheel must load CUDA at run time, not link it: {needed}"
+
+
+@pytest.mark.gpu
+def test_gpu_driver_probe_finds_the_gpu():
+    """On a GPU machine: the engine's own driver probe (cuInit, version, device count) works and
+    reports the missing executor, not a missing driver."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here (torch.cuda.is_available() is False)")
+    ok, why = ortrain.cuda_available()
+    assert not ok and "the NVIDIA driver is usable" in why and "no CUDA executor yet" in why, why
