@@ -11,11 +11,11 @@
 
 use std::path::PathBuf;
 
+use ortrain_engine::backend::cuda::abi::{self, Arg};
 use ortrain_engine::backend::cuda::compile::{self, Origin};
+use ortrain_engine::backend::cuda::elf;
 use ortrain_engine::backend::cuda::nvrtc::{self, Nvrtc};
 use ortrain_engine::backend::cuda::registry::{types, Family, Group, FAMILIES};
-use ortrain_engine::backend::cuda::abi::{self, Arg};
-use ortrain_engine::backend::cuda::elf;
 use ortrain_engine::Error;
 
 const ARCH: &str = "sm_90";
@@ -96,7 +96,8 @@ static BROKEN: Family = Family {
 
 static UNREGISTERED: Family = Family {
     name: "unregistered_test",
-    source: "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x) {}\nextern \"C\" __global__ void extra_f32(float* x) {}\n",
+    source:
+        "#include \"prelude.cuh\"\nextern \"C\" __global__ void k_f32(float* x) {}\nextern \"C\" __global__ void extra_f32(float* x) {}\n",
     groups: &[Group { ops: &["k", "missing"], dtypes: types::F32, args: &[Arg::Ptr] }],
 };
 

@@ -1,6 +1,6 @@
-//! Vectorised f32 row primitives for softmax-style kernels: max, Σ exp(x − m), and the softmax
-//! cross-entropy gradient row. `exp` is a branch-free polynomial (Cody–Waite range reduction,
-//! degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
+//! Vectorised f32 row primitives for softmax-style kernels: log-Σ-exp in one pass (online
+//! max) and the scaled softmax row of the cross-entropy gradient. `exp` is a branch-free
+//! polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
 //! (the libm exp it replaces is scalar: ~20 M calls per LM-head step).
 
@@ -10,10 +10,23 @@ const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
 
+/// 1.5·2²³: adding it to a float of magnitude < 2²² rounds it to an integer held in the low
+/// mantissa bits, so rounding and the float→int conversion need no conversion instruction.
+const MAGIC: f32 = 12_582_912.0;
+
 #[inline(always)]
 fn exp_poly(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + 0.5).floor();
+    // comparisons keep this a plain select that vectorises (a NaN stays NaN either way)
+    #[allow(clippy::manual_clamp)]
+    let x = if x < -87.0 {
+        -87.0
+    } else if x > 88.0 {
+        88.0
+    } else {
+        x
+    };
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0 / 720.0;
     let p = p * r + 1.0 / 120.0;
@@ -22,44 +35,45 @@ fn exp_poly(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let e = t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
+    p * f32::from_bits(e)
 }
 
 const LANES: usize = 16;
 
+/// log Σ exp(x) in one pass (online: each lane keeps a running max and a sum rescaled to it).
 #[inline(always)]
-fn max_body(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
+fn lse_body(x: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut s = [0f32; LANES];
+    let mut poison = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = if v > *a { v } else { *a };
+        for (((mi, si), p), &v) in m.iter_mut().zip(s.iter_mut()).zip(poison.iter_mut()).zip(c) {
+            let hi = mi.max(v);
+            *si = *si * exp_poly(*mi - hi) + exp_poly(v - hi);
+            *mi = hi;
+            *p += v * 0.0;
         }
     }
-    let mut m = tail.iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    for a in acc {
-        m = if a > m { a } else { m };
+    let mut top = m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let mut bad = poison.iter().sum::<f32>();
+    for &v in tail {
+        top = top.max(v);
+        bad += v * 0.0;
     }
-    // a NaN anywhere makes the row NaN, as in the scalar kernel
-    if x.iter().any(|v| v.is_nan()) {
-        f32::NAN
-    } else {
-        m
+    if bad.is_nan() || top == f32::NEG_INFINITY {
+        return if bad.is_nan() { f32::NAN } else { top };
     }
-}
-
-#[inline(always)]
-fn sum_exp_body(x: &[f32], m: f32) -> f32 {
-    let mut acc = [0f32; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += exp_poly(v - m);
+    let mut total = 0f32;
+    for (mi, si) in m.iter().zip(&s) {
+        if *mi > f32::NEG_INFINITY {
+            total += si * exp_poly(mi - top);
         }
     }
-    acc.iter().sum::<f32>() + tail.iter().map(|&v| exp_poly(v - m)).sum::<f32>()
+    total += tail.iter().map(|&v| exp_poly(v - top)).sum::<f32>();
+    top + total.ln()
 }
 
 /// out[k] = g · exp(x[k] − lse)
@@ -121,17 +135,12 @@ fn level() -> Level {
     })
 }
 
-multiversion!(row_max, max_body, (x: &[f32]) -> f32);
-multiversion!(row_sum_exp, sum_exp_body, (x: &[f32], m: f32) -> f32);
+multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 
-/// Log-sum-exp of a row.
+/// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
-    let m = row_max::call(x);
-    if !m.is_finite() {
-        return m;
-    }
-    m + row_sum_exp::call(x, m).ln()
+    row_lse_online::call(x)
 }
 
 #[cfg(test)]
@@ -161,5 +170,45 @@ mod tests {
             assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "n={n}: {got} vs {want}");
         }
         assert!(row_lse(&[1.0, f32::NAN, 2.0]).is_nan());
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+
+    /// `cargo test --release -p ortrain-engine vmath_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn vmath_speed() {
+        let x: Vec<f32> = (0..28782 * 100).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
+        let mut out = vec![0f32; x.len()];
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            let mut s = 0.0;
+            for row in x.chunks(28782) {
+                s += row_lse(row);
+            }
+            let t1 = t.elapsed();
+            let t = std::time::Instant::now();
+            for (o, row) in out.chunks_mut(28782).zip(x.chunks(28782)) {
+                row_scaled_softmax::call(o, row, 3.0, 0.5);
+            }
+            let t2 = t.elapsed();
+            println!(
+                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem ({s})",
+                level_name(),
+                t1.as_nanos() as f64 / x.len() as f64,
+                t2.as_nanos() as f64 / x.len() as f64
+            );
+        }
+    }
+
+    fn level_name() -> &'static str {
+        match level() {
+            Level::Avx512 => "avx512",
+            Level::Avx2 => "avx2",
+            Level::Generic => "generic",
+        }
     }
 }

@@ -78,7 +78,8 @@ pub fn check_params(family: &Family, cubin: &[u8]) -> Result<()> {
     let mut bad = Vec::new();
     for (name, args) in family.kernels() {
         let want = abi::layout(args);
-        let got: Vec<(usize, usize)> = found.get(&name).map(|ps| ps.iter().map(|p| (p.offset as usize, p.size as usize)).collect()).unwrap_or_default();
+        let got: Vec<(usize, usize)> =
+            found.get(&name).map(|ps| ps.iter().map(|p| (p.offset as usize, p.size as usize)).collect()).unwrap_or_default();
         if got != want {
             bad.push(format!("{name}: the CUBIN has (offset, size) {got:?}, the registry's signature {args:?} gives {want:?}"));
         }

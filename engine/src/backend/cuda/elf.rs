@@ -129,11 +129,7 @@ pub fn symbols(b: &[u8]) -> Result<Vec<Symbol>, String> {
             if name.is_empty() {
                 continue;
             }
-            out.push(Symbol {
-                name,
-                global_func: info & 0xf == STT_FUNC && info >> 4 == STB_GLOBAL,
-                entry: other & STO_CUDA_ENTRY != 0,
-            });
+            out.push(Symbol { name, global_func: info & 0xf == STT_FUNC && info >> 4 == STB_GLOBAL, entry: other & STO_CUDA_ENTRY != 0 });
         }
     }
     Ok(out)

@@ -33,7 +33,8 @@ impl Loaded {
     /// A kernel by name (`<op>_<dtype>`); the error names it and its family.
     pub fn function(&self, kernel: &str) -> Result<CudaFunction> {
         let family = super::registry::family_of(kernel).ok_or_else(|| Error::Cuda(format!("no CUDA kernel named {kernel}")))?;
-        let (_, m) = self.modules.iter().find(|(n, _)| *n == family.name).ok_or_else(|| Error::Cuda(format!("{} not loaded", family.file())))?;
+        let (_, m) =
+            self.modules.iter().find(|(n, _)| *n == family.name).ok_or_else(|| Error::Cuda(format!("{} not loaded", family.file())))?;
         m.load_function(kernel).map_err(|e| Error::Cuda(format!("{kernel} ({}): {e}", family.file())))
     }
 }
@@ -55,7 +56,8 @@ pub fn load_all(ordinal: usize, nv: &Nvrtc, cache_dir: Option<&Path>) -> Result<
     let mut origins = Vec::new();
     for f in FAMILIES {
         let c = compile::cubin(nv, f, &arch, cache_dir)?;
-        let m = ctx.load_module(Ptx::from_binary(c.bytes.to_vec())).map_err(|e| Error::Cuda(format!("loading {} ({arch}): {e}", f.file())))?;
+        let m =
+            ctx.load_module(Ptx::from_binary(c.bytes.to_vec())).map_err(|e| Error::Cuda(format!("loading {} ({arch}): {e}", f.file())))?;
         for k in f.kernel_names() {
             m.load_function(&k).map_err(|e| Error::Cuda(format!("{k} in {}: {e}", f.file())))?;
         }

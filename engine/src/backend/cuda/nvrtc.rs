@@ -224,14 +224,7 @@ pub fn compile_cubin(_nv: &Nvrtc, file: &str, source: &str, headers: &[(&str, &s
     // SAFETY: every pointer is a NUL-terminated string alive until the program is destroyed
     // (all are dropped after `prog` below); the header arrays have `headers.len()` entries.
     let rc = unsafe {
-        sys::nvrtcCreateProgram(
-            &mut raw,
-            src.as_ptr(),
-            name.as_ptr(),
-            headers.len() as c_int,
-            hdr_text_p.as_ptr(),
-            hdr_name_p.as_ptr(),
-        )
+        sys::nvrtcCreateProgram(&mut raw, src.as_ptr(), name.as_ptr(), headers.len() as c_int, hdr_text_p.as_ptr(), hdr_name_p.as_ptr())
     };
     if rc != sys::nvrtcResult::NVRTC_SUCCESS {
         return Err(fail(format!("nvrtcCreateProgram: {rc:?}"), String::new()));

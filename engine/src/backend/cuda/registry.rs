@@ -116,78 +116,112 @@ const ACT_GRAD: &[Arg] = &[Ptr, Ptr, Ptr, AI64, AF32, AF32];
 /// Every kernel file, in kernels/ at the repository root, with its kernels and their signatures
 /// (the comment at the top of each file describes the parameters).
 pub static FAMILIES: &[Family] = &[
-    family!("elementwise", [
-        g(&["sqrt", "exp", "log", "sin", "cos", "erf", "reciprocal", "floor", "ceil", "is_nan"], FLOATS, UNARY),
-        g(&["neg", "abs", "sign"], NUMS, UNARY),
-        g(&["not"], U8, UNARY),
-        g(CAST_OPS, CAST_TO, UNARY),
-        g(&["is_inf"], FLOATS, &[Ptr, Ptr, AI64, AI32, AI32]),
-        g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], ARITH, BINARY),
-        g(&["pow"], FLOATS, BINARY),
-        g(&["pow"], I64, BINARY),
-        g(&["equal", "less", "greater", "less_equal", "greater_equal"], ARITH, BINARY),
-        g(&["and", "or", "xor", "equal"], U8, BINARY),
-        g(&["where"], WIDTHS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64]),
-        g(&["mask_select"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32]),
-        g(&["min_max_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64, AI32, AI32]),
-        g(&["erf_grad"], FLOATS, BINARY),
-        g(&["affine"], FLOATS, &[Ptr, Ptr, AI64, AF64, AF64]),
-    ]),
-    family!("activation", [
-        g(&["relu", "leaky_relu", "tanh", "sigmoid", "gelu", "gelu_tanh", "softplus", "hard_sigmoid", "hard_swish"], FLOATS, ACT),
-        g(
-            &[
-                "relu_grad", "leaky_relu_grad", "tanh_grad", "sigmoid_grad", "gelu_grad", "gelu_tanh_grad", "softplus_grad",
-                "hard_sigmoid_grad", "hard_swish_grad",
-            ],
-            FLOATS,
-            ACT_GRAD,
-        ),
-    ]),
-    family!("softmax", [
-        g(&["softmax", "log_softmax"], FLOATS, &[Ptr, Ptr, AI64, AI64, AI64]),
-        g(&["softmax_grad", "log_softmax_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64]),
-    ]),
-    family!("layernorm", [
-        g(&["layer_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
-        g(&["layer_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32]),
-        g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
-        g(&["layer_norm_grad_params"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
-        g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64]),
-    ]),
-    family!("reduce", [
-        g(&["reduce_sum", "reduce_sum_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
-        g(&["reduce_sum", "reduce_sum_thread"], I64, &[Ptr, Ptr, Reduce, AF64]),
-        g(&["reduce_max", "reduce_max_thread", "reduce_min", "reduce_min_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
-        g(&["reduce_grad"], FLOATS, &[Ptr, Ptr, Strides, AI64, AF64]),
-    ]),
-    family!("movement", [
-        g(&["copy"], WIDTHS, &[Ptr, Ptr, Strides, AI64]),
-        g(&["fill"], WIDTHS, &[Ptr, AI64, AU64]),
-        g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64]),
-    ]),
-    family!("gather", [
-        g(&["gather"], WIDTHS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
-        g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
-        g(&["gather_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
-        g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
-    ]),
-    family!("dropout", [
-        g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
-        g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
-    ]),
-    family!("loss", [
-        g(&["sce_loss"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, Ptr]),
-        g(&["sce_reduce"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI32]),
-        g(&["sce_grad_scale"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
-        g(&["sce_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, AI32]),
-    ]),
-    family!("optim", [
-        g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),
-        g(&["sgd"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AI32, AI32, AI32]),
-        g(&["sum_squares", "scale_by"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
-        g(&["grad_norm"], F64, &[Ptr, AI64, AF32, Ptr, Ptr]),
-    ]),
+    family!(
+        "elementwise",
+        [
+            g(&["sqrt", "exp", "log", "sin", "cos", "erf", "reciprocal", "floor", "ceil", "is_nan"], FLOATS, UNARY),
+            g(&["neg", "abs", "sign"], NUMS, UNARY),
+            g(&["not"], U8, UNARY),
+            g(CAST_OPS, CAST_TO, UNARY),
+            g(&["is_inf"], FLOATS, &[Ptr, Ptr, AI64, AI32, AI32]),
+            g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], ARITH, BINARY),
+            g(&["pow"], FLOATS, BINARY),
+            g(&["pow"], I64, BINARY),
+            g(&["equal", "less", "greater", "less_equal", "greater_equal"], ARITH, BINARY),
+            g(&["and", "or", "xor", "equal"], U8, BINARY),
+            g(&["where"], WIDTHS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64]),
+            g(&["mask_select"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32]),
+            g(&["min_max_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64, AI32, AI32]),
+            g(&["erf_grad"], FLOATS, BINARY),
+            g(&["affine"], FLOATS, &[Ptr, Ptr, AI64, AF64, AF64]),
+        ]
+    ),
+    family!(
+        "activation",
+        [
+            g(&["relu", "leaky_relu", "tanh", "sigmoid", "gelu", "gelu_tanh", "softplus", "hard_sigmoid", "hard_swish"], FLOATS, ACT),
+            g(
+                &[
+                    "relu_grad",
+                    "leaky_relu_grad",
+                    "tanh_grad",
+                    "sigmoid_grad",
+                    "gelu_grad",
+                    "gelu_tanh_grad",
+                    "softplus_grad",
+                    "hard_sigmoid_grad",
+                    "hard_swish_grad",
+                ],
+                FLOATS,
+                ACT_GRAD,
+            ),
+        ]
+    ),
+    family!(
+        "softmax",
+        [
+            g(&["softmax", "log_softmax"], FLOATS, &[Ptr, Ptr, AI64, AI64, AI64]),
+            g(&["softmax_grad", "log_softmax_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64]),
+        ]
+    ),
+    family!(
+        "layernorm",
+        [
+            g(&["layer_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
+            g(&["layer_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32]),
+            g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
+            g(&["layer_norm_grad_params"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
+            g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64]),
+        ]
+    ),
+    family!(
+        "reduce",
+        [
+            g(&["reduce_sum", "reduce_sum_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
+            g(&["reduce_sum", "reduce_sum_thread"], I64, &[Ptr, Ptr, Reduce, AF64]),
+            g(&["reduce_max", "reduce_max_thread", "reduce_min", "reduce_min_thread"], FLOATS, &[Ptr, Ptr, Reduce, AF64]),
+            g(&["reduce_grad"], FLOATS, &[Ptr, Ptr, Strides, AI64, AF64]),
+        ]
+    ),
+    family!(
+        "movement",
+        [
+            g(&["copy"], WIDTHS, &[Ptr, Ptr, Strides, AI64]),
+            g(&["fill"], WIDTHS, &[Ptr, AI64, AU64]),
+            g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64]),
+        ]
+    ),
+    family!(
+        "gather",
+        [
+            g(&["gather"], WIDTHS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
+            g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
+            g(&["gather_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
+            g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
+        ]
+    ),
+    family!(
+        "dropout",
+        [g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]), g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),]
+    ),
+    family!(
+        "loss",
+        [
+            g(&["sce_loss"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, Ptr]),
+            g(&["sce_reduce"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI32]),
+            g(&["sce_grad_scale"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
+            g(&["sce_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, AI32]),
+        ]
+    ),
+    family!(
+        "optim",
+        [
+            g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),
+            g(&["sgd"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AI32, AI32, AI32]),
+            g(&["sum_squares", "scale_by"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
+            g(&["grad_norm"], F64, &[Ptr, AI64, AF32, Ptr, Ptr]),
+        ]
+    ),
 ];
 
 /// The family that defines `kernel`, if any.
