@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::autodiff;
+use crate::backend::cpu::bf16::{MatmulPath, MatmulPrecision};
 use crate::backend::cpu::CpuCtx;
 use crate::error::{Error, Result};
 use crate::exec::{self, Arena, Bindings, Phase};
@@ -17,6 +18,16 @@ use crate::tensor::DType;
 
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);
+
+/// How a session runs, without changing its graph.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SessionOptions {
+    /// Fp32 (default), or Bf16: every MatMul/Gemm/FusedMatMul on f32 operands (forward and
+    /// gradient) multiplies bf16-rounded operands with f32 accumulation, like PyTorch's autocast
+    /// for matmuls; weights, activations and gradients stay f32. Without avx512_bf16 or AMX the
+    /// session runs fp32 and `matmul_description` says so.
+    pub matmul_precision: MatmulPrecision,
+}
 
 pub struct Session {
     pub graph: Graph,
@@ -29,6 +40,8 @@ pub struct Session {
     pub weights: Vec<ValueId>,
     /// Gradient of each weight (None: frozen, or it does not affect the outputs).
     pub grads: Vec<Option<ValueId>>,
+    pub options: SessionOptions,
+    matmul: MatmulPath,
     plans: Mutex<HashMap<(Vec<Sig>, bool), Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
 }
@@ -97,9 +110,28 @@ impl Session {
             seeds,
             weights: weight_ids,
             grads,
+            options: SessionOptions::default(),
+            matmul: MatmulPath::Fp32,
             plans: Mutex::new(HashMap::new()),
             arenas: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The session with these options (the matmul path is resolved here, from the CPU).
+    pub fn with_options(mut self, options: SessionOptions) -> Session {
+        self.matmul = MatmulPath::resolve(options.matmul_precision);
+        self.options = options;
+        self
+    }
+
+    /// How matmuls run: fp32, or bf16 with the instruction set chosen for this CPU.
+    pub fn matmul_path(&self) -> MatmulPath {
+        self.matmul
+    }
+
+    /// `matmul_path` in words, with the reason when bf16 was requested and is not used.
+    pub fn matmul_description(&self) -> String {
+        self.matmul.describe(self.options.matmul_precision)
     }
 
     /// The plan for these input types; `backward` adds the gradient phase.
@@ -144,7 +176,7 @@ impl Session {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         let plan = self.plan(&sigs, backward)?;
         let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
-        let mut ctx = CpuCtx::new(seed);
+        let mut ctx = CpuCtx::new(seed).with_matmul(self.matmul);
         let bind = self.bind_weights(weights)?;
         let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
         let t0 = std::time::Instant::now();
