@@ -12,6 +12,7 @@ import torch
 from ortrain.errors import OrtrainError
 
 _VALID_DEVICES = ("cpu", "cuda")
+_VALID_PRECISIONS = ("fp32", "bf16")
 
 
 class _State:
@@ -29,6 +30,7 @@ class _State:
         self.calls = 0
         self.engine_calls = 0
         self.optimizer_in_engine = False
+        self.precision = "fp32"
 
     @contextmanager
     def plain(self):
@@ -52,7 +54,7 @@ class _State:
                 with self.plain():
                     exported = export_module(self.module, args, kwargs, training=self.module.training,
                                              exporter=self.exporter)
-                self.runners[key] = Runner(self.module, exported)
+                self.runners[key] = Runner(self.module, exported, self.precision)
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
                 self.runners[key] = exc
                 self._fall_back(exc)
@@ -95,11 +97,15 @@ def _first_line(exc: Exception) -> str:
 
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
-               exporter: str = "auto"):
+               exporter: str = "auto", precision: str = "fp32"):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
-    into an error. `exporter`: "auto" | "dynamo" | "legacy".
+    into an error. `exporter`: "auto" | "dynamo" | "legacy". `precision`: "fp32", or "bf16" for
+    mixed precision like `torch.autocast("cpu", torch.bfloat16)` for matmuls: every matmul
+    (forward and backward) multiplies bf16-rounded operands with f32 accumulation, while weights,
+    activations, gradients and the optimizer stay f32. Needs avx512_bf16 or AMX; elsewhere it
+    runs fp32, and `explain()` says which matmul path runs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -109,11 +115,16 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise OrtrainError("device='cuda': the CUDA backend is not available in this build yet; use device='cpu'")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
+    if precision not in _VALID_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter)
         model.__dict__["_ortrain_state"] = state
         model.__dict__["forward"] = state.forward
+    if state.precision != precision:
+        state.precision = precision
+        state.runners.clear()  # sessions are built for one precision
     if optimizer is not None:
         from ortrain.engine.optimizer import accelerate_optimizer
 
@@ -166,6 +177,7 @@ def explain(model, *example_args, **example_kwargs) -> str:
             fwd, bwd = r.session.node_count
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
                          f"{fwd} forward + {bwd} gradient nodes")
+            lines.append(f"    matmuls: {r.session.matmul_path}")
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:

@@ -48,7 +48,8 @@ def _batch_counters(module: torch.nn.Module, updated: list) -> list:
 
 
 class Runner:
-    def __init__(self, module: torch.nn.Module, exported):
+    def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32"):
+        """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation."""
         self.exported = exported
         named = dict(module.named_parameters(remove_duplicate=False))
         named.update(dict(module.named_buffers(remove_duplicate=False)))
@@ -65,7 +66,7 @@ class Runner:
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
                              and t.is_floating_point())
         onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
-        self.session = _ortrain.Session(onnx_bytes, names, trainable)
+        self.session = _ortrain.Session(onnx_bytes, names, trainable, matmul_precision=precision)
         self.weights = tensors
         self.trainable = trainable
         self.has_grad = self.session.has_grad
