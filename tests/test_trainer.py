@@ -64,8 +64,10 @@ def test_options_are_validated():
         make({"batchh": {}})
     with pytest.raises(ValueError, match="unknown key 'grad_accum'.*gradient_accumulation_steps"):
         make({"batch": {"grad_accum": 2}})
-    with pytest.raises(UnsupportedError, match="mixed_precision.*enabled.*not supported yet"):
-        make({"mixed_precision": {"enabled": True}})
+    with pytest.raises(ValueError, match="mixed_precision.*dtype.*'fp16'.*only 'bf16'"):
+        make({"mixed_precision": {"enabled": True, "dtype": "fp16"}})
+    with pytest.raises(ValueError, match="loss_scaler.*not supported yet"):
+        make({"mixed_precision": {"enabled": True, "loss_scaler": "dynamic"}})
     with pytest.raises(UnsupportedError, match="world_size.*not supported yet"):
         make({"distributed": {"world_size": 4}})
     with pytest.raises(ValueError, match=r"frozen_weights'\] names unknown parameters"):

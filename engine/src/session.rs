@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::autodiff;
+use crate::backend::cpu::bf16::{MatmulPath, MatmulPrecision};
 use crate::backend::cpu::CpuCtx;
 use crate::error::{Error, Result};
 use crate::exec::profile::Profile;
@@ -19,6 +20,16 @@ use crate::tensor::DType;
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);
 
+/// How a session runs, without changing its graph.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SessionOptions {
+    /// Fp32 (default), or Bf16: every MatMul/Gemm/FusedMatMul on f32 operands (forward and
+    /// gradient) multiplies bf16-rounded operands with f32 accumulation, like PyTorch's autocast
+    /// for matmuls; weights, activations and gradients stay f32. Without avx512_bf16 or AMX the
+    /// session runs fp32 and `matmul_description` says so.
+    pub matmul_precision: MatmulPrecision,
+}
+
 pub struct Session {
     pub graph: Graph,
     pub n_fwd: usize,
@@ -30,6 +41,8 @@ pub struct Session {
     pub weights: Vec<ValueId>,
     /// Gradient of each weight (None: frozen, or it does not affect the outputs).
     pub grads: Vec<Option<ValueId>>,
+    pub options: SessionOptions,
+    matmul: MatmulPath,
     plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>), Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
     profile: Mutex<Profile>,
@@ -125,11 +138,30 @@ impl Session {
             seeds,
             weights: weight_ids,
             grads,
+            options: SessionOptions::default(),
+            matmul: MatmulPath::Fp32,
             plans: Mutex::new(HashMap::new()),
             arenas: Mutex::new(Vec::new()),
             profile: Mutex::new(Profile::default()),
             passes,
         })
+    }
+
+    /// The session with these options (the matmul path is resolved here, from the CPU).
+    pub fn with_options(mut self, options: SessionOptions) -> Session {
+        self.matmul = MatmulPath::resolve(options.matmul_precision);
+        self.options = options;
+        self
+    }
+
+    /// How matmuls run: fp32, or bf16 with the instruction set chosen for this CPU.
+    pub fn matmul_path(&self) -> MatmulPath {
+        self.matmul
+    }
+
+    /// `matmul_path` in words, with the reason when bf16 was requested and is not used.
+    pub fn matmul_description(&self) -> String {
+        self.matmul.describe(self.options.matmul_precision)
     }
 
     /// The plan for these input types; `backward` adds the gradient phase.
@@ -193,7 +225,7 @@ impl Session {
         let out_bound: Vec<bool> = outputs.iter().map(|p| !p.is_null()).collect();
         let plan = self.plan_bound(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] })?;
         let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
-        let mut ctx = CpuCtx::new(seed);
+        let mut ctx = CpuCtx::new(seed).with_matmul(self.matmul);
         let mut bind = self.bind_weights(weights)?;
         let out_binds: Vec<(ValueId, usize)> =
             self.outputs.iter().zip(outputs).filter(|(_, p)| !p.is_null()).map(|(&o, &p)| (o, p as usize)).collect();

@@ -1,4 +1,5 @@
-//! The op table for tools and tests: every registered op with what the engine has for it.
+//! The op table for tools and tests: every registered op with what the engine has for it, and
+//! the CPU's bf16 matmul instruction set.
 
 use ortrain_engine::backend::cpu;
 use ortrain_engine::ops;
@@ -27,7 +28,15 @@ fn init_threads(n: usize) -> usize {
     rayon::current_num_threads()
 }
 
+/// The instruction set bf16 matmuls use on this CPU ("amx", "avx512_bf16"), or None: then
+/// `matmul_precision="bf16"` runs fp32.
+#[pyfunction]
+fn cpu_bf16() -> Option<&'static str> {
+    cpu::bf16::detect().map(|isa| isa.name())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
-    m.add_function(wrap_pyfunction!(init_threads, m)?)
+    m.add_function(wrap_pyfunction!(init_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_bf16, m)?)
 }

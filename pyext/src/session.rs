@@ -4,7 +4,8 @@
 
 use std::sync::Arc;
 
-use ortrain_engine::session::{Pending, Session, Sig};
+use ortrain_engine::backend::cpu::bf16::MatmulPrecision;
+use ortrain_engine::session::{Pending, Session, SessionOptions, Sig};
 use ortrain_engine::{DType, Error};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -29,6 +30,11 @@ fn dtype(name: &str) -> PyResult<DType> {
     })
 }
 
+fn options(matmul_precision: &str) -> PyResult<SessionOptions> {
+    let matmul_precision = MatmulPrecision::parse(matmul_precision).map_err(PyValueError::new_err)?;
+    Ok(SessionOptions { matmul_precision })
+}
+
 #[pyclass(frozen, name = "Session", module = "ortrain._ortrain")]
 pub struct PySession {
     inner: Arc<Session>,
@@ -43,32 +49,56 @@ pub struct PyPending {
 #[pymethods]
 impl PySession {
     /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
-    /// flags which of them get gradients.
-    /// `seeded` (optional, one flag per output): False for outputs that carry no gradient.
+    /// flags which of them get gradients. `seeded` (optional, one flag per output): False for
+    /// outputs that carry no gradient. `matmul_precision`: "fp32" or "bf16" (matmul products in
+    /// bf16 with f32 accumulation, where the CPU has avx512_bf16 or AMX).
     #[new]
-    #[pyo3(signature = (onnx, weights, trainable, seeded=None))]
+    #[pyo3(signature = (onnx, weights, trainable, seeded = None, matmul_precision = "fp32"))]
     fn new(
         py: Python<'_>,
         onnx: &Bound<'_, PyBytes>,
         weights: Vec<String>,
         trainable: Vec<bool>,
         seeded: Option<Vec<bool>>,
+        matmul_precision: &str,
     ) -> PyResult<Self> {
+        let opts = options(matmul_precision)?;
         let bytes = onnx.as_bytes().to_vec();
         let s = py.detach(move || Session::from_onnx_seeded(&bytes, None, &weights, &trainable, seeded.as_deref())).map_err(to_py)?;
-        Ok(PySession { inner: Arc::new(s) })
+        Ok(PySession { inner: Arc::new(s.with_options(opts)) })
     }
 
     /// Imports an ONNX file; external data files are read from the file's folder.
     #[staticmethod]
-    fn load(py: Python<'_>, path: std::path::PathBuf, weights: Vec<String>, trainable: Vec<bool>) -> PyResult<Self> {
+    #[pyo3(signature = (path, weights, trainable, matmul_precision = "fp32"))]
+    fn load(
+        py: Python<'_>,
+        path: std::path::PathBuf,
+        weights: Vec<String>,
+        trainable: Vec<bool>,
+        matmul_precision: &str,
+    ) -> PyResult<Self> {
+        let opts = options(matmul_precision)?;
         let s = py
             .detach(move || {
                 let bytes = std::fs::read(&path).map_err(|e| Error::onnx(path.display().to_string(), format!("cannot read: {e}")))?;
                 Session::from_onnx(&bytes, path.parent(), &weights, &trainable)
             })
             .map_err(to_py)?;
-        Ok(PySession { inner: Arc::new(s) })
+        Ok(PySession { inner: Arc::new(s.with_options(opts)) })
+    }
+
+    /// The precision asked for: "fp32" or "bf16".
+    #[getter]
+    fn matmul_precision(&self) -> &'static str {
+        self.inner.options.matmul_precision.name()
+    }
+
+    /// How matmuls run on this CPU, e.g. "bf16 (avx512_bf16, f32 accumulation)", or "fp32 (bf16
+    /// requested, but ...)" when the CPU has no bf16 instructions.
+    #[getter]
+    fn matmul_path(&self) -> String {
+        self.inner.matmul_description()
     }
 
     #[getter]

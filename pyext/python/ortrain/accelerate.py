@@ -12,6 +12,7 @@ import torch
 from ortrain.errors import OrtrainError
 
 _VALID_DEVICES = ("cpu", "cuda")
+_VALID_PRECISIONS = ("fp32", "bf16")
 
 
 class _State:
@@ -30,8 +31,9 @@ class _State:
         self.engine_calls = 0
         self.optimizer_in_engine = False
         self.fuse_loss = fuse_loss
-        self.loss_runners: dict = {}  # (runner key, classes, ignore_index, reduction) -> runner | Exception
+        self.loss_runners: dict = {}  # (runner key, slices, classes, ignore_index, reduction) -> runner | Exception
         self.fused_loss_calls = 0
+        self.precision = "fp32"
 
     @contextmanager
     def plain(self):
@@ -55,7 +57,7 @@ class _State:
                 with self.plain():
                     exported = export_module(self.module, args, kwargs, training=self.module.training,
                                              exporter=self.exporter)
-                self.runners[key] = Runner(self.module, exported)
+                self.runners[key] = Runner(self.module, exported, self.precision)
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
                 self.runners[key] = exc
                 self._fall_back(exc)
@@ -142,7 +144,8 @@ class _State:
         runner = self.loss_runners.get(key)
         if runner is None:
             try:
-                runner = CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index, reduction)
+                runner = CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index, reduction,
+                                            self.precision)
             except Exception as exc:  # noqa: BLE001 - the loss then runs in PyTorch
                 runner = exc
                 if self.strict:
@@ -172,14 +175,18 @@ def _first_line(exc: Exception) -> str:
 
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
-               exporter: str = "auto", fuse_loss: bool = True):
+               exporter: str = "auto", fuse_loss: bool = True, precision: str = "fp32"):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
     into an error. `exporter`: "auto" | "dynamo" | "legacy". `fuse_loss`: in training, the
     output is returned lazily so that `F.cross_entropy` / `nn.CrossEntropyLoss` on it runs inside
     the engine with the model (the logits and their gradient never pass through PyTorch); any
-    other use of the output computes it as usual.
+    other use of the output computes it as usual. `precision`: "fp32", or "bf16" for mixed
+    precision like `torch.autocast("cpu", torch.bfloat16)` for matmuls: every matmul (forward and
+    backward) multiplies bf16-rounded operands with f32 accumulation, while weights, activations,
+    gradients and the optimizer stay f32. Needs avx512_bf16 or AMX; elsewhere it runs fp32, and
+    `explain()` says which matmul path runs.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -191,11 +198,17 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise OrtrainError(unavailable_message("device='cuda'"))
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
+    if precision not in _VALID_PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter, fuse_loss)
         model.__dict__["_ortrain_state"] = state
         model.__dict__["forward"] = state.forward
+    if state.precision != precision:
+        state.precision = precision
+        state.runners.clear()  # sessions are built for one precision
+        state.loss_runners.clear()
     if optimizer is not None:
         from ortrain.engine.optimizer import accelerate_optimizer
 
@@ -250,6 +263,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             fwd, bwd = r.session.node_count
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
                          f"{fwd} forward + {bwd} gradient nodes")
+            lines.append(f"    matmuls: {r.session.matmul_path}")
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:

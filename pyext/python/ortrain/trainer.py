@@ -86,7 +86,8 @@ class ORTTrainer:
         if key not in self._runners:
             self._module.train(training)
             exported = export_module(self._module, inputs, training=training)
-            self._runners[key] = Runner(self._module, exported)
+            mp = self.options["mixed_precision"]
+            self._runners[key] = Runner(self._module, exported, mp["dtype"] if mp["enabled"] else "fp32")
         return self._runners[key]
 
     def _param_name(self, onnx_name: str, runner) -> str:

@@ -16,6 +16,10 @@ SUPPORTED = {
     # the CPU engine is deterministic for a fixed thread count either way
     "debug": {"deterministic_compute": (False, _BOOL)},
     "lr_scheduler": None,  # an ortrain.optim.*LRScheduler or None
+    # bf16 matmuls with f32 accumulation and f32 master weights: no loss scaling needed
+    "mixed_precision": {"enabled": (False, _BOOL),
+                        "dtype": ("bf16", lambda v: None if v == "bf16" else "only 'bf16' is supported yet"),
+                        "loss_scaler": (None, lambda v: None if v is None else "not supported yet (bf16 needs no loss scaling)")},
 }
 
 # what ORT offered and ortrain does not have yet: the value that means "off"
@@ -23,7 +27,6 @@ NOT_YET = {
     "distributed": {"world_rank": 0, "world_size": 1, "local_rank": 0, "data_parallel_size": 1,
                     "horizontal_parallel_size": 1, "pipeline_parallel": {}, "allreduce_post_accumulation": False,
                     "deepspeed_zero_optimization": {}, "enable_adasum": False},
-    "mixed_precision": {"enabled": False, "loss_scaler": None},
     "graph_transformer": {"attn_dropout_recompute": False, "gelu_recompute": False,
                           "transformer_layer_recompute": False, "number_recompute_layers": 0},
 }

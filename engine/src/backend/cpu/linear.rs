@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::bf16::MatmulPath;
 use super::elementwise::{first, FloatElem};
 use super::matmul::{gemm_call, Mat};
 use super::tensor_view::{In, Out};
@@ -12,13 +13,23 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::linear::linear_dims;
 
-fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let w = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 (weight) missing"))?;
     let b = inputs.get(2).and_then(|v| v.as_ref());
     let tb = node.attrs.int("transB", 0)? != 0;
     let (k, n) = linear_dims(node, w.shape)?;
-    fn go<T: FloatElem>(x: &In, w: &In, b: Option<&In>, o: &mut Out, k: usize, n: usize, tb: bool) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn go<T: FloatElem + 'static>(
+        path: MatmulPath,
+        x: &In,
+        w: &In,
+        b: Option<&In>,
+        o: &mut Out,
+        k: usize,
+        n: usize,
+        tb: bool,
+    ) -> Result<()> {
         let (xv, wv, ov) = (x.slice::<T>()?, w.slice::<T>()?, o.slice::<T>()?);
         if ov.is_empty() {
             return Ok(());
@@ -43,10 +54,10 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
         let rhs = if tb { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
         // SAFETY: x is [rows, k] row-major, w is [n, k] (tb) or [k, n] row-major, out is [rows, n]
         // and distinct from both (the plan never places an output over a live input).
-        unsafe { gemm_call(rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), b.is_some()) };
+        unsafe { gemm_call(path, rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), b.is_some()) };
         Ok(())
     }
-    crate::dispatch_float!(x.dtype, node, go::<T>(x, w, b, &mut out[0], k, n, tb))
+    crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, &mut out[0], k, n, tb))
 }
 
 fn flatten_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

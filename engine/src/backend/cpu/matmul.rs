@@ -1,8 +1,12 @@
-//! CPU kernels of ops/matmul.rs on the `gemm` crate. Batched products fold the batch into M (or
-//! K) where the layout allows, so that one large gemm call replaces many small ones.
+//! CPU kernels of ops/matmul.rs on the `gemm` crate, or on the bf16 GEMM (bf16/) when the
+//! session's matmul path is bf16 and the operands are f32. Batched products fold the batch into M
+//! (or K) where the layout allows, so that one large gemm call replaces many small ones.
+
+use std::any::TypeId;
 
 use gemm::Parallelism;
 
+use super::bf16::{self, MatRef, MatmulPath};
 use super::broadcast::bcast_strides;
 use super::elementwise::{first, FloatElem};
 use super::tensor_view::{In, Out};
@@ -19,12 +23,15 @@ pub(super) struct Mat<T> {
     pub cs: isize,
 }
 
-/// dst[m×n] = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]
+/// dst[m×n] = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]; f32 products go through
+/// the bf16 GEMM when `path` says so.
 ///
 /// # Safety
 /// The pointers must cover the m×k, k×n and m×n views with the given strides, dst not
 /// overlapping the operands.
-pub(super) unsafe fn gemm_call<T: FloatElem>(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
+    path: MatmulPath,
     m: usize,
     n: usize,
     k: usize,
@@ -34,6 +41,13 @@ pub(super) unsafe fn gemm_call<T: FloatElem>(
     alpha: T,
     accumulate: bool,
 ) {
+    if let (MatmulPath::Bf16(isa), true) = (path, TypeId::of::<T>() == TypeId::of::<f32>()) {
+        let f32_view = |x: Mat<T>| MatRef { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        // SAFETY: T is f32, so the pointer casts are identities; the views are the caller's.
+        unsafe { bf16::gemm(isa, m, n, k, alpha.as_() as f32, f32_view(lhs), f32_view(rhs), beta, dst as *mut f32, n, true) };
+        return;
+    }
     let flops = m * n * k;
     let par = if flops >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).
@@ -64,7 +78,18 @@ pub(super) unsafe fn gemm_call<T: FloatElem>(
 
 /// out = alpha · op(a) · op(b), batched with broadcasting; out's batch dims may be fewer than the
 /// broadcast batch (those batches are summed), as FusedMatMul's target shape asks.
-fn batched<T: FloatElem>(node: &Node, a: &In, b: &In, o: &mut Out, ta: bool, tb: bool, alpha: f64, accumulate: bool) -> Result<()> {
+#[allow(clippy::too_many_arguments)]
+fn batched<T: FloatElem + 'static>(
+    path: MatmulPath,
+    node: &Node,
+    a: &In,
+    b: &In,
+    o: &mut Out,
+    ta: bool,
+    tb: bool,
+    alpha: f64,
+    accumulate: bool,
+) -> Result<()> {
     let a2: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
     let b2: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (ra, rb) = (a2.len(), b2.len());
@@ -112,7 +137,7 @@ fn batched<T: FloatElem>(node: &Node, a: &In, b: &In, o: &mut Out, ta: bool, tb:
     // fast path 1: b has no batch and a is not transposed: fold a's batch into M
     if bb.is_empty() && !ta && batch_out == batch_a {
         // SAFETY: a is [batch·m, k] row-major, b is k×n, out is [batch·m, n].
-        unsafe { gemm_call(batch_a * m, n, k, ov.as_mut_ptr(), mat_a(0, batch_a * m), mat_b(0), alpha, accumulate) };
+        unsafe { gemm_call(path, batch_a * m, n, k, ov.as_mut_ptr(), mat_a(0, batch_a * m), mat_b(0), alpha, accumulate) };
         return Ok(());
     }
     // fast path 2: aᵀ·b over identical batches summed into one 2-D output: fold the batch into K
@@ -121,7 +146,7 @@ fn batched<T: FloatElem>(node: &Node, a: &In, b: &In, o: &mut Out, ta: bool, tb:
         let lhs = Mat { ptr: av.as_ptr(), rs: 1, cs: m as isize };
         let rhs = Mat { ptr: bv.as_ptr(), rs: n as isize, cs: 1 };
         // SAFETY: a is [batch·k, m] and b is [batch·k, n] row-major; out is m×n.
-        unsafe { gemm_call(m, n, kk, ov.as_mut_ptr(), lhs, rhs, alpha, accumulate) };
+        unsafe { gemm_call(path, m, n, kk, ov.as_mut_ptr(), lhs, rhs, alpha, accumulate) };
         return Ok(());
     }
     let sa = bcast_strides(ba, &full);
@@ -141,7 +166,9 @@ fn batched<T: FloatElem>(node: &Node, a: &In, b: &In, o: &mut Out, ta: bool, tb:
             oo += i * so[d];
         }
         // SAFETY: batch offsets index whole matrices inside each buffer.
-        unsafe { gemm_call(m, n, k, ov[oo * m * n..].as_mut_ptr(), mat_a(oa * m * k, m), mat_b(ob * k * n), alpha, accumulate || reduced) };
+        unsafe {
+            gemm_call(path, m, n, k, ov[oo * m * n..].as_mut_ptr(), mat_a(oa * m * k, m), mat_b(ob * k * n), alpha, accumulate || reduced)
+        };
     }
     Ok(())
 }
@@ -150,12 +177,12 @@ fn second<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>]) -> Result<&'b In<'a
     inputs.get(1).and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 1 missing"))
 }
 
-fn matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+fn matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (a, b) = (first(node, inputs)?, second(node, inputs)?);
-    crate::dispatch_float!(a.dtype, node, batched::<T>(node, a, b, &mut out[0], false, false, 1.0, false))
+    crate::dispatch_float!(a.dtype, node, batched::<T>(ctx.matmul, node, a, b, &mut out[0], false, false, 1.0, false))
 }
 
-fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (a, b) = (first(node, inputs)?, second(node, inputs)?);
     let ta = node.attrs.int("transA", 0)? != 0;
     let tb = node.attrs.int("transB", 0)? != 0;
@@ -166,17 +193,29 @@ fn fused_matmul(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     let st = st.unwrap_or_else(|| out[0].shape.to_vec());
     let (a, b) = (a.reshaped(&sa), b.reshaped(&sb));
     let mut o = out[0].reshaped(&st);
-    crate::dispatch_float!(a.dtype, node, batched::<T>(node, &a, &b, &mut o, ta, tb, alpha, false))
+    crate::dispatch_float!(a.dtype, node, batched::<T>(ctx.matmul, node, &a, &b, &mut o, ta, tb, alpha, false))
 }
 
-fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let (a, b) = (first(node, inputs)?, second(node, inputs)?);
     let ta = node.attrs.int("transA", 0)? != 0;
     let tb = node.attrs.int("transB", 0)? != 0;
     let alpha = node.attrs.float("alpha", 1.0)? as f64;
     let beta = node.attrs.float("beta", 1.0)? as f64;
     let c = inputs.get(2).and_then(|x| x.as_ref());
-    fn go<T: FloatElem>(node: &Node, a: &In, b: &In, c: Option<&In>, o: &mut Out, ta: bool, tb: bool, alpha: f64, beta: f64) -> Result<()> {
+    #[allow(clippy::too_many_arguments)]
+    fn go<T: FloatElem + 'static>(
+        path: MatmulPath,
+        node: &Node,
+        a: &In,
+        b: &In,
+        c: Option<&In>,
+        o: &mut Out,
+        ta: bool,
+        tb: bool,
+        alpha: f64,
+        beta: f64,
+    ) -> Result<()> {
         let accumulate = match c {
             Some(c) if beta != 0.0 => {
                 let shape = o.shape.to_vec();
@@ -194,13 +233,80 @@ fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
             }
             _ => false,
         };
-        batched::<T>(node, a, b, o, ta, tb, alpha, accumulate)
+        batched::<T>(path, node, a, b, o, ta, tb, alpha, accumulate)
     }
-    crate::dispatch_float!(a.dtype, node, go::<T>(node, a, b, c, &mut out[0], ta, tb, alpha, beta))
+    crate::dispatch_float!(a.dtype, node, go::<T>(ctx.matmul, node, a, b, c, &mut out[0], ta, tb, alpha, beta))
 }
 
 pub fn register(t: &mut KernelTable) {
     t.add("MatMul", matmul);
     t.add("FusedMatMul", fused_matmul);
     t.add("Gemm", gemm_op);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::bf16::{detect, MatmulPath};
+    use super::super::testutil::{run, try_run_ctx};
+    use super::super::CpuCtx;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::Tensor;
+
+    fn vals(n: usize, seed: u32) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1999) as f32 / 997.0 - 1.0 + 1e-4 * i as f32)
+            .collect()
+    }
+
+    fn rounded(t: &Tensor) -> Tensor {
+        let v = t.to_f64_vec().iter().map(|&x| f32::from_bits(((super::super::bf16::round_bits(x as f32)) as u32) << 16)).collect();
+        Tensor::from_f32(t.shape.clone(), v)
+    }
+
+    /// Every matmul kernel on the bf16 path equals the fp32 kernel on bf16-rounded inputs
+    /// (forward MatMul, the gradient FusedMatMuls with transposes, alpha and the batch folded
+    /// into K, Gemm with a bias), and differs from the unrounded fp32 result.
+    #[test]
+    fn bf16_path_equals_fp32_on_rounded_inputs() {
+        let Some(isa) = detect() else {
+            eprintln!("skipped: no bf16 instruction set on this CPU");
+            return;
+        };
+        let t = |shape: Vec<usize>, seed| Tensor::from_f32(shape.clone(), vals(shape.iter().product(), seed));
+        let ta = Attrs::default().with("transA", Attr::Int(1));
+        let tb = Attrs::default().with("transB", Attr::Int(1)).with("alpha", Attr::Float(0.5));
+        let gemm = Attrs::default().with("transB", Attr::Int(1)).with("beta", Attr::Float(0.25));
+        let cases: Vec<(&str, Attrs, Vec<Tensor>)> = vec![
+            ("MatMul", Attrs::default(), vec![t(vec![5, 7, 40], 1), t(vec![40, 33], 2)]),
+            ("MatMul", Attrs::default(), vec![t(vec![3, 9, 20], 3), t(vec![3, 20, 17], 4)]),
+            ("FusedMatMul", ta, vec![t(vec![5, 7, 40], 5), t(vec![5, 7, 33], 6)]),
+            ("FusedMatMul", tb, vec![t(vec![35, 33], 7), t(vec![40, 33], 8)]),
+            ("Gemm", gemm, vec![t(vec![19, 30], 9), t(vec![21, 30], 10), t(vec![21], 11)]),
+        ];
+        for (op, attrs, ins) in cases {
+            let refs: Vec<&Tensor> = ins.iter().collect();
+            let mut ctx = CpuCtx::new(0).with_matmul(MatmulPath::Bf16(isa));
+            let got = try_run_ctx(op, attrs.clone(), &refs, &mut ctx).unwrap_or_else(|e| panic!("{op}: {e}"))[0].to_f64_vec();
+            // the bias of Gemm is not a matmul operand: keep it unrounded
+            let r: Vec<Tensor> = ins.iter().enumerate().map(|(i, x)| if i < 2 { rounded(x) } else { x.clone() }).collect();
+            let want = run(op, attrs.clone(), &r.iter().collect::<Vec<_>>())[0].to_f64_vec();
+            let exact = run(op, attrs, &refs)[0].to_f64_vec();
+            let scale = want.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let d = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+            let d_exact = got.iter().zip(&exact).fold(0f64, |m, (a, b)| m.max((a - b).abs())) / scale;
+            assert!(d < 1e-5, "{op}: bf16 path vs fp32 on rounded inputs: {d:.2e}");
+            assert!(d_exact > 1e-4, "{op}: bf16 path looks unrounded ({d_exact:.2e} from fp32)");
+        }
+    }
+
+    #[test]
+    fn f64_matmuls_ignore_the_bf16_path() {
+        let Some(isa) = detect() else {
+            return;
+        };
+        let a = Tensor::new(vec![2, 2], crate::tensor::Data::F64(vec![1.0 + 1e-9, 2.0, 3.0, 4.0])).unwrap_or_else(|e| panic!("{e}"));
+        let mut ctx = CpuCtx::new(0).with_matmul(MatmulPath::Bf16(isa));
+        let got = try_run_ctx("MatMul", Attrs::default(), &[&a, &a], &mut ctx).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got[0].to_f64_vec(), run("MatMul", Attrs::default(), &[&a, &a])[0].to_f64_vec());
+    }
 }

@@ -1,8 +1,10 @@
 //! The CPU backend: kernels over raw arena memory, multi-threaded with rayon, matmuls by the
-//! `gemm` crate (which picks AVX2/AVX-512/FMA paths at run time from CPU features).
+//! `gemm` crate (which picks AVX2/AVX-512/FMA paths at run time from CPU features) or, in the
+//! bf16 matmul mode, by `bf16` (avx512_bf16 or AMX, also chosen at run time).
 
 mod activation;
 mod batchnorm;
+pub mod bf16;
 mod broadcast;
 mod conv;
 mod cumsum;
@@ -30,14 +32,20 @@ pub use tensor_view::{In, Out};
 use crate::error::Result;
 use crate::ir::Node;
 
-/// Per-run state a kernel may use: the random stream for dropout-like ops.
+/// Per-run state a kernel may use: the random stream for dropout-like ops, and how matmuls
+/// multiply (fp32, or bf16 products with f32 accumulation).
 pub struct CpuCtx {
     pub rng: random::Rng,
+    pub matmul: bf16::MatmulPath,
 }
 
 impl CpuCtx {
     pub fn new(seed: u64) -> Self {
-        CpuCtx { rng: random::Rng::new(seed) }
+        CpuCtx { rng: random::Rng::new(seed), matmul: bf16::MatmulPath::Fp32 }
+    }
+
+    pub fn with_matmul(self, matmul: bf16::MatmulPath) -> Self {
+        CpuCtx { matmul, ..self }
     }
 }
 
@@ -105,6 +113,10 @@ pub(crate) mod testutil {
     use crate::tensor::Tensor;
 
     pub fn try_run(op: &str, attrs: Attrs, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+        try_run_ctx(op, attrs, inputs, &mut CpuCtx::new(0))
+    }
+
+    pub fn try_run_ctx(op: &str, attrs: Attrs, inputs: &[&Tensor], ctx: &mut CpuCtx) -> Result<Vec<Tensor>> {
         let def = ops::lookup(op).expect("registered op");
         let probe = Node { name: "t".into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs: attrs.clone() };
         let ins: Vec<Option<InferIn>> =
@@ -129,7 +141,7 @@ pub(crate) mod testutil {
                 unsafe { Out::from_raw(d, s, t.as_bytes_mut().as_mut_ptr()) }
             })
             .collect();
-        kernel(op).expect("kernel")(&node, &views, &mut outs, &mut CpuCtx::new(0))?;
+        kernel(op).expect("kernel")(&node, &views, &mut outs, ctx)?;
         drop(outs);
         Ok(results)
     }

@@ -61,14 +61,14 @@ class CrossEntropyRunner(Runner):
     seeded_outputs = (True, False)
     function = FusedCrossEntropyLoss
 
-    def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str):
+    def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str, precision: str = "fp32"):
         fused = dataclasses.replace(
             exported,
             onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction),
             input_names=list(exported.input_names) + [TARGET],
             output_names=[LOSS] + list(exported.output_names),
         )
-        super().__init__(module, fused)
+        super().__init__(module, fused, precision)
         self._pool: list = []
 
     def logits_buffer(self, shape, dtype) -> torch.Tensor:

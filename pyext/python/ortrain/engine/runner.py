@@ -66,7 +66,8 @@ class Runner:
     #: the autograd.Function running it (its name is what grad_fn shows)
     function = EngineFunction
 
-    def __init__(self, module: torch.nn.Module, exported):
+    def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32"):
+        """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation."""
         # the runner keeps the graph without the parameters' data: the engine binds the live
         # tensors, and the complete export (model-sized) can be freed
         exported = dataclasses.replace(exported, onnx_bytes=strip_bound_weights(exported.onnx_bytes, exported.param_map))
@@ -94,7 +95,7 @@ class Runner:
         seeded = None
         if self.seeded_outputs is not None:
             seeded = list(self.seeded_outputs) + [True] * (len(exported.output_names) + len(self.buffer_outputs) - len(self.seeded_outputs))
-        self.session = _ortrain.Session(onnx_bytes, names, trainable, seeded)
+        self.session = _ortrain.Session(onnx_bytes, names, trainable, seeded, matmul_precision=precision)
         self.seeded = self.session.seeded
         self.weights = tensors
         self.trainable = trainable

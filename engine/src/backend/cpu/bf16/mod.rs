@@ -1,0 +1,203 @@
+//! bf16 matmuls for the CPU backend (the `matmul_precision = "bf16"` mode, like PyTorch's CPU
+//! autocast for matmuls): `C(f32) = alpha·A·B + beta·C` where A and B are f32 in memory, rounded
+//! to bf16 (nearest even) while being packed into cache-blocked panels, and multiplied with f32
+//! accumulation. Everything around the matmuls (weights, activations, gradients) stays f32.
+//!
+//! The kernel is chosen at run time from CPU features, never from compile-time target flags:
+//! - `Amx`: Intel Xeon with amx_bf16 and amx_tile (tile state enabled and permitted by Linux);
+//! - `Avx512Bf16`: `vdpbf16ps` (AMD Zen 4, Intel Cooper Lake and newer);
+//! - neither: `MatmulPath::Fp32`; the matmul kernels use the f32 `gemm` crate path, so a bf16
+//!   session computes exactly as an fp32 one, and says so in `MatmulPath::describe`.
+//!
+//! `ORTRAIN_CPU_BF16=off | avx512_bf16 | amx` overrides the choice (off: as if no bf16 support;
+//! a path the CPU lacks is never taken).
+//!
+//! Measured on an AMD EPYC Zen 4 (2 threads, avx512_bf16, no AMX; `cargo test --release -p
+//! ortrain-engine bf16_gemm_speed -- --ignored --nocapture`), GFLOP/s, bf16 kernel vs the
+//! `gemm` crate in f32, on the tutorial's LM-head shapes (m × n × k, operand layouts as the
+//! matmul kernels pass them):
+//!
+//! | shape                                  | bf16 | f32 gemm |
+//! |----------------------------------------|------|----------|
+//! | forward  700 × 28782 × 200             |  see | BF16_GEMM_TABLE |
+//!
+//! (numbers filled in from the benchmark; see the report in doc/ARCHITECTURE.md)
+
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod driver;
+#[cfg(target_arch = "x86_64")]
+mod pack;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests;
+
+use std::sync::OnceLock;
+
+/// The matmul precision a session asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulPrecision {
+    #[default]
+    Fp32,
+    Bf16,
+}
+
+impl MatmulPrecision {
+    pub const NAMES: [&'static str; 2] = ["fp32", "bf16"];
+
+    /// Parses "fp32" | "bf16"; the error names the allowed values.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "fp32" => Ok(MatmulPrecision::Fp32),
+            "bf16" => Ok(MatmulPrecision::Bf16),
+            _ => Err(format!("matmul_precision={s:?} is not one of: {}", Self::NAMES.join(", "))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MatmulPrecision::Fp32 => "fp32",
+            MatmulPrecision::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The bf16 instruction set in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bf16Isa {
+    Amx,
+    Avx512Bf16,
+}
+
+impl Bf16Isa {
+    pub fn name(self) -> &'static str {
+        match self {
+            Bf16Isa::Amx => "amx",
+            Bf16Isa::Avx512Bf16 => "avx512_bf16",
+        }
+    }
+}
+
+/// How MatMul/Gemm kernels multiply: resolved once from the requested precision and the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulPath {
+    #[default]
+    Fp32,
+    Bf16(Bf16Isa),
+}
+
+impl MatmulPath {
+    pub fn resolve(p: MatmulPrecision) -> Self {
+        match (p, detect()) {
+            (MatmulPrecision::Bf16, Some(isa)) => MatmulPath::Bf16(isa),
+            _ => MatmulPath::Fp32,
+        }
+    }
+
+    /// One line for `explain`: what runs, and why when bf16 was asked for and is not used.
+    pub fn describe(self, requested: MatmulPrecision) -> String {
+        match (self, requested) {
+            (MatmulPath::Bf16(isa), _) => format!("bf16 ({}, f32 accumulation)", isa.name()),
+            (MatmulPath::Fp32, MatmulPrecision::Bf16) => {
+                "fp32 (bf16 requested, but this CPU has neither avx512_bf16 nor AMX, or ORTRAIN_CPU_BF16=off)".into()
+            }
+            (MatmulPath::Fp32, MatmulPrecision::Fp32) => "fp32".into(),
+        }
+    }
+}
+
+/// The bf16 instruction set this process uses, if any (checked once).
+pub fn detect() -> Option<Bf16Isa> {
+    static D: OnceLock<Option<Bf16Isa>> = OnceLock::new();
+    *D.get_or_init(|| {
+        let want = std::env::var("ORTRAIN_CPU_BF16").unwrap_or_default();
+        if want == "off" {
+            return None;
+        }
+        detect_cpu(want == "avx512_bf16")
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_cpu(no_amx: bool) -> Option<Bf16Isa> {
+    // packing (both paths) and the avx512 kernel need these
+    let avx512 = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16");
+    if !avx512 {
+        return None;
+    }
+    if !no_amx && amx::available() {
+        return Some(Bf16Isa::Amx);
+    }
+    Some(Bf16Isa::Avx512Bf16)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_cpu(_: bool) -> Option<Bf16Isa> {
+    None
+}
+
+/// The bits of `x` rounded to bf16, to nearest even (NaN stays a quiet NaN): how the packers
+/// round matmul operands.
+pub fn round_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// A row-major view of an f32 matrix: element (i, j) at `ptr + i·rs + j·cs`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+// SAFETY: a read-only view; `gemm`'s caller keeps the memory valid and unmodified for the call.
+unsafe impl Send for MatRef {}
+// SAFETY: as above.
+unsafe impl Sync for MatRef {}
+
+/// `C[m×n] = alpha · A[m×k] · B[k×n] + beta · C` with bf16 products and f32 accumulation; C is
+/// row-major with row stride `ldc` and is not read when `beta == 0`. Multithreaded over rayon's
+/// current pool when `parallel` and the product is large enough.
+///
+/// # Safety
+/// A and B cover their m×k and k×n views, valid and unmodified for the call; C covers m rows of
+/// n floats at stride ldc and overlaps neither. `isa` must come from `detect()`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(
+    isa: Bf16Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    alpha: f32,
+    a: MatRef,
+    b: MatRef,
+    beta: f32,
+    c: *mut f32,
+    ldc: usize,
+    parallel: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let g = driver::Problem { m, n, k, alpha, a, b, beta, c, ldc };
+        // below ~1 MFLOP a rayon fork costs more than it saves
+        let par = parallel && m.saturating_mul(n).saturating_mul(k) >= 1 << 19;
+        // SAFETY: the caller's contract; `isa` was detected, which checked every feature the
+        // packers and the chosen kernel use.
+        unsafe {
+            match isa {
+                Bf16Isa::Avx512Bf16 => driver::run(&avx512::Avx512Bf16, &g, par),
+                Bf16Isa::Amx => driver::run(&amx::Amx::<amx::Hw>::new(), &g, par),
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, m, n, k, alpha, a, b, beta, c, ldc, parallel);
+        unreachable!("no bf16 instruction set is ever detected off x86_64");
+    }
+}
