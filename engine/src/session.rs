@@ -311,7 +311,7 @@ impl Session {
 
     fn record(&self, phase: &'static str, plan: &Plan, timings: &[(usize, Duration)]) {
         if let Ok(mut p) = self.profile.lock() {
-            p.record(&self.graph, plan, phase, timings);
+            p.record(plan, phase, timings);
         }
     }
 

@@ -172,8 +172,14 @@ impl PySession {
     #[allow(clippy::type_complexity)]
     fn profile(&self) -> (Vec<(String, String, String, u64, f64)>, std::collections::HashMap<String, (u64, f64)>) {
         let p = self.inner.profile();
-        let nodes =
-            p.by_node.into_iter().map(|((phase, name, op), st)| (phase.to_string(), op, name, st.calls, st.total.as_secs_f64())).collect();
+        let nodes = p
+            .by_node
+            .into_iter()
+            .map(|((phase, n), st)| {
+                let node = &self.inner.graph.nodes[n];
+                (phase.to_string(), node.op_type.clone(), node.name.clone(), st.calls, st.total.as_secs_f64())
+            })
+            .collect();
         let phases = p.phases.into_iter().map(|(k, st)| (k.to_string(), (st.calls, st.total.as_secs_f64()))).collect();
         (nodes, phases)
     }

@@ -1,10 +1,9 @@
-//! Per-op timings collected over many steps: time per op type and phase, and the slowest nodes,
-//! so that the next optimisation is chosen from data.
+//! Per-node timings collected over many steps (time per op type is summed from them when
+//! reported), so that the next optimisation is chosen from data.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
-use crate::ir::Graph;
 use crate::plan::Plan;
 
 /// Accumulated time of one op type (or one node) in one phase.
@@ -17,24 +16,18 @@ pub struct OpStat {
 /// Timings summed over every step run since the last reset.
 #[derive(Clone, Debug, Default)]
 pub struct Profile {
-    /// (phase, op type) -> time; phase is "forward" or "backward".
-    pub by_op: HashMap<(&'static str, String), OpStat>,
-    /// (phase, node name, op type) -> time.
-    pub by_node: HashMap<(&'static str, String, String), OpStat>,
+    /// (phase, node index in the graph) -> time; phase is "forward" or "backward".
+    pub by_node: HashMap<(&'static str, usize), OpStat>,
     /// Phases run (a training step counts one forward and one backward).
     pub phases: HashMap<&'static str, OpStat>,
 }
 
 impl Profile {
     /// Adds one phase's step timings (`(step index, duration)` as `run_phase` reports them).
-    pub fn record(&mut self, graph: &Graph, plan: &Plan, phase: &'static str, timings: &[(usize, Duration)]) {
+    pub fn record(&mut self, plan: &Plan, phase: &'static str, timings: &[(usize, Duration)]) {
         let mut phase_total = Duration::ZERO;
         for &(i, d) in timings {
-            let node = &graph.nodes[plan.steps[i].0];
-            let op = self.by_op.entry((phase, node.op_type.clone())).or_default();
-            op.calls += 1;
-            op.total += d;
-            let n = self.by_node.entry((phase, node.name.clone(), node.op_type.clone())).or_default();
+            let n = self.by_node.entry((phase, plan.steps[i].0)).or_default();
             n.calls += 1;
             n.total += d;
             phase_total += d;
