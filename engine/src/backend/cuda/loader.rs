@@ -11,6 +11,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::compile::{self, arch_of, Origin};
 use super::driver;
+use super::launch::{self, Grid, KArg};
 use super::nvrtc::Nvrtc;
 use super::registry::FAMILIES;
 use crate::error::{Error, Result};
@@ -36,6 +37,17 @@ impl Loaded {
         let (_, m) =
             self.modules.iter().find(|(n, _)| *n == family.name).ok_or_else(|| Error::Cuda(format!("{} not loaded", family.file())))?;
         m.load_function(kernel).map_err(|e| Error::Cuda(format!("{kernel} ({}): {e}", family.file())))
+    }
+    /// Launches `kernel` on the legacy default stream of this device (tests and one-off work;
+    /// the executor launches on PyTorch's current stream).
+    pub fn launch(&self, kernel: &str, grid: Grid, args: &[KArg]) -> Result<()> {
+        let f = self.function(kernel)?;
+        self.ctx.bind_to_thread().map_err(driver_err("binding the context"))?;
+        launch::launch(&f, kernel, std::ptr::null_mut(), grid, args)
+    }
+    /// Waits for all work on the device; a kernel fault surfaces here.
+    pub fn synchronize(&self) -> Result<()> {
+        self.ctx.synchronize().map_err(driver_err("waiting for the device"))
     }
 }
 

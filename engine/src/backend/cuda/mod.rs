@@ -20,9 +20,13 @@ pub mod cache;
 pub mod compile;
 pub mod driver;
 pub mod elf;
+pub mod launch;
 pub mod loader;
 pub mod nvrtc;
 pub mod philox;
 pub mod registry;
+
+#[cfg(test)]
+mod tests;
 
 pub use driver::{probe, DriverInfo};

@@ -1,0 +1,208 @@
+"""The GPU benchmark: PyTorch eager, torch.compile and ortrain on one NVIDIA GPU, in one run, with
+ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
+
+    python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain]
+                        [--steps 50] [--warmup 10] [--gpt2-batch 16] [--json PATH]
+
+Each (workload, system) runs in its own process, one after another, so peak memory
+(torch.cuda.max_memory_allocated) and torch.compile's caches belong to that system alone. A step
+is timed from its first line to a torch.cuda.synchronize() after optimizer.step(): what a user's
+per-batch log sees. MFU counts the model FLOPs of a training step (6 per parameter per token for
+the matmul weights plus 12·L·H·Q·T for attention, as nanoGPT/PaLM) against the GPU's dense peak
+for the precision (tensor-core bf16, or plain fp32 since TF32 is off).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+SYSTEMS = ("eager", "compile", "ortrain")
+# dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
+PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp32"): 66.9e12,
+         ("H200", "bf16"): 989.4e12, ("H200", "fp32"): 66.9e12,
+         ("A100", "bf16"): 312e12, ("A100", "fp32"): 19.5e12}
+
+
+def _build(workload: str, gpt2_batch: int):
+    """(model, optimizer, batch(step), forward_loss(model, batch), clip, precision, tokens/step,
+    FLOPs/step) on cuda."""
+    import torch
+    from torch import nn
+
+    from bench import workloads
+
+    dev = torch.device("cuda")
+    if workload == "tutorial":
+        job = workloads._build_tutorial()
+        model = job.model.to(dev)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        batches = [tuple(t.to(dev) for t in job.batch(s)) for s in range(64)]
+        emb = model.encoder.weight.numel() if hasattr(model, "encoder") else 0
+        n = sum(p.numel() for p in model.parameters()) - emb
+        seq, bsz, layers, width = 35, 20, 2, 200
+        tokens = seq * bsz
+        flops = 6 * n * tokens + 12 * layers * width * seq * tokens
+        return model, optimizer, lambda s: batches[s % len(batches)], job.forward_loss, job.clip, "fp32", tokens, flops
+    if workload == "gpt2-124m":
+        import models
+
+        seq, bsz = 1024, gpt2_batch
+        model, _, _ = models.gpt2_small(vocab=workloads.GPT2_VOCAB, n_layer=12, n_embd=768, n_head=12,
+                                        n_positions=seq, dropout=0.0, batch=bsz, seq=seq, seed=0,
+                                        attn_implementation="sdpa")
+        model = model.to(dev)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True)
+        g = torch.Generator().manual_seed(1)
+        batches = [torch.randint(0, workloads.GPT2_VOCAB, (bsz, seq), generator=g).to(dev) for _ in range(8)]
+        criterion = nn.CrossEntropyLoss()
+
+        def forward_loss(m, b):
+            logits = m(b).logits
+            return criterion(logits[:, :-1].reshape(-1, workloads.GPT2_VOCAB), b[:, 1:].reshape(-1))
+
+        wpe = model.transformer.wpe.weight.numel()
+        n = sum(p.numel() for p in model.parameters()) - wpe  # wte counts: it is the tied LM head
+        tokens = seq * bsz
+        flops = 6 * n * tokens + 12 * 12 * 768 * seq * tokens
+        return model, optimizer, lambda s: (batches[s % len(batches)],), forward_loss, None, "bf16", tokens, flops
+    raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m")
+
+
+def _worker(cfg: dict) -> dict:
+    import contextlib
+
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(cfg["workload"], cfg["gpt2_batch"])
+    system = cfg["system"]
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    if system == "compile":
+        model = torch.compile(model)
+    elif system == "ortrain":
+        import ortrain
+
+        try:
+            ortrain.accelerate(model, optimizer, device="cuda",
+                               **({"precision": precision} if precision != "fp32" else {}))
+        except Exception as exc:  # noqa: BLE001 - reported as the row's status
+            return {"status": "unsupported", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+        autocast = contextlib.nullcontext
+    model.train()
+
+    def step(s):
+        optimizer.zero_grad(set_to_none=True)
+        with autocast():
+            loss = forward_loss(model, batch(s))
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        return loss
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    step(0)
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    for s in range(1, cfg["warmup"]):
+        step(s)
+    times = []
+    loss = None
+    for s in range(cfg["warmup"], cfg["warmup"] + cfg["steps"]):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(s)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    name = torch.cuda.get_device_name()
+    peak = next((v for (frag, p), v in PEAKS.items() if frag in name and p == precision), None)
+    med = statistics.median(times)
+    return {"status": "ok", "device": name, "precision": precision, "tokens": tokens, "flops": flops,
+            "median_ms": med * 1e3, "p10_ms": _q(times, 0.1) * 1e3, "p90_ms": _q(times, 0.9) * 1e3,
+            "first_s": first, "tokens_per_s": tokens / med, "mfu": (flops / med / peak) if peak else None,
+            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, "final_loss": float(loss), "times": times}
+
+
+def _q(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _table(results: dict, workloads: list, systems: list) -> str:
+    lines = []
+    for w in workloads:
+        rows = results[w]
+        eager = rows.get("eager", {}).get("median_ms") if rows.get("eager", {}).get("status") == "ok" else None
+        comp = rows.get("compile", {}).get("median_ms") if rows.get("compile", {}).get("status") == "ok" else None
+        lines.append(f"\n{w}")
+        lines.append(f"{'system':<9} {'ms/step':>9} {'p10':>8} {'p90':>8} {'tok/s':>10} {'MFU':>6} "
+                     f"{'peak MiB':>9} {'first s':>8} {'vs eager':>9} {'vs compile':>10} {'loss':>8}")
+        for s in systems:
+            r = rows.get(s, {})
+            if r.get("status") != "ok":
+                lines.append(f"{s:<9} {r.get('status', 'missing')}: {r.get('error', '')}")
+                continue
+            m = r["median_ms"]
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+            ve = f"{eager / m:.2f}x" if eager else "-"
+            vc = f"{comp / m:.2f}x" if comp else "-"
+            lines.append(f"{s:<9} {m:>9.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
+                         f"{mfu:>6} {r['peak_mib']:>9.0f} {r['first_s']:>8.2f} {ve:>9} {vc:>10} {r['final_loss']:>8.4f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="tutorial,gpt2-124m")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--gpt2-batch", type=int, default=16)
+    ap.add_argument("--json", default=None, help="where to write the raw results")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        try:
+            out = _worker(json.loads(a.worker))
+        except Exception as exc:  # noqa: BLE001
+            out = {"status": "failed", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        print("@@RESULT " + json.dumps(out), flush=True)
+        return 0
+    workloads = a.workloads.split(",")
+    systems = a.systems.split(",")
+    results: dict = {w: {} for w in workloads}
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.path.join(os.path.dirname(here), "tests"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    for w in workloads:
+        for s in systems:
+            cfg = {"workload": w, "system": s, "steps": a.steps, "warmup": a.warmup, "gpt2_batch": a.gpt2_batch}
+            t0 = time.time()
+            p = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", json.dumps(cfg)], env=env,
+                               capture_output=True, text=True, cwd=os.path.dirname(here))
+            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("@@RESULT ")), None)
+            r = json.loads(line[len("@@RESULT "):]) if line else {
+                "status": "failed", "error": f"worker exited {p.returncode}: {p.stderr[-2000:]}"}
+            if r.get("trace"):
+                print(r["trace"], file=sys.stderr)
+            results[w][s] = r
+            print(f"{w}/{s}: {r.get('status')} {r.get('median_ms', '')} ({time.time() - t0:.0f} s)", flush=True)
+    print(_table(results, workloads, systems))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

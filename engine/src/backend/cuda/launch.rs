@@ -1,0 +1,175 @@
+//! Launching a registered kernel with raw device addresses, and plain device buffers. The
+//! executor and the GPU tests work with addresses (PyTorch tensors' `data_ptr`, offsets into a
+//! planned arena), not with cudarc's typed slices, so a launch takes a list of [`KArg`] values;
+//! it is checked against the kernel's registered signature (registry.rs, the same signature the
+//! CUBIN layout test checks), so a wrong argument list is an error naming the kernel and the
+//! position, never a corrupt launch.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaFunction};
+
+use super::abi::{Arg, Reduce, Strides};
+use super::registry;
+use crate::error::{Error, Result};
+
+/// One kernel argument, by value.
+#[derive(Clone, Copy, Debug)]
+pub enum KArg {
+    /// A device address.
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    F64(f64),
+    Strides(Strides),
+    Reduce(Reduce),
+}
+
+impl KArg {
+    pub fn kind(&self) -> Arg {
+        match self {
+            KArg::Ptr(_) => Arg::Ptr,
+            KArg::I32(_) => Arg::I32,
+            KArg::I64(_) => Arg::I64,
+            KArg::U64(_) => Arg::U64,
+            KArg::F32(_) => Arg::F32,
+            KArg::F64(_) => Arg::F64,
+            KArg::Strides(_) => Arg::Strides,
+            KArg::Reduce(_) => Arg::Reduce,
+        }
+    }
+    fn as_param(&mut self) -> *mut c_void {
+        match self {
+            KArg::Ptr(v) | KArg::U64(v) => v as *mut u64 as *mut c_void,
+            KArg::I32(v) => v as *mut i32 as *mut c_void,
+            KArg::I64(v) => v as *mut i64 as *mut c_void,
+            KArg::F32(v) => v as *mut f32 as *mut c_void,
+            KArg::F64(v) => v as *mut f64 as *mut c_void,
+            KArg::Strides(v) => v as *mut Strides as *mut c_void,
+            KArg::Reduce(v) => v as *mut Reduce as *mut c_void,
+        }
+    }
+}
+
+/// Launch geometry: a 1-D grid of `blocks` blocks of `threads` threads, `shared` bytes of
+/// dynamic shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    pub blocks: u32,
+    pub threads: u32,
+    pub shared: u32,
+}
+
+impl Grid {
+    pub fn new(blocks: u32, threads: u32) -> Self {
+        Grid { blocks, threads, shared: 0 }
+    }
+    /// Enough 256-thread blocks for a grid-stride loop over `n` elements, capped at `max_blocks`
+    /// (the loop covers the rest) and at least one.
+    pub fn elementwise(n: i64, max_blocks: u32) -> Self {
+        let blocks = (n.max(1) as u64).div_ceil(256).min(max_blocks.max(1) as u64) as u32;
+        Grid::new(blocks, 256)
+    }
+}
+
+/// Checks `args` against the registered signature of `kernel`.
+pub fn check_args(kernel: &str, args: &[KArg]) -> Result<()> {
+    let sig = registry::signature(kernel).ok_or_else(|| Error::Cuda(format!("no CUDA kernel named {kernel}")))?;
+    if sig.len() != args.len() {
+        return Err(Error::Cuda(format!("{kernel} takes {} arguments, {} given", sig.len(), args.len())));
+    }
+    for (i, (want, got)) in sig.iter().zip(args).enumerate() {
+        if *want != got.kind() {
+            return Err(Error::Cuda(format!("{kernel}: argument {i} must be {want:?}, not {:?}", got.kind())));
+        }
+    }
+    Ok(())
+}
+
+/// Launches `func` (the kernel `kernel`) on `stream` (a raw stream handle: PyTorch's current
+/// stream in the executor; null is the legacy default stream) after checking the arguments.
+pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
+    check_args(kernel, args)?;
+    if grid.blocks == 0 || grid.threads == 0 || grid.threads > 1024 {
+        return Err(Error::Cuda(format!("{kernel}: bad launch geometry {grid:?}")));
+    }
+    let mut values: Vec<KArg> = args.to_vec();
+    let mut params: Vec<*mut c_void> = values.iter_mut().map(KArg::as_param).collect();
+    // SAFETY: `params` holds one pointer per kernel parameter, each to a live value of the
+    // parameter's registered type (checked above; the registry's layouts are checked against the
+    // CUBIN by engine/tests/cuda_kernels.rs), and `values` outlives the call. Device addresses
+    // inside are the caller's responsibility, as for any launch.
+    unsafe {
+        result::launch_kernel(
+            func.cu_function(),
+            (grid.blocks, 1, 1),
+            (grid.threads, 1, 1),
+            grid.shared,
+            stream,
+            &mut params,
+        )
+    }
+    .map_err(|e| Error::Cuda(format!("launching {kernel} {grid:?}: {e}")))
+}
+
+/// A device allocation of `bytes` bytes in the context's device, freed on drop (synchronous
+/// cuMemAlloc/cuMemFree: for tests and one-off buffers; the executor's memory is one arena).
+pub struct DeviceBuffer {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl DeviceBuffer {
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
+        // SAFETY: the context is current on this thread; a zero-byte request allocates one byte
+        // so every buffer has a distinct, valid address.
+        let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| Error::Cuda(format!("allocating {bytes} bytes: {e}")))?;
+        // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes.max(1)) }.map_err(|e| Error::Cuda(format!("zeroing {bytes} bytes: {e}")))?;
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, bytes })
+    }
+    /// A buffer holding a copy of `data`.
+    pub fn from_slice<T: Copy>(ctx: &Arc<CudaContext>, data: &[T]) -> Result<Self> {
+        let b = Self::zeroed(ctx, std::mem::size_of_val(data))?;
+        if !data.is_empty() {
+            // SAFETY: the buffer has exactly `size_of_val(data)` bytes; T is plain data (Copy).
+            unsafe { result::memcpy_htod_sync(b.ptr, data) }.map_err(|e| Error::Cuda(format!("copying to the device: {e}")))?;
+        }
+        Ok(b)
+    }
+    /// Copies the buffer back as `T`s (waits for all work on the device).
+    pub fn to_vec<T: Copy + Default>(&self) -> Result<Vec<T>> {
+        let n = self.bytes / std::mem::size_of::<T>();
+        let mut out = vec![T::default(); n];
+        self.ctx.synchronize().map_err(|e| Error::Cuda(format!("waiting for the device: {e}")))?;
+        if n > 0 {
+            // SAFETY: `out` has room for n·size_of::<T>() ≤ self.bytes bytes, all of them device
+            // memory this buffer owns; T is plain data.
+            unsafe { result::memcpy_dtoh_sync(&mut out, self.ptr) }.map_err(|e| Error::Cuda(format!("copying from the device: {e}")))?;
+        }
+        Ok(out)
+    }
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub fn arg(&self) -> KArg {
+        KArg::Ptr(self.ptr)
+    }
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from malloc_sync in this context and is freed once, here.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! Kernel parity on a GPU: every kernel of kernels/*.cu launched on random inputs and compared
+//! with the CPU backend's kernel for the same op (through `cpu::testutil`, which is why these
+//! are unit tests of the crate), or, where the CPU backend has no op of that shape (the fused
+//! optimizers' multi-tensor form, bf16/f16 storage), with the CPU computation they mirror.
+//! Exact for integer and bit-moving kernels; per-dtype tolerances otherwise.
+//!
+//! Every test asks [`gpu`] first: without a usable GPU (CI, the development machines) it prints
+//! `SKIPPED <test>: <reason>` and returns. On a GPU machine without cargo the test binary is
+//! built elsewhere (scripts/gpu_prepare.sh) and run by scripts/gpu_checks.sh.
+
+mod support;
+mod smoke;

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds what scripts/gpu_checks.sh runs on a GPU machine without cargo: every CUDA test binary
+# of the engine (engine/tests/cuda_*.rs and the unit tests as cuda_lib, release, feature cuda) and the abi3 wheel, into .gpu/
+# (ignored by git; carried to the device machine).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -rf .gpu && mkdir -p .gpu
+cargo test --release -p ortrain-engine --features cuda --no-run --message-format json 2>/dev/null |
+    python3 -c '
+import json, shutil, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    kind, name = m["target"]["kind"], m["target"]["name"]
+    # the integration tests engine/tests/cuda_*.rs, and the unit tests (GPU parity lives there)
+    dest = name if kind == ["test"] and name.startswith("cuda_") else "cuda_lib" if "lib" in kind else None
+    if dest:
+        shutil.copy(m["executable"], ".gpu/" + dest); print("test binary", dest)
+'
+.venv/bin/maturin build --release -q -m pyext/Cargo.toml -o .gpu/
+ls -la .gpu
