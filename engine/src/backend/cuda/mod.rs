@@ -16,6 +16,7 @@
 //! with TF32 off unless asked for.
 
 pub mod abi;
+pub mod blas;
 pub mod cache;
 pub mod compile;
 pub mod driver;

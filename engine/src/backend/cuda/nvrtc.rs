@@ -49,7 +49,7 @@ impl Nvrtc {
 
 type VersionFn = unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int;
 
-fn env_dirs() -> Vec<PathBuf> {
+pub(super) fn env_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     for var in ["CUDA_HOME", "CUDA_PATH"] {
         if let Some(v) = std::env::var_os(var) {

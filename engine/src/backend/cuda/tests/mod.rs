@@ -9,4 +9,5 @@
 //! built elsewhere (scripts/gpu_prepare.sh) and run by scripts/gpu_checks.sh.
 
 mod support;
+mod blas;
 mod smoke;

@@ -128,3 +128,20 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64)
         assert!(ok, "{what}: element {i}: got {g}, expected {w} (rtol {rtol}, atol {atol})");
     }
 }
+
+/// A cuBLAS handle in GPU 0's context (cuBLAS found by name, beside NVRTC, or in the pinned
+/// wheels' folder); panics with the reason on a GPU machine without cuBLAS.
+pub fn blas(g: &Loaded) -> &'static crate::backend::cuda::blas::Blas {
+    use crate::backend::cuda::blas;
+    static BLAS: OnceLock<blas::Blas> = OnceLock::new();
+    BLAS.get_or_init(|| {
+        g.ctx.bind_to_thread().expect("binding the context");
+        let mut dirs = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cuda-wheels/nvidia/cu13/lib")];
+        if let Some(p) = std::env::var_os("ORTRAIN_NVRTC_LIB") {
+            let p = PathBuf::from(p);
+            dirs.push(if p.is_dir() { p } else { p.parent().map(PathBuf::from).unwrap_or_default() });
+        }
+        blas::load(&dirs).unwrap_or_else(|e| panic!("{e}"));
+        blas::Blas::new().unwrap_or_else(|e| panic!("{e}"))
+    })
+}

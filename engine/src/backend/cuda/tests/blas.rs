@@ -1,0 +1,153 @@
+//! cuBLAS matrix products against an f64 host reference: every transpose combination, batches
+//! with a broadcast operand, row strides wider than the matrix, alpha/beta, f64, bf16/f16
+//! operands with f32 or 16-bit results, TF32 on request; and the speed of large products
+//! (printed, for doc/GPU-RUNS.md).
+
+use super::support::*;
+use crate::backend::cuda::blas::{Gemm, GemmType};
+
+/// The reference: C = alpha·op(A)·op(B) + beta·C0 in f64, with Gemm's row-major layout.
+fn reference(g: &Gemm, a: &[f64], b: &[f64], c0: &[f64]) -> Vec<f64> {
+    let mut c = c0.to_vec();
+    for bi in 0..g.batch {
+        for i in 0..g.m {
+            for j in 0..g.n {
+                let mut s = 0.0;
+                for l in 0..g.k {
+                    let av = if g.trans_a { a[bi * g.stride_a + l * g.lda + i] } else { a[bi * g.stride_a + i * g.lda + l] };
+                    let bv = if g.trans_b { b[bi * g.stride_b + j * g.ldb + l] } else { b[bi * g.stride_b + l * g.ldb + j] };
+                    s += av * bv;
+                }
+                let at = bi * g.stride_c + i * g.ldc + j;
+                c[at] = g.alpha * s + g.beta * c0[at];
+            }
+        }
+    }
+    c
+}
+
+/// Elements each operand's buffer needs.
+fn extent(batch: usize, stride: usize, rows: usize, ld: usize) -> usize {
+    (batch - 1) * stride + rows * ld
+}
+
+/// Runs `g` on random data of its types and compares with the reference; `rtol` relative to
+/// the sum of |products| of each element (so cancellation does not blow the tolerance up).
+fn check(name: &str, g: &Gemm, rng: &mut Rng, rtol: f64) {
+    let gpu_ = super::support::gpu_or_reason().expect("called under gpu()");
+    let (a_rows, b_rows) = (if g.trans_a { g.k } else { g.m }, if g.trans_b { g.n } else { g.k });
+    let na = extent(g.batch, g.stride_a, a_rows, g.lda);
+    let nb = extent(g.batch, g.stride_b, b_rows, g.ldb);
+    let nc = extent(g.batch, g.stride_c, g.m, g.ldc);
+    let round = |t: GemmType, v: f32| -> f64 {
+        match t {
+            GemmType::Bf16 => bf16_value(bf16_bits(v)) as f64,
+            GemmType::F16 => f16_value(f16_bits(v)) as f64,
+            _ => v as f64,
+        }
+    };
+    let a: Vec<f64> = rng.f32s(na, -1.0, 1.0).into_iter().map(|v| round(g.ab_type, v)).collect();
+    let b: Vec<f64> = rng.f32s(nb, -1.0, 1.0).into_iter().map(|v| round(g.ab_type, v)).collect();
+    let c0: Vec<f64> = rng.f32s(nc, -1.0, 1.0).into_iter().map(|v| round(g.c_type, v)).collect();
+    let upload = |t: GemmType, v: &[f64]| match t {
+        GemmType::F64 => dev(gpu_, v),
+        GemmType::F32 => dev(gpu_, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        GemmType::Bf16 => dev(gpu_, &v.iter().map(|&x| bf16_bits(x as f32)).collect::<Vec<_>>()),
+        GemmType::F16 => dev(gpu_, &v.iter().map(|&x| f16_bits(x as f32)).collect::<Vec<_>>()),
+    };
+    let (da, db, dc) = (upload(g.ab_type, &a), upload(g.ab_type, &b), upload(g.c_type, &c0));
+    blas(gpu_).gemm(std::ptr::null_mut(), g, da.ptr(), db.ptr(), dc.ptr()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
+    let got: Vec<f64> = match g.c_type {
+        GemmType::F64 => host::<f64>(&dc),
+        GemmType::F32 => host::<f32>(&dc).into_iter().map(f64::from).collect(),
+        GemmType::Bf16 => host::<u16>(&dc).into_iter().map(|x| bf16_value(x) as f64).collect(),
+        GemmType::F16 => host::<u16>(&dc).into_iter().map(|x| f16_value(x) as f64).collect(),
+    };
+    let want = reference(g, &a, &b, &c0);
+    let abs = reference(&Gemm { alpha: g.alpha.abs(), beta: g.beta.abs(), ..*g }, &a.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+                        &b.iter().map(|x| x.abs()).collect::<Vec<_>>(), &c0.iter().map(|x| x.abs()).collect::<Vec<_>>());
+    // only the elements C covers (padding columns of a wide ldc must stay untouched: c0)
+    for (i, ((&gv, &wv), &scale)) in got.iter().zip(&want).zip(&abs).enumerate() {
+        assert!((gv - wv).abs() <= rtol * scale.max(1e-30), "{name}: element {i}: got {gv}, expected {wv} (scale {scale}, rtol {rtol}) {g:?}");
+    }
+}
+
+#[test]
+fn gpu_gemm_matches_the_f64_reference() {
+    let Some(_) = gpu("gpu_gemm_matches_the_f64_reference") else { return };
+    let mut rng = Rng::new(7);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        for t in [GemmType::F32, GemmType::F64] {
+            let g = Gemm::contiguous(3, 37, 29, 53, ta, tb, t);
+            check(&format!("{t:?} trans_a={ta} trans_b={tb}"), &g, &mut rng, if t == GemmType::F64 { 1e-13 } else { 2e-6 });
+        }
+    }
+    // a broadcast operand (batch stride 0), wide row strides, alpha and beta
+    let mut g = Gemm::contiguous(4, 16, 24, 40, false, true, GemmType::F32);
+    g.stride_b = 0;
+    g.lda = 47;
+    g.stride_a = 16 * 47;
+    g.ldc = 30;
+    g.stride_c = 16 * 30;
+    g.alpha = 0.5;
+    g.beta = -2.0;
+    check("f32 broadcast B, lda 47, ldc 30, alpha 0.5, beta -2", &g, &mut rng, 2e-6);
+    // one row / one column / k = 1
+    check("f32 m=1", &Gemm::contiguous(1, 1, 300, 7, false, false, GemmType::F32), &mut rng, 2e-6);
+    check("f32 n=1", &Gemm::contiguous(2, 300, 1, 7, true, false, GemmType::F32), &mut rng, 2e-6);
+    check("f32 k=1", &Gemm::contiguous(2, 9, 11, 1, false, true, GemmType::F32), &mut rng, 2e-6);
+}
+
+#[test]
+fn gpu_gemm_16_bit_operands_accumulate_in_f32() {
+    let Some(_) = gpu("gpu_gemm_16_bit_operands_accumulate_in_f32") else { return };
+    let mut rng = Rng::new(11);
+    for t in [GemmType::Bf16, GemmType::F16] {
+        for (ta, tb) in [(false, false), (true, false), (false, true)] {
+            // f32 results: products of 16-bit values are exact in f32, only the f32 sum rounds
+            let mut g = Gemm::contiguous(2, 64, 48, 256, ta, tb, t);
+            g.c_type = GemmType::F32;
+            check(&format!("{t:?}→f32 trans_a={ta} trans_b={tb}"), &g, &mut rng, 2e-6);
+            // 16-bit results: one rounding of the f32 result
+            let g = Gemm::contiguous(2, 64, 48, 256, ta, tb, t);
+            check(&format!("{t:?}→{t:?} trans_a={ta} trans_b={tb}"), &g, &mut rng, if t == GemmType::Bf16 { 1.0 / 128.0 } else { 1.0 / 1024.0 });
+        }
+    }
+}
+
+#[test]
+fn gpu_gemm_tf32_only_when_asked() {
+    let Some(_) = gpu("gpu_gemm_tf32_only_when_asked") else { return };
+    let mut rng = Rng::new(13);
+    let mut g = Gemm::contiguous(1, 128, 128, 512, false, false, GemmType::F32);
+    check("f32 no TF32 (tight)", &g, &mut rng, 2e-6);
+    g.tf32 = true;
+    // TF32 keeps 10 mantissa bits of each operand
+    check("f32 with TF32", &g, &mut rng, 2e-3);
+}
+
+#[test]
+fn gpu_gemm_speed() {
+    let Some(g) = gpu("gpu_gemm_speed") else { return };
+    let n = 8192usize;
+    for (t, tf32) in [(GemmType::Bf16, false), (GemmType::F32, false), (GemmType::F32, true)] {
+        let mut desc = Gemm::contiguous(1, n, n, n, false, false, t);
+        desc.tf32 = tf32;
+        let (a, b, c) = (zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()));
+        let bl = blas(g);
+        let go = || bl.gemm(std::ptr::null_mut(), &desc, a.ptr(), b.ptr(), c.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        for _ in 0..3 {
+            go();
+        }
+        g.synchronize().unwrap();
+        let reps = if t == GemmType::Bf16 { 20 } else { 5 };
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            go();
+        }
+        g.synchronize().unwrap();
+        let s = t0.elapsed().as_secs_f64() / reps as f64;
+        println!("gemm {n}³ {t:?} tf32={tf32}: {:.3} ms, {:.0} TFLOP/s (zeros)", s * 1e3, 2.0 * (n as f64).powi(3) / s / 1e12);
+    }
+}
