@@ -5,6 +5,8 @@
 use std::time::{Duration, Instant};
 
 pub mod profile;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::backend::cpu::{CpuCtx, In, Out};
 use crate::error::{Error, Result};

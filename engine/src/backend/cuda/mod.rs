@@ -25,7 +25,9 @@ pub mod launch;
 pub mod loader;
 pub mod nvrtc;
 pub mod philox;
+pub mod ops;
 pub mod registry;
+pub mod runtime;
 
 #[cfg(test)]
 mod tests;

@@ -10,4 +10,5 @@
 
 mod support;
 mod blas;
+mod exec;
 mod smoke;

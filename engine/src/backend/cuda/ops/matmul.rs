@@ -1,0 +1,182 @@
+//! MatMul, Gemm, FusedMatMul (the gradient matmuls, possibly summed over broadcast batches)
+//! and Linear on cuBLAS. Batches become one strided-batched call where the operands' batch
+//! layouts allow (same batch, or one operand repeated with stride 0, or a batch folded into M
+//! or K as the CPU kernel does); other broadcast patterns run one call per batch.
+
+use super::strides::{broadcast, contiguous, make};
+use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::blas::{Gemm, GemmType};
+use crate::backend::cuda::launch::KArg;
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::linear::linear_dims;
+use crate::tensor::DType;
+
+fn gemm_type(node: &Node, d: DType) -> Result<GemmType> {
+    match d {
+        DType::F32 => Ok(GemmType::F32),
+        DType::F64 => Ok(GemmType::F64),
+        other => Err(node.err(format!("CUDA matmuls take f32 or f64, got {}", other.name()))),
+    }
+}
+
+/// Copies `src` (shape broadcastable to `dst_shape`) into the contiguous `dst`.
+pub(super) fn broadcast_copy(node: &Node, ctx: &mut CudaCtx, src: &DView, dst_ptr: u64, dst_shape: &[usize]) -> Result<()> {
+    let n: usize = dst_shape.iter().product();
+    if n == 0 {
+        return Ok(());
+    }
+    let s = make(dst_shape, &[broadcast(src.shape, dst_shape).map_err(|e| node.err(e.to_string()))?, contiguous(dst_shape)], &[])?;
+    let width = super::movement::width(src.dtype.size());
+    ctx.rt.launch(ctx.stream, &format!("copy_{width}"), ctx.rt.elementwise_grid(n), &[KArg::Ptr(src.ptr), KArg::Ptr(dst_ptr), KArg::Strides(s), KArg::I64(n as i64)])
+}
+
+/// out = alpha · op(a) · op(b) (+ beta · out), batched with broadcasting; out's batch dims may
+/// be fewer than the broadcast batch (those batches are summed), as FusedMatMul's target asks.
+#[allow(clippy::too_many_arguments)]
+fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: bool, tb: bool, alpha: f64, beta: f64) -> Result<()> {
+    let t = gemm_type(node, a.dtype)?;
+    let a2: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
+    let b2: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
+    let (ra, rb) = (a2.len(), b2.len());
+    let (m, k) = if ta { (a2[ra - 1], a2[ra - 2]) } else { (a2[ra - 2], a2[ra - 1]) };
+    let n = if tb { b2[rb - 2] } else { b2[rb - 1] };
+    let (ba, bb) = (&a2[..ra - 2], &b2[..rb - 2]);
+    let full = crate::ops::util::broadcast_shapes(node, &[ba, bb])?;
+    let out_batch: Vec<usize> = if a.shape.len() > 1 && b.shape.len() > 1 { o.shape[..o.shape.len() - 2].to_vec() } else { full.clone() };
+    let (batch_a, batch_b): (usize, usize) = (ba.iter().product(), bb.iter().product());
+    let (batch_full, batch_out): (usize, usize) = (full.iter().product(), out_batch.iter().product());
+    if o.numel() == 0 {
+        return Ok(());
+    }
+    let mut g = Gemm::contiguous(1, m, n, k, ta, tb, t);
+    g.alpha = alpha;
+    g.beta = beta;
+    if k == 0 {
+        // nothing to multiply: out = beta · out
+        return scale(node, ctx, o, beta);
+    }
+    let (es, rs) = (t.size() as u64, ctx.stream);
+    // b has no batch and a is not transposed: a's batch folds into M
+    if batch_b == 1 && bb.is_empty() && !ta && batch_out == batch_a && ba == full.as_slice() {
+        g.m = batch_a * m;
+        return ctx.rt.gemm(rs, &g, a.ptr, b.ptr, o.ptr);
+    }
+    // aᵀ·b over identical batches summed into one matrix: the batch folds into K
+    if ta && !tb && batch_out == 1 && ba == bb && batch_a > 1 {
+        g.k = k * batch_a;
+        return ctx.rt.gemm(rs, &g, a.ptr, b.ptr, o.ptr);
+    }
+    if batch_out == batch_full {
+        let same_or_one = |x: &[usize], p: usize| x == full.as_slice() || p == 1;
+        if same_or_one(ba, batch_a) && same_or_one(bb, batch_b) {
+            g.batch = batch_full;
+            g.stride_a = if batch_a == 1 { 0 } else { m * k };
+            g.stride_b = if batch_b == 1 { 0 } else { k * n };
+            return ctx.rt.gemm(rs, &g, a.ptr, b.ptr, o.ptr);
+        }
+    }
+    // general broadcast (or a reduced batch): one call per batch, accumulating where summed
+    let sa = broadcast(ba, &full).map_err(|e| node.err(e.to_string()))?;
+    let sb = broadcast(bb, &full).map_err(|e| node.err(e.to_string()))?;
+    let so = broadcast(&out_batch, &full).map_err(|e| node.err(e.to_string()))?;
+    let reduced = batch_out != batch_full;
+    let mut written = vec![false; batch_out.max(1)];
+    for bi in 0..batch_full {
+        let (mut r, mut oa, mut ob, mut oo) = (bi, 0i64, 0i64, 0i64);
+        for d in (0..full.len()).rev() {
+            let i = (r % full[d]) as i64;
+            r /= full[d];
+            oa += i * sa[d];
+            ob += i * sb[d];
+            oo += i * so[d];
+        }
+        let mut gi = g;
+        if reduced && std::mem::replace(&mut written[oo as usize], true) {
+            gi.beta = 1.0;
+        }
+        let (pa, pb, po) = (a.ptr + oa as u64 * (m * k) as u64 * es, b.ptr + ob as u64 * (k * n) as u64 * es, o.ptr + oo as u64 * (m * n) as u64 * es);
+        ctx.rt.gemm(rs, &gi, pa, pb, po)?;
+    }
+    Ok(())
+}
+
+/// out = beta · out (beta 0 writes zeros, whatever out held).
+fn scale(node: &Node, ctx: &mut CudaCtx, o: &DView, beta: f64) -> Result<()> {
+    let n = o.numel();
+    let sfx = float_suffix(node, o.dtype)?;
+    if beta == 0.0 {
+        let width = if o.dtype.size() == 8 { "u64" } else { "u32" };
+        return ctx.rt.launch(ctx.stream, &format!("fill_{width}"), ctx.rt.elementwise_grid(n), &[KArg::Ptr(o.ptr), KArg::I64(n as i64), KArg::U64(0)]);
+    }
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("affine_{sfx}"),
+        ctx.rt.elementwise_grid(n),
+        &[KArg::Ptr(o.ptr), KArg::Ptr(o.ptr), KArg::I64(n as i64), KArg::F64(beta), KArg::F64(0.0)],
+    )
+}
+
+fn matmul(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (a, b) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    batched(node, ctx, a, b, &outs[0], false, false, 1.0, 0.0)
+}
+
+fn fused_matmul(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (a, b) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let ta = node.attrs.int("transA", 0)? != 0;
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let alpha = node.attrs.float("alpha", 1.0)? as f64;
+    let target = if ins.get(2).is_some_and(|x| x.is_some()) { Some(outs[0].shape) } else { None };
+    let (sa, sb, st) = crate::ops::matmul_fused_shapes(node, a.shape, b.shape, target)?;
+    let st = st.unwrap_or_else(|| outs[0].shape.to_vec());
+    let (a, b, o) = (DView { shape: &sa, ..*a }, DView { shape: &sb, ..*b }, DView { shape: &st, ..outs[0] });
+    batched(node, ctx, &a, &b, &o, ta, tb, alpha, 0.0)
+}
+
+fn gemm_op(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (a, b) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let ta = node.attrs.int("transA", 0)? != 0;
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let alpha = node.attrs.float("alpha", 1.0)? as f64;
+    let beta = node.attrs.float("beta", 1.0)? as f64;
+    let o = &outs[0];
+    let beta = match ins.get(2).and_then(|c| c.as_ref()) {
+        Some(c) if beta != 0.0 => {
+            broadcast_copy(node, ctx, c, o.ptr, o.shape)?;
+            beta
+        }
+        _ => 0.0,
+    };
+    batched(node, ctx, a, b, o, ta, tb, alpha, beta)
+}
+
+fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (x, w) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let (k, n) = linear_dims(node, w.shape)?;
+    let o = &outs[0];
+    let rows = if n == 0 { 0 } else { o.numel() / n };
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let beta = match ins.get(2).and_then(|b| b.as_ref()) {
+        Some(bias) => {
+            broadcast_copy(node, ctx, bias, o.ptr, &[rows, n])?;
+            1.0
+        }
+        None => 0.0,
+    };
+    let shape_x = [rows, k];
+    let shape_o = [rows, n];
+    let x2 = DView { shape: &shape_x, ..*x };
+    let o2 = DView { shape: &shape_o, ..*o };
+    batched(node, ctx, &x2, w, &o2, false, tb, 1.0, beta)
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("MatMul", matmul);
+    t.add("FusedMatMul", fused_matmul);
+    t.add("Gemm", gemm_op);
+    t.add("Linear", linear);
+}

@@ -1,0 +1,77 @@
+//! One GPU, ready to run plans: its kernels loaded into the primary context (the one PyTorch
+//! uses), a cuBLAS handle, and the resolved kernel functions, once per process. The executor
+//! and the op dispatchers (ops/) launch through it on the caller's stream.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::{sys::CUstream, CudaFunction};
+
+use super::blas::{self, Blas, Gemm};
+use super::launch::{self, Grid, KArg};
+use super::loader::{self, Loaded};
+use super::{cache, nvrtc};
+use crate::error::{Error, Result};
+
+pub struct CudaRuntime {
+    pub loaded: Loaded,
+    pub blas: Blas,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Multiprocessors: the grid-size cap of grid-stride kernels is a few blocks per SM.
+    pub sms: u32,
+}
+
+/// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
+/// (the Python package passes `site-packages/nvidia/cu13/lib`). A failure is returned every
+/// time (with its reason) and retried on the next call.
+pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
+    static RT: OnceLock<CudaRuntime> = OnceLock::new();
+    static INIT: Mutex<()> = Mutex::new(());
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(rt) = RT.get() {
+        return Ok(rt);
+    }
+    let nv = nvrtc::load(dirs)?;
+    let loaded = loader::load_all(0, nv, cache::default_dir().as_deref())?;
+    loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
+    blas::load(dirs)?;
+    let blas = Blas::new()?;
+    let sms = loaded
+        .ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| Error::Cuda(format!("multiprocessor count: {e}")))? as u32;
+    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms }))
+}
+
+impl CudaRuntime {
+    /// Launches `kernel` on `stream` (arguments checked against the registry).
+    pub fn launch(&self, stream: CUstream, kernel: &str, grid: Grid, args: &[KArg]) -> Result<()> {
+        let f = {
+            let mut fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
+            match fns.get(kernel) {
+                Some(f) => f.clone(),
+                None => {
+                    let f = self.loaded.function(kernel)?;
+                    fns.insert(kernel.to_string(), f.clone());
+                    f
+                }
+            }
+        };
+        launch::launch(&f, kernel, stream, grid, args)
+    }
+    /// A grid-stride launch over `n` elements: 256-thread blocks, at most 8 per SM.
+    pub fn elementwise_grid(&self, n: usize) -> Grid {
+        Grid::elementwise(n as i64, self.sms * 8)
+    }
+    pub fn gemm(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
+        self.blas.gemm(stream, g, a, b, c)
+    }
+    /// Makes the runtime's context current on this thread (PyTorch's primary context).
+    pub fn bind(&self) -> Result<()> {
+        self.loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))
+    }
+}

@@ -1,0 +1,184 @@
+//! Runs a plan on the GPU: the same plan the CPU runs (order, types, arena offsets, aliases),
+//! with the arena in device memory, constants uploaded once per plan, caller memory bound as
+//! device addresses (PyTorch's CUDA tensors), and each step dispatched to the CUDA kernel table
+//! (backend/cuda/ops) on the caller's stream. Nothing here waits for the device: the caller
+//! synchronises (or keeps queueing on the same stream, as PyTorch does).
+
+use std::collections::HashMap;
+
+use cudarc::driver::result;
+
+use super::Phase;
+use crate::backend::cuda::launch::DeviceBuffer;
+use crate::backend::cuda::ops::{self, CudaCtx, CudaKernel, DView};
+use crate::backend::cuda::runtime::CudaRuntime;
+use crate::error::{Error, Result};
+use crate::ir::{Graph, ValueId};
+use crate::plan::{Plan, Storage};
+
+/// The device arena one in-flight step uses; reused while its size fits.
+#[derive(Default)]
+pub struct DeviceArena {
+    buf: Option<DeviceBuffer>,
+}
+
+impl DeviceArena {
+    /// Device address of at least `bytes` bytes (cuMemAlloc's 256-byte alignment covers the
+    /// plan's 64-byte offsets).
+    pub fn reserve(&mut self, rt: &CudaRuntime, bytes: usize) -> Result<u64> {
+        if self.buf.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            self.buf = None;
+            self.buf = Some(DeviceBuffer::zeroed(&rt.loaded.ctx, bytes)?);
+        }
+        Ok(self.buf.as_ref().map_or(0, |b| b.ptr()))
+    }
+}
+
+/// A plan's constants on the device, uploaded once.
+pub struct DeviceConsts {
+    bufs: HashMap<usize, DeviceBuffer>,
+}
+
+impl DeviceConsts {
+    pub fn upload(rt: &CudaRuntime, plan: &Plan) -> Result<Self> {
+        let mut bufs = HashMap::new();
+        for (i, s) in plan.storage.iter().enumerate() {
+            if let Storage::Const(t) = s {
+                bufs.insert(i, DeviceBuffer::from_slice(&rt.loaded.ctx, t.as_bytes())?);
+            }
+        }
+        Ok(DeviceConsts { bufs })
+    }
+}
+
+/// Caller memory bound for one call: a device address per value id (0 where unbound).
+pub struct DeviceBindings {
+    ptrs: Vec<u64>,
+}
+
+impl DeviceBindings {
+    pub fn new(n_values: usize) -> Self {
+        DeviceBindings { ptrs: vec![0; n_values] }
+    }
+    /// # Safety
+    /// `ptr` must be a device address in the runtime's context holding the value's planned
+    /// type, valid until the work queued by the call has run, and, for values the plan writes,
+    /// not used by anyone else meanwhile.
+    pub unsafe fn bind(&mut self, v: ValueId, ptr: u64) {
+        self.ptrs[v.0] = ptr;
+    }
+}
+
+/// Where a forward input's bytes come from.
+pub enum InputSrc<'a> {
+    Host(&'a [u8]),
+    /// A device address holding the input's planned bytes.
+    Device(u64),
+}
+
+/// The op types of `plan` that have no CUDA kernel, sorted and deduplicated.
+pub fn missing_kernels(graph: &Graph, plan: &Plan) -> Vec<String> {
+    let mut v: Vec<String> = plan.steps.iter().map(|s| graph.nodes[s.0].op_type.clone()).filter(|o| ops::kernel(o).is_none()).collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// The kernel of every step, or an error listing every op type without one.
+pub fn resolve(graph: &Graph, plan: &Plan) -> Result<Vec<CudaKernel>> {
+    let missing = missing_kernels(graph, plan);
+    if !missing.is_empty() {
+        return Err(Error::other(format!("no CUDA kernel for: {}", missing.join(", "))));
+    }
+    Ok(plan.steps.iter().filter_map(|s| ops::kernel(&graph.nodes[s.0].op_type)).collect())
+}
+
+fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
+    match &plan.storage[v.0] {
+        Storage::Arena(off) => Ok(base + *off as u64),
+        Storage::Const(_) => consts.bufs.get(&v.0).map(|b| b.ptr()).ok_or_else(|| Error::other(format!("constant '{}' was not uploaded", graph.values[v.0].name))),
+        Storage::Bound => match bind.ptrs[v.0] {
+            0 => Err(Error::other(format!("no device memory was bound for '{}'", graph.values[v.0].name))),
+            p => Ok(p),
+        },
+        Storage::Alias(src) => address(graph, plan, base, bind, consts, *src),
+        Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
+    }
+}
+
+/// Device address of a value after (or during) a run; for reading outputs.
+pub fn value_address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
+    address(graph, plan, base, bind, consts, v)
+}
+
+/// Queues one phase of `plan` on `ctx.stream`. `base` is the arena (plan.arena_bytes at least);
+/// `inputs` are copied into it at the start of the forward phase.
+#[allow(clippy::too_many_arguments)]
+pub fn run_phase(
+    graph: &Graph,
+    plan: &Plan,
+    kernels: &[CudaKernel],
+    phase: Phase,
+    base: u64,
+    bind: &DeviceBindings,
+    consts: &DeviceConsts,
+    inputs: &[(ValueId, InputSrc)],
+    ctx: &mut CudaCtx,
+) -> Result<()> {
+    ctx.rt.bind()?;
+    let range = match phase {
+        Phase::Forward => {
+            for (v, src) in inputs {
+                if let Storage::Arena(off) = plan.storage[v.0] {
+                    let want = plan.shape(*v).iter().product::<usize>() * plan.dtype(*v).map_or(0, |d| d.size());
+                    let dst = base + off as u64;
+                    // SAFETY: the arena slot holds `want` bytes (the plan's layout; the caller
+                    // reserved plan.arena_bytes at `base`); the sources hold `want` bytes (checked
+                    // for host slices, the caller's contract for device addresses).
+                    let r = match src {
+                        InputSrc::Host(bytes) => {
+                            if bytes.len() != want {
+                                return Err(Error::Input {
+                                    name: graph.values[v.0].name.clone(),
+                                    msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
+                                });
+                            }
+                            unsafe { result::memcpy_htod_sync(dst, bytes) }
+                        }
+                        InputSrc::Device(p) => unsafe { result::memcpy_dtod_async(dst, *p, want, ctx.stream) },
+                    };
+                    r.map_err(|e| Error::Cuda(format!("copying input '{}': {e}", graph.values[v.0].name)))?;
+                }
+            }
+            0..plan.split
+        }
+        Phase::Backward => plan.split..plan.steps.len(),
+    };
+    for i in range {
+        let node = &graph.nodes[plan.steps[i].0];
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for inp in &node.inputs {
+            ins.push(match inp {
+                None => None,
+                Some(v) => Some(DView {
+                    dtype: plan.dtype(*v).ok_or_else(|| node.err("untyped input"))?,
+                    shape: plan.shape(*v),
+                    ptr: address(graph, plan, base, bind, consts, *v)?,
+                }),
+            });
+        }
+        let mut outs = Vec::with_capacity(node.outputs.len());
+        for &o in &node.outputs {
+            outs.push(DView {
+                dtype: plan.dtype(o).ok_or_else(|| node.err("untyped output"))?,
+                shape: plan.shape(o),
+                ptr: address(graph, plan, base, bind, consts, o)?,
+            });
+        }
+        (kernels[i])(node, &ins, &outs, ctx).map_err(|e| match e {
+            Error::Node { .. } => e,
+            other => node.err(other.to_string()),
+        })?;
+    }
+    Ok(())
+}
