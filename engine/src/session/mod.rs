@@ -17,6 +17,9 @@ use crate::onnx::{import_bytes, ImportOptions};
 use crate::plan::{self, Plan, PlanRequest};
 use crate::tensor::DType;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);
 
@@ -48,6 +51,8 @@ pub struct Session {
     profile: Mutex<Profile>,
     /// What the graph passes rewrote at import.
     pub passes: crate::passes::PassReport,
+    #[cfg(feature = "cuda")]
+    cuda: cuda::CudaState,
 }
 
 /// A forward pass whose backward pass may still come: it owns the arena holding the
@@ -144,6 +149,8 @@ impl Session {
             arenas: Mutex::new(Vec::new()),
             profile: Mutex::new(Profile::default()),
             passes,
+            #[cfg(feature = "cuda")]
+            cuda: cuda::CudaState::default(),
         })
     }
 

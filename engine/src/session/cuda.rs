@@ -1,0 +1,155 @@
+//! A Session's training step on the GPU: the same plans as on the CPU, run by the CUDA
+//! executor on the caller's stream, with every address a device address: inputs, weights,
+//! gradient seeds and gradients are PyTorch's CUDA tensors (zero-copy), and the arena is memory
+//! the caller allocates (from PyTorch's caching allocator, so torch.cuda's memory statistics
+//! include it and stream ordering makes its reuse safe). Per plan, the kernel table lookups and
+//! the constants' device copies are made once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUstream;
+
+use super::{Session, Sig};
+use crate::backend::cuda::ops::{CudaCtx, CudaKernel};
+use crate::backend::cuda::runtime::CudaRuntime;
+use crate::error::{Error, Result};
+use crate::exec::cuda::{self as cexec, DeviceBindings, DeviceConsts, InputSrc};
+use crate::exec::Phase;
+use crate::ir::ValueId;
+use crate::plan::Plan;
+use crate::tensor::DType;
+
+/// What a plan needs on the GPU besides its arena.
+pub struct CudaPlan {
+    kernels: Vec<CudaKernel>,
+    consts: DeviceConsts,
+}
+
+/// Per-session GPU state: the CUDA side of each plan, keyed by the plan's address (plans are
+/// cached by the session for its whole life, so the address is stable).
+#[derive(Default)]
+pub struct CudaState {
+    plans: Mutex<HashMap<usize, Arc<CudaPlan>>>,
+}
+
+/// A forward pass on the GPU whose backward pass may still come.
+pub struct CudaPending {
+    pub plan: Arc<Plan>,
+    cplan: Arc<CudaPlan>,
+    base: u64,
+    seed: u64,
+    out_binds: Vec<(ValueId, u64)>,
+}
+
+impl Session {
+    fn cuda_plan(&self, rt: &CudaRuntime, plan: &Arc<Plan>) -> Result<Arc<CudaPlan>> {
+        let key = Arc::as_ptr(plan) as usize;
+        let mut plans = self.cuda.plans.lock().map_err(|_| Error::other("CUDA plan cache poisoned"))?;
+        if let Some(p) = plans.get(&key) {
+            return Ok(p.clone());
+        }
+        let kernels = cexec::resolve(&self.graph, plan)?;
+        let consts = DeviceConsts::upload(rt, plan)?;
+        let p = Arc::new(CudaPlan { kernels, consts });
+        plans.insert(key, p.clone());
+        Ok(p)
+    }
+
+    /// The arena bytes a GPU step with these inputs needs (the caller allocates them).
+    pub fn arena_bytes(&self, sigs: &[Sig], backward: bool, out_bound: &[bool]) -> Result<usize> {
+        let bound = if out_bound.iter().any(|&b| b) { out_bound } else { &[] };
+        Ok(self.plan_bound(sigs, backward, bound)?.arena_bytes)
+    }
+
+    /// Queues the forward phase on `stream`. `inputs` are (type, device address) per user input,
+    /// `weights` device addresses in `self.weights` order, `outputs[k]` (0: none) device memory
+    /// receiving output k, `arena` at least `arena_bytes(...)` bytes of device memory.
+    ///
+    /// # Safety
+    /// Every address must be device memory of the runtime's context holding the value's type
+    /// and shape, alive and unmodified by others until the queued work has run (the arena and
+    /// bound outputs until the backward phase has run too).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn forward_cuda(
+        &self,
+        rt: &CudaRuntime,
+        stream: CUstream,
+        arena: u64,
+        inputs: &[(Sig, u64)],
+        weights: &[u64],
+        backward: bool,
+        seed: u64,
+        outputs: &[u64],
+    ) -> Result<CudaPending> {
+        let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
+        let out_bound: Vec<bool> = outputs.iter().map(|&p| p != 0).collect();
+        let plan = self.plan_bound(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] })?;
+        if arena == 0 && plan.arena_bytes > 0 {
+            return Err(Error::other(format!("the GPU step needs an arena of {} bytes", plan.arena_bytes)));
+        }
+        let cplan = self.cuda_plan(rt, &plan)?;
+        let mut bind = self.bind_weights_cuda(weights)?;
+        let out_binds: Vec<(ValueId, u64)> = self.outputs.iter().zip(outputs).filter(|(_, &p)| p != 0).map(|(&o, &p)| (o, p)).collect();
+        for &(o, p) in &out_binds {
+            // SAFETY: the caller's contract: p holds output o's planned bytes, exclusively ours.
+            unsafe { bind.bind(o, p) };
+        }
+        let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
+        let mut ctx = CudaCtx { rt, stream, seed };
+        cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
+        Ok(CudaPending { plan, cplan, base: arena, seed, out_binds })
+    }
+
+    fn bind_weights_cuda(&self, weights: &[u64]) -> Result<DeviceBindings> {
+        if weights.len() != self.weights.len() {
+            return Err(Error::other(format!("expected {} weight addresses, got {}", self.weights.len(), weights.len())));
+        }
+        let mut bind = DeviceBindings::new(self.graph.values.len());
+        for (&v, &p) in self.weights.iter().zip(weights) {
+            // SAFETY: the caller's contract on forward_cuda/backward_cuda.
+            unsafe { bind.bind(v, p) };
+        }
+        Ok(bind)
+    }
+
+    /// Device address, type and shape of output `k` of a pending GPU step.
+    pub fn output_cuda(&self, p: &CudaPending, k: usize) -> Result<(u64, DType, Vec<usize>)> {
+        let v = *self.outputs.get(k).ok_or_else(|| Error::other(format!("no output {k}")))?;
+        let mut bind = DeviceBindings::new(self.graph.values.len());
+        for &(o, a) in &p.out_binds {
+            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
+            unsafe { bind.bind(o, a) };
+        }
+        let a = cexec::value_address(&self.graph, &p.plan, p.base, &bind, &p.cplan.consts, v)?;
+        let dt = p.plan.dtype(v).ok_or_else(|| Error::other("output has no type"))?;
+        Ok((a, dt, p.plan.shape(v).to_vec()))
+    }
+
+    /// Queues the backward phase of a pending GPU step: `seeds[k]` the gradient of output k
+    /// (0: none), `grads[i]` the memory receiving weight i's gradient (0: none).
+    ///
+    /// # Safety
+    /// As for `forward_cuda`; gradient addresses are written exclusively by the queued work.
+    pub unsafe fn backward_cuda(&self, rt: &CudaRuntime, stream: CUstream, p: CudaPending, weights: &[u64], seeds: &[u64], grads: &[u64]) -> Result<()> {
+        let mut bind = self.bind_weights_cuda(weights)?;
+        for &(o, a) in &p.out_binds {
+            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
+            unsafe { bind.bind(o, a) };
+        }
+        for (s, &a) in self.seeds.iter().zip(seeds) {
+            if let (Some(s), false) = (s, a == 0) {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { bind.bind(*s, a) };
+            }
+        }
+        for (g, &a) in self.grads.iter().zip(grads) {
+            if let (Some(g), false) = (g, a == 0) {
+                // SAFETY: forwarded from this function's contract.
+                unsafe { bind.bind(*g, a) };
+            }
+        }
+        let mut ctx = CudaCtx { rt, stream, seed: p.seed };
+        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &bind, &p.cplan.consts, &[], &mut ctx)
+    }
+}
