@@ -10,3 +10,6 @@
 
 mod support;
 mod smoke;
+mod elementwise;
+mod movement;
+mod gather;
