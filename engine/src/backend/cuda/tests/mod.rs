@@ -12,3 +12,6 @@ mod support;
 mod blas;
 mod exec;
 mod smoke;
+mod elementwise;
+mod movement;
+mod gather;

@@ -1,0 +1,312 @@
+//! Parity of kernels/movement.cu with the CPU backend (backend/cpu/movement.rs): copy_W as
+//! Transpose, Expand, Slice (negative steps), SliceGrad (fill then copy), Concat and ConcatGrad,
+//! fill_W and trilu_W, for every width, and copy_u8 over an index space above 2^31 elements.
+//! The kernels only move bits: the CPU reference runs the op on I64 tensors of the same values
+//! and its result is truncated to the width; the match is exact.
+
+use super::support::*;
+use crate::backend::cpu::testutil::run as cpu;
+use crate::backend::cuda::abi::Strides;
+use crate::backend::cuda::launch::{check_args, Grid, KArg};
+use crate::backend::cuda::registry::{self, types};
+use crate::ir::{Attr, Attrs, Node};
+use crate::ops::InferIn;
+use crate::tensor::Tensor;
+
+// ---- argument lists: built here for the GPU tests and for the registry check below ----------
+
+/// copy_W(x, y, s, n): operand 0 of `s` addresses x (the source), operand 1 y.
+fn copy_args(x: u64, y: u64, s: Strides, n: i64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Strides(s), KArg::I64(n)]
+}
+fn fill_args(y: u64, n: i64, bits: u64) -> Vec<KArg> {
+    vec![KArg::Ptr(y), KArg::I64(n), KArg::U64(bits)]
+}
+#[allow(clippy::too_many_arguments)]
+fn trilu_args(x: u64, y: u64, n: i64, rows: i64, cols: i64, upper: i32, k: i64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::I64(n), KArg::I64(rows), KArg::I64(cols), KArg::I32(upper), KArg::I64(k)]
+}
+
+fn args_of(op: &str) -> Vec<KArg> {
+    match op {
+        "copy" => copy_args(1, 2, Strides::default(), 3),
+        "fill" => fill_args(1, 2, 3),
+        "trilu" => trilu_args(1, 2, 3, 4, 5, 1, -1),
+        _ => panic!("movement: no test launches {op}"),
+    }
+}
+
+/// Every kernel of the family has an argument list in the tests, and it matches the registry.
+#[test]
+fn movement_test_argument_lists_match_the_registry() {
+    let fam = registry::FAMILIES.iter().find(|f| f.name == "movement").expect("movement family");
+    for grp in fam.groups {
+        for op in grp.ops {
+            for t in grp.dtypes {
+                check_args(&registry::kernel_name(op, t), &args_of(op)).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+fn shape_tensor(shape: &[usize]) -> Tensor {
+    Tensor::from_i64(vec![shape.len()], shape.iter().map(|&d| d as i64).collect())
+}
+
+/// `Strides` over `dims` with operand 0 (the source) and operand 1 (the destination) given as
+/// (element strides, base offset).
+fn copy_strides(dims: &[usize], src: (&[i64], i64), dst: (&[i64], i64)) -> Strides {
+    let mut s = bcast(dims, &[]);
+    for (k, (st, base)) in [src, dst].into_iter().enumerate() {
+        assert_eq!(st.len(), dims.len());
+        s.stride[k][..st.len()].copy_from_slice(st);
+        s.base[k] = base;
+    }
+    s
+}
+
+/// copy_W on the host: `init` with y[offset 1] = x[offset 0] over the index space.
+fn emulate_copy(x: &[i64], init: &[i64], s: &Strides, n: usize) -> Vec<i64> {
+    let mut y = init.to_vec();
+    for i in 0..n as i64 {
+        let o = offsets(s, i);
+        y[o[1] as usize] = x[o[0] as usize];
+    }
+    y
+}
+
+/// Runs copy_W over `dims` from `src` (I64 values, truncated to the width on the device) into a
+/// destination of `out_elems` elements first holding `init`, and compares with `want`.
+#[allow(clippy::too_many_arguments)]
+fn check_copy(g: Target, w: &str, what: &str, x: &[i64], init: &[i64], s: Strides, n: usize, want: &[i64]) {
+    let k = registry::kernel_name("copy", w);
+    if g.is_dry() {
+        assert_eq!(narrow(w, &emulate_copy(x, init, &s, n)), narrow(w, want), "{k} {what}: the host emulation of the Strides");
+    }
+    let (dx, dy) = (g.up(&narrow(w, x)), g.up(&narrow(w, init)));
+    g.run(&k, Grid::elementwise(n as i64, 3), &copy_args(dx.ptr(), dy.ptr(), s, n as i64));
+    g.same(&format!("{k} {what}"), w, &dy, &narrow(w, want));
+}
+
+#[test]
+fn gpu_copy_as_transpose_expand_concat_and_plain_copy_match_cpu() {
+    let g = Target::of("gpu_copy_as_transpose_expand_concat_and_plain_copy_match_cpu");
+    let mut rng = Rng::new(11);
+    for &w in types::WIDTHS {
+        // Transpose: source strides permuted, destination contiguous (ranks 4 and 8)
+        for (shape, perm) in [(&[3usize, 4, 5, 6][..], &[2usize, 0, 3, 1][..]), (&[2, 3, 2, 2, 3, 2, 2, 2], &[7, 6, 5, 4, 3, 2, 1, 0])] {
+            let (xv, _) = random_bits(&mut rng, w, numel(shape));
+            let out: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+            let xs = contiguous(shape);
+            let src: Vec<i64> = perm.iter().map(|&p| xs[p]).collect();
+            let s = copy_strides(&out, (&src, 0), (&contiguous(&out), 0));
+            let attrs = Attrs::default().with("perm", Attr::Ints(perm.iter().map(|&p| p as i64).collect()));
+            let want = cpu("Transpose", attrs, &[&i64_tensor(shape, xv.clone())])[0].to_i64_vec().expect("i64");
+            check_copy(g, w, &format!("as Transpose {shape:?} perm {perm:?}"), &xv, &vec![0; numel(&out)], s, numel(&out), &want);
+        }
+        // Expand: source strides 0 on the broadcast dimensions (ranks 4 and 8)
+        for (shape, out) in [(&[3usize, 1, 5][..], &[2usize, 3, 4, 5][..]), (&[1, 2, 1, 3, 1, 2, 1, 2], &[2, 2, 3, 3, 2, 2, 2, 2])] {
+            let (xv, _) = random_bits(&mut rng, w, numel(shape));
+            let s = bcast(out, &[shape, out]);
+            let want = cpu("Expand", Attrs::default(), &[&i64_tensor(shape, xv.clone()), &shape_tensor(out)])[0].to_i64_vec().expect("i64");
+            check_copy(g, w, &format!("as Expand {shape:?} to {out:?}"), &xv, &vec![0; numel(out)], s, numel(out), &want);
+        }
+        // Concat on axis 1: one launch per input, destination strides of the output with the
+        // base at the input's offset along the axis; ConcatGrad: the reverse
+        let parts: [&[usize]; 3] = [&[2, 3, 4], &[2, 5, 4], &[2, 1, 4]];
+        let out = [2usize, 9, 4];
+        let os = contiguous(&out);
+        let xs: Vec<Vec<i64>> = parts.iter().map(|p| random_bits(&mut rng, w, numel(p)).0).collect();
+        let tensors: Vec<Tensor> = parts.iter().zip(&xs).map(|(p, v)| i64_tensor(p, v.clone())).collect();
+        let want =
+            cpu("Concat", Attrs::default().with("axis", Attr::Int(1)), &tensors.iter().collect::<Vec<_>>())[0].to_i64_vec().expect("i64");
+        let k = registry::kernel_name("copy", w);
+        let dy = g.zeros(numel(&out) * size_of(w));
+        let mut at = 0i64;
+        let mut bufs = Vec::new();
+        let mut emulated = vec![0i64; numel(&out)];
+        for (p, v) in parts.iter().zip(&xs) {
+            let dx = g.up(&narrow(w, v));
+            let s = copy_strides(p, (&contiguous(p), 0), (&os, at * os[1]));
+            emulated = emulate_copy(v, &emulated, &s, numel(p));
+            g.run(&k, Grid::elementwise(numel(p) as i64, 2), &copy_args(dx.ptr(), dy.ptr(), s, numel(p) as i64));
+            at += p[1] as i64;
+            bufs.push(dx);
+        }
+        assert_eq!(emulated, want, "{k} as Concat: the host emulation of the Strides");
+        g.same(&format!("{k} as Concat of {parts:?} on axis 1"), w, &dy, &narrow(w, &want));
+        let shapes: Vec<Tensor> = parts.iter().map(|p| shape_tensor(p)).collect();
+        let dy_t = i64_tensor(&out, want.clone());
+        let mut at = 0i64;
+        for (i, p) in parts.iter().enumerate() {
+            let mut ins = vec![&dy_t];
+            ins.extend(shapes.iter());
+            let attrs = Attrs::default().with("axis", Attr::Int(1)).with("index", Attr::Int(i as i64));
+            let want_i = cpu("ConcatGrad", attrs, &ins)[0].to_i64_vec().expect("i64");
+            let s = copy_strides(p, (&os, at * os[1]), (&contiguous(p), 0));
+            check_copy(g, w, &format!("as ConcatGrad/Split part {i} {p:?} of {out:?}"), &want, &vec![0; numel(p)], s, numel(p), &want_i);
+            at += p[1] as i64;
+        }
+        // a plain rank-1 copy, many grid-stride rounds; and one into a destination with a base
+        let n = 100_003usize;
+        let (xv, _) = random_bits(&mut rng, w, n);
+        let s = copy_strides(&[n], (&[1], 0), (&[1], 0));
+        check_copy(g, w, "rank 1 contiguous", &xv, &vec![0; n], s, n, &xv);
+        let mut want = vec![0i64; n + 7];
+        want[7..].copy_from_slice(&xv);
+        let s = copy_strides(&[n], (&[1], 0), (&[1], 7));
+        check_copy(g, w, "rank 1 into base 7", &xv, &vec![0; n + 7], s, n, &want);
+    }
+}
+
+/// (start, step, count) per axis of a Slice, from the same shape rule the CPU kernel uses.
+fn slice_params(shape: &[usize], starts: &Tensor, ends: &Tensor, axes: &Tensor, steps: &Tensor) -> Vec<(i64, i64, usize)> {
+    let node = Node { name: "t".into(), op_type: "Slice".into(), inputs: vec![], outputs: vec![], attrs: Attrs::default() };
+    fn inf(t: &Tensor) -> InferIn<'_> {
+        InferIn { dtype: t.dtype(), shape: &t.shape, value: Some(t) }
+    }
+    let infer: Vec<Option<InferIn>> = vec![None, Some(inf(starts)), Some(inf(ends)), Some(inf(axes)), Some(inf(steps))];
+    crate::ops::movement_slice_params(&node, &infer, shape).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Slice cases: (x shape, starts, ends, axes, steps), negative steps and starts included.
+type SliceCase = (&'static [usize], &'static [i64], &'static [i64], &'static [i64], &'static [i64]);
+const SLICES: &[SliceCase] = &[
+    (&[7, 9, 5], &[5, 1, -1], &[-100, 8, -100], &[0, 1, 2], &[-2, 3, -1]),
+    (&[6, 10], &[-2], &[1], &[1], &[-3]),
+    (&[4, 6, 8], &[1, 7], &[100, 0], &[0, -1], &[1, -2]),
+];
+
+#[test]
+fn gpu_copy_as_slice_and_slice_grad_match_cpu() {
+    let g = Target::of("gpu_copy_as_slice_and_slice_grad_match_cpu");
+    let mut rng = Rng::new(12);
+    for &w in types::WIDTHS {
+        let k = registry::kernel_name("copy", w);
+        for (case, &(shape, starts, ends, axes, steps)) in SLICES.iter().enumerate() {
+            let t = |v: &[i64]| Tensor::from_i64(vec![v.len()], v.to_vec());
+            let (st, en, ax, sp) = (t(starts), t(ends), t(axes), t(steps));
+            let p = slice_params(shape, &st, &en, &ax, &sp);
+            let counts: Vec<usize> = p.iter().map(|q| q.2).collect();
+            let n = numel(&counts);
+            let xs = contiguous(shape);
+            // source strides times the steps, base at the starts
+            let src: Vec<i64> = p.iter().zip(&xs).map(|(q, s)| q.1 * s).collect();
+            let base: i64 = p.iter().zip(&xs).map(|(q, s)| q.0 * s).sum();
+            let what = format!("case {case}: Slice of {shape:?} starts {starts:?} ends {ends:?} axes {axes:?} steps {steps:?}");
+            let (xv, _) = random_bits(&mut rng, w, numel(shape));
+            let want = cpu("Slice", Attrs::default(), &[&i64_tensor(shape, xv.clone()), &st, &en, &ax, &sp]);
+            assert_eq!(want[0].shape, counts, "{what}: CPU output shape");
+            let want = want[0].to_i64_vec().expect("i64");
+            check_copy(
+                g,
+                w,
+                &format!("as {what}"),
+                &xv,
+                &vec![0; n],
+                copy_strides(&counts, (&src, base), (&contiguous(&counts), 0)),
+                n,
+                &want,
+            );
+
+            // SliceGrad: fill_W 0 over a destination holding garbage, then copy_W of dy into
+            // the sliced positions
+            let (dyv, _) = random_bits(&mut rng, w, n);
+            let (_, garbage) = random_bits(&mut rng, w, numel(shape));
+            let (ddy, dx) = (g.up(&narrow(w, &dyv)), g.up(&garbage));
+            let kf = registry::kernel_name("fill", w);
+            g.run(&kf, Grid::elementwise(numel(shape) as i64, 2), &fill_args(dx.ptr(), numel(shape) as i64, 0));
+            let s = copy_strides(&counts, (&contiguous(&counts), 0), (&src, base));
+            g.run(&k, Grid::elementwise(n as i64, 2), &copy_args(ddy.ptr(), dx.ptr(), s, n as i64));
+            let want = cpu("SliceGrad", Attrs::default(), &[&i64_tensor(&counts, dyv.clone()), &shape_tensor(shape), &st, &en, &ax, &sp]);
+            let emulated = emulate_copy(&dyv, &vec![0; numel(shape)], &s, n);
+            assert_eq!(emulated, want[0].to_i64_vec().expect("i64"), "{k} as SliceGrad, {what}: the host emulation of the Strides");
+            g.same(&format!("{kf} + {k} as SliceGrad, {what}"), w, &dx, &narrow(w, &want[0].to_i64_vec().expect("i64")));
+        }
+    }
+}
+
+#[test]
+fn gpu_fill_and_trilu_match_cpu() {
+    let g = Target::of("gpu_fill_and_trilu_match_cpu");
+    let mut rng = Rng::new(13);
+    for &w in types::WIDTHS {
+        // fill: the low bits of `bits` everywhere, over a buffer holding garbage
+        let k = registry::kernel_name("fill", w);
+        let n = 10_007usize;
+        let bits = 0x0123_4567_89AB_CDEFu64;
+        let dy = g.up(&random_bits(&mut rng, w, n).1);
+        g.run(&k, Grid::elementwise(n as i64, 3), &fill_args(dy.ptr(), n as i64, bits));
+        g.same(&format!("{k} bits {bits:#x}"), w, &dy, &narrow(w, &vec![bits as i64; n]));
+
+        // trilu: batches of matrices, wide, tall and square, both triangles, k on both sides
+        let k = registry::kernel_name("trilu", w);
+        for shape in [&[3usize, 5, 7][..], &[2, 8, 3], &[6, 6]] {
+            let n = numel(shape);
+            let (rows, cols) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+            let (xv, xb) = random_bits(&mut rng, w, n);
+            let dx = g.up(&xb);
+            for upper in [1, 0] {
+                for kk in [-10i64, -2, -1, 0, 1, 3, 10] {
+                    let dy = g.zeros(n * size_of(w));
+                    g.run(
+                        &k,
+                        Grid::elementwise(n as i64, 1),
+                        &trilu_args(dx.ptr(), dy.ptr(), n as i64, rows as i64, cols as i64, upper, kk),
+                    );
+                    let attrs = Attrs::default().with("upper", Attr::Int(upper as i64));
+                    let want = cpu("Trilu", attrs, &[&i64_tensor(shape, xv.clone()), &Tensor::from_i64(vec![], vec![kk])]);
+                    g.same(&format!("{k} {shape:?} upper {upper} k {kk}"), w, &dy, &narrow(w, &want[0].to_i64_vec().expect("i64")));
+                }
+            }
+        }
+    }
+}
+
+/// The 64-bit index paths: copy_u8 over 2^31 + 5 elements, reversed (rank 1: a negative stride
+/// and a base of 2^31 + 4), and as a [2^30 + 2, 2] → [2, 2^30 + 2] transpose (rank 2: the
+/// division path, 2^31 + 4 elements). About 4.3 GB of device memory, 4.3 GB of host memory.
+#[test]
+fn gpu_copy_u8_above_2_31_elements() {
+    let Some(g) = gpu("gpu_copy_u8_above_2_31_elements") else { return };
+    let n: usize = (1 << 31) + 5;
+    let pattern = |i: usize| (i % 251) as u8;
+    let dx = dev(g, &(0..n).map(pattern).collect::<Vec<u8>>());
+    let dy = zeros::<u8>(g, n);
+    let grid = Grid::new(8192, 256);
+
+    let s = {
+        let mut s = bcast(&[n], &[]);
+        s.stride[0][0] = -1;
+        s.base[0] = n as i64 - 1;
+        s.stride[1][0] = 1;
+        s
+    };
+    run(g, "copy_u8", grid, &copy_args(dx.ptr(), dy.ptr(), s, n as i64));
+    let y = host::<u8>(&dy);
+    if let Some(i) = (0..n).find(|&i| y[i] != pattern(n - 1 - i)) {
+        panic!("copy_u8 reversed over {n} elements: element {i}: got {}, expected {}", y[i], pattern(n - 1 - i));
+    }
+    drop(y);
+
+    let m: usize = (1 << 30) + 2;
+    let s = copy_strides(&[2, m], (&[1, 2], 0), (&[m as i64, 1], 0));
+    run(g, "copy_u8", grid, &copy_args(dx.ptr(), dy.ptr(), s, 2 * m as i64));
+    let y = host::<u8>(&dy);
+    for r in 0..2 {
+        if let Some(c) = (0..m).find(|&c| y[r * m + c] != pattern(2 * c + r)) {
+            panic!(
+                "copy_u8 [{m}, 2] transposed: element [{r}, {c}] (offset {}): got {}, expected {}",
+                r * m + c,
+                y[r * m + c],
+                pattern(2 * c + r)
+            );
+        }
+    }
+    // the element after the index space keeps what the reversed copy wrote
+    assert_eq!(y[n - 1], pattern(0), "copy_u8 transposed wrote past its index space");
+}
