@@ -164,6 +164,10 @@ pub fn run_phase(
                     dtype: plan.dtype(*v).ok_or_else(|| node.err("untyped input"))?,
                     shape: plan.shape(*v),
                     ptr: address(graph, plan, base, bind, consts, *v)?,
+                    host: match &plan.storage[v.0] {
+                        Storage::Const(t) => Some(t.as_ref()),
+                        _ => None,
+                    },
                 }),
             });
         }
@@ -173,6 +177,7 @@ pub fn run_phase(
                 dtype: plan.dtype(o).ok_or_else(|| node.err("untyped output"))?,
                 shape: plan.shape(o),
                 ptr: address(graph, plan, base, bind, consts, o)?,
+                host: None,
             });
         }
         (kernels[i])(node, &ins, &outs, ctx).map_err(|e| match e {

@@ -96,7 +96,7 @@ impl Session {
             unsafe { bind.bind(o, p) };
         }
         let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
-        let mut ctx = CudaCtx { rt, stream, seed };
+        let mut ctx = CudaCtx { rt, stream, seed, error_flag: 0 };
         cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
         Ok(CudaPending { plan, cplan, base: arena, seed, out_binds })
     }
@@ -149,7 +149,7 @@ impl Session {
                 unsafe { bind.bind(*g, a) };
             }
         }
-        let mut ctx = CudaCtx { rt, stream, seed: p.seed };
+        let mut ctx = CudaCtx { rt, stream, seed: p.seed, error_flag: 0 };
         cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &bind, &p.cplan.consts, &[], &mut ctx)
     }
 }

@@ -12,7 +12,7 @@ use cudarc::driver::sys::CUstream;
 use super::runtime::CudaRuntime;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 
 mod activation;
 mod elementwise;
@@ -21,12 +21,14 @@ mod movement;
 mod reduce;
 pub mod strides;
 
-/// A value on the device: its type, shape and address (contiguous, row-major).
+/// A value on the device: its type, shape and address (contiguous, row-major), and for
+/// constants (folded at plan time: shapes, axes, slice bounds) the host copy too.
 #[derive(Clone, Copy, Debug)]
 pub struct DView<'a> {
     pub dtype: DType,
     pub shape: &'a [usize],
     pub ptr: u64,
+    pub host: Option<&'a Tensor>,
 }
 
 impl DView<'_> {
@@ -41,6 +43,9 @@ pub struct CudaCtx<'a> {
     pub stream: CUstream,
     /// The step's dropout seed.
     pub seed: u64,
+    /// Device address of an i32 error flag that index-checking kernels (gather, the loss's
+    /// labels) set on invalid input; 0: none (invalid input is then silently zero).
+    pub error_flag: u64,
 }
 
 pub type CudaKernel = fn(&Node, &[Option<DView>], &[DView], &mut CudaCtx) -> Result<()>;

@@ -144,7 +144,7 @@ fn gpu_step(s: &Session, x: &[f32], shape: &[usize], weights: &[Vec<f32>], seeds
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1 };
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, error_flag: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(bytes_of(x)))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
