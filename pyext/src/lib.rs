@@ -1,6 +1,8 @@
 //! ortrain-py: the thin pyo3 binding of the ortrain engine. Conversions only; all user-facing
 //! behaviour lives in the Python package (`pyext/python/ortrain`).
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod ops;
 mod optim;
 mod session;
@@ -9,10 +11,14 @@ mod tracking;
 use pyo3::prelude::*;
 
 /// (usable, reason): whether the engine can train on CUDA here, and what was found or why not.
-/// Never raises: a missing driver or a build without the CUDA backend is an answer, not an error.
+/// Loads the kernels on GPU 0 the first time. `lib_dirs`: folders holding NVRTC and cuBLAS
+/// (`site-packages/nvidia/cu13/lib`). Never raises: a missing driver or a build without the
+/// CUDA backend is an answer, not an error.
 #[pyfunction]
-fn cuda_status() -> (bool, String) {
-    match ortrain_engine::backend::cuda_status() {
+#[pyo3(signature = (lib_dirs=Vec::new()))]
+fn cuda_status(py: Python<'_>, lib_dirs: Vec<String>) -> (bool, String) {
+    let dirs: Vec<std::path::PathBuf> = lib_dirs.into_iter().map(Into::into).collect();
+    match py.detach(move || ortrain_engine::backend::cuda_status(&dirs)) {
         Ok(found) => (true, found),
         Err(ortrain_engine::Error::CudaUnavailable(why)) => (false, why),
         Err(e) => (false, e.to_string()),
@@ -24,6 +30,8 @@ fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
     session::register(m)?;
+    #[cfg(feature = "cuda")]
+    cuda::register(m)?;
     optim::register(m)?;
     ops::register(m)?;
     tracking::register(m)?;

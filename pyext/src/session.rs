@@ -19,12 +19,12 @@ pub fn to_py(e: Error) -> PyErr {
 
 /// A raw tensor address crossing the GIL boundary.
 #[derive(Clone, Copy)]
-struct Addr(usize);
+pub(crate) struct Addr(pub(crate) usize);
 // SAFETY: addresses are plain integers here; the Python caller guarantees the memory stays
 // valid for the call (it holds the torch tensors), whichever thread the engine runs on.
 unsafe impl Send for Addr {}
 
-fn dtype(name: &str) -> PyResult<DType> {
+pub(crate) fn dtype(name: &str) -> PyResult<DType> {
     DType::from_name(name).ok_or_else(|| {
         PyValueError::new_err(format!("unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8)"))
     })
@@ -37,7 +37,7 @@ fn options(matmul_precision: &str) -> PyResult<SessionOptions> {
 
 #[pyclass(frozen, name = "Session", module = "ortrain._ortrain")]
 pub struct PySession {
-    inner: Arc<Session>,
+    pub(crate) inner: Arc<Session>,
 }
 
 #[pyclass(name = "Pending", module = "ortrain._ortrain")]

@@ -1,0 +1,127 @@
+//! The GPU step from Python: functions over a Session whose tensors are PyTorch CUDA tensors
+//! (device addresses from `data_ptr()`), queued on PyTorch's current stream (its handle from
+//! `torch.cuda.current_stream().cuda_stream`), with the arena a CUDA tensor the caller
+//! allocates. Nothing here synchronises the device.
+
+use std::sync::Arc;
+
+use ortrain_engine::backend::cuda::runtime::{self, CudaRuntime};
+use ortrain_engine::session::cuda::CudaPending;
+use ortrain_engine::session::{Session, Sig};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use crate::session::{dtype, to_py, Addr, PySession};
+
+#[pyclass(name = "CudaPending", module = "ortrain._ortrain")]
+pub struct PyCudaPending {
+    inner: Option<CudaPending>,
+    session: Arc<Session>,
+}
+
+fn rt() -> PyResult<&'static CudaRuntime> {
+    runtime::runtime(&[]).map_err(to_py)
+}
+
+fn sigs(v: Vec<(String, Vec<usize>)>) -> PyResult<Vec<Sig>> {
+    v.into_iter().map(|(d, s)| Ok((dtype(&d)?, s))).collect()
+}
+
+/// Arena bytes of the GPU step for inputs of these (dtype, shape); `out_bound[k]`: output k is
+/// written into caller memory.
+#[pyfunction]
+#[pyo3(signature = (session, inputs, backward, out_bound=None))]
+fn cuda_arena_bytes(session: &PySession, inputs: Vec<(String, Vec<usize>)>, backward: bool, out_bound: Option<Vec<bool>>) -> PyResult<usize> {
+    session.inner.arena_bytes(&sigs(inputs)?, backward, &out_bound.unwrap_or_default()).map_err(to_py)
+}
+
+/// Queues the forward pass on `stream`: `inputs` (address, dtype, shape) per model input,
+/// `weights` one address per weight, `outputs` (optional) per output an address receiving it (0:
+/// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes.
+#[pyfunction]
+#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_forward(
+    py: Python<'_>,
+    session: &PySession,
+    inputs: Vec<(usize, String, Vec<usize>)>,
+    weights: Vec<usize>,
+    backward: bool,
+    seed: u64,
+    stream: usize,
+    arena: usize,
+    outputs: Option<Vec<usize>>,
+) -> PyResult<PyCudaPending> {
+    let rt = rt()?;
+    let mut feed = Vec::with_capacity(inputs.len());
+    for (addr, dt, shape) in inputs {
+        feed.push(((dtype(&dt)?, shape), addr as u64));
+    }
+    let w: Vec<u64> = weights.into_iter().map(|a| a as u64).collect();
+    let o: Vec<u64> = outputs.unwrap_or_default().into_iter().map(|a| a as u64).collect();
+    let (s, st) = (session.inner.clone(), Addr(stream));
+    let pending = py
+        .detach(move || {
+            let st = st;
+            // SAFETY: the Python caller passes live CUDA tensors of the declared types (inputs,
+            // weights, bound outputs) and an arena tensor of the planned size, all kept alive
+            // until the queued work has run; the stream is PyTorch's current stream.
+            unsafe { s.forward_cuda(rt, st.0 as _, arena as u64, &feed, &w, backward, seed, &o) }
+        })
+        .map_err(to_py)?;
+    Ok(PyCudaPending { inner: Some(pending), session: session.inner.clone() })
+}
+
+/// Queues the backward pass of `pending` on `stream`: `seeds` one address per output (0: none),
+/// `grads` one address per weight (0: not wanted).
+#[pyfunction]
+fn cuda_backward(
+    py: Python<'_>,
+    session: &PySession,
+    pending: &mut PyCudaPending,
+    weights: Vec<usize>,
+    seeds: Vec<usize>,
+    grads: Vec<usize>,
+    stream: usize,
+) -> PyResult<()> {
+    let rt = rt()?;
+    let p = pending.inner.take().ok_or_else(|| PyRuntimeError::new_err("this forward pass was already used for a backward pass or released"))?;
+    let c = |v: Vec<usize>| v.into_iter().map(|a| a as u64).collect::<Vec<u64>>();
+    let (w, sd, g) = (c(weights), c(seeds), c(grads));
+    let (s, st) = (session.inner.clone(), Addr(stream));
+    py.detach(move || {
+        let st = st;
+        // SAFETY: as for cuda_forward; gradient buffers are fresh CUDA tensors written only by
+        // the queued work.
+        unsafe { s.backward_cuda(rt, st.0 as _, p, &w, &sd, &g) }
+    })
+    .map_err(to_py)
+}
+
+#[pymethods]
+impl PyCudaPending {
+    /// (device address, dtype, shape) of output k; valid until the backward pass or release().
+    fn output(&self, k: usize) -> PyResult<(usize, String, Vec<usize>)> {
+        let p = self.inner.as_ref().ok_or_else(|| PyRuntimeError::new_err("this forward pass was released"))?;
+        let (a, dt, shape) = self.session.output_cuda(p, k).map_err(to_py)?;
+        Ok((a as usize, dt.name().to_string(), shape))
+    }
+
+    #[getter]
+    fn arena_bytes(&self) -> usize {
+        self.inner.as_ref().map_or(0, |p| p.plan.arena_bytes)
+    }
+
+    /// Drops the step (a forward pass that needs no backward pass).
+    fn release(&mut self) {
+        self.inner = None;
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyCudaPending>()?;
+    m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_backward, m)?)?;
+    Ok(())
+}
