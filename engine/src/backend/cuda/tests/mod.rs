@@ -10,3 +10,10 @@
 
 mod support;
 mod smoke;
+mod activation;
+mod softmax;
+mod layernorm;
+mod reduce;
+mod dropout;
+mod loss;
+mod optim;
