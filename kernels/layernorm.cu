@@ -16,7 +16,10 @@
 // dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic):
 //   layer_norm_grad_params_T(const T* dy, const T* x, const A* mean, const A* rstd, A* partial,
 //                            i64 rows, i64 n, i64 rows_per_chunk)
-//       blockDim (32, 8), grid (ceil(n / 32), chunks); partial is [chunks][2][n]
+//       a 1-D launch (the launcher's Grid is 1-D): blockDim.x = 32 k, k <= 8 (256 is the usual:
+//       32 columns x 8 row lanes), ceil(n / 32) * chunks blocks (more return at once), chunks =
+//       ceil(rows / rows_per_chunk); block b sums columns [32 (b % ceil(n / 32)), +32) over the
+//       rows of chunk b / ceil(n / 32); partial is [chunks][2][n]
 //   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, i64 chunks, i64 n)
 //       one thread per column (grid-stride); dscale or dbias may be null
 // T: f32 f64 bf16 f16.
@@ -90,25 +93,30 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
     typedef typename Num<T>::Acc A;
     __shared__ A ds[8][33];
     __shared__ A db[8][33];
-    const i64 j = (i64)blockIdx.x * 32 + threadIdx.x;
-    const i64 chunk = blockIdx.y;
+    if (n <= 0 || rows_per_chunk <= 0) return;
+    // lane tx owns column j; row lane ty strides over the chunk's rows
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, lanes = blockDim.x >> 5;
+    const i64 col_blocks = (n + 31) / 32;
+    const i64 j = (i64)(blockIdx.x % col_blocks) * 32 + tx;
+    const i64 chunk = blockIdx.x / col_blocks;
+    if (chunk >= (rows + rows_per_chunk - 1) / rows_per_chunk) return;  // the whole block
     const i64 r0 = chunk * rows_per_chunk;
     const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     A s = (A)0, b = (A)0;
     if (j < n) {
-        for (i64 r = r0 + threadIdx.y; r < r1; r += blockDim.y) {
+        for (i64 r = r0 + ty; r < r1; r += lanes) {
             const A d = Num<T>::load(dy[r * n + j]);
             s += d * (Num<T>::load(x[r * n + j]) - mean[r]) * rstd[r];
             b += d;
         }
     }
-    ds[threadIdx.y][threadIdx.x] = s;
-    db[threadIdx.y][threadIdx.x] = b;
+    ds[ty][tx] = s;
+    db[ty][tx] = b;
     __syncthreads();
-    if (threadIdx.y == 0 && j < n) {
-        for (int k = 1; k < (int)blockDim.y; ++k) {
-            s += ds[k][threadIdx.x];
-            b += db[k][threadIdx.x];
+    if (ty == 0 && j < n) {
+        for (int k = 1; k < lanes; ++k) {
+            s += ds[k][tx];
+            b += db[k][tx];
         }
         partial[(chunk * 2) * n + j] = s;
         partial[(chunk * 2 + 1) * n + j] = b;

@@ -445,3 +445,112 @@ impl Target {
         matches!(self, Target::Dry)
     }
 }
+
+// ---- parity-b helpers
+
+/// Bytes per element of a float kernel dtype suffix (f32 f64 bf16 f16).
+pub fn float_size(dtype: &str) -> usize {
+    match dtype {
+        "f64" => 8,
+        "f32" => 4,
+        "bf16" | "f16" => 2,
+        _ => panic!("{dtype} is not a float kernel dtype"),
+    }
+}
+
+/// The compute/statistics type `A` of a float dtype (kernels/prelude.cuh `Num<T>::Acc`).
+pub fn acc_of(dtype: &str) -> &'static str {
+    if dtype == "f64" {
+        "f64"
+    } else {
+        "f32"
+    }
+}
+
+/// `v` rounded (to nearest even) to the storage type `dtype`, as f64.
+pub fn round_to(dtype: &str, v: f64) -> f64 {
+    match dtype {
+        "f64" => v,
+        "f32" => v as f32 as f64,
+        "bf16" => half::bf16::from_f64(v).to_f64(),
+        "f16" => half::f16::from_f64(v).to_f64(),
+        _ => panic!("{dtype} is not a float kernel dtype"),
+    }
+}
+
+pub fn rounded(dtype: &str, v: &[f64]) -> Vec<f64> {
+    v.iter().map(|&x| round_to(dtype, x)).collect()
+}
+
+/// `n` values uniform in [lo, hi), rounded to `dtype` (so host and device see the same numbers).
+pub fn rand_as(rng: &mut Rng, dtype: &str, n: usize, lo: f32, hi: f32) -> Vec<f64> {
+    (0..n).map(|_| round_to(dtype, rng.f32(lo, hi) as f64)).collect()
+}
+
+/// Uploads `v` stored as `dtype`.
+pub fn dev_as(g: &Loaded, dtype: &str, v: &[f64]) -> DeviceBuffer {
+    match dtype {
+        "f64" => dev(g, v),
+        "f32" => dev(g, &v.iter().map(|&x| x as f32).collect::<Vec<f32>>()),
+        "bf16" => dev(g, &v.iter().map(|&x| half::bf16::from_f64(x).to_bits()).collect::<Vec<u16>>()),
+        "f16" => dev(g, &v.iter().map(|&x| half::f16::from_f64(x).to_bits()).collect::<Vec<u16>>()),
+        _ => panic!("{dtype} is not a float kernel dtype"),
+    }
+}
+
+/// A zeroed buffer of `n` elements of `dtype`.
+pub fn zeros_as(g: &Loaded, dtype: &str, n: usize) -> DeviceBuffer {
+    zeros::<u8>(g, n * float_size(dtype))
+}
+
+/// Downloads a buffer of `dtype` elements as f64.
+pub fn host_as(b: &DeviceBuffer, dtype: &str) -> Vec<f64> {
+    match dtype {
+        "f64" => host::<f64>(b),
+        "f32" => host::<f32>(b).into_iter().map(f64::from).collect(),
+        "bf16" => host::<u16>(b).into_iter().map(|x| bf16_value(x) as f64).collect(),
+        "f16" => host::<u16>(b).into_iter().map(|x| f16_value(x) as f64).collect(),
+        _ => panic!("{dtype} is not a float kernel dtype"),
+    }
+}
+
+/// An f64 CPU tensor: the references run the CPU kernels in f64 on the (already rounded)
+/// inputs, so they carry no rounding of their own worth counting, for every kernel dtype.
+pub fn t64(shape: &[usize], v: &[f64]) -> crate::tensor::Tensor {
+    crate::tensor::Tensor::new(shape.to_vec(), crate::tensor::Data::F64(v.to_vec())).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Absolute tolerance floor of elementwise results: f32 arithmetic (the compute type of f32,
+/// bf16 and f16) on terms of order 1 near a zero of the result.
+pub fn atol(dtype: &str) -> f64 {
+    if dtype == "f64" {
+        1e-12
+    } else {
+        2e-6
+    }
+}
+
+pub fn max_abs(v: &[f64]) -> f64 {
+    v.iter().filter(|x| x.is_finite()).fold(0.0, |m, &x| m.max(x.abs()))
+}
+
+/// `assert_close` with the absolute tolerance `rtol · max|want|`: for results of sums that can
+/// cancel (normalisations, gradients of reductions), whose error is relative to the terms.
+pub fn assert_close_scaled(what: &str, got: &[f64], want: &[f64], rtol: f64) {
+    assert_close(what, got, want, rtol, rtol * max_abs(want));
+}
+
+/// Asserts that `checked` (kernel names whose argument lists a test checked) is exactly the
+/// registered kernel list of `family`: the parity tests of that family launch every kernel.
+pub fn assert_covers(family: &str, checked: &[String]) {
+    let f = crate::backend::cuda::registry::FAMILIES.iter().find(|f| f.name == family).unwrap_or_else(|| panic!("no family {family}"));
+    let mut c = checked.to_vec();
+    c.sort();
+    c.dedup();
+    assert_eq!(c, f.kernel_names(), "{}: the kernels the tests launch vs the registered ones", f.file());
+}
+
+/// Checks a launch's arguments against the registry (the non-GPU half of every parity test).
+pub fn check(kernel: &str, args: &[KArg]) {
+    crate::backend::cuda::launch::check_args(kernel, args).unwrap_or_else(|e| panic!("{e}"));
+}

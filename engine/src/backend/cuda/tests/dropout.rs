@@ -1,0 +1,97 @@
+//! dropout.cu: the keep masks equal, bit for bit, to the host Philox reference
+//! (`philox::dropout_keep`, itself checked against Random123's known answers), y = x·mask/(1 -
+//! ratio), the mask-less and in-place launches, and the backward against the CPU kernel
+//! (engine/src/backend/cpu/random.rs DropoutGrad, in f64). The CPU Dropout draws other masks
+//! (SplitMix64), so the forward is checked against the identity, not against the CPU op.
+
+use super::support::*;
+use crate::backend::cpu::testutil;
+use crate::backend::cuda::launch::{Grid, KArg};
+use crate::backend::cuda::philox::dropout_keep;
+use crate::backend::cuda::registry::types::FLOATS;
+use crate::ir::Attrs;
+use crate::tensor::{Data, Tensor};
+
+/// `dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)`
+#[allow(clippy::too_many_arguments)]
+fn fwd_args(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, offset: u64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::U64(seed), KArg::U64(offset)]
+}
+
+/// `dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)`
+fn bwd_args(dy: u64, mask: u64, dx: u64, n: usize, scale: f32) -> Vec<KArg> {
+    vec![KArg::Ptr(dy), KArg::Ptr(mask), KArg::Ptr(dx), KArg::I64(n as i64), KArg::F32(scale)]
+}
+
+/// Not a multiple of 4 (the last Philox group is partial).
+const N: usize = 100_003;
+const RATIO: f32 = 0.3;
+/// Both key words non-zero.
+const SEED: u64 = 0x0123_4567_89AB_CDEF;
+/// The counter's high word changes inside the launch (group 5 is counter 2^32).
+const OFFSET: u64 = (1 << 32) - 5;
+
+/// One thread per group of 4 elements, at most 16 blocks of 256: the grid-stride loop runs.
+fn grid() -> Grid {
+    Grid::elementwise(N.div_ceil(4) as i64, 16)
+}
+
+#[test]
+fn dropout_argument_lists_match_the_registry() {
+    let mut checked = Vec::new();
+    for t in FLOATS {
+        check(&format!("dropout_{t}"), &fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
+        check(&format!("dropout_{t}"), &fwd_args(1, 1, 0, N, RATIO, SEED, OFFSET));
+        check(&format!("dropout_grad_{t}"), &bwd_args(1, 1, 1, N, 2.0));
+        checked.extend([format!("dropout_{t}"), format!("dropout_grad_{t}")]);
+    }
+    assert_covers("dropout", &checked);
+}
+
+#[test]
+fn gpu_dropout_masks_are_philox_and_the_gradient_matches_the_cpu_kernel() {
+    let Some(g) = gpu("gpu_dropout_masks_are_philox_and_the_gradient_matches_the_cpu_kernel") else { return };
+    let mut rng = Rng::new(51);
+    let want_mask: Vec<u8> = (0..N as u64).map(|i| dropout_keep(SEED, OFFSET, i, RATIO) as u8).collect();
+    let kept = want_mask.iter().filter(|&&m| m == 1).count() as f64 / N as f64;
+    assert!((kept - 0.7).abs() < 0.01, "the reference keeps {kept} of the elements, not about 0.7");
+    let case = format!("n {N}, ratio {RATIO}, seed {SEED:#x}, offset {OFFSET:#x}");
+    for t in FLOATS {
+        let k = format!("dropout_{t}");
+        let x = rand_as(&mut rng, t, N, -2.0, 2.0);
+        let (dxb, y, mask) = (dev_as(g, t, &x), zeros_as(g, t, N), zeros::<u8>(g, N));
+        run(g, &k, grid(), &fwd_args(dxb.ptr(), y.ptr(), mask.ptr(), N, RATIO, SEED, OFFSET));
+        let got_mask = host::<u8>(&mask);
+        if let Some(i) = (0..N).find(|&i| got_mask[i] != want_mask[i]) {
+            panic!("{k} {case}: mask element {i} is {}, philox::dropout_keep says {}", got_mask[i], want_mask[i]);
+        }
+        // y = x / (1 - ratio) where kept (the scale computed in the compute type), else 0
+        let scale = 1.0 / (1.0 - RATIO as f64);
+        let want: Vec<f64> = x.iter().zip(&want_mask).map(|(&v, &m)| if m == 1 { round_to(t, v * scale) } else { 0.0 }).collect();
+        let got = host_as(&y, t);
+        assert_close(&format!("{k} y {case}"), &got, &want, rtol(t), 0.0);
+
+        // no mask: the same y
+        let y2 = zeros_as(g, t, N);
+        run(g, &k, grid(), &fwd_args(dxb.ptr(), y2.ptr(), 0, N, RATIO, SEED, OFFSET));
+        assert_eq!(host_as(&y2, t), got, "{k} {case}: y without a mask output differs");
+        // in place (y aliases x): the same y
+        run(g, &k, grid(), &fwd_args(dxb.ptr(), dxb.ptr(), 0, N, RATIO, SEED, OFFSET));
+        assert_eq!(host_as(&dxb, t), got, "{k} {case}: y in place differs");
+
+        // backward from the kernel's mask: training (scale 1 / (1 - 0.5) = 2, exact in f32) and
+        // not training (scale 1), against DropoutGrad(dy, mask, ratio, training_mode)
+        let kg = format!("dropout_grad_{t}");
+        let dy = rand_as(&mut rng, t, N, -1.0, 1.0);
+        let ddy = dev_as(g, t, &dy);
+        let mask_t = Tensor::new(vec![N], Data::Bool(got_mask.clone())).expect("mask");
+        for (training, scale) in [(true, 2.0f32), (false, 1.0)] {
+            let dx = zeros_as(g, t, N);
+            run(g, &kg, Grid::elementwise(N as i64, 16), &bwd_args(ddy.ptr(), mask.ptr(), dx.ptr(), N, scale));
+            let mode = Tensor::new(vec![], Data::Bool(vec![training as u8])).expect("mode");
+            let want = testutil::run("DropoutGrad", Attrs::default(), &[&t64(&[N], &dy), &mask_t, &Tensor::scalar_f32(0.5), &mode])[0]
+                .to_f64_vec();
+            assert_close(&format!("{kg} scale {scale} (training {training}), n {N}"), &host_as(&dx, t), &rounded(t, &want), rtol(t), 0.0);
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! layernorm.cu: LayerNormalization forward (with and without bias, with and without the saved
+//! statistics), layer_norm_stats, the input gradient and the deterministic parameter gradients
+//! (per-chunk partial sums, then their reduction), for rows of 1, 200, 1023 and 4096 elements
+//! and every float dtype, against the CPU kernels (engine/src/backend/cpu/norm.rs, in f64 on the
+//! rounded inputs). The CPU backend has no op for the statistics alone nor for the per-chunk
+//! partials: those references are computed here in f64, mirroring cpu::norm's `stats` and the
+//! dscale/dbias sums of its LayerNormGrad.
+
+use super::support::*;
+use crate::backend::cpu::testutil;
+use crate::backend::cuda::launch::{Grid, KArg};
+use crate::backend::cuda::registry::types::FLOATS;
+use crate::ir::{Attr, Attrs};
+
+const EPS: f32 = 1e-5;
+
+/// `layer_norm_T(x, scale, bias, y, mean, rstd, i64 rows, i64 n, f32 eps)`
+#[allow(clippy::too_many_arguments)]
+fn ln_args(x: u64, scale: u64, bias: u64, y: u64, mean: u64, rstd: u64, rows: usize, n: usize) -> Vec<KArg> {
+    let p = KArg::Ptr;
+    vec![p(x), p(scale), p(bias), p(y), p(mean), p(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(EPS)]
+}
+
+/// `layer_norm_stats_T(x, mean, rstd, i64 rows, i64 n, f32 eps)`
+fn stats_args(x: u64, mean: u64, rstd: u64, rows: usize, n: usize) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(mean), KArg::Ptr(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(EPS)]
+}
+
+/// `layer_norm_grad_T(dy, x, scale, mean, rstd, dx, i64 rows, i64 n)`
+#[allow(clippy::too_many_arguments)]
+fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, rows: usize, n: usize) -> Vec<KArg> {
+    let p = KArg::Ptr;
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), KArg::I64(rows as i64), KArg::I64(n as i64)]
+}
+
+/// `layer_norm_grad_params_T(dy, x, mean, rstd, partial, i64 rows, i64 n, i64 rows_per_chunk)`
+#[allow(clippy::too_many_arguments)]
+fn params_args(dy: u64, x: u64, mean: u64, rstd: u64, partial: u64, rows: usize, n: usize, rpc: usize) -> Vec<KArg> {
+    let p = KArg::Ptr;
+    vec![p(dy), p(x), p(mean), p(rstd), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::I64(rpc as i64)]
+}
+
+/// `layer_norm_grad_params_reduce_T(partial, dscale, dbias, i64 chunks, i64 n)`
+fn reduce_args(partial: u64, dscale: u64, dbias: u64, chunks: usize, n: usize) -> Vec<KArg> {
+    vec![KArg::Ptr(partial), KArg::Ptr(dscale), KArg::Ptr(dbias), KArg::I64(chunks as i64), KArg::I64(n as i64)]
+}
+
+/// The grad_params launch (layernorm.cu): blockDim 32·k (k row lanes), ceil(n / 32) blocks per
+/// chunk of `rpc` rows.
+fn params_grid(rows: usize, n: usize, rpc: usize, threads: u32) -> (usize, Grid) {
+    let chunks = rows.div_ceil(rpc);
+    (chunks, Grid::new((n.div_ceil(32) * chunks) as u32, threads))
+}
+
+/// Row length, threads of the row kernels, threads of grad_params (1, 2 and 8 row lanes).
+const CASES: &[(usize, u32, u32)] = &[(1, 32, 32), (200, 64, 64), (1023, 256, 256), (4096, 1024, 256)];
+/// 37 rows in chunks of 8: 5 chunks, the last of 5 rows; 16 blocks for the row kernels
+/// (the grid-stride row loop).
+const ROWS: usize = 37;
+const RPC: usize = 8;
+const ROW_BLOCKS: u32 = 16;
+
+fn eps_attr() -> Attrs {
+    Attrs::default().with("epsilon", Attr::Float(EPS)).with("axis", Attr::Int(-1))
+}
+
+/// cpu::norm's `stats` in f64: (mean, 1/sqrt(var + eps)) per row, two passes.
+fn stats(x: &[f64], n: usize) -> (Vec<f64>, Vec<f64>) {
+    x.chunks(n)
+        .map(|r| {
+            let mean = r.iter().sum::<f64>() / n as f64;
+            let var = r.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
+            (mean, 1.0 / (var + EPS as f64).sqrt())
+        })
+        .unzip()
+}
+
+#[test]
+fn layernorm_argument_lists_match_the_registry() {
+    let mut checked = Vec::new();
+    for t in FLOATS {
+        for &(n, _, _) in CASES {
+            let (chunks, _) = params_grid(ROWS, n, RPC, 256);
+            let ks = [
+                ("layer_norm", ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
+                ("layer_norm", ln_args(1, 1, 0, 1, 0, 0, ROWS, n)),
+                ("layer_norm_stats", stats_args(1, 1, 1, ROWS, n)),
+                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, ROWS, n)),
+                ("layer_norm_grad_params", params_args(1, 1, 1, 1, 1, ROWS, n, RPC)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 1, chunks, n)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 0, chunks, n)),
+            ];
+            for (op, args) in ks {
+                check(&format!("{op}_{t}"), &args);
+                checked.push(format!("{op}_{t}"));
+            }
+        }
+    }
+    assert_covers("layernorm", &checked);
+}
+
+#[test]
+fn the_grad_params_grid_covers_every_column_of_every_chunk() {
+    // 1023 columns: 32 column blocks; 37 rows in chunks of 8: 5 chunks
+    let (chunks, grid) = params_grid(37, 1023, 8, 256);
+    assert_eq!((chunks, grid.blocks, grid.threads), (5, 160, 256));
+    assert_eq!(params_grid(37, 1, 8, 32).1.blocks, 5);
+}
+
+#[test]
+fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
+    let Some(g) = gpu("gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels") else { return };
+    let mut rng = Rng::new(31);
+    for &(n, threads, pthreads) in CASES {
+        let len = ROWS * n;
+        let row_grid = Grid::new(ROW_BLOCKS, threads);
+        for t in FLOATS {
+            let a = acc_of(t);
+            let case = format!("{ROWS} rows of {n}, {threads} threads");
+            // values around 0.7 (a mean far from 0), scale around 1
+            let x: Vec<f64> = rand_as(&mut rng, t, len, -1.3, 2.7);
+            let scale = rand_as(&mut rng, t, n, 0.5, 1.5);
+            let bias = rand_as(&mut rng, t, n, -0.5, 0.5);
+            let dy = rand_as(&mut rng, t, len, -1.0, 1.0);
+            let (dxb, dsc, dbi, ddy) = (dev_as(g, t, &x), dev_as(g, t, &scale), dev_as(g, t, &bias), dev_as(g, t, &dy));
+            let (xt, st) = (t64(&[ROWS, n], &x), t64(&[n], &scale));
+
+            // forward with bias and the saved statistics
+            let k = format!("layer_norm_{t}");
+            let (y, mean, rstd) = (zeros_as(g, t, len), zeros_as(g, a, ROWS), zeros_as(g, a, ROWS));
+            run(g, &k, row_grid, &ln_args(dxb.ptr(), dsc.ptr(), dbi.ptr(), y.ptr(), mean.ptr(), rstd.ptr(), ROWS, n));
+            let want = testutil::run("LayerNormalization", eps_attr(), &[&xt, &st, &t64(&[n], &bias)])[0].to_f64_vec();
+            assert_close_scaled(&format!("{k} y, {case}"), &host_as(&y, t), &rounded(t, &want), rtol(t));
+            // the statistics are A (f32, f64 for f64): the mean's error is relative to |x|
+            let (wmean, wrstd) = stats(&x, n);
+            let (gmean, grstd) = (host_as(&mean, a), host_as(&rstd, a));
+            let xmax = max_abs(&x);
+            assert_close(&format!("{k} mean, {case}"), &gmean, &rounded(a, &wmean), rtol(a), rtol(a) * xmax);
+            assert_close(&format!("{k} rstd, {case}"), &grstd, &rounded(a, &wrstd), rtol(a), 0.0);
+
+            // forward without bias, statistics not kept
+            let y2 = zeros_as(g, t, len);
+            run(g, &k, row_grid, &ln_args(dxb.ptr(), dsc.ptr(), 0, y2.ptr(), 0, 0, ROWS, n));
+            let want = testutil::run("LayerNormalization", eps_attr(), &[&xt, &st])[0].to_f64_vec();
+            assert_close_scaled(&format!("{k} y without bias, {case}"), &host_as(&y2, t), &rounded(t, &want), rtol(t));
+
+            // the statistics alone: as the forward's (same code), and as the reference
+            let ks = format!("layer_norm_stats_{t}");
+            let (mean2, rstd2) = (zeros_as(g, a, ROWS), zeros_as(g, a, ROWS));
+            run(g, &ks, row_grid, &stats_args(dxb.ptr(), mean2.ptr(), rstd2.ptr(), ROWS, n));
+            assert_close(&format!("{ks} mean vs {k}'s, {case}"), &host_as(&mean2, a), &gmean, rtol(a), rtol(a) * xmax);
+            assert_close(&format!("{ks} rstd vs {k}'s, {case}"), &host_as(&rstd2, a), &grstd, rtol(a), 0.0);
+            assert_close(&format!("{ks} mean, {case}"), &host_as(&mean2, a), &rounded(a, &wmean), rtol(a), rtol(a) * xmax);
+
+            // backward: dx from the forward's statistics; dscale and dbias through the partials
+            let wgrad = testutil::run("LayerNormGrad", eps_attr(), &[&t64(&[ROWS, n], &dy), &xt, &st]);
+            let (wdx, wds, wdb) = (wgrad[0].to_f64_vec(), wgrad[1].to_f64_vec(), wgrad[2].to_f64_vec());
+            let kg = format!("layer_norm_grad_{t}");
+            let dx = zeros_as(g, t, len);
+            run(g, &kg, row_grid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), ROWS, n));
+            // dx = rstd (g - mean(g) - h mean(g h)) cancels (to exactly 0 for rows of 1 element,
+            // where an FMA may leave the rounding residue of dy·scale): the error is relative to
+            // the terms, rstd·|dy·scale|
+            let terms = wrstd.iter().fold(0f64, |m, &v| m.max(v)) * max_abs(&dy) * max_abs(&scale);
+            assert_close(&format!("{kg} dx, {case}"), &host_as(&dx, t), &rounded(t, &wdx), rtol(t), rtol(t) * terms);
+
+            let kp = format!("layer_norm_grad_params_{t}");
+            let (chunks, pgrid) = params_grid(ROWS, n, RPC, pthreads);
+            // NaN-filled, so an element the kernel does not write fails
+            let partial = dev_as(g, a, &vec![f64::NAN; chunks * 2 * n]);
+            run(g, &kp, pgrid, &params_args(ddy.ptr(), dxb.ptr(), mean.ptr(), rstd.ptr(), partial.ptr(), ROWS, n, RPC));
+            let gpart = host_as(&partial, a);
+            // reference partials: [chunk][dscale, dbias][column], in f64 with the f64 statistics
+            // and the sums of |terms|, the scale of their rounding errors
+            let (mut wpart, mut wabs) = (vec![0f64; chunks * 2 * n], vec![0f64; chunks * 2 * n]);
+            let (mut abs_ds, mut abs_db) = (vec![0f64; n], vec![0f64; n]);
+            for r in 0..ROWS {
+                let c = r / RPC;
+                for j in 0..n {
+                    let (d, h) = (dy[r * n + j], (x[r * n + j] - wmean[r]) * wrstd[r]);
+                    wpart[c * 2 * n + j] += d * h;
+                    wpart[(c * 2 + 1) * n + j] += d;
+                    wabs[c * 2 * n + j] += (d * h).abs();
+                    wabs[(c * 2 + 1) * n + j] += d.abs();
+                    abs_ds[j] += (d * h).abs();
+                    abs_db[j] += d.abs();
+                }
+            }
+            let pcase = format!("{case}, {chunks} chunks of {RPC} rows, grid {} x {pthreads}", pgrid.blocks);
+            let what = format!("{kp} partial [chunk][dscale, dbias][column], {pcase}");
+            assert_close(&what, &gpart, &wpart, rtol(a), rtol(a) * max_abs(&wabs));
+
+            let kr = format!("layer_norm_grad_params_reduce_{t}");
+            let (ds, db) = (zeros_as(g, t, n), zeros_as(g, t, n));
+            // at most 2 blocks of 256 threads: the grid-stride column loop for n = 1023 and 4096
+            let rgrid = Grid::elementwise(n as i64, 2);
+            run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds.ptr(), db.ptr(), chunks, n));
+            let (gds, gdb) = (host_as(&ds, t), host_as(&db, t));
+            // against the CPU gradient (sums over 37 rows that cancel: relative to the terms)
+            let what = format!("{kr} dscale vs LayerNormGrad, {pcase}");
+            assert_close(&what, &gds, &rounded(t, &wds), rtol(t), rtol(t) * max_abs(&abs_ds));
+            let what = format!("{kr} dbias vs LayerNormGrad, {pcase}");
+            assert_close(&what, &gdb, &rounded(t, &wdb), rtol(t), rtol(t) * max_abs(&abs_db));
+            // and against the sum of the kernel's own partials: one rounding to T
+            let sum_of = |which: usize| -> Vec<f64> { (0..n).map(|j| (0..chunks).map(|c| gpart[(c * 2 + which) * n + j]).sum()).collect() };
+            assert_close(&format!("{kr} dscale vs its partials, {pcase}"), &gds, &rounded(t, &sum_of(0)), rtol(t), atol(t));
+            assert_close(&format!("{kr} dbias vs its partials, {pcase}"), &gdb, &rounded(t, &sum_of(1)), rtol(t), atol(t));
+            // dbias null: dscale alone, the same values
+            let ds2 = zeros_as(g, t, n);
+            run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds2.ptr(), 0, chunks, n));
+            assert_eq!(host_as(&ds2, t), gds, "{kr} with dbias null: dscale differs, {pcase}");
+        }
+    }
+}
