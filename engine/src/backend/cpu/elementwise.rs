@@ -60,8 +60,8 @@ binary_num!(add, |x, y| x + y);
 binary_num!(sub, |x, y| x - y);
 binary_num!(mul, |x, y| x * y);
 binary_num!(div, |x, y| x / y);
-binary_num!(max, |x, y| if y > x || y != y { y } else { x });
-binary_num!(min, |x, y| if y < x || y != y { y } else { x });
+binary_num!(max, |x, y| if y > x || y.partial_cmp(&y).is_none() { y } else { x }); // NaN propagates
+binary_num!(min, |x, y| if y < x || y.partial_cmp(&y).is_none() { y } else { x });
 
 /// MinMaxGrad(dy, a, b): dy where input `which` won, dy/2 on ties, 0 elsewhere (shaped like dy).
 fn min_max_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

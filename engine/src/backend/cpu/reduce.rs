@@ -60,11 +60,11 @@ fn reduce(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
             }
             "ReduceMax" => {
                 ov.iter_mut().for_each(|v| *v = T::neg_infinity());
-                fold(xv, x.shape, keep, ov, |a, v| if v > a || v != v { v } else { a });
+                fold(xv, x.shape, keep, ov, |a, v| if v > a || v.partial_cmp(&v).is_none() { v } else { a });
             }
             _ => {
                 ov.iter_mut().for_each(|v| *v = T::infinity());
-                fold(xv, x.shape, keep, ov, |a, v| if v < a || v != v { v } else { a });
+                fold(xv, x.shape, keep, ov, |a, v| if v < a || v.partial_cmp(&v).is_none() { v } else { a });
             }
         }
         Ok(())

@@ -91,6 +91,8 @@ pub fn check_args(kernel: &str, args: &[KArg]) -> Result<()> {
 
 /// Launches `func` (the kernel `kernel`) on `stream` (a raw stream handle: PyTorch's current
 /// stream in the executor; null is the legacy default stream) after checking the arguments.
+// the stream is an opaque handle passed to the driver, never dereferenced here
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
     check_args(kernel, args)?;
     if grid.blocks == 0 || grid.threads == 0 || grid.threads > 1024 {

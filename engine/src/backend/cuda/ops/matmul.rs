@@ -156,7 +156,7 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     let tb = node.attrs.int("transB", 0)? != 0;
     let (k, n) = linear_dims(node, w.shape)?;
     let o = &outs[0];
-    let rows = if n == 0 { 0 } else { o.numel() / n };
+    let rows = o.numel().checked_div(n).unwrap_or(0);
     if rows == 0 || n == 0 {
         return Ok(());
     }

@@ -52,6 +52,7 @@ pub(super) fn layout(node: &Node, shape: &[usize], reduced: &[bool]) -> Result<R
 
 /// Launches a sum (`stem` "sum", or "max"/"min") of layout `l`, choosing the kernel by whether
 /// the innermost input dimension is reduced.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn launch_reduce(node: &Node, ctx: &mut CudaCtx, stem: &str, x: &DView, y: u64, l: Reduce, inner_reduced: bool, scale: f64) -> Result<()> {
     let sfx = float_suffix(node, x.dtype)?;
     if inner_reduced {

@@ -71,8 +71,8 @@ pub fn make(dims: &[usize], strides: &[Vec<i64>], base: &[i64]) -> Result<Stride
     let mut s = Strides { rank: ds.len() as i32, ..Default::default() };
     for (d, &n) in ds.iter().enumerate() {
         s.dims[d] = n;
-        for o in 0..k {
-            s.stride[o][d] = ss[o][d];
+        for (o, so) in ss.iter().enumerate() {
+            s.stride[o][d] = so[d];
         }
     }
     for (o, &b) in base.iter().enumerate() {
