@@ -118,8 +118,17 @@ impl PyCudaPending {
     }
 }
 
+/// Queues a copy of `bytes` bytes from device address `src` to `dst` on `stream`.
+#[pyfunction]
+fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize) -> PyResult<()> {
+    // SAFETY: the Python caller passes two live CUDA allocations of at least `bytes` bytes that
+    // do not overlap, and PyTorch's current stream.
+    unsafe { rt()?.copy(stream as _, dst as u64, src as u64, bytes) }.map_err(to_py)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCudaPending>()?;
+    m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_backward, m)?)?;

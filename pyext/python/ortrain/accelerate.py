@@ -57,7 +57,7 @@ class _State:
                 with self.plain():
                     exported = export_module(self.module, args, kwargs, training=self.module.training,
                                              exporter=self.exporter)
-                self.runners[key] = Runner(self.module, exported, self.precision)
+                self.runners[key] = Runner(self.module, exported, self.precision, self.device)
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
                 self.runners[key] = exc
                 self._fall_back(exc)
@@ -145,7 +145,7 @@ class _State:
         if runner is None:
             try:
                 runner = CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index, reduction,
-                                            self.precision)
+                                            self.precision, self.device)
             except Exception as exc:  # noqa: BLE001 - the loss then runs in PyTorch
                 runner = exc
                 if self.strict:
@@ -193,9 +193,12 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     if device not in _VALID_DEVICES:
         raise ValueError(f"device={device!r} is not one of {', '.join(_VALID_DEVICES)}")
     if device == "cuda":
-        from ortrain.cuda import unavailable_message
+        from ortrain.cuda import cuda_available, unavailable_message
 
-        raise OrtrainError(unavailable_message("device='cuda'"))
+        if not cuda_available()[0]:
+            raise OrtrainError(unavailable_message("device='cuda'"))
+        if not torch.cuda.is_available():
+            raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     if precision not in _VALID_PRECISIONS:
@@ -213,7 +216,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         from ortrain.engine.optimizer import accelerate_optimizer
 
         state.optimizer = optimizer
-        state.optimizer_in_engine = accelerate_optimizer(optimizer, strict)
+        # on CUDA the optimizer step stays PyTorch's (its fused CUDA kernels) until the engine's
+        # multi-tensor optimizer kernels are wired up
+        state.optimizer_in_engine = accelerate_optimizer(optimizer, strict) if device == "cpu" else False
     return model
 
 

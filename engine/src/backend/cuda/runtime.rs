@@ -70,6 +70,19 @@ impl CudaRuntime {
     pub fn gemm(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
         self.blas.gemm(stream, g, a, b, c)
     }
+    /// Queues a device-to-device copy of `bytes` bytes on `stream`.
+    ///
+    /// # Safety
+    /// `dst` and `src` must be live, non-overlapping device allocations of this context holding
+    /// at least `bytes` bytes, until the copy has run.
+    pub unsafe fn copy(&self, stream: CUstream, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(|e| Error::Cuda(format!("device copy: {e}")))
+    }
     /// Makes the runtime's context current on this thread (PyTorch's primary context).
     pub fn bind(&self) -> Result<()> {
         self.loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))

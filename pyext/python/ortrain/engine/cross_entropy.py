@@ -61,19 +61,23 @@ class CrossEntropyRunner(Runner):
     seeded_outputs = (True, False)
     function = FusedCrossEntropyLoss
 
-    def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str, precision: str = "fp32"):
+    def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str, precision: str = "fp32",
+                 device: str = "cpu"):
         fused = dataclasses.replace(
             exported,
             onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction),
             input_names=list(exported.input_names) + [TARGET],
             output_names=[LOSS] + list(exported.output_names),
         )
-        super().__init__(module, fused, precision)
+        super().__init__(module, fused, precision, device)
         self._pool: list = []
 
     def logits_buffer(self, shape, dtype) -> torch.Tensor:
         """A tensor for the logits: one from an earlier step that nobody holds any more, else new
-        (so that after the first steps the logits land in memory that is already mapped)."""
+        (so that after the first steps the logits land in memory that is already mapped). On
+        CUDA, PyTorch's caching allocator already reuses memory: always a new tensor."""
+        if self.on_cuda:
+            return torch.empty(shape, dtype=dtype, device=self.device)
         for t in self._pool:
             # references: the pool's list, the loop variable and getrefcount's argument
             if sys.getrefcount(t) <= 3 and t.shape == shape and t.dtype == dtype:

@@ -31,6 +31,14 @@ def new_seed() -> int:
 
 def run_inference(runner, inputs: list) -> list:
     """Forward only (eval, or no_grad): no activations kept."""
+    if runner.on_cuda:
+        from .cuda_step import CudaStep
+
+        step = CudaStep(runner, inputs, False, new_seed(), None)
+        try:
+            return step.outputs()
+        finally:
+            step.release()
     pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                      runner.weight_addresses(), False, new_seed())
     try:
@@ -48,12 +56,19 @@ class EngineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner, n_inputs, seed, bound, *tensors):
         inputs = [t.detach().contiguous() for t in tensors[:n_inputs]]
-        addrs = None
-        if bound:
-            addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)]
-        pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                         runner.weight_addresses(), True, new_seed() if seed is None else seed, addrs)
-        outs = read_outputs(pending, runner.n_outputs, bound)
+        seed = new_seed() if seed is None else seed
+        if runner.on_cuda:
+            from .cuda_step import CudaStep
+
+            pending = CudaStep(runner, inputs, True, seed, bound)
+            outs = pending.outputs(bound)
+        else:
+            addrs = None
+            if bound:
+                addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)]
+            pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
+                                             runner.weight_addresses(), True, seed, addrs)
+            outs = read_outputs(pending, runner.n_outputs, bound)
         ctx.bound = bound  # the engine reads them again in the backward pass
         ctx.pending = pending
         ctx.runner = runner
@@ -74,14 +89,17 @@ class EngineFunction(torch.autograd.Function):
                 seeds.append(0)
                 continue
             if g is None:
-                g = torch.zeros(shape, dtype=dtype)
+                g = torch.zeros(shape, dtype=dtype, device=runner.device)
             g = g.contiguous()
             if g.dtype != dtype:
                 g = g.to(dtype)
             keep.append(g)
-            seeds.append(address(g, "output gradient"))
+            seeds.append(g.data_ptr() if runner.on_cuda else address(g, "output gradient"))
         grads = runner.new_grad_buffers()
-        runner.session.backward(pending, runner.weight_addresses(), seeds,
-                                [0 if g is None else g.data_ptr() for g in grads])
+        grad_addrs = [0 if g is None else g.data_ptr() for g in grads]
+        if runner.on_cuda:
+            pending.backward(seeds, grad_addrs)
+        else:
+            runner.session.backward(pending, runner.weight_addresses(), seeds, grad_addrs)
         ctx.bound = None
         return (None, None, None, None) + (None,) * ctx.n_inputs + tuple(runner.grads_for_trainable(grads))

@@ -66,8 +66,12 @@ class Runner:
     #: the autograd.Function running it (its name is what grad_fn shows)
     function = EngineFunction
 
-    def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32"):
-        """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation."""
+    def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32", device: str = "cpu"):
+        """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation.
+        `device`: "cpu", or "cuda" (every parameter on the current CUDA device)."""
+        self.on_cuda = device == "cuda"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+        self.arena_sizes: dict = {}  # CUDA: (input types, backward, bound outputs) -> arena bytes
         # the runner keeps the graph without the parameters' data: the engine binds the live
         # tensors, and the complete export (model-sized) can be freed
         exported = dataclasses.replace(exported, onnx_bytes=strip_bound_weights(exported.onnx_bytes, exported.param_map))
@@ -80,12 +84,12 @@ class Runner:
             if t is None:
                 raise UnsupportedError(f"initializer '{onnx_name}' maps to '{key}', which the module does not have")
             engine_dtype(t, f"parameter '{key}'")
-            if t.device.type == "cuda":
-                from ortrain.cuda import unavailable_message
-
-                raise UnsupportedError(unavailable_message(f"parameter '{key}' is on {t.device}"))
-            if t.device.type != "cpu" or not t.is_contiguous():
-                raise UnsupportedError(f"parameter '{key}' must be a contiguous CPU tensor")
+            if t.device != self.device:
+                if t.device.type == "cuda" and not self.on_cuda:
+                    raise UnsupportedError(f"parameter '{key}' is on {t.device}: pass device='cuda' to ortrain.accelerate")
+                raise UnsupportedError(f"parameter '{key}' is on {t.device}; the engine runs this model on {self.device}")
+            if not t.is_contiguous():
+                raise UnsupportedError(f"parameter '{key}' must be contiguous")
             names.append(onnx_name)
             tensors.append(t)
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad

@@ -1,0 +1,64 @@
+"""The engine step on a CUDA device: the same Runner and autograd.Function as on the CPU, with
+every tensor a CUDA tensor (inputs, parameters, output-gradient seeds and gradients, all
+zero-copy), the work queued on PyTorch's current stream, and the engine's arena a uint8 CUDA
+tensor from PyTorch's caching allocator, kept alive with the step until its backward pass has
+been queued (stream order makes its later reuse safe)."""
+from __future__ import annotations
+
+import torch
+
+from ortrain import _ortrain
+
+from .tensors import engine_dtype, torch_dtype
+
+
+def _stream() -> int:
+    return torch.cuda.current_stream().cuda_stream
+
+
+def cuda_triple(t: torch.Tensor, what: str) -> tuple:
+    """(device address, dtype, shape) of a contiguous tensor on the current CUDA device."""
+    if t.device.type != "cuda":
+        from ortrain.errors import UnsupportedError
+
+        raise UnsupportedError(f"{what}: tensor on {t.device}; the model runs on CUDA")
+    return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
+
+
+class CudaStep:
+    """One forward pass queued on the GPU, and its backward pass."""
+
+    def __init__(self, runner, inputs: list, backward: bool, seed: int, bound: dict | None):
+        self.runner = runner
+        sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, runner.input_names)]
+        out_bound = [k in bound for k in range(runner.n_outputs)] if bound else None
+        key = (tuple((d, tuple(s)) for d, s in sigs), backward, tuple(out_bound or ()))
+        nbytes = runner.arena_sizes.get(key)
+        if nbytes is None:
+            nbytes = runner.arena_sizes[key] = _ortrain.cuda_arena_bytes(runner.session, sigs, backward, out_bound)
+        self.arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=runner.device)
+        addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)] if bound else None
+        self.pending = _ortrain.cuda_forward(runner.session, [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)],
+                                             runner.weight_addresses(), backward, seed, _stream(),
+                                             self.arena.data_ptr(), addrs)
+
+    def outputs(self, bound: dict | None = None) -> list:
+        """The outputs as new CUDA tensors (copies queued on the stream), except bound ones."""
+        outs = []
+        for k in range(self.runner.n_outputs):
+            if bound and k in bound:
+                outs.append(bound[k])
+                continue
+            addr, dt, shape = self.pending.output(k)
+            t = torch.empty(shape, dtype=torch_dtype(dt), device=self.runner.device)
+            _ortrain.cuda_copy(t.data_ptr(), addr, t.numel() * t.element_size(), _stream())
+            outs.append(t)
+        return outs
+
+    def backward(self, seeds: list, grads: list) -> None:
+        _ortrain.cuda_backward(self.runner.session, self.pending, self.runner.weight_addresses(), seeds, grads, _stream())
+        self.release()
+
+    def release(self) -> None:
+        self.pending.release()
+        self.arena = None
