@@ -92,7 +92,8 @@ def _worker(cfg: dict) -> dict:
         import ortrain
 
         try:
-            ortrain.accelerate(model, optimizer, device="cuda",
+            # strict: a fallback to PyTorch is an error here, never a row timed as ortrain
+            ortrain.accelerate(model, optimizer, device="cuda", strict=True,
                                **({"precision": precision} if precision != "fp32" else {}))
         except Exception as exc:  # noqa: BLE001 - reported as the row's status
             return {"status": "unsupported", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
@@ -112,7 +113,15 @@ def _worker(cfg: dict) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    step(0)
+    if system == "ortrain":
+        from ortrain.errors import OrtrainError
+
+        try:
+            step(0)
+        except OrtrainError as exc:
+            return {"status": "unsupported", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
+    else:
+        step(0)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     for s in range(1, cfg["warmup"]):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu_checks.sh runs on a GPU machine without cargo: every CUDA test binary
-# of the engine (engine/tests/cuda_*.rs and the unit tests as cuda_lib, release, feature cuda) and the abi3 wheel, into .gpu/
+# of the engine (engine/tests/cuda_gpu.rs and the unit tests as cuda_lib, release, feature cuda) and the abi3 wheel, into .gpu/
 # (ignored by git; carried to the device machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,9 +14,11 @@ for line in sys.stdin:
         continue
     kind, name = m["target"]["kind"], m["target"]["name"]
     # the integration tests engine/tests/cuda_*.rs, and the unit tests (GPU parity lives there)
-    dest = name if kind == ["test"] and name.startswith("cuda_") else "cuda_lib" if "lib" in kind else None
+    dest = name if kind == ["test"] and name == "cuda_gpu" else "cuda_lib" if "lib" in kind else None
     if dest:
         shutil.copy(m["executable"], ".gpu/" + dest); print("test binary", dest)
 '
+# debug info would push the unit-test binary past what the device tool carries (64 MiB)
+strip --strip-debug .gpu/cuda_*
 .venv/bin/maturin build --release -q -m pyext/Cargo.toml -o .gpu/
 ls -la .gpu
