@@ -58,9 +58,12 @@ fn int64_indices(node: &Node, idx: &DView) -> Result<()> {
 fn gather(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
     int64_indices(node, idx)?;
-    let (_, dim, inner) = gather_geometry(node, x.shape, node.attrs.int("axis", 0)?)?;
+    let (outer, dim, inner) = gather_geometry(node, x.shape, node.attrs.int("axis", 0)?)?;
     let o = &outs[0];
     let n = o.numel();
+    if n != outer * idx.numel() * inner {
+        return Err(node.err(format!("the output {:?} does not match indices {:?} into {:?}", o.shape, idx.shape, x.shape)));
+    }
     if n == 0 {
         return Ok(());
     }
@@ -135,6 +138,9 @@ fn gather_elements(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let axis = norm_axis(node, node.attrs.int("axis", 0)?, x.shape.len())?;
     let s = elements_layout(node, x.shape, idx.shape, axis)?;
     let n = idx.numel();
+    if outs[0].numel() != n {
+        return Err(node.err(format!("the output {:?} must be shaped like the indices {:?}", outs[0].shape, idx.shape)));
+    }
     if n == 0 {
         return Ok(());
     }
