@@ -16,6 +16,7 @@ use crate::tensor::{DType, Tensor};
 
 mod activation;
 mod elementwise;
+mod gather;
 mod matmul;
 mod movement;
 mod reduce;
@@ -67,6 +68,7 @@ fn table() -> &'static CudaTable {
         activation::register(&mut t);
         reduce::register(&mut t);
         movement::register(&mut t);
+        gather::register(&mut t);
         t
     })
 }
@@ -94,4 +96,37 @@ pub(crate) fn float_suffix(node: &Node, d: DType) -> Result<&'static str> {
         DType::F64 => Ok("f64"),
         other => Err(node.err(format!("the CUDA kernel takes float tensors, got {}", other.name()))),
     }
+}
+
+/// The value of input `i`, a constant folded at plan time (shape, axes, slice bounds), as
+/// integers; `None` when the input is absent. A computed input is an error: the CUDA backend
+/// reads these values on the host when it enqueues the kernel.
+pub(crate) fn const_ints(node: &Node, ins: &[Option<DView>], i: usize, what: &str) -> Result<Option<Vec<i64>>> {
+    let Some(x) = ins.get(i).and_then(|x| x.as_ref()) else { return Ok(None) };
+    let t = x.host.ok_or_else(|| {
+        node.err(format!("the CUDA backend needs {what} (input {i}) to be a constant known when the plan is built; here it is computed"))
+    })?;
+    t.to_i64_vec().map(Some).ok_or_else(|| node.err(format!("{what} (input {i}) must be an integer tensor")))
+}
+
+/// Inputs `range` as the shape rules see them (`InferIn` with the host value of constants), for
+/// the `crate::ops` helpers that read parameters from inputs (Slice's bounds). An input that
+/// is present but computed is an error naming it.
+pub(crate) fn infer_ins<'a>(
+    node: &Node,
+    ins: &[Option<DView<'a>>],
+    range: std::ops::Range<usize>,
+    what: &str,
+) -> Result<Vec<Option<crate::ops::InferIn<'a>>>> {
+    range
+        .map(|i| match ins.get(i).and_then(|x| x.as_ref()) {
+            None => Ok(None),
+            Some(x) => match x.host {
+                Some(t) => Ok(Some(crate::ops::InferIn { dtype: x.dtype, shape: x.shape, value: Some(t) })),
+                None => Err(node.err(format!(
+                    "the CUDA backend needs the {what} (input {i}) to be a constant known when the plan is built; here it is computed"
+                ))),
+            },
+        })
+        .collect()
 }

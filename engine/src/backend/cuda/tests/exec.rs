@@ -2,7 +2,13 @@
 //! imported into a Session (so the graph passes and autodiff run as for a user's model), then
 //! one training step (forward, seeded backward) on each backend; outputs and every weight
 //! gradient must agree. Without a GPU the plans are still checked to have a CUDA kernel for
-//! every step (so a missing kernel fails in CI, not on the rare GPU run).
+//! every step (so a missing kernel fails in CI, not on the rare GPU run), the models are
+//! checked to run the op types they are meant to cover, and their CPU half runs.
+//!
+//! Models: `mlp` (Linear, MatMul, activations, broadcasting arithmetic, Transpose), `movement`
+//! (Expand, Slice, Concat, Split, Trilu and their gradients), `masks` (Max/Min, Cast to f64 and
+//! bool, Erf, Mod, IsNaN/IsInf, Where and their gradients), `embedding` (int64 ids: Gather,
+//! GatherElements and their gradients, Cast of integers).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,18 +23,45 @@ use crate::ir::{Attr, Attrs, Dim, Graph, ValueId, ValueKind};
 use crate::session::{Session, Sig};
 use crate::tensor::{DType, Tensor};
 
-/// A test model: a graph with one f32 input, named f32 weights (with data) and its outputs.
+/// A test model: a graph with one input (f32, or int64 indices), named f32 weights (with data)
+/// and its f32 outputs.
 struct Model {
     graph: Graph,
     input: Vec<usize>,
+    /// The input's type; for int64 inputs, indices are drawn in [-`index_bound`, `index_bound`)
+    /// (valid for a dimension of that size, negative ones included).
+    input_dtype: DType,
+    index_bound: i64,
     weights: Vec<(String, Vec<usize>)>,
 }
 
+impl Model {
+    fn sig(&self) -> Sig {
+        (self.input_dtype, self.input.clone())
+    }
+    /// Random input bytes of the model's input type.
+    fn input_bytes(&self, rng: &mut Rng) -> Vec<u8> {
+        let n: usize = self.input.iter().product();
+        match self.input_dtype {
+            DType::I64 => (0..n).flat_map(|_| rng.int(-self.index_bound, self.index_bound).to_le_bytes()).collect(),
+            _ => bytes_of(&rng.f32s(n, -1.0, 1.0)).to_vec(),
+        }
+    }
+}
+
 fn new_model(input: &[usize]) -> (Graph, ValueId) {
+    new_model_of(input, DType::F32)
+}
+
+fn new_model_of(input: &[usize], dtype: DType) -> (Graph, ValueId) {
     let mut g = Graph::default();
-    let x = g.add_value("x", ValueKind::Input, Some(DType::F32), Some(input.iter().map(|&d| Dim::Known(d)).collect()));
+    let x = g.add_value("x", ValueKind::Input, Some(dtype), Some(input.iter().map(|&d| Dim::Known(d)).collect()));
     g.inputs.push(x);
     (g, x)
+}
+
+fn ints(g: &mut Graph, name: &str, v: &[i64]) -> ValueId {
+    g.add_const(name, Tensor::from_i64(vec![v.len()], v.to_vec()))
 }
 
 fn weight(g: &mut Graph, ws: &mut Vec<(String, Vec<usize>)>, name: &str, shape: &[usize], rng: &mut Rng) -> ValueId {
@@ -64,7 +97,107 @@ fn mlp(rng: &mut Rng) -> Model {
     let y = op(&mut g, "sub", "Sub", &[h3, h], Attrs::default());
     let yt = op(&mut g, "t2", "Transpose", &[y], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1])));
     g.outputs.push(yt);
-    Model { graph: g, input, weights: ws }
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Data movement: Expand of a weight (ReduceSumTo back), Slice with a negative step and
+/// negative axes (SliceGrad), Concat on axis -1 (ConcatGrad of each part), Split with an unused
+/// output (its gradient: Concat with an Affine zero part), Trilu with a constant k (Trilu of dy).
+fn movement(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 6];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[6, 8], rng);
+    let e = weight(&mut g, &mut ws, "e", &[1, 8], rng);
+    let u = weight(&mut g, &mut ws, "u", &[2, 2, 3], rng);
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let shape = ints(&mut g, "expand_shape", &[3, 8]);
+    let e8 = op(&mut g, "expand", "Expand", &[e, shape], Attrs::default());
+    let h = op(&mut g, "add", "Add", &[h, e8], Attrs::default());
+    // axis -1: 7, 5, 3, 1; axis 1: 1..3
+    let (st, en, ax, sp) = (
+        ints(&mut g, "starts", &[-1, 1]),
+        ints(&mut g, "ends", &[-100, 3]),
+        ints(&mut g, "axes", &[-1, 1]),
+        ints(&mut g, "steps", &[-2, 1]),
+    );
+    let s1 = g.add_node("slice", "Slice", vec![Some(h), Some(st), Some(en), Some(ax), Some(sp)], Attrs::default(), 1)[0];
+    let c = op(&mut g, "concat", "Concat", &[s1, u], Attrs::default().with("axis", Attr::Int(-1)));
+    let sizes = ints(&mut g, "split_sizes", &[3, 2, 2]);
+    let parts = g.add_node("split", "Split", vec![Some(c), Some(sizes)], Attrs::default().with("axis", Attr::Int(2)), 3);
+    let y = op(&mut g, "concat2", "Concat", &[parts[1], parts[0]], Attrs::default().with("axis", Attr::Int(-1)));
+    let k = g.add_const("trilu_k", Tensor::from_i64(vec![], vec![1]));
+    let z = op(&mut g, "trilu", "Trilu", &[y, k], Attrs::default().with("upper", Attr::Int(0)));
+    g.outputs.push(z);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Element-wise: Max and Min against broadcast weights (MinMaxGrad), Cast to f64 and back
+/// (CastLike both ways in the backward), Erf in f64 (ErfGrad), Mod and fmod, a Cast to bool
+/// and IsNaN/IsInf/Or as Where conditions (MaskSelect both ways), a bool Cast back to f32.
+fn masks(rng: &mut Rng) -> Model {
+    let input = vec![3, 5];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let a = weight(&mut g, &mut ws, "a", &[3, 5], rng);
+    let b = weight(&mut g, &mut ws, "b", &[5], rng);
+    let c = weight(&mut g, &mut ws, "c", &[5], rng);
+    let none = Attrs::default;
+    let to = |code: i64| Attrs::default().with("to", Attr::Int(code));
+    let h = op(&mut g, "mul", "Mul", &[x, a], none());
+    let m = op(&mut g, "max", "Max", &[h, b], none());
+    let m64 = op(&mut g, "to_f64", "Cast", &[m], to(11));
+    let e = op(&mut g, "erf", "Erf", &[m64], none());
+    let e32 = op(&mut g, "to_f32", "Cast", &[e], to(1));
+    // cond: floor(4 · (x mod 0.5)) ∈ {0, 1}, as bool
+    let half = g.add_const("half", Tensor::from_f32(vec![1], vec![0.5]));
+    let four = g.add_const("four", Tensor::from_f32(vec![1], vec![4.0]));
+    let r = op(&mut g, "mod", "Mod", &[x, half], Attrs::default().with("fmod", Attr::Int(0)));
+    let r = op(&mut g, "mul4", "Mul", &[r, four], none());
+    let f = op(&mut g, "floor", "Floor", &[r], none());
+    let cond = op(&mut g, "to_bool", "Cast", &[f], to(9));
+    let lo = op(&mut g, "min", "Min", &[h, c], none());
+    let w = op(&mut g, "where", "Where", &[cond, e32, lo], none());
+    // a NaN/inf guard that never fires
+    let nan = op(&mut g, "isnan", "IsNaN", &[h], none());
+    let inf = op(&mut g, "isinf", "IsInf", &[h], Attrs::default().with("detect_negative", Attr::Int(0)));
+    let bad = op(&mut g, "or", "Or", &[nan, inf], none());
+    let zero = g.add_const("zero", Tensor::from_f32(vec![1], vec![0.0]));
+    let w = op(&mut g, "guard", "Where", &[bad, zero, w], none());
+    let cf = op(&mut g, "cond_f32", "Cast", &[cond], to(1));
+    let y = op(&mut g, "scale", "Mul", &[w, cf], none());
+    let y2 = op(&mut g, "sum", "Add", &[y, w], none());
+    let third = g.add_const("third", Tensor::from_f32(vec![1], vec![0.3]));
+    let fm = op(&mut g, "fmod", "Mod", &[x, third], Attrs::default().with("fmod", Attr::Int(1)));
+    let y2 = op(&mut g, "plus_fmod", "Add", &[y2, fm], none());
+    g.outputs.push(y2);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Indices: an embedding Gather of int64 ids (GatherGrad into the table), a Gather on axis -2
+/// with a negative constant index, GatherElements on axis -1 (GatherElementsGrad), and the ids
+/// cast to f32.
+fn embedding(rng: &mut Rng) -> Model {
+    let input = vec![2, 4];
+    let vocab = 6;
+    let (mut g, ids) = new_model_of(&input, DType::I64);
+    let mut ws = Vec::new();
+    let emb = weight(&mut g, &mut ws, "emb", &[vocab, 5], rng);
+    let w = weight(&mut g, &mut ws, "w", &[5, 3], rng);
+    let h = op(&mut g, "lookup", "Gather", &[emb, ids], Attrs::default());
+    let h = op(&mut g, "mm", "MatMul", &[h, w], Attrs::default());
+    let idx: Vec<i64> = (0..16).map(|i| [0, 2, -1, 1, -3, 2, 1, 0][i % 8]).collect();
+    let idx = g.add_const("elements_idx", Tensor::from_i64(vec![2, 4, 2], idx));
+    let ge = op(&mut g, "elements", "GatherElements", &[h, idx], Attrs::default().with("axis", Attr::Int(-1)));
+    let cid = op(&mut g, "ids_f32", "Cast", &[ids], Attrs::default().with("to", Attr::Int(1)));
+    let axes = ints(&mut g, "unsq_axes", &[-1]);
+    let u = op(&mut g, "unsq", "Unsqueeze", &[cid, axes], Attrs::default());
+    let y = op(&mut g, "scaled", "Mul", &[ge, u], Attrs::default());
+    g.outputs.push(y);
+    let rows = ints(&mut g, "rows", &[-1, 1, 1]);
+    let y2 = op(&mut g, "pick", "Gather", &[h, rows], Attrs::default().with("axis", Attr::Int(-2)));
+    g.outputs.push(y2);
+    Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
 }
 
 fn session(m: &Model) -> Session {
@@ -90,11 +223,10 @@ fn bytes_of(v: &[f32]) -> &[u8] {
 }
 
 /// (outputs, gradients) of one step on the CPU.
-fn cpu_step(s: &Session, x: &[f32], shape: &[usize], mut weights: Vec<Vec<f32>>, seeds: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let sig: Sig = (DType::F32, shape.to_vec());
+fn cpu_step(s: &Session, x: &[u8], sig: &Sig, mut weights: Vec<Vec<f32>>, seeds: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let wptrs: Vec<*mut u8> = weights.iter_mut().map(|w| w.as_mut_ptr() as *mut u8).collect();
     // SAFETY: every pointer holds its value's planned f32 data and outlives the calls.
-    let mut pending = unsafe { s.forward(&[(sig, bytes_of(x))], &wptrs, true, 1, &[]) }.expect("cpu forward");
+    let mut pending = unsafe { s.forward(&[(sig.clone(), x)], &wptrs, true, 1, &[]) }.expect("cpu forward");
     let outs: Vec<Vec<f32>> = (0..s.outputs.len())
         .map(|k| {
             let (p, _, shape) = s.output_ptr(&mut pending, k).expect("output");
@@ -120,10 +252,10 @@ fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, n: usize) -
 }
 
 /// (outputs, gradients) of one step on the GPU, through the CUDA executor.
-fn gpu_step(s: &Session, x: &[f32], shape: &[usize], weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let g = gpu_or_reason().expect("under gpu()");
     let rt = runtime::runtime(&[]).unwrap_or_else(|e| panic!("{e}"));
-    let plan = s.plan(&[(DType::F32, shape.to_vec())], true).expect("plan");
+    let plan = s.plan(std::slice::from_ref(sig), true).expect("plan");
     let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
     let consts = DeviceConsts::upload(rt, &plan).expect("constants");
     let mut arena = DeviceArena::default();
@@ -145,7 +277,7 @@ fn gpu_step(s: &Session, x: &[f32], shape: &[usize], weights: &[Vec<f32>], seeds
         }
     }
     let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, error_flag: 0 };
-    let feed = [(s.inputs[0], InputSrc::Host(bytes_of(x)))];
+    let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
         .outputs
@@ -156,19 +288,20 @@ fn gpu_step(s: &Session, x: &[f32], shape: &[usize], weights: &[Vec<f32>], seeds
         })
         .collect();
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Backward, base, &bind, &consts, &[], &mut ctx).unwrap_or_else(|e| panic!("{e}"));
-    let grads = dg.iter().map(|b| host::<f32>(b)).collect();
+    let grads = dg.iter().map(host::<f32>).collect();
     (outs, grads)
 }
 
 fn compare(name: &str, m: &Model) {
     let mut rng = Rng::new(5);
     let s = session(m);
-    let x = rng.f32s(m.input.iter().product(), -1.0, 1.0);
-    let plan = s.plan(&[(DType::F32, m.input.clone())], true).expect("plan");
+    let x = m.input_bytes(&mut rng);
+    let sig = m.sig();
+    let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
     let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
     let weights = weight_data(m);
-    let (co, cg) = cpu_step(&s, &x, &m.input, weights.clone(), &mut seeds);
-    let (go, gg) = gpu_step(&s, &x, &m.input, &weights, &seeds);
+    let (co, cg) = cpu_step(&s, &x, &sig, weights.clone(), &mut seeds);
+    let (go, gg) = gpu_step(&s, &x, &sig, &weights, &seeds);
     let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     for (k, (c, g)) in co.iter().zip(&go).enumerate() {
         assert_close(&format!("{name}: output {k}"), &f(g), &f(c), 1e-5, 1e-6);
@@ -181,14 +314,14 @@ fn compare(name: &str, m: &Model) {
 
 fn models() -> Vec<(&'static str, Model)> {
     let mut rng = Rng::new(3);
-    vec![("mlp", mlp(&mut rng))]
+    vec![("mlp", mlp(&mut rng)), ("movement", movement(&mut rng)), ("masks", masks(&mut rng)), ("embedding", embedding(&mut rng))]
 }
 
 #[test]
 fn every_test_model_has_a_cuda_kernel_for_every_step() {
     for (name, m) in models() {
         let s = session(&m);
-        let plan = s.plan(&[(DType::F32, m.input.clone())], true).expect("plan");
+        let plan = s.plan(&[m.sig()], true).unwrap_or_else(|e| panic!("{name}: {e}"));
         let missing = cexec::missing_kernels(&s.graph, &plan);
         assert!(missing.is_empty(), "{name}: no CUDA kernel for {missing:?}");
     }
@@ -199,5 +332,61 @@ fn gpu_train_step_matches_the_cpu_executor() {
     let Some(_) = gpu("gpu_train_step_matches_the_cpu_executor") else { return };
     for (name, m) in models() {
         compare(name, &m);
+    }
+}
+
+/// The test models together run every op type of the CUDA kernel table that has no other
+/// train-step coverage here (forward, and backward where the op has a gradient).
+#[test]
+fn test_models_cover_the_movement_elementwise_and_gather_dispatchers() {
+    let mut seen = std::collections::BTreeSet::new();
+    for (name, m) in models() {
+        let s = session(&m);
+        let plan = s.plan(&[m.sig()], true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        seen.extend(plan.steps.iter().map(|n| s.graph.nodes[n.0].op_type.clone()));
+    }
+    let want = [
+        "Expand",
+        "Slice",
+        "SliceGrad",
+        "Concat",
+        "ConcatGrad",
+        "Split",
+        "Trilu",
+        "Cast",
+        "CastLike",
+        "Mod",
+        "MinMaxGrad",
+        "ErfGrad",
+        "IsNaN",
+        "IsInf",
+        "MaskSelect",
+        "Affine",
+        "Where",
+        "Gather",
+        "GatherGrad",
+        "GatherElements",
+        "GatherElementsGrad",
+    ];
+    let missing: Vec<&str> = want.iter().copied().filter(|o| !seen.contains(*o)).collect();
+    assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
+}
+
+/// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives
+/// every weight a gradient and runs a train step on the CPU executor with finite results.
+#[test]
+fn every_test_model_runs_a_cpu_train_step() {
+    for (name, m) in models() {
+        let mut rng = Rng::new(5);
+        let s = session(&m);
+        assert!(s.grads.iter().all(|g| g.is_some()), "{name}: a weight has no gradient");
+        let x = m.input_bytes(&mut rng);
+        let plan = s.plan(&[m.sig()], true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (outs, grads) = cpu_step(&s, &x, &m.sig(), weight_data(&m), &mut seeds);
+        for (what, v) in outs.iter().map(|v| ("output", v)).chain(grads.iter().map(|g| ("gradient", g))) {
+            assert!(v.iter().all(|x| x.is_finite()), "{name}: a {what} is not finite");
+        }
+        assert!(grads.iter().all(|g| g.iter().any(|&x| x != 0.0)), "{name}: a gradient is all zero");
     }
 }
