@@ -31,6 +31,7 @@ def _mlp():
 
 
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
@@ -76,3 +77,101 @@ def test_mlp_trains_like_eager_on_the_gpu():
     assert max(diffs) < 1e-4, (losses, ref_losses)
     print("ortrain", [f"{v:.5f}" for v in losses[::5]], "eager", [f"{v:.5f}" for v in ref_losses[::5]],
           f"max relative difference {max(diffs):.2e}")
+
+
+def _curves(make, batches, steps, lr=1e-3, **accel):
+    """Loss curves of `make()` trained by PyTorch eager and by ortrain on the GPU, from the same
+    initial weights on the same batches (Adam)."""
+    ref = make()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=lr)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, **accel)
+    out = {"ortrain": [], "eager": []}
+    for step in range(steps):
+        x, forward_loss = batches[step % len(batches)]
+        for name, m, o in (("ortrain", model, opt), ("eager", ref, opt_ref)):
+            o.zero_grad()
+            loss = forward_loss(m, x)
+            loss.backward()
+            o.step()
+            out[name].append(loss.item())
+    return out, model
+
+
+def test_tutorial_transformer_trains_like_eager_on_the_gpu():
+    """The PyTorch tutorial's model (embedding, positional encoding, two encoder layers with
+    attention, LayerNorm and the LM head) with the loss fused into the engine graph."""
+    import models
+
+    vocab, seq, batch = 1000, 35, 20
+
+    def make():
+        return models.tutorial_transformer(vocab, dropout=0.0, seed=0)[0].cuda()
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    crit = nn.CrossEntropyLoss()
+
+    def forward_loss(m, x):
+        src, tgt = x
+        return crit(m(src).view(-1, vocab), tgt)
+
+    batches = [((torch.randint(0, vocab, (seq, batch), device="cuda", generator=g),
+                 torch.randint(0, vocab, (seq * batch,), device="cuda", generator=g)), forward_loss) for _ in range(3)]
+    curves, model = _curves(make, batches, 12)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(curves["ortrain"], curves["eager"])]
+    print("tutorial", curves, f"max relative difference {max(diffs):.2e}")
+    assert max(diffs) < 1e-3, curves
+    assert model.__dict__["_ortrain_state"].fused_loss_calls == 12
+
+
+def test_gpt2_trains_like_eager_on_the_gpu():
+    """A 2-layer GPT-2 (Hugging Face, sdpa attention) with the shifted LM loss fused."""
+    import models
+
+    vocab, seq, batch = 1000, 64, 4
+
+    def make():
+        return models.gpt2_small(vocab=vocab, n_layer=2, n_embd=128, n_head=4, n_positions=seq, dropout=0.0,
+                                 batch=batch, seq=seq, seed=0, attn_implementation="sdpa")[0].cuda()
+
+    def forward_loss(m, ids):
+        logits = m(ids).logits
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batches = [(torch.randint(0, vocab, (batch, seq), device="cuda", generator=g), forward_loss) for _ in range(3)]
+    curves, _ = _curves(make, batches, 10)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(curves["ortrain"], curves["eager"])]
+    print("gpt2", curves, f"max relative difference {max(diffs):.2e}")
+    assert max(diffs) < 1e-3, curves
+
+
+def test_dropout_on_the_gpu_is_seeded_and_trains():
+    """Dropout masks come from the engine's Philox stream: they differ from PyTorch's (as
+    PyTorch's own CPU and CUDA masks differ), so the check is statistical: the model trains,
+    and the same torch seed gives the same losses."""
+    import models
+
+    vocab = 500
+
+    def run():
+        torch.manual_seed(0)
+        m = models.tutorial_transformer(vocab, dropout=0.2, seed=0)[0].cuda()
+        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+        ortrain.accelerate(m, opt, device="cuda", strict=True)
+        g = torch.Generator(device="cuda").manual_seed(5)
+        src = torch.randint(0, vocab, (35, 20), device="cuda", generator=g)
+        tgt = torch.randint(0, vocab, (700,), device="cuda", generator=g)
+        losses = []
+        for _ in range(15):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(src).view(-1, vocab), tgt)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    a, b = run(), run()
+    assert a == b, (a, b)
+    assert a[-1] < a[0] * 0.9, a

@@ -20,6 +20,11 @@ pub struct CudaRuntime {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Multiprocessors: the grid-size cap of grid-stride kernels is a few blocks per SM.
     pub sms: u32,
+    /// Scratch memory for kernels' temporaries (row statistics, per-sample losses), grown on
+    /// demand. One region, reused by every launch: the engine queues all its work on one stream
+    /// at a time (PyTorch's current stream), so a later launch's use is ordered after an earlier
+    /// one's, and growing frees the old region with a synchronising cuMemFree.
+    scratch: Mutex<Option<super::launch::DeviceBuffer>>,
 }
 
 /// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
@@ -44,7 +49,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         .ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| Error::Cuda(format!("multiprocessor count: {e}")))? as u32;
-    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms }))
+    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms, scratch: Mutex::new(None) }))
 }
 
 impl CudaRuntime {
@@ -62,6 +67,16 @@ impl CudaRuntime {
             }
         };
         launch::launch(&f, kernel, stream, grid, args)
+    }
+    /// Device address of at least `bytes` bytes of scratch memory (see the field's note), 256-byte
+    /// aligned; valid until the next call.
+    pub fn scratch(&self, bytes: usize) -> Result<u64> {
+        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        if s.as_ref().is_none_or(|b| b.bytes() < bytes) {
+            *s = None;
+            *s = Some(super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?);
+        }
+        Ok(s.as_ref().map_or(0, |b| b.ptr()))
     }
     /// A grid-stride launch over `n` elements: 256-thread blocks, at most 8 per SM.
     pub fn elementwise_grid(&self, n: usize) -> Grid {

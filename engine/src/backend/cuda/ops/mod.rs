@@ -17,9 +17,13 @@ use crate::tensor::{DType, Tensor};
 mod activation;
 mod elementwise;
 mod gather;
+mod loss;
 mod matmul;
 mod movement;
+mod norm;
+mod random;
 mod reduce;
+mod softmax;
 pub mod strides;
 
 /// A value on the device: its type, shape and address (contiguous, row-major), and for
@@ -68,6 +72,10 @@ fn table() -> &'static CudaTable {
         activation::register(&mut t);
         reduce::register(&mut t);
         movement::register(&mut t);
+        softmax::register(&mut t);
+        norm::register(&mut t);
+        random::register(&mut t);
+        loss::register(&mut t);
         gather::register(&mut t);
         t
     })

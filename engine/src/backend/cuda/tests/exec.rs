@@ -200,6 +200,37 @@ fn embedding(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
 }
 
+/// LayerNorm, Softmax, Dropout (inference mode: masks of a training-mode Dropout differ
+/// between backends by design), LogSoftmax and a softmax cross-entropy with ignore_index.
+fn attention_bits(rng: &mut Rng) -> Model {
+    let input = vec![2, 6, 8];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let scale = weight(&mut g, &mut ws, "ln_scale", &[8], rng);
+    let bias = weight(&mut g, &mut ws, "ln_bias", &[8], rng);
+    let w = weight(&mut g, &mut ws, "w", &[8, 8], rng);
+    let h = op(&mut g, "ln", "LayerNormalization", &[x, scale, bias], Attrs::default().with("axis", Attr::Int(-1)));
+    let h = op(&mut g, "mm", "MatMul", &[h, w], Attrs::default());
+    let p = op(&mut g, "sm", "Softmax", &[h], Attrs::default().with("axis", Attr::Int(-1)));
+    let ratio = g.add_const("ratio", Tensor::from_f32(vec![], vec![0.3]));
+    let training = g.add_const("training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![0])).expect("bool"));
+    let d = g.add_node("drop", "Dropout", vec![Some(p), Some(ratio), Some(training)], Attrs::default(), 1)[0];
+    let lp = op(&mut g, "lsm", "LogSoftmax", &[d], Attrs::default().with("axis", Attr::Int(1)));
+    g.outputs.push(lp);
+    let shape = ints(&mut g, "rows", &[12, 8]);
+    let scores = op(&mut g, "flat", "Reshape", &[h, shape], Attrs::default());
+    let labels = g.add_const("labels", Tensor::from_i64(vec![12], (0..12).map(|i| (i * 5 % 8) as i64).collect()));
+    let loss = op(
+        &mut g,
+        "ce",
+        "SoftmaxCrossEntropyLoss",
+        &[scores, labels],
+        Attrs::default().with("ignore_index", Attr::Int(2)).with("reduction", Attr::String("mean".into())),
+    );
+    g.outputs.push(loss);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 fn session(m: &Model) -> Session {
     let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
     let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
@@ -314,7 +345,7 @@ fn compare(name: &str, m: &Model) {
 
 fn models() -> Vec<(&'static str, Model)> {
     let mut rng = Rng::new(3);
-    vec![("mlp", mlp(&mut rng)), ("movement", movement(&mut rng)), ("masks", masks(&mut rng)), ("embedding", embedding(&mut rng))]
+    vec![("mlp", mlp(&mut rng)), ("movement", movement(&mut rng)), ("masks", masks(&mut rng)), ("embedding", embedding(&mut rng)), ("attention_bits", attention_bits(&mut rng))]
 }
 
 #[test]

@@ -1,0 +1,95 @@
+//! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op recomputes the
+//! row statistics (layer_norm_stats into scratch), then dx per row, and the parameter
+//! gradients in two deterministic passes: per-chunk column partials, then their sum.
+
+use super::softmax::row_grid;
+use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::launch::{Grid, KArg};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::tensor::DType;
+
+/// Bytes of the statistics type A (f32, f64 for f64).
+fn stat_size(d: DType) -> usize {
+    if d == DType::F64 {
+        8
+    } else {
+        4
+    }
+}
+
+fn align(v: usize) -> usize {
+    v.div_ceil(256) * 256
+}
+
+/// LayerNormalization(X, Scale, B?) -> (Y, Mean?, InvStdDev?).
+fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let bias = ins.get(2).and_then(|b| b.as_ref()).map_or(0, |b| b.ptr);
+    let (rows, n) = crate::ops::layer_norm_layout_of(node, x.shape)?;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let eps = node.attrs.float("epsilon", 1e-5)?;
+    let mean = outs.get(1).map_or(0, |o| o.ptr);
+    let rstd = outs.get(2).map_or(0, |o| o.ptr);
+    let kernel = format!("layer_norm_{}", float_suffix(node, x.dtype)?);
+    let p = KArg::Ptr;
+    ctx.rt.launch(
+        ctx.stream,
+        &kernel,
+        row_grid(rows, n.min(1024)),
+        &[p(x.ptr), p(scale.ptr), p(bias), p(outs[0].ptr), p(mean), p(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(eps)],
+    )
+}
+
+/// LayerNormGrad(dy, x, scale) -> (dx, dscale, dbias).
+fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
+    let (rows, n) = crate::ops::layer_norm_layout_of(node, x.shape)?;
+    if rows == 0 || n == 0 {
+        return Ok(());
+    }
+    let eps = node.attrs.float("epsilon", 1e-5)?;
+    let sfx = float_suffix(node, x.dtype)?;
+    let a = stat_size(x.dtype);
+    // 8 row lanes per block, chunks of rows small enough to fill the GPU with blocks
+    let col_blocks = n.div_ceil(32);
+    let rows_per_chunk = (rows.div_ceil((4 * ctx.rt.sms as usize).div_ceil(col_blocks).max(1))).max(8);
+    let chunks = rows.div_ceil(rows_per_chunk);
+    let (stats_bytes, partial_bytes) = (align(rows * a), align(chunks * 2 * n * a));
+    let base = ctx.rt.scratch(2 * stats_bytes + partial_bytes)?;
+    let (mean, rstd, partial) = (base, base + stats_bytes as u64, base + 2 * stats_bytes as u64);
+    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    let grid = row_grid(rows, n.min(1024));
+    ctx.rt.launch(ctx.stream, &format!("layer_norm_stats_{sfx}"), grid, &[p(x.ptr), p(mean), p(rstd), i(rows), i(n), KArg::F32(eps)])?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("layer_norm_grad_{sfx}"),
+        grid,
+        &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
+    )?;
+    let dscale = outs.get(1).map_or(0, |o| o.ptr);
+    let dbias = outs.get(2).map_or(0, |o| o.ptr);
+    if dscale == 0 && dbias == 0 {
+        return Ok(());
+    }
+    let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("layer_norm_grad_params_{sfx}"),
+        Grid::new(blocks, 256),
+        &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
+    )?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("layer_norm_grad_params_reduce_{sfx}"),
+        ctx.rt.elementwise_grid(n),
+        &[p(partial), p(dscale), p(dbias), i(chunks), i(n)],
+    )
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("LayerNormalization", layer_norm);
+    t.add("LayerNormGrad", layer_norm_grad);
+}

@@ -1,0 +1,93 @@
+//! Dropout and DropoutGrad (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
+//! step's seed mixed with the node's output id, so every Dropout node of a step draws its own
+//! stream and a replay with the same seed draws the same masks (they differ from the CPU
+//! backend's masks, as PyTorch's CPU and CUDA masks differ).
+
+use cudarc::driver::result;
+
+use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::launch::KArg;
+use crate::error::{Error, Result};
+use crate::ir::Node;
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// (ratio, training) from the optional constant inputs at `at` and `at + 1` (defaults 0.5 and
+/// false, as the CPU kernel).
+fn params(node: &Node, ins: &[Option<DView>], at: usize) -> Result<(f64, bool)> {
+    let value = |i: usize, what: &str| -> Result<Option<f64>> {
+        match ins.get(i).and_then(|x| x.as_ref()) {
+            None => Ok(None),
+            Some(x) => x
+                .host
+                .map(|t| t.to_f64_vec().first().copied())
+                .ok_or_else(|| node.err(format!("the CUDA backend needs Dropout's {what} (input {i}) to be a constant"))),
+        }
+    };
+    let ratio = match value(at, "ratio")? {
+        Some(r) => r,
+        None => node.attrs.float("ratio", 0.5)? as f64,
+    };
+    let training = value(at + 1, "training_mode")?.is_some_and(|v| v != 0.0);
+    if !(0.0..1.0).contains(&ratio) {
+        return Err(node.err(format!("ratio {ratio} must be in [0, 1)")));
+    }
+    Ok((ratio, training))
+}
+
+fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let x = input(node, ins, 0)?;
+    let (ratio, training) = params(node, ins, 1)?;
+    let n = x.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let mask = outs.get(1).map_or(0, |m| m.ptr);
+    if !training || ratio == 0.0 {
+        if x.ptr != outs[0].ptr {
+            // SAFETY: input and output hold n elements of the same type and do not overlap.
+            unsafe { result::memcpy_dtod_async(outs[0].ptr, x.ptr, n * x.dtype.size(), ctx.stream) }
+                .map_err(|e| Error::Cuda(format!("copy: {e}")))?;
+        }
+        if mask != 0 {
+            ctx.rt.launch(ctx.stream, "fill_u8", ctx.rt.elementwise_grid(n), &[KArg::Ptr(mask), KArg::I64(n as i64), KArg::U64(1)])?;
+        }
+        return Ok(());
+    }
+    let key = splitmix(ctx.seed ^ splitmix(node.outputs[0].0 as u64));
+    let kernel = format!("dropout_{}", float_suffix(node, x.dtype)?);
+    ctx.rt.launch(
+        ctx.stream,
+        &kernel,
+        ctx.rt.elementwise_grid(n.div_ceil(4)),
+        &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), KArg::U64(key), KArg::U64(0)],
+    )
+}
+
+/// DropoutGrad(dy, mask, ratio?, training_mode?).
+fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (dy, mask) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let (ratio, training) = params(node, ins, 2)?;
+    let scale = if training { 1.0 / (1.0 - ratio) } else { 1.0 };
+    let n = dy.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let kernel = format!("dropout_grad_{}", float_suffix(node, dy.dtype)?);
+    ctx.rt.launch(
+        ctx.stream,
+        &kernel,
+        ctx.rt.elementwise_grid(n),
+        &[KArg::Ptr(dy.ptr), KArg::Ptr(mask.ptr), KArg::Ptr(outs[0].ptr), KArg::I64(n as i64), KArg::F32(scale as f32)],
+    )
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("Dropout", dropout);
+    t.add("DropoutGrad", dropout_grad);
+}
