@@ -76,7 +76,7 @@ class LazyOutput(torch.Tensor):
 
     @staticmethod
     def __new__(cls, call: Deferred, shape, slices=(), reshaped=False):
-        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=call.dtype, device=torch.device("cpu"),
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=call.dtype, device=call.runner.device,
                                                 requires_grad=True)
         t._call = call
         t._slices = tuple(slices)
@@ -171,6 +171,6 @@ def _fused_cross_entropy(input=None, target=None, weight=None, size_average=None
             or reduction not in ("mean", "sum") or input.dim() != 2 or input.shape[1] != call.shape[-1]
             or any(axis == len(call.shape) - 1 for axis, _, _ in input._slices)
             or not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.dim() != 1
-            or target.shape[0] != input.shape[0] or target.device.type != "cpu" or target.requires_grad):
+            or target.shape[0] != input.shape[0] or target.device != call.runner.device or target.requires_grad):
         return None
     return call.state.run_cross_entropy(call, input._slices, target, int(ignore_index), reduction)
