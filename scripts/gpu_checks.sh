@@ -60,7 +60,7 @@ fi
 
 if has pytest; then
     section "pytest -m gpu"
-    $PY -m pytest -q -m gpu tests/test_cuda*.py -rs 2>&1 | tee "$OUT_DIR/pytest-gpu.log" | tail -30
+    $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/pytest-gpu.log" | tail -30
     [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
 fi
 
