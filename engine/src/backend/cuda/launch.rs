@@ -78,6 +78,11 @@ impl Grid {
 /// Checks `args` against the registered signature of `kernel`.
 pub fn check_args(kernel: &str, args: &[KArg]) -> Result<()> {
     let sig = registry::signature(kernel).ok_or_else(|| Error::Cuda(format!("no CUDA kernel named {kernel}")))?;
+    check_against(kernel, sig, args)
+}
+
+/// Checks `args` against a signature already looked up (the runtime caches it per kernel).
+pub fn check_against(kernel: &str, sig: &[Arg], args: &[KArg]) -> Result<()> {
     if sig.len() != args.len() {
         return Err(Error::Cuda(format!("{kernel} takes {} arguments, {} given", sig.len(), args.len())));
     }
@@ -95,11 +100,28 @@ pub fn check_args(kernel: &str, args: &[KArg]) -> Result<()> {
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
     check_args(kernel, args)?;
+    launch_unchecked_args(func, kernel, stream, grid, args)
+}
+
+/// As [`launch`], for arguments the caller has checked against the kernel's signature.
+// the stream is an opaque handle passed to the driver, never dereferenced here
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
     if grid.blocks == 0 || grid.threads == 0 || grid.threads > 1024 {
         return Err(Error::Cuda(format!("{kernel}: bad launch geometry {grid:?}")));
     }
-    let mut values: Vec<KArg> = args.to_vec();
-    let mut params: Vec<*mut c_void> = values.iter_mut().map(KArg::as_param).collect();
+    // on the stack: a launch allocates nothing (kernels take at most 14 parameters)
+    const MAX_ARGS: usize = 16;
+    if args.len() > MAX_ARGS {
+        return Err(Error::Cuda(format!("{kernel}: {} arguments, at most {MAX_ARGS}", args.len())));
+    }
+    let mut values = [KArg::I32(0); MAX_ARGS];
+    values[..args.len()].copy_from_slice(args);
+    let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
+    for (p, v) in params.iter_mut().zip(values.iter_mut()).take(args.len()) {
+        *p = v.as_param();
+    }
+    let params = &mut params[..args.len()];
     // SAFETY: `params` holds one pointer per kernel parameter, each to a live value of the
     // parameter's registered type (checked above; the registry's layouts are checked against the
     // CUBIN by engine/tests/cuda_kernels.rs), and `values` outlives the call. Device addresses
@@ -111,7 +133,7 @@ pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Gr
             (grid.threads, 1, 1),
             grid.shared,
             stream,
-            &mut params,
+            params,
         )
     }
     .map_err(|e| Error::Cuda(format!("launching {kernel} {grid:?}: {e}")))

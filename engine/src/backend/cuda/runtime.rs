@@ -8,6 +8,7 @@ use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::{sys::CUstream, CudaFunction};
 
+use super::abi::Arg;
 use super::blas::{self, Blas, Gemm};
 use super::launch::{self, Grid, KArg};
 use super::loader::{self, Loaded};
@@ -17,7 +18,8 @@ use crate::error::{Error, Result};
 pub struct CudaRuntime {
     pub loaded: Loaded,
     pub blas: Blas,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Resolved kernels with their registered signatures, by name.
+    functions: Mutex<HashMap<String, (CudaFunction, &'static [Arg])>>,
     /// Multiprocessors: the grid-size cap of grid-stride kernels is a few blocks per SM.
     pub sms: u32,
     /// Scratch memory for kernels' temporaries (row statistics, per-sample losses), grown on
@@ -55,18 +57,20 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
 impl CudaRuntime {
     /// Launches `kernel` on `stream` (arguments checked against the registry).
     pub fn launch(&self, stream: CUstream, kernel: &str, grid: Grid, args: &[KArg]) -> Result<()> {
-        let f = {
+        let (f, sig) = {
             let mut fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
             match fns.get(kernel) {
                 Some(f) => f.clone(),
                 None => {
-                    let f = self.loaded.function(kernel)?;
+                    let sig = super::registry::signature(kernel).ok_or_else(|| Error::Cuda(format!("no CUDA kernel named {kernel}")))?;
+                    let f = (self.loaded.function(kernel)?, sig);
                     fns.insert(kernel.to_string(), f.clone());
                     f
                 }
             }
         };
-        launch::launch(&f, kernel, stream, grid, args)
+        launch::check_against(kernel, sig, args)?;
+        launch::launch_unchecked_args(&f, kernel, stream, grid, args)
     }
     /// Device address of at least `bytes` bytes of scratch memory (see the field's note), 256-byte
     /// aligned; valid until the next call.
