@@ -1,7 +1,6 @@
 //! Loading the kernel files into a device: the CUBIN of every family, compiled for the device's
 //! architecture (memo, disk cache or NVRTC), loaded into the device's primary context (the one
-//! PyTorch uses; never a context of our own), with every registered kernel resolved. Needs a GPU:
-//! compiled, not run so far (doc/GPU-RUNS.md).
+//! PyTorch uses; never a context of our own), with every registered kernel resolved.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -1,16 +1,16 @@
 //! The CUDA backend (cargo feature `cuda`), built on cudarc with every CUDA library loaded at
 //! run time, so the same build imports and runs on machines without CUDA.
 //!
-//! Status: compiled, not run. What exists is the foundation, checked without a GPU: the driver
-//! probe ([`driver`]), NVRTC loading and compilation to CUBIN ([`nvrtc`]), the on-disk CUBIN
-//! cache ([`cache`], [`compile`]), the kernel registry ([`registry`], the kernel sources in
-//! kernels/*.cu at the repository root), a CUBIN symbol reader ([`elf`]) and the module loader
-//! ([`loader`], which needs a GPU). CI compiles every
-//! kernel file for sm_90 and checks every kernel name. No kernel has run on a GPU yet, and there
-//! is no CUDA executor: doc/GPU-RUNS.md records what is compiled but not run and what to run
-//! first on a GPU.
+//! What it has: the driver probe ([`driver`]), NVRTC loading and compilation to CUBIN
+//! ([`nvrtc`]), the on-disk CUBIN cache ([`cache`], [`compile`]), the kernel registry
+//! ([`registry`], the kernel sources in kernels/*.cu at the repository root), a CUBIN symbol
+//! reader ([`elf`]), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
+//! ([`blas`]), the per-process GPU runtime ([`runtime`]) and the kernel table of the executor
+//! ([`ops`]; the executor itself is `crate::exec::cuda`). CI compiles every kernel file for sm_90
+//! and checks every kernel name and parameter layout; the GPU tests (`tests`, unit tests of the
+//! crate) ran on an H100: doc/GPU-RUNS.md records what ran and what has not.
 //!
-//! Rules for what comes next (shared with PyTorch in one process): use the device's primary
+//! Rules (shared with PyTorch in one process): use the device's primary
 //! context (`cuDevicePrimaryCtxRetain`, what cudarc's `CudaContext::new` does) and PyTorch's
 //! current stream, never a context or default stream of our own; cuBLAS/cuBLASLt for matmuls
 //! with TF32 off unless asked for.

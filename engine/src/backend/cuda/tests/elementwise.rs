@@ -9,7 +9,7 @@
 use super::support::*;
 use crate::backend::cpu::testutil::run as cpu;
 use crate::backend::cuda::abi::Strides;
-use crate::backend::cuda::launch::{check_args, Grid, KArg};
+use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::{self, types};
 use crate::ir::{Attr, Attrs};
 
@@ -95,14 +95,7 @@ fn args_of(op: &str) -> Vec<KArg> {
 /// Every kernel of the family has an argument list in the tests, and it matches the registry.
 #[test]
 fn elementwise_test_argument_lists_match_the_registry() {
-    let fam = registry::FAMILIES.iter().find(|f| f.name == "elementwise").expect("elementwise family");
-    for grp in fam.groups {
-        for op in grp.ops {
-            for t in grp.dtypes {
-                check_args(&registry::kernel_name(op, t), &args_of(op)).unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
-    }
+    check_family_args("elementwise", args_of);
 }
 
 // ---- data ----------------------------------------------------------------------------------
@@ -130,9 +123,6 @@ fn picks(rng: &mut Rng, n: usize, set: &[f64]) -> Vec<f64> {
     (0..n).map(|_| set[rng.int(0, set.len() as i64) as usize]).collect()
 }
 
-fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
 
 /// Two-operand broadcasting cases: rank 1 (the kernels' fast path, with a 0 stride too), a
 /// scalar, rank 0, and uncollapsed ranks 2, 3 and 8 with 0 strides on both operands.

@@ -9,10 +9,9 @@
 use super::support::*;
 use crate::backend::cpu::testutil::run as cpu;
 use crate::backend::cuda::abi::Strides;
-use crate::backend::cuda::launch::{check_args, Grid, KArg};
+use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::{self, types};
 use crate::ir::{Attr, Attrs};
-use crate::tensor::Tensor;
 
 // ---- argument lists: built here for the GPU tests and for the registry check below ----------
 
@@ -38,23 +37,10 @@ fn args_of(op: &str) -> Vec<KArg> {
 /// Every kernel of the family has an argument list in the tests, and it matches the registry.
 #[test]
 fn gather_test_argument_lists_match_the_registry() {
-    let fam = registry::FAMILIES.iter().find(|f| f.name == "gather").expect("gather family");
-    for grp in fam.groups {
-        for op in grp.ops {
-            for t in grp.dtypes {
-                check_args(&registry::kernel_name(op, t), &args_of(op)).unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
-    }
+    check_family_args("gather", args_of);
 }
 
-fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
 
-fn shape_tensor(shape: &[usize]) -> Tensor {
-    Tensor::from_i64(vec![shape.len()], shape.iter().map(|&d| d as i64).collect())
-}
 
 /// Asserts the i32 error flag holds `want` (dry run: its size).
 fn check_flag(g: Target, what: &str, err: &Buf, want: i32) {

@@ -7,7 +7,7 @@
 use super::support::*;
 use crate::backend::cpu::testutil::run as cpu;
 use crate::backend::cuda::abi::Strides;
-use crate::backend::cuda::launch::{check_args, Grid, KArg};
+use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::{self, types};
 use crate::ir::{Attr, Attrs, Node};
 use crate::ops::InferIn;
@@ -39,23 +39,10 @@ fn args_of(op: &str) -> Vec<KArg> {
 /// Every kernel of the family has an argument list in the tests, and it matches the registry.
 #[test]
 fn movement_test_argument_lists_match_the_registry() {
-    let fam = registry::FAMILIES.iter().find(|f| f.name == "movement").expect("movement family");
-    for grp in fam.groups {
-        for op in grp.ops {
-            for t in grp.dtypes {
-                check_args(&registry::kernel_name(op, t), &args_of(op)).unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
-    }
+    check_family_args("movement", args_of);
 }
 
-fn numel(shape: &[usize]) -> usize {
-    shape.iter().product()
-}
 
-fn shape_tensor(shape: &[usize]) -> Tensor {
-    Tensor::from_i64(vec![shape.len()], shape.iter().map(|&d| d as i64).collect())
-}
 
 /// `Strides` over `dims` with operand 0 (the source) and operand 1 (the destination) given as
 /// (element strides, base offset).

@@ -554,3 +554,28 @@ pub fn assert_covers(family: &str, checked: &[String]) {
 pub fn check(kernel: &str, args: &[KArg]) {
     crate::backend::cuda::launch::check_args(kernel, args).unwrap_or_else(|e| panic!("{e}"));
 }
+
+// ---- shared by the family tests
+
+/// Checks, for every kernel of `family`, the argument list its tests launch it with
+/// (`args_of(op)`) against the registered signature.
+pub fn check_family_args(family: &str, args_of: impl Fn(&str) -> Vec<KArg>) {
+    let fam = crate::backend::cuda::registry::FAMILIES.iter().find(|f| f.name == family).expect("a registered family");
+    for grp in fam.groups {
+        for op in grp.ops {
+            for t in grp.dtypes {
+                let kernel = crate::backend::cuda::registry::kernel_name(op, t);
+                crate::backend::cuda::launch::check_args(&kernel, &args_of(op)).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+pub fn numel(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// A 1-D int64 tensor holding `shape` (a shape input).
+pub fn shape_tensor(shape: &[usize]) -> Tensor {
+    Tensor::from_i64(vec![shape.len()], shape.iter().map(|&d| d as i64).collect())
+}
