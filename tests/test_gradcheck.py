@@ -286,11 +286,11 @@ def test_gradcheck(case: Case, monkeypatch):
 
 def test_every_differentiable_op_has_a_case():
     covered = {c.op for c in CASES}
-    missing = [op for op, has_grad, _cpu, _internal in _ortrain.op_table() if has_grad and op not in covered]
+    missing = [op for op, has_grad, _cpu, _internal, _cuda in _ortrain.op_table() if has_grad and op not in covered]
     assert not missing, "no gradcheck case for " + ", ".join(missing)
 
 
 def test_cases_name_registered_differentiable_ops():
-    table = {op: has_grad for op, has_grad, _cpu, _internal in _ortrain.op_table()}
+    table = {op: has_grad for op, has_grad, _cpu, _internal, _cuda in _ortrain.op_table()}
     stale = sorted({c.op for c in CASES if not table.get(c.op)})
     assert not stale, f"gradcheck cases for ops without a gradient rule: {stale}"

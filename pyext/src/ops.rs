@@ -5,16 +5,30 @@ use ortrain_engine::backend::cpu;
 use ortrain_engine::ops;
 use pyo3::prelude::*;
 
-/// [(op_type, has_gradient, has_cpu_kernel, is_internal)] for every registered op, sorted.
+/// [(op_type, has_gradient, has_cpu_kernel, is_internal, has_cuda_kernel)] for every registered
+/// op, sorted.
 #[pyfunction]
-fn op_table() -> Vec<(String, bool, bool, bool)> {
+fn op_table() -> Vec<(String, bool, bool, bool, bool)> {
     ops::all_op_types()
         .into_iter()
         .map(|(op, internal)| {
             let grad = ops::lookup(op).is_some_and(|d| d.gradient().is_some());
-            (op.to_string(), grad, cpu::kernel(op).is_some(), internal)
+            (op.to_string(), grad, cpu::kernel(op).is_some(), internal, cuda_kernel(op))
         })
         .collect()
+}
+
+/// Whether the CUDA backend has a dispatcher for `op` (false in a build without it).
+fn cuda_kernel(op: &str) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        ortrain_engine::backend::cuda::ops::kernel(op).is_some()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = op;
+        false
+    }
 }
 
 /// Sizes the engine's thread pool (once per process, before the first kernel runs): the caller

@@ -192,7 +192,7 @@ def _engine():
 
 def claimed_ops() -> set[str]:
     """ONNX op types the engine imports and runs on CPU, plus those checked through adapters."""
-    ops = {op for op, _grad, cpu, internal in _engine().op_table() if cpu and not internal}
+    ops = {op for op, _grad, cpu, internal, _cuda in _engine().op_table() if cpu and not internal}
     return ops | {"Constant"} | set(ADAPTERS_BY_OP)
 
 

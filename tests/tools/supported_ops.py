@@ -43,8 +43,8 @@ def render(table, counts) -> str:
         p, n = counts[op]
         return f"{p}/{n}"
 
-    onnx_ops = [(op, g, c) for op, g, c, internal in table if not internal]
-    internal_ops = [(op, g, c) for op, g, c, internal in table if internal]
+    onnx_ops = [(op, g, c, cu) for op, g, c, internal, cu in table if not internal]
+    internal_ops = [(op, g, c, cu) for op, g, c, internal, cu in table if internal]
     tp = sum(p for p, _ in counts.values())
     tn = sum(n for _, n in counts.values())
     out = [
@@ -57,17 +57,19 @@ def render(table, counts) -> str:
         "- **import**: the ONNX importer accepts the op (default domain, opsets 11–28).",
         "- **gradient**: the op has a gradient rule; every one is checked against central differences",
         "  in float64 by `tests/test_gradcheck.py`.",
-        "- **CPU / CUDA**: the backend has a kernel.",
+        "- **CPU / CUDA**: the backend has a kernel. The CUDA kernels ran on an H100 (doc/GPU-RUNS.md);",
+        "  a model with an op lacking a CUDA kernel runs in PyTorch on the GPU, with a warning naming it.",
         "- **conformance**: onnx's own node tests for the op passing / attempted",
         "  (`python -m tests.conformance.runner --all`); failures and their reasons are in the manifest.",
         "",
-        f"{len(onnx_ops)} ONNX ops, {sum(g for _, g, _ in onnx_ops)} with gradients; "
+        f"{len(onnx_ops)} ONNX ops, {sum(g for _, g, _, _ in onnx_ops)} with gradients, "
+        f"{sum(cu for _, _, _, cu in onnx_ops)} with a CUDA kernel; "
         f"conformance {tp}/{tn} node-test cases.",
         "",
         "| op | import | gradient | CPU | CUDA | conformance |",
         "|---|---|---|---|---|---|",
     ]
-    rows = [(op, YES, YES if g else NO, YES if c else NO, NO, conf(op)) for op, g, c in onnx_ops]
+    rows = [(op, YES, YES if g else NO, YES if c else NO, YES if cu else NO, conf(op)) for op, g, c, cu in onnx_ops]
     rows += [(op, f"{YES} ({how})", NO, NO, NO, conf(op)) for op, how in IMPORTER_OPS]
     for r in sorted(rows):
         out.append("| " + " | ".join(r) + " |")
@@ -91,7 +93,7 @@ def render(table, counts) -> str:
         "| op | gradient | CPU | CUDA |",
         "|---|---|---|---|",
     ]
-    out += [f"| {op} | {YES if g else NO} | {YES if c else NO} | {NO} |" for op, g, c in internal_ops]
+    out += [f"| {op} | {YES if g else NO} | {YES if c else NO} | {YES if cu else NO} |" for op, g, c, cu in internal_ops]
     return "\n".join(out) + "\n"
 
 
