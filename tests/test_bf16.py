@@ -4,7 +4,10 @@ backward) on bf16-rounded operands with f32 accumulation and keeps f32 master we
 that bf16 rounding itself puts between autocast and fp32. Options are validated, and `explain`
 names the matmul path. The parity tests skip on CPUs without avx512_bf16 or AMX."""
 import copy
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,6 +88,21 @@ def test_explain_names_the_matmul_path():
     # switching precision rebuilds the session
     ortrain.accelerate(bf16, precision="fp32")
     assert "matmuls: fp32" in ortrain.explain(bf16, x)
+
+
+def test_without_bf16_instructions_bf16_mode_runs_fp32_and_says_so():
+    code = """
+from onnx import TensorProto, helper
+from ortrain import _ortrain
+io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2]) for n in "abc"]
+g = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "g", io[:2], io[2:])
+s = _ortrain.Session(helper.make_model(g).SerializeToString(), [], [], matmul_precision="bf16")
+print(_ortrain.cpu_bf16(), s.matmul_precision, s.matmul_path, sep=" | ")
+"""
+    env = {**os.environ, "ORTRAIN_CPU_BF16": "off"}  # as on a CPU without avx512_bf16 or AMX
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ("None | bf16 | fp32 (bf16 requested, but this CPU has neither avx512_bf16 nor AMX, "
+                           "or ORTRAIN_CPU_BF16=off)")
 
 
 @needs_bf16
