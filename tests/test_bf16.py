@@ -85,6 +85,8 @@ def test_explain_names_the_matmul_path():
         assert f"matmuls: bf16 ({_ortrain.cpu_bf16()}, f32 accumulation)" in text, text
     else:
         assert "matmuls: fp32 (bf16 requested, but this CPU has neither avx512_bf16 nor AMX" in text, text
+    ortrain.accelerate(bf16)  # a later call without precision keeps it
+    assert bf16._ortrain_state.precision == "bf16" and bf16._ortrain_state.runners
     # switching precision rebuilds the session
     ortrain.accelerate(bf16, precision="fp32")
     assert "matmuls: fp32" in ortrain.explain(bf16, x)

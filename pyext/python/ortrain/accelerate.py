@@ -97,7 +97,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
-               exporter: str = "auto", precision: str = "fp32"):
+               exporter: str = "auto", precision: str | None = None):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
@@ -115,14 +115,14 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise OrtrainError("device='cuda': the CUDA backend is not available in this build yet; use device='cpu'")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
-    if precision not in _VALID_PRECISIONS:
+    if precision is not None and precision not in _VALID_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter)
         model.__dict__["_ortrain_state"] = state
         model.__dict__["forward"] = state.forward
-    if state.precision != precision:
+    if precision is not None and state.precision != precision:
         state.precision = precision
         state.runners.clear()  # sessions are built for one precision
     if optimizer is not None:
