@@ -133,14 +133,16 @@ def test_bf16_first_step_gradients_near_autocast():
 
 
 @needs_bf16
-def test_fifty_steps_follow_autocast():
+def test_thirty_steps_follow_autocast():
+    # 30 steps: autocast's own steps dominate the time (15 s on a quiet machine, 40 s and more
+    # when it is shared); the 200-step test below compares against the noise references too
     base, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
-    batches = _text_batches(50)
+    batches = _text_batches(30)
     ours = _curve(base, batches, "ort_bf16")
     ref = _curve(base, batches, "torch_bf16")
     d = _mean_rel(ours, ref)
-    print(f"50 steps: mean relative loss difference ortrain bf16 vs autocast {d:.2e}; last {ours[-1]:.4f} vs {ref[-1]:.4f}")
-    # measured 1.0e-4 here, the same as autocast's own distance from fp32 (9.4e-5)
+    print(f"30 steps: mean relative loss difference ortrain bf16 vs autocast {d:.2e}; last {ours[-1]:.4f} vs {ref[-1]:.4f}")
+    # measured over 50 steps: 1.0e-4, the same as autocast's own distance from fp32 (9.4e-5)
     assert d < 5e-4
     assert ours[-1] < ours[0] - 2.0, "the model did not learn"
 
