@@ -175,7 +175,7 @@ def _first_line(exc: Exception) -> str:
 
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
-               exporter: str = "auto", fuse_loss: bool = True, precision: str = "fp32"):
+               exporter: str = "auto", fuse_loss: bool = True, precision: str | None = None):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
@@ -201,14 +201,14 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
             raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
-    if precision not in _VALID_PRECISIONS:
+    if precision is not None and precision not in _VALID_PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter, fuse_loss)
         model.__dict__["_ortrain_state"] = state
         model.__dict__["forward"] = state.forward
-    if state.precision != precision:
+    if precision is not None and state.precision != precision:
         state.precision = precision
         state.runners.clear()  # sessions are built for one precision
         state.loss_runners.clear()

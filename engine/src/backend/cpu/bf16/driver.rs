@@ -7,7 +7,7 @@ use std::sync::Mutex;
 
 use rayon::prelude::*;
 
-use super::pack::{self, Lines, PanelLayout};
+use super::pack::{self, Lines, PackJob, PanelLayout};
 use super::MatRef;
 
 /// k per kernel call: a 32-column B panel slice of 128 pairs is 16 KiB (L1).
@@ -75,17 +75,24 @@ pub(crate) struct Problem {
     pub ldc: usize,
 }
 
-/// C's base pointer, shared by tile tasks that write disjoint blocks of it.
-#[derive(Clone, Copy)]
-struct CPtr(*mut f32);
-// SAFETY: tasks write disjoint row × column blocks of C; the caller owns C for the call.
-unsafe impl Send for CPtr {}
+/// A buffer that several tasks write at disjoint indices (C's tiles, packed panels).
+struct SharedMut<T>(*mut T);
+// SAFETY: tasks write disjoint regions (row × column blocks of C, (panel, pair range) blocks of
+// a packed buffer); the caller owns the buffer for the whole call.
+unsafe impl<T> Send for SharedMut<T> {}
 // SAFETY: as above.
-unsafe impl Sync for CPtr {}
+unsafe impl<T> Sync for SharedMut<T> {}
 
-impl CPtr {
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
+
+impl<T> SharedMut<T> {
     /// A method, so that closures capture the whole (Sync) wrapper rather than its field.
-    fn at(self, off: usize) -> *mut f32 {
+    fn at(self, off: usize) -> *mut T {
         self.0.wrapping_add(off)
     }
 }
@@ -109,20 +116,6 @@ fn give(v: Vec<u32>) {
     }
 }
 
-/// A packed buffer written by several tasks at disjoint indices.
-#[derive(Clone, Copy)]
-struct DPtr(*mut u32);
-// SAFETY: tasks write disjoint (panel, pair range) regions; the buffer outlives the tasks.
-unsafe impl Send for DPtr {}
-// SAFETY: as above.
-unsafe impl Sync for DPtr {}
-
-impl DPtr {
-    fn at(self, off: usize) -> *mut u32 {
-        self.0.wrapping_add(off)
-    }
-}
-
 /// Packs `lines` lines × `kc` of `src` into consecutive panels of `w` lines (the last one
 /// `last_w` wide) × `kp` pairs, each in `lay(width)`. Parallel over panels when each line's k run
 /// is contiguous; otherwise over blocks of `ROW_PAIRS` pairs across all panels, so that memory
@@ -142,12 +135,21 @@ fn pack_panels(
 ) {
     let np = lines.div_ceil(w);
     debug_assert_eq!(dst.len(), (np - 1) * w * kp + last_w * kp);
-    let d = DPtr(dst.as_mut_ptr());
+    let d = SharedMut(dst.as_mut_ptr());
     let panel = |j: usize, pairs: std::ops::Range<usize>| {
         let width = if j + 1 == np { last_w } else { w };
+        let job = PackJob {
+            src: src.at(j * w, 0),
+            lines: width.min(lines - j * w),
+            kc,
+            dst: d.at(j * w * kp),
+            lay: lay(width),
+            lines_pad: width,
+            pairs,
+        };
         // SAFETY: panel j's lines (< lines) and k (< kc) are inside the operand; its
         // width × kp u32s start at j·w·kp inside dst; callers give disjoint (j, pairs).
-        unsafe { pack::pack(src.at(j * w, 0), width.min(lines - j * w), kc, d.at(j * w * kp), lay(width), width, pairs) };
+        unsafe { pack::pack(&job) };
     };
     let par = par && lines * kc >= 1 << 15;
     if src.ls == 1 && np > 1 {
@@ -240,7 +242,7 @@ pub(crate) unsafe fn run<K: Kernel>(kern: &K, g: &Problem, par: bool) {
                 let (tm, tn) = tile_shape(mp, np, threads);
                 let (tiles_m, tiles_n) = (mp.div_ceil(tm), np.div_ceil(tn));
                 let (ap, bp) = (abuf.as_ptr() as usize, bbuf.as_ptr() as usize);
-                let (c, ldc, alpha, beta) = (CPtr(g.c), g.ldc, g.alpha, g.beta);
+                let (c, ldc, alpha, beta) = (SharedMut(g.c), g.ldc, g.alpha, g.beta);
                 let task = |t: usize| {
                     let (ti, tj) = (t % tiles_m, t / tiles_m);
                     let mut state = kern.begin();

@@ -9,19 +9,24 @@
 //! - neither: `MatmulPath::Fp32`; the matmul kernels use the f32 `gemm` crate path, so a bf16
 //!   session computes exactly as an fp32 one, and says so in `MatmulPath::describe`.
 //!
-//! `ORTRAIN_CPU_BF16=off | avx512_bf16 | amx` overrides the choice (off: as if no bf16 support;
-//! a path the CPU lacks is never taken).
+//! `ORTRAIN_CPU_BF16=off` runs as if the CPU had no bf16 instructions, `ORTRAIN_CPU_BF16=avx512_bf16`
+//! skips AMX; a path the CPU lacks is never taken.
 //!
-//! Measured on an AMD EPYC Zen 4 (2 threads, avx512_bf16, no AMX; `cargo test --release -p
-//! ortrain-engine bf16_gemm_speed -- --ignored --nocapture`), GFLOP/s, bf16 kernel vs the
-//! `gemm` crate in f32, on the tutorial's LM-head shapes (m × n × k, operand layouts as the
-//! matmul kernels pass them):
+//! Why these kernels: on an AMD EPYC Zen 4 (avx512_bf16, no AMX) the 14 × 32 `vdpbf16ps` kernel
+//! alone runs at 227 GFLOP/s on one thread from L1, 2.2x the 104 of the same shape of f32 FMAs,
+//! and the whole GEMM beats the `gemm` crate's f32 on the tutorial's LM-head shapes (m × n × k,
+//! operand layouts as the matmul kernels pass them; GFLOP/s, 2 threads on a machine shared with
+//! other jobs, so the second core was often busy: medians of 11, two runs;
+//! `cargo test --release -p ortrain-engine bf16_gemm_speed -- --ignored --nocapture`):
 //!
-//! | shape                                  | bf16 | f32 gemm |
-//! |----------------------------------------|------|----------|
-//! | forward  700 × 28782 × 200             |  see | BF16_GEMM_TABLE |
+//! | shape                              | bf16          | f32 gemm     | packing (ms) |
+//! |------------------------------------|---------------|--------------|--------------|
+//! | forward  X·Wt     700 × 28782 × 200 | 149, 166      | 100, 99      | 2-3          |
+//! | grad W   Xᵀ·dY    200 × 28782 × 700 | 148, 139      | 79, 82       | 9-11         |
+//! | grad X   dY·Wtᵀ   700 × 200 × 28782 | 159, 160      | 100, 102     | 9-10         |
 //!
-//! (numbers filled in from the benchmark; see the report in doc/ARCHITECTURE.md)
+//! Packing (reading the f32 operands once, writing bf16 panels) is memory bound: the gradient
+//! shapes read the 80 MB dY each.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;

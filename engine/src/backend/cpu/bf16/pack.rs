@@ -30,6 +30,19 @@ unsafe impl Send for Lines {}
 // SAFETY: as above.
 unsafe impl Sync for Lines {}
 
+/// One packing call: pairs `pairs` of `lines × kc` of `src` into the panel at `dst`, lines
+/// padded with zeros to `lines_pad` (pairs past `kc` are zeros too).
+#[derive(Clone, Debug)]
+pub(crate) struct PackJob {
+    pub src: Lines,
+    pub lines: usize,
+    pub kc: usize,
+    pub dst: *mut u32,
+    pub lay: PanelLayout,
+    pub lines_pad: usize,
+    pub pairs: Range<usize>,
+}
+
 /// Where pair (line l, pair p) goes in a panel: `dst[l·si + p·sp]`.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PanelLayout {
@@ -43,22 +56,14 @@ pub(crate) fn round_bf16(x: f32) -> f32 {
     f32::from_bits((bf16_bits(x) as u32) << 16)
 }
 
-/// Packs pairs `pairs` of `lines × kc` of `src` into the panel at `dst` (lines padded to
-/// `lines_pad`; pairs past `kc` are zeros), one element at a time: the reference the vector
-/// packer is tested against, and the path for operands with no unit stride.
+/// Runs `job` one element at a time: the reference the vector packer is tested against, and the
+/// path for operands with no unit stride.
 ///
 /// # Safety
-/// `src` must cover `lines × kc` elements; `dst` must be valid for writes at every `l·si + p·sp`
-/// (l < lines_pad, p in `pairs`), and not be written by anyone else meanwhile.
-pub(crate) unsafe fn pack_scalar(
-    src: Lines,
-    lines: usize,
-    kc: usize,
-    dst: *mut u32,
-    lay: PanelLayout,
-    lines_pad: usize,
-    pairs: Range<usize>,
-) {
+/// `job.src` must cover `lines × kc` elements; `job.dst` must be valid for writes at every
+/// `l·si + p·sp` (l < lines_pad, p in `pairs`), and not be written by anyone else meanwhile.
+pub(crate) unsafe fn pack_scalar(job: &PackJob) {
+    let PackJob { src, lines, kc, dst, lay, lines_pad, ref pairs } = *job;
     let at = |l: usize, k: usize| -> u32 {
         if l < lines && k < kc {
             // SAFETY: l < lines and k < kc: inside the caller's operand.
@@ -82,15 +87,16 @@ pub(crate) unsafe fn pack_scalar(
 /// As `pack_scalar`, and the CPU has avx512f, avx512bw and avx512bf16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-pub(crate) unsafe fn pack(src: Lines, lines: usize, kc: usize, dst: *mut u32, lay: PanelLayout, lines_pad: usize, pairs: Range<usize>) {
+pub(crate) unsafe fn pack(job: &PackJob) {
+    let (src, lay) = (job.src, job.lay);
     // SAFETY (all three): forwarded from this function's contract.
     unsafe {
         if src.ks == 1 && (lay.si == 1 || lay.sp == 1) {
-            pack_k_contiguous(src, lines, kc, dst, lay, lines_pad, pairs)
+            pack_k_contiguous(job)
         } else if src.ls == 1 && lay.si == 1 {
-            pack_lines_contiguous(src, lines, kc, dst, lay, lines_pad, pairs)
+            pack_lines_contiguous(job)
         } else {
-            pack_scalar(src, lines, kc, dst, lay, lines_pad, pairs)
+            pack_scalar(job)
         }
     }
 }
@@ -110,7 +116,8 @@ fn lanes(n: usize) -> __mmask16 {
 /// transposed in registers first.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pack_k_contiguous(src: Lines, lines: usize, kc: usize, dst: *mut u32, lay: PanelLayout, lines_pad: usize, pairs: Range<usize>) {
+unsafe fn pack_k_contiguous(job: &PackJob) {
+    let PackJob { src, lines, kc, dst, lay, lines_pad, ref pairs } = *job;
     let mut r = [_mm512_setzero_si512(); 16];
     for p0 in pairs.clone().step_by(16) {
         let np = (pairs.end - p0).min(16);
@@ -189,20 +196,13 @@ fn transpose16(r: &[__m512i; 16]) -> [__m512i; 16] {
 /// interleaved into 16 pairs, stored along the panel's lines (`si == 1`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-unsafe fn pack_lines_contiguous(
-    src: Lines,
-    lines: usize,
-    kc: usize,
-    dst: *mut u32,
-    lay: PanelLayout,
-    lines_pad: usize,
-    pairs: Range<usize>,
-) {
+unsafe fn pack_lines_contiguous(job: &PackJob) {
+    let PackJob { src, lines, kc, dst, lay, lines_pad, ref pairs } = *job;
     // bf16 lane 2i takes lo[i], lane 2i + 1 takes hi[i] (hi sits in lanes 16..32)
     let idx: [i16; 32] = std::array::from_fn(|j| if j % 2 == 0 { (j / 2) as i16 } else { (16 + j / 2) as i16 });
     // SAFETY: idx is 64 bytes.
     let idx = unsafe { _mm512_loadu_si512(idx.as_ptr() as *const __m512i) };
-    for p in pairs {
+    for p in pairs.clone() {
         let (k0, k1) = (2 * p, 2 * p + 1);
         for l0 in (0..lines_pad).step_by(16) {
             let nl = (lines_pad - l0).min(16);

@@ -5,7 +5,7 @@
 use super::amx::{self, Amx, Emu, Hw};
 use super::avx512::Avx512Bf16;
 use super::driver::{self, Kernel, Problem};
-use super::pack::{self, round_bf16, Lines, PanelLayout};
+use super::pack::{self, round_bf16, Lines, PackJob, PanelLayout};
 use super::round_bits as bf16_bits;
 use super::{detect, MatRef};
 
@@ -65,11 +65,13 @@ fn vector_packers_match_the_scalar_one() {
                     let (mut want, mut got) = (vec![7u32; n], vec![9u32; n]);
                     // pairs in two ranges, as the row-order walk packs them
                     let cut = (kp_pad / 2).next_multiple_of(16).min(kp_pad);
+                    let job =
+                        |dst: &mut Vec<u32>, pairs| PackJob { src: *v, lines, kc, dst: dst.as_mut_ptr(), lay: *lay, lines_pad, pairs };
                     // SAFETY: the views cover lines × kc of x; the buffers hold every index.
                     unsafe {
-                        pack::pack_scalar(*v, lines, kc, want.as_mut_ptr(), *lay, lines_pad, 0..kp_pad);
-                        pack::pack(*v, lines, kc, got.as_mut_ptr(), *lay, lines_pad, 0..cut);
-                        pack::pack(*v, lines, kc, got.as_mut_ptr(), *lay, lines_pad, cut..kp_pad);
+                        pack::pack_scalar(&job(&mut want, 0..kp_pad));
+                        pack::pack(&job(&mut got, 0..cut));
+                        pack::pack(&job(&mut got, cut..kp_pad));
                     }
                     assert_eq!(want, got, "lines {lines} kc {kc} view {v:?} layout {lay:?} pads {lines_pad} {kp_pad}");
                 }
@@ -151,17 +153,21 @@ const SIZES: &[(usize, usize, usize)] = &[
 
 const SCALES: &[(f32, f32)] = &[(1.0, 0.0), (0.5, 1.0), (-2.0, 0.25)];
 
-#[test]
-fn avx512_bf16_gemm_matches_reference() {
-    if !have_bf16() {
-        return;
-    }
-    for &(m, n, k) in SIZES {
+/// Every size × transpose combination × alpha/beta pair through `kern`.
+fn check_all<K: Kernel>(kern: &K, sizes: &[(usize, usize, usize)], scales: &[(f32, f32)]) {
+    for &(m, n, k) in sizes {
         for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            for &(alpha, beta) in SCALES {
-                check(&Avx512Bf16, m, n, k, ta, tb, alpha, beta, true);
+            for &(alpha, beta) in scales {
+                check(kern, m, n, k, ta, tb, alpha, beta, true);
             }
         }
+    }
+}
+
+#[test]
+fn avx512_bf16_gemm_matches_reference() {
+    if have_bf16() {
+        check_all(&Avx512Bf16, SIZES, SCALES);
     }
 }
 
@@ -202,14 +208,7 @@ fn amx_kernel_logic_matches_reference_on_the_tile_model() {
     if !have_bf16() {
         return;
     }
-    let kern = Amx::<Emu>::new();
-    for &(m, n, k) in &[(1, 1, 1), (33, 33, 33), (40, 70, 100), (17, 5, 300), (64, 64, 32)] {
-        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            for &(alpha, beta) in SCALES {
-                check(&kern, m, n, k, ta, tb, alpha, beta, true);
-            }
-        }
-    }
+    check_all(&Amx::<Emu>::new(), &[(1, 1, 1), (33, 33, 33), (40, 70, 100), (17, 5, 300), (64, 64, 32)], SCALES);
 }
 
 #[test]
@@ -221,12 +220,7 @@ fn amx_hardware_matches_reference() {
         eprintln!("skipped: this CPU has no AMX (amx_bf16 + amx_tile with tile state permitted); the AMX kernel is compiled, not run");
         return;
     }
-    let kern = Amx::<Hw>::new();
-    for &(m, n, k) in SIZES {
-        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-            check(&kern, m, n, k, ta, tb, 0.5, 1.0, true);
-        }
-    }
+    check_all(&Amx::<Hw>::new(), SIZES, SCALES);
 }
 
 #[test]
