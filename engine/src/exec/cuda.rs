@@ -132,9 +132,8 @@ pub fn run_phase(
                 if let Storage::Arena(off) = plan.storage[v.0] {
                     let want = plan.shape(*v).iter().product::<usize>() * plan.dtype(*v).map_or(0, |d| d.size());
                     let dst = base + off as u64;
-                    // SAFETY: the arena slot holds `want` bytes (the plan's layout; the caller
-                    // reserved plan.arena_bytes at `base`); the sources hold `want` bytes (checked
-                    // for host slices, the caller's contract for device addresses).
+                    // the arena slot holds `want` bytes (the plan's layout; the caller reserved
+                    // plan.arena_bytes at `base`)
                     let r = match src {
                         InputSrc::Host(bytes) => {
                             if bytes.len() != want {
@@ -143,8 +142,10 @@ pub fn run_phase(
                                     msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
                                 });
                             }
+                            // SAFETY: `bytes` holds exactly `want` bytes (checked above), the slot too.
                             unsafe { result::memcpy_htod_sync(dst, bytes) }
                         }
+                        // SAFETY: the caller's contract: `p` holds the input's `want` bytes.
                         InputSrc::Device(p) => unsafe { result::memcpy_dtod_async(dst, *p, want, ctx.stream) },
                     };
                     r.map_err(|e| Error::Cuda(format!("copying input '{}': {e}", graph.values[v.0].name)))?;

@@ -186,7 +186,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     precision like `torch.autocast("cpu", torch.bfloat16)` for matmuls: every matmul (forward and
     backward) multiplies bf16-rounded operands with f32 accumulation, while weights, activations,
     gradients and the optimizer stay f32. Needs avx512_bf16 or AMX; elsewhere it runs fp32, and
-    `explain()` says which matmul path runs.
+    `explain()` says which matmul path runs. None (the default) keeps what an earlier call set
+    ("fp32" at first). `device="cuda"`: the model's parameters on the current CUDA device; the
+    engine runs on PyTorch's current stream (bf16 there still runs fp32 matmuls, with a warning).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -199,6 +201,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
             raise OrtrainError(unavailable_message("device='cuda'"))
         if not torch.cuda.is_available():
             raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+        if precision == "bf16":
+            warnings.warn("ortrain: precision='bf16' on CUDA runs fp32 matmuls for now (bf16 tensors in the "
+                          "engine's GPU plans are not wired up yet)", stacklevel=2)
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     if precision is not None and precision not in _VALID_PRECISIONS:
