@@ -273,7 +273,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             fwd, bwd = r.session.node_count
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
                          f"{fwd} forward + {bwd} gradient nodes")
-            lines.append(f"    matmuls: {r.session.matmul_path}")
+            if getattr(r, "on_cuda", False):
+                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS (TF32 off); optimizer step in PyTorch")
+            else:
+                lines.append(f"    matmuls: {r.session.matmul_path}")
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:
