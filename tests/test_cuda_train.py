@@ -177,3 +177,15 @@ def test_dropout_on_the_gpu_is_seeded_and_trains():
     assert a[:3] == b[:3], (a, b)
     assert max(abs(x - y) / abs(y) for x, y in zip(a, b)) < 1e-3, (a, b)
     assert a[-1] < a[0] * 0.9, a
+
+
+def test_explain_and_precision_on_the_gpu():
+    """explain() says the model runs on the GPU and how; bf16 on CUDA warns that its matmuls
+    still run fp32 (and then trains like fp32)."""
+    model = _mlp()
+    with pytest.warns(UserWarning, match="precision='bf16' on CUDA runs fp32 matmuls"):
+        ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False, precision="bf16")
+    x = torch.randn(8, 16, device="cuda")
+    model(x).sum().backward()
+    text = ortrain.explain(model)
+    assert "device cuda" in text and "matmuls fp32 on cuBLAS (TF32 off)" in text, text
