@@ -191,3 +191,19 @@ def test_explain_and_precision_on_the_gpu():
     model(x).sum().backward()
     text = ortrain.explain(model)
     assert "device cuda" in text and "matmuls fp32 on cuBLAS (TF32 off)" in text, text
+
+
+def test_tf32_follows_pytorchs_flag():
+    """With torch.backends.cuda.matmul.allow_tf32 set, the engine's f32 matmuls may use TF32
+    too: ortrain and eager then agree to TF32's precision, not f32's."""
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False)
+    x = torch.randn(64, 16, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out, want = model(x), ref(x)
+        assert "TF32 allowed" in ortrain.explain(model)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    assert _max_rel(out, want) < 5e-3

@@ -37,9 +37,10 @@ fn cuda_arena_bytes(session: &PySession, inputs: Vec<(String, Vec<usize>)>, back
 
 /// Queues the forward pass on `stream`: `inputs` (address, dtype, shape) per model input,
 /// `weights` one address per weight, `outputs` (optional) per output an address receiving it (0:
-/// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes.
+/// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes, `tf32`: f32 matmuls
+/// may use TF32 tensor cores (this step's forward and backward).
 #[pyfunction]
-#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None))]
+#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None, tf32=false))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_forward(
     py: Python<'_>,
@@ -51,6 +52,7 @@ fn cuda_forward(
     stream: usize,
     arena: usize,
     outputs: Option<Vec<usize>>,
+    tf32: bool,
 ) -> PyResult<PyCudaPending> {
     let rt = rt()?;
     let mut feed = Vec::with_capacity(inputs.len());
@@ -66,7 +68,7 @@ fn cuda_forward(
             // SAFETY: the Python caller passes live CUDA tensors of the declared types (inputs,
             // weights, bound outputs) and an arena tensor of the planned size, all kept alive
             // until the queued work has run; the stream is PyTorch's current stream.
-            unsafe { s.forward_cuda(rt, st.0 as _, arena as u64, &feed, &w, backward, seed, &o) }
+            unsafe { s.forward_cuda(rt, st.0 as _, arena as u64, &feed, &w, backward, seed, &o, tf32) }
         })
         .map_err(to_py)?;
     Ok(PyCudaPending { inner: Some(pending), session: session.inner.clone() })

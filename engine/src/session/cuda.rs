@@ -39,6 +39,7 @@ pub struct CudaPending {
     cplan: Arc<CudaPlan>,
     base: u64,
     seed: u64,
+    tf32: bool,
     out_binds: Vec<(ValueId, u64)>,
 }
 
@@ -64,7 +65,8 @@ impl Session {
 
     /// Queues the forward phase on `stream`. `inputs` are (type, device address) per user input,
     /// `weights` device addresses in `self.weights` order, `outputs[k]` (0: none) device memory
-    /// receiving output k, `arena` at least `arena_bytes(...)` bytes of device memory.
+    /// receiving output k, `arena` at least `arena_bytes(...)` bytes of device memory. `tf32`:
+    /// f32 matmuls (forward and this step's backward) may use TF32 tensor cores.
     ///
     /// # Safety
     /// Every address must be device memory of the runtime's context holding the value's type
@@ -81,6 +83,7 @@ impl Session {
         backward: bool,
         seed: u64,
         outputs: &[u64],
+        tf32: bool,
     ) -> Result<CudaPending> {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         let out_bound: Vec<bool> = outputs.iter().map(|&p| p != 0).collect();
@@ -96,9 +99,9 @@ impl Session {
             unsafe { bind.bind(o, p) };
         }
         let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
-        let mut ctx = CudaCtx { rt, stream, seed, error_flag: 0 };
+        let mut ctx = CudaCtx { rt, stream, seed, tf32, error_flag: 0 };
         cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
-        Ok(CudaPending { plan, cplan, base: arena, seed, out_binds })
+        Ok(CudaPending { plan, cplan, base: arena, seed, tf32, out_binds })
     }
 
     fn bind_weights_cuda(&self, weights: &[u64]) -> Result<DeviceBindings> {
@@ -149,7 +152,7 @@ impl Session {
                 unsafe { bind.bind(*g, a) };
             }
         }
-        let mut ctx = CudaCtx { rt, stream, seed: p.seed, error_flag: 0 };
+        let mut ctx = CudaCtx { rt, stream, seed: p.seed, tf32: p.tf32, error_flag: 0 };
         cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &bind, &p.cplan.consts, &[], &mut ctx)
     }
 }

@@ -274,7 +274,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
                          f"{fwd} forward + {bwd} gradient nodes")
             if getattr(r, "on_cuda", False):
-                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS (TF32 off); optimizer step in PyTorch")
+                tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
+                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step in PyTorch")
             else:
                 lines.append(f"    matmuls: {r.session.matmul_path}")
             if e.dropout_fixes:

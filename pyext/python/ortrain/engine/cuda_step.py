@@ -2,7 +2,8 @@
 every tensor a CUDA tensor (inputs, parameters, output-gradient seeds and gradients, all
 zero-copy), the work queued on PyTorch's current stream, and the engine's arena a uint8 CUDA
 tensor from PyTorch's caching allocator, kept alive with the step until its backward pass has
-been queued (stream order makes its later reuse safe)."""
+been queued (stream order makes its later reuse safe). f32 matmuls follow PyTorch's
+`torch.backends.cuda.matmul.allow_tf32` (off by default), read at each step's forward."""
 from __future__ import annotations
 
 import torch
@@ -40,7 +41,8 @@ class CudaStep:
         addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)] if bound else None
         self.pending = _ortrain.cuda_forward(runner.session, [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                              runner.weight_addresses(), backward, seed, _stream(),
-                                             self.arena.data_ptr(), addrs)
+                                             self.arena.data_ptr(), addrs,
+                                             tf32=bool(torch.backends.cuda.matmul.allow_tf32))
 
     def outputs(self, bound: dict | None = None) -> list:
         """The outputs as new CUDA tensors (copies queued on the stream), except bound ones."""

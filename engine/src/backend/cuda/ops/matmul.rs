@@ -50,6 +50,7 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
         return Ok(());
     }
     let mut g = Gemm::contiguous(1, m, n, k, ta, tb, t);
+    g.tf32 = ctx.tf32;
     g.alpha = alpha;
     g.beta = beta;
     if k == 0 {

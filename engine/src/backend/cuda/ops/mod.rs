@@ -48,6 +48,9 @@ pub struct CudaCtx<'a> {
     pub stream: CUstream,
     /// The step's dropout seed.
     pub seed: u64,
+    /// Let f32 matmuls use TF32 tensor cores (PyTorch's `torch.backends.cuda.matmul.allow_tf32`,
+    /// read per step by the Python side; off by default, for parity).
+    pub tf32: bool,
     /// Device address of an i32 error flag that index-checking kernels (gather, the loss's
     /// labels) set on invalid input; 0: none (invalid input is then silently zero).
     pub error_flag: u64,

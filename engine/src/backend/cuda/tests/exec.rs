@@ -307,7 +307,7 @@ fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, error_flag: 0 };
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, tf32: false, error_flag: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
