@@ -93,7 +93,8 @@ pub fn resolve(graph: &Graph, plan: &Plan) -> Result<Vec<CudaKernel>> {
     Ok(plan.steps.iter().filter_map(|s| ops::kernel(&graph.nodes[s.0].op_type)).collect())
 }
 
-fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
+/// Device address of a value in a run of `plan` with arena `base` (also for reading outputs).
+pub fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
     match &plan.storage[v.0] {
         Storage::Arena(off) => Ok(base + *off as u64),
         Storage::Const(_) => consts.bufs.get(&v.0).map(|b| b.ptr()).ok_or_else(|| Error::other(format!("constant '{}' was not uploaded", graph.values[v.0].name))),
@@ -104,11 +105,6 @@ fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts:
         Storage::Alias(src) => address(graph, plan, base, bind, consts, *src),
         Storage::Unused => Err(Error::other(format!("value '{}' has no storage in this plan", graph.values[v.0].name))),
     }
-}
-
-/// Device address of a value after (or during) a run; for reading outputs.
-pub fn value_address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
-    address(graph, plan, base, bind, consts, v)
 }
 
 /// Queues one phase of `plan` on `ctx.stream`. `base` is the arena (plan.arena_bytes at least);

@@ -40,7 +40,9 @@ pub struct CudaPending {
     base: u64,
     seed: u64,
     tf32: bool,
-    out_binds: Vec<(ValueId, u64)>,
+    /// The forward's bindings (weights, outputs written into caller memory), kept for reading
+    /// outputs and extended by the backward pass.
+    bind: DeviceBindings,
 }
 
 impl Session {
@@ -92,39 +94,33 @@ impl Session {
             return Err(Error::other(format!("the GPU step needs an arena of {} bytes", plan.arena_bytes)));
         }
         let cplan = self.cuda_plan(rt, &plan)?;
-        let mut bind = self.bind_weights_cuda(weights)?;
-        let out_binds: Vec<(ValueId, u64)> = self.outputs.iter().zip(outputs).filter(|(_, &p)| p != 0).map(|(&o, &p)| (o, p)).collect();
-        for &(o, p) in &out_binds {
+        let mut bind = DeviceBindings::new(self.graph.values.len());
+        self.bind_weights_cuda(&mut bind, weights)?;
+        for (&o, &p) in self.outputs.iter().zip(outputs).filter(|(_, &p)| p != 0) {
             // SAFETY: the caller's contract: p holds output o's planned bytes, exclusively ours.
             unsafe { bind.bind(o, p) };
         }
         let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
         let mut ctx = CudaCtx { rt, stream, seed, tf32, error_flag: 0 };
         cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
-        Ok(CudaPending { plan, cplan, base: arena, seed, tf32, out_binds })
+        Ok(CudaPending { plan, cplan, base: arena, seed, tf32, bind })
     }
 
-    fn bind_weights_cuda(&self, weights: &[u64]) -> Result<DeviceBindings> {
+    fn bind_weights_cuda(&self, bind: &mut DeviceBindings, weights: &[u64]) -> Result<()> {
         if weights.len() != self.weights.len() {
             return Err(Error::other(format!("expected {} weight addresses, got {}", self.weights.len(), weights.len())));
         }
-        let mut bind = DeviceBindings::new(self.graph.values.len());
         for (&v, &p) in self.weights.iter().zip(weights) {
             // SAFETY: the caller's contract on forward_cuda/backward_cuda.
             unsafe { bind.bind(v, p) };
         }
-        Ok(bind)
+        Ok(())
     }
 
     /// Device address, type and shape of output `k` of a pending GPU step.
     pub fn output_cuda(&self, p: &CudaPending, k: usize) -> Result<(u64, DType, Vec<usize>)> {
         let v = *self.outputs.get(k).ok_or_else(|| Error::other(format!("no output {k}")))?;
-        let mut bind = DeviceBindings::new(self.graph.values.len());
-        for &(o, a) in &p.out_binds {
-            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
-            unsafe { bind.bind(o, a) };
-        }
-        let a = cexec::value_address(&self.graph, &p.plan, p.base, &bind, &p.cplan.consts, v)?;
+        let a = cexec::address(&self.graph, &p.plan, p.base, &p.bind, &p.cplan.consts, v)?;
         let dt = p.plan.dtype(v).ok_or_else(|| Error::other("output has no type"))?;
         Ok((a, dt, p.plan.shape(v).to_vec()))
     }
@@ -134,25 +130,21 @@ impl Session {
     ///
     /// # Safety
     /// As for `forward_cuda`; gradient addresses are written exclusively by the queued work.
-    pub unsafe fn backward_cuda(&self, rt: &CudaRuntime, stream: CUstream, p: CudaPending, weights: &[u64], seeds: &[u64], grads: &[u64]) -> Result<()> {
-        let mut bind = self.bind_weights_cuda(weights)?;
-        for &(o, a) in &p.out_binds {
-            // SAFETY: bound at forward time; the caller keeps that memory alive with the step.
-            unsafe { bind.bind(o, a) };
-        }
+    pub unsafe fn backward_cuda(&self, rt: &CudaRuntime, stream: CUstream, mut p: CudaPending, weights: &[u64], seeds: &[u64], grads: &[u64]) -> Result<()> {
+        self.bind_weights_cuda(&mut p.bind, weights)?;
         for (s, &a) in self.seeds.iter().zip(seeds) {
             if let (Some(s), false) = (s, a == 0) {
                 // SAFETY: forwarded from this function's contract.
-                unsafe { bind.bind(*s, a) };
+                unsafe { p.bind.bind(*s, a) };
             }
         }
         for (g, &a) in self.grads.iter().zip(grads) {
             if let (Some(g), false) = (g, a == 0) {
                 // SAFETY: forwarded from this function's contract.
-                unsafe { bind.bind(*g, a) };
+                unsafe { p.bind.bind(*g, a) };
             }
         }
         let mut ctx = CudaCtx { rt, stream, seed: p.seed, tf32: p.tf32, error_flag: 0 };
-        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &bind, &p.cplan.consts, &[], &mut ctx)
+        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &p.bind, &p.cplan.consts, &[], &mut ctx)
     }
 }

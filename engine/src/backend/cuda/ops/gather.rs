@@ -72,17 +72,15 @@ fn gather(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
         ctx.stream,
         &kernel,
         ctx.rt.elementwise_grid(n),
-        &[
-            KArg::Ptr(x.ptr),
-            KArg::Ptr(idx.ptr),
-            KArg::Ptr(o.ptr),
-            KArg::I64(n as i64),
-            KArg::I64(dim as i64),
-            KArg::I64(idx.numel() as i64),
-            KArg::I64(inner as i64),
-            KArg::Ptr(ctx.error_flag),
-        ],
+        &gather_args(x.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag),
     )
+}
+
+/// The launch arguments shared by gather_W and gather_grad_T: `n` elements moved between `src`
+/// and `dst` along a dimension of `dim` with `inner` elements after it.
+fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usize, flag: u64) -> [KArg; 8] {
+    let i = |v: usize| KArg::I64(v as i64);
+    [KArg::Ptr(src), KArg::Ptr(idx.ptr), KArg::Ptr(dst), i(n), i(dim), i(idx.numel()), i(inner), KArg::Ptr(flag)]
 }
 
 /// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x.
@@ -104,16 +102,7 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
         ctx.stream,
         &format!("gather_grad_{sfx}"),
         ctx.rt.elementwise_grid(n),
-        &[
-            KArg::Ptr(dy.ptr),
-            KArg::Ptr(idx.ptr),
-            KArg::Ptr(o.ptr),
-            KArg::I64(n as i64),
-            KArg::I64(dim as i64),
-            KArg::I64(idx.numel() as i64),
-            KArg::I64(inner as i64),
-            KArg::Ptr(ctx.error_flag),
-        ],
+        &gather_args(dy.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag),
     )
 }
 

@@ -80,6 +80,7 @@ fn per_sample(node: &Node, ctx: &mut CudaCtx, l: &Layout, x: &DView, labels: u64
     )
 }
 
+#[allow(clippy::too_many_arguments)]
 fn reduce(node: &Node, ctx: &mut CudaCtx, l: &Layout, dtype: DType, loss_s: u64, w_s: u64, out: u64, wsum: u64) -> Result<()> {
     let kernel = format!("sce_reduce_{}", float_suffix(node, dtype)?);
     ctx.rt.launch(

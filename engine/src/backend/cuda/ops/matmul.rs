@@ -3,7 +3,8 @@
 //! layouts allow (same batch, or one operand repeated with stride 0, or a batch folded into M
 //! or K as the CPU kernel does); other broadcast patterns run one call per batch.
 
-use super::strides::{broadcast, contiguous, make};
+use super::movement::{copy, expand_layout, zero};
+use super::strides::broadcast;
 use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::blas::{Gemm, GemmType};
 use crate::backend::cuda::launch::KArg;
@@ -21,14 +22,9 @@ fn gemm_type(node: &Node, d: DType) -> Result<GemmType> {
 }
 
 /// Copies `src` (shape broadcastable to `dst_shape`) into the contiguous `dst`.
-pub(super) fn broadcast_copy(node: &Node, ctx: &mut CudaCtx, src: &DView, dst_ptr: u64, dst_shape: &[usize]) -> Result<()> {
-    let n: usize = dst_shape.iter().product();
-    if n == 0 {
-        return Ok(());
-    }
-    let s = make(dst_shape, &[broadcast(src.shape, dst_shape).map_err(|e| node.err(e.to_string()))?, contiguous(dst_shape)], &[])?;
-    let width = super::movement::width(src.dtype.size());
-    ctx.rt.launch(ctx.stream, &format!("copy_{width}"), ctx.rt.elementwise_grid(n), &[KArg::Ptr(src.ptr), KArg::Ptr(dst_ptr), KArg::Strides(s), KArg::I64(n as i64)])
+fn broadcast_copy(node: &Node, ctx: &mut CudaCtx, src: &DView, dst_ptr: u64, dst_shape: &[usize]) -> Result<()> {
+    let s = expand_layout(src.shape, dst_shape).map_err(|e| node.err(e.to_string()))?;
+    copy(ctx, src.dtype.size(), src.ptr, dst_ptr, s, dst_shape.iter().product())
 }
 
 /// out = alpha · op(a) · op(b) (+ beta · out), batched with broadcasting; out's batch dims may
@@ -104,12 +100,11 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
 
 /// out = beta · out (beta 0 writes zeros, whatever out held).
 fn scale(node: &Node, ctx: &mut CudaCtx, o: &DView, beta: f64) -> Result<()> {
+    if beta == 0.0 {
+        return zero(ctx, o);
+    }
     let n = o.numel();
     let sfx = float_suffix(node, o.dtype)?;
-    if beta == 0.0 {
-        let width = if o.dtype.size() == 8 { "u64" } else { "u32" };
-        return ctx.rt.launch(ctx.stream, &format!("fill_{width}"), ctx.rt.elementwise_grid(n), &[KArg::Ptr(o.ptr), KArg::I64(n as i64), KArg::U64(0)]);
-    }
     ctx.rt.launch(
         ctx.stream,
         &format!("affine_{sfx}"),

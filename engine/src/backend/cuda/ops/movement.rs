@@ -106,7 +106,7 @@ fn check_part(node: &Node, whole: &[usize], axis: usize, before: usize, part: &[
 // ---- dispatchers --------------------------------------------------------------------------
 
 /// One copy_W launch over `n` elements with layout `s`.
-fn copy(ctx: &mut CudaCtx, elem_size: usize, src: u64, dst: u64, s: Strides, n: usize) -> Result<()> {
+pub(super) fn copy(ctx: &mut CudaCtx, elem_size: usize, src: u64, dst: u64, s: Strides, n: usize) -> Result<()> {
     if n == 0 {
         return Ok(());
     }

@@ -16,7 +16,6 @@ use std::sync::Arc;
 use super::support::*;
 use crate::backend::cuda::launch::DeviceBuffer;
 use crate::backend::cuda::ops::CudaCtx;
-use crate::backend::cuda::runtime;
 use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
 use crate::exec::Phase;
 use crate::ir::{Attr, Attrs, Dim, Graph, ValueId, ValueKind};
@@ -285,7 +284,7 @@ fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, n: usize) -
 /// (outputs, gradients) of one step on the GPU, through the CUDA executor.
 fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let g = gpu_or_reason().expect("under gpu()");
-    let rt = runtime::runtime(&[]).unwrap_or_else(|e| panic!("{e}"));
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let plan = s.plan(std::slice::from_ref(sig), true).expect("plan");
     let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
     let consts = DeviceConsts::upload(rt, &plan).expect("constants");
@@ -314,7 +313,7 @@ fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec
         .outputs
         .iter()
         .map(|&o| {
-            let a = cexec::value_address(&s.graph, &plan, base, &bind, &consts, o).expect("output address");
+            let a = cexec::address(&s.graph, &plan, base, &bind, &consts, o).expect("output address");
             download_f32(g, a, plan.shape(o).iter().product())
         })
         .collect();

@@ -3,24 +3,27 @@
 //! tolerance checks that name the first mismatching element.
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
 
 use crate::backend::cuda::launch::{DeviceBuffer, Grid, KArg};
-use crate::backend::cuda::loader::{self, Loaded};
-use crate::backend::cuda::{cache, nvrtc, probe};
+use crate::backend::cuda::loader::Loaded;
+use crate::backend::cuda::probe;
+use crate::backend::cuda::runtime::{self, CudaRuntime};
+
+/// GPU 0's runtime (kernels, cuBLAS), the one the executor uses, or why not. NVRTC and cuBLAS
+/// come from the pinned wheels' folder, or ORTRAIN_NVRTC_LIB's folder, or the loader's path.
+pub fn runtime_or_reason() -> Result<&'static CudaRuntime, String> {
+    probe().map_err(|e| e.to_string())?;
+    let mut dirs = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cuda-wheels/nvidia/cu13/lib")];
+    if let Some(p) = std::env::var_os("ORTRAIN_NVRTC_LIB") {
+        let p = PathBuf::from(p);
+        dirs.push(if p.is_dir() { p } else { p.parent().map(PathBuf::from).unwrap_or_default() });
+    }
+    runtime::runtime(&dirs).map_err(|e| e.to_string())
+}
 
 /// The kernels loaded on GPU 0, or why not.
 pub fn gpu_or_reason() -> Result<&'static Loaded, String> {
-    static LOADED: OnceLock<Result<Loaded, String>> = OnceLock::new();
-    LOADED
-        .get_or_init(|| {
-            probe().map_err(|e| e.to_string())?;
-            let wheels = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cuda-wheels/nvidia/cu13/lib");
-            let nv = nvrtc::load(&[wheels]).map_err(|e| format!("a GPU but no NVRTC: {e}"))?;
-            loader::load_all(0, nv, cache::default_dir().as_deref()).map_err(|e| e.to_string())
-        })
-        .as_ref()
-        .map_err(|e| e.clone())
+    runtime_or_reason().map(|rt| &rt.loaded)
 }
 
 /// The loaded kernels, or `None` after printing why the calling test is skipped. A machine that
@@ -129,21 +132,9 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], rtol: f64, atol: f64)
     }
 }
 
-/// A cuBLAS handle in GPU 0's context (cuBLAS found by name, beside NVRTC, or in the pinned
-/// wheels' folder); panics with the reason on a GPU machine without cuBLAS.
-pub fn blas(g: &Loaded) -> &'static crate::backend::cuda::blas::Blas {
-    use crate::backend::cuda::blas;
-    static BLAS: OnceLock<blas::Blas> = OnceLock::new();
-    BLAS.get_or_init(|| {
-        g.ctx.bind_to_thread().expect("binding the context");
-        let mut dirs = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cuda-wheels/nvidia/cu13/lib")];
-        if let Some(p) = std::env::var_os("ORTRAIN_NVRTC_LIB") {
-            let p = PathBuf::from(p);
-            dirs.push(if p.is_dir() { p } else { p.parent().map(PathBuf::from).unwrap_or_default() });
-        }
-        blas::load(&dirs).unwrap_or_else(|e| panic!("{e}"));
-        blas::Blas::new().unwrap_or_else(|e| panic!("{e}"))
-    })
+/// The runtime's cuBLAS handle (`g` is the runtime's loaded kernels, from [`gpu`]).
+pub fn blas(_g: &Loaded) -> &'static crate::backend::cuda::blas::Blas {
+    &runtime_or_reason().unwrap_or_else(|e| panic!("{e}")).blas
 }
 
 // ---- parity-a helpers
