@@ -42,3 +42,55 @@ def test_accelerated_mode_and_check(shell, engine_api, capsys):
     res = shell.run_cell("%%ort --check --max-steps 2\n" + LOOP.format(n=10, extra=""))
     assert res.success, res.error_in_exec
     assert "ortrain --check: 2 steps agree" in capsys.readouterr().out
+
+
+TRAINER_SETUP = """
+import torch, ortrain
+from ortrain.optim import AdamConfig
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Embedding(40, 8), torch.nn.Flatten(), torch.nn.Linear(8 * 4, 40))
+def loss_fn(out, y):
+    return torch.nn.functional.cross_entropy(out, y)
+trainer = ortrain.ORTTrainer(model, {"inputs": [("x", ["b", 4]), ("y", ["b"])], "outputs": [("loss", [], True)]},
+                             AdamConfig(lr=1e-2), loss_fn=loss_fn)
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        yield torch.randint(0, 40, (6, 4), generator=g), torch.randint(0, 40, (6,), generator=g)
+"""
+
+TRAINER_LOOP = """
+for x, y in batches(5):
+    loss = trainer.train_step(x, y)
+"""
+
+
+def test_ortrainer_train_step_is_the_step_boundary(shell, engine_api, capsys):
+    """An ORTTrainer loop needs no change: each train_step is one logged step (loss, ppl from the
+    cross-entropy inside the user's loss_fn, the config's lr); compare runs the same loop with
+    PyTorch eager forward/backward first, from the same trainer state: the loss curves agree."""
+    assert shell.run_cell(TRAINER_SETUP).success
+    res = shell.run_cell("%%ort --experiment m-trainer --no-progress\n" + TRAINER_LOOP)
+    assert res.success, res.error_in_exec
+    out = capsys.readouterr().out
+    assert "ortrain engine: ORTTrainer: forward, loss, backward and the Adam update of Sequential in the engine" in out
+    c = shell_client()
+    (run,) = runs_of(c, "m-trainer")
+    assert run["status"] == "FINISHED" and run["params"]["optimizer"] == "AdamConfig"
+    assert run["params"]["trainer"] == "ORTTrainer" and run["params"]["optimizer.lr"] == "0.01"
+    assert run["params"]["batch_shape"] == "6x4" and run["params"]["model_class"] == "Sequential"
+    for key in ("batch_time_ms", "loss", "ppl", "learning_rate", "samples_per_sec", "tokens_per_sec"):
+        assert [s for s, _, _ in c.get_metric_history(run["run_id"], key)] == list(range(5)), key
+    assert not engine_api["is_accelerated"](shell.user_ns["model"])  # the trainer owns the engine path
+
+    res = shell.run_cell("%%ort compare --experiment m-trainer-cmp --no-progress\n" + TRAINER_LOOP)
+    assert res.success, res.error_in_exec
+    runs = {r["tags"].get("ortrain.role"): r for r in runs_of(c, "m-trainer-cmp")}
+    base, acc = runs["baseline"], runs["accelerated"]
+    lb = [v for _, v, _ in c.get_metric_history(base["run_id"], "loss")]
+    la = [v for _, v, _ in c.get_metric_history(acc["run_id"], "loss")]
+    assert len(lb) == len(la) == 5
+    # same starting state (the trainer's Adam state restored), same batches: the first losses agree
+    assert abs(lb[0] - la[0]) <= 1e-5 * abs(lb[0]), (lb, la)
+    for i in range(5):
+        assert abs(lb[i] - la[i]) <= 1e-3 * abs(lb[i]), (i, lb, la)

@@ -13,8 +13,9 @@ import sys
 
 from IPython.core.error import UsageError
 
+from ortrain._trainer_hooks import pytorch_baseline
 from ortrain._runlog import Experiment, RunLog, new_group_id, notebook_name, warn
-from ortrain._steps import StepRecorder, StopCell, find_modules, find_optimizers
+from ortrain._steps import StepRecorder, StopCell, find_modules, find_optimizers, find_trainers
 
 
 def _compile(shell, cell: str):
@@ -76,7 +77,16 @@ def _params(model, optimizer, step, mode: str, args, device: str) -> dict:
         p.update(model_class=type(model).__name__, parameter_count=sum(x.numel() for x in model.parameters()),
                  device=str(first.device) if first is not None else "cpu",
                  precision=str(first.dtype).replace("torch.", "") if first is not None else "-")
-    if optimizer is not None:
+    from ortrain.trainer import ORTTrainer
+
+    if isinstance(optimizer, ORTTrainer):  # the step boundary was ORTTrainer.train_step
+        cfg = optimizer.optim_config
+        p["optimizer"] = type(cfg).__name__
+        p["trainer"] = "ORTTrainer"
+        for k, v in vars(cfg).items():
+            if k != "params" and isinstance(v, (int, float, str, bool, type(None))):
+                p[f"optimizer.{k}"] = v
+    elif optimizer is not None:
         p["optimizer"] = getattr(optimizer, "_ortrain_base", type(optimizer)).__name__  # the user's class, also when its step runs in the engine
         for k, v in optimizer.param_groups[0].items():
             if k != "params" and isinstance(v, (int, float, str, bool, tuple, type(None))):
@@ -95,7 +105,8 @@ def execute(shell, code, run: RunLog, models: list, args, label: str, mode: str,
     def on_step(step):
         if not run.started:
             try:
-                run.start(_params(model, rec.optimizer, step, mode, args, device))
+                owner = rec.optimizer  # a torch optimizer, or the ORTTrainer whose train_step was the boundary
+                run.start(_params(getattr(owner, "model", model) if _is_trainer(owner) else model, owner, step, mode, args, device))
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise RuntimeError(f"ortrain: cannot create the MLflow run at {run.exp.uri}: {e}") from None
             if rec._input is not None:
@@ -122,10 +133,24 @@ def execute(shell, code, run: RunLog, models: list, args, label: str, mode: str,
         if run.started:
             run.end(status)
         elif status == "FINISHED":
-            warn("the cell finished without calling optimizer.step(): there was no training step to "
+            warn("the cell finished without calling optimizer.step() or ORTTrainer.train_step(): there was no training step to "
                  "measure, so no MLflow run was created. %%ort measures training loops; run other "
                  "cells without it.")
     return rec
+
+
+def _is_trainer(obj) -> bool:
+    from ortrain.trainer import ORTTrainer
+
+    return isinstance(obj, ORTTrainer)
+
+
+def _summary(eng, model, rec) -> str:
+    """The one-line engine summary after an accelerated run: the ORTTrainer's when its
+    train_step was the step boundary, else the accelerated module's."""
+    if _is_trainer(rec.optimizer):
+        return "ortrain engine: " + rec.optimizer.summary()
+    return engine_summary(eng, model)
 
 
 def _tags(mode: str, group: str, ns: dict, role: str | None = None) -> dict:
@@ -173,28 +198,33 @@ def run_cell_magic(mg, args, cell: str):
             eng["deaccelerate"](m)
         run = RunLog(exp, run_name=args.run_name or "pytorch", tags=_tags("baseline", group, ns, "baseline"), params={})
         try:
-            execute(shell, code, run, models, args, "pytorch", "baseline", device)
+            with pytorch_baseline():
+                execute(shell, code, run, models, args, "pytorch", "baseline", device)
         finally:
             for n, m in restore:
                 _, opt, dev = mg.accelerated.get(n, (m, None, device))
                 eng["accelerate"](m, opt, device=dev)
         return None
 
+    trainers = find_trainers(ns)
     name, model = _pick("model (nn.Module with parameters)", modules, None, ns)
     optimizers = find_optimizers(ns)
     opt = _pick("optimizer", optimizers, None, ns)[1] if optimizers else None
+    # a model an ORTTrainer already trains runs in the engine through that trainer, not accelerate()
+    own_engine = any(t.model is model for t in trainers.values())
 
     if args.mode == "accelerated":
-        if not eng["is_accelerated"](model):
+        if not own_engine and not eng["is_accelerated"](model):
             eng["accelerate"](model, opt, device=device)
             mg.accelerated[name] = (model, opt, device)
         run = RunLog(exp, run_name=args.run_name or "ortrain", tags=_tags("accelerated", group, ns, "accelerated"), params={})
-        execute(shell, code, run, [model], args, "ortrain", "accelerated", device)
-        print(engine_summary(eng, model))
+        rec = execute(shell, code, run, [model], args, "ortrain", "accelerated", device)
+        print(_summary(eng, model, rec))
         return None
 
     # compare: PyTorch first, then ortrain, from the same state, as two children of one parent
     snap = _snapshot(model, opt)
+    trainer_states = {n: t.state_dict() for n, t in trainers.items()}
     if eng["is_accelerated"](model):
         eng["deaccelerate"](model)
     parent = RunLog(exp, run_name=args.run_name or "compare", tags=_tags("compare", group, ns), params={"mode": "compare"})
@@ -202,12 +232,16 @@ def run_cell_magic(mg, args, cell: str):
     acc = RunLog(exp, run_name="ortrain", tags=_tags("accelerated", group, ns, "accelerated"), params={}, parent=parent)
     status = "FINISHED"
     try:
-        execute(shell, code, base, [model], args, "pytorch", "baseline", device)
+        with pytorch_baseline():
+            execute(shell, code, base, [model], args, "pytorch", "baseline", device)
         _restore(snap, model, opt)
-        eng["accelerate"](model, opt, device=device)
-        mg.accelerated[name] = (model, opt, device)
-        execute(shell, code, acc, [model], args, "ortrain", "accelerated", device)
-        print(engine_summary(eng, model))
+        for n, t in trainers.items():
+            t.load_state_dict(trainer_states[n])
+        if not own_engine:
+            eng["accelerate"](model, opt, device=device)
+            mg.accelerated[name] = (model, opt, device)
+        rec = execute(shell, code, acc, [model], args, "ortrain", "accelerated", device)
+        print(_summary(eng, model, rec))
         if base.started and acc.started:
             summary = report_compare(parent, base, acc, display)
             if summary.get("speedup"):

@@ -1,5 +1,5 @@
 """Step capture for `%%ort`: the step boundary is `optimizer.step()` (a global torch optimizer
-step post-hook), the loss is the scalar on which `backward()` ran (Tensor.backward is wrapped
+step post-hook) or `ORTTrainer.train_step` (ortrain.trainer's step hook), the loss is the scalar on which `backward()` ran (Tensor.backward is wrapped
 for the duration of the cell), the batch shape comes from a forward pre-hook on the model. The
 user's loop is not changed. Everything is removed again when the cell ends."""
 from __future__ import annotations
@@ -48,6 +48,17 @@ def find_modules(ns: dict) -> dict:
             found[name] = v
     children = {id(m) for v in found.values() for m in v.modules() if m is not v}
     return {k: v for k, v in found.items() if id(v) not in children}
+
+
+def find_trainers(ns: dict) -> dict:
+    """ORTTrainers in a namespace: {name: trainer}."""
+    from ortrain.trainer import ORTTrainer
+
+    found = {}
+    for name, v in ns.items():
+        if not name.startswith("_") and isinstance(v, ORTTrainer) and all(v is not o for o in found.values()):
+            found[name] = v
+    return found
 
 
 def find_optimizers(ns: dict) -> dict:
@@ -105,6 +116,9 @@ class StepRecorder:
         backward.__doc__ = orig.__doc__
         torch.Tensor.backward = backward
         self._handles.append(register_optimizer_step_post_hook(self._post_step))
+        from ortrain._trainer_hooks import register_train_step_hook
+
+        self._handles.append(register_train_step_hook(self._post_trainer_step))
         for opt in self.optimizers:
             # an optimizer whose step() was replaced on the instance (as an engine may do) can
             # bypass torch's step hooks: wrap it, and count each step once either way
@@ -153,6 +167,20 @@ class StepRecorder:
         if x is not None:
             self._input = (tuple(x.shape), x.dtype, batch_dim)
 
+    def _post_trainer_step(self, trainer, loss, inputs):
+        """ORTTrainer.train_step ended: its loss and inputs (it runs no nn.Module forward or
+        Tensor.backward of the user's that the other hooks would see)."""
+        if self.optimizer is None:
+            self.optimizer = trainer
+        elif trainer is not self.optimizer:
+            return
+        self._last_loss = loss.detach()
+        self._loss_kind = trainer.loss_kind()
+        x = inputs[0] if inputs else None
+        if x is not None:
+            self._input = (tuple(x.shape), x.dtype, _batch_dim(trainer.model))
+        self._record(trainer._lr())
+
     def _post_step(self, optimizer, args, kwargs, _from_wrapper: bool = False):
         if self._inside_wrapper and not _from_wrapper:
             return  # the wrapper around this optimizer's own step() reports it once it returns
@@ -160,12 +188,15 @@ class StepRecorder:
             self.optimizer = optimizer
         elif optimizer is not self.optimizer:
             return
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        self._record(lr)
+
+    def _record(self, lr) -> None:
         if self._cuda:
             self._torch.cuda.synchronize()
         now = time.perf_counter()
         dt_ms = (now - self._last_end) * 1000.0
         loss = float(self._last_loss.item()) if self._last_loss is not None else None
-        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
         lr = float(lr) if lr is not None else None
         samples = tokens = None
         if self._input is not None:

@@ -1,6 +1,10 @@
 """ORTTrainer: the whole train step — forward, loss, backward, gradient clipping and the
 optimizer update — in the engine, with ONNX Runtime Training's API (model_desc, optim_config,
-loss_fn, options; train_step, eval_step, save_as_onnx, state_dict, load_state_dict)."""
+loss_fn, options; train_step, eval_step, save_as_onnx, state_dict, load_state_dict).
+
+`register_train_step_hook(fn)` calls `fn(trainer, loss, inputs)` after every `train_step` (the
+step boundary `%%ort` records), and inside `pytorch_baseline()` train_step runs the forward and
+backward in PyTorch eager with the same update: the baseline half of `%%ort compare`."""
 from __future__ import annotations
 
 import inspect
@@ -11,6 +15,7 @@ import torch
 from ortrain import _ortrain
 from ortrain import optim as _optim
 from ortrain import trainer_options
+from ortrain._trainer_hooks import in_pytorch_baseline, pytorch_baseline, register_train_step_hook, run_step_hooks  # noqa: F401 (public here too)
 from ortrain.engine.function import read_outputs, run_inference
 from ortrain.engine.tensors import triple
 
@@ -25,6 +30,19 @@ def _check_model_desc(desc) -> dict:
     if len(losses) > 1:
         raise ValueError("model_desc['outputs'] marks more than one output as the loss")
     return desc
+
+
+#: ONNX op type producing the loss -> the loss kind `%%ort` logs perplexity for
+_LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "CrossEntropyLoss", "NegativeLogLikelihoodLoss": "NllLoss"}
+
+
+def _release_from_accelerate(model) -> None:
+    """The trainer runs model + loss as one engine graph of its own: a module that
+    `accelerate()` (or `%%ort`) took over is given back to plain PyTorch before it is exported."""
+    from ortrain.accelerate import deaccelerate, is_accelerated
+
+    if is_accelerated(model):
+        deaccelerate(model)
 
 
 class _WithLoss(torch.nn.Module):
@@ -54,6 +72,7 @@ class ORTTrainer:
         if not isinstance(optim_config, (_optim.SGDConfig, _optim.AdamConfig, _optim.LambConfig)):
             raise TypeError("optim_config must be ortrain.optim.SGDConfig, AdamConfig or LambConfig")
         optim_config.validate()
+        _release_from_accelerate(model)
         self.model = model
         self.model_desc = _check_model_desc(model_desc)
         self.optim_config = optim_config
@@ -72,6 +91,9 @@ class ORTTrainer:
         self._prefix = "model." if loss_fn else ""
         self._loss_index = 0 if loss_fn else next(i for i, o in enumerate(model_desc["outputs"]) if len(o) > 2 and o[2])
         self._runners: dict = {}
+        self._loss_kinds: dict = {}  # runner key -> loss kind (ONNX op producing the loss) or None
+        self._last_loss_kind = None
+        self._last_train = None  # (runner, inputs) of the last engine train_step, for summary()
         self._state: dict = {}  # parameter name -> {"exp_avg", "exp_avg_sq"} or {"momentum_buffer"}
         self._accum: dict = {}
         self.step = 0  # optimizer steps taken
@@ -84,11 +106,41 @@ class ORTTrainer:
 
         key = (signature(inputs), training)
         if key not in self._runners:
+            _release_from_accelerate(self.model)
             self._module.train(training)
             exported = export_module(self._module, inputs, training=training)
             mp = self.options["mixed_precision"]
             self._runners[key] = Runner(self._module, exported, mp["dtype"] if mp["enabled"] else "fp32")
         return self._runners[key]
+
+    def loss_kind(self) -> str | None:
+        """What produced the loss: "CrossEntropyLoss" / "NllLoss" when it is such an op in the
+        exported train graph (also inside a user's loss_fn), the grad_fn's name in a PyTorch
+        baseline step; None before the first train_step or for other losses."""
+        return self._last_loss_kind
+
+    def summary(self) -> str:
+        """One line: what this trainer ran in the engine (exporter, graph, planned arena)."""
+        head = (f"ORTTrainer: forward, loss, backward and the {type(self.optim_config).__name__[:-6]} update of "
+                f"{type(self.model).__name__} in the engine")
+        if self._last_train is None:
+            return head + " (no train_step in the engine yet)"
+        runner, inputs = self._last_train
+        e = runner.exported
+        fwd, bwd = runner.session.node_count
+        info = runner.plan_info(list(inputs), True)
+        shapes = ", ".join(str(list(x.shape)) for x in inputs)
+        return (f"{head}; exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), {fwd} forward + {bwd} gradient "
+                f"nodes; plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB")
+
+    def _find_loss_kind(self, key, runner) -> str | None:
+        if key in self._loss_kinds:
+            return self._loss_kinds[key]
+        graph = onnx.load_from_string(runner.exported.onnx_bytes).graph
+        loss_name = graph.output[self._loss_index].name
+        producer = next((n.op_type for n in graph.node if loss_name in n.output), None)
+        self._loss_kinds[key] = _LOSS_KINDS.get(producer)
+        return self._loss_kinds[key]
 
     def _param_name(self, onnx_name: str, runner) -> str:
         key = runner.exported.param_map[onnx_name]
@@ -102,7 +154,21 @@ class ORTTrainer:
     def train_step(self, *inputs):
         """Forward, loss, backward and (every gradient_accumulation_steps calls) the update."""
         inputs = tuple(x.contiguous() for x in inputs)
+        if in_pytorch_baseline():
+            result = self._train_step_pytorch(inputs)
+        else:
+            result = self._train_step_engine(inputs)
+        loss = result[0] if isinstance(result, tuple) else result
+        run_step_hooks(self, loss, inputs)
+        return result
+
+    def _train_step_engine(self, inputs: tuple):
+        from ortrain.export import signature
+
+        key = (signature(inputs), True)
         runner = self._runner(inputs, True)
+        self._last_loss_kind = self._find_loss_kind(key, runner)
+        self._last_train = (runner, inputs)
         session = runner.session
         pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                   runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()))
@@ -113,6 +179,25 @@ class ORTTrainer:
         session.backward(pending, runner.weight_addresses(), [0 if s is None else s.data_ptr() for s in seeds],
                          [0 if g is None else g.data_ptr() for g in grads])
         named = [(self._param_name(n, runner), w, g) for n, w, g in zip(session.weight_names, runner.weights, grads) if g is not None]
+        self._accumulate(named)
+        return self._result(outs)
+
+    def _train_step_pytorch(self, inputs: tuple):
+        """The same step with PyTorch eager forward and backward (see `pytorch_baseline`)."""
+        self._module.train(True)
+        with torch.enable_grad():
+            outs = self._module(*inputs)
+            outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+            params = [(n, p) for n, p in self._module.named_parameters() if p.requires_grad]
+            grads = torch.autograd.grad(outs[self._loss_index], [p for _, p in params], allow_unused=True)
+        prefix = len(self._prefix)
+        named = [(n[prefix:] if n.startswith(self._prefix) else n, p.detach(), g) for (n, p), g in zip(params, grads) if g is not None]
+        self._accumulate(named)
+        grad_fn = outs[self._loss_index].grad_fn
+        self._last_loss_kind = type(grad_fn).__name__ if grad_fn is not None else None
+        return self._result(tuple(o.detach() for o in outs))
+
+    def _accumulate(self, named: list) -> None:
         accum = self.options["batch"]["gradient_accumulation_steps"]
         for name, _, g in named:
             if name in self._accum:
@@ -123,6 +208,8 @@ class ORTTrainer:
         if self._micro % accum == 0:
             self._update([(n, w, self._accum[n].div_(accum) if accum > 1 else self._accum[n]) for n, w, _ in named])
             self._accum = {}
+
+    def _result(self, outs: tuple):
         loss = outs[self._loss_index]
         rest = [o for k, o in enumerate(outs) if k != self._loss_index]
         return loss if not rest else (loss, *rest)
