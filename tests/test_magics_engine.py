@@ -41,7 +41,9 @@ def test_accelerated_mode_and_check(shell, engine_api, capsys):
     assert len(c.get_metric_history(run["run_id"], "loss")) == 3
     res = shell.run_cell("%%ort --check --max-steps 2\n" + LOOP.format(n=10, extra=""))
     assert res.success, res.error_in_exec
-    assert "ortrain --check: 2 steps agree" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "ortrain --check: 2 steps agree" in out
+    assert "forward: all" in out and "intermediate values agree" in out
 
 
 TRAINER_SETUP = """

@@ -4,6 +4,7 @@
 
 use std::time::{Duration, Instant};
 
+pub mod fault;
 pub mod profile;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -124,6 +125,7 @@ pub fn run_phase(
         }
         Phase::Backward => plan.split..plan.steps.len(),
     };
+    let fault = fault::target();
     for i in range {
         let node = &graph.nodes[plan.steps[i].0];
         let t0 = timings.as_ref().map(|_| Instant::now());
@@ -151,6 +153,7 @@ pub fn run_phase(
             Error::Node { .. } => e,
             other => node.err(other.to_string()),
         })?;
+        fault::apply(fault.as_deref(), node, &mut outs);
         if let (Some(t), Some(t0)) = (timings.as_deref_mut(), t0) {
             t.push((i, t0.elapsed()));
         }

@@ -13,7 +13,9 @@ try:
 except Exception:  # running from a source tree without an installed wheel
     __version__ = "0.0.0+source"
 
-# public name -> (module, attribute); resolved on first access (PEP 562)
+# public name -> (module, attribute); resolved on first access (PEP 562). Code inside the package
+# uses these names through `import ortrain` rather than `from ortrain.accelerate import ...`: a
+# first import of the submodule would bind `ortrain.accelerate` to the module, not the function.
 _LAZY = {
     "accelerate": ("ortrain.accelerate", "accelerate"),
     "deaccelerate": ("ortrain.accelerate", "deaccelerate"),
@@ -25,6 +27,7 @@ _LAZY = {
     "load_onnx": ("ortrain.onnx_model", "load_onnx"),
     "OrtrainError": ("ortrain.errors", "OrtrainError"),
     "cuda_available": ("ortrain.cuda", "cuda_available"),
+    "check_parity": ("ortrain.parity", "check_parity"),
 }
 
 __all__ = sorted(_LAZY) + ["load_ipython_extension", "__version__"]
@@ -36,9 +39,12 @@ def __getattr__(name):
     except KeyError:
         raise AttributeError(f"module 'ortrain' has no attribute {name!r}") from None
     mod = _import_module(module)
-    value = mod if attr is None else getattr(mod, attr)
-    globals()[name] = value
-    return value
+    # every public name from that module at once: importing `ortrain.accelerate` has just bound
+    # the package attribute `accelerate` to the submodule, and the function must win
+    for public, (source, source_attr) in _LAZY.items():
+        if source == module:
+            globals()[public] = mod if source_attr is None else getattr(mod, source_attr)
+    return globals()[name]
 
 
 def load_ipython_extension(ipython):

@@ -264,17 +264,30 @@ def report_compare(parent, base, acc, display) -> dict:
 
 
 def _check(shell, code, args, eng, modules, ns, device):
-    """--check: both implementations on the same batches for a few steps; the first step whose
-    loss differs beyond tolerance is reported. Nothing is logged to MLflow."""
+    """--check: both implementations on the same batches for a few steps, then the first batch
+    op by op (ortrain.check_parity): the first step whose loss differs beyond tolerance and the
+    first operator whose output does. Nothing is logged to MLflow; afterwards the model and its
+    optimizer are as they were before the cell."""
     __tracebackhide__ = True
+    import torch
+
     from ortrain.magics import _pick, _restore, _snapshot
+    from ortrain.parity import check_parity
 
     name, model = _pick("model (nn.Module with parameters)", modules, None, ns)
     optimizers = find_optimizers(ns)
     opt = _pick("optimizer", optimizers, None, ns)[1] if optimizers else None
     steps = min(args.max_steps or 3, 10)
     losses = {}
+    first_batch = []
     snap = _snapshot(model, opt)
+
+    def keep_first_batch(module, call_args, call_kwargs):
+        if not first_batch and not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            copy = torch.utils._pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v,
+                                                (call_args, call_kwargs))
+            first_batch.append(copy)
+
     for label in ("pytorch", "ortrain"):
         if label == "ortrain":
             _restore(snap, model, opt)
@@ -283,16 +296,32 @@ def _check(shell, code, args, eng, modules, ns, device):
             eng["deaccelerate"](model)
         got = []
         rec = StepRecorder([model], lambda s: got.append(s.loss), steps, [opt] if opt is not None else [])
-        with rec:
-            try:
-                exec(code, shell.user_ns)
-            except StopCell:
-                pass
+        hook = model.register_forward_pre_hook(keep_first_batch, with_kwargs=True) if label == "pytorch" else None
+        try:
+            with rec:
+                try:
+                    exec(code, shell.user_ns)
+                except StopCell:
+                    pass
+        finally:
+            if hook is not None:
+                hook.remove()
         losses[label] = got
+    _restore(snap, model, opt)
+    diverged = None
     for i, (a, b) in enumerate(zip(losses["pytorch"], losses["ortrain"])):
         if a is None or b is None or not math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-5):
+            diverged = i
             print(f"ortrain --check: step {i + 1} diverges: PyTorch loss {a}, ortrain loss {b}")
-            print(eng["explain"](model))
-            return None
-    print(f"ortrain --check: {len(losses['ortrain'])} steps agree (losses within rtol 1e-3)")
+            break
+    if diverged is None:
+        print(f"ortrain --check: {len(losses['ortrain'])} steps agree (losses within rtol 1e-3)")
+    if first_batch:
+        (call_args, call_kwargs), = first_batch
+        try:
+            print(check_parity(model, *call_args, **call_kwargs))
+        except Exception as e:  # the op-by-op check is a diagnosis; its failure must not hide the result above
+            print(f"ortrain --check: the op-by-op comparison could not run: {type(e).__name__}: {e}")
+    if diverged is not None:
+        print(eng["explain"](model))
     return None

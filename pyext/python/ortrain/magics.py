@@ -155,7 +155,7 @@ class OrtMagics(Magics):
     @argument("--max-steps", type=int, default=None, help="stop the cell after N optimizer steps")
     @argument("--log-every", type=int, default=10, help="plain progress line every N steps")
     @argument("--no-progress", action="store_true", help="plain lines instead of a progress bar")
-    @argument("--check", action="store_true", help="parity check: run both for a few steps and compare")
+    @argument("--check", action="store_true", help="parity check: run both for a few steps, then the first batch op by op; names the first diverging step and operator")
     def _cell_args(self, line):
         """%%ort [MODE] [--experiment NAME] [--run-name NAME] [--tracking-uri URI] [--max-steps N]
         [--log-every N] [--no-progress] [--check]"""

@@ -39,10 +39,11 @@ _LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "CrossEntropyLoss", "NegativeLogLikeli
 def _release_from_accelerate(model) -> None:
     """The trainer runs model + loss as one engine graph of its own: a module that
     `accelerate()` (or `%%ort`) took over is given back to plain PyTorch before it is exported."""
-    from ortrain.accelerate import deaccelerate, is_accelerated
+    import ortrain  # through the package's lazy names: importing the submodule here would
+    # shadow the public function `ortrain.accelerate` with the module `ortrain.accelerate`
 
-    if is_accelerated(model):
-        deaccelerate(model)
+    if ortrain.is_accelerated(model):
+        ortrain.deaccelerate(model)
 
 
 class _WithLoss(torch.nn.Module):

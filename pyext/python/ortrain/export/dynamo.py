@@ -18,6 +18,19 @@ import onnx
 import torch
 
 NAME = "dynamo"
+_captured: list | None = None  # inside capture_programs(): the ExportedPrograms behind each export
+
+
+@contextlib.contextmanager
+def capture_programs():
+    """Collects the torch.export ExportedProgram of every dynamo export run inside (for
+    `ortrain.check_parity`: its FX node names are the ONNX graph's value names)."""
+    global _captured
+    outer, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = outer
 
 
 def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names: list, *,
@@ -35,6 +48,8 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
             dynamic_shapes=dynamic_shapes, input_names=list(input_names),
             output_names=list(output_names), verbose=False, report=False, verify=False,
             external_data=False, **kw)
+    if _captured is not None:
+        _captured.append(program.exported_program)
     return program.model_proto, []
 
 
