@@ -58,11 +58,15 @@ def test_parent_and_two_children_in_mlflow(executed, client):
     assert set(kids) == {"baseline", "accelerated"}
     assert parent["status"] == "FINISHED" and all(k["status"] == "FINISHED" for k in kids.values())
     group = parent["tags"]["ortrain.compare_group"]
+    print(f"parent run {parent['run_id']}")
     for role, run in kids.items():
         assert run["tags"]["ortrain.compare_group"] == group
+        counts = {}
         for key in ("batch_time_ms", "loss", "ppl", "learning_rate", "samples_per_sec", "tokens_per_sec"):
             hist = client.get_metric_history(run["run_id"], key)
             assert [s for s, _, _ in hist] == list(range(STEPS)), (role, key)
+            counts[key] = len(hist)
+        print(f"{role} run {run['run_id']}: metric values read back {counts}")
         p = run["params"]
         assert p["model_class"] == "TransformerModel" and p["optimizer"] == "Adam"
         assert p["optimizer.lr"] == "0.001" and p["batch_shape"] == "35x20" and p["batch_size"] == "20"
