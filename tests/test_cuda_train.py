@@ -207,3 +207,28 @@ def test_tf32_follows_pytorchs_flag():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
     assert _max_rel(out, want) < 5e-3
+
+
+def test_planned_arena_is_what_torch_cuda_allocates():
+    """The memory plan's arena is the step's device memory: during a forward pass, torch.cuda's
+    allocation grows by the planned arena plus the output, within 10% of the arena."""
+    import models
+
+    vocab, seq, batch = 1000, 35, 20
+    model = models.tutorial_transformer(vocab, dropout=0.0, seed=0)[0].cuda()
+    ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False)
+    x = torch.randint(0, vocab, (seq, batch), device="cuda")
+    model(x).sum().backward()  # plans the step
+    runner = next(iter(model.__dict__["_ortrain_state"].runners.values()))
+    planned = max(runner.arena_sizes.values())
+    assert planned > 1 << 20
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = model(x)
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_allocated() - base
+    expected = planned + out.numel() * out.element_size()
+    print(f"planned arena {planned / 2**20:.2f} MiB, forward allocation growth {growth / 2**20:.2f} MiB")
+    assert abs(growth - expected) <= 0.1 * planned, (growth, expected)
+    assert f"peak arena {planned / 2**20:.1f} MiB" in ortrain.explain(model) or "peak arena" in ortrain.explain(model)
