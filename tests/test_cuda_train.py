@@ -231,4 +231,3 @@ def test_planned_arena_is_what_torch_cuda_allocates():
     expected = planned + out.numel() * out.element_size()
     print(f"planned arena {planned / 2**20:.2f} MiB, forward allocation growth {growth / 2**20:.2f} MiB")
     assert abs(growth - expected) <= 0.1 * planned, (growth, expected)
-    assert f"peak arena {planned / 2**20:.1f} MiB" in ortrain.explain(model) or "peak arena" in ortrain.explain(model)
