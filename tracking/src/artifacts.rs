@@ -112,7 +112,7 @@ impl Client {
             .and_then(|n| n.to_str())
             .ok_or_else(|| Error::Config(format!("{} has no file name", local_file.display())))?;
         let rel = join_rel(&[artifact_dir.unwrap_or(""), name])?;
-        let info = self.get_run(run_id)?.info;
+        let info = self.retry_policy().run(|| self.get_run(run_id))?.info;
         match ArtifactStore::from_uri(&info.artifact_uri)? {
             ArtifactStore::Proxied(root) => {
                 let bytes = std::fs::read(local_file).map_err(|e| Error::io(local_file, e))?;

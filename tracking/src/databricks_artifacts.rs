@@ -193,7 +193,9 @@ impl Client {
         let kind = cred.kind.as_str();
         let mut ids = Vec::new();
         for_each_chunk(local_file, size, |index, _offset, chunk| {
-            let id = base64(format!("ortrain-block-{index:08}").as_bytes());
+            // 32 bytes → 44 base64 characters, the length of MLflow's ids (base64 of a uuid4 hex); Azure
+            // requires one length for all block ids of a blob.
+            let id = base64(format!("ortrain-block-{index:018}").as_bytes());
             let target = url.with_params(&[("comp", "block"), ("blockid", &id)]);
             self.retry_policy().run(|| {
                 let req = self.agent().put(&target).header("x-ms-blob-type", "BlockBlob");
@@ -226,7 +228,8 @@ impl Client {
                 params.push(("flush", "true"));
             }
             let target = url.with_params(&params);
-            self.retry_policy().run(|| url.finish(kind, with_headers(self.agent().patch(&target), &cred.headers, azure::adls_append).send(chunk)))
+            self.retry_policy()
+                .run(|| url.finish(kind, with_headers(self.agent().patch(&target), &cred.headers, azure::adls_append).send(chunk)))
         })?;
         if !single {
             let target = url.with_params(&[("action", "flush"), ("position", &size.to_string())]);

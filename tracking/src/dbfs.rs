@@ -29,7 +29,8 @@ impl Client {
         let endpoint = format!("dbfs{path}");
         self.retry_policy().run(|| {
             let file = File::open(local_file).map_err(|e| Error::io(local_file, e))?;
-            let req = self.auth(self.agent().post(&url)).config().max_redirects(0).max_redirects_will_error(false).timeout_global(None).build();
+            let req =
+                self.auth(self.agent().post(&url)).config().max_redirects(0).max_redirects_will_error(false).timeout_global(None).build();
             self.finish(&endpoint, req.send(file)).map(|_| ())
         })
     }

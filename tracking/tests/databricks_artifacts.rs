@@ -11,7 +11,7 @@ mod standin;
 
 use ortrain_tracking::*;
 use standin::{StandIn, SIGNATURE, TOKEN};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 fn client(s: &StandIn) -> Client {
@@ -32,7 +32,7 @@ fn pattern(n: usize) -> Vec<u8> {
     (0..n).map(|i| (i * 7 + i / 251) as u8).collect()
 }
 
-fn write(dir: &PathBuf, name: &str, bytes: &[u8]) -> PathBuf {
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, bytes).unwrap();
     p
@@ -143,8 +143,8 @@ fn adls_gen2_creates_appends_and_flushes() {
     let small = write(&dir, "small.json", b"{\"speedup\": 2.0}");
     c.log_artifact("run-adls", &small, None).unwrap();
     let r = storage_requests(&s);
-    let shape: Vec<(String, Option<&str>, Option<&str>, Option<&str>)> =
-        r.iter().map(|q| (q.method.clone(), q.param("resource"), q.param("action"), q.param("flush"))).collect();
+    type Shape<'a> = (String, Option<&'a str>, Option<&'a str>, Option<&'a str>);
+    let shape: Vec<Shape> = r.iter().map(|q| (q.method.clone(), q.param("resource"), q.param("action"), q.param("flush"))).collect();
     assert_eq!(shape, [("PUT".into(), Some("file"), None, None), ("PATCH".into(), None, Some("append"), Some("true"))]);
     assert_eq!(r[0].header("content-length"), Some("0"));
     assert_eq!(s.object("/storage/run-adls/small.json").unwrap(), b"{\"speedup\": 2.0}");

@@ -88,10 +88,8 @@ fn serve(stream: TcpStream, port: u16, state: Arc<Mutex<State>>) {
         let Some(req) = read_request(&mut reader) else { return };
         let (status, ctype, body) = handle(&req, port, &state);
         state.lock().unwrap().requests.push(req);
-        let head = format!(
-            "HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: keep-alive\r\n\r\n",
-            body.len()
-        );
+        let head =
+            format!("HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: keep-alive\r\n\r\n", body.len());
         if writer.write_all(head.as_bytes()).and_then(|_| writer.write_all(&body)).is_err() {
             return;
         }
