@@ -9,11 +9,15 @@ Put Block List, ADLS Gen2 create/append/flush). Each test runs MLflow's client
 stand-in) and then ortrain's Rust client through its Python binding on the same run, records what
 each sent, and compares the shapes: workspace endpoint paths, the credentials-for-write JSON
 body, the storage requests' methods, paths, added query parameters and headers, and the bytes
-stored. Nothing here is verified against a real workspace.
+stored; then the list queries (`mlflow/artifacts/list`, `dbfs/list`) and their answers. Only
+single-chunk files are compared (MLflow sends Azure/ADLS chunks from a thread pool, in no fixed
+order; the multi-chunk sequences are checked in the Rust tests). Nothing here is verified against
+a real workspace.
 """
 from __future__ import annotations
 
 import json
+import posixpath
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -100,6 +104,21 @@ class StandIn:
                                   {"name": "x-ms-encryption-scope", "value": "scope1"}]}
                      for p in body.get("path", [])]
             return js(200, {"credential_infos": infos})
+        if path == "/api/2.0/mlflow/logged-models/search":  # MlflowClient.list_artifacts also asks this
+            return js(200, {"models": []})
+        if path == "/api/2.0/mlflow/artifacts/list":
+            prefix, d = f"/storage/{q.get('run_id', '')}/", q.get("path", "")
+            files = [{"path": k[len(prefix):], "is_dir": False, "file_size": len(v)}
+                     for k, v in self.objects.items()
+                     if k.startswith(prefix) and posixpath.dirname(k[len(prefix):]) == d]
+            return js(200, {"files": files})
+        if path == "/api/2.0/dbfs/list":
+            d = q.get("path", "")
+            files = [{"path": k[len("/dbfs"):], "is_dir": False, "file_size": len(v)}
+                     for k, v in self.objects.items() if posixpath.dirname(k) == f"/dbfs{d}"]
+            if not files:
+                return js(404, {"error_code": "RESOURCE_DOES_NOT_EXIST", "message": d})
+            return js(200, {"files": files})
         if path.startswith("/dbfs/") and req["method"] == "POST":
             self.objects[path] = req["body"]
             return js(200, {})
@@ -209,6 +228,26 @@ def test_request_shapes_match_mlflow(standin, tmp_path, run_id):
         assert (r["headers"].get("authorization") == f"Bearer {TOKEN}") == on_workspace, r["path"]
 
 
+@pytest.mark.parametrize("run_id", ["run-aws", "run-dbfs"])
+def test_listing_matches_mlflow(standin, tmp_path, run_id):
+    """Listing a managed run goes to `mlflow/artifacts/list`, a plain DBFS root to `dbfs/list`;
+    the same queries and the same answer from both clients."""
+    from mlflow import MlflowClient
+
+    from ortrain import _ortrain
+
+    local = tmp_path / "summary.json"
+    local.write_text("{}")
+    _ortrain.MlflowClient("databricks").log_artifact(run_id, str(local), "compare")
+    standin.take()
+    theirs = [(f.path, f.is_dir, f.file_size) for f in MlflowClient(tracking_uri="databricks").list_artifacts(run_id, "compare")]
+    their_queries = [(r["path"], r["query"]) for r in standin.take() if "list" in r["path"]]
+    ours = _ortrain.MlflowClient("databricks").list_artifacts(run_id, "compare")
+    our_queries = [(r["path"], r["query"]) for r in standin.take() if "list" in r["path"]]
+    assert ours == theirs == [("compare/summary.json", False, 2)]
+    assert our_queries == their_queries and len(our_queries) == 1, (our_queries, their_queries)
+
+
 def test_expired_signed_url(standin, tmp_path):
     """MLflow's error for a refused S3 URL quotes the URL with its signature (requests' HTTPError
     text) and the response body; ortrain's names the URL with the query redacted. MLflow does not
@@ -222,7 +261,7 @@ def test_expired_signed_url(standin, tmp_path):
     local.write_text("{}")
     with pytest.raises(MlflowException) as theirs:
         MlflowClient(tracking_uri="databricks").log_artifact("run-expired", str(local))
-    assert "403" in str(theirs.value)
+    assert "403" in str(theirs.value) and SIGNATURE in str(theirs.value), "MLflow's message quotes the signed URL"
     mlflow_requests = shape(standin.take())
     with pytest.raises(RuntimeError) as ours:
         _ortrain.MlflowClient("databricks").log_artifact("run-expired", str(local))
