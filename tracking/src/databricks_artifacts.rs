@@ -281,7 +281,9 @@ fn for_each_chunk(local_file: &Path, size: u64, mut f: impl FnMut(u64, u64, &[u8
 fn with_headers<B>(req: ureq::RequestBuilder<B>, headers: &[(String, String)], keep: fn(&str) -> bool) -> ureq::RequestBuilder<B> {
     let mut req = req.config().timeout_global(None).timeout_recv_response(Some(std::time::Duration::from_secs(300))).build();
     for (name, value) in headers {
-        if keep(&name.to_ascii_lowercase()) {
+        let lower = name.to_ascii_lowercase();
+        // framing headers are ours to compute from the body actually sent
+        if !["content-length", "transfer-encoding", "host"].contains(&lower.as_str()) && keep(&lower) {
             req = req.header(name.as_str(), value.as_str());
         }
     }
