@@ -1,6 +1,9 @@
-//! Run artifacts: uploaded through the `mlflow-artifacts` API when the server proxies artifacts
-//! (`mlflow server --serve-artifacts`, the default), or copied when the run's artifact URI is a
-//! local path / `file://` URI (a server on this machine with a local `--default-artifact-root`).
+//! Run artifacts, by the run's artifact URI: uploaded through the `mlflow-artifacts` API when the
+//! server proxies artifacts (`mlflow server --serve-artifacts`, the default); copied when it is a
+//! local path / `file://` URI (a server on this machine with a local `--default-artifact-root`);
+//! on Databricks, sent to cloud storage with signed URLs for managed runs
+//! (`dbfs:/databricks/mlflow-tracking/…`, [`crate::databricks_artifacts`]) or through the DBFS
+//! REST API for any other `dbfs:/` location ([`crate::dbfs`]).
 
 use crate::client::Client;
 use crate::error::{Error, Result};
@@ -15,6 +18,11 @@ pub enum ArtifactStore {
     Proxied(String),
     /// A directory on this machine.
     Local(PathBuf),
+    /// The artifact root of a Databricks-managed run:
+    /// `dbfs:/databricks/mlflow-tracking/<experiment_id>/<run_id>/artifacts`.
+    DatabricksRun { experiment_id: String, run_id: String },
+    /// Any other DBFS directory, as an absolute DBFS path (`/mnt/team/artifacts`).
+    Dbfs(String),
 }
 
 impl ArtifactStore {
@@ -34,15 +42,44 @@ impl ArtifactStore {
         if uri.starts_with('/') {
             return Ok(ArtifactStore::Local(PathBuf::from(uri)));
         }
+        if let Some(rest) = uri.strip_prefix("dbfs:") {
+            return Self::from_dbfs(uri, rest);
+        }
         Err(Error::Config(format!(
-            "artifact URI {uri:?} is not supported by ortrain's client (only mlflow-artifacts: and local paths); \
+            "artifact URI {uri:?} is not supported by ortrain's client (only mlflow-artifacts:, dbfs: and local paths); \
              start the server with --serve-artifacts"
         )))
+    }
+
+    fn from_dbfs(uri: &str, rest: &str) -> Result<Self> {
+        if let Some(authority) = rest.strip_prefix("//") {
+            let profile = authority.split('/').next().unwrap_or("");
+            return Err(Error::Config(format!(
+                "artifact URI {uri:?} names the Databricks workspace {profile:?}; ortrain writes artifacts only to the workspace \
+                 of its tracking URI (use an artifact location of the form dbfs:/<path>)"
+            )));
+        }
+        let path = rest.trim_matches('/');
+        let parts: Vec<&str> = path.split('/').collect();
+        if parts.len() >= 2 && parts[0] == "databricks" && parts[1] == "mlflow-tracking" {
+            return match parts.get(2..4) {
+                Some([exp, run]) if *run != "logged_models" && !run.starts_with("tr-") && !exp.is_empty() && !run.is_empty() => {
+                    Ok(ArtifactStore::DatabricksRun { experiment_id: exp.to_string(), run_id: run.to_string() })
+                }
+                _ => Err(Error::Config(format!(
+                    "artifact URI {uri:?} is not a run's artifact root (expected dbfs:/databricks/mlflow-tracking/<experiment_id>/<run_id>/artifacts)"
+                ))),
+            };
+        }
+        if path.is_empty() {
+            return Err(Error::Config(format!("artifact URI {uri:?} names no DBFS directory")));
+        }
+        Ok(ArtifactStore::Dbfs(format!("/{path}")))
     }
 }
 
 /// Percent-encodes one URL path segment.
-fn encode_segment(s: &str) -> String {
+pub(crate) fn encode_segment(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
@@ -75,7 +112,7 @@ impl Client {
             .and_then(|n| n.to_str())
             .ok_or_else(|| Error::Config(format!("{} has no file name", local_file.display())))?;
         let rel = join_rel(&[artifact_dir.unwrap_or(""), name])?;
-        let info = self.get_run(run_id)?.info;
+        let info = self.retry_policy().run(|| self.get_run(run_id))?.info;
         match ArtifactStore::from_uri(&info.artifact_uri)? {
             ArtifactStore::Proxied(root) => {
                 let bytes = std::fs::read(local_file).map_err(|e| Error::io(local_file, e))?;
@@ -91,21 +128,63 @@ impl Client {
                 std::fs::copy(local_file, &dest).map_err(|e| Error::io(&dest, e))?;
                 Ok(())
             }
+            ArtifactStore::DatabricksRun { run_id: uri_run, .. } => {
+                self.require_databricks(&info.artifact_uri)?;
+                self.upload_to_managed_run(&uri_run, &rel, local_file)
+            }
+            ArtifactStore::Dbfs(root) => {
+                self.require_databricks(&info.artifact_uri)?;
+                self.upload_to_dbfs(&root, &rel, local_file)
+            }
         }
     }
 
-    /// Lists the artifacts of a run directly under `path` ("" = the root).
+    fn require_databricks(&self, artifact_uri: &str) -> Result<()> {
+        if self.target().databricks {
+            return Ok(());
+        }
+        Err(Error::Config(format!(
+            "artifact URI {artifact_uri:?} is on Databricks DBFS; use tracking URI 'databricks' (with DATABRICKS_HOST and \
+             DATABRICKS_TOKEN) to write it, not {}",
+            self.target().base_url
+        )))
+    }
+
+    /// Lists the artifacts of a run directly under `path` ("" = the root), all pages. On
+    /// Databricks, a run whose artifacts live in a plain `dbfs:/` directory is listed through the
+    /// DBFS API, as MLflow does; everything else through `mlflow/artifacts/list`.
     pub fn list_artifacts(&self, run_id: &str, path: &str) -> Result<Vec<FileInfo>> {
         #[derive(Deserialize)]
         struct R {
             #[serde(default)]
             files: Vec<FileInfo>,
+            #[serde(default)]
+            next_page_token: Option<String>,
         }
-        let mut q = vec![("run_id", run_id)];
-        if !path.is_empty() {
-            q.push(("path", path));
+        let path = path.trim_matches('/');
+        if self.target().databricks {
+            if let Ok(ArtifactStore::Dbfs(root)) = ArtifactStore::from_uri(&self.get_run(run_id)?.info.artifact_uri) {
+                return self.list_dbfs(&root, path);
+            }
         }
-        Ok(self.get::<R>("artifacts/list", &q)?.files)
+        let mut out = Vec::new();
+        let mut token: Option<String> = None;
+        loop {
+            let mut q = vec![("run_id", run_id)];
+            if !path.is_empty() {
+                q.push(("path", path));
+            }
+            if let Some(t) = token.as_deref() {
+                q.push(("page_token", t));
+            }
+            let r = self.get::<R>("artifacts/list", &q)?;
+            let n = r.files.len();
+            out.extend(r.files);
+            match r.next_page_token.filter(|t| !t.is_empty() && n > 0) {
+                Some(t) => token = Some(t),
+                None => return Ok(out),
+            }
+        }
     }
 }
 
@@ -122,6 +201,15 @@ mod tests {
         );
         assert_eq!(ArtifactStore::from_uri("file:///tmp/a").unwrap(), ArtifactStore::Local("/tmp/a".into()));
         assert!(ArtifactStore::from_uri("s3://bucket/x").unwrap_err().to_string().contains("s3://bucket/x"));
+        assert_eq!(
+            ArtifactStore::from_uri("dbfs:/databricks/mlflow-tracking/123/abc/artifacts").unwrap(),
+            ArtifactStore::DatabricksRun { experiment_id: "123".into(), run_id: "abc".into() }
+        );
+        assert_eq!(ArtifactStore::from_uri("dbfs:/mnt/team/runs/").unwrap(), ArtifactStore::Dbfs("/mnt/team/runs".into()));
+        let e = ArtifactStore::from_uri("dbfs:/databricks/mlflow-tracking/123/logged_models/m-1/artifacts").unwrap_err();
+        assert!(e.to_string().contains("not a run's artifact root"), "{e}");
+        let e = ArtifactStore::from_uri("dbfs://other@databricks/x").unwrap_err();
+        assert!(e.to_string().contains("\"other@databricks\""), "{e}");
         assert_eq!(encode_segment("a b.png"), "a%20b.png");
         assert!(join_rel(&["x/../y"]).is_err());
     }

@@ -3,6 +3,7 @@
 //! ([`crate::logger`]) keeps it off the training loop's path.
 
 use crate::error::{Error, Result};
+use crate::retry::RetryPolicy;
 use crate::target::Target;
 use crate::types::*;
 use crate::validate::validate_key;
@@ -22,6 +23,7 @@ pub const MAX_ITEMS_PER_BATCH: usize = 1000;
 pub struct Client {
     target: Target,
     agent: ureq::Agent,
+    retry: RetryPolicy,
 }
 
 impl Client {
@@ -38,18 +40,34 @@ impl Client {
             .timeout_connect(Some(Duration::from_secs(5).min(timeout)))
             .build()
             .into();
-        Client { target, agent }
+        Client { target, agent, retry: RetryPolicy::default() }
+    }
+
+    /// The same client with another retry policy for artifact transfers (5xx, 429, connection
+    /// failures). Metric logging retries in the background logger instead.
+    pub fn with_retry_policy(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
     }
 
     pub fn target(&self) -> &Target {
         &self.target
     }
 
+    pub(crate) fn agent(&self) -> &ureq::Agent {
+        &self.agent
+    }
+
+    pub(crate) fn retry_policy(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
     pub(crate) fn url(&self, path: &str) -> String {
         format!("{}/api/2.0/{}", self.target.base_url, path.trim_start_matches('/'))
     }
 
-    fn auth<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
+    /// Adds the Bearer token (Databricks). Only for requests to the tracking host itself.
+    pub(crate) fn auth<B>(&self, req: ureq::RequestBuilder<B>) -> ureq::RequestBuilder<B> {
         match &self.target.token {
             Some(t) => req.header("Authorization", format!("Bearer {}", t.expose())),
             None => req,
@@ -81,7 +99,7 @@ impl Client {
         Err(Error::Server { endpoint: endpoint.to_string(), status, code: eb.error_code, message: eb.message })
     }
 
-    fn decode<T: DeserializeOwned>(endpoint: &str, body: &str) -> Result<T> {
+    pub(crate) fn decode<T: DeserializeOwned>(endpoint: &str, body: &str) -> Result<T> {
         let body = if body.trim().is_empty() { "{}" } else { body };
         serde_json::from_str(body).map_err(|e| Error::Decode { endpoint: endpoint.to_string(), message: e.to_string() })
     }

@@ -15,6 +15,10 @@ pub enum Error {
     /// The server answered with an HTTP error.
     #[error("MLflow {endpoint} returned HTTP {status} {code}: {message}")]
     Server { endpoint: String, status: u16, code: String, message: String },
+    /// Cloud storage behind a signed URL (S3, Azure, GCS) answered with an HTTP error. `url` has
+    /// its query string (the signature) replaced by `<redacted>`; `message` is scrubbed of it too.
+    #[error("artifact storage ({kind}) {url} returned HTTP {status} {code}: {message}")]
+    Storage { kind: String, url: String, status: u16, code: String, message: String },
     /// The server answered with a body we could not decode.
     #[error("cannot decode the answer of MLflow {endpoint}: {message}")]
     Decode { endpoint: String, message: String },
@@ -30,11 +34,12 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether a retry may succeed: connection failures, 5xx and 429.
+    /// Whether a retry may succeed: connection failures, 5xx and 429 (and 408 from storage).
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::Connection { .. } => true,
             Error::Server { status, .. } => *status >= 500 || *status == 429,
+            Error::Storage { status, .. } => *status >= 500 || *status == 429 || *status == 408,
             _ => false,
         }
     }
