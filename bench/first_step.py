@@ -1,0 +1,185 @@
+"""Where the first step of an accelerated workload goes: export (torch.export capture, the
+ONNX translation, ortrain's post-processing), engine session builds, planning, and the step
+itself, each timed inclusively in this one fresh process (one line of JSON, or a table).
+
+    python -m bench.first_step [--workload tutorial] [--threads 2] [--json] [--profile FILE]
+
+The user's loop is bench/worker.py's, the phases are found by wrapping the functions that do
+them (the wrappers only read the clock); nested phases are included in their parents' times.
+`--profile FILE` writes a cProfile of the first step instead of wrapping anything.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import os
+import sys
+import time
+
+# (label, module, attribute path): wrapped if present; a missing one is skipped
+_PHASES = (
+    ("export_module", "ortrain.export", "export_module"),
+    ("  torch.onnx.export (dynamo)", "ortrain.export.dynamo", "export"),
+    ("    registry from torchlib", "torch.onnx._internal.exporter._registration", "ONNXRegistry.from_torchlib"),
+    ("    torch.export capture", "torch.onnx._internal.exporter._capture_strategies",
+     "TorchExportNonStrictStrategy.__call__"),
+    ("    decompositions", "torch.onnx._internal.exporter._core", "_prepare_exported_program_for_export"),
+    ("      decomposition table", "torch.onnx._internal.exporter._decomp", "create_onnx_friendly_decomposition_table"),
+    ("      run_decompositions (retrace)", "torch.export", "ExportedProgram.run_decompositions"),
+    ("      type promotion", "torch.onnx._internal.exporter._fx_passes", "insert_type_promotion_nodes"),
+    ("    ONNX translation", "torch.onnx._internal.exporter._core", "_exported_program_to_onnx_program"),
+    ("    opset conversion", "torch.onnx._internal.exporter._core", "onnxscript_apis.convert_version"),
+    ("    IR -> ModelProto", "torch.onnx._internal.exporter._onnx_program", "ONNXProgram.model_proto.fget"),
+    ("  post-processing: strip_prefix", "ortrain.export.graph", "strip_prefix"),
+    ("  post-processing: fix_dropouts", "ortrain.export.graph", "fix_dropouts"),
+    ("  post-processing: map_parameters", "ortrain.export.graph", "map_parameters"),
+    ("  onnx.checker", "onnx.checker", "check_model"),
+    ("ModelProto.SerializeToString / onnx.load_from_string", "onnx", "load_from_string"),
+    ("strip_bound_weights", "ortrain.engine.runner", "strip_bound_weights"),
+    ("engine Session build (import, passes, autodiff)", "ortrain.engine.runner", "_ortrain.Session"),
+    ("runner.output_types (forward plan)", "ortrain.engine.runner", "Runner.output_types"),
+    ("CrossEntropyRunner (graph edit + Session)", "ortrain.engine.cross_entropy", "CrossEntropyRunner.__init__"),
+    ("engine call (plan + run, forward)", "ortrain.engine.function", "EngineFunction.forward"),
+    ("engine backward (plan + run)", "ortrain.engine.function", "EngineFunction.backward"),
+)
+
+
+class Clock:
+    def __init__(self):
+        self.total: dict = {}
+        self.calls: dict = {}
+
+    def wrap(self, label, owner, attr):
+        raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        original = raw.__func__ if kind is not None else getattr(owner, attr)
+        clock = self
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                clock.total[label] = clock.total.get(label, 0.0) + time.perf_counter() - t0
+                clock.calls[label] = clock.calls.get(label, 0) + 1
+
+        if kind is not None:
+            timed = kind(timed)
+        setattr(owner, attr, timed)
+
+
+def _resolve(module: str, path: str):
+    """(owner, attribute name) for a dotted path under a module; properties by `.fget`."""
+    obj = importlib.import_module(module)
+    parts = path.split(".")
+    if parts[-1] == "fget":
+        cls = obj
+        for p in parts[:-2]:
+            cls = getattr(cls, p)
+        prop = cls.__dict__[parts[-2]]
+        return cls, parts[-2], prop
+    for p in parts[:-1]:
+        obj = getattr(obj, p)
+    return obj, parts[-1], None
+
+
+def install(clock: Clock) -> None:
+    for label, module, path in _PHASES:
+        try:
+            owner, attr, prop = _resolve(module, path)
+        except (ImportError, AttributeError, KeyError):
+            continue
+        if prop is not None:
+            fget = prop.fget
+
+            def timed_get(self, _f=fget, _label=label):
+                t0 = time.perf_counter()
+                try:
+                    return _f(self)
+                finally:
+                    clock.total[_label] = clock.total.get(_label, 0.0) + time.perf_counter() - t0
+                    clock.calls[_label] = clock.calls.get(_label, 0) + 1
+
+            setattr(owner, attr, property(timed_get))
+        elif hasattr(owner, attr):
+            clock.wrap(label, owner, attr)
+    # SerializeToString lives on the C message class: time it through the one place we call it
+    import onnx
+
+    clock.wrap("ModelProto.SerializeToString / onnx.load_from_string", onnx, "load_from_string")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--workload", default="tutorial")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", action="store_true", help="one line of JSON instead of a table")
+    ap.add_argument("--profile", help="write a cProfile of the first step here (no phase wrappers)")
+    args = ap.parse_args()
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ.setdefault(var, str(args.threads))
+    t_start = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import ortrain
+
+    from bench import workloads
+
+    t_import = time.perf_counter() - t_start
+    clock = Clock()
+    if not args.profile:
+        install(clock)
+    workload = workloads.WORKLOADS[args.workload]
+    torch.manual_seed(0)
+    job = workload.build()
+    ortrain.accelerate(job.model, job.optimizer)
+    batch = job.batch(0)
+
+    def step():
+        job.optimizer.zero_grad()
+        loss = job.forward_loss(job.model, batch)
+        loss.backward()
+        if job.clip is not None:
+            torch.nn.utils.clip_grad_norm_(job.model.parameters(), job.clip)
+        job.optimizer.step()
+        return loss.item()
+
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    t0 = time.perf_counter()
+    loss = step()
+    first = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+        profiler.dump_stats(args.profile)
+    phases = {k: round(clock.total[k], 4) for k, _, _ in _PHASES if k in clock.total}
+    calls = dict(clock.calls)
+    t1 = time.perf_counter()
+    step()
+    second = time.perf_counter() - t1
+    state = job.model.__dict__["_ortrain_state"]
+    exported = [r.exported for r in state.runners.values() if hasattr(r, "exported")]
+    attempts = [a for e in exported for a in e.attempts]
+    result = {"workload": args.workload, "attempts": attempts, "import_s": t_import, "first_step_s": first, "second_step_s": second,
+              "loss": loss, "phases": phases, "calls": calls}
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{args.workload}: import {t_import:.2f} s, first step {first:.2f} s, second step {second:.3f} s, "
+          f"loss {loss:.4f}, exporter attempts {attempts}")
+    print("phases of the first step (inclusive):")
+    for label, _, _ in _PHASES:
+        if label in phases:
+            print(f"  {label:<55s} {phases[label]:7.3f} s  x{calls[label]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
