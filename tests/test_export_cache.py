@@ -1,18 +1,27 @@
 """The in-process export cache (ortrain/export/cache.py) as a user sees it: accelerating the same
 module again (what `%%ort compare`, `%ort off`/on and `--check` do) does not run the exporter
 again and trains exactly as the first time; a module whose structure or attributes changed, a
-new module object, another mode, or ORTRAIN_EXPORT_CACHE=0 exports again."""
+new module object, another mode, or ORTRAIN_EXPORT_CACHE=0 exports again. And the disk cache
+of translations (ortrain/export/disk_cache.py): a program captured before is not translated
+again, a changed forward is."""
+import sys
+
+import onnx
 import torch
 
 import models
 import ortrain
+from ortrain.export import export_module
 from ortrain.magics import _restore, _snapshot
 
 
 class _Counter:
-    """Counts calls of torch.onnx.export (the exporter every ortrain export goes through)."""
+    """Counts calls of torch.onnx.export (the exporter every ortrain export goes through);
+    `disk=False` turns the disk cache off, so that every export not served from memory counts."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, monkeypatch, disk=True):
+        if not disk:
+            monkeypatch.setenv("ORTRAIN_EXPORT_DISK_CACHE", "0")
         self.calls = 0
         original = torch.onnx.export
 
@@ -43,7 +52,7 @@ def _train(model, opt, x, steps=3):
 
 
 def test_second_accelerate_reuses_the_export_and_trains_identically(monkeypatch):
-    counter = _Counter(monkeypatch)
+    counter = _Counter(monkeypatch, disk=False)
     model, opt, x = _model()
     snap = _snapshot(model, opt)
     ortrain.accelerate(model, opt)
@@ -65,7 +74,7 @@ def test_second_accelerate_reuses_the_export_and_trains_identically(monkeypatch)
 
 
 def test_a_changed_module_a_new_module_or_another_mode_exports_again(monkeypatch):
-    counter = _Counter(monkeypatch)
+    counter = _Counter(monkeypatch, disk=False)
     model, opt, x = _model()
     ortrain.accelerate(model, opt)
     _train(model, opt, x, steps=1)
@@ -96,7 +105,7 @@ def test_a_changed_module_a_new_module_or_another_mode_exports_again(monkeypatch
 
 
 def test_cache_off_by_environment(monkeypatch):
-    counter = _Counter(monkeypatch)
+    counter = _Counter(monkeypatch, disk=False)
     monkeypatch.setenv("ORTRAIN_EXPORT_CACHE", "0")
     model, opt, x = _model()
     for _ in range(2):
@@ -104,3 +113,68 @@ def test_cache_off_by_environment(monkeypatch):
         _train(model, opt, x, steps=1)
         ortrain.deaccelerate(model)
     assert counter.calls == 2
+
+
+# ------------------------------------------------------------------ the disk cache of translations
+def _activation(x):
+    return torch.relu(x)
+
+
+class _Small(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _activation(self.lin(x))
+
+
+def _export_and_run(x):
+    torch.manual_seed(0)
+    model = _Small()
+    expected = model(x)
+    exported = export_module(model, (x,), weights=False)
+    ortrain.accelerate(model)
+    torch.testing.assert_close(model(x), expected)
+    return exported
+
+
+def test_disk_cache_skips_the_translation_of_a_program_seen_before(monkeypatch, tmp_path):
+    monkeypatch.setenv("ORTRAIN_EXPORT_CACHE_DIR", str(tmp_path))
+    counter = _Counter(monkeypatch)
+    x = torch.randn(3, 4)
+    first = _export_and_run(x)
+    assert counter.calls == 1 and len(list(tmp_path.glob("*.onnx"))) == 1
+    second = _export_and_run(x)  # a new module object: captured again, translation read back
+    assert counter.calls == 1
+    assert second.onnx_bytes == first.onnx_bytes and second.param_map == first.param_map
+
+
+def test_disk_cache_follows_the_forward_code(monkeypatch, tmp_path):
+    """Same module structure, other forward code (a helper redefined, as in a notebook): the
+    captured program differs, so the cached translation is not used."""
+    monkeypatch.setenv("ORTRAIN_EXPORT_CACHE_DIR", str(tmp_path))
+    counter = _Counter(monkeypatch)
+    x = torch.randn(3, 4)
+    _export_and_run(x)
+    monkeypatch.setattr(sys.modules[__name__], "_activation", torch.tanh)
+    tanh = _export_and_run(x)  # asserts the engine computes tanh, as PyTorch does
+    assert counter.calls == 2
+    assert any(n.op_type == "Tanh" for n in onnx.load_from_string(tanh.onnx_bytes).graph.node)
+    monkeypatch.setattr(sys.modules[__name__], "_activation", torch.relu)
+    _export_and_run(x)
+    assert counter.calls == 2  # relu's translation is still there
+
+
+def test_unreadable_disk_cache_entry_is_a_miss(monkeypatch, tmp_path):
+    monkeypatch.setenv("ORTRAIN_EXPORT_CACHE_DIR", str(tmp_path))
+    counter = _Counter(monkeypatch)
+    x = torch.randn(3, 4)
+    _export_and_run(x)
+    (entry,) = tmp_path.glob("*.onnx")
+    entry.write_bytes(b"truncated")
+    _export_and_run(x)
+    assert counter.calls == 2
+    monkeypatch.setenv("ORTRAIN_EXPORT_DISK_CACHE", "0")
+    _export_and_run(x)
+    assert counter.calls == 4  # export_module's and accelerate's own export both translate

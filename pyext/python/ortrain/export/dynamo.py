@@ -17,6 +17,9 @@ Two costs of torch.onnx.export that ortrain does not need are avoided (measured,
 - the initializers named in `bound` (the module's parameters and buffers, which the engine binds
   to the live tensors) are written without data, marked external at `ortrain:bound`, instead of
   copying every weight into the protobuf (48 MB for the tutorial model) to drop it later.
+Such weightless exports capture the program first (torch.export, as torch.onnx.export's own
+first strategy does) and look its translation up in the disk cache (export/disk_cache.py: keyed
+by a digest of the captured program); on a miss the captured program is translated and stored.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import contextlib
 
 import onnx
 import torch
+
+from ortrain.export import disk_cache
 
 NAME = "dynamo"
 
@@ -41,15 +46,40 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
         # forward(*flat): one entry for the varargs parameter, a tuple with one spec per tensor
         dynamic_shapes = (tuple({i: Dim.AUTO for i in range(t.dim())} for t in flat),)
     kw = {} if opset is None else {"opset_version": opset}
+    digest = None
+    with _no_causal_mask_detection():
+        captured = _capture(wrapper, flat, dynamic_shapes) if bound and disk_cache.enabled() else None
+    if captured is not None:
+        digest = disk_cache.key(captured, {"opset": opset, "inputs": list(input_names),
+                                           "outputs": list(output_names)}, bound)
+        cached = disk_cache.load(digest)
+        if cached is not None:
+            return cached, []  # nothing of the translation (onnxscript, the registry) was needed
     with _no_causal_mask_detection(), _reused_registry():
         program = torch.onnx.export(
-            wrapper, tuple(flat), None, dynamo=True, optimize=False,
-            dynamic_shapes=dynamic_shapes, input_names=list(input_names),
+            captured if captured is not None else wrapper, tuple(flat), None, dynamo=True, optimize=False,
+            dynamic_shapes=None if captured is not None else dynamic_shapes, input_names=list(input_names),
             output_names=list(output_names), verbose=False, report=False, verify=False,
             external_data=False, **kw)
     if bound:
         _without_data(program.model, bound)
-    return program.model_proto, []
+    model = program.model_proto
+    if digest is not None:
+        disk_cache.store(digest, model)
+    return model, []
+
+
+def _capture(wrapper, flat, dynamic_shapes):
+    """The ExportedProgram exactly as torch.onnx.export's first capture strategy (torch.export,
+    non-strict) makes it, or None where that strategy is not there or fails (torch.onnx.export
+    then runs from the module, with all of its strategies)."""
+    try:
+        from torch.onnx._internal.exporter import _capture_strategies
+        strategy = _capture_strategies.TorchExportNonStrictStrategy(verbose=False)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    result = strategy(wrapper, tuple(flat), {}, dynamic_shapes)
+    return getattr(result, "exported_program", None)
 
 
 def _without_data(model, bound) -> None:
