@@ -3,10 +3,14 @@ ONNX translation, ortrain's post-processing), engine session builds, planning, a
 itself, each timed inclusively in this one fresh process (one line of JSON, or a table).
 
     python -m bench.first_step [--workload tutorial] [--threads 2] [--json] [--profile FILE]
+    python -m bench.first_step --runs 3 [--warm]      # N fresh processes, medians per phase
 
 The user's loop is bench/worker.py's, the phases are found by wrapping the functions that do
 them (the wrappers only read the clock); nested phases are included in their parents' times.
 `--profile FILE` writes a cProfile of the first step instead of wrapping anything.
+Each process gets an empty export disk cache (ORTRAIN_EXPORT_CACHE_DIR: a user's first run, as
+in `python -m bench`) unless the variable is set; `--runs N --warm` shares one cache folder that
+an untimed run fills first (a user's later runs: the translation is read back).
 """
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ import functools
 import importlib
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 # (label, module, attribute path): wrapped if present; a missing one is skipped
@@ -118,7 +125,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one line of JSON instead of a table")
     ap.add_argument("--profile", help="write a cProfile of the first step here (no phase wrappers)")
+    ap.add_argument("--runs", type=int, default=0, help="run N fresh processes and print the medians")
+    ap.add_argument("--warm", action="store_true", help="with --runs: one export disk cache, filled first")
     args = ap.parse_args()
+    if args.runs:
+        return _runs(args)
+    if "ORTRAIN_EXPORT_CACHE_DIR" not in os.environ:
+        os.environ["ORTRAIN_EXPORT_CACHE_DIR"] = tempfile.mkdtemp(prefix="first-step-cold-")
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
         os.environ.setdefault(var, str(args.threads))
     t_start = time.perf_counter()
@@ -148,6 +161,7 @@ def main():
         job.optimizer.step()
         return loss.item()
 
+    rss_before = _rss_mib()
     profiler = None
     if args.profile:
         import cProfile
@@ -160,6 +174,7 @@ def main():
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
+    peak = _peak_rss_mib()
     phases = {k: round(clock.total[k], 4) for k, _, _ in _PHASES if k in clock.total}
     calls = dict(clock.calls)
     t1 = time.perf_counter()
@@ -169,16 +184,59 @@ def main():
     exported = [r.exported for r in state.runners.values() if hasattr(r, "exported")]
     attempts = [a for e in exported for a in e.attempts]
     result = {"workload": args.workload, "attempts": attempts, "import_s": t_import, "first_step_s": first, "second_step_s": second,
-              "loss": loss, "phases": phases, "calls": calls}
+              "loss": loss, "rss_before_mib": rss_before, "peak_rss_growth_mib": peak - rss_before,
+              "phases": phases, "calls": calls}
     if args.json:
         print(json.dumps(result))
         return
     print(f"{args.workload}: import {t_import:.2f} s, first step {first:.2f} s, second step {second:.3f} s, "
-          f"loss {loss:.4f}, exporter attempts {attempts}")
+          f"loss {loss:.4f}, exporter attempts {attempts}, RSS before {rss_before:.0f} MiB, peak during the first "
+          f"step +{peak - rss_before:.0f} MiB")
     print("phases of the first step (inclusive):")
     for label, _, _ in _PHASES:
         if label in phases:
             print(f"  {label:<55s} {phases[label]:7.3f} s  x{calls[label]}")
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _runs(args) -> None:
+    """`args.runs` fresh processes of this script; the median of every number."""
+    cmd = [sys.executable, "-m", "bench.first_step", "--json", "--workload", args.workload, "--threads", str(args.threads)]
+    shared = tempfile.mkdtemp(prefix="first-step-warm-") if args.warm else None
+    results = []
+    for i in range(args.runs + (1 if args.warm else 0)):
+        env = dict(os.environ)
+        env["ORTRAIN_EXPORT_CACHE_DIR"] = shared or tempfile.mkdtemp(prefix="first-step-cold-")
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        result = json.loads(out.strip().splitlines()[-1])
+        if args.warm and i == 0:
+            continue  # fills the cache
+        results.append(result)
+        print(f"run {len(results)}: first step {result['first_step_s']:.2f} s", file=sys.stderr)
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    print(f"{args.workload}, {args.runs} fresh processes ({'warm' if args.warm else 'cold'} export disk cache), "
+          f"medians: import {med([r['import_s'] for r in results]):.2f} s, first step "
+          f"{med([r['first_step_s'] for r in results]):.2f} s (runs: "
+          f"{', '.join(format(r['first_step_s'], '.2f') for r in results)}), second step "
+          f"{med([r['second_step_s'] for r in results]):.3f} s, peak RSS growth over the first step "
+          f"{med([r['peak_rss_growth_mib'] for r in results]):.0f} MiB")
+    for label, _, _ in _PHASES:
+        values = [r["phases"][label] for r in results if label in r["phases"]]
+        if values:
+            print(f"  {label:<55s} {med(values):7.3f} s")
 
 
 if __name__ == "__main__":
