@@ -54,9 +54,18 @@ _PHASES = (
 
 
 class Clock:
+    """Wall time (perf_counter) and this process's CPU time (process_time, all its threads: less
+    sensitive to other processes on a busy machine) per phase."""
+
     def __init__(self):
         self.total: dict = {}
+        self.cpu: dict = {}
         self.calls: dict = {}
+
+    def add(self, label, wall0, cpu0):
+        self.total[label] = self.total.get(label, 0.0) + time.perf_counter() - wall0
+        self.cpu[label] = self.cpu.get(label, 0.0) + time.process_time() - cpu0
+        self.calls[label] = self.calls.get(label, 0) + 1
 
     def wrap(self, label, owner, attr):
         raw = owner.__dict__.get(attr) if isinstance(owner, type) else None
@@ -66,12 +75,11 @@ class Clock:
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return original(*args, **kwargs)
             finally:
-                clock.total[label] = clock.total.get(label, 0.0) + time.perf_counter() - t0
-                clock.calls[label] = clock.calls.get(label, 0) + 1
+                clock.add(label, t0, c0)
 
         if kind is not None:
             timed = kind(timed)
@@ -103,12 +111,11 @@ def install(clock: Clock) -> None:
             fget = prop.fget
 
             def timed_get(self, _f=fget, _label=label):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 try:
                     return _f(self)
                 finally:
-                    clock.total[_label] = clock.total.get(_label, 0.0) + time.perf_counter() - t0
-                    clock.calls[_label] = clock.calls.get(_label, 0) + 1
+                    clock.add(_label, t0, c0)
 
             setattr(owner, attr, property(timed_get))
         elif hasattr(owner, attr):
@@ -125,6 +132,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true", help="one line of JSON instead of a table")
     ap.add_argument("--profile", help="write a cProfile of the first step here (no phase wrappers)")
+    ap.add_argument("--preimport", action="store_true",
+                    help="what-if: import torch.export's machinery (torch._dynamo, ...) before the first step")
     ap.add_argument("--runs", type=int, default=0, help="run N fresh processes and print the medians")
     ap.add_argument("--warm", action="store_true", help="with --runs: one export disk cache, filled first")
     args = ap.parse_args()
@@ -142,6 +151,10 @@ def main():
 
     from bench import workloads
 
+    if args.preimport:
+        import torch._dynamo  # noqa: F401
+        import torch._functorch.aot_autograd  # noqa: F401
+        import torch.export._trace  # noqa: F401
     t_import = time.perf_counter() - t_start
     clock = Clock()
     if not args.profile:
@@ -168,14 +181,15 @@ def main():
 
         profiler = cProfile.Profile()
         profiler.enable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = step()
-    first = time.perf_counter() - t0
+    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
     peak = _peak_rss_mib()
     phases = {k: round(clock.total[k], 4) for k, _, _ in _PHASES if k in clock.total}
+    phases_cpu = {k: round(clock.cpu[k], 4) for k, _, _ in _PHASES if k in clock.cpu}
     calls = dict(clock.calls)
     t1 = time.perf_counter()
     step()
@@ -183,19 +197,20 @@ def main():
     state = job.model.__dict__["_ortrain_state"]
     exported = [r.exported for r in state.runners.values() if hasattr(r, "exported")]
     attempts = [a for e in exported for a in e.attempts]
-    result = {"workload": args.workload, "attempts": attempts, "import_s": t_import, "first_step_s": first, "second_step_s": second,
+    result = {"workload": args.workload, "attempts": attempts, "import_s": t_import, "first_step_s": first, "first_step_cpu_s": first_cpu, "second_step_s": second,
               "loss": loss, "rss_before_mib": rss_before, "peak_rss_growth_mib": peak - rss_before,
-              "phases": phases, "calls": calls}
+              "phases": phases, "phases_cpu": phases_cpu, "calls": calls}
     if args.json:
         print(json.dumps(result))
         return
-    print(f"{args.workload}: import {t_import:.2f} s, first step {first:.2f} s, second step {second:.3f} s, "
+    print(f"{args.workload}: import {t_import:.2f} s, first step {first:.2f} s (CPU {first_cpu:.2f} s), "
+          f"second step {second:.3f} s, "
           f"loss {loss:.4f}, exporter attempts {attempts}, RSS before {rss_before:.0f} MiB, peak during the first "
           f"step +{peak - rss_before:.0f} MiB")
-    print("phases of the first step (inclusive):")
+    print("phases of the first step (inclusive), wall and CPU seconds:")
     for label, _, _ in _PHASES:
         if label in phases:
-            print(f"  {label:<55s} {phases[label]:7.3f} s  x{calls[label]}")
+            print(f"  {label:<55s} {phases[label]:7.3f} {phases_cpu[label]:7.3f}  x{calls[label]}")
 
 
 def _rss_mib() -> float:
@@ -215,6 +230,7 @@ def _peak_rss_mib() -> float:
 def _runs(args) -> None:
     """`args.runs` fresh processes of this script; the median of every number."""
     cmd = [sys.executable, "-m", "bench.first_step", "--json", "--workload", args.workload, "--threads", str(args.threads)]
+    cmd += ["--preimport"] if args.preimport else []
     shared = tempfile.mkdtemp(prefix="first-step-warm-") if args.warm else None
     results = []
     for i in range(args.runs + (1 if args.warm else 0)):
@@ -227,16 +243,20 @@ def _runs(args) -> None:
         results.append(result)
         print(f"run {len(results)}: first step {result['first_step_s']:.2f} s", file=sys.stderr)
     med = lambda xs: statistics.median(xs)  # noqa: E731
-    print(f"{args.workload}, {args.runs} fresh processes ({'warm' if args.warm else 'cold'} export disk cache), "
+    print(f"{args.workload}, {args.runs} fresh processes ({'warm' if args.warm else 'cold'} export disk cache"
+          f"{', torch.export machinery imported before' if args.preimport else ''}), "
           f"medians: import {med([r['import_s'] for r in results]):.2f} s, first step "
           f"{med([r['first_step_s'] for r in results]):.2f} s (runs: "
-          f"{', '.join(format(r['first_step_s'], '.2f') for r in results)}), second step "
+          f"{', '.join(format(r['first_step_s'], '.2f') for r in results)}; CPU "
+          f"{med([r['first_step_cpu_s'] for r in results]):.2f} s), second step "
           f"{med([r['second_step_s'] for r in results]):.3f} s, peak RSS growth over the first step "
           f"{med([r['peak_rss_growth_mib'] for r in results]):.0f} MiB")
+    print(f"  {'phase (inclusive; medians)':<55s} {'wall s':>7s} {'CPU s':>7s}")
     for label, _, _ in _PHASES:
         values = [r["phases"][label] for r in results if label in r["phases"]]
+        cpu = [r["phases_cpu"][label] for r in results if label in r["phases_cpu"]]
         if values:
-            print(f"  {label:<55s} {med(values):7.3f} s")
+            print(f"  {label:<55s} {med(values):7.3f} {med(cpu):7.3f}")
 
 
 if __name__ == "__main__":

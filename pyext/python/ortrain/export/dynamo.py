@@ -34,7 +34,7 @@ NAME = "dynamo"
 
 
 BOUND_LOCATION = "ortrain:bound"
-_REGISTRIES: dict = {}  # opset version -> the ONNXRegistry built from torchlib for it
+_REGISTRIES: dict = {}  # (class, from_torchlib arguments: the opset) -> the ONNXRegistry built for them
 
 
 def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names: list, *,
