@@ -1,6 +1,7 @@
 """The orchestrator's handle on one worker process (bench/worker.py): start it with the thread
 settings in its environment (and, for torch.compile, an empty inductor cache of its own, so its
-first step is a cold compile as a user's first run is), send a command, wait for the answer with
+first step is a cold compile as a user's first run is; for ortrain, likewise an empty export
+disk cache, so its first step translates the model to ONNX as a user's first run does), send a command, wait for the answer with
 a time limit, and turn a crash, a hang or an error answer into a `WorkerError` carrying the
 worker's own stderr."""
 from __future__ import annotations
@@ -31,9 +32,9 @@ class WorkerProcess:
             env[var] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self._cache = tempfile.TemporaryDirectory(prefix="bench-inductor-") if system == "compile" else None
+        self._cache = tempfile.TemporaryDirectory(prefix=f"bench-{system}-cache-") if system in ("compile", "ortrain") else None
         if self._cache:
-            env["TORCHINDUCTOR_CACHE_DIR"] = self._cache.name
+            env["TORCHINDUCTOR_CACHE_DIR" if system == "compile" else "ORTRAIN_EXPORT_CACHE_DIR"] = self._cache.name
         config = {"workload": workload, "system": system, "threads": threads, "seed": seed}
         self._stderr = tempfile.TemporaryFile(mode="w+b", prefix="bench-worker-")
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.worker", json.dumps(config)], cwd=REPO, env=env,

@@ -21,6 +21,14 @@ def _torch_threads():
 
 def pytest_configure(config):
     os.environ.setdefault("ORTRAIN_OFFLINE", "1")
+    if "ORTRAIN_EXPORT_CACHE_DIR" not in os.environ:  # start cold, leave the user's cache alone
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="ortrain-test-export-cache-")
+        os.environ["ORTRAIN_EXPORT_CACHE_DIR"] = folder
+        atexit.register(shutil.rmtree, folder, True)
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,7 @@ class _State:
                 self.module.__dict__["forward"] = patched
 
     def runner_for(self, args, kwargs):
-        from ortrain.export import export_module, signature
+        from ortrain.export import export_cached, signature
         from ortrain.engine.runner import Runner
 
         mask = tuple(p.requires_grad for p in self.module.parameters())
@@ -55,7 +55,7 @@ class _State:
         if key not in self.runners:
             try:
                 with self.plain():
-                    exported = export_module(self.module, args, kwargs, training=self.module.training,
+                    exported = export_cached(self.module, args, kwargs, training=self.module.training,
                                              exporter=self.exporter)
                 self.runners[key] = Runner(self.module, exported, self.precision, self.device)
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
@@ -271,7 +271,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
         if isinstance(r, Runner):
             e = r.exported
             fwd, bwd = r.session.node_count
-            lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), "
+            took = "reused from an earlier export in this process" if e.from_cache else f"{e.seconds:.2f} s"
+            lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes")
             if getattr(r, "on_cuda", False):
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"

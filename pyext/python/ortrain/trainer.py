@@ -103,13 +103,13 @@ class ORTTrainer:
     # ----------------------------------------------------------------------------- plumbing
     def _runner(self, inputs: tuple, training: bool):
         from ortrain.engine.runner import Runner
-        from ortrain.export import export_module, signature
+        from ortrain.export import export_cached, signature
 
         key = (signature(inputs), training)
         if key not in self._runners:
             _release_from_accelerate(self.model)
             self._module.train(training)
-            exported = export_module(self._module, inputs, training=training)
+            exported = export_cached(self._module, inputs, training=training)
             mp = self.options["mixed_precision"]
             self._runners[key] = Runner(self._module, exported, mp["dtype"] if mp["enabled"] else "fp32")
         return self._runners[key]

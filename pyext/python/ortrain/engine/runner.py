@@ -74,7 +74,9 @@ class Runner:
         self.arena_sizes: dict = {}  # CUDA: (input types, backward, bound outputs) -> arena bytes
         # the runner keeps the graph without the parameters' data: the engine binds the live
         # tensors, and the complete export (model-sized) can be freed
-        exported = dataclasses.replace(exported, onnx_bytes=strip_bound_weights(exported.onnx_bytes, exported.param_map))
+        if getattr(exported, "weights", True):
+            exported = dataclasses.replace(exported, onnx_bytes=strip_bound_weights(exported.onnx_bytes, exported.param_map),
+                                           weights=False)
         self.exported = exported
         named = dict(module.named_parameters(remove_duplicate=False))
         named.update(dict(module.named_buffers(remove_duplicate=False)))

@@ -14,6 +14,8 @@ into a Reshape: its tutorial graph runs only at the exported sequence length.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import time
 from dataclasses import dataclass, field
@@ -28,8 +30,9 @@ from ortrain.export import legacy as _legacy
 from ortrain.export.inputs import flatten_call, rebuild_call, signature
 from ortrain.export.outputs import flatten_outputs, unflatten_outputs
 from ortrain.export.quiet import quiet
+from ortrain.export.cache import export_cached
 
-__all__ = ["ExportedGraph", "export_module", "signature", "unflatten_outputs", "EXPORTERS"]
+__all__ = ["ExportedGraph", "export_module", "export_cached", "signature", "unflatten_outputs", "EXPORTERS"]
 
 EXPORTERS = {"legacy": _legacy, "dynamo": _dynamo}
 AUTO_ORDER = ("dynamo", "legacy")
@@ -65,6 +68,8 @@ class ExportedGraph:
     unused_params: list = field(default_factory=list)  # trainable params the graph never reads
     static_dims: dict = field(default_factory=dict)  # input -> axes left fixed by the exporter
     notes: list = field(default_factory=list)  # exporter remarks (legacy tracer warnings)
+    weights: bool = True  # False: param_map's initializers carry no data (external at ortrain:bound)
+    from_cache: bool = False  # returned by export.cache.export_cached without exporting again
 
     def model(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.onnx_bytes)
@@ -120,13 +125,17 @@ def _order(exporter: str):
 
 def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, *,
                   training: bool = True, exporter: str = "auto", dynamic: bool = True,
-                  opset: int | None = None, quiet_logs: bool = True) -> ExportedGraph:
+                  opset: int | None = None, quiet_logs: bool = True, weights: bool = True) -> ExportedGraph:
     """Export `module(*args, **kwargs)` to ONNX (see ExportedGraph).
 
     training: export train()-mode semantics (Dropout active, BatchNorm batch statistics) or
         eval(). The module's own modes, buffers and RNG state are restored afterwards.
     exporter: "auto" (dynamo, then legacy), "legacy" or "dynamo".
     dynamic: every dimension of every tensor input symbolic (True) or fixed (False).
+    weights: False leaves the data of the module's parameters and buffers out of the graph (each
+        initializer in param_map keeps its name, type and shape, marked external at
+        `ortrain:bound`): what the engine needs, since it binds the live tensors. It saves
+        copying the weights several times (the dynamo exporter then never writes them).
     """
     order = _order(exporter)
     if not isinstance(args, tuple):
@@ -137,17 +146,18 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
     sig = signature(args, kwargs)
     attempts = []
     t0 = time.perf_counter()
-    for name in order:
-        model = _attempt(EXPORTERS[name], module, spec, flat, training, dynamic, opset,
-                         quiet_logs, attempts)
-        if model is not None:
-            break
-    else:
+    bound = frozenset() if weights else _state_names(module)
+    with _gc_paused():
+        for name in order:
+            model = _attempt(EXPORTERS[name], module, spec, flat, training, dynamic, opset,
+                             quiet_logs, attempts, bound)
+            if model is not None:
+                break
+    if model is None:
         reasons = "; ".join(f"{n}: {r}" for n, r in attempts)
         raise ExportError(f"could not export {type(module).__name__} to ONNX: {reasons}")
     model, wrapper, notes = model
     record = _RECORDS.pop(wrapper.key)
-    seconds = time.perf_counter() - t0
     _graph.strip_prefix(model, _PREFIX)
     _graph.name_outputs(model, record["names"] or [])
     fixes = _graph.fix_dropouts(model) if training else []
@@ -155,17 +165,48 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
     pmap, kinds, aliases, unused = _graph.map_parameters(model, module)
     updates = _graph.buffer_updates(model, pmap, kinds) if training else {}
     input_names = list(spec.input_names)
-    onnx.checker.check_model(model)
+    if not weights:
+        _graph.mark_bound(model, pmap)
+    _graph.check(model)
+    onnx_bytes = model.SerializeToString()
+    seconds = time.perf_counter() - t0
     return ExportedGraph(
-        onnx_bytes=model.SerializeToString(), input_names=input_names,
+        onnx_bytes=onnx_bytes, input_names=input_names,
         output_names=[o.name for o in model.graph.output], param_map=pmap, param_kinds=kinds,
         aliases=aliases, output_structure=record["structure"], exporter=name,
         opset=_graph.opset_of(model), attempts=attempts, dropout_fixes=fixes, batchnorm_fixes=bn_fixes, seconds=seconds,
         training=training, constants=spec.constants, signature=sig, buffer_updates=updates,
-        unused_params=unused, notes=notes, static_dims=_graph.static_input_dims(model, input_names))
+        unused_params=unused, notes=notes, static_dims=_graph.static_input_dims(model, input_names),
+        weights=weights)
 
 
-def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, attempts):
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic garbage collector off while an exporter runs, then one collection of what
+    was allocated meanwhile. The ~5*10^5 objects importing torch leaves make every full
+    collection slow: a cold tutorial export ran 4 of them (0.6-0.7 s of its ~4 s, measured;
+    doc/EXPORT.md). Paused, the export's ~2*10^5 objects of cyclic garbage (+17 MB peak RSS) wait
+    for the collection of the young generation at the end (~0.25 s)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect(0)
+
+
+def _state_names(module: torch.nn.Module) -> frozenset:
+    """The initializer names (as the wrapper sees them) of the module's parameters and buffers."""
+    keys = set(module.state_dict(keep_vars=True))
+    keys.update(k for k, _ in module.named_parameters(remove_duplicate=False))
+    keys.update(k for k, _ in module.named_buffers(remove_duplicate=False))
+    return frozenset(_PREFIX + k for k in keys)
+
+
+def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, attempts, bound):
     modes = {m: m.training for m in module.modules()}
     buffers = {k: b.detach().clone() for k, b in module.named_buffers()}
     rng = torch.random.get_rng_state()
@@ -174,7 +215,7 @@ def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, 
         module.train(training)
         with quiet(quiet_logs):
             model, notes = backend.export(wrapper, flat, list(spec.input_names), [], training=training,
-                                   dynamic=dynamic, opset=opset)
+                                          dynamic=dynamic, opset=opset, bound=bound)
         attempts.append((backend.NAME, None))
         return model, wrapper, notes
     except Exception as exc:  # recorded, reported in ExportError if every exporter fails

@@ -9,6 +9,17 @@ nn.TransformerEncoder(src, mask) asks `_detect_is_causal_mask` whether the mask 
 comparing its values (a data-dependent guard torch.export cannot trace). The answer is only a
 hint that lets attention skip the mask; during export we answer "not causal" (or the caller's
 explicit is_causal), so the mask is applied explicitly: same values, exportable graph.
+
+Two costs of torch.onnx.export that ortrain does not need are avoided (measured, doc/EXPORT.md):
+- every call rebuilds the aten -> ONNX function registry from onnxscript's torchlib, parsing the
+  Python source of ~500 functions (0.6-0.9 s on 2 cores): the first one built in the process is
+  reused for the same opset (nothing mutates it: custom translation tables are never passed);
+- the initializers named in `bound` (the module's parameters and buffers, which the engine binds
+  to the live tensors) are written without data, marked external at `ortrain:bound`, instead of
+  copying every weight into the protobuf (48 MB for the tutorial model) to drop it later.
+Such weightless exports capture the program first (torch.export, as torch.onnx.export's own
+first strategy does) and look its translation up in the disk cache (export/disk_cache.py: keyed
+by a digest of the captured program); on a miss the captured program is translated and stored.
 """
 from __future__ import annotations
 
@@ -16,6 +27,8 @@ import contextlib
 
 import onnx
 import torch
+
+from ortrain.export import disk_cache
 
 NAME = "dynamo"
 _captured: list | None = None  # inside capture_programs(): the ExportedPrograms behind each export
@@ -33,8 +46,12 @@ def capture_programs():
         _captured = outer
 
 
+BOUND_LOCATION = "ortrain:bound"
+_REGISTRIES: dict = {}  # (class, from_torchlib arguments: the opset) -> the ONNXRegistry built for them
+
+
 def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names: list, *,
-           training: bool, dynamic: bool, opset: int | None) -> tuple[onnx.ModelProto, list]:
+           training: bool, dynamic: bool, opset: int | None, bound=frozenset()) -> tuple[onnx.ModelProto, list]:
     from torch.export import Dim
 
     dynamic_shapes = None
@@ -42,15 +59,81 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
         # forward(*flat): one entry for the varargs parameter, a tuple with one spec per tensor
         dynamic_shapes = (tuple({i: Dim.AUTO for i in range(t.dim())} for t in flat),)
     kw = {} if opset is None else {"opset_version": opset}
+    digest = None
     with _no_causal_mask_detection():
+        captured = _capture(wrapper, flat, dynamic_shapes) if bound and disk_cache.enabled() else None
+    if captured is not None and _captured is None:  # capture_programs() needs the translation's program
+        digest = disk_cache.key(captured, {"opset": opset, "inputs": list(input_names),
+                                           "outputs": list(output_names)}, bound)
+        cached = disk_cache.load(digest)
+        if cached is not None:
+            return cached, []  # nothing of the translation (onnxscript, the registry) was needed
+    with _no_causal_mask_detection(), _reused_registry():
         program = torch.onnx.export(
-            wrapper, tuple(flat), None, dynamo=True, optimize=False,
-            dynamic_shapes=dynamic_shapes, input_names=list(input_names),
+            captured if captured is not None else wrapper, tuple(flat), None, dynamo=True, optimize=False,
+            dynamic_shapes=None if captured is not None else dynamic_shapes, input_names=list(input_names),
             output_names=list(output_names), verbose=False, report=False, verify=False,
             external_data=False, **kw)
     if _captured is not None:
         _captured.append(program.exported_program)
-    return program.model_proto, []
+    if bound:
+        _without_data(program.model, bound)
+    model = program.model_proto
+    if digest is not None:
+        disk_cache.store(digest, model)
+    return model, []
+
+
+def _capture(wrapper, flat, dynamic_shapes):
+    """The ExportedProgram exactly as torch.onnx.export's first capture strategy (torch.export,
+    non-strict) makes it, or None where that strategy is not there or fails (torch.onnx.export
+    then runs from the module, with all of its strategies)."""
+    try:
+        from torch.onnx._internal.exporter import _capture_strategies
+        strategy = _capture_strategies.TorchExportNonStrictStrategy(verbose=False)
+    except (ImportError, AttributeError, TypeError):
+        return None
+    result = strategy(wrapper, tuple(flat), {}, dynamic_shapes)
+    return getattr(result, "exported_program", None)
+
+
+def _without_data(model, bound) -> None:
+    """The initializers named in `bound` become data-less external tensors at `ortrain:bound`
+    (same name, dtype and shape), so that serializing the model copies no weight."""
+    import onnx_ir as ir
+
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if name in bound and tensor is not None and not isinstance(tensor, ir.ExternalTensor):
+            value.const_value = ir.ExternalTensor(BOUND_LOCATION, None, None, tensor.dtype,
+                                                  shape=ir.Shape(tensor.shape), name=tensor.name or name)
+
+
+@contextlib.contextmanager
+def _reused_registry():
+    """torch.onnx.export builds its ONNXRegistry from torchlib on every call; within this
+    context the first one built for an opset is returned again. Where the private hook
+    `ONNXRegistry.from_torchlib` does not exist, nothing is changed."""
+    try:
+        from torch.onnx._internal.exporter import _registration
+        cls = _registration.ONNXRegistry
+        original = cls.__dict__["from_torchlib"]
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+    build = original.__func__
+
+    def from_torchlib(klass, *args, **kwargs):
+        key = (klass, args, tuple(sorted(kwargs.items())))
+        if key not in _REGISTRIES:
+            _REGISTRIES[key] = build(klass, *args, **kwargs)
+        return _REGISTRIES[key]
+
+    cls.from_torchlib = classmethod(from_torchlib)
+    try:
+        yield
+    finally:
+        cls.from_torchlib = original
 
 
 def _hint_only(mask, is_causal=None, size=None):

@@ -161,10 +161,14 @@ def buffer_updates(model: onnx.ModelProto, param_map: dict, kinds: dict) -> dict
     return updates
 
 
-def _is_false_constant(model, name, consts) -> bool:
-    if name in consts:
-        return not bool(np.asarray(consts[name]).reshape(-1)[0])
-    return False
+def _is_false_constant(name, consts) -> bool:
+    """Whether `name` is a constant (Constant node or initializer) whose value is false; only
+    that value is converted (not every initializer: they hold the model's weights)."""
+    source = consts.get(name)
+    if source is None:
+        return False
+    value = numpy_helper.to_array(source)
+    return not bool(np.asarray(value).reshape(-1)[0])
 
 
 def fix_dropouts(model: onnx.ModelProto) -> list:
@@ -175,18 +179,18 @@ def fix_dropouts(model: onnx.ModelProto) -> list:
     identity: silently wrong for training. Sets training_mode to a true constant; returns the
     names of the nodes it fixed.
     """
-    consts = {}
+    consts = {}  # value name -> its TensorProto (converted only when a Dropout reads it)
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+            consts[node.output[0]] = node.attribute[0].t
     for t in model.graph.initializer:
-        consts[t.name] = numpy_helper.to_array(t)
+        consts[t.name] = t
     fixed = []
     for i, node in enumerate(model.graph.node):
         if node.op_type != "Dropout" or node.domain not in ("", "ai.onnx"):
             continue
         tm = node.input[2] if len(node.input) > 2 else ""
-        if tm and not _is_false_constant(model, tm, consts):
+        if tm and not _is_false_constant(tm, consts):
             continue
         if not node.name:
             node.name = f"Dropout_{i}"
@@ -252,15 +256,13 @@ def opset_of(model: onnx.ModelProto) -> int:
 BOUND_LOCATION = "ortrain:bound"
 
 
-def strip_bound_weights(onnx_bytes: bytes, param_map: dict) -> bytes:
-    """Drops the data of the initializers the engine binds to the module's live tensors (every
-    call reads those): each keeps its name, type and shape, with the data marked as external at
-    the location `ortrain:bound`. The graph then weighs kilobytes, not the model's size, in
-    memory and in every session built from it. (Not a valid standalone model any more: the
-    runner keeps this form, export_module's result stays complete.)"""
-    model = onnx.load_from_string(onnx_bytes)
+def mark_bound(model: onnx.ModelProto, names) -> None:
+    """In place: the initializers named in `names` lose their data and are marked as external at
+    the location `ortrain:bound` (the engine binds them to the module's live tensors); each keeps
+    its name, type and shape. Others (constants the exporter lifted) keep their data."""
+    names = set(names)
     for init in model.graph.initializer:
-        if init.name not in param_map:
+        if init.name not in names or is_bound(init):
             continue
         for fld in ("raw_data", "float_data", "double_data", "int32_data", "int64_data", "uint64_data"):
             init.ClearField(fld)
@@ -268,4 +270,34 @@ def strip_bound_weights(onnx_bytes: bytes, param_map: dict) -> bytes:
         init.data_location = onnx.TensorProto.EXTERNAL
         entry = init.external_data.add()
         entry.key, entry.value = "location", BOUND_LOCATION
+
+
+def is_bound(init: onnx.TensorProto) -> bool:
+    return init.data_location == onnx.TensorProto.EXTERNAL and any(
+        e.key == "location" and e.value == BOUND_LOCATION for e in init.external_data)
+
+
+def check(model: onnx.ModelProto) -> None:
+    """onnx.checker on the model; bound initializers (no data here: the checker would look for a
+    file named `ortrain:bound`) are checked as graph inputs of the same type and shape."""
+    bound = [t for t in model.graph.initializer if is_bound(t)]
+    if not bound:
+        onnx.checker.check_model(model)
+        return
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    kept = [t for t in copy.graph.initializer if not is_bound(t)]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    copy.graph.input.extend(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in bound)
+    onnx.checker.check_model(copy)
+
+
+def strip_bound_weights(onnx_bytes: bytes, param_map: dict) -> bytes:
+    """Drops the data of the initializers the engine binds to the module's live tensors (every
+    call reads those), see mark_bound. The graph then weighs kilobytes, not the model's size, in
+    memory and in every session built from it. (Not a valid standalone model any more: the
+    runner keeps this form; export_module(weights=True) results stay complete.)"""
+    model = onnx.load_from_string(onnx_bytes)
+    mark_bound(model, param_map)
     return model.SerializeToString()

@@ -32,7 +32,9 @@ class TraceBakedValuesError(RuntimeError):
 
 
 def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names: list, *,
-           training: bool, dynamic: bool, opset: int | None) -> tuple[onnx.ModelProto, list]:
+           training: bool, dynamic: bool, opset: int | None, bound=frozenset()) -> tuple[onnx.ModelProto, list]:
+    """`bound` is not used: the legacy exporter names some parameters `onnx::...`, matched by
+    value afterwards (graph.map_parameters), so their data is dropped only after that."""
     dynamic_axes = None
     if dynamic:
         dynamic_axes = {n: {i: f"{n}_dim{i}" for i in range(t.dim())}
