@@ -155,16 +155,22 @@ class _State:
             self.loss_runners[key] = runner
         if isinstance(runner, Exception):
             return None
-        logits = runner.logits_buffer(call.shape, call.dtype)
+        logits = None if runner.lazy_logits else runner.logits_buffer(call.shape, call.dtype)
         try:
-            loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
+            if logits is None:
+                loss, = runner(call.inputs + [target.contiguous()], True, seed=call.seed)
+            else:
+                loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
         except (EngineError, OrtrainError) as exc:
             if self.strict:
                 raise
             self.loss_runners[key] = exc
             warnings.warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}", stacklevel=4)
             return None
-        call.fused_logits = logits
+        if logits is None:
+            call.fused_lazily()  # the logits are computed if and when they are read
+        else:
+            call.fused_logits = logits
         self.fused_loss_calls += 1
         return loss
 
