@@ -1,19 +1,24 @@
 //! fuse_linear_cross_entropy: SoftmaxCrossEntropyLoss(Reshape(Linear(X, W, b), [-1, N]), labels
 //! [, class weights]) with reduction mean or sum becomes one LinearCrossEntropy(X, W, b, labels,
 //! class weights) (ops/loss.rs): the LM head and its loss, computed chunk by chunk so that
-//! neither the logits nor their gradient are ever whole in memory. The Linear node stays for
-//! whoever else reads the logits (a graph output, another consumer); when nothing does, the
-//! plan drops it. CPU only: the CUDA backend has no LinearCrossEntropy kernel, and sessions
-//! built for CUDA skip this pass.
+//! neither the logits nor their gradient are ever whole in memory. Only where nothing else
+//! reads the logits (not a graph output, no other consumer of the Linear or the Reshape): were
+//! they computed anyway, the fused op would add a fourth LM-head gemm to the three unfused ones.
+//! CPU only: the CUDA backend has no LinearCrossEntropy kernel, and sessions built for CUDA skip
+//! this pass.
 
 use crate::error::Result;
-use crate::ir::{Attr, Attrs, Graph, Node, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
-/// The Linear node whose output the loss reads through a row-flattening Reshape (or
-/// FlattenRows), with N, the logits' width.
-fn linear_under(graph: &Graph, scores: ValueId) -> Option<usize> {
+/// The Linear node whose output only the loss reads, through a row-flattening Reshape (or
+/// FlattenRows).
+fn linear_under(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], scores: ValueId) -> Option<usize> {
+    let only_use = |v: ValueId| consumers[v.0].len() == 1 && !graph.outputs.contains(&v);
     let r = &graph.nodes[graph.value(scores).producer?.0];
     let y = r.input(0)?;
+    if !only_use(scores) || !only_use(y) {
+        return None;
+    }
     let lin = graph.value(y).producer?;
     let node = &graph.nodes[lin.0];
     if node.op_type != "Linear" {
@@ -48,7 +53,7 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
             continue;
         }
         let (Some(scores), Some(labels)) = (node.input(0), node.input(1)) else { continue };
-        let Some(lin) = linear_under(graph, scores) else { continue };
+        let Some(lin) = linear_under(graph, &consumers, scores) else { continue };
         let linear = &graph.nodes[lin];
         let (Some(x), Some(w)) = (linear.input(0), linear.input(1)) else { continue };
         let bias = linear.input(2);
@@ -64,7 +69,7 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
             outputs.push(graph.add_value(&format!("{name}:{what}"), ValueKind::Computed, None, None));
         }
         for &o in &outputs {
-            graph.values[o.0].producer = Some(crate::ir::NodeId(s));
+            graph.values[o.0].producer = Some(NodeId(s));
         }
         graph.nodes[s] = Node {
             name,

@@ -167,6 +167,7 @@ class _State:
             self.loss_runners[key] = exc
             warnings.warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}", stacklevel=4)
             return None
+        runner.last_inputs = [x.detach() for x in call.inputs] + [target.detach()]  # for explain()
         if logits is None:
             call.fused_lazily()  # the logits are computed if and when they are read
         else:
@@ -296,6 +297,15 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
     if state.fused_loss_calls:
         lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
+        for r in state.loss_runners.values():
+            last = getattr(r, "last_inputs", None)
+            if last is None:
+                continue
+            info = r.plan_info(last, True)
+            fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
+            lines.append(f"    loss graph{' (logits computed only when read)' if r.lazy_logits else ''}: "
+                         f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
+                         f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
     if profile:
         from ortrain._profile import format_profile
 

@@ -463,3 +463,38 @@ mod tests {
         }
     }
 }
+
+#[cfg(test)]
+mod bench {
+    use super::super::tensor_view::{In, Out};
+    use super::{lce_go, Lce};
+    use crate::backend::cpu::bf16::MatmulPath;
+    use crate::tensor::{DType, Tensor};
+
+    /// The tutorial's LM head (700 rows, K 200, N 28782) through LinearCrossEntropy with several
+    /// chunk sizes: `cargo test --release -p ortrain-engine lce_chunk_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn lce_chunk_speed() {
+        let (rows, k, n) = (700usize, 200usize, 28782usize);
+        let x = Tensor::from_f32(vec![rows, k], (0..rows * k).map(|i| ((i * 7919) % 1000) as f32 / 5000.0 - 0.1).collect());
+        let w = Tensor::from_f32(vec![n, k], (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 / 5000.0 - 0.1).collect());
+        let t: Vec<(usize, f64)> = (0..rows).map(|r| (r * 37 % n, 1.0)).collect();
+        let a = Lce { path: MatmulPath::Fp32, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true };
+        let mut outs: Vec<Vec<f32>> = vec![vec![0.0; 1], vec![0.0; rows * k], vec![0.0; n * k], vec![0.0; n], vec![0.0; 700 * n]];
+        for round in 0..6 {
+            for chunk in [128usize, 256, 192, 96] {
+                let shapes = [vec![], vec![rows, k], vec![n, k], vec![n], vec![chunk, n]];
+                let mut views: Vec<Out> = outs
+                    .iter_mut()
+                    .zip(&shapes)
+                    // SAFETY: each vector holds at least numel(shape) f32s and is borrowed once.
+                    .map(|(v, s)| unsafe { Out::from_raw(DType::F32, s, v.as_mut_ptr() as *mut u8) })
+                    .collect();
+                let t0 = std::time::Instant::now();
+                lce_go::<f32>(&a, &In::of(&x), &In::of(&w), None, &mut views).unwrap_or_else(|e| panic!("{e}"));
+                println!("round {round}: chunk {chunk:4}: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+}
