@@ -169,3 +169,7 @@ def test_linear_cross_entropy_bf16_matches_unfused_bf16(monkeypatch):
     dgrad = max(_max_rel(fused[1][n], plain[1][n]) for n in plain[1])
     print(f"\nbf16 fused vs unfused: loss {abs(fused[0] - plain[0]) / abs(plain[0]):.2e}, gradients max {dgrad:.2e}")
     assert abs(fused[0] - plain[0]) <= 1e-5 * abs(plain[0]) and dgrad <= 1e-3
+    fp32 = _lm_head_step(None, monkeypatch)
+    d_fp32 = max(_max_rel(fused[1][n], fp32[1][n]) for n in fp32[1])
+    print(f"bf16 fused vs fp32 fused: gradients max {d_fp32:.2e} (the bf16 products ran)")
+    assert d_fp32 > 1e-5

@@ -70,10 +70,14 @@ impl OpDef for LossGrad {
     }
 }
 
-/// Rows per chunk of LinearCrossEntropy (the scratch logits are `[min(rows, this), N]`): enough
-/// that the per-chunk dW gemm (inner dimension = chunk rows) runs near peak, few enough that a
-/// chunk's logits stay a small part of the arena (128 × 28782 f32 = 14.7 MB).
-pub const LCE_CHUNK_ROWS: usize = 128;
+/// Rows per chunk of LinearCrossEntropy (the scratch logits are `[min(rows, this), N]`). The
+/// per-chunk dW gemm (inner dimension = chunk rows) reads and writes all of dW once per chunk,
+/// so chunks must be large: on the tutorial head (700 × 200 · 200 × 28782, 2 threads) 256 rows
+/// took 0.8x the time of 128 in 5 of 6 interleaved runs (`lce_phase_speed` in
+/// backend/cpu/loss.rs: the dW gemm is where 128 loses), while its logits (256 × 28782 f32 =
+/// 29 MB) are still a third of the unfused 80 MB. A chunk that fits in L2 (≈ 8 such rows) would
+/// make the dW gemm memory-bound.
+pub const LCE_CHUNK_ROWS: usize = 256;
 
 /// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁,
 /// scratch), where the `₁` outputs are the gradients for a loss seed of 1 (db₁ is [N] zeros when

@@ -466,6 +466,8 @@ mod tests {
 
 #[cfg(test)]
 mod bench {
+    use rayon::prelude::*;
+
     use super::super::tensor_view::{In, Out};
     use super::{lce_go, Lce};
     use crate::backend::cpu::bf16::MatmulPath;
@@ -495,6 +497,50 @@ mod bench {
                 lce_go::<f32>(&a, &In::of(&x), &In::of(&w), None, &mut views).unwrap_or_else(|e| panic!("{e}"));
                 println!("round {round}: chunk {chunk:4}: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
             }
+        }
+    }
+
+    /// Where LinearCrossEntropy's time goes on the tutorial shape, phase by phase (the kernel's
+    /// steps, timed separately over all chunks):
+    /// `cargo test --release -p ortrain-engine lce_phase_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn lce_phase_speed() {
+        use super::super::matmul::{gemm_call, Mat};
+        let (rows, k, n) = (700usize, 200usize, 28782usize);
+        let x: Vec<f32> = (0..rows * k).map(|i| ((i * 7919) % 1000) as f32 / 5000.0 - 0.1).collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 / 5000.0 - 0.1).collect();
+        let (mut dx, mut dw, mut db) = (vec![0f32; rows * k], vec![0f32; n * k], vec![0f32; n]);
+        for chunk in [128usize, 256, 128, 256] {
+            let mut g = vec![0f32; chunk * n];
+            let mut t = [0f64; 5];
+            let mut c0 = 0;
+            while c0 < rows {
+                let r = chunk.min(rows - c0);
+                let gs = &mut g[..r * n];
+                let xc = Mat { ptr: x[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
+                let t0 = std::time::Instant::now();
+                // SAFETY: shapes as in lce_go.
+                unsafe { gemm_call(MatmulPath::Fp32, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
+                let t1 = std::time::Instant::now();
+                let _: Vec<f64> = gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, (i * 37) % n, 1.0, 1e-3)).collect();
+                let t2 = std::time::Instant::now();
+                let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
+                // SAFETY: as above.
+                unsafe { gemm_call(MatmulPath::Fp32, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 }, 1.0, false) };
+                let t3 = std::time::Instant::now();
+                let gt = Mat { ptr: gs.as_ptr(), rs: 1, cs: n as isize };
+                // SAFETY: as above.
+                unsafe { gemm_call(MatmulPath::Fp32, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
+                let t4 = std::time::Instant::now();
+                super::add_col_sums(&mut db, gs, n);
+                let t5 = std::time::Instant::now();
+                for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]) {
+                    *acc += (b - a).as_secs_f64() * 1e3;
+                }
+                c0 += r;
+            }
+            println!("chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}", t[0], t[1], t[2], t[3], t[4]);
         }
     }
 }
