@@ -71,9 +71,7 @@ impl PySession {
             other => return Err(PyValueError::new_err(format!("device '{other}' is not one of cpu, cuda"))),
         };
         let bytes = onnx.as_bytes().to_vec();
-        let s = py
-            .detach(move || Session::from_onnx_for(&bytes, None, &weights, &trainable, seeded.as_deref(), target))
-            .map_err(to_py)?;
+        let s = py.detach(move || Session::from_onnx_for(&bytes, None, &weights, &trainable, seeded.as_deref(), target)).map_err(to_py)?;
         Ok(PySession { inner: Arc::new(s.with_options(opts)) })
     }
 

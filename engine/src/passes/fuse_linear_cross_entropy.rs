@@ -57,7 +57,8 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
         let linear = &graph.nodes[lin];
         let (Some(x), Some(w)) = (linear.input(0), linear.input(1)) else { continue };
         let bias = linear.input(2);
-        let mut attrs = Attrs::default().with("transB", Attr::Int(linear.attrs.int("transB", 0)?)).with("reduction", Attr::String(reduction));
+        let mut attrs =
+            Attrs::default().with("transB", Attr::Int(linear.attrs.int("transB", 0)?)).with("reduction", Attr::String(reduction));
         if let Some(a) = node.attrs.get("ignore_index") {
             attrs.set("ignore_index", a.clone());
         }

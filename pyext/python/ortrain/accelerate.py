@@ -301,7 +301,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             last = getattr(r, "last_inputs", None)
             if last is None:
                 continue
-            info = r.plan_info(last, True)
+            try:
+                info = r.plan_info(last, True)
+            except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
+                continue
             fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
             lines.append(f"    loss graph{' (logits computed only when read)' if r.lazy_logits else ''}: "
                          f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "

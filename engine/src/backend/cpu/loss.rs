@@ -273,7 +273,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         }
         let xc = Mat { ptr: xv[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
         if k > 0 {
-            let wm = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
+            let wm =
+                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
             // SAFETY: X_c is [r, k] row-major inside x, op(W) a [k, n] view of w, the chunk
             // [r, n] in the scratch output (distinct from both).
             unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), bv.is_some()) };
@@ -284,7 +285,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         if k > 0 {
             let gm = Mat { ptr: g.as_ptr(), rs: n as isize, cs: 1 };
             // dX_c = G · op(W)ᵀ
-            let wt = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
+            let wt =
+                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
             // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c the [r, k] rows of dx.
             unsafe { gemm_call(a.path, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, wt, T::one(), false) };
             if a.trans_b {
@@ -328,7 +330,13 @@ fn linear_cross_entropy(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx
     let a = Lce {
         path: ctx.matmul,
         t: &t,
-        scale: if sum { 1.0 } else if wsum == 0.0 { 0.0 } else { 1.0 / wsum },
+        scale: if sum {
+            1.0
+        } else if wsum == 0.0 {
+            0.0
+        } else {
+            1.0 / wsum
+        },
         nan: !sum && wsum == 0.0,
         k,
         n,
@@ -436,7 +444,12 @@ mod tests {
         let (d0, d1) = (16, LCE_CHUNK_ROWS / 8 + 1);
         let rows = d0 * d1;
         assert!(rows > 2 * LCE_CHUNK_ROWS && rows % LCE_CHUNK_ROWS != 0);
-        let cases = [(true, true, false, true, false), (false, false, true, false, false), (true, false, true, true, true), (false, true, false, false, true)];
+        let cases = [
+            (true, true, false, true, false),
+            (false, false, true, false, false),
+            (true, false, true, true, true),
+            (false, true, false, false, true),
+        ];
         for (case, (tb, bias, weighted, mean, f64s)) in cases.into_iter().enumerate() {
             let x = vals(rows * k, 1 + case as u64);
             let w: Vec<f64> = vals(n * k, 7).iter().map(|v| 2.0 * v).collect();
@@ -521,13 +534,27 @@ mod bench {
                 let xc = Mat { ptr: x[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
                 let t0 = std::time::Instant::now();
                 // SAFETY: shapes as in lce_go.
-                unsafe { gemm_call(MatmulPath::Fp32, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
+                unsafe {
+                    gemm_call(MatmulPath::Fp32, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
+                };
                 let t1 = std::time::Instant::now();
                 let _: Vec<f64> = gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, (i * 37) % n, 1.0, 1e-3)).collect();
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
-                unsafe { gemm_call(MatmulPath::Fp32, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 }, 1.0, false) };
+                unsafe {
+                    gemm_call(
+                        MatmulPath::Fp32,
+                        r,
+                        k,
+                        n,
+                        dx[c0 * k..].as_mut_ptr(),
+                        gm,
+                        Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 },
+                        1.0,
+                        false,
+                    )
+                };
                 let t3 = std::time::Instant::now();
                 let gt = Mat { ptr: gs.as_ptr(), rs: 1, cs: n as isize };
                 // SAFETY: as above.
@@ -540,7 +567,10 @@ mod bench {
                 }
                 c0 += r;
             }
-            println!("chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}", t[0], t[1], t[2], t[3], t[4]);
+            println!(
+                "chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}",
+                t[0], t[1], t[2], t[3], t[4]
+            );
         }
     }
 }
