@@ -164,3 +164,33 @@ def test_hugging_face_lm_losses_are_fused(case):
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
     _close_grads(_grads(model), _grads(ref))
     assert model._ortrain_state.fused_loss_calls == 1
+
+
+def test_logits_are_computed_only_when_read():
+    """On the CPU the fused graph outputs only the loss (its LM head and loss run chunked): the
+    logits are replayed when read, and kept readable across optimizer.step() by a parameter copy
+    taken only for outputs still referenced."""
+    model, opt, ref, opt_ref, x, y = _pair()
+    out = model(x)
+    loss = F.cross_entropy(out.view(-1, V), y)
+    loss.backward()
+    (runner,) = model._ortrain_state.loss_runners.values()
+    assert runner.lazy_logits and runner.session.output_names == ["ortrain_ce_loss"]
+    assert dict(runner.session.passes)["fuse_linear_cross_entropy"] == 1
+    call = out._call
+    assert call.fused and call.fused_logits is None and call.snapshot is None
+    opt.step()
+    assert call.snapshot is not None  # the output is referenced: the parameters were copied
+    expected = ref(x)
+    torch.testing.assert_close(out.detach(), expected.detach(), rtol=1e-4, atol=1e-5)  # before ref's step
+    assert call.fused_logits is not None and call.snapshot is None
+
+
+def test_reading_logits_after_a_manual_parameter_change_is_refused():
+    model, opt, _, _, x, y = _pair()
+    out = model(x)
+    F.cross_entropy(out.view(-1, V), y).backward()
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(RuntimeError, match="outside an optimizer step"):
+        out.sum()

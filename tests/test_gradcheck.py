@@ -57,6 +57,7 @@ class Case:
     attrs: dict = field(default_factory=dict)
     n_out: int = 1
     label: str = ""
+    extra_out: int = 0  # node outputs past the n_out graph outputs (not differentiated here)
     opset: int = OPSET
 
     @property
@@ -203,6 +204,11 @@ def cases() -> list[Case]:
     add(Case("Linear", [W((2, 3, 4)), W((5, 4)), W((5,))], {"transB": 1}, label="3d-bias-transB"))
     add(Case("Linear", [W((3, 4)), W((4, 5))], {"transB": 0}, label="2d-nobias"))
     add(Case("Linear", [W((4,)), W((5, 4)), W((5,))], {"transB": 1}, label="1d-bias"))
+    # the LM head fused with its loss: outputs 1-4 are its unit-seed gradients and scratch
+    add(Case("LinearCrossEntropy", [W((2, 3, 4)), W((5, 4)), W((5,)), C([1, 4, 0, 2, -1, 3], np.int64)],
+             {"transB": 1, "reduction": "mean", "ignore_index": -1}, extra_out=4, label="3d-bias-mean-ignore"))
+    add(Case("LinearCrossEntropy", [W((3, 4)), W((4, 5)), None, C([1, 4, 0], np.int64), C([0.3, 1.0, 0.5, 0.8, 2.0])],
+             {"transB": 0, "reduction": "sum"}, extra_out=4, label="2d-weights-sum"))
     return L
 
 
@@ -226,7 +232,7 @@ def _model(case: Case, weights: list[np.ndarray]) -> tuple[bytes, list[str]]:
     while names and names[-1] == "":
         names.pop()
     outs = [f"out{k}" for k in range(case.n_out)]
-    node = helper.make_node(case.op, names, outs, **case.attrs)
+    node = helper.make_node(case.op, names, outs + [f"extra{k}" for k in range(case.extra_out)], **case.attrs)
     graph = helper.make_graph([node], "g", [], [onnx.ValueInfoProto(name=o) for o in outs], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
     return model.SerializeToString(), wnames

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use ortrain_engine::backend::cpu::bf16::MatmulPrecision;
-use ortrain_engine::session::{Pending, Session, SessionOptions, Sig};
+use ortrain_engine::session::{Pending, Session, SessionOptions, Sig, Target};
 use ortrain_engine::{DType, Error};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -51,9 +51,10 @@ impl PySession {
     /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
     /// flags which of them get gradients. `seeded` (optional, one flag per output): False for
     /// outputs that carry no gradient. `matmul_precision`: "fp32" or "bf16" (matmul products in
-    /// bf16 with f32 accumulation, where the CPU has avx512_bf16 or AMX).
+    /// bf16 with f32 accumulation, where the CPU has avx512_bf16 or AMX). `device`: "cpu" or
+    /// "cuda", the backend its plans run on (graph passes without kernels there are skipped).
     #[new]
-    #[pyo3(signature = (onnx, weights, trainable, seeded = None, matmul_precision = "fp32"))]
+    #[pyo3(signature = (onnx, weights, trainable, seeded = None, matmul_precision = "fp32", device = "cpu"))]
     fn new(
         py: Python<'_>,
         onnx: &Bound<'_, PyBytes>,
@@ -61,10 +62,16 @@ impl PySession {
         trainable: Vec<bool>,
         seeded: Option<Vec<bool>>,
         matmul_precision: &str,
+        device: &str,
     ) -> PyResult<Self> {
         let opts = options(matmul_precision)?;
+        let target = match device {
+            "cpu" => Target::Cpu,
+            "cuda" => Target::Cuda,
+            other => return Err(PyValueError::new_err(format!("device '{other}' is not one of cpu, cuda"))),
+        };
         let bytes = onnx.as_bytes().to_vec();
-        let s = py.detach(move || Session::from_onnx_seeded(&bytes, None, &weights, &trainable, seeded.as_deref())).map_err(to_py)?;
+        let s = py.detach(move || Session::from_onnx_for(&bytes, None, &weights, &trainable, seeded.as_deref(), target)).map_err(to_py)?;
         Ok(PySession { inner: Arc::new(s.with_options(opts)) })
     }
 

@@ -2,6 +2,15 @@
 //! ignore_index, class weights; class axis 1, extra dims after it), with the internal gradients
 //! SoftmaxCrossEntropyLossGrad(dloss, scores, labels, weights?) and NLLLossGrad(...).
 //! The softmax is recomputed in the backward pass instead of keeping log_prob alive.
+//!
+//! LinearCrossEntropy (internal, made by passes/fuse_linear_cross_entropy.rs): the LM head
+//! `Linear(X, W, b)` and a row-wise softmax cross-entropy (reduction mean or sum) as one op that
+//! never holds the whole logits matrix. It walks the rows in chunks of `LCE_CHUNK_ROWS`: one
+//! chunk's logits (output `scratch`, planned in the arena and dead after the node), their
+//! log-sum-exp and loss terms, and, in the same pass, the gradient the loss would get for a unit
+//! seed (softmax − one-hot, times the row's class weight and the reduction's 1/Σweights), pushed
+//! through the two gradient gemms into dX and dW (and a column sum into db). The backward
+//! pass only scales those by the seed: three gemms per step, as unfused, with no recompute.
 
 use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -61,7 +70,72 @@ impl OpDef for LossGrad {
     }
 }
 
+/// Rows per chunk of LinearCrossEntropy (the scratch logits are `[min(rows, this), N]`). The
+/// per-chunk dW gemm (inner dimension = chunk rows) reads and writes all of dW once per chunk,
+/// so chunks must be large: on the tutorial head (700 × 200 · 200 × 28782, 2 threads) 256 rows
+/// took 0.8x the time of 128 in 5 of 6 interleaved runs (`lce_phase_speed` in
+/// backend/cpu/loss.rs: the dW gemm is where 128 loses), while its logits (256 × 28782 f32 =
+/// 29 MB) are still a third of the unfused 80 MB. A chunk that fits in L2 (≈ 8 such rows) would
+/// make the dW gemm memory-bound.
+pub const LCE_CHUNK_ROWS: usize = 256;
+
+/// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁,
+/// scratch), where the `₁` outputs are the gradients for a loss seed of 1 (db₁ is [N] zeros when
+/// there is no bias) and `scratch` is the chunk's logits.
+struct LinearCrossEntropy;
+impl OpDef for LinearCrossEntropy {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (x, w, t) = (input(node, inputs, 0)?, input(node, inputs, 1)?, input(node, inputs, 3)?);
+        let (k, n) = super::linear::linear_dims(node, w.shape)?;
+        if x.shape.last() != Some(&k) {
+            return Err(node.err(format!("X {:?} does not end in the weight's K = {k}", x.shape)));
+        }
+        let rows: usize = x.shape[..x.shape.len() - 1].iter().product();
+        if t.shape != [rows] {
+            return Err(node.err(format!("labels {:?} do not match the {rows} rows of X {:?}", t.shape, x.shape)));
+        }
+        if let Some(Some(b)) = inputs.get(2) {
+            if b.shape != [n] {
+                return Err(node.err(format!("the bias must be [{n}], got {:?}", b.shape)));
+            }
+        }
+        if let Some(Some(cw)) = inputs.get(4) {
+            if cw.shape != [n] {
+                return Err(node.err(format!("the class weights must be [{n}], got {:?}", cw.shape)));
+            }
+        }
+        let reduction = node.attrs.string("reduction", "mean")?;
+        if reduction != "mean" && reduction != "sum" {
+            return Err(node.err(format!("reduction '{reduction}' is not one of sum, mean")));
+        }
+        Ok(vec![
+            TypeOut::new(x.dtype, vec![]),
+            TypeOut::like(x),
+            TypeOut::like(w),
+            TypeOut::new(x.dtype, vec![n]),
+            TypeOut::new(x.dtype, vec![rows.min(LCE_CHUNK_ROWS), n]),
+        ])
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            for i in 0..3 {
+                if g.wants(i) && (i < 2 || node.input(2).is_some()) {
+                    let unit = g.y(i + 1);
+                    let d = g.op("Mul", &[unit, dy], Attrs::default());
+                    g.set(i, d);
+                }
+            }
+            Ok(())
+        })
+    }
+    fn non_differentiable_inputs(&self) -> &'static [usize] {
+        &[3, 4]
+    }
+}
+
 pub fn register(r: &mut Registry) {
+    r.internal("LinearCrossEntropy", LinearCrossEntropy);
     r.add("SoftmaxCrossEntropyLoss", Loss);
     r.add("NegativeLogLikelihoodLoss", Loss);
     r.internal("SoftmaxCrossEntropyLossGrad", LossGrad);

@@ -7,7 +7,7 @@ use crate::error::Result;
 use crate::ir::{Attr, Attrs, Dim, Graph, Node, ValueId, ValueKind};
 
 /// A value's shape if it is fully known without running anything (weights, constants).
-fn static_shape(graph: &Graph, v: ValueId) -> Option<Vec<usize>> {
+pub(super) fn static_shape(graph: &Graph, v: ValueId) -> Option<Vec<usize>> {
     let val = graph.value(v);
     match &val.kind {
         ValueKind::Const(t) => Some(t.shape.clone()),

@@ -1,17 +1,33 @@
 //! Graph passes run on the forward graph after import and before autodiff, so that gradients
 //! are built from the fused ops' own rules. One file per rule; the pipeline is the list below.
 //! `ORTRAIN_DISABLE_PASSES` (a comma list of pass names, or `all`) turns passes off, for
-//! fused-vs-unfused comparisons and for bisecting a suspected miscompile.
+//! fused-vs-unfused comparisons and for bisecting a suspected miscompile. A pass whose fused op
+//! has kernels on some backends only runs for sessions built for those (`Target`).
 
 mod fuse_linear;
+mod fuse_linear_cross_entropy;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeId};
 
 type Pass = fn(&mut Graph) -> Result<usize>;
 
-/// The pipeline, in order: (name, pass). A pass returns how many rewrites it made.
-const PIPELINE: &[(&str, Pass)] = &[("fuse_linear", fuse_linear::run)];
+/// The backend a session's plans will run on: passes whose fused ops lack kernels there are
+/// skipped (a missing kernel would be a plan-time error).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Target {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+/// The pipeline, in order: (name, pass, runs for CUDA sessions). A pass returns how many
+/// rewrites it made.
+const PIPELINE: &[(&str, Pass, bool)] = &[
+    ("fuse_linear", fuse_linear::run, true),
+    // after fuse_linear: it matches the Linear that pass made (CPU kernel only)
+    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run, false),
+];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
 
@@ -26,23 +42,24 @@ fn disabled() -> Result<Vec<String>> {
     let Ok(v) = std::env::var(ENV_DISABLE) else { return Ok(vec![]) };
     let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if names.iter().any(|n| n == "all") {
-        return Ok(PIPELINE.iter().map(|(n, _)| n.to_string()).collect());
+        return Ok(PIPELINE.iter().map(|(n, _, _)| n.to_string()).collect());
     }
     for n in &names {
-        if !PIPELINE.iter().any(|(p, _)| p == n) {
-            let valid: Vec<&str> = PIPELINE.iter().map(|(p, _)| *p).collect();
+        if !PIPELINE.iter().any(|(p, _, _)| p == n) {
+            let valid: Vec<&str> = PIPELINE.iter().map(|(p, _, _)| *p).collect();
             return Err(Error::other(format!("{ENV_DISABLE}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
         }
     }
     Ok(names)
 }
 
-/// Runs the pipeline over `graph` (forward nodes only: call before autodiff).
-pub fn run(graph: &mut Graph) -> Result<PassReport> {
+/// Runs the pipeline over `graph` (forward nodes only: call before autodiff) for plans on
+/// `target`.
+pub fn run(graph: &mut Graph, target: Target) -> Result<PassReport> {
     let off = disabled()?;
     let mut report = PassReport::default();
-    for (name, pass) in PIPELINE {
-        if off.iter().any(|n| n == name) {
+    for (name, pass, cuda) in PIPELINE {
+        if off.iter().any(|n| n == name) || (target == Target::Cuda && !cuda) {
             continue;
         }
         let n = pass(graph)?;

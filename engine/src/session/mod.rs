@@ -14,6 +14,7 @@ use crate::exec::profile::Profile;
 use crate::exec::{self, Arena, Bindings, Phase};
 use crate::ir::{Graph, ValueId, ValueKind};
 use crate::onnx::{import_bytes, ImportOptions};
+pub use crate::passes::Target;
 use crate::plan::{self, Plan, PlanRequest};
 use crate::tensor::DType;
 
@@ -83,6 +84,19 @@ impl Session {
         trainable: &[bool],
         seeded: Option<&[bool]>,
     ) -> Result<Session> {
+        Self::from_onnx_for(onnx, base_dir, weights, trainable, seeded, Target::Cpu)
+    }
+
+    /// As `from_onnx_seeded`, for plans that will run on `target` (graph passes whose fused ops
+    /// have no kernel there are skipped).
+    pub fn from_onnx_for(
+        onnx: &[u8],
+        base_dir: Option<&Path>,
+        weights: &[String],
+        trainable: &[bool],
+        seeded: Option<&[bool]>,
+        target: Target,
+    ) -> Result<Session> {
         if weights.len() != trainable.len() {
             return Err(Error::other("weights and trainable flags differ in length"));
         }
@@ -107,7 +121,7 @@ impl Session {
         // bound weights are read from the caller's memory on every call: the imported copy of their
         // data would only double the model's memory
         graph.weights = graph.weights.into_iter().filter(|(v, _)| weight_ids.contains(v)).map(|(v, _)| (v, None)).collect();
-        let passes = crate::passes::run(&mut graph)?;
+        let passes = crate::passes::run(&mut graph, target)?;
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());

@@ -155,16 +155,23 @@ class _State:
             self.loss_runners[key] = runner
         if isinstance(runner, Exception):
             return None
-        logits = runner.logits_buffer(call.shape, call.dtype)
+        logits = None if runner.lazy_logits else runner.logits_buffer(call.shape, call.dtype)
         try:
-            loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
+            if logits is None:
+                loss, = runner(call.inputs + [target.contiguous()], True, seed=call.seed)
+            else:
+                loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
         except (EngineError, OrtrainError) as exc:
             if self.strict:
                 raise
             self.loss_runners[key] = exc
             warnings.warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}", stacklevel=4)
             return None
-        call.fused_logits = logits
+        runner.last_inputs = [x.detach() for x in call.inputs] + [target.detach()]  # for explain()
+        if logits is None:
+            call.fused_lazily()  # the logits are computed if and when they are read
+        else:
+            call.fused_logits = logits
         self.fused_loss_calls += 1
         return loss
 
@@ -291,6 +298,18 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
     if state.fused_loss_calls:
         lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
+        for r in state.loss_runners.values():
+            last = getattr(r, "last_inputs", None)
+            if last is None:
+                continue
+            try:
+                info = r.plan_info(last, True)
+            except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
+                continue
+            fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
+            lines.append(f"    loss graph{' (logits computed only when read)' if r.lazy_logits else ''}: "
+                         f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
+                         f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
     if profile:
         from ortrain._profile import format_profile
 

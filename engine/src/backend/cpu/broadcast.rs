@@ -56,6 +56,17 @@ pub fn map1<A: Elem, O: Elem>(a: &In, out: &mut Out, f: impl Fn(A) -> O + Sync +
     Ok(())
 }
 
+/// out[i] = f(x[i]) over blocks of contiguous elements (in parallel for large outputs).
+fn map_blocks<X: Elem, O: Elem>(ov: &mut [O], xv: &[X], f: impl Fn(X) -> O + Sync + Send) {
+    const BLOCK: usize = 1 << 14;
+    let block = |(o, x): (&mut [O], &[X])| o.iter_mut().zip(x).for_each(|(o, &x)| *o = f(x));
+    if ov.len() >= PAR_MIN {
+        ov.par_chunks_mut(BLOCK).zip(xv.par_chunks(BLOCK)).for_each(block);
+    } else {
+        block((ov, xv));
+    }
+}
+
 pub fn map2<A: Elem, B: Elem, O: Elem>(a: &In, b: &In, out: &mut Out, f: impl Fn(A, B) -> O + Sync + Send) -> Result<()> {
     let shape = out.shape.to_vec();
     let av = a.slice::<A>()?;
@@ -67,6 +78,17 @@ pub fn map2<A: Elem, B: Elem, O: Elem>(a: &In, b: &In, out: &mut Out, f: impl Fn
         } else {
             ov.iter_mut().zip(av.iter().zip(bv)).for_each(|(o, (&x, &y))| *o = f(x, y));
         }
+        return Ok(());
+    }
+    // one operand a scalar (a gradient scaled by a loss seed): a plain map over blocks
+    if a.shape == shape.as_slice() && bv.len() == 1 {
+        let y = bv[0];
+        map_blocks(ov, av, |x| f(x, y));
+        return Ok(());
+    }
+    if b.shape == shape.as_slice() && av.len() == 1 {
+        let x = av[0];
+        map_blocks(ov, bv, |y| f(x, y));
         return Ok(());
     }
     let inner = shape.last().copied().unwrap_or(1);

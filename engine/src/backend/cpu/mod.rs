@@ -117,10 +117,16 @@ pub(crate) mod testutil {
     }
 
     pub fn try_run_ctx(op: &str, attrs: Attrs, inputs: &[&Tensor], ctx: &mut CpuCtx) -> Result<Vec<Tensor>> {
+        let inputs: Vec<Option<&Tensor>> = inputs.iter().map(|t| Some(*t)).collect();
+        try_run_opt(op, attrs, &inputs, ctx)
+    }
+
+    /// As `try_run_ctx`, with optional inputs (None: an absent input, as in the graph).
+    pub fn try_run_opt(op: &str, attrs: Attrs, inputs: &[Option<&Tensor>], ctx: &mut CpuCtx) -> Result<Vec<Tensor>> {
         let def = ops::lookup(op).expect("registered op");
         let probe = Node { name: "t".into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs: attrs.clone() };
         let ins: Vec<Option<InferIn>> =
-            inputs.iter().map(|t| Some(InferIn { dtype: t.dtype(), shape: &t.shape, value: Some(*t) })).collect();
+            inputs.iter().map(|t| t.map(|t| InferIn { dtype: t.dtype(), shape: &t.shape, value: Some(t) })).collect();
         let types = def.infer(&probe, &ins)?;
         let node = Node {
             name: "t".into(),
@@ -130,7 +136,7 @@ pub(crate) mod testutil {
             attrs,
         };
         let mut results: Vec<Tensor> = types.iter().map(|t| Tensor::zeros(t.dtype, t.shape.clone())).collect();
-        let views: Vec<Option<In>> = inputs.iter().map(|t| Some(In::of(t))).collect();
+        let views: Vec<Option<In>> = inputs.iter().map(|t| t.map(In::of)).collect();
         let shapes: Vec<Vec<usize>> = results.iter().map(|t| t.shape.clone()).collect();
         let mut outs: Vec<Out> = results
             .iter_mut()

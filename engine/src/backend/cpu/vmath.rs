@@ -84,6 +84,14 @@ fn scaled_softmax_body(out: &mut [f32], x: &[f32], lse: f32, g: f32) {
     }
 }
 
+/// x[k] = g · exp(x[k] − lse), in place
+#[inline(always)]
+fn scaled_softmax_inplace_body(x: &mut [f32], lse: f32, g: f32) {
+    for v in x.iter_mut() {
+        *v = g * exp_poly(*v - lse);
+    }
+}
+
 macro_rules! multiversion {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         pub mod $name {
@@ -137,6 +145,7 @@ fn level() -> Level {
 
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
+multiversion!(row_scaled_softmax_inplace, scaled_softmax_inplace_body, (x: &mut [f32], lse: f32, g: f32) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {

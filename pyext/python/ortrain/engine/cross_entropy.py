@@ -1,8 +1,10 @@
 """The model with a softmax cross-entropy appended, as one engine graph: what a user's
-`criterion(output.view(-1, C), target)` becomes when it is fused (engine/lazy.py). The logits are
-written straight into a reusable torch buffer (the user may still read them), and the loss and
+`criterion(output.view(-1, C), target)` becomes when it is fused (engine/lazy.py). The loss and
 its gradient are computed inside the engine: the logits and their gradient never round-trip
-through PyTorch."""
+through PyTorch. On the CPU the graph's only output is the loss (the engine's
+fuse_linear_cross_entropy pass then computes the LM head and the loss chunk by chunk, and the
+logits never exist whole); a user who reads the logits gets them from a forward-only replay
+(engine/lazy.py). On CUDA the logits are also an output, written into a torch buffer."""
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +28,11 @@ TARGET = "ortrain_ce_target"
 LOSS = "ortrain_ce_loss"
 
 
-def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: int, reduction: str) -> bytes:
-    """Outputs become [loss, logits, ...the other outputs]; one new input, the int64 targets.
-    `slices` ((axis, start, stop), ...) are applied to the logits before the rows are formed."""
+def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: int, reduction: str,
+                        keep_outputs: bool = True) -> bytes:
+    """Outputs become [loss, logits, ...the other outputs] (`keep_outputs=False`: [loss]); one new
+    input, the int64 targets. `slices` ((axis, start, stop), ...) are applied to the logits before
+    the rows are formed."""
     model = onnx.load_from_string(onnx_bytes)
     g = model.graph
     logits = g.output[0].name
@@ -50,24 +54,30 @@ def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: i
     outputs = list(g.output)
     del g.output[:]
     g.output.append(helper.make_empty_tensor_value_info(LOSS))
-    g.output.extend(outputs)
+    if keep_outputs:
+        g.output.extend(outputs)
     return model.SerializeToString()
 
 
 class CrossEntropyRunner(Runner):
-    """A Runner over the model + loss graph; output 0 is the loss, output 1 the logits (read,
-    never differentiated: their gradient stays inside the engine)."""
+    """A Runner over the model + loss graph; output 0 is the loss. `lazy_logits` (the CPU): that
+    is the only output; else output 1 is the logits (read, never differentiated: their gradient
+    stays inside the engine)."""
 
     seeded_outputs = (True, False)
     function = FusedCrossEntropyLoss
 
     def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str, precision: str = "fp32",
                  device: str = "cpu"):
+        self.lazy_logits = device == "cpu"
+        if self.lazy_logits:
+            self.seeded_outputs = (True,)
         fused = dataclasses.replace(
             exported,
-            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction),
+            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction,
+                                           keep_outputs=not self.lazy_logits),
             input_names=list(exported.input_names) + [TARGET],
-            output_names=[LOSS] + list(exported.output_names),
+            output_names=[LOSS] + ([] if self.lazy_logits else list(exported.output_names)),
         )
         super().__init__(module, fused, precision, device)
         self._pool: list = []

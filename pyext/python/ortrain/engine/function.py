@@ -29,18 +29,20 @@ def new_seed() -> int:
     return int(torch.randint(0, 2**62, (1,)).item())
 
 
-def run_inference(runner, inputs: list) -> list:
-    """Forward only (eval, or no_grad): no activations kept."""
+def run_inference(runner, inputs: list, seed: int | None = None, weights: list | None = None) -> list:
+    """Forward only (eval, or no_grad): no activations kept. `seed` fixes dropout masks;
+    `weights` (CPU): addresses to read the weights from instead of the live tensors."""
+    seed = new_seed() if seed is None else seed
     if runner.on_cuda:
         from .cuda_step import CudaStep
 
-        step = CudaStep(runner, inputs, False, new_seed(), None)
+        step = CudaStep(runner, inputs, False, seed, None)
         try:
             return step.outputs()
         finally:
             step.release()
     pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                     runner.weight_addresses(), False, new_seed())
+                                     runner.weight_addresses() if weights is None else weights, False, seed)
     try:
         return read_outputs(pending, runner.n_outputs)
     finally:

@@ -5,18 +5,35 @@ In training, an accelerated module whose only output is one float tensor returns
 the right shape and dtype but no data yet. Basic slicing (`logits[:, :-1, :]`) and views
 (`view`, `reshape`, `flatten`, `contiguous`) stay lazy. When it reaches `F.cross_entropy` (what
 `nn.CrossEntropyLoss` calls) with class-index targets, the engine runs the model and the loss as
-one graph (engine/cross_entropy.py) and returns the loss: the logits are written once and never
-copied, and their gradient never leaves the engine. Any other use materialises it: the logits
-of the fused run if there was one (exact, the same values), else a normal engine forward. A
-gradient through a materialised fused output is computed by replaying the forward with the same
-dropout seed, which requires the parameters unchanged since the forward pass (as PyTorch
-itself requires)."""
+one graph (engine/cross_entropy.py) and returns the loss: their gradient never leaves the
+engine, and on the CPU the logits are not even computed (the engine's fused LM head + loss works
+chunk by chunk). Any other use materialises the output: after a fused run, by a forward-only
+replay of the model with the same dropout seed (exactly the fused run's logits; on CUDA the fused
+run wrote them already), else a normal engine forward. So that the logits stay readable after
+`optimizer.step()` (accuracy code does that), every optimizer's step first keeps a copy of the
+parameters for each fused call whose output is still referenced and not read yet; the replay
+reads that copy. A gradient through a materialised fused output is computed by replaying the
+forward with the same dropout seed, which requires the parameters unchanged since the forward
+pass (as PyTorch itself requires)."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
 
-from .function import EngineFunction, new_seed
+from .function import EngineFunction, new_seed, run_inference
+
+#: fused calls whose logits were not computed yet and whose output is still referenced
+_AWAITING: "weakref.WeakSet[Deferred]" = weakref.WeakSet()
+_HOOK = None
+
+
+def _before_optimizer_step(optimizer, args, kwargs):
+    """torch.optim's global step pre-hook: the parameters are about to change."""
+    for call in list(_AWAITING):
+        call.keep_parameters()
+    _AWAITING.clear()
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
           torch.Tensor.contiguous}
@@ -36,11 +53,49 @@ class Deferred:
         self.shape, self.dtype = tuple(shape), dtype
         self.seed = new_seed()
         self.versions = [p._version for p in runner.trainable_params]
-        self.fused_logits = None  # the logits a fused loss run wrote
+        self.fused_logits = None  # the logits a fused loss run wrote (or their replay)
+        self.fused = False  # a fused loss ran on this call
+        self.snapshot = None  # the trainable parameters as of the forward pass, once they changed
         self.value = None  # the materialised output (with autograd history)
+
+    def fused_lazily(self):
+        """A fused loss ran without writing the logits: they are replayed if read."""
+        global _HOOK
+        self.fused = True
+        if _HOOK is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+        _AWAITING.add(self)
+
+    def keep_parameters(self):
+        """Before an optimizer step: a copy of the parameters for a later replay of the logits."""
+        if self.fused_logits is None and self.snapshot is None and self._unchanged():
+            self.snapshot = self.runner.snapshot_params()
+
+    def _unchanged(self) -> bool:
+        return [p._version for p in self.runner.trainable_params] == self.versions
+
+    def _replay_logits(self) -> torch.Tensor:
+        """The fused run's logits: the model's forward again, same inputs, dropout seed and
+        parameter values (the copy kept before an optimizer step, where there was one)."""
+        weights = None
+        if not self._unchanged():
+            if self.snapshot is None:
+                raise RuntimeError("ortrain: the model output of a fused cross-entropy call was read after the "
+                                   "parameters changed outside an optimizer step; read it before changing them, or "
+                                   "use ortrain.accelerate(..., fuse_loss=False)")
+            weights = self.runner.addresses_with(self.snapshot)
+        inputs = [x.detach().contiguous() for x in self.inputs]
+        (logits,) = run_inference(self.runner, inputs, seed=self.seed, weights=weights)
+        self.snapshot = None
+        _AWAITING.discard(self)
+        return logits
 
     def materialize(self) -> torch.Tensor:
         if self.value is None:
+            if self.fused and self.fused_logits is None:
+                self.fused_logits = self._replay_logits()
             if self.fused_logits is not None:
                 self.value = _Replay.apply(self, self.fused_logits, *self.runner.trainable_params)
             else:
@@ -166,7 +221,7 @@ def _fused_cross_entropy(input=None, target=None, weight=None, size_average=None
     if not isinstance(input, LazyOutput) or isinstance(target, LazyOutput):
         return None
     call = input._call
-    if (call.value is not None or call.fused_logits is not None or not torch.is_grad_enabled()
+    if (call.value is not None or call.fused or call.fused_logits is not None or not torch.is_grad_enabled()
             or weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
             or reduction not in ("mean", "sum") or input.dim() != 2 or input.shape[1] != call.shape[-1]
             or any(axis == len(call.shape) - 1 for axis, _, _ in input._slices)

@@ -4,6 +4,7 @@ memory on every call, so nothing is copied per step) and runs calls through it."
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import onnx
 import torch
@@ -101,7 +102,8 @@ class Runner:
         seeded = None
         if self.seeded_outputs is not None:
             seeded = list(self.seeded_outputs) + [True] * (len(exported.output_names) + len(self.buffer_outputs) - len(self.seeded_outputs))
-        self.session = _ortrain.Session(onnx_bytes, names, trainable, seeded, matmul_precision=precision)
+        self.session = _ortrain.Session(onnx_bytes, names, trainable, seeded, matmul_precision=precision,
+                                        device="cuda" if self.on_cuda else "cpu")
         self.seeded = self.session.seeded
         self.weights = tensors
         self.trainable = trainable
@@ -113,9 +115,31 @@ class Runner:
         by_key = dict(zip(exported.param_map.values(), tensors))
         self.buffer_targets = [by_key[key] for key, _ in self.buffer_outputs]
         self.batch_counters = _batch_counters(module, [key for key, _ in self.buffer_outputs])
+        self._snapshots: list = []
 
     def weight_addresses(self) -> list:
         return [t.data_ptr() for t in self.weights]
+
+    def snapshot_params(self) -> list:
+        """Copies of the trainable parameters (in `trainable_params` order), in memory reused
+        from an earlier snapshot that nobody holds any more."""
+        for snap in self._snapshots:
+            # references: the pool's list, the loop variable and getrefcount's argument
+            if sys.getrefcount(snap) <= 3:
+                break
+        else:
+            snap = [torch.empty_like(p) for p in self.trainable_params]
+            if len(self._snapshots) < 2:
+                self._snapshots.append(snap)
+        with torch.no_grad():
+            for s, p in zip(snap, self.trainable_params):
+                s.copy_(p)
+        return snap
+
+    def addresses_with(self, snapshot: list) -> list:
+        """weight_addresses() with the trainable parameters read from `snapshot`."""
+        it = iter(snapshot)
+        return [next(it).data_ptr() if tr else t.data_ptr() for t, tr in zip(self.weights, self.trainable)]
 
     def new_grad_buffers(self) -> list:
         return [torch.empty_like(t) if tr and hg else None

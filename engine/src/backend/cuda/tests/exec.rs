@@ -233,7 +233,7 @@ fn attention_bits(rng: &mut Rng) -> Model {
 fn session(m: &Model) -> Session {
     let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
     let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
-    Session::from_onnx(&bytes, None, &names, &vec![true; names.len()]).expect("import")
+    Session::from_onnx_for(&bytes, None, &names, &vec![true; names.len()], None, crate::session::Target::Cuda).expect("import")
 }
 
 fn weight_data(m: &Model) -> Vec<Vec<f32>> {

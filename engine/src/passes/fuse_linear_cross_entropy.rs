@@ -1,0 +1,85 @@
+//! fuse_linear_cross_entropy: SoftmaxCrossEntropyLoss(Reshape(Linear(X, W, b), [-1, N]), labels
+//! [, class weights]) with reduction mean or sum becomes one LinearCrossEntropy(X, W, b, labels,
+//! class weights) (ops/loss.rs): the LM head and its loss, computed chunk by chunk so that
+//! neither the logits nor their gradient are ever whole in memory. Only where nothing else
+//! reads the logits (not a graph output, no other consumer of the Linear or the Reshape): were
+//! they computed anyway, the fused op would add a fourth LM-head gemm to the three unfused ones.
+//! CPU only: the CUDA backend has no LinearCrossEntropy kernel, and sessions built for CUDA skip
+//! this pass.
+
+use crate::error::Result;
+use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+
+/// The Linear node whose output only the loss reads, through a row-flattening Reshape (or
+/// FlattenRows).
+fn linear_under(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], scores: ValueId) -> Option<usize> {
+    let only_use = |v: ValueId| consumers[v.0].len() == 1 && !graph.outputs.contains(&v);
+    let r = &graph.nodes[graph.value(scores).producer?.0];
+    let y = r.input(0)?;
+    if !only_use(scores) || !only_use(y) {
+        return None;
+    }
+    let lin = graph.value(y).producer?;
+    let node = &graph.nodes[lin.0];
+    if node.op_type != "Linear" {
+        return None;
+    }
+    let ws = super::fuse_linear::static_shape(graph, node.input(1)?)?;
+    let (_, n) = crate::ops::linear::linear_dims(node, &ws).ok()?;
+    let flattens = match r.op_type.as_str() {
+        "FlattenRows" => true,
+        "Reshape" => {
+            let ValueKind::Const(t) = &graph.value(r.input(1)?).kind else { return None };
+            let shape = t.to_i64_vec()?;
+            shape.len() == 2 && shape[1] == n as i64 && (shape[0] == -1 || shape[0] > 0)
+        }
+        _ => false,
+    };
+    flattens.then_some(lin.0)
+}
+
+pub fn run(graph: &mut Graph) -> Result<usize> {
+    let consumers = graph.consumers();
+    let mut rewrites = 0;
+    for s in 0..graph.nodes.len() {
+        let node = &graph.nodes[s];
+        if node.op_type != "SoftmaxCrossEntropyLoss" {
+            continue;
+        }
+        // the optional log_prob output needs the whole logits
+        let log_prob_read = node.outputs.get(1).is_some_and(|lp| !consumers[lp.0].is_empty() || graph.outputs.contains(lp));
+        let reduction = node.attrs.string("reduction", "mean")?;
+        if log_prob_read || !matches!(reduction.as_str(), "mean" | "sum") {
+            continue;
+        }
+        let (Some(scores), Some(labels)) = (node.input(0), node.input(1)) else { continue };
+        let Some(lin) = linear_under(graph, &consumers, scores) else { continue };
+        let linear = &graph.nodes[lin];
+        let (Some(x), Some(w)) = (linear.input(0), linear.input(1)) else { continue };
+        let bias = linear.input(2);
+        let mut attrs =
+            Attrs::default().with("transB", Attr::Int(linear.attrs.int("transB", 0)?)).with("reduction", Attr::String(reduction));
+        if let Some(a) = node.attrs.get("ignore_index") {
+            attrs.set("ignore_index", a.clone());
+        }
+        let name = node.name.clone();
+        let loss = node.outputs[0];
+        let class_weights = node.input(2);
+        let mut outputs = vec![loss];
+        for what in ["dX1", "dW1", "db1", "scratch"] {
+            outputs.push(graph.add_value(&format!("{name}:{what}"), ValueKind::Computed, None, None));
+        }
+        for &o in &outputs {
+            graph.values[o.0].producer = Some(NodeId(s));
+        }
+        graph.nodes[s] = Node {
+            name,
+            op_type: "LinearCrossEntropy".into(),
+            inputs: vec![Some(x), Some(w), bias, Some(labels), class_weights],
+            outputs,
+            attrs,
+        };
+        rewrites += 1;
+    }
+    Ok(rewrites)
+}
