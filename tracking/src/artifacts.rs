@@ -78,8 +78,8 @@ impl ArtifactStore {
     }
 }
 
-/// Percent-encodes one URL path segment.
-pub(crate) fn encode_segment(s: &str) -> String {
+/// Percent-encodes one URL path segment or query component (RFC 3986 unreserved characters kept).
+pub(crate) fn percent_encode(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
@@ -117,7 +117,7 @@ impl Client {
             ArtifactStore::Proxied(root) => {
                 let bytes = std::fs::read(local_file).map_err(|e| Error::io(local_file, e))?;
                 let full = join_rel(&[&root, &rel])?;
-                let path: Vec<String> = full.split('/').map(encode_segment).collect();
+                let path: Vec<String> = full.split('/').map(percent_encode).collect();
                 self.put_bytes(&format!("mlflow-artifacts/artifacts/{}", path.join("/")), &bytes)
             }
             ArtifactStore::Local(root) => {
@@ -210,7 +210,7 @@ mod tests {
         assert!(e.to_string().contains("not a run's artifact root"), "{e}");
         let e = ArtifactStore::from_uri("dbfs://other@databricks/x").unwrap_err();
         assert!(e.to_string().contains("\"other@databricks\""), "{e}");
-        assert_eq!(encode_segment("a b.png"), "a%20b.png");
+        assert_eq!(percent_encode("a b.png"), "a%20b.png");
         assert!(join_rel(&["x/../y"]).is_err());
     }
 }

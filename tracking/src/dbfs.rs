@@ -6,7 +6,7 @@
 //! (On a cluster MLflow may write through the `/dbfs` FUSE mount instead; the REST path works
 //! everywhere.)
 
-use crate::artifacts::encode_segment;
+use crate::artifacts::percent_encode;
 use crate::client::Client;
 use crate::error::{Error, Result};
 use crate::types::FileInfo;
@@ -24,7 +24,7 @@ impl Client {
     /// Uploads `local_file` to DBFS `<root>/<rel>`.
     pub(crate) fn upload_to_dbfs(&self, root: &str, rel: &str, local_file: &Path) -> Result<()> {
         let path = dbfs_path(root, rel);
-        let encoded: Vec<String> = path.trim_start_matches('/').split('/').map(encode_segment).collect();
+        let encoded: Vec<String> = path.trim_start_matches('/').split('/').map(percent_encode).collect();
         let url = format!("{}/dbfs/{}", self.target().base_url, encoded.join("/"));
         let endpoint = format!("dbfs{path}");
         self.retry_policy().run(|| {

@@ -39,9 +39,9 @@ impl SignedUrl {
         let mut out = self.0.clone();
         for (k, v) in params {
             out.push(if out.contains('?') { '&' } else { '?' });
-            out.push_str(&encode_component(k));
+            out.push_str(&crate::artifacts::percent_encode(k));
             out.push('=');
-            out.push_str(&encode_component(v));
+            out.push_str(&crate::artifacts::percent_encode(v));
         }
         out
     }
@@ -125,18 +125,6 @@ fn storage_error(body: &str) -> (String, String) {
     (String::new(), body.chars().take(200).collect())
 }
 
-/// Percent-encodes a URL query component (RFC 3986 unreserved characters kept).
-pub(crate) fn encode_component(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
 
 fn percent_decode(s: &str) -> String {
     let b = s.as_bytes();

@@ -30,6 +30,15 @@ def _compile(shell, cell: str):
     return shell.compile(tree, filename, "exec")
 
 
+def _exec_cell(shell, code) -> None:
+    """Runs the compiled cell in the user namespace; `--max-steps` ends it through StopCell."""
+    __tracebackhide__ = True
+    try:
+        exec(code, shell.user_ns)
+    except StopCell:
+        pass
+
+
 class Progress:
     """tqdm.auto bar where it renders (terminal, or a kernel with ipywidgets), else plain lines."""
 
@@ -118,10 +127,7 @@ def execute(shell, code, run: RunLog, models: list, args, label: str, mode: str,
     status = "FINISHED"
     try:
         with rec:
-            try:
-                exec(code, shell.user_ns)
-            except StopCell:
-                pass
+            _exec_cell(shell, code)
     except KeyboardInterrupt:
         status = "KILLED"
         raise
@@ -299,10 +305,7 @@ def _check(shell, code, args, eng, modules, ns, device):
         hook = model.register_forward_pre_hook(keep_first_batch, with_kwargs=True) if label == "pytorch" else None
         try:
             with rec:
-                try:
-                    exec(code, shell.user_ns)
-                except StopCell:
-                    pass
+                _exec_cell(shell, code)
         finally:
             if hook is not None:
                 hook.remove()
