@@ -260,10 +260,24 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         dx.iter_mut().chain(dw.iter_mut()).for_each(|v| *v = T::zero());
     }
     let chunk = if n == 0 { rows } else { scratch.len() / n };
+    // Rows with weight 0 (ignore_index: e.g. the 85% unmasked tokens of a masked-LM batch) add
+    // nothing to the loss or any gradient: only the others are computed, gathered into compact
+    // chunks, and their dX rows scattered back (the ignored rows' dX is 0).
+    let active: Vec<usize> = (0..rows).filter(|&i| a.t[i].1 != 0.0).collect();
+    let compact = active.len() < rows;
+    if compact {
+        dx.iter_mut().for_each(|v| *v = T::zero());
+        if active.is_empty() {
+            dw.iter_mut().for_each(|v| *v = T::zero());
+        }
+    }
+    let staged = if compact { chunk.min(active.len()) * k } else { 0 };
+    let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    while c0 < rows && n > 0 {
-        let r = chunk.min(rows - c0);
+    while c0 < active.len() && n > 0 {
+        let r = chunk.min(active.len() - c0);
+        let ids = &active[c0..c0 + r];
         let g = &mut scratch[..r * n];
         // the chunk's logits: bias rows, then X_c · op(W) accumulated onto them
         match bv {
@@ -271,24 +285,39 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             None if k == 0 => g.iter_mut().for_each(|v| *v = T::zero()),
             None => {}
         }
-        let xc = Mat { ptr: xv[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
+        let x_rows: &[T] = if compact {
+            for (dst, &i) in xg.chunks_exact_mut(k.max(1)).zip(ids) {
+                dst.copy_from_slice(&xv[i * k..(i + 1) * k]);
+            }
+            &xg[..r * k]
+        } else {
+            &xv[c0 * k..(c0 + r) * k]
+        };
+        let xc = Mat { ptr: x_rows.as_ptr(), rs: k as isize, cs: 1 };
         if k > 0 {
             let wm =
                 if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
-            // SAFETY: X_c is [r, k] row-major inside x, op(W) a [k, n] view of w, the chunk
-            // [r, n] in the scratch output (distinct from both).
+            // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n]
+            // view of w, the chunk [r, n] in the scratch output (distinct from both).
             unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), bv.is_some()) };
         }
         let terms: Vec<f64> =
-            g.par_chunks_mut(n).zip(a.t[c0..c0 + r].par_iter()).map(|(row, &(y, wt))| lce_row(row, y, wt, wt * a.scale)).collect();
+            g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
         total += terms.iter().sum::<f64>();
         if k > 0 {
             let gm = Mat { ptr: g.as_ptr(), rs: n as isize, cs: 1 };
             // dX_c = G · op(W)ᵀ
             let wt =
                 if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
-            // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c the [r, k] rows of dx.
-            unsafe { gemm_call(a.path, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, wt, T::one(), false) };
+            let dx_rows = if compact { dxg.as_mut_ptr() } else { dx[c0 * k..].as_mut_ptr() };
+            // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c [r, k]: dx's rows, or the
+            // compact staging buffer (r·k elements) scattered below.
+            unsafe { gemm_call(a.path, r, k, n, dx_rows, gm, wt, T::one(), false) };
+            if compact {
+                for (src, &i) in dxg.chunks_exact(k).zip(ids) {
+                    dx[i * k..(i + 1) * k].copy_from_slice(src);
+                }
+            }
             if a.trans_b {
                 // dW[n, k] (+)= Gᵀ · X_c
                 let gt = Mat { ptr: g.as_ptr(), rs: 1, cs: n as isize };
@@ -296,8 +325,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
                 unsafe { gemm_call(a.path, n, k, r, dw.as_mut_ptr(), gt, xc, T::one(), c0 > 0) };
             } else {
                 // dW[k, n] (+)= X_cᵀ · G
-                let xt = Mat { ptr: xv[c0 * k..].as_ptr(), rs: 1, cs: k as isize };
-                // SAFETY: X_cᵀ is a [k, r] view of x, G [r, n], dW [k, n] (its own output).
+                let xt = Mat { ptr: x_rows.as_ptr(), rs: 1, cs: k as isize };
+                // SAFETY: X_cᵀ is a [k, r] view of X_c, G [r, n], dW [k, n] (its own output).
                 unsafe { gemm_call(a.path, k, n, r, dw.as_mut_ptr(), xt, gm, T::one(), c0 > 0) };
             }
         }
