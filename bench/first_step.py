@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from bench.worker import _peak_rss_mib, _rss_mib
+
 # (label, module, attribute path): wrapped if present; a missing one is skipped
 _PHASES = (
     ("export_module", "ortrain.export", "export_module"),
@@ -211,20 +213,6 @@ def main():
     for label, _, _ in _PHASES:
         if label in phases:
             print(f"  {label:<55s} {phases[label]:7.3f} {phases_cpu[label]:7.3f}  x{calls[label]}")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_rss_mib() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _runs(args) -> None:

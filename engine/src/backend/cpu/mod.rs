@@ -12,6 +12,7 @@ mod elementwise;
 mod gather_nd;
 mod internal;
 mod linear;
+mod linear_cross_entropy;
 mod loss;
 mod matmul;
 mod movement;
@@ -72,6 +73,7 @@ pub fn kernels() -> &'static KernelTable {
         internal::register(&mut t);
         linear::register(&mut t);
         loss::register(&mut t);
+        linear_cross_entropy::register(&mut t);
         matmul::register(&mut t);
         movement::register(&mut t);
         norm::register(&mut t);
