@@ -25,17 +25,22 @@ class WorkerError(Exception):
 
 
 class WorkerProcess:
-    def __init__(self, workload: str, system: str, threads: int, seed: int):
+    def __init__(self, workload: str, system: str, threads: int, seed: int, batch: int | None = None,
+                 cache_dir: str | None = None):
+        """`batch`: the workload's batch size (None: its own); `cache_dir`: a compile/export cache
+        shared with other workers (None: an empty one of its own, removed with the worker)."""
         self.label = f"{workload}/{system}"
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
             env[var] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        self._cache = tempfile.TemporaryDirectory(prefix=f"bench-{system}-cache-") if system in ("compile", "ortrain") else None
-        if self._cache:
-            env["TORCHINDUCTOR_CACHE_DIR" if system == "compile" else "ORTRAIN_EXPORT_CACHE_DIR"] = self._cache.name
-        config = {"workload": workload, "system": system, "threads": threads, "seed": seed}
+        cached = system in ("compile", "ortrain")
+        self._cache = tempfile.TemporaryDirectory(prefix=f"bench-{system}-cache-") if cached and not cache_dir else None
+        if cached:
+            env["TORCHINDUCTOR_CACHE_DIR" if system == "compile" else "ORTRAIN_EXPORT_CACHE_DIR"] = \
+                cache_dir or self._cache.name
+        config = {"workload": workload, "system": system, "threads": threads, "seed": seed, "batch": batch}
         self._stderr = tempfile.TemporaryFile(mode="w+b", prefix="bench-worker-")
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.worker", json.dumps(config)], cwd=REPO, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)

@@ -102,7 +102,7 @@ class Worker:
     def setup(self, warmup: int) -> dict:
         t0 = time.perf_counter()
         self.torch.manual_seed(self.config["seed"])
-        self.job = self.workload.build()
+        self.job = self.workload.build(batch=self.config.get("batch"))
         built = time.perf_counter()
         self.prepared = self.systems.prepare(self.system, self.job.model, self.job.optimizer, self.workload.precision)
         self.torch.manual_seed(self.config["seed"])  # dropout masks: same stream start everywhere

@@ -45,11 +45,12 @@ class Workload:
     title: str  # one line under the table's heading
     precision: str  # "fp32" | "bf16" (bf16: autocast in PyTorch, precision="bf16" in ortrain)
     needs_transformers: bool
-    build: Callable[[], Job]
+    build: Callable[..., Job]  # build(batch=None): None is the workload's own batch size
+    default_batch: int
 
 
 # ------------------------------------------------------------------------------------ tutorial
-def _tutorial_text(vocab: int) -> torch.Tensor:
+def _tutorial_text(vocab: int, bsz: int) -> torch.Tensor:
     """The tutorial's batchified token stream [rows, 20]: real prose (bench/text_data.py), its
     word ids spread over the full vocabulary by a fixed permutation."""
     from bench import text_data
@@ -57,17 +58,21 @@ def _tutorial_text(vocab: int) -> torch.Tensor:
     text, _ = text_data.load_text()
     ids, _ = text_data.tokenize(text)
     perm = torch.randperm(vocab, generator=torch.Generator().manual_seed(SEED))
-    return text_data.batchify(perm[ids % vocab], 20)
+    ids = perm[ids % vocab]
+    need = bsz * (2 * 35 + 2)  # at least two bptt windows per batch column, for large --batch probes
+    if ids.numel() < need:
+        ids = ids.repeat(-(-need // ids.numel()))
+    return text_data.batchify(ids, bsz)
 
 
-def _build_tutorial() -> Job:
+def _build_tutorial(batch: int | None = None) -> Job:
     import models
 
     from bench import text_data
 
     model, _, _ = models.tutorial_transformer(TUTORIAL_VOCAB, dropout=0.2, seed=SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    data = _tutorial_text(TUTORIAL_VOCAB)
+    data = _tutorial_text(TUTORIAL_VOCAB, batch or 20)
     bptt = 35
     starts = (data.size(0) - 1 - bptt) // bptt
     criterion = nn.CrossEntropyLoss()
@@ -84,10 +89,10 @@ def _build_tutorial() -> Job:
 
 
 # ---------------------------------------------------------------------------------------- gpt2
-def _build_gpt2() -> Job:
+def _build_gpt2(batch: int | None = None) -> Job:
     import models
 
-    seq, bsz = 128, 4
+    seq, bsz = 128, batch or 4
     model, _, _ = models.gpt2_small(vocab=GPT2_VOCAB, n_layer=2, n_embd=256, n_head=4, n_positions=seq,
                                     dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -104,10 +109,10 @@ def _build_gpt2() -> Job:
 
 
 # ---------------------------------------------------------------------------------------- bert
-def _build_bert() -> Job:
+def _build_bert(batch: int | None = None) -> Job:
     import models
 
-    seq, bsz = 128, 4
+    seq, bsz = 128, batch or 4
     model, _, _ = models.bert_small(vocab=BERT_VOCAB, layers=2, hidden=256, heads=4, intermediate=1024,
                                     dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -134,20 +139,22 @@ _TUTORIAL_TITLE = ("nn.Transformer tutorial model (emsize 200, nhid 200, 2 layer
 WORKLOADS = {
     w.name: w
     for w in (
-        Workload("tutorial", _TUTORIAL_TITLE + ", fp32", "fp32", False, _build_tutorial),
+        Workload("tutorial", _TUTORIAL_TITLE + ", fp32", "fp32", False, _build_tutorial, 20),
         Workload("tutorial-bf16", _TUTORIAL_TITLE + ", bf16 (fp32 master weights)", "bf16", False,
-                 _build_tutorial),
+                 _build_tutorial, 20),
         Workload("gpt2", "GPT2LMHeadModel (2 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention), "
-                 f"vocab {GPT2_VOCAB}, seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2),
+                 f"vocab {GPT2_VOCAB}, seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2, 4),
         Workload("bert", "BertForMaskedLM (2 layers, hidden 256, 4 heads, dropout 0.1, sdpa attention), "
                  f"vocab {BERT_VOCAB}, seq 128 x batch 4, 15% masked, AdamW lr 1e-3, fp32", "fp32", True,
-                 _build_bert),
+                 _build_bert, 4),
     )
 }
 
 
 def preload(workload: Workload) -> None:
-    """Imports what building the workload imports, so the worker's RSS after imports covers them."""
+    """Imports what building the workload imports, so the worker's RSS after imports covers them
+    (constructing any torch.optim optimizer imports torch._dynamo: ~150 MiB in every system)."""
+    import torch._dynamo  # noqa: F401
     if workload.needs_transformers:
         import transformers  # noqa: F401
         from transformers import BertForMaskedLM, GPT2LMHeadModel  # noqa: F401
