@@ -32,6 +32,8 @@ _PHASES = (
     ("export_module", "ortrain.export", "export_module"),
     ("  torch.onnx.export (dynamo)", "ortrain.export.dynamo", "export"),
     ("    registry from torchlib", "torch.onnx._internal.exporter._registration", "ONNXRegistry.from_torchlib"),
+    ("    registry, lazily signed (ortrain)", "ortrain.export.registry", "build"),
+    ("    one trace, decomposed (ortrain)", "ortrain.export.capture", "capture_decomposed"),
     ("    torch.export capture", "torch.onnx._internal.exporter._capture_strategies",
      "TorchExportNonStrictStrategy.__call__"),
     ("    decompositions", "torch.onnx._internal.exporter._core", "_prepare_exported_program_for_export"),

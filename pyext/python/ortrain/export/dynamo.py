@@ -10,16 +10,21 @@ comparing its values (a data-dependent guard torch.export cannot trace). The ans
 hint that lets attention skip the mask; during export we answer "not causal" (or the caller's
 explicit is_causal), so the mask is applied explicitly: same values, exportable graph.
 
-Two costs of torch.onnx.export that ortrain does not need are avoided (measured, doc/EXPORT.md):
+Three costs of torch.onnx.export that ortrain does not need are avoided (measured, doc/EXPORT.md):
 - every call rebuilds the aten -> ONNX function registry from onnxscript's torchlib, parsing the
-  Python source of ~500 functions (0.6-0.9 s on 2 cores): the first one built in the process is
-  reused for the same opset (nothing mutates it: custom translation tables are never passed);
+  Python source of ~500 functions (0.6-0.9 s on 2 cores): the registry of export/registry.py
+  holds the same entries but parses a function only when the translation uses it, and is built
+  once per process per opset (nothing mutates it: custom translation tables are never passed);
+- it traces the module twice (torch.export, then run_decompositions): export/capture.py traces
+  it once, already decomposed with the same table, and torch.onnx.export skips its
+  decomposition of that program (modules with tied weights keep the two traces);
 - the initializers named in `bound` (the module's parameters and buffers, which the engine binds
   to the live tensors) are written without data, marked external at `ortrain:bound`, instead of
   copying every weight into the protobuf (48 MB for the tutorial model) to drop it later.
-Such weightless exports capture the program first (torch.export, as torch.onnx.export's own
-first strategy does) and look its translation up in the disk cache (export/disk_cache.py: keyed
-by a digest of the captured program); on a miss the captured program is translated and stored.
+The program is captured first and, for weightless exports, its translation looked up in the
+disk cache (export/disk_cache.py: keyed by a digest of the captured program); on a miss the
+captured program is translated and stored. Where ortrain's capture fails, torch.onnx.export
+runs as before (its first capture strategy, then its others).
 """
 from __future__ import annotations
 
@@ -28,7 +33,9 @@ import contextlib
 import onnx
 import torch
 
+from ortrain.export import capture as _one_trace
 from ortrain.export import disk_cache
+from ortrain.export import registry as _registry
 
 NAME = "dynamo"
 _captured: list | None = None  # inside capture_programs(): the ExportedPrograms behind each export
@@ -59,16 +66,20 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
         # forward(*flat): one entry for the varargs parameter, a tuple with one spec per tensor
         dynamic_shapes = (tuple({i: Dim.AUTO for i in range(t.dim())} for t in flat),)
     kw = {} if opset is None else {"opset_version": opset}
-    digest = None
+    registry = _registry.build(_registry_opset(opset))
     with _no_causal_mask_detection():
-        captured = _capture(wrapper, flat, dynamic_shapes) if bound and disk_cache.enabled() else None
-    if captured is not None and _captured is None:  # capture_programs() needs the translation's program
+        captured, decomposed = _capture(wrapper, flat, dynamic_shapes, registry, bound)
+    if captured is not None and bound and disk_cache.enabled() and _captured is None:
+        # capture_programs() needs the translation's program
         digest = disk_cache.key(captured, {"opset": opset, "inputs": list(input_names),
                                            "outputs": list(output_names)}, bound)
         cached = disk_cache.load(digest)
         if cached is not None:
             return cached, []  # nothing of the translation (onnxscript, the registry) was needed
-    with _no_causal_mask_detection(), _reused_registry():
+    else:
+        digest = None
+    with _no_causal_mask_detection(), _reused_registry(), \
+            _one_trace.skipping_decomposition(captured if decomposed else None, registry):
         program = torch.onnx.export(
             captured if captured is not None else wrapper, tuple(flat), None, dynamo=True, optimize=False,
             dynamic_shapes=None if captured is not None else dynamic_shapes, input_names=list(input_names),
@@ -84,17 +95,36 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
     return model, []
 
 
-def _capture(wrapper, flat, dynamic_shapes):
-    """The ExportedProgram exactly as torch.onnx.export's first capture strategy (torch.export,
-    non-strict) makes it, or None where that strategy is not there or fails (torch.onnx.export
-    then runs from the module, with all of its strategies)."""
+def _capture(wrapper, flat, dynamic_shapes, registry, bound):
+    """(program, decomposed): the module traced once, already decomposed for `registry`
+    (export/capture.py); else, where weightless exports use the disk cache, the program as
+    torch.onnx.export's first capture strategy makes it (torch.export, non-strict; decomposed by
+    torch.onnx.export); else (None, False): torch.onnx.export runs from the module, with all of
+    its strategies."""
+    if registry is not None:
+        program = _one_trace.capture_decomposed(wrapper, flat, dynamic_shapes, registry)
+        if program is not None:
+            return program, True
+    if not (bound and disk_cache.enabled()):
+        return None, False
     try:
         from torch.onnx._internal.exporter import _capture_strategies
         strategy = _capture_strategies.TorchExportNonStrictStrategy(verbose=False)
     except (ImportError, AttributeError, TypeError):
-        return None
+        return None, False
     result = strategy(wrapper, tuple(flat), {}, dynamic_shapes)
-    return getattr(result, "exported_program", None)
+    return getattr(result, "exported_program", None), False
+
+
+def _registry_opset(opset):
+    """The opset torch.onnx.export builds its registry for, given `opset_version=opset`."""
+    try:
+        from torch.onnx import _constants as onnx_constants
+        from torch.onnx._internal.exporter import _constants
+    except ImportError:
+        return opset
+    requested = onnx_constants.ONNX_DEFAULT_OPSET if opset is None else opset
+    return max(requested, _constants.TORCHLIB_OPSET)
 
 
 def _without_data(model, bound) -> None:
@@ -112,7 +142,8 @@ def _without_data(model, bound) -> None:
 @contextlib.contextmanager
 def _reused_registry():
     """torch.onnx.export builds its ONNXRegistry from torchlib on every call; within this
-    context the first one built for an opset is returned again. Where the private hook
+    context it gets the lazily-signed one of export/registry.py for its opset (built once per
+    process), else the first one torch built for these arguments. Where the private hook
     `ONNXRegistry.from_torchlib` does not exist, nothing is changed."""
     try:
         from torch.onnx._internal.exporter import _registration
@@ -124,6 +155,10 @@ def _reused_registry():
     build = original.__func__
 
     def from_torchlib(klass, *args, **kwargs):
+        opset = kwargs.get("opset_version", args[0] if args else None)
+        lazy = _registry.build(opset) if klass is cls and isinstance(opset, int) and len(args) + len(kwargs) == 1 else None
+        if lazy is not None:
+            return lazy
         key = (klass, args, tuple(sorted(kwargs.items())))
         if key not in _REGISTRIES:
             _REGISTRIES[key] = build(klass, *args, **kwargs)
