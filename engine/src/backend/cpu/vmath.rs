@@ -92,53 +92,6 @@ fn scaled_softmax_inplace_body(x: &mut [f32], lse: f32, g: f32) {
     }
 }
 
-/// (max of the row, poison): poison is NaN when the row holds a NaN or an infinity, else 0.
-#[inline(always)]
-fn max_body(x: &[f32]) -> (f32, f32) {
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut poison = [0f32; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for ((mi, p), &v) in m.iter_mut().zip(poison.iter_mut()).zip(c) {
-            *mi = mi.max(v);
-            *p += v * 0.0;
-        }
-    }
-    let mut top = m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    let mut bad = poison.iter().sum::<f32>();
-    for &v in tail {
-        top = top.max(v);
-        bad += v * 0.0;
-    }
-    (top, bad)
-}
-
-/// x[k] = exp(x[k] − m) in place; returns Σ x[k] (lane-wise partial sums).
-#[inline(always)]
-fn exp_sum_inplace_body(x: &mut [f32], m: f32) -> f32 {
-    let mut s = [0f32; LANES];
-    let mut chunks = x.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (si, v) in s.iter_mut().zip(c.iter_mut()) {
-            *v = exp_poly(*v - m);
-            *si += *v;
-        }
-    }
-    let mut total = 0f32;
-    for v in chunks.into_remainder() {
-        *v = exp_poly(*v - m);
-        total += *v;
-    }
-    total + s.iter().sum::<f32>()
-}
-
-/// x[k] *= s
-#[inline(always)]
-fn scale_body(x: &mut [f32], s: f32) {
-    x.iter_mut().for_each(|v| *v *= s);
-}
-
 macro_rules! multiversion {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         pub mod $name {
@@ -193,16 +146,6 @@ fn level() -> Level {
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 multiversion!(row_scaled_softmax_inplace, scaled_softmax_inplace_body, (x: &mut [f32], lse: f32, g: f32) -> ());
-
-multiversion!(row_max_poison, max_body, (x: &[f32]) -> (f32, f32));
-multiversion!(row_exp_sum_inplace, exp_sum_inplace_body, (x: &mut [f32], m: f32) -> f32);
-multiversion!(row_scale, scale_body, (x: &mut [f32], s: f32) -> ());
-
-/// Max of a row, or None when the row holds a NaN or an infinity.
-pub fn row_max_finite(x: &[f32]) -> Option<f32> {
-    let (m, bad) = row_max_poison::call(x);
-    (bad == 0.0 && m.is_finite()).then_some(m)
-}
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
