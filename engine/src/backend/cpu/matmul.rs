@@ -76,6 +76,54 @@ pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
     }
 }
 
+/// Whether gemm_call runs on the `gemm` crate for T under `path` (not the bf16 GEMM).
+pub(super) fn crate_path<T: 'static>(path: MatmulPath) -> bool {
+    !matches!(path, MatmulPath::Bf16(_)) || TypeId::of::<T>() != TypeId::of::<f32>()
+}
+
+/// dst[m×n] (+)= lhs[m×k] · rhs[k×n] on the calling thread alone (the `gemm` crate, no
+/// parallelism), dst with explicit strides: for callers that split the work among threads.
+///
+/// # Safety
+/// As gemm_call, with dst covering the m×n view at (dst_rs, dst_cs).
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_serial<T: FloatElem + 'static>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    dst_cs: isize,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    accumulate: bool,
+) {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs,
+            dst_rs,
+            accumulate,
+            lhs.ptr,
+            lhs.cs,
+            lhs.rs,
+            rhs.ptr,
+            rhs.cs,
+            rhs.rs,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
 /// out = alpha · op(a) · op(b), batched with broadcasting; out's batch dims may be fewer than the
 /// broadcast batch (those batches are summed), as FusedMatMul's target shape asks.
 #[allow(clippy::too_many_arguments)]

@@ -11,6 +11,7 @@ mod cumsum;
 mod elementwise;
 mod gather_nd;
 mod internal;
+mod lce_tiles;
 mod linear;
 mod linear_cross_entropy;
 mod loss;
