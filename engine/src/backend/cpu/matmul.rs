@@ -51,14 +51,37 @@ pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
     let flops = m * n * k;
     let par = if flops >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).
+    unsafe { crate_gemm(m, n, k, dst, n as isize, 1, lhs, rhs, alpha, accumulate, par) }
+}
+
+/// dst[m×n] = alpha · lhs · rhs (+ dst when `accumulate`) on the `gemm` crate, dst at explicit
+/// strides.
+///
+/// # Safety
+/// As gemm_call, with dst covering the m×n view at (dst_rs, dst_cs).
+#[allow(clippy::too_many_arguments)]
+unsafe fn crate_gemm<T: FloatElem + 'static>(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    dst_rs: isize,
+    dst_cs: isize,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    alpha: T,
+    accumulate: bool,
+    par: Parallelism,
+) {
+    // SAFETY: forwarded from the caller's contract.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
             dst,
-            1,
-            n as isize,
+            dst_cs,
+            dst_rs,
             accumulate,
             lhs.ptr,
             lhs.cs,
@@ -99,29 +122,7 @@ pub(super) unsafe fn gemm_serial<T: FloatElem + 'static>(
     accumulate: bool,
 ) {
     // SAFETY: forwarded from the caller's contract.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs,
-            dst_rs,
-            accumulate,
-            lhs.ptr,
-            lhs.cs,
-            lhs.rs,
-            rhs.ptr,
-            rhs.cs,
-            rhs.rs,
-            T::one(),
-            T::one(),
-            false,
-            false,
-            false,
-            Parallelism::None,
-        );
-    }
+    unsafe { crate_gemm(m, n, k, dst, dst_rs, dst_cs, lhs, rhs, T::one(), accumulate, Parallelism::None) }
 }
 
 /// out = alpha · op(a) · op(b), batched with broadcasting; out's batch dims may be fewer than the
