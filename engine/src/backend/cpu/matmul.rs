@@ -54,8 +54,33 @@ pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
     unsafe { crate_gemm(m, n, k, dst, n as isize, 1, lhs, rhs, alpha, accumulate, par) }
 }
 
+/// The most bytes of packed right-hand side one call into the `gemm` crate may allocate. The
+/// crate packs a k-block of all n columns into a buffer it allocates and frees on every call
+/// (23 MB for the tutorial's LM head, 200 × 28782 f32); glibc then serves such blocks from its
+/// heap and keeps the freed ones, which fragments and grew the process by ~45 MiB over ten steps.
+/// Wider products are therefore split into column blocks that each pack about this much (blocks
+/// of at least 64 columns keep the crate's k blocking, which depends on k alone for them, so
+/// every sum runs in the same order: the results are unchanged).
+const PACK_BUDGET_BYTES: usize = 2 << 20;
+
+/// The crate's k-block upper bound (its `kernel_params` picks kc ≤ max(512, …) and ≤ k; 512
+/// covers the f32/f64 kernels on x86 and aarch64).
+const CRATE_KC_MAX: usize = 512;
+
+/// Columns per `gemm` crate call: all n when the packed right-hand side fits PACK_BUDGET_BYTES,
+/// else a multiple of 64 columns that does.
+fn column_block<T>(n: usize, k: usize) -> usize {
+    let per_col = k.clamp(1, CRATE_KC_MAX) * std::mem::size_of::<T>();
+    let cols = (PACK_BUDGET_BYTES / per_col.max(1)) / 64 * 64;
+    if cols == 0 || cols >= n {
+        n
+    } else {
+        cols
+    }
+}
+
 /// dst[m×n] = alpha · lhs · rhs (+ dst when `accumulate`) on the `gemm` crate, dst at explicit
-/// strides.
+/// strides, in column blocks of `column_block` (see PACK_BUDGET_BYTES).
 ///
 /// # Safety
 /// As gemm_call, with dst covering the m×n view at (dst_rs, dst_cs).
@@ -73,29 +98,43 @@ unsafe fn crate_gemm<T: FloatElem + 'static>(
     accumulate: bool,
     par: Parallelism,
 ) {
-    // SAFETY: forwarded from the caller's contract.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst,
-            dst_cs,
-            dst_rs,
-            accumulate,
-            lhs.ptr,
-            lhs.cs,
-            lhs.rs,
-            rhs.ptr,
-            rhs.cs,
-            rhs.rs,
-            T::one(),
-            alpha,
-            false,
-            false,
-            false,
-            par,
-        );
+    let block = column_block::<T>(n, k).max(1);
+    let mut j0 = 0;
+    while j0 < n || (j0 == 0 && n == 0) {
+        // a short last block would take the crate's small-matrix path (another k blocking):
+        // the last block takes the rest instead when fewer than 2 × 64 columns would remain
+        let rest = n - j0;
+        let cols = if rest < block + 128 { rest } else { block };
+        let off = j0 as isize;
+        // SAFETY: columns j0..j0 + cols of the caller's n-column views of dst and rhs (the
+        // caller's contract covers them); for n = 0 one call with no columns, as before.
+        unsafe {
+            gemm::gemm(
+                m,
+                cols,
+                k,
+                dst.offset(off * dst_cs),
+                dst_cs,
+                dst_rs,
+                accumulate,
+                lhs.ptr,
+                lhs.cs,
+                lhs.rs,
+                rhs.ptr.offset(off * rhs.cs),
+                rhs.cs,
+                rhs.rs,
+                T::one(),
+                alpha,
+                false,
+                false,
+                false,
+                par,
+            );
+        }
+        if n == 0 {
+            break;
+        }
+        j0 += cols;
     }
 }
 

@@ -13,6 +13,7 @@ from ortrain import _ortrain
 from ortrain.errors import UnsupportedError
 from ortrain.export.graph import strip_bound_weights
 
+from . import malloc
 from .function import EngineFunction, run_inference
 from .tensors import engine_dtype
 
@@ -98,6 +99,8 @@ class Runner:
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
                              and t.is_floating_point())
         _init_threads()
+        if not self.on_cuda:
+            malloc.apply()
         onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
         seeded = None
         if self.seeded_outputs is not None:
