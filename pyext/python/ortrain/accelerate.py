@@ -34,6 +34,7 @@ class _State:
         self.loss_runners: dict = {}  # (runner key, slices, classes, ignore_index, reduction) -> runner | Exception
         self.fused_loss_calls = 0
         self.precision = "fp32"
+        self.setup_bytes = None  # resident size that exporting and building the runners added
 
     @contextmanager
     def plain(self):
@@ -53,6 +54,9 @@ class _State:
         key = (signature(args, kwargs), self.module.training, mask)
         self.last_key = key
         if key not in self.runners:
+            from ortrain._memory import rss_bytes
+
+            before = rss_bytes()
             try:
                 with self.plain():
                     exported = export_cached(self.module, args, kwargs, training=self.module.training,
@@ -61,6 +65,9 @@ class _State:
             except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
                 self.runners[key] = exc
                 self._fall_back(exc)
+            after = rss_bytes()
+            if before is not None and after is not None:
+                self.setup_bytes = (self.setup_bytes or 0) + after - before
         return self.runners[key]
 
     def _fall_back(self, exc: Exception):
@@ -116,6 +123,42 @@ class _State:
         call = Deferred(self, runner, self.last_key, flat, args, kwargs, shape, dtype)
         self.engine_calls += 1
         return unflatten_outputs(runner.exported.output_structure, [LazyOutput(call, shape)])
+
+    def likely_loss_runner(self, runner, flat):
+        """For explain() before the first step: the runner of the model + cross-entropy graph that
+        the usual loss (`F.cross_entropy(output.view(-1, classes), target)`, mean, no slices)
+        would build on the first step, built now and kept for that step; None where the loss
+        would not be fused."""
+        from ortrain.engine.cross_entropy import CrossEntropyRunner
+        from ortrain._memory import rss_bytes
+
+        if not (self.fuse_loss and self.module.training and runner.trainable_params and runner.n_user_outputs == 1
+                and not runner.buffer_outputs and not runner.on_cuda):
+            return None
+        try:
+            (dtype, shape), = runner.output_types(flat)
+        except Exception:  # noqa: BLE001 - explain() only describes
+            return None
+        if not dtype.is_floating_point or len(shape) < 2:
+            return None
+        key = (self.last_key, (), shape[-1], -100, "mean")
+        if key not in self.loss_runners:
+            before = rss_bytes()
+            try:
+                self.loss_runners[key] = CrossEntropyRunner(self.module, runner.exported, (), shape[-1], -100, "mean",
+                                                            self.precision, self.device)
+            except Exception:  # noqa: BLE001 - the first step reports it
+                return None
+            after = rss_bytes()
+            if before is not None and after is not None:
+                self.setup_bytes = (self.setup_bytes or 0) + after - before
+        loss_runner = self.loss_runners[key]
+        if isinstance(loss_runner, Exception):
+            return None
+        rows = 1
+        for d in shape[:-1]:
+            rows *= d
+        return loss_runner, list(flat) + [torch.zeros(rows, dtype=torch.int64)]
 
     def run_now(self, call) -> torch.Tensor:
         """Runs a deferred call as a plain engine forward (PyTorch if the engine fails)."""
@@ -294,6 +337,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                              f"{info['forward_steps']} forward + {info['backward_steps']} backward steps, "
                              f"{info['folded_nodes']} nodes folded")
+                if key[1] and r.trainable_params and not getattr(r, "on_cuda", False):
+                    lines += _training_memory(state, r, info)
         else:
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
     if state.fused_loss_calls:
@@ -315,6 +360,26 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
 
         lines += format_profile(state)
     return "\n".join(lines)
+
+
+def _training_memory(state, runner, info) -> list:
+    """explain()'s estimate of the training peak: with the model + cross-entropy graph's arena
+    where the usual loss would be fused (the arena of the graph that will run), else with this
+    plan's arena and the loss in PyTorch."""
+    from ortrain._memory import training_estimate
+
+    fused = state.likely_loss_runner(runner, state.last_inputs)
+    if fused is not None:
+        loss_runner, inputs = fused
+        try:
+            arena = loss_runner.plan_info(inputs, True)["arena_bytes"]
+        except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
+            fused = None
+    if fused is not None:
+        return ["    with the loss fused (F.cross_entropy on the output), " +
+                training_estimate(state.module, state.optimizer, arena, state.setup_bytes)]
+    return ["    " + training_estimate(state.module, state.optimizer, info["arena_bytes"], state.setup_bytes) +
+            ", plus the loss in PyTorch"]
 
 
 def reset_profile(model) -> None:

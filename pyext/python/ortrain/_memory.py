@@ -1,0 +1,67 @@
+"""The training memory estimate `explain()` prints before the first step: what the process will
+hold above its size before the model was built, as the sum of its parts: the module's tensors,
+one gradient per trainable parameter, the optimizer's state (by the optimizer's kind), the engine's
+planned arena peak, and what exporting and building the engine graph cost (measured: the
+process's resident size before and after, which includes the exporter's modules and caches).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def rss_bytes() -> int | None:
+    """The process's resident size now (Linux), or None."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t.device.type == "cpu" and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
+    """(bytes, kind) of the state `optimizer` keeps per parameter once it has stepped: Adam and
+    AdamW two tensors (three with amsgrad), SGD one with momentum and none without; None for
+    other optimizers."""
+    if optimizer is None:
+        return 0, "no optimizer"
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    per = 0
+    for g in optimizer.param_groups:
+        if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            per = 3 if g.get("amsgrad") else 2
+        elif isinstance(optimizer, torch.optim.SGD):
+            per = max(per, 1 if g.get("momentum", 0) else 0)
+        else:
+            return None, type(optimizer).__name__
+    return per * _bytes(params), f"{type(optimizer).__name__}: {per} per parameter"
+
+
+def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | None) -> str:
+    """One line: the parts and their sum, in MiB."""
+    mib = 1 / 2**20
+    tensors = _bytes(list(module.parameters()) + list(module.buffers()))
+    grads = _bytes([p for p in module.parameters() if p.requires_grad])
+    state, kind = optimizer_state_bytes(optimizer)
+    parts = [f"parameters and buffers {tensors * mib:.1f}", f"gradients {grads * mib:.1f}"]
+    total = tensors + grads + arena_bytes
+    if state is None:
+        parts.append(f"optimizer state not estimated ({kind})")
+    else:
+        parts.append(f"optimizer state {state * mib:.1f} ({kind})")
+        total += state
+    parts.append(f"peak arena {arena_bytes * mib:.1f}")
+    if setup_bytes is not None:
+        parts.append(f"export and engine build {max(setup_bytes, 0) * mib:.1f} (measured)")
+        total += max(setup_bytes, 0)
+    return f"training memory: {' + '.join(parts)} = {total * mib:.0f} MiB above the process before the model was built"
