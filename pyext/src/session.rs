@@ -160,9 +160,11 @@ impl PySession {
     }
 
     /// Plans for these input types and returns a summary dict (arena bytes, step counts, ops).
-    fn plan_info(&self, py: Python<'_>, sigs: Vec<(String, Vec<usize>)>, backward: bool) -> PyResult<Py<PyAny>> {
+    /// `grads_from_forward`: the plan forward(..., grads=...) runs.
+    #[pyo3(signature = (sigs, backward, grads_from_forward=false))]
+    fn plan_info(&self, py: Python<'_>, sigs: Vec<(String, Vec<usize>)>, backward: bool, grads_from_forward: bool) -> PyResult<Py<PyAny>> {
         let sigs: Vec<Sig> = sigs.into_iter().map(|(d, s)| Ok((dtype(&d)?, s))).collect::<PyResult<_>>()?;
-        let plan = self.inner.plan(&sigs, backward).map_err(to_py)?;
+        let plan = self.inner.plan_with(&sigs, backward, &[], grads_from_forward).map_err(to_py)?;
         let d = pyo3::types::PyDict::new(py);
         d.set_item("arena_bytes", plan.arena_bytes)?;
         d.set_item("forward_steps", plan.split)?;
@@ -198,7 +200,10 @@ impl PySession {
     /// Runs the forward pass. `inputs`: (address, dtype, shape) per model input; `weights`: one
     /// address per weight; `outputs` (optional): per output an address receiving it (0: kept in
     /// the engine's memory). Returns a Pending holding the outputs (and activations if backward).
-    #[pyo3(signature = (inputs, weights, backward, seed, outputs=None))]
+    /// `grads` (optional, with `backward`): one address per weight (0: none) receiving its
+    /// gradient, bound from the forward pass on; backward() must then get the same addresses.
+    #[pyo3(signature = (inputs, weights, backward, seed, outputs=None, grads=None))]
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         py: Python<'_>,
@@ -207,6 +212,7 @@ impl PySession {
         backward: bool,
         seed: u64,
         outputs: Option<Vec<usize>>,
+        grads: Option<Vec<usize>>,
     ) -> PyResult<PyPending> {
         let mut feed = Vec::with_capacity(inputs.len());
         for (addr, dt, shape) in inputs {
@@ -216,6 +222,7 @@ impl PySession {
         }
         let w: Vec<Addr> = weights.into_iter().map(Addr).collect();
         let o: Vec<Addr> = outputs.unwrap_or_default().into_iter().map(Addr).collect();
+        let gr: Vec<Addr> = grads.unwrap_or_default().into_iter().map(Addr).collect();
         let s = self.inner.clone();
         let pending = py
             .detach(move || {
@@ -229,9 +236,11 @@ impl PySession {
                     .collect();
                 let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
                 let op: Vec<*mut u8> = o.iter().map(|a| a.0 as *mut u8).collect();
+                let gp: Vec<*mut u8> = gr.iter().map(|a| a.0 as *mut u8).collect();
                 // SAFETY: weight addresses are the live torch parameters of the declared shapes;
-                // output addresses (0: none) are tensors the caller keeps alive with this step.
-                unsafe { s.forward(&views, &wp, backward, seed, &op) }
+                // output and gradient addresses (0: none) are tensors the caller keeps alive
+                // with this step, of the planned types, written only by it.
+                unsafe { s.forward_with_grads(&views, &wp, backward, seed, &op, &gp) }
             })
             .map_err(to_py)?;
         Ok(PyPending { inner: Some(pending), session: self.inner.clone() })

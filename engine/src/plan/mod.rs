@@ -46,6 +46,12 @@ pub struct PlanRequest<'a> {
     pub input_types: HashMap<ValueId, (DType, Vec<usize>)>,
     /// Gradient seeds (bound per call) and the output each one is the gradient of.
     pub seeds: Vec<(ValueId, ValueId)>,
+    /// Bound backward outputs whose caller memory is bound from the forward phase on. Where
+    /// one is `Mul(u, s)` of a forward value `u` of its own type that nothing else reads and a
+    /// scalar `s` (LinearCrossEntropy's unit-seed gradients times the loss seed), `u` is
+    /// written straight into that memory and the Mul scales it in place: `u` takes no arena
+    /// space between the phases.
+    pub bound_from_forward: Vec<ValueId>,
 }
 
 pub struct Plan {
@@ -61,6 +67,8 @@ pub struct Plan {
     pub folded_nodes: usize,
     /// View nodes (Reshape and friends) that share their input's memory instead of running.
     pub views: usize,
+    /// Steps that scale their first operand in place (`PlanRequest::bound_from_forward`).
+    pub in_place: Vec<usize>,
 }
 
 impl Plan {
@@ -230,6 +238,14 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     if !missing.is_empty() {
         return Err(Error::MissingKernels(MissingList(missing)));
     }
+    let mut in_place = Vec::new();
+    for &gv in &req.bound_from_forward {
+        if let Some((i, u)) = scaled_in_place(req, &steps, split, &types, &consts, &alias, gv) {
+            alias[u.0] = Some(gv);
+            kernels[i] = cpu::mul_scalar_in_place;
+            in_place.push(i);
+        }
+    }
 
     // storage and lifetimes
     let mut storage = vec![Storage::Unused; g.values.len()];
@@ -267,7 +283,8 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     let mut buffers = Vec::new();
     let mut owners = Vec::new();
     for (i, v) in g.values.iter().enumerate() {
-        if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) {
+        // aliases (in-place operands, `scaled_in_place`) live in their owner's memory
+        if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) || alias[i].is_some() {
             continue;
         }
         if is_bound(req, ValueId(i)) {
@@ -291,7 +308,49 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
             storage[i] = Storage::Alias(*a);
         }
     }
-    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded, views })
+    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded, views, in_place })
+}
+
+/// For a gradient `gv` bound from the forward phase on: (its step, u) where `gv = Mul(u, s)`
+/// runs in the backward phase, `u` is computed by a forward step, has gv's type (f32 or f64),
+/// is no forward output, is not bound, aliased or viewed, and is read by no step after that
+/// one, and `s` is a scalar; then u can live in gv's memory and the Mul scale it in place.
+#[allow(clippy::too_many_arguments)]
+fn scaled_in_place(
+    req: &PlanRequest,
+    steps: &[NodeId],
+    split: usize,
+    types: &[Option<TypeOut>],
+    consts: &[Option<Arc<Tensor>>],
+    alias: &[Option<ValueId>],
+    gv: ValueId,
+) -> Option<(usize, ValueId)> {
+    let g = req.graph;
+    let producer = g.values[gv.0].producer?;
+    let i = steps.iter().position(|s| *s == producer)?;
+    let node = &g.nodes[producer.0];
+    if i < split || node.op_type != "Mul" || node.outputs.len() != 1 || node.inputs.len() != 2 {
+        return None;
+    }
+    let (u, s) = (node.inputs[0]?, node.inputs[1]?);
+    let up = g.values[u.0].producer?;
+    if u == s || !steps[..split].contains(&up) || consts[u.0].is_some() || consts[s.0].is_some() {
+        return None;
+    }
+    if alias[u.0].is_some() || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(u)) || is_bound(req, u) {
+        return None;
+    }
+    if req.forward_outputs.contains(&u) || req.backward_outputs.contains(&u) {
+        return None;
+    }
+    let (tu, tg, ts) = (types[u.0].as_ref()?, types[gv.0].as_ref()?, types[s.0].as_ref()?);
+    let float = matches!(tg.dtype, DType::F32 | DType::F64);
+    if !float || tu.dtype != tg.dtype || tu.shape != tg.shape || ts.dtype != tg.dtype || ts.shape.iter().product::<usize>() != 1 {
+        return None;
+    }
+    // every other reader of u runs before the Mul (forward steps), when u is not scaled yet
+    let late_reader = steps.iter().enumerate().any(|(k, st)| k >= i && k != i && g.nodes[st.0].inputs.iter().flatten().any(|v| *v == u));
+    (!late_reader).then_some((i, u))
 }
 
 /// Values living in memory the caller binds per call.
@@ -374,4 +433,55 @@ fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: 
         k(node, &views, &mut out_views, ctx)?;
     }
     Ok(Some(results))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Attrs, Dim};
+
+    /// x (input) → Relu → u (forward, read by the loss too); backward: gu = Mul(u, seed), a
+    /// bound gradient; a second forward value v = Relu(x) is also read after its Mul (by an Add).
+    fn graph() -> (Graph, ValueId, ValueId, ValueId, ValueId, ValueId) {
+        let mut g = Graph::default();
+        let shape = Some(vec![Dim::Known(4), Dim::Known(8)]);
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), shape);
+        let u = g.add_node("u", "Relu", vec![Some(x)], Attrs::default(), 1)[0];
+        let v = g.add_node("v", "Relu", vec![Some(x)], Attrs::default(), 1)[0];
+        let loss = g.add_node("loss", "ReduceSum", vec![Some(u)], Attrs::default(), 1)[0];
+        let seed = g.add_value("grad:loss", ValueKind::Input, Some(DType::F32), Some(vec![]));
+        let gu = g.add_node("gu", "Mul", vec![Some(u), Some(seed)], Attrs::default(), 1)[0];
+        let gv = g.add_node("gv", "Mul", vec![Some(v), Some(seed)], Attrs::default(), 1)[0];
+        let gw = g.add_node("gw", "Add", vec![Some(gv), Some(v)], Attrs::default(), 1)[0];
+        (g, x, loss, seed, gu, gw)
+    }
+
+    fn request(g: &Graph, x: ValueId, loss: ValueId, seed: ValueId, grads: &[ValueId], early: bool) -> Plan {
+        let req = PlanRequest {
+            graph: g,
+            n_fwd: 3,
+            forward_outputs: vec![loss],
+            backward_outputs: grads.to_vec(),
+            bound_outputs: grads.to_vec(),
+            input_types: [(x, (DType::F32, vec![4, 8]))].into_iter().collect(),
+            seeds: vec![(seed, loss)],
+            bound_from_forward: if early { grads.to_vec() } else { vec![] },
+        };
+        build(&req).expect("plan")
+    }
+
+    #[test]
+    fn a_scaled_forward_value_lives_in_its_gradient_memory() {
+        let (g, x, loss, seed, gu, gw) = graph();
+        let plain = request(&g, x, loss, seed, &[gu, gw], false);
+        let early = request(&g, x, loss, seed, &[gu, gw], true);
+        assert!(plain.in_place.is_empty());
+        assert_eq!(early.in_place.len(), 1, "only gu = Mul(u, seed) qualifies (v is read after its Mul)");
+        let u = g.nodes[0].outputs[0];
+        assert!(matches!(early.storage[u.0], Storage::Alias(a) if a == gu));
+        assert!(matches!(plain.storage[u.0], Storage::Arena(_)));
+        assert!(early.arena_bytes < plain.arena_bytes, "u left the arena: {} vs {}", early.arena_bytes, plain.arena_bytes);
+        let step = early.in_place[0];
+        assert_eq!(g.nodes[early.steps[step].0].outputs[0], gu);
+    }
 }

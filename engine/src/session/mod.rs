@@ -47,7 +47,8 @@ pub struct Session {
     pub grads: Vec<Option<ValueId>>,
     pub options: SessionOptions,
     matmul: MatmulPath,
-    plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>), Arc<Plan>>>,
+    /// Plans per (input types, backward, outputs bound, gradients bound from the forward on).
+    plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>, bool), Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
     profile: Mutex<Profile>,
     /// What the graph passes rewrote at import.
@@ -65,6 +66,8 @@ pub struct Pending {
     pub forward_time: Duration,
     /// Outputs written into caller memory: (value, address), bound again for the backward pass.
     out_binds: Vec<(ValueId, usize)>,
+    /// Gradient memory bound from the forward phase on (`forward_with_grads`): (value, address).
+    grad_binds: Vec<(ValueId, usize)>,
 }
 
 impl Session {
@@ -192,7 +195,14 @@ impl Session {
 
     /// As `plan`, with `out_bound[k]` true for outputs the caller's memory receives.
     pub fn plan_bound(&self, sigs: &[Sig], backward: bool, out_bound: &[bool]) -> Result<Arc<Plan>> {
-        let key = (sigs.to_vec(), backward, out_bound.to_vec());
+        self.plan_with(sigs, backward, out_bound, false)
+    }
+
+    /// As `plan_bound`; `grads_from_forward`: the gradients' memory is bound from the forward
+    /// phase on (see `PlanRequest::bound_from_forward`).
+    pub fn plan_with(&self, sigs: &[Sig], backward: bool, out_bound: &[bool], grads_from_forward: bool) -> Result<Arc<Plan>> {
+        let grads_from_forward = grads_from_forward && backward;
+        let key = (sigs.to_vec(), backward, out_bound.to_vec(), grads_from_forward);
         if let Some(p) = self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.get(&key) {
             return Ok(p.clone());
         }
@@ -217,6 +227,7 @@ impl Session {
             bound_outputs: if backward { grads.into_iter().chain(bound_fwd).collect() } else { bound_fwd },
             input_types,
             seeds: self.seeds.iter().zip(&self.outputs).filter_map(|(s, o)| s.map(|s| (s, *o))).collect(),
+            bound_from_forward: if grads_from_forward { self.grads.iter().flatten().copied().collect() } else { vec![] },
         };
         let p = Arc::new(plan::build(&req)?);
         self.plans.lock().map_err(|_| Error::other("plan cache poisoned"))?.insert(key, p.clone());
@@ -239,19 +250,49 @@ impl Session {
         seed: u64,
         outputs: &[*mut u8],
     ) -> Result<Pending> {
+        // SAFETY: forwarded from this function's contract; no gradient memory.
+        unsafe { self.forward_with_grads(inputs, weights, backward, seed, outputs, &[]) }
+    }
+
+    /// As `forward`, with `grads[i]` (where given and not null) the memory receiving weight i's
+    /// gradient, bound from now on: values that only become that gradient scaled by a scalar
+    /// (LinearCrossEntropy's unit-seed dW) are written there in this phase instead of the arena.
+    /// `backward` must then get the same gradient memory.
+    ///
+    /// # Safety
+    /// As for `forward`; gradient pointers hold the weights' types, are kept alive with the
+    /// step and are written only by this step's two phases.
+    pub unsafe fn forward_with_grads(
+        &self,
+        inputs: &[(Sig, &[u8])],
+        weights: &[*mut u8],
+        backward: bool,
+        seed: u64,
+        outputs: &[*mut u8],
+        grads: &[*mut u8],
+    ) -> Result<Pending> {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         if outputs.len() > self.outputs.len() {
             return Err(Error::other(format!("{} output buffers for {} outputs", outputs.len(), self.outputs.len())));
         }
         let out_bound: Vec<bool> = outputs.iter().map(|p| !p.is_null()).collect();
-        let plan = self.plan_bound(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] })?;
+        let grad_binds: Vec<(ValueId, usize)> = if backward {
+            self.grads.iter().zip(grads).filter_map(|(g, &p)| if p.is_null() { None } else { g.map(|g| (g, p as usize)) }).collect()
+        } else {
+            vec![]
+        };
+        if !grad_binds.is_empty() && grad_binds.len() != self.grads.iter().flatten().count() {
+            return Err(Error::other("gradient memory bound at forward must cover every gradient"));
+        }
+        let early = !grad_binds.is_empty();
+        let plan = self.plan_with(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] }, early)?;
         let mut arena = self.arenas.lock().ok().and_then(|mut a| a.pop()).unwrap_or_default();
         let mut ctx = CpuCtx::new(seed).with_matmul(self.matmul);
         let mut bind = self.bind_weights(weights)?;
         let out_binds: Vec<(ValueId, usize)> =
             self.outputs.iter().zip(outputs).filter(|(_, p)| !p.is_null()).map(|(&o, &p)| (o, p as usize)).collect();
-        for &(o, p) in &out_binds {
-            // SAFETY: the caller's contract: p holds output o's planned bytes, exclusively ours.
+        for &(o, p) in out_binds.iter().chain(&grad_binds) {
+            // SAFETY: the caller's contract: p holds value o's planned bytes, exclusively ours.
             unsafe { bind.bind(o, p as *mut u8) };
         }
         let feed: Vec<(ValueId, &[u8])> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, b)| *b)).collect();
@@ -259,7 +300,7 @@ impl Session {
         let mut timings = Vec::with_capacity(plan.split);
         exec::run_phase(&self.graph, &plan, Phase::Forward, &mut arena, &bind, &feed, &mut ctx, Some(&mut timings))?;
         self.record("forward", &plan, &timings);
-        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed(), out_binds })
+        Ok(Pending { plan, arena, ctx, forward_time: t0.elapsed(), out_binds, grad_binds })
     }
 
     fn bind_weights(&self, weights: &[*mut u8]) -> Result<Bindings> {
@@ -308,9 +349,17 @@ impl Session {
         }
         for (g, &p) in self.grads.iter().zip(grads) {
             if let (Some(g), false) = (g, p.is_null()) {
+                if pending.grad_binds.iter().any(|&(v, q)| v == *g && q != p as usize) {
+                    self.release(pending);
+                    return Err(Error::other("backward got other gradient memory than its forward pass"));
+                }
                 // SAFETY: forwarded from this function's contract.
                 unsafe { bind.bind(*g, p) };
             }
+        }
+        for &(g, p) in &pending.grad_binds {
+            // SAFETY: bound at forward time (`forward_with_grads`'s contract).
+            unsafe { bind.bind(g, p as *mut u8) };
         }
         let mut timings = Vec::with_capacity(pending.plan.steps.len() - pending.plan.split);
         let r = exec::run_phase(

@@ -2,13 +2,19 @@
 hold above its size before the model was built, as the sum of its parts: the module's tensors,
 one gradient per trainable parameter, the optimizer's state (by the optimizer's kind), the engine's
 planned arena peak, and what exporting and building the engine graph cost (measured: the
-process's resident size before and after, which includes the exporter's modules and caches).
+process's resident size before and after, which includes the exporter's modules and caches),
+plus an allowance for what no plan sees: the code the first training step pages in (torch's
+autograd and optimizer, the engine's kernels) and malloc's caches, about RUNTIME_ALLOWANCE on the
+tutorial (2 threads, glibc); the estimate states it separately.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+#: code first paged in by the training step + malloc caches, measured on the tutorial (2 threads)
+RUNTIME_ALLOWANCE = 24 << 20
 
 
 def rss_bytes() -> int | None:
@@ -64,4 +70,6 @@ def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | No
     if setup_bytes is not None:
         parts.append(f"export and engine build {max(setup_bytes, 0) * mib:.1f} (measured)")
         total += max(setup_bytes, 0)
+    parts.append(f"runtime code and malloc caches ~{RUNTIME_ALLOWANCE * mib:.0f} (allowance)")
+    total += RUNTIME_ALLOWANCE
     return f"training memory: {' + '.join(parts)} = {total * mib:.0f} MiB above the process before the model was built"

@@ -10,6 +10,7 @@ mod conv;
 mod cumsum;
 mod elementwise;
 mod gather_nd;
+mod in_place;
 mod internal;
 mod lce_tiles;
 mod linear;
@@ -29,6 +30,7 @@ mod vmath;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
+pub use in_place::mul_scalar_in_place;
 pub use tensor_view::{In, Out};
 
 use crate::error::Result;

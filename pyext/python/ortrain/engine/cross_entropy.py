@@ -72,6 +72,9 @@ class CrossEntropyRunner(Runner):
         self.lazy_logits = device == "cpu"
         if self.lazy_logits:
             self.seeded_outputs = (True,)
+            # the fused LM head + loss makes its weight gradients in the forward pass: written
+            # straight into the gradient tensors, they take no arena space until the backward
+            self.grads_at_forward = True
         fused = dataclasses.replace(
             exported,
             onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction,

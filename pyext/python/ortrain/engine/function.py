@@ -49,6 +49,10 @@ def run_inference(runner, inputs: list, seed: int | None = None, weights: list |
         pending.release()
 
 
+def _addresses(grads: list) -> list:
+    return [0 if g is None else g.data_ptr() for g in grads]
+
+
 class EngineFunction(torch.autograd.Function):
     """apply(runner, n_inputs, seed, bound, *inputs, *trainable_params) -> outputs.
 
@@ -68,9 +72,14 @@ class EngineFunction(torch.autograd.Function):
             addrs = None
             if bound:
                 addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)]
+            # runners whose graph makes gradients in the forward pass (the fused LM head + loss)
+            # get the gradient tensors now: the engine writes those straight into them
+            grads = runner.new_grad_buffers() if runner.grads_at_forward else None
             pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                             runner.weight_addresses(), True, seed, addrs)
+                                             runner.weight_addresses(), True, seed, addrs,
+                                             None if grads is None else _addresses(grads))
             outs = read_outputs(pending, runner.n_outputs, bound)
+            ctx.grads = grads
         ctx.bound = bound  # the engine reads them again in the backward pass
         ctx.pending = pending
         ctx.runner = runner
@@ -97,8 +106,11 @@ class EngineFunction(torch.autograd.Function):
                 g = g.to(dtype)
             keep.append(g)
             seeds.append(g.data_ptr() if runner.on_cuda else address(g, "output gradient"))
-        grads = runner.new_grad_buffers()
-        grad_addrs = [0 if g is None else g.data_ptr() for g in grads]
+        grads = getattr(ctx, "grads", None)
+        ctx.grads = None
+        if grads is None:
+            grads = runner.new_grad_buffers()
+        grad_addrs = _addresses(grads)
         if runner.on_cuda:
             pending.backward(seeds, grad_addrs)
         else:

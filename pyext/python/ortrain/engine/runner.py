@@ -67,6 +67,9 @@ class Runner:
     seeded_outputs = None
     #: the autograd.Function running it (its name is what grad_fn shows)
     function = EngineFunction
+    #: the gradient tensors are allocated at the forward pass and bound from then on (the engine
+    #: may write gradients there in the forward pass: Session.forward's `grads`)
+    grads_at_forward = False
 
     def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32", device: str = "cpu"):
         """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation.
@@ -98,9 +101,9 @@ class Runner:
             tensors.append(t)
             trainable.append(exported.param_kinds.get(onnx_name) == "param" and t.requires_grad
                              and t.is_floating_point())
-        _init_threads()
         if not self.on_cuda:
-            malloc.apply()
+            malloc.apply()  # before the engine's threads start (their malloc arenas)
+        _init_threads()
         onnx_bytes, self.buffer_outputs = _with_buffer_outputs(exported)
         seeded = None
         if self.seeded_outputs is not None:
@@ -176,4 +179,4 @@ class Runner:
 
     def plan_info(self, inputs: list, backward: bool) -> dict:
         sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, self.input_names)]
-        return self.session.plan_info(sigs, backward)
+        return self.session.plan_info(sigs, backward, backward and self.grads_at_forward)
