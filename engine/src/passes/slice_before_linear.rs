@@ -53,3 +53,45 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
     }
     Ok(rewrites)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Attrs, Dim, ValueId};
+    use crate::tensor::{DType, Tensor};
+
+    /// Y = Linear(X, W); Z = Slice(Y, [0], [-1], axes): the graph and Z.
+    fn sliced_linear(axes: i64) -> (Graph, ValueId) {
+        let mut g = Graph::default();
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), None);
+        g.inputs.push(x);
+        let w = g.add_value("w", ValueKind::Weight, Some(DType::F32), Some(vec![Dim::Known(8), Dim::Known(4)]));
+        let y = g.add_node("lin", "Linear", vec![Some(x), Some(w)], Attrs::default(), 1)[0];
+        let starts = g.add_const("starts", Tensor::from_i64(vec![1], vec![0]));
+        let ends = g.add_const("ends", Tensor::from_i64(vec![1], vec![-1]));
+        let ax = g.add_const("axes", Tensor::from_i64(vec![1], vec![axes]));
+        let z = g.add_node("shift", "Slice", vec![Some(y), Some(starts), Some(ends), Some(ax)], Attrs::default(), 1)[0];
+        g.outputs.push(z);
+        (g, z)
+    }
+
+    #[test]
+    fn a_slice_of_leading_axes_moves_onto_the_linear_input() {
+        let (mut g, z) = sliced_linear(-2);
+        assert_eq!(run(&mut g).unwrap(), 1);
+        let lin = &g.nodes[g.value(z).producer.unwrap().0];
+        assert_eq!((lin.op_type.as_str(), lin.name.as_str()), ("Linear", "lin"));
+        let slice = &g.nodes[g.value(lin.input(0).unwrap()).producer.unwrap().0];
+        assert_eq!(slice.op_type, "Slice");
+        assert_eq!(slice.input(0), g.find("x"));
+    }
+
+    #[test]
+    fn the_last_axis_or_an_axis_counted_from_the_front_stays() {
+        for axes in [-1, 0, 1, 2] {
+            let (mut g, z) = sliced_linear(axes);
+            assert_eq!(run(&mut g).unwrap(), 0, "axes [{axes}]");
+            assert_eq!(g.nodes[g.value(z).producer.unwrap().0].op_type, "Slice");
+        }
+    }
+}
