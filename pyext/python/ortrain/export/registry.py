@@ -9,7 +9,7 @@ opset clean-up) but infers an entry's signature only when the translation asks f
 (`get_decomps(target)`), with torch's own inference (`OnnxDecompMeta.__post_init__`).
 The decomposition table needs only the registered targets, which cost nothing.
 Importing torchlib's functions also infers an onnxscript signature for each of its ~420 traced
-functions (`TracedOnnxFunction.__init__`, ~0.1 s); that import defers each one to the first
+functions (`TracedOnnxFunction.__init__`, ~0.05 s); that import defers each one to the first
 read of the function's `op_signature` (export/registry.py `_traced_signatures_deferred`).
 
 Private torch/onnxscript classes are used; where any of them is missing or behaves otherwise,
