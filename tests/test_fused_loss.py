@@ -129,6 +129,10 @@ def test_ignore_index_and_sum_reduction_are_fused():
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
     _close_grads(_grads(model), _grads(ref))
     assert model._ortrain_state.fused_loss_calls == 1
+    # the LM head and the loss run as one chunked op (GPT-2: after the shift's slice moved onto
+    # the head's input)
+    (runner,) = model._ortrain_state.loss_runners.values()
+    assert dict(runner.session.passes)["fuse_linear_cross_entropy"] == 1
 
 
 def test_using_the_output_first_works_like_a_tensor():
@@ -171,6 +175,10 @@ def test_hugging_face_lm_losses_are_fused(case):
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[1])
     _close_grads(_grads(model), _grads(ref))
     assert model._ortrain_state.fused_loss_calls == 1
+    # the LM head and the loss run as one chunked op (GPT-2: after the shift's slice moved onto
+    # the head's input)
+    (runner,) = model._ortrain_state.loss_runners.values()
+    assert dict(runner.session.passes)["fuse_linear_cross_entropy"] == 1
 
 
 def test_logits_are_computed_only_when_read():

@@ -35,6 +35,10 @@ CASES = {
     "gpt2-fuse_linear": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_linear", 1),
     "bert-fuse_linear": (lambda: models.bert_small(vocab=200, dropout=0.0), "fuse_linear", 5),
     "tutorial-fuse_linear_cross_entropy": (_tutorial, "fuse_linear_cross_entropy", 1),
+    # GPT-2's shifted loss (`logits[:, :-1]`): the slice moves onto the LM head's input, then
+    # the head and the loss fuse
+    "gpt2-slice_before_linear": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "slice_before_linear", 1),
+    "gpt2-fuse_linear_cross_entropy": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_linear_cross_entropy", 1),
     "bert-fuse_linear_cross_entropy": (lambda: models.bert_small(vocab=200, dropout=0.0), "fuse_linear_cross_entropy", 1),
 }
 

@@ -22,9 +22,11 @@ fn moment_tensors(tensors: Vec<(usize, usize, usize, usize, usize, u64)>) -> Vec
 }
 
 /// Adam/AdamW over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
+/// `fresh[i]` (optional, one flag per tensor): the moments were just created for this first
+/// update and may be uninitialised memory; they are written as if they had been zeros.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (tensors, lr, beta1, beta2, eps, weight_decay, decoupled, maximize))]
+#[pyo3(signature = (tensors, lr, beta1, beta2, eps, weight_decay, decoupled, maximize, fresh=None))]
 fn adam_step(
     py: Python<'_>,
     tensors: Vec<(usize, usize, usize, usize, usize, u64)>,
@@ -35,15 +37,30 @@ fn adam_step(
     weight_decay: f32,
     decoupled: bool,
     maximize: bool,
-) {
+    fresh: Option<Vec<bool>>,
+) -> PyResult<()> {
+    let fresh = fresh.unwrap_or_else(|| vec![false; tensors.len()]);
+    if fresh.len() != tensors.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "adam_step: {} fresh flags for {} tensors",
+            fresh.len(),
+            tensors.len()
+        )));
+    }
     let t = moment_tensors(tensors);
     py.detach(move || {
-        for (p, g, m, v, n, step) in t {
+        for ((p, g, m, v, n, step), from_zero) in t.into_iter().zip(fresh) {
             let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
             // SAFETY: the caller passes distinct live f32 tensors of n elements each.
-            unsafe { optim::adam(f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n), &h) };
+            let (p, g, m, v) = unsafe { (f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n)) };
+            if from_zero {
+                optim::adam_from_zero(p, g, m, v, &h);
+            } else {
+                optim::adam(p, g, m, v, &h);
+            }
         }
     });
+    Ok(())
 }
 
 /// SGD over tensors given as (param, grad, momentum_buffer or 0, numel, first_step).

@@ -22,6 +22,18 @@ pub struct AdamHyper {
 
 /// One Adam/AdamW update of a parameter tensor (torch.optim.Adam, foreach=False semantics).
 pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
+    adam_impl::<false>(p, g, m, v, h);
+}
+
+/// The first Adam/AdamW update of a parameter whose moments torch would have just created as
+/// zeros: `m` and `v` are only written (their memory may be uninitialised, so that a first step
+/// neither zero-fills nor reads 2 × the parameters' bytes). The arithmetic is `adam`'s with
+/// both moments read as +0.0, so the results are bitwise the same as `adam` on zeroed moments.
+pub fn adam_from_zero(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
+    adam_impl::<true>(p, g, m, v, h);
+}
+
+fn adam_impl<const FROM_ZERO: bool>(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
     let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
     let step_size = (h.lr as f64 / bc1) as f32;
@@ -40,10 +52,13 @@ pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHype
                         grad += h.weight_decay * p[i];
                     }
                 }
+                // IEEE arithmetic on +0.0 is not folded away (0.0 + -0.0 is +0.0), so the
+                // from-zero expressions round exactly as the general ones on zeroed memory
+                let (m0, v0) = if FROM_ZERO { (0.0f32, 0.0f32) } else { (m[i], v[i]) };
                 // exp_avg.lerp_(grad, 1 - beta1)
-                m[i] += w1 * (grad - m[i]);
+                m[i] = m0 + w1 * (grad - m0);
                 // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                v[i] = v[i] * h.beta2 + w2 * grad * grad;
+                v[i] = v0 * h.beta2 + w2 * grad * grad;
                 let denom = v[i].sqrt() / bc2_sqrt + h.eps;
                 p[i] -= step_size * (m[i] / denom);
             }
@@ -152,6 +167,40 @@ mod tests {
         let h = AdamHyper { lr: 0.1, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 1 };
         adam(&mut p, &g, &mut m, &mut v, &h);
         assert!((p[0] - 0.9).abs() < 1e-5 && (p[1] + 1.9).abs() < 1e-5, "{p:?}");
+    }
+
+    #[test]
+    fn adam_from_zero_is_bitwise_adam_on_zeroed_moments() {
+        // signed zeros, tiny and large gradients, every option: same bits as adam() from zeros
+        let g: Vec<f32> = (0..3 * CHUNK + 17)
+            .map(|i| match i % 7 {
+                0 => -0.0,
+                1 => 0.0,
+                2 => 1e-30 * i as f32,
+                3 => -3.5e4 / (i as f32 + 1.0),
+                _ => ((i as f32) * 0.37).sin() * 1e-3,
+            })
+            .collect();
+        let p0: Vec<f32> = (0..g.len()).map(|i| if i % 5 == 0 { -0.0 } else { (i as f32 * 0.11).cos() }).collect();
+        let base =
+            AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 1 };
+        let cases = [
+            base.clone(),
+            AdamHyper { weight_decay: 0.01, ..base.clone() },
+            AdamHyper { weight_decay: 0.1, decoupled: true, ..base.clone() },
+            AdamHyper { maximize: true, beta1: 0.8, beta2: 0.99, ..base.clone() },
+            AdamHyper { step: 3, ..base },
+        ];
+        for h in &cases {
+            let (mut p1, mut m1, mut v1) = (p0.clone(), vec![0.0f32; g.len()], vec![0.0f32; g.len()]);
+            adam(&mut p1, &g, &mut m1, &mut v1, h);
+            let (mut p2, mut m2, mut v2) = (p0.clone(), vec![f32::NAN; g.len()], vec![-7.0f32; g.len()]);
+            adam_from_zero(&mut p2, &g, &mut m2, &mut v2, h);
+            let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&p1), bits(&p2), "{h:?}");
+            assert_eq!(bits(&m1), bits(&m2), "{h:?}");
+            assert_eq!(bits(&v1), bits(&v2), "{h:?}");
+        }
     }
 
     #[test]

@@ -6,6 +6,7 @@
 
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod slice_before_linear;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, NodeId};
@@ -25,6 +26,10 @@ pub enum Target {
 /// rewrites it made.
 const PIPELINE: &[(&str, Pass, bool)] = &[
     ("fuse_linear", fuse_linear::run, true),
+    // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
+    // LM head's input, so that the Linear feeds the loss's reshape directly (CPU only, as the
+    // fusion it serves)
+    ("slice_before_linear", slice_before_linear::run, false),
     // after fuse_linear: it matches the Linear that pass made (CPU kernel only)
     ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run, false),
 ];

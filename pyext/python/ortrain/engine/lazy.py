@@ -126,8 +126,10 @@ class _Replay(torch.autograd.Function):
 
 
 class LazyOutput(torch.Tensor):
-    """`slices`: ((axis, start, stop), ...) applied to the output first; `reshaped`: whether a
-    view changed the shape after them (slicing is lazy only before that)."""
+    """`slices`: ((axis, start, stop), ...) applied to the output first, axes counted from the
+    end (-2: the one before last, so that the engine's slice_before_linear pass can move the
+    slice onto the LM head's input); `reshaped`: whether a view changed the shape after them
+    (slicing is lazy only before that)."""
 
     @staticmethod
     def __new__(cls, call: Deferred, shape, slices=(), reshaped=False):
@@ -195,9 +197,9 @@ def _lazy_slice(x: LazyOutput, index):
     for axis, i in enumerate(items):
         if i.start is None and i.stop is None:
             continue
-        if any(a == axis for a, _, _ in slices):
+        if any(a == axis - x.dim() for a, _, _ in slices):
             return None  # a second slice of one axis: not worth composing
-        slices.append((axis, i.start, i.stop))
+        slices.append((axis - x.dim(), i.start, i.stop))
     shape = torch.empty(x.shape, device="meta")[index].shape
     return LazyOutput(x._call, shape, slices, False)
 
@@ -224,7 +226,7 @@ def _fused_cross_entropy(input=None, target=None, weight=None, size_average=None
     if (call.value is not None or call.fused or call.fused_logits is not None or not torch.is_grad_enabled()
             or weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0
             or reduction not in ("mean", "sum") or input.dim() != 2 or input.shape[1] != call.shape[-1]
-            or any(axis == len(call.shape) - 1 for axis, _, _ in input._slices)
+            or any(axis == -1 for axis, _, _ in input._slices)
             or not isinstance(target, torch.Tensor) or target.dtype != torch.int64 or target.dim() != 1
             or target.shape[0] != input.shape[0] or target.device != call.runner.device or target.requires_grad):
         return None

@@ -34,8 +34,9 @@ def capture_decomposed(wrapper: torch.nn.Module, flat: list, dynamic_shapes, reg
         from torch.onnx._internal.exporter import _flags as _exporting
 
         ops = set(_decomp.get_onnx_implemented_overloads(registry))
-        table = _decomp.create_onnx_friendly_decomposition_table(ops)
-        cia, python_table = _ep._split_decomp_table_to_cia_and_python_decomp(dict(table))
+        with _cia_ops_materialized_once():
+            table = _decomp.create_onnx_friendly_decomposition_table(ops)
+            cia, python_table = _ep._split_decomp_table_to_cia_and_python_decomp(dict(table))
         to_aten = _trace._export_to_aten_ir
         deferred = _flags.PREFER_DEFERRED_RUNTIME_ASSERTS_OVER_GUARDS
         # inside torch.onnx.export, torch.onnx.is_in_onnx_export() is True while it captures
@@ -47,6 +48,7 @@ def capture_decomposed(wrapper: torch.nn.Module, flat: list, dynamic_shapes, reg
             stack.enter_context(_capture_strategies.patch_dynamic_shape_rnn_decompositions(dynamic_shapes))
             stack.enter_context(torch.fx.experimental._config.patch(backed_size_oblivious=True))
             stack.enter_context(_ep._override_composite_implicit_decomp(cia))
+            stack.enter_context(_without_stack_traces())
             _trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=python_table)
             try:
                 return trace(wrapper, tuple(flat), {}, dynamic_shapes, strict=False, pre_dispatch=False,
@@ -55,6 +57,51 @@ def capture_decomposed(wrapper: torch.nn.Module, flat: list, dynamic_shapes, reg
                 _trace._export_to_aten_ir = to_aten
     except Exception:  # torch.onnx.export's own capture strategies get their turn
         return None
+
+
+@contextlib.contextmanager
+def _cia_ops_materialized_once():
+    """Within: torch's `_materialize_cpp_cia_ops` (which walks every CompositeImplicitAutograd op
+    of the C++ dispatcher so that `torch.ops` namespaces list them) runs once, not once per op
+    namespace per query: building and splitting the decomposition table ran it 60-odd times
+    (~0.13 s). Nothing registers operators in between, so the walks after the first find nothing
+    new. Without the private name, nothing is changed."""
+    try:
+        from torch._export import utils as _export_utils
+        original = _export_utils._materialize_cpp_cia_ops
+    except (ImportError, AttributeError):
+        yield
+        return
+    done = []
+
+    def materialize_once():
+        if not done:
+            original()
+            done.append(True)
+
+    _export_utils._materialize_cpp_cia_ops = materialize_once
+    try:
+        yield
+    finally:
+        _export_utils._materialize_cpp_cia_ops = original
+
+
+@contextlib.contextmanager
+def _without_stack_traces():
+    """Within: FX nodes get no `stack_trace` (torch.fx.config.do_not_emit_stack_traces). Tracing
+    records the Python stack of every node it creates and symbolizes it (0.07-0.13 s of the
+    tutorial's trace); the ONNX graph only carries it as `pkg.torch.onnx.stack_trace` metadata,
+    which nothing in ortrain reads. Where the flag does not exist, nothing is changed."""
+    config = getattr(torch.fx, "config", None)
+    if config is None or not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = saved
 
 
 def _shares_tensors(module: torch.nn.Module) -> bool:

@@ -35,6 +35,7 @@ import torch
 
 from ortrain.export import capture as _one_trace
 from ortrain.export import disk_cache
+from ortrain.export import promotion as _promotion
 from ortrain.export import registry as _registry
 
 NAME = "dynamo"
@@ -78,7 +79,7 @@ def export(wrapper: torch.nn.Module, flat: list, input_names: list, output_names
             return cached, []  # nothing of the translation (onnxscript, the registry) was needed
     else:
         digest = None
-    with _no_causal_mask_detection(), _reused_registry(), \
+    with _no_causal_mask_detection(), _reused_registry(), _promotion.promoting_only_where_needed(), \
             _one_trace.skipping_decomposition(captured if decomposed else None, registry):
         program = torch.onnx.export(
             captured if captured is not None else wrapper, tuple(flat), None, dynamo=True, optimize=False,

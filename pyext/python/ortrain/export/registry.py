@@ -8,11 +8,17 @@ domain, the registry entry infers its ONNX signature): 0.6-0.9 s on 2 cores, whe
 opset clean-up) but infers an entry's signature only when the translation asks for it
 (`get_decomps(target)`), with torch's own inference (`OnnxDecompMeta.__post_init__`).
 The decomposition table needs only the registered targets, which cost nothing.
+Importing torchlib's functions also infers an onnxscript signature for each of its ~420 traced
+functions (`TracedOnnxFunction.__init__`, ~0.05 s); that import defers each one to the first
+read of the function's `op_signature` (export/registry.py `_traced_signatures_deferred`).
 
 Private torch/onnxscript classes are used; where any of them is missing or behaves otherwise,
 `build` returns None and the caller uses torch's own `from_torchlib`.
 """
 from __future__ import annotations
+
+import contextlib
+import sys
 
 _BUILT: dict = {}  # opset -> registry (nothing mutates it: no custom translation table is passed)
 
@@ -32,7 +38,8 @@ def build(opset: int):
 
 
 def _build(opset: int):
-    from onnxscript.function_libs.torch_lib import ops  # noqa: F401  (registers the functions)
+    with _traced_signatures_deferred():
+        from onnxscript.function_libs.torch_lib import ops  # noqa: F401  (registers the functions)
     from onnxscript.function_libs.torch_lib import registration
     from torch.onnx._internal.exporter import _registration
     from torch.onnx._internal.exporter._torchlib import _torchlib_registry
@@ -70,3 +77,65 @@ def _build(opset: int):
     if not registry.functions:
         return None
     return registry
+
+
+class _Deferred:
+    """A traced function's onnxscript signature, inferred when first read."""
+
+    __slots__ = ("infer", "args", "kwargs")
+
+    def __init__(self, infer, args, kwargs):
+        self.infer, self.args, self.kwargs = infer, args, kwargs
+
+
+@contextlib.contextmanager
+def _traced_signatures_deferred():
+    """Within (the first import of torchlib's functions): `TracedOnnxFunction`s are created with
+    their signature deferred; `TracedOnnxFunction.op_signature` infers a deferred one when read
+    (the same call onnxscript made at creation) and keeps it. Signatures of other onnxscript
+    functions are inferred as before. Where onnxscript's classes differ from what this expects,
+    or the functions are already imported, nothing is changed."""
+    try:
+        if "onnxscript.function_libs.torch_lib.ops" in sys.modules:
+            raise LookupError("already imported")
+        from onnxscript._internal import values
+
+        cls = values.TracedOnnxFunction
+        schemas = values._schemas
+        infer = schemas.op_signature_from_function
+        prop = cls.__dict__["op_signature"]
+        if not isinstance(prop, property) or prop.fget is None:
+            raise LookupError("op_signature is not a property")
+    except (ImportError, AttributeError, KeyError, LookupError):
+        yield
+        return
+    if not getattr(prop.fget, "_ortrain_resolves_deferred", False):
+        getter = prop.fget
+
+        def op_signature(self):
+            value = getter(self)
+            if isinstance(value, _Deferred):
+                value = value.infer(*value.args, **value.kwargs)
+                self._signature = value
+            return value
+
+        op_signature._ortrain_resolves_deferred = True
+        cls.op_signature = property(op_signature, prop.fset, prop.fdel, prop.__doc__)
+
+    class Schemas:
+        """`values._schemas` while the functions are created: traced signatures deferred."""
+
+        def __getattr__(self, name):
+            return getattr(schemas, name)
+
+        @staticmethod
+        def op_signature_from_function(*args, **kwargs):
+            if kwargs.get("domain") == "_traced":
+                return _Deferred(infer, args, kwargs)
+            return infer(*args, **kwargs)
+
+    values._schemas = Schemas()
+    try:
+        yield
+    finally:
+        values._schemas = schemas

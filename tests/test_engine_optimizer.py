@@ -1,0 +1,77 @@
+"""The engine's Adam/AdamW step (ortrain/engine/optimizer.py): a parameter's first step creates
+its moments uninitialised and the engine writes them as if they were zeros, bitwise the same as a
+step from zeroed moments, whatever the memory held (NaN here); and it follows torch.optim."""
+import copy
+
+import pytest
+import torch
+
+import ortrain
+from ortrain.engine import optimizer as engine_optimizer
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam-l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adam-maximize": lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), maximize=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+def test_first_step_from_uninitialised_moments_is_bitwise_the_zero_start(kind, monkeypatch):
+    x = torch.randn(5, 8)
+    fresh_model = _model()
+    zero_model = copy.deepcopy(fresh_model)
+    eager_model = copy.deepcopy(fresh_model)
+    fresh_opt = OPTIMIZERS[kind](fresh_model.parameters())
+    zero_opt = OPTIMIZERS[kind](zero_model.parameters())
+    eager_opt = OPTIMIZERS[kind](eager_model.parameters())
+    ortrain.accelerate(fresh_model, fresh_opt)
+    ortrain.accelerate(zero_model, zero_opt)
+    # the zero start: moments already there (as after a state_dict load), so not created fresh
+    for p in zero_model.parameters():
+        zero_opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                             "exp_avg_sq": torch.zeros_like(p)}
+    # fresh moments: whatever memory holds, here NaN, must not be read
+    monkeypatch.setattr(engine_optimizer.torch, "empty_like",
+                        lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+    for _ in range(2):
+        _step(fresh_model, fresh_opt, x)
+        _step(zero_model, zero_opt, x)
+        _step(eager_model, eager_opt, x)
+    for (name, a), b, c in zip(fresh_model.named_parameters(), zero_model.parameters(), eager_model.parameters()):
+        assert torch.equal(a, b), name
+        assert torch.allclose(a, c, rtol=1e-5, atol=1e-6), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(fresh_opt.state[a][key], zero_opt.state[b][key]), (name, key)
+            assert not fresh_opt.state[a][key].isnan().any(), (name, key)
+        assert float(fresh_opt.state[a]["step"]) == 2.0
+
+
+def test_failed_first_step_leaves_zeroed_moments(monkeypatch):
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ortrain.accelerate(model, opt)
+    monkeypatch.setattr(engine_optimizer.torch, "empty_like",
+                        lambda t, **kw: torch.full_like(t, float("nan"), **kw))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("engine step interrupted")
+
+    monkeypatch.setattr(engine_optimizer._ortrain, "adam_step", fail)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _step(model, opt, torch.randn(5, 8))
+    moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(torch.count_nonzero(m) == 0 for m in moments)
