@@ -340,6 +340,53 @@ mod tests {
     use crate::ir::{Attr, Attrs};
     use crate::tensor::Tensor;
 
+    /// Products wider than one packing block (column_block) are split into blocks: the result
+    /// equals one unsplit call bit for bit, for a contiguous and a transposed right-hand side,
+    /// with accumulation.
+    #[test]
+    fn column_blocks_give_the_unsplit_result() {
+        let (m, k, n) = (37, 600, 2 * super::column_block::<f32>(usize::MAX, 600) + 200);
+        assert!(super::column_block::<f32>(n, k) < n, "the case must split");
+        let (a, b) = (vals(m * k, 1), vals(k * n, 2));
+        for trans in [false, true] {
+            // op(B) [k, n]: B stored [k, n] (rs n, cs 1) or as its transpose [n, k] (rs 1, cs k)
+            let bt: Vec<f32> = if trans { (0..n * k).map(|i| b[(i % k) * n + i / k]).collect() } else { b.clone() };
+            let rhs = if trans {
+                super::Mat { ptr: bt.as_ptr(), rs: 1, cs: k as isize }
+            } else {
+                super::Mat { ptr: bt.as_ptr(), rs: n as isize, cs: 1 }
+            };
+            let lhs = super::Mat { ptr: a.as_ptr(), rs: k as isize, cs: 1 };
+            let (mut split, mut whole) = (vals(m * n, 3), vals(m * n, 3));
+            // SAFETY: every view lies inside its vector; dst is distinct from the operands.
+            unsafe {
+                super::crate_gemm(m, n, k, split.as_mut_ptr(), n as isize, 1, lhs, rhs, 0.5, true, gemm::Parallelism::Rayon(0));
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    whole.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    true,
+                    a.as_ptr(),
+                    1,
+                    k as isize,
+                    rhs.ptr,
+                    rhs.cs,
+                    rhs.rs,
+                    1.0,
+                    0.5,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::Rayon(0),
+                );
+            }
+            assert!(split.iter().zip(&whole).all(|(x, y)| x.to_bits() == y.to_bits()), "trans {trans}");
+        }
+    }
+
     fn vals(n: usize, seed: u32) -> Vec<f32> {
         (0..n as u32)
             .map(|i| ((i.wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1999) as f32 / 997.0 - 1.0 + 1e-4 * i as f32)
