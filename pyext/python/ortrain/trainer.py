@@ -171,14 +171,17 @@ class ORTTrainer:
         self._last_loss_kind = self._find_loss_kind(key, runner)
         self._last_train = (runner, inputs)
         session = runner.session
+        # the gradient tensors are bound from the forward pass on: gradients the graph makes in
+        # the forward pass (the fused LM head + loss) are written straight into them
+        grads = runner.new_grad_buffers()
+        grad_addrs = [0 if g is None else g.data_ptr() for g in grads]
         pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                  runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()))
+                                  runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()),
+                                  None, grad_addrs)
         outs = read_outputs(pending, runner.n_outputs)
         seeds = [torch.ones_like(o) if k == self._loss_index else torch.zeros_like(o) if o.is_floating_point() else None
                  for k, o in enumerate(outs)]
-        grads = runner.new_grad_buffers()
-        session.backward(pending, runner.weight_addresses(), [0 if s is None else s.data_ptr() for s in seeds],
-                         [0 if g is None else g.data_ptr() for g in grads])
+        session.backward(pending, runner.weight_addresses(), [0 if s is None else s.data_ptr() for s in seeds], grad_addrs)
         named = [(self._param_name(n, runner), w, g) for n, w, g in zip(session.weight_names, runner.weights, grads) if g is not None]
         self._accumulate(named)
         return self._result(outs)
