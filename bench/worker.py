@@ -28,16 +28,27 @@ def _protocol_channel():
     return channel
 
 
+def _status_mib(field: str) -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    v = _status_mib("VmRSS")
+    return float("nan") if v is None else v
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak resident size: VmHWM, which exec resets (ru_maxrss keeps the peak of
+    the process that forked it: a worker started from a big process would report that one's)."""
+    v = _status_mib("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if v is None else v  # KiB on Linux
 
 
 class Worker:
