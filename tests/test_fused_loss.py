@@ -209,3 +209,33 @@ def test_reading_logits_after_a_manual_parameter_change_is_refused():
         next(model.parameters()).add_(1.0)
     with pytest.raises(RuntimeError, match="outside an optimizer step"):
         out.sum()
+
+
+def test_gradient_memory_is_reused_once_nothing_holds_it():
+    """On the CPU a step's gradients land in the previous step's gradient memory once the
+    user's zero_grad() dropped it (no fresh mapping and page faults every step); gradients the
+    user still holds are never written over, and the numbers stay PyTorch's."""
+    import weakref
+
+    model, _, ref, _, x, y = _pair()
+
+    def step(m):
+        m.zero_grad()
+        F.cross_entropy(m(x).view(-1, V), y).backward()
+
+    step(model), step(ref)
+    held = {n: p.grad for n, p in model.named_parameters()}
+    copies = {n: g.clone() for n, g in held.items()}
+    (runner,) = model._ortrain_state.loss_runners.values()
+    step(model), step(ref)  # the user still holds the first step's gradients
+    for n, g in held.items():
+        assert torch.equal(g, copies[n]), f"{n}: a held gradient was written over"
+        assert model.get_parameter(n).grad.data_ptr() != g.data_ptr(), n
+    _close_grads(_grads(model), _grads(ref))
+    pooled = [weakref.ref(s) for s in runner._grad_storage if s is not None]
+    assert len(pooled) == len(held)
+    step(model), step(ref)  # zero_grad() dropped the second step's gradients: their memory serves
+    live = [w() for w in pooled]
+    assert all(s is not None for s in live)
+    assert {p.grad.untyped_storage()._cdata for p in model.parameters()} == {s._cdata for s in live}
+    _close_grads(_grads(model), _grads(ref))

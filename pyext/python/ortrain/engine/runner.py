@@ -122,6 +122,7 @@ class Runner:
         self.buffer_targets = [by_key[key] for key, _ in self.buffer_outputs]
         self.batch_counters = _batch_counters(module, [key for key, _ in self.buffer_outputs])
         self._snapshots: list = []
+        self._grad_storage: list = [None] * len(self.weights)  # CPU: last step's gradient memory
 
     def weight_addresses(self) -> list:
         return [t.data_ptr() for t in self.weights]
@@ -148,8 +149,28 @@ class Runner:
         return [next(it).data_ptr() if tr else t.data_ptr() for t, tr in zip(self.weights, self.trainable)]
 
     def new_grad_buffers(self) -> list:
-        return [torch.empty_like(t) if tr and hg else None
-                for t, tr, hg in zip(self.weights, self.trainable, self.has_grad)]
+        """Memory for one step's gradients (None where a weight gets none). On the CPU, a
+        weight's gradient memory of an earlier step is reused once nothing holds it any more
+        (the user's zero_grad() dropped it): a fresh tensor the size of the LM head or the
+        embedding would be mapped and page-faulted again every step (blocks of 4 MiB and more go
+        back to the system, engine/malloc.py). The pool holds the storage, not the tensor:
+        autograd copies a returned gradient that something else still references instead of
+        making it the parameter's `.grad`."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        out = []
+        for i, (t, tr, hg) in enumerate(zip(self.weights, self.trainable, self.has_grad)):
+            if not (tr and hg):
+                out.append(None)
+                continue
+            kept = self._grad_storage[i]
+            if kept is not None and use_count(kept._cdata) == 1:  # only this pool holds it
+                g = torch.empty(0, dtype=t.dtype).set_(kept, 0, t.shape)
+            else:
+                g = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                if use_count is not None and not self.on_cuda:
+                    self._grad_storage[i] = g.untyped_storage()
+            out.append(g)
+        return out
 
     def grads_for_trainable(self, grads: list) -> list:
         return [g for g, tr in zip(grads, self.trainable) if tr]
