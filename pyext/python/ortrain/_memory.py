@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 #: code first paged in by the training step + malloc caches, measured on the tutorial (2 threads)
 RUNTIME_ALLOWANCE = 24 << 20
 
@@ -39,6 +37,8 @@ def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
     """(bytes, kind) of the state `optimizer` keeps per parameter once it has stepped: Adam and
     AdamW two tensors (three with amsgrad), SGD one with momentum and none without; None for
     other optimizers."""
+    import torch
+
     if optimizer is None:
         return 0, "no optimizer"
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]

@@ -5,9 +5,10 @@ user's loop is not changed. Everything is removed again when the cell ends."""
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
+
+from ortrain._memory import rss_bytes
 
 
 class StopCell(BaseException):
@@ -25,14 +26,6 @@ class Step:
     samples: int | None
     tokens: int | None
     rss_bytes: int | None
-
-
-def _rss_bytes() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def find_modules(ns: dict) -> dict:
@@ -205,7 +198,7 @@ class StepRecorder:
                 samples = shape[bdim] if len(shape) > bdim else shape[0]
                 if not dtype.is_floating_point and not dtype.is_complex:
                     tokens = math.prod(shape)
-        step = Step(self.steps, dt_ms, loss, self._loss_kind, lr, samples, tokens, _rss_bytes())
+        step = Step(self.steps, dt_ms, loss, self._loss_kind, lr, samples, tokens, rss_bytes())
         self.steps += 1
         self._last_loss = None
         self.on_step(step)

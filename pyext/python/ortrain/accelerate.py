@@ -4,6 +4,7 @@ its parameters stay its own (the engine reads and writes their memory), and its 
 do not change. Whatever the engine cannot take runs in PyTorch, with one warning naming why."""
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 
@@ -37,6 +38,18 @@ class _State:
         self.setup_bytes = None  # resident size that exporting and building the runners added
 
     @contextmanager
+    def counting_setup(self):
+        """Adds what the body adds to the resident size to `setup_bytes` (explain()'s memory
+        estimate); nothing when the body raises."""
+        from ortrain._memory import rss_bytes
+
+        before = rss_bytes()
+        yield
+        after = rss_bytes()
+        if before is not None and after is not None:
+            self.setup_bytes = (self.setup_bytes or 0) + after - before
+
+    @contextmanager
     def plain(self):
         """The module's own forward, for exporting and fallback."""
         patched = self.module.__dict__.pop("forward", None)
@@ -54,20 +67,15 @@ class _State:
         key = (signature(args, kwargs), self.module.training, mask)
         self.last_key = key
         if key not in self.runners:
-            from ortrain._memory import rss_bytes
-
-            before = rss_bytes()
-            try:
-                with self.plain():
-                    exported = export_cached(self.module, args, kwargs, training=self.module.training,
-                                             exporter=self.exporter)
-                self.runners[key] = Runner(self.module, exported, self.precision, self.device)
-            except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
-                self.runners[key] = exc
-                self._fall_back(exc)
-            after = rss_bytes()
-            if before is not None and after is not None:
-                self.setup_bytes = (self.setup_bytes or 0) + after - before
+            with self.counting_setup():
+                try:
+                    with self.plain():
+                        exported = export_cached(self.module, args, kwargs, training=self.module.training,
+                                                 exporter=self.exporter)
+                    self.runners[key] = Runner(self.module, exported, self.precision, self.device)
+                except Exception as exc:  # noqa: BLE001 - reported, then PyTorch runs the call
+                    self.runners[key] = exc
+                    self._fall_back(exc)
         return self.runners[key]
 
     def _fall_back(self, exc: Exception):
@@ -130,7 +138,6 @@ class _State:
         would build on the first step, built now and kept for that step; None where the loss
         would not be fused."""
         from ortrain.engine.cross_entropy import CrossEntropyRunner
-        from ortrain._memory import rss_bytes
 
         if not (self.fuse_loss and self.module.training and runner.trainable_params and runner.n_user_outputs == 1
                 and not runner.buffer_outputs and not runner.on_cuda):
@@ -143,22 +150,16 @@ class _State:
             return None
         key = (self.last_key, (), shape[-1], -100, "mean")
         if key not in self.loss_runners:
-            before = rss_bytes()
             try:
-                self.loss_runners[key] = CrossEntropyRunner(self.module, runner.exported, (), shape[-1], -100, "mean",
-                                                            self.precision, self.device)
+                with self.counting_setup():
+                    self.loss_runners[key] = CrossEntropyRunner(self.module, runner.exported, (), shape[-1], -100,
+                                                                "mean", self.precision, self.device)
             except Exception:  # noqa: BLE001 - the first step reports it
                 return None
-            after = rss_bytes()
-            if before is not None and after is not None:
-                self.setup_bytes = (self.setup_bytes or 0) + after - before
         loss_runner = self.loss_runners[key]
         if isinstance(loss_runner, Exception):
             return None
-        rows = 1
-        for d in shape[:-1]:
-            rows *= d
-        return loss_runner, list(flat) + [torch.zeros(rows, dtype=torch.int64)]
+        return loss_runner, list(flat) + [torch.zeros(math.prod(shape[:-1]), dtype=torch.int64)]
 
     def run_now(self, call) -> torch.Tensor:
         """Runs a deferred call as a plain engine forward (PyTorch if the engine fails)."""

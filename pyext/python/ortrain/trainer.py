@@ -16,7 +16,7 @@ from ortrain import _ortrain
 from ortrain import optim as _optim
 from ortrain import trainer_options
 from ortrain._trainer_hooks import in_pytorch_baseline, pytorch_baseline, register_train_step_hook, run_step_hooks  # noqa: F401 (public here too)
-from ortrain.engine.function import read_outputs, run_inference
+from ortrain.engine.function import grad_addresses, read_outputs, run_inference
 from ortrain.engine.tensors import triple
 
 
@@ -174,7 +174,7 @@ class ORTTrainer:
         # the gradient tensors are bound from the forward pass on: gradients the graph makes in
         # the forward pass (the fused LM head + loss) are written straight into them
         grads = runner.new_grad_buffers()
-        grad_addrs = [0 if g is None else g.data_ptr() for g in grads]
+        grad_addrs = grad_addresses(grads)
         pending = session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                   runner.weight_addresses(), True, int(torch.randint(0, 2**62, (1,)).item()),
                                   None, grad_addrs)

@@ -49,7 +49,8 @@ def run_inference(runner, inputs: list, seed: int | None = None, weights: list |
         pending.release()
 
 
-def _addresses(grads: list) -> list:
+def grad_addresses(grads: list) -> list:
+    """The engine's gradient pointers: 0 where a weight gets no gradient."""
     return [0 if g is None else g.data_ptr() for g in grads]
 
 
@@ -77,7 +78,7 @@ class EngineFunction(torch.autograd.Function):
             grads = runner.new_grad_buffers() if runner.grads_at_forward else None
             pending = runner.session.forward([triple(x, n) for x, n in zip(inputs, runner.input_names)],
                                              runner.weight_addresses(), True, seed, addrs,
-                                             None if grads is None else _addresses(grads))
+                                             None if grads is None else grad_addresses(grads))
             outs = read_outputs(pending, runner.n_outputs, bound)
             ctx.grads = grads
         ctx.bound = bound  # the engine reads them again in the backward pass
@@ -110,7 +111,7 @@ class EngineFunction(torch.autograd.Function):
         ctx.grads = None
         if grads is None:
             grads = runner.new_grad_buffers()
-        grad_addrs = _addresses(grads)
+        grad_addrs = grad_addresses(grads)
         if runner.on_cuda:
             pending.backward(seeds, grad_addrs)
         else:
