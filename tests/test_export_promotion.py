@@ -31,6 +31,7 @@ class _Spy:
 
         monkeypatch.setattr(promotion, "needs_promotion", needs_promotion)
         monkeypatch.setenv("ORTRAIN_EXPORT_DISK_CACHE", "0")
+        monkeypatch.setenv("ORTRAIN_EXPORT_IN_CHILD", "0")  # the spy records in this process
 
 
 class _Promoting(torch.nn.Module):

@@ -323,6 +323,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             e = r.exported
             fwd, bwd = r.session.node_count
             took = "reused from an earlier export in this process" if e.from_cache else f"{e.seconds:.2f} s"
+            took += ", in a child process" if e.in_child and not e.from_cache else ""
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes")
             if getattr(r, "on_cuda", False):

@@ -70,6 +70,7 @@ class ExportedGraph:
     notes: list = field(default_factory=list)  # exporter remarks (legacy tracer warnings)
     weights: bool = True  # False: param_map's initializers carry no data (external at ortrain:bound)
     from_cache: bool = False  # returned by export.cache.export_cached without exporting again
+    in_child: bool = False  # exported in a forked child process (export/isolated.py)
 
     def model(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.onnx_bytes)

@@ -46,20 +46,21 @@ def clear() -> None:
 
 
 def export_cached(module: torch.nn.Module, args=(), kwargs: dict | None = None, **options):
-    """`export_module(module, args, kwargs, weights=False, **options)`, or the graph an earlier
-    identical export returned in this process (its `from_cache` set)."""
-    from ortrain import export as _export
+    """`export_module(module, args, kwargs, weights=False, **options)` (in a child process where
+    export/isolated.py can), or the graph an earlier identical export returned in this process
+    (its `from_cache` set)."""
+    from ortrain.export.isolated import export_isolated
 
     options["weights"] = False
     if not enabled():
-        return _export.export_module(module, args, kwargs, **options)
+        return export_isolated(module, args, kwargs, **options)
     if not isinstance(args, tuple):
         args = (args,)
     key = cache_key(module, args, kwargs, options)
     per_module = _ENTRIES.get(module)
     if per_module is not None and key in per_module:
         return dataclasses.replace(per_module[key], from_cache=True)
-    exported = _export.export_module(module, args, kwargs, **options)
+    exported = export_isolated(module, args, kwargs, **options)
     _ENTRIES.setdefault(module, {})[key] = exported
     return exported
 

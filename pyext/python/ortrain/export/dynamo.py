@@ -54,6 +54,11 @@ def capture_programs():
         _captured = outer
 
 
+def capturing_programs() -> bool:
+    """Inside capture_programs(): the programs must be collected in this process."""
+    return _captured is not None
+
+
 BOUND_LOCATION = "ortrain:bound"
 _REGISTRIES: dict = {}  # (class, from_torchlib arguments: the opset) -> the ONNXRegistry built for them
 
