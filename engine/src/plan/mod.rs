@@ -3,6 +3,7 @@
 //! constants (folded here, on the host), and where every other value lives (arena offset, or
 //! memory bound by the caller). The result is plain data that `exec` runs.
 
+mod in_place;
 pub mod memory;
 
 use std::collections::HashMap;
@@ -238,14 +239,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     if !missing.is_empty() {
         return Err(Error::MissingKernels(MissingList(missing)));
     }
-    let mut in_place = Vec::new();
-    for &gv in &req.bound_from_forward {
-        if let Some((i, u)) = scaled_in_place(req, &steps, split, &types, &consts, &alias, gv) {
-            alias[u.0] = Some(gv);
-            kernels[i] = cpu::mul_scalar_in_place;
-            in_place.push(i);
-        }
-    }
+    let in_place = in_place::apply(req, &steps, split, &types, &consts, &mut alias, &mut kernels);
 
     // storage and lifetimes
     let mut storage = vec![Storage::Unused; g.values.len()];
@@ -283,7 +277,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     let mut buffers = Vec::new();
     let mut owners = Vec::new();
     for (i, v) in g.values.iter().enumerate() {
-        // aliases (in-place operands, `scaled_in_place`) live in their owner's memory
+        // aliases (in-place operands, plan/in_place.rs) live in their owner's memory
         if first[i] == usize::MAX || matches!(storage[i], Storage::Const(_)) || alias[i].is_some() {
             continue;
         }
@@ -309,48 +303,6 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         }
     }
     Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded, views, in_place })
-}
-
-/// For a gradient `gv` bound from the forward phase on: (its step, u) where `gv = Mul(u, s)`
-/// runs in the backward phase, `u` is computed by a forward step, has gv's type (f32 or f64),
-/// is no forward output, is not bound, aliased or viewed, and is read by no step after that
-/// one, and `s` is a scalar; then u can live in gv's memory and the Mul scale it in place.
-#[allow(clippy::too_many_arguments)]
-fn scaled_in_place(
-    req: &PlanRequest,
-    steps: &[NodeId],
-    split: usize,
-    types: &[Option<TypeOut>],
-    consts: &[Option<Arc<Tensor>>],
-    alias: &[Option<ValueId>],
-    gv: ValueId,
-) -> Option<(usize, ValueId)> {
-    let g = req.graph;
-    let producer = g.values[gv.0].producer?;
-    let i = steps.iter().position(|s| *s == producer)?;
-    let node = &g.nodes[producer.0];
-    if i < split || node.op_type != "Mul" || node.outputs.len() != 1 || node.inputs.len() != 2 {
-        return None;
-    }
-    let (u, s) = (node.inputs[0]?, node.inputs[1]?);
-    let up = g.values[u.0].producer?;
-    if u == s || !steps[..split].contains(&up) || consts[u.0].is_some() || consts[s.0].is_some() {
-        return None;
-    }
-    if alias[u.0].is_some() || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(u)) || is_bound(req, u) {
-        return None;
-    }
-    if req.forward_outputs.contains(&u) || req.backward_outputs.contains(&u) {
-        return None;
-    }
-    let (tu, tg, ts) = (types[u.0].as_ref()?, types[gv.0].as_ref()?, types[s.0].as_ref()?);
-    let float = matches!(tg.dtype, DType::F32 | DType::F64);
-    if !float || tu.dtype != tg.dtype || tu.shape != tg.shape || ts.dtype != tg.dtype || ts.shape.iter().product::<usize>() != 1 {
-        return None;
-    }
-    // every other reader of u runs before the Mul (forward steps), when u is not scaled yet
-    let late_reader = steps.iter().enumerate().any(|(k, st)| k >= i && k != i && g.nodes[st.0].inputs.iter().flatten().any(|v| *v == u));
-    (!late_reader).then_some((i, u))
 }
 
 /// Values living in memory the caller binds per call.

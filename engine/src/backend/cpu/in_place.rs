@@ -1,9 +1,12 @@
-//! The one kernel that writes memory it also reads: `Mul(u, s)` with a scalar `s`, planned so
-//! that `u` already lives in the output's memory (plan/mod.rs: a gradient bound from the forward
+//! The kernels that write memory they also read, planned by plan/in_place.rs: `Mul(u, s)` with a
+//! scalar `s` where `u` already lives in the output's memory (a gradient bound from the forward
 //! phase on, e.g. LinearCrossEntropy's unit-seed dW written straight into the weight's gradient
-//! buffer and scaled by the loss seed in the backward phase). It reads only the scalar input and
-//! scales the output in place; it never views input `u`, so no shared and exclusive views of the
-//! same bytes exist at once.
+//! buffer and scaled by the loss seed in the backward phase), and `Add(m, b)` where `m` lives in
+//! the output's memory (a weight read twice: its two gradients summed). Each reads only its other
+//! input and updates the output in place; none views the operand stored in its output, so no
+//! shared and exclusive views of the same bytes exist at once.
+
+use rayon::prelude::*;
 
 use super::elementwise::FloatElem;
 use super::tensor_view::{In, Out};
@@ -31,4 +34,42 @@ pub fn mul_scalar_in_place(node: &Node, inputs: &[Option<In>], out: &mut [Out], 
         crate::tensor::DType::F64 => scale::<f64>(node, scalar, o),
         d => Err(node.err(format!("in-place Mul of {} is not supported", d.name()))),
     }
+}
+
+/// Elements per parallel chunk of the in-place Add (64 KiB of f32).
+const ADD_CHUNK: usize = 16 * 1024;
+
+/// out += b, elementwise (same shape).
+fn add_into<T: FloatElem + super::tensor_view::Elem + Send + Sync>(node: &Node, b: &In, out: &mut Out) -> Result<()> {
+    let b = b.slice::<T>()?;
+    let o = out.slice::<T>()?;
+    if b.len() != o.len() {
+        return Err(node.err(format!("in-place Add of {} elements into {}", b.len(), o.len())));
+    }
+    o.par_chunks_mut(ADD_CHUNK).zip(b.par_chunks(ADD_CHUNK)).for_each(|(o, b)| {
+        for (x, &y) in o.iter_mut().zip(b) {
+            *x = *x + y;
+        }
+    });
+    Ok(())
+}
+
+fn add_in_place(node: &Node, inputs: &[Option<In>], out: &mut [Out], other: usize) -> Result<()> {
+    let b = inputs.get(other).and_then(|x| x.as_ref()).ok_or_else(|| node.err("in-place Add without its second operand"))?;
+    let o = &mut out[0];
+    match o.dtype {
+        crate::tensor::DType::F32 => add_into::<f32>(node, b, o),
+        crate::tensor::DType::F64 => add_into::<f64>(node, b, o),
+        d => Err(node.err(format!("in-place Add of {} is not supported", d.name()))),
+    }
+}
+
+/// Kernel for an `Add(m, b)` step whose first operand is stored in its output's memory.
+pub fn add_in_place_first(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    add_in_place(node, inputs, out, 1)
+}
+
+/// Kernel for an `Add(b, m)` step whose second operand is stored in its output's memory.
+pub fn add_in_place_second(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    add_in_place(node, inputs, out, 0)
 }

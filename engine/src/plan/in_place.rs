@@ -1,0 +1,212 @@
+//! Which steps of a plan write memory they also read, decided once the steps, types and
+//! constants are known. Both cases keep LinearCrossEntropy's weight gradient (made in the
+//! forward phase with a unit seed) out of the arena by writing it straight into the gradient
+//! memory the caller binds from the forward phase on (`PlanRequest::bound_from_forward`):
+//! - scaled: `gv = Mul(u, s)`: u lives in gv's memory, the Mul scales it in place;
+//! - summed (a weight read twice, e.g. GPT-2's tied embedding and LM head): `gv = Add(m, b)` with
+//!   `m = Mul(u, s)` as above: u and m live in gv's memory, the Mul scales in place and the Add
+//!   adds b in place. The sum is the same floating-point addition, so results are bitwise equal.
+//! The in-place kernels (backend/cpu/in_place.rs) never view the operand that lives in their
+//! output's memory.
+
+use std::sync::Arc;
+
+use super::{is_bound, PlanRequest};
+use crate::backend::cpu::{self, Kernel};
+use crate::ir::{NodeId, ValueId};
+use crate::ops::TypeOut;
+use crate::tensor::{DType, Tensor};
+
+/// Applies every in-place rewrite to `alias` and `kernels`; returns the rewritten steps.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn apply(
+    req: &PlanRequest,
+    steps: &[NodeId],
+    split: usize,
+    types: &[Option<TypeOut>],
+    consts: &[Option<Arc<Tensor>>],
+    alias: &mut [Option<ValueId>],
+    kernels: &mut [Kernel],
+) -> Vec<usize> {
+    let mut in_place = Vec::new();
+    for &gv in &req.bound_from_forward {
+        if let Some((i, u)) = scaled_in_place(req, steps, split, types, consts, alias, gv) {
+            alias[u.0] = Some(gv);
+            kernels[i] = cpu::mul_scalar_in_place;
+            in_place.push(i);
+        } else if let Some(s) = summed_in_place(req, steps, split, types, consts, alias, gv) {
+            alias[s.u.0] = Some(gv);
+            alias[s.m.0] = Some(gv);
+            kernels[s.mul_step] = cpu::mul_scalar_in_place;
+            kernels[s.add_step] = if s.m_first { cpu::add_in_place_first } else { cpu::add_in_place_second };
+            in_place.extend([s.mul_step, s.add_step]);
+        }
+    }
+    in_place.sort_unstable();
+    in_place
+}
+
+/// For a gradient `gv` bound from the forward phase on: (its step, u) where `gv = Mul(u, s)`
+/// runs in the backward phase, `u` is computed by a forward step, has gv's type (f32 or f64),
+/// is no forward output, is not bound, aliased or viewed, and is read by no step after that
+/// one, and `s` is a scalar; then u can live in gv's memory and the Mul scale it in place.
+#[allow(clippy::too_many_arguments)]
+fn scaled_in_place(
+    req: &PlanRequest,
+    steps: &[NodeId],
+    split: usize,
+    types: &[Option<TypeOut>],
+    consts: &[Option<Arc<Tensor>>],
+    alias: &[Option<ValueId>],
+    gv: ValueId,
+) -> Option<(usize, ValueId)> {
+    let g = req.graph;
+    let producer = g.values[gv.0].producer?;
+    let i = steps.iter().position(|s| *s == producer)?;
+    let node = &g.nodes[producer.0];
+    if i < split || node.op_type != "Mul" || node.outputs.len() != 1 || node.inputs.len() != 2 {
+        return None;
+    }
+    let (u, s) = (node.inputs[0]?, node.inputs[1]?);
+    let up = g.values[u.0].producer?;
+    if u == s || !steps[..split].contains(&up) || consts[u.0].is_some() || consts[s.0].is_some() {
+        return None;
+    }
+    if alias[u.0].is_some() || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(u)) || is_bound(req, u) {
+        return None;
+    }
+    if req.forward_outputs.contains(&u) || req.backward_outputs.contains(&u) {
+        return None;
+    }
+    let (tu, tg, ts) = (types[u.0].as_ref()?, types[gv.0].as_ref()?, types[s.0].as_ref()?);
+    let float = matches!(tg.dtype, DType::F32 | DType::F64);
+    if !float || tu.dtype != tg.dtype || tu.shape != tg.shape || ts.dtype != tg.dtype || ts.shape.iter().product::<usize>() != 1 {
+        return None;
+    }
+    // every other reader of u runs before the Mul (forward steps), when u is not scaled yet
+    let late_reader = steps.iter().enumerate().any(|(k, st)| k >= i && k != i && g.nodes[st.0].inputs.iter().flatten().any(|v| *v == u));
+    (!late_reader).then_some((i, u))
+}
+
+/// `gv = Add(m, b)` (either order) where `m = Mul(u, s)` qualifies for `scaled_in_place` with m
+/// in gv's place.
+struct Summed {
+    u: ValueId,
+    m: ValueId,
+    mul_step: usize,
+    add_step: usize,
+    /// m is the Add's first operand.
+    m_first: bool,
+}
+
+/// For a gradient `gv` bound from the forward phase on: `gv = Add(m, b)` runs in the backward
+/// phase, m, b and gv have one type (no broadcasting), `m = Mul(u, s)` qualifies for
+/// `scaled_in_place` (with m as the target), the Add is m's only reader, m is no output and
+/// nothing views it, b is neither m nor u nor in gv's memory, and nothing else lives in gv's memory.
+#[allow(clippy::too_many_arguments)]
+fn summed_in_place(
+    req: &PlanRequest,
+    steps: &[NodeId],
+    split: usize,
+    types: &[Option<TypeOut>],
+    consts: &[Option<Arc<Tensor>>],
+    alias: &[Option<ValueId>],
+    gv: ValueId,
+) -> Option<Summed> {
+    let g = req.graph;
+    let producer = g.values[gv.0].producer?;
+    let add_step = steps.iter().position(|s| *s == producer)?;
+    let node = &g.nodes[producer.0];
+    if add_step < split || node.op_type != "Add" || node.outputs.len() != 1 || node.inputs.len() != 2 {
+        return None;
+    }
+    if alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(gv)) {
+        return None;
+    }
+    let (a, b) = (node.inputs[0]?, node.inputs[1]?);
+    let tg = types[gv.0].as_ref()?;
+    let same = |v: ValueId| types[v.0].as_ref().is_some_and(|t| t.dtype == tg.dtype && t.shape == tg.shape);
+    if a == b || !same(a) || !same(b) || consts[a.0].is_some() || consts[b.0].is_some() {
+        return None;
+    }
+    let pick = |m: ValueId, other: ValueId, m_first: bool| -> Option<Summed> {
+        if is_bound(req, m) || req.forward_outputs.contains(&m) || req.backward_outputs.contains(&m) {
+            return None;
+        }
+        if alias.iter().any(|x| *x == Some(m)) || alias[other.0] == Some(gv) {
+            return None;
+        }
+        let readers = steps.iter().filter(|st| g.nodes[st.0].inputs.iter().flatten().any(|v| *v == m)).count();
+        if readers != 1 {
+            return None;
+        }
+        let (mul_step, u) = scaled_in_place(req, steps, split, types, consts, alias, m)?;
+        (mul_step < add_step && other != u).then_some(Summed { u, m, mul_step, add_step, m_first })
+    };
+    pick(a, b, true).or_else(|| pick(b, a, false))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{build, Storage};
+    use super::*;
+    use crate::ir::{Attrs, Dim, Graph, ValueKind};
+
+    /// x → u = Relu(x), w = Sigmoid(x), loss = ReduceSum(u) (forward); backward: m = Mul(u, seed),
+    /// gv = Add(w, m) or Add(m, w): a weight's two gradient contributions summed. With
+    /// `m_read_twice`, a second bound gradient Neg(m) reads m too.
+    fn plan(m_first: bool, early: bool, m_read_twice: bool) -> (Graph, super::super::Plan, [ValueId; 4]) {
+        let mut g = Graph::default();
+        let shape = Some(vec![Dim::Known(4), Dim::Known(8)]);
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), shape);
+        let u = g.add_node("u", "Relu", vec![Some(x)], Attrs::default(), 1)[0];
+        let w = g.add_node("w", "Sigmoid", vec![Some(x)], Attrs::default(), 1)[0];
+        let loss = g.add_node("loss", "ReduceSum", vec![Some(u)], Attrs::default(), 1)[0];
+        let seed = g.add_value("grad:loss", ValueKind::Input, Some(DType::F32), Some(vec![]));
+        let m = g.add_node("m", "Mul", vec![Some(u), Some(seed)], Attrs::default(), 1)[0];
+        let ins = if m_first { vec![Some(m), Some(w)] } else { vec![Some(w), Some(m)] };
+        let gv = g.add_node("gv", "Add", ins, Attrs::default(), 1)[0];
+        let mut grads = vec![gv];
+        if m_read_twice {
+            grads.push(g.add_node("other", "Neg", vec![Some(m)], Attrs::default(), 1)[0]);
+        }
+        let req = PlanRequest {
+            graph: &g,
+            n_fwd: 3,
+            forward_outputs: vec![loss],
+            backward_outputs: grads.clone(),
+            bound_outputs: grads.clone(),
+            input_types: [(x, (DType::F32, vec![4, 8]))].into_iter().collect(),
+            seeds: vec![(seed, loss)],
+            bound_from_forward: if early { grads.clone() } else { vec![] },
+        };
+        let p = build(&req).expect("plan");
+        (g, p, [u, w, m, gv])
+    }
+
+    #[test]
+    fn a_summed_gradient_keeps_both_terms_in_its_own_memory() {
+        for m_first in [true, false] {
+            let (g, plain, _) = plan(m_first, false, false);
+            let (_, early, [u, w, m, gv]) = plan(m_first, true, false);
+            assert!(plain.in_place.is_empty());
+            assert_eq!(early.in_place.len(), 2, "the Mul and the Add run in place");
+            assert!(matches!(early.storage[u.0], Storage::Alias(a) if a == gv));
+            assert!(matches!(early.storage[m.0], Storage::Alias(a) if a == gv));
+            assert!(matches!(early.storage[w.0], Storage::Arena(_)), "the other term stays where it was");
+            assert!(early.arena_bytes < plain.arena_bytes, "{} vs {}", early.arena_bytes, plain.arena_bytes);
+            let add = early.in_place[1];
+            assert_eq!(g.nodes[early.steps[add].0].outputs[0], gv);
+            let expected: Kernel = if m_first { cpu::add_in_place_first } else { cpu::add_in_place_second };
+            assert!(early.kernels[add] as usize == expected as usize);
+        }
+    }
+
+    #[test]
+    fn a_term_read_by_another_step_is_not_moved() {
+        let (_, early, [u, _, m, _]) = plan(true, true, true);
+        assert!(early.in_place.is_empty());
+        assert!(matches!(early.storage[u.0], Storage::Arena(_)));
+        assert!(matches!(early.storage[m.0], Storage::Arena(_)));
+    }
+}
