@@ -5,7 +5,9 @@
 //! - scaled: `gv = Mul(u, s)`: u lives in gv's memory, the Mul scales it in place;
 //! - summed (a weight read twice, e.g. GPT-2's tied embedding and LM head): `gv = Add(m, b)` with
 //!   `m = Mul(u, s)` as above: u and m live in gv's memory, the Mul scales in place and the Add
-//!   adds b in place. The sum is the same floating-point addition, so results are bitwise equal.
+//!   adds b in place (the same floating-point addition: bitwise equal). Where b is the
+//!   embedding's GatherGrad, b lives there too: its rows are added onto the scaled term and the
+//!   Add has nothing left to do (no dense [vocab, hidden] buffer, no zero fill, no Add pass).
 //! The in-place kernels (backend/cpu/in_place.rs) never view the operand that lives in their
 //! output's memory.
 
@@ -38,8 +40,15 @@ pub(super) fn apply(
             alias[s.u.0] = Some(gv);
             alias[s.m.0] = Some(gv);
             kernels[s.mul_step] = cpu::mul_scalar_in_place;
-            kernels[s.add_step] = if s.m_first { cpu::add_in_place_first } else { cpu::add_in_place_second };
             in_place.extend([s.mul_step, s.add_step]);
+            if let Some((gather_step, b)) = s.gather {
+                alias[b.0] = Some(gv);
+                kernels[gather_step] = cpu::gather_grad_accumulate;
+                kernels[s.add_step] = cpu::sum_already_in_place;
+                in_place.push(gather_step);
+            } else {
+                kernels[s.add_step] = if s.m_first { cpu::add_in_place_first } else { cpu::add_in_place_second };
+            }
         }
     }
     in_place.sort_unstable();
@@ -97,12 +106,15 @@ struct Summed {
     add_step: usize,
     /// m is the Add's first operand.
     m_first: bool,
+    /// (step, b) where b is a GatherGrad that can add its rows into gv's memory after the Mul.
+    gather: Option<(usize, ValueId)>,
 }
 
 /// For a gradient `gv` bound from the forward phase on: `gv = Add(m, b)` runs in the backward
 /// phase, m, b and gv have one type (no broadcasting), `m = Mul(u, s)` qualifies for
 /// `scaled_in_place` (with m as the target), the Add is m's only reader, m is no output and
 /// nothing views it, b is neither m nor u nor in gv's memory, and nothing else lives in gv's memory.
+/// b may move into gv's memory too where `gathered_after` allows.
 #[allow(clippy::too_many_arguments)]
 fn summed_in_place(
     req: &PlanRequest,
@@ -141,9 +153,39 @@ fn summed_in_place(
             return None;
         }
         let (mul_step, u) = scaled_in_place(req, steps, split, types, consts, alias, m)?;
-        (mul_step < add_step && other != u).then_some(Summed { u, m, mul_step, add_step, m_first })
+        let gather = gathered_after(req, steps, alias, other, mul_step, add_step).map(|i| (i, other));
+        (mul_step < add_step && other != u).then_some(Summed { u, m, mul_step, add_step, m_first, gather })
     };
     pick(a, b, true).or_else(|| pick(b, a, false))
+}
+
+/// The step of b when b is a GatherGrad that runs after the Mul (so it adds to the scaled term)
+/// and before the Add, is read by the Add only, is no output and nothing lives in its memory:
+/// then it can add its rows into gv's memory. Repeated indices then sum onto the other term one
+/// by one instead of among themselves first: a different rounding, not a different result.
+fn gathered_after(
+    req: &PlanRequest,
+    steps: &[NodeId],
+    alias: &[Option<ValueId>],
+    b: ValueId,
+    mul_step: usize,
+    add_step: usize,
+) -> Option<usize> {
+    let g = req.graph;
+    let producer = g.values[b.0].producer?;
+    let i = steps.iter().position(|s| *s == producer)?;
+    let node = &g.nodes[producer.0];
+    if node.op_type != "GatherGrad" || node.outputs.len() != 1 || i <= mul_step || i >= add_step {
+        return None;
+    }
+    if alias[b.0].is_some() || alias.iter().any(|a| *a == Some(b)) || is_bound(req, b) {
+        return None;
+    }
+    if req.forward_outputs.contains(&b) || req.backward_outputs.contains(&b) {
+        return None;
+    }
+    let readers = steps.iter().filter(|st| g.nodes[st.0].inputs.iter().flatten().any(|v| *v == b)).count();
+    (readers == 1).then_some(i)
 }
 
 #[cfg(test)]
@@ -208,5 +250,64 @@ mod tests {
         assert!(early.in_place.is_empty());
         assert!(matches!(early.storage[u.0], Storage::Arena(_)));
         assert!(matches!(early.storage[m.0], Storage::Arena(_)));
+    }
+
+    /// x → u = Relu(x), loss = ReduceSum(u) (forward); backward: m = Mul(u, seed) and
+    /// b = GatherGrad(Neg(z), ids) in the given order, gv = Add(m, b).
+    fn gathered(mul_first: bool) -> (Graph, super::super::Plan, [ValueId; 3]) {
+        let mut g = Graph::default();
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), Some(vec![Dim::Known(4), Dim::Known(8)]));
+        let z = g.add_value("z", ValueKind::Input, Some(DType::F32), Some(vec![Dim::Known(6), Dim::Known(8)]));
+        let ids = g.add_value("ids", ValueKind::Input, Some(DType::I64), Some(vec![Dim::Known(6)]));
+        let shape = g.add_const("shape", Tensor::from_i64(vec![2], vec![4, 8]));
+        let u = g.add_node("u", "Relu", vec![Some(x)], Attrs::default(), 1)[0];
+        let loss = g.add_node("loss", "ReduceSum", vec![Some(u)], Attrs::default(), 1)[0];
+        let seed = g.add_value("grad:loss", ValueKind::Input, Some(DType::F32), Some(vec![]));
+        let mul = |g: &mut Graph| g.add_node("m", "Mul", vec![Some(u), Some(seed)], Attrs::default(), 1)[0];
+        let gather = |g: &mut Graph| {
+            let dz = g.add_node("dz", "Neg", vec![Some(z)], Attrs::default(), 1)[0];
+            g.add_node("b", "GatherGrad", vec![Some(dz), Some(ids), Some(shape)], Attrs::default(), 1)[0]
+        };
+        let (m, b) = if mul_first {
+            let m = mul(&mut g);
+            (m, gather(&mut g))
+        } else {
+            let b = gather(&mut g);
+            (mul(&mut g), b)
+        };
+        let gv = g.add_node("gv", "Add", vec![Some(m), Some(b)], Attrs::default(), 1)[0];
+        let req = PlanRequest {
+            graph: &g,
+            n_fwd: 2,
+            forward_outputs: vec![loss],
+            backward_outputs: vec![gv],
+            bound_outputs: vec![gv],
+            input_types: [(x, (DType::F32, vec![4, 8])), (z, (DType::F32, vec![6, 8])), (ids, (DType::I64, vec![6]))].into_iter().collect(),
+            seeds: vec![(seed, loss)],
+            bound_from_forward: vec![gv],
+        };
+        let p = build(&req).expect("plan");
+        (g, p, [m, b, gv])
+    }
+
+    #[test]
+    fn an_embedding_gradient_adds_its_rows_into_the_summed_gradient() {
+        let (g, p, [m, b, gv]) = gathered(true);
+        assert_eq!(p.in_place.len(), 3, "Mul, GatherGrad and Add");
+        assert!(matches!(p.storage[m.0], Storage::Alias(a) if a == gv));
+        assert!(matches!(p.storage[b.0], Storage::Alias(a) if a == gv));
+        let step_of = |v: ValueId| p.steps.iter().position(|s| g.nodes[s.0].outputs[0] == v).expect("step");
+        assert!(p.kernels[step_of(b)] as usize == cpu::gather_grad_accumulate as Kernel as usize);
+        assert!(p.kernels[step_of(gv)] as usize == cpu::sum_already_in_place as Kernel as usize);
+    }
+
+    #[test]
+    fn an_embedding_gradient_made_before_the_scaling_stays_apart() {
+        let (g, p, [m, b, gv]) = gathered(false);
+        let step_of = |v: ValueId| p.steps.iter().position(|s| g.nodes[s.0].outputs[0] == v).expect("step");
+        assert!(step_of(b) < step_of(m), "the steps keep the graph's order");
+        assert_eq!(p.in_place.len(), 2, "Mul and Add only");
+        assert!(matches!(p.storage[b.0], Storage::Arena(_)));
+        assert!(p.kernels[step_of(gv)] as usize == cpu::add_in_place_first as Kernel as usize);
     }
 }

@@ -1,10 +1,12 @@
 //! The kernels that write memory they also read, planned by plan/in_place.rs: `Mul(u, s)` with a
 //! scalar `s` where `u` already lives in the output's memory (a gradient bound from the forward
 //! phase on, e.g. LinearCrossEntropy's unit-seed dW written straight into the weight's gradient
-//! buffer and scaled by the loss seed in the backward phase), and `Add(m, b)` where `m` lives in
-//! the output's memory (a weight read twice: its two gradients summed). Each reads only its other
-//! input and updates the output in place; none views the operand stored in its output, so no
-//! shared and exclusive views of the same bytes exist at once.
+//! buffer and scaled by the loss seed in the backward phase), `Add(m, b)` where `m` lives in the
+//! output's memory (a weight read twice: its two gradients summed), and, where `b` is a
+//! GatherGrad living there too, that GatherGrad adding its rows to what the memory holds (then
+//! the Add has nothing left to do). Each reads only its other inputs and updates the output in
+//! place; none views an operand stored in its output, so no shared and exclusive views of the
+//! same bytes exist at once.
 
 use rayon::prelude::*;
 
@@ -72,4 +74,15 @@ pub fn add_in_place_first(node: &Node, inputs: &[Option<In>], out: &mut [Out], _
 /// Kernel for an `Add(b, m)` step whose second operand is stored in its output's memory.
 pub fn add_in_place_second(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     add_in_place(node, inputs, out, 0)
+}
+
+/// Kernel for a GatherGrad step whose output memory already holds the other gradient term: the
+/// rows are added to it instead of to zeros.
+pub fn gather_grad_accumulate(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    super::movement::gather_grad_into(node, inputs, out, false)
+}
+
+/// Kernel for an Add step whose operands and output share one memory that already holds the sum.
+pub fn sum_already_in_place(_: &Node, _: &[Option<In>], _: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    Ok(())
 }

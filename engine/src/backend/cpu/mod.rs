@@ -30,7 +30,7 @@ mod vmath;
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-pub use in_place::{add_in_place_first, add_in_place_second, mul_scalar_in_place};
+pub use in_place::{add_in_place_first, add_in_place_second, gather_grad_accumulate, mul_scalar_in_place, sum_already_in_place};
 pub use tensor_view::{In, Out};
 
 use crate::error::Result;

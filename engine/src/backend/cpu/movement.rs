@@ -299,6 +299,12 @@ fn gather(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -
 }
 
 fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    gather_grad_into(node, inputs, out, true)
+}
+
+/// GatherGrad's scatter-add of `dy` rows at the indices into the output; `zero_first`: the
+/// output starts from zeros (the op), else the rows are added to what it holds (in_place.rs).
+pub(super) fn gather_grad_into(node: &Node, inputs: &[Option<In>], out: &mut [Out], zero_first: bool) -> Result<()> {
     let dy = first(node, inputs)?;
     let idx = nth(node, inputs, 1)?;
     let o = &mut out[0];
@@ -306,13 +312,15 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     let axis = norm_axis(node, node.attrs.int("axis", 0)?, shape.len())?;
     let dim = shape[axis];
     let ids = index_list(node, idx, dim)?;
-    fn go<T: Arith>(dy: &In, o: &mut Out, shape: &[usize], axis: usize, ids: &[usize]) -> Result<()> {
+    fn go<T: Arith>(dy: &In, o: &mut Out, shape: &[usize], axis: usize, ids: &[usize], zero_first: bool) -> Result<()> {
         let outer = numel(&shape[..axis]);
         let inner = numel(&shape[axis + 1..]);
         let dim = shape[axis];
         let src = dy.slice::<T>()?;
         let dst = o.slice::<T>()?;
-        dst.iter_mut().for_each(|v| *v = T::zero());
+        if zero_first {
+            dst.iter_mut().for_each(|v| *v = T::zero());
+        }
         let n = ids.len();
         for i in 0..outer {
             for (j, &id) in ids.iter().enumerate() {
@@ -325,7 +333,7 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
         }
         Ok(())
     }
-    crate::dispatch_num!(dy.dtype, node, go::<T>(dy, o, &shape, axis, &ids))
+    crate::dispatch_num!(dy.dtype, node, go::<T>(dy, o, &shape, axis, &ids, zero_first))
 }
 
 /// Visits (data_offset, index_position) for GatherElements along `axis`.
