@@ -11,6 +11,12 @@ the table split into CompositeImplicitAutograd ops (overridden during tracing) a
 (dynamic RNN decompositions, `backed_size_oblivious`). torch.onnx.export then gets the program
 with its decomposition step skipped (`skipping_decomposition`).
 
+The ops the table keeps (linear, scaled_dot_product_attention, ...: torchlib translates them
+whole) still need output types while tracing; torch finds them by running the op's whole
+CompositeImplicitAutograd decomposition on fake tensors with symbolic shapes, which was a third
+of the tutorial's trace. For linear, layer_norm and scaled_dot_product_attention (with dropout) the output is computed from
+the input shapes instead (`_shape_rules`), where that gives the same type and adds no guard.
+
 Private torch functions are used; where one is missing or the trace fails, None is returned
 and the caller takes torch.onnx's own two traces.
 """
@@ -47,6 +53,7 @@ def capture_decomposed(wrapper: torch.nn.Module, flat: list, dynamic_shapes, reg
         with contextlib.ExitStack() as stack:
             stack.enter_context(_capture_strategies.patch_dynamic_shape_rnn_decompositions(dynamic_shapes))
             stack.enter_context(torch.fx.experimental._config.patch(backed_size_oblivious=True))
+            stack.enter_context(_shape_rules(cia))  # before torch registers its own for these ops
             stack.enter_context(_ep._override_composite_implicit_decomp(cia))
             stack.enter_context(_without_stack_traces())
             _trace._export_to_aten_ir = functools.partial(to_aten, decomp_table=python_table)
@@ -84,6 +91,128 @@ def _cia_ops_materialized_once():
         yield
     finally:
         _export_utils._materialize_cpp_cia_ops = original
+
+
+@contextlib.contextmanager
+def _shape_rules(kept):
+    """Within: fake-tensor rules for the kept CompositeImplicitAutograd ops of `_SHAPE_RULES` (if
+    `kept` has them and nothing registered one), which make the output from the input shapes
+    where `_SHAPE_RULES` knows it is what the decomposition gives, and otherwise run the
+    decomposition as torch's own rule for kept ops does (`_override_composite_implicit_decomp`,
+    whose exit also removes these rules). Without the private names, nothing is changed."""
+    try:
+        from torch._subclasses import fake_impls
+        from torch.export import exported_program as _ep
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        rules = {op: rule for op, rule in _shape_rule_table().items()
+                 if op in kept and not fake_impls._is_op_registered_to_fake_rule(op)}
+    except (ImportError, AttributeError, TypeError):
+        yield
+        return
+    registered = []
+    try:
+        for op, rule in rules.items():
+            # the op's decomposition before torch's override replaces it (as torch does)
+            fake_impls.register_op_impl(op)(functools.partial(
+                _apply_rule, rule=rule, decomposition=_ep._get_decomp_for_cia(op), known=statically_known_true))
+            registered.append(op)
+    except (AttributeError, TypeError, AssertionError):
+        for op in registered:
+            fake_impls._deregister_op_impl(op)
+        registered = []
+    try:
+        yield
+    finally:
+        for op in registered:
+            fake_impls._deregister_op_impl(op)
+
+
+def _apply_rule(fake_mode, func, *args, rule, decomposition, known, **kwargs):
+    """The output of `func(*args, **kwargs)` on fake tensors: `rule`'s shape, contiguous, where
+    it gives one; else the op's decomposition's."""
+    made = rule(known, *args, **kwargs)
+    with fake_mode:
+        if made is None:
+            return decomposition(*args, **kwargs)
+        like, shape = made
+        return like.new_empty(shape)
+
+
+def _same(known, a, b) -> bool:
+    """Whether sizes a and b (ints or SymInts) are the same for every value of the symbols, read
+    from their expressions: no guard, and no node in the traced graph (`==` on a SymInt would
+    record one)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    a = a.node.expr if isinstance(a, torch.SymInt) else a
+    b = b.node.expr if isinstance(b, torch.SymInt) else b
+    return bool(a == b)
+
+
+def _linear(known, input, weight, bias=None):
+    """aten.linear: [..., in] x [out, in] (+ [out]) -> [..., out], contiguous (the mm, addmm or
+    folded matmul of its decomposition) when the inner sizes are the same expressions (else the
+    decomposition's checks would add guards) and the dtypes agree."""
+    if input.dim() < 2 or weight.dim() != 2 or input.dtype != weight.dtype:
+        return None
+    if not _same(known, input.shape[-1], weight.shape[1]):
+        return None
+    if bias is not None and (bias.dim() != 1 or bias.dtype != input.dtype
+                             or not _same(known, bias.shape[0], weight.shape[0])):
+        return None
+    return input, (*input.shape[:-1], weight.shape[0])
+
+
+def _attention(known, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+               enable_gqa=False):
+    """aten.scaled_dot_product_attention: [*B, L, E], [*B, S, E], [*B, S, Ev] -> [*B, L, Ev],
+    contiguous, as its math path gives it (softmax(q kᵀ) v as batched matmuls), which is the one
+    taken on the CPU with dropout (the flash kernel, without dropout, gives another layout), when
+    q, k, v have the same rank, batch sizes and dtype, the mask (if any) broadcasts to [*B, L, S]
+    without new guards, and no grouped-query repeat is asked for."""
+    if not (isinstance(dropout_p, float) and dropout_p > 0.0 and query.device.type == "cpu"):
+        return None
+    if enable_gqa or not (query.dim() == key.dim() == value.dim() >= 3):
+        return None
+    if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
+        return None
+    batch = query.shape[:-2]
+    if not all(_same(known, q, k) and _same(known, q, v) for q, k, v in zip(batch, key.shape[:-2], value.shape[:-2])):
+        return None
+    if not (_same(known, query.shape[-1], key.shape[-1]) and _same(known, key.shape[-2], value.shape[-2])):
+        return None
+    if attn_mask is not None:
+        full = (*batch, query.shape[-2], key.shape[-2])
+        if attn_mask.dim() > len(full) or not (attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype):
+            return None
+        for m, f in zip(reversed(attn_mask.shape), reversed(full)):
+            if not (_same(known, m, f) or (isinstance(m, int) and m == 1)):
+                return None
+    return query, (*query.shape[:-1], value.shape[-1])
+
+
+def _layer_norm(known, input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    """aten.layer_norm: the input's shape, contiguous (native_layer_norm makes the input
+    contiguous and works element-wise), when normalized_shape, weight and bias are the input's
+    trailing sizes and dtype."""
+    n = len(normalized_shape)
+    if n < 1 or input.dim() < n or not input.dtype.is_floating_point:
+        return None
+    trailing = input.shape[input.dim() - n:]
+    if not all(_same(known, a, b) for a, b in zip(trailing, normalized_shape)):
+        return None
+    for t in (weight, bias):
+        if t is not None and (t.dtype != input.dtype or t.dim() != n
+                              or not all(_same(known, a, b) for a, b in zip(t.shape, trailing))):
+            return None
+    return input, tuple(input.shape)
+
+
+def _shape_rule_table() -> dict:
+    aten = torch.ops.aten
+    return {aten.linear.default: _linear, aten.scaled_dot_product_attention.default: _attention,
+            aten.layer_norm.default: _layer_norm}
 
 
 @contextlib.contextmanager
