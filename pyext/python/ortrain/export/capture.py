@@ -14,8 +14,9 @@ with its decomposition step skipped (`skipping_decomposition`).
 The ops the table keeps (linear, scaled_dot_product_attention, ...: torchlib translates them
 whole) still need output types while tracing; torch finds them by running the op's whole
 CompositeImplicitAutograd decomposition on fake tensors with symbolic shapes, which was a third
-of the tutorial's trace. For linear, layer_norm and scaled_dot_product_attention (with dropout) the output is computed from
-the input shapes instead (`_shape_rules`), where that gives the same type and adds no guard.
+of the tutorial's trace. For linear, layer_norm and scaled_dot_product_attention (with dropout)
+the output is made from the input shapes instead (`_shape_rules`), where that gives the same
+type and adds no guard.
 
 Private torch functions are used; where one is missing or the trace fails, None is returned
 and the caller takes torch.onnx's own two traces.
@@ -95,27 +96,27 @@ def _cia_ops_materialized_once():
 
 @contextlib.contextmanager
 def _shape_rules(kept):
-    """Within: fake-tensor rules for the kept CompositeImplicitAutograd ops of `_SHAPE_RULES` (if
-    `kept` has them and nothing registered one), which make the output from the input shapes
-    where `_SHAPE_RULES` knows it is what the decomposition gives, and otherwise run the
-    decomposition as torch's own rule for kept ops does (`_override_composite_implicit_decomp`,
-    whose exit also removes these rules). Without the private names, nothing is changed."""
+    """Within: for the kept CompositeImplicitAutograd ops of `_kept_rules()` (those in `kept`
+    without a fake-tensor rule yet), a rule that makes the output from the input shapes where the
+    op's `_kept_rules()` entry knows it is what the op's decomposition gives, and otherwise runs
+    the decomposition, as torch's own rule for kept ops does (`_override_composite_implicit_decomp`,
+    whose exit also removes these rules). Without the private names, nothing is changed.
+    (Ops whose fake computation is a Python decomposition, such as triu, cannot be given a rule
+    this way: with symbolic shapes FakeTensorMode runs the decomposition before any rule.)"""
     try:
         from torch._subclasses import fake_impls
         from torch.export import exported_program as _ep
-        from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-        rules = {op: rule for op, rule in _shape_rule_table().items()
-                 if op in kept and not fake_impls._is_op_registered_to_fake_rule(op)}
+        # each op's decomposition is read before torch's override replaces it, as torch does
+        rules = [(op, rule, _ep._get_decomp_for_cia(op)) for op, rule in _kept_rules().items()
+                 if op in kept and not fake_impls._is_op_registered_to_fake_rule(op)]
     except (ImportError, AttributeError, TypeError):
         yield
         return
     registered = []
     try:
-        for op, rule in rules.items():
-            # the op's decomposition before torch's override replaces it (as torch does)
-            fake_impls.register_op_impl(op)(functools.partial(
-                _apply_rule, rule=rule, decomposition=_ep._get_decomp_for_cia(op), known=statically_known_true))
+        for op, rule, decomposition in rules:
+            fake_impls.register_op_impl(op)(functools.partial(_apply_rule, rule=rule, decomposition=decomposition))
             registered.append(op)
     except (AttributeError, TypeError, AssertionError):
         for op in registered:
@@ -128,10 +129,10 @@ def _shape_rules(kept):
             fake_impls._deregister_op_impl(op)
 
 
-def _apply_rule(fake_mode, func, *args, rule, decomposition, known, **kwargs):
-    """The output of `func(*args, **kwargs)` on fake tensors: `rule`'s shape, contiguous, where
-    it gives one; else the op's decomposition's."""
-    made = rule(known, *args, **kwargs)
+def _apply_rule(fake_mode, func, *args, rule, decomposition, **kwargs):
+    """The output of `func(*args, **kwargs)` on fake tensors: a contiguous tensor of `rule`'s
+    shape where it gives one, else the op's decomposition's."""
+    made = rule(*args, **kwargs)
     with fake_mode:
         if made is None:
             return decomposition(*args, **kwargs)
@@ -139,7 +140,7 @@ def _apply_rule(fake_mode, func, *args, rule, decomposition, known, **kwargs):
         return like.new_empty(shape)
 
 
-def _same(known, a, b) -> bool:
+def _same(a, b) -> bool:
     """Whether sizes a and b (ints or SymInts) are the same for every value of the symbols, read
     from their expressions: no guard, and no node in the traced graph (`==` on a SymInt would
     record one)."""
@@ -150,21 +151,21 @@ def _same(known, a, b) -> bool:
     return bool(a == b)
 
 
-def _linear(known, input, weight, bias=None):
+def _linear(input, weight, bias=None):
     """aten.linear: [..., in] x [out, in] (+ [out]) -> [..., out], contiguous (the mm, addmm or
     folded matmul of its decomposition) when the inner sizes are the same expressions (else the
     decomposition's checks would add guards) and the dtypes agree."""
     if input.dim() < 2 or weight.dim() != 2 or input.dtype != weight.dtype:
         return None
-    if not _same(known, input.shape[-1], weight.shape[1]):
+    if not _same(input.shape[-1], weight.shape[1]):
         return None
     if bias is not None and (bias.dim() != 1 or bias.dtype != input.dtype
-                             or not _same(known, bias.shape[0], weight.shape[0])):
+                             or not _same(bias.shape[0], weight.shape[0])):
         return None
     return input, (*input.shape[:-1], weight.shape[0])
 
 
-def _attention(known, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                enable_gqa=False):
     """aten.scaled_dot_product_attention: [*B, L, E], [*B, S, E], [*B, S, Ev] -> [*B, L, Ev],
     contiguous, as its math path gives it (softmax(q kᵀ) v as batched matmuls), which is the one
@@ -178,21 +179,21 @@ def _attention(known, query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
         return None
     batch = query.shape[:-2]
-    if not all(_same(known, q, k) and _same(known, q, v) for q, k, v in zip(batch, key.shape[:-2], value.shape[:-2])):
+    if not all(_same(q, k) and _same(q, v) for q, k, v in zip(batch, key.shape[:-2], value.shape[:-2])):
         return None
-    if not (_same(known, query.shape[-1], key.shape[-1]) and _same(known, key.shape[-2], value.shape[-2])):
+    if not (_same(query.shape[-1], key.shape[-1]) and _same(key.shape[-2], value.shape[-2])):
         return None
     if attn_mask is not None:
         full = (*batch, query.shape[-2], key.shape[-2])
         if attn_mask.dim() > len(full) or not (attn_mask.dtype == torch.bool or attn_mask.dtype == query.dtype):
             return None
         for m, f in zip(reversed(attn_mask.shape), reversed(full)):
-            if not (_same(known, m, f) or (isinstance(m, int) and m == 1)):
+            if not (_same(m, f) or (isinstance(m, int) and m == 1)):
                 return None
     return query, (*query.shape[:-1], value.shape[-1])
 
 
-def _layer_norm(known, input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
     """aten.layer_norm: the input's shape, contiguous (native_layer_norm makes the input
     contiguous and works element-wise), when normalized_shape, weight and bias are the input's
     trailing sizes and dtype."""
@@ -200,16 +201,16 @@ def _layer_norm(known, input, normalized_shape, weight=None, bias=None, eps=1e-5
     if n < 1 or input.dim() < n or not input.dtype.is_floating_point:
         return None
     trailing = input.shape[input.dim() - n:]
-    if not all(_same(known, a, b) for a, b in zip(trailing, normalized_shape)):
+    if not all(_same(a, b) for a, b in zip(trailing, normalized_shape)):
         return None
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.dim() != n
-                              or not all(_same(known, a, b) for a, b in zip(t.shape, trailing))):
+                              or not all(_same(a, b) for a, b in zip(t.shape, trailing))):
             return None
     return input, tuple(input.shape)
 
 
-def _shape_rule_table() -> dict:
+def _kept_rules() -> dict:
     aten = torch.ops.aten
     return {aten.linear.default: _linear, aten.scaled_dot_product_attention.default: _attention,
             aten.layer_norm.default: _layer_norm}
