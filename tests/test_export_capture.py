@@ -1,9 +1,10 @@
-"""ortrain/export/capture.py's shape rules: the kept linear, layer_norm and
-scaled_dot_product_attention ops get their output types from the input shapes instead of their
-decomposition on fake tensors. For every model the export with the rules is the export without
-them: the same ONNX graph (value names aside: the rules record fewer dead symbolic nodes, which
-renumbers FX names), the same type of every tensor node of the captured program, and the same
-symbol ranges."""
+"""ortrain/export/capture.py's shortcuts in the one trace:
+- shape rules: the kept linear, layer_norm and scaled_dot_product_attention ops get their output
+  types from the input shapes instead of their decomposition on fake tensors;
+- only the CompositeImplicitAutograd ops whose decomposition is not their own are overridden.
+For every model the export with a shortcut is the export without it: the same ONNX graph (value
+names aside: the rules record fewer dead symbolic nodes, which renumbers FX names), the same type
+of every tensor node of the captured program, and the same symbol ranges."""
 import onnx
 import pytest
 import torch
@@ -36,10 +37,12 @@ def _tensor_types(program):
             for n in program.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)]
 
 
-def _export(model, args, training, rules, monkeypatch):
+def _export(model, args, training, rules, monkeypatch, all_overrides=False):
     with monkeypatch.context() as m:
         if not rules:
             m.setattr(capture, "_kept_rules", lambda: {})
+        if all_overrides:
+            m.setattr(capture, "_overrides_that_change_something", lambda cia: cia)
         applied = []
         rule = capture._apply_rule
 
@@ -113,3 +116,33 @@ def test_shape_rules_change_nothing_in_the_export(case, training, monkeypatch):
     assert with_rules[2] == without[2], "symbol ranges"
     if training:  # every case has an op the rules make (attention only with dropout)
         assert with_rules[3], "no rule applied"
+
+
+def _untied(model):
+    """The model with every parameter its own tensor (tied models take torch.onnx's own two
+    traces, not the one trace)."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(p.detach().clone()))
+    return model
+
+
+OVERRIDE_CASES = {
+    "tutorial": CASES["tutorial"],
+    "mha-bool-mask": CASES["mha-bool-mask"],
+    "cnn": lambda: (models.small_cnn()[0], (models.cnn_inputs(batch=5)[0],)),
+    "gpt2-untied": lambda: (_untied(models.gpt2_small(vocab=200, dropout=0.1)[0]),
+                            (models.gpt2_inputs(vocab=200, batch=3, seq=20)[0],)),
+}
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("case", list(OVERRIDE_CASES))
+def test_fewer_overrides_change_nothing_in_the_export(case, training, monkeypatch):
+    monkeypatch.setenv("ORTRAIN_EXPORT_DISK_CACHE", "0")
+    if case == "gpt2-untied":
+        pytest.importorskip("transformers")
+    model, args = OVERRIDE_CASES[case]()
+    fewer = _export(model, args, training, True, monkeypatch)
+    every = _export(model, args, training, True, monkeypatch, all_overrides=True)
+    assert fewer[:3] == every[:3]
