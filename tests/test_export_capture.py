@@ -146,3 +146,20 @@ def test_fewer_overrides_change_nothing_in_the_export(case, training, monkeypatc
     fewer = _export(model, args, training, True, monkeypatch)
     every = _export(model, args, training, True, monkeypatch, all_overrides=True)
     assert fewer[:3] == every[:3]
+
+
+def test_attention_errors_are_still_raised(monkeypatch):
+    # a call the decomposition rejects (mask with is_causal) still fails to export
+    monkeypatch.setenv("ORTRAIN_EXPORT_DISK_CACHE", "0")
+
+    class Both(torch.nn.Module):
+        def forward(self, q, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask, dropout_p=0.1,
+                                                                    is_causal=True)
+
+    q, mask = torch.randn(2, 2, 5, 8), torch.zeros(5, 5)
+    with pytest.raises(RuntimeError):
+        Both()(q, mask)
+    from ortrain.export import ExportError
+    with pytest.raises(ExportError):
+        export_module(Both(), (q, mask), exporter="dynamo", weights=False)

@@ -186,10 +186,11 @@ def _attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     contiguous, as its math path gives it (softmax(q kᵀ) v as batched matmuls), which is the one
     taken on the CPU with dropout (the flash kernel, without dropout, gives another layout), when
     q, k, v have the same rank, batch sizes and dtype, the mask (if any) broadcasts to [*B, L, S]
-    without new guards, and no grouped-query repeat is asked for."""
-    if not (isinstance(dropout_p, float) and dropout_p > 0.0 and query.device.type == "cpu"):
+    without new guards, and no grouped-query repeat is asked for. (A mask with is_causal is an
+    error the decomposition raises.)"""
+    if not (isinstance(dropout_p, float) and 0.0 < dropout_p <= 1.0 and query.device.type == "cpu"):
         return None
-    if enable_gqa or not (query.dim() == key.dim() == value.dim() >= 3):
+    if enable_gqa or (is_causal and attn_mask is not None) or not (query.dim() == key.dim() == value.dim() >= 3):
         return None
     if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating_point):
         return None
