@@ -31,3 +31,33 @@ def test_deferred_signatures_are_onnxscripts():
     out = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.startswith("ok"), out.stdout
+
+
+_CHECK_SCRIPTS = r"""
+import onnxscript
+from ortrain.export import registry
+assert registry.build(20) is not None
+from onnxscript._internal import values
+from onnxscript.function_libs.torch_lib import registration
+scripted = {id(f): f for o in registration.default_registry.values() for f in o.overloads + o.complex
+            if isinstance(f, values.OnnxFunction)}
+assert len(scripted) > 30, len(scripted)
+assert all(type(f).__name__ == "DeferredOnnxFunction" and f._compiled is None for f in scripted.values())
+assert onnxscript.script.__module__ != "ortrain.export.registry"  # restored after the import
+for f in scripted.values():
+    compiled = onnxscript.script(opset=f.opset, **f._script_kwargs)(f.function)
+    assert f.name == compiled.name and f.domain == compiled.domain, f.name
+    assert f.to_function_proto() == compiled.to_function_proto(), f.name
+    assert repr(f.op_signature) == repr(compiled.op_signature), f.name
+    assert f.source == compiled.source and f.kwargs == compiled.kwargs, f.name
+print("ok", len(scripted))
+"""
+
+
+def test_deferred_scripts_compile_as_onnxscript():
+    # torchlib's scripted functions are compiled when first read, to what onnxscript.script makes
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    out = subprocess.run([sys.executable, "-c", _CHECK_SCRIPTS], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.startswith("ok"), out.stdout

@@ -10,7 +10,10 @@ opset clean-up) but infers an entry's signature only when the translation asks f
 The decomposition table needs only the registered targets, which cost nothing.
 Importing torchlib's functions also infers an onnxscript signature for each of its ~420 traced
 functions (`TracedOnnxFunction.__init__`, ~0.05 s); that import defers each one to the first
-read of the function's `op_signature` (export/registry.py `_traced_signatures_deferred`).
+read of the function's `op_signature` (export/registry.py `_traced_signatures_deferred`). It
+also compiles each of its ~50 scripted functions from their Python source (`onnxscript.script`:
+parse, convert to ONNX IR, infer a signature; ~0.1 s, most of what is left of `build`); that
+import defers each compilation to the first read of what it makes (`_scripts_deferred`).
 
 Private torch/onnxscript classes are used; where any of them is missing or behaves otherwise,
 `build` returns None and the caller uses torch's own `from_torchlib`.
@@ -18,6 +21,8 @@ Private torch/onnxscript classes are used; where any of them is missing or behav
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import sys
 
 _BUILT: dict = {}  # opset -> registry (nothing mutates it: no custom translation table is passed)
@@ -38,7 +43,7 @@ def build(opset: int):
 
 
 def _build(opset: int):
-    with _traced_signatures_deferred():
+    with _traced_signatures_deferred(), _scripts_deferred():
         from onnxscript.function_libs.torch_lib import ops  # noqa: F401  (registers the functions)
     from onnxscript.function_libs.torch_lib import registration
     from torch.onnx._internal.exporter import _registration
@@ -139,3 +144,99 @@ def _traced_signatures_deferred():
         yield
     finally:
         values._schemas = schemas
+
+
+def _deferred_script_class(values, compile_script):
+    """A subclass of onnxscript's OnnxFunction made from the Python function alone: the
+    compiled function (`compile_script(opset, kwargs)(pyfun)`, what onnxscript.script returns)
+    is made when its IR, source, options or signature are first read, and those are then its."""
+
+    class DeferredOnnxFunction(values.OnnxFunction):
+        def __init__(self, opset, pyfun, kwargs):  # pylint: disable=super-init-not-called
+            # OnnxFunction.__init__ needs the compiled IR; Op's part is set as it sets it (the
+            # compiled IR's name is the Python function's)
+            values.Op.__init__(self, opset, pyfun.__name__)
+            self.function = pyfun
+            self._script_kwargs = kwargs
+            self._compiled = None
+            functools.update_wrapper(self, pyfun)
+            self.traceable = False
+
+        def _compiled_function(self):
+            if self._compiled is None:
+                compiled = compile_script(self._opset, self._script_kwargs)(self.function)
+                if compiled.name != self.name:
+                    raise ValueError(f"onnxscript compiled {self.name} as {compiled.name}")
+                self._compiled = compiled
+                if self._signature is None:
+                    self._signature = compiled.op_signature
+            return self._compiled
+
+        @property
+        def function_ir(self):
+            return self._compiled_function().function_ir
+
+        @property
+        def source(self):
+            return self._compiled_function().source
+
+        @property
+        def kwargs(self):
+            return self._compiled_function().kwargs
+
+        @property
+        def op_signature(self):
+            if self._signature is None:
+                self._compiled_function()
+            return self._signature
+
+        @op_signature.setter
+        def op_signature(self, value):
+            self._signature = value
+
+    return DeferredOnnxFunction
+
+
+@contextlib.contextmanager
+def _scripts_deferred():
+    """Within (the first import of torchlib's functions): `onnxscript.script(opset, **kwargs)`
+    with an opset returns, for each function, a DeferredOnnxFunction (compiled when first read)
+    instead of compiling it. Where onnxscript differs from what this expects, or the functions
+    are already imported, nothing is changed."""
+    try:
+        if "onnxscript.function_libs.torch_lib.ops" in sys.modules:
+            raise LookupError("already imported")
+        import onnxscript
+        from onnxscript._internal import values
+
+        script = onnxscript.script
+        for name in ("function_ir", "source", "kwargs", "function", "traceable"):
+            if name in ("function_ir", "source", "kwargs") and name in values.OnnxFunction.__dict__:
+                raise LookupError(f"OnnxFunction.{name} is not a plain attribute")
+        if not isinstance(values.OnnxFunction.__dict__.get("op_signature"), property):
+            raise LookupError("OnnxFunction.op_signature is not a property")
+    except (ImportError, AttributeError, LookupError):
+        yield
+        return
+
+    def compile_script(opset, kwargs):
+        return script(opset=opset, **kwargs)
+
+    deferred = _deferred_script_class(values, compile_script)
+
+    def deferring_script(opset=None, default_opset=None, **kwargs):
+        if not isinstance(opset, values.Opset) or default_opset is not None:
+            return script(opset=opset, default_opset=default_opset, **kwargs)
+
+        def transform(f):
+            if not inspect.isfunction(f):
+                return script(opset=opset, **kwargs)(f)
+            return deferred(opset, f, kwargs)
+
+        return transform
+
+    onnxscript.script = deferring_script
+    try:
+        yield
+    finally:
+        onnxscript.script = script
