@@ -4,10 +4,15 @@ itself, each timed inclusively in this one fresh process (one line of JSON, or a
 
     python -m bench.first_step [--workload tutorial] [--threads 2] [--json] [--profile FILE]
     python -m bench.first_step --runs 3 [--warm]      # N fresh processes, medians per phase
+    python -m bench.first_step --runs 5 --plain       # the first step as a user's, no wrappers
 
 The user's loop is bench/worker.py's, the phases are found by wrapping the functions that do
 them (the wrappers only read the clock); nested phases are included in their parents' times.
 `--profile FILE` writes a cProfile of the first step instead of wrapping anything.
+The wrappers and the profile need the export in this process (they set ORTRAIN_EXPORT_IN_CHILD=0) and import
+the exporter's modules before the step, so their first step is shorter than a user's: `--plain`
+wraps nothing and times the first step exactly as a user's runs (the export in a child process,
+export/isolated.py); CPU seconds include the reaped child's.
 Each process gets an empty export disk cache (ORTRAIN_EXPORT_CACHE_DIR: a user's first run, as
 in `python -m bench`) unless the variable is set; `--runs N --warm` shares one cache folder that
 an untimed run fills first (a user's later runs: the translation is read back).
@@ -138,6 +143,8 @@ def main():
     ap.add_argument("--profile", help="write a cProfile of the first step here (no phase wrappers)")
     ap.add_argument("--preimport", action="store_true",
                     help="what-if: import torch.export's machinery (torch._dynamo, ...) before the first step")
+    ap.add_argument("--plain", action="store_true",
+                    help="no phase wrappers: the first step exactly as a user's (export in a child process)")
     ap.add_argument("--runs", type=int, default=0, help="run N fresh processes and print the medians")
     ap.add_argument("--warm", action="store_true", help="with --runs: one export disk cache, filled first")
     args = ap.parse_args()
@@ -161,8 +168,10 @@ def main():
         import torch.export._trace  # noqa: F401
     t_import = time.perf_counter() - t_start
     clock = Clock()
-    if not args.profile:
-        install(clock)
+    if not args.plain:
+        os.environ["ORTRAIN_EXPORT_IN_CHILD"] = "0"  # the export runs where wrappers and cProfile see it
+        if not args.profile:
+            install(clock)
     workload = workloads.WORKLOADS[args.workload]
     torch.manual_seed(0)
     job = workload.build()
@@ -185,9 +194,9 @@ def main():
 
         profiler = cProfile.Profile()
         profiler.enable()
-    t0, c0 = time.perf_counter(), time.process_time()
+    t0, c0 = time.perf_counter(), _cpu_s()
     loss = step()
-    first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
+    first, first_cpu = time.perf_counter() - t0, _cpu_s() - c0
     if profiler is not None:
         profiler.disable()
         profiler.dump_stats(args.profile)
@@ -217,10 +226,17 @@ def main():
             print(f"  {label:<55s} {phases[label]:7.3f} {phases_cpu[label]:7.3f}  x{calls[label]}")
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process and of its reaped children (the export child)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def _runs(args) -> None:
     """`args.runs` fresh processes of this script; the median of every number."""
     cmd = [sys.executable, "-m", "bench.first_step", "--json", "--workload", args.workload, "--threads", str(args.threads)]
     cmd += ["--preimport"] if args.preimport else []
+    cmd += ["--plain"] if args.plain else []
     shared = tempfile.mkdtemp(prefix="first-step-warm-") if args.warm else None
     results = []
     for i in range(args.runs + (1 if args.warm else 0)):
@@ -234,7 +250,8 @@ def _runs(args) -> None:
         print(f"run {len(results)}: first step {result['first_step_s']:.2f} s", file=sys.stderr)
     med = lambda xs: statistics.median(xs)  # noqa: E731
     print(f"{args.workload}, {args.runs} fresh processes ({'warm' if args.warm else 'cold'} export disk cache"
-          f"{', torch.export machinery imported before' if args.preimport else ''}), "
+          f"{', torch.export machinery imported before' if args.preimport else ''}"
+          f"{', as a user runs it' if args.plain else ', export in this process with phase wrappers'}), "
           f"medians: import {med([r['import_s'] for r in results]):.2f} s, first step "
           f"{med([r['first_step_s'] for r in results]):.2f} s (runs: "
           f"{', '.join(format(r['first_step_s'], '.2f') for r in results)}; CPU "

@@ -19,8 +19,16 @@ use crate::ir::{NodeId, ValueId};
 use crate::ops::TypeOut;
 use crate::tensor::{DType, Tensor};
 
+/// What the in-place decisions read: the request and the plan so far.
+struct Steps<'a> {
+    req: &'a PlanRequest<'a>,
+    steps: &'a [NodeId],
+    split: usize,
+    types: &'a [Option<TypeOut>],
+    consts: &'a [Option<Arc<Tensor>>],
+}
+
 /// Applies every in-place rewrite to `alias` and `kernels`; returns the rewritten steps.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn apply(
     req: &PlanRequest,
     steps: &[NodeId],
@@ -30,13 +38,14 @@ pub(super) fn apply(
     alias: &mut [Option<ValueId>],
     kernels: &mut [Kernel],
 ) -> Vec<usize> {
+    let p = Steps { req, steps, split, types, consts };
     let mut in_place = Vec::new();
     for &gv in &req.bound_from_forward {
-        if let Some((i, u)) = scaled_in_place(req, steps, split, types, consts, alias, gv) {
+        if let Some((i, u)) = p.scaled(alias, gv) {
             alias[u.0] = Some(gv);
             kernels[i] = cpu::mul_scalar_in_place;
             in_place.push(i);
-        } else if let Some(s) = summed_in_place(req, steps, split, types, consts, alias, gv) {
+        } else if let Some(s) = p.summed(alias, gv) {
             alias[s.u.0] = Some(gv);
             alias[s.m.0] = Some(gv);
             kernels[s.mul_step] = cpu::mul_scalar_in_place;
@@ -55,49 +64,7 @@ pub(super) fn apply(
     in_place
 }
 
-/// For a gradient `gv` bound from the forward phase on: (its step, u) where `gv = Mul(u, s)`
-/// runs in the backward phase, `u` is computed by a forward step, has gv's type (f32 or f64),
-/// is no forward output, is not bound, aliased or viewed, and is read by no step after that
-/// one, and `s` is a scalar; then u can live in gv's memory and the Mul scale it in place.
-#[allow(clippy::too_many_arguments)]
-fn scaled_in_place(
-    req: &PlanRequest,
-    steps: &[NodeId],
-    split: usize,
-    types: &[Option<TypeOut>],
-    consts: &[Option<Arc<Tensor>>],
-    alias: &[Option<ValueId>],
-    gv: ValueId,
-) -> Option<(usize, ValueId)> {
-    let g = req.graph;
-    let producer = g.values[gv.0].producer?;
-    let i = steps.iter().position(|s| *s == producer)?;
-    let node = &g.nodes[producer.0];
-    if i < split || node.op_type != "Mul" || node.outputs.len() != 1 || node.inputs.len() != 2 {
-        return None;
-    }
-    let (u, s) = (node.inputs[0]?, node.inputs[1]?);
-    let up = g.values[u.0].producer?;
-    if u == s || !steps[..split].contains(&up) || consts[u.0].is_some() || consts[s.0].is_some() {
-        return None;
-    }
-    if alias[u.0].is_some() || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(u)) || is_bound(req, u) {
-        return None;
-    }
-    if req.forward_outputs.contains(&u) || req.backward_outputs.contains(&u) {
-        return None;
-    }
-    let (tu, tg, ts) = (types[u.0].as_ref()?, types[gv.0].as_ref()?, types[s.0].as_ref()?);
-    let float = matches!(tg.dtype, DType::F32 | DType::F64);
-    if !float || tu.dtype != tg.dtype || tu.shape != tg.shape || ts.dtype != tg.dtype || ts.shape.iter().product::<usize>() != 1 {
-        return None;
-    }
-    // every other reader of u runs before the Mul (forward steps), when u is not scaled yet
-    let late_reader = steps.iter().enumerate().any(|(k, st)| k >= i && k != i && g.nodes[st.0].inputs.iter().flatten().any(|v| *v == u));
-    (!late_reader).then_some((i, u))
-}
-
-/// `gv = Add(m, b)` (either order) where `m = Mul(u, s)` qualifies for `scaled_in_place` with m
+/// `gv = Add(m, b)` (either order) where `m = Mul(u, s)` qualifies for `Steps::scaled` with m
 /// in gv's place.
 struct Summed {
     u: ValueId,
@@ -110,82 +77,95 @@ struct Summed {
     gather: Option<(usize, ValueId)>,
 }
 
-/// For a gradient `gv` bound from the forward phase on: `gv = Add(m, b)` runs in the backward
-/// phase, m, b and gv have one type (no broadcasting), `m = Mul(u, s)` qualifies for
-/// `scaled_in_place` (with m as the target), the Add is m's only reader, m is no output and
-/// nothing views it, b is neither m nor u nor in gv's memory, and nothing else lives in gv's memory.
-/// b may move into gv's memory too where `gathered_after` allows.
-#[allow(clippy::too_many_arguments)]
-fn summed_in_place(
-    req: &PlanRequest,
-    steps: &[NodeId],
-    split: usize,
-    types: &[Option<TypeOut>],
-    consts: &[Option<Arc<Tensor>>],
-    alias: &[Option<ValueId>],
-    gv: ValueId,
-) -> Option<Summed> {
-    let g = req.graph;
-    let producer = g.values[gv.0].producer?;
-    let add_step = steps.iter().position(|s| *s == producer)?;
-    let node = &g.nodes[producer.0];
-    if add_step < split || node.op_type != "Add" || node.outputs.len() != 1 || node.inputs.len() != 2 {
-        return None;
+impl Steps<'_> {
+    /// (step, node) of v's producer, when it is a planned step with one output.
+    fn producer(&self, v: ValueId, op: &str) -> Option<(usize, &crate::ir::Node)> {
+        let g = self.req.graph;
+        let producer = g.values[v.0].producer?;
+        let i = self.steps.iter().position(|s| *s == producer)?;
+        let node = &g.nodes[producer.0];
+        (node.op_type == op && node.outputs.len() == 1).then_some((i, node))
     }
-    if alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(gv)) {
-        return None;
-    }
-    let (a, b) = (node.inputs[0]?, node.inputs[1]?);
-    let tg = types[gv.0].as_ref()?;
-    let same = |v: ValueId| types[v.0].as_ref().is_some_and(|t| t.dtype == tg.dtype && t.shape == tg.shape);
-    if a == b || !same(a) || !same(b) || consts[a.0].is_some() || consts[b.0].is_some() {
-        return None;
-    }
-    let pick = |m: ValueId, other: ValueId, m_first: bool| -> Option<Summed> {
-        if is_bound(req, m) || req.forward_outputs.contains(&m) || req.backward_outputs.contains(&m) {
-            return None;
-        }
-        if alias.iter().any(|x| *x == Some(m)) || alias[other.0] == Some(gv) {
-            return None;
-        }
-        let readers = steps.iter().filter(|st| g.nodes[st.0].inputs.iter().flatten().any(|v| *v == m)).count();
-        if readers != 1 {
-            return None;
-        }
-        let (mul_step, u) = scaled_in_place(req, steps, split, types, consts, alias, m)?;
-        let gather = gathered_after(req, steps, alias, other, mul_step, add_step).map(|i| (i, other));
-        (mul_step < add_step && other != u).then_some(Summed { u, m, mul_step, add_step, m_first, gather })
-    };
-    pick(a, b, true).or_else(|| pick(b, a, false))
-}
 
-/// The step of b when b is a GatherGrad that runs after the Mul (so it adds to the scaled term)
-/// and before the Add, is read by the Add only, is no output and nothing lives in its memory:
-/// then it can add its rows into gv's memory. Repeated indices then sum onto the other term one
-/// by one instead of among themselves first: a different rounding, not a different result.
-fn gathered_after(
-    req: &PlanRequest,
-    steps: &[NodeId],
-    alias: &[Option<ValueId>],
-    b: ValueId,
-    mul_step: usize,
-    add_step: usize,
-) -> Option<usize> {
-    let g = req.graph;
-    let producer = g.values[b.0].producer?;
-    let i = steps.iter().position(|s| *s == producer)?;
-    let node = &g.nodes[producer.0];
-    if node.op_type != "GatherGrad" || node.outputs.len() != 1 || i <= mul_step || i >= add_step {
-        return None;
+    fn readers(&self, v: ValueId) -> impl Iterator<Item = usize> + '_ {
+        let g = self.req.graph;
+        self.steps.iter().enumerate().filter(move |(_, st)| g.nodes[st.0].inputs.iter().flatten().any(|x| *x == v)).map(|(k, _)| k)
     }
-    if alias[b.0].is_some() || alias.iter().any(|a| *a == Some(b)) || is_bound(req, b) {
-        return None;
+
+    /// v lives in its own memory, nothing shares it, and the caller neither binds nor reads it.
+    fn private(&self, alias: &[Option<ValueId>], v: ValueId) -> bool {
+        let r = self.req;
+        alias[v.0].is_none()
+            && !alias.iter().any(|a| *a == Some(v))
+            && !is_bound(r, v)
+            && !r.forward_outputs.contains(&v)
+            && !r.backward_outputs.contains(&v)
     }
-    if req.forward_outputs.contains(&b) || req.backward_outputs.contains(&b) {
-        return None;
+
+    /// For a gradient `gv` bound from the forward phase on (or an operand about to live there):
+    /// (its step, u) where `gv = Mul(u, s)` runs in the backward phase, `u` is computed by a
+    /// forward step, has gv's type (f32 or f64), is private and read by no step after that one,
+    /// and `s` is a scalar; then u can live in gv's memory and the Mul scale it in place.
+    fn scaled(&self, alias: &[Option<ValueId>], gv: ValueId) -> Option<(usize, ValueId)> {
+        let (i, node) = self.producer(gv, "Mul")?;
+        if i < self.split || node.inputs.len() != 2 || alias[gv.0].is_some() {
+            return None;
+        }
+        let (u, s) = (node.inputs[0]?, node.inputs[1]?);
+        let up = self.req.graph.values[u.0].producer?;
+        if u == s || !self.steps[..self.split].contains(&up) || self.consts[u.0].is_some() || self.consts[s.0].is_some() {
+            return None;
+        }
+        if !self.private(alias, u) {
+            return None;
+        }
+        let types = self.types;
+        let (tu, tg, ts) = (types[u.0].as_ref()?, types[gv.0].as_ref()?, types[s.0].as_ref()?);
+        let float = matches!(tg.dtype, DType::F32 | DType::F64);
+        if !float || tu.dtype != tg.dtype || tu.shape != tg.shape || ts.dtype != tg.dtype || ts.shape.iter().product::<usize>() != 1 {
+            return None;
+        }
+        // every other reader of u runs before the Mul (forward steps), when u is not scaled yet
+        let late_reader = self.readers(u).any(|k| k > i);
+        (!late_reader).then_some((i, u))
     }
-    let readers = steps.iter().filter(|st| g.nodes[st.0].inputs.iter().flatten().any(|v| *v == b)).count();
-    (readers == 1).then_some(i)
+
+    /// For a gradient `gv` bound from the forward phase on: `gv = Add(m, b)` runs in the
+    /// backward phase, m, b and gv have one type (no broadcasting), `m = Mul(u, s)` qualifies
+    /// for `scaled` (with m as the target), m is private and read by the Add only, b is neither
+    /// m nor u nor in gv's memory, and nothing else lives in gv's memory. b may move into gv's
+    /// memory too where `gathered_after` allows.
+    fn summed(&self, alias: &[Option<ValueId>], gv: ValueId) -> Option<Summed> {
+        let (add_step, node) = self.producer(gv, "Add")?;
+        if add_step < self.split || node.inputs.len() != 2 || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(gv)) {
+            return None;
+        }
+        let (a, b) = (node.inputs[0]?, node.inputs[1]?);
+        let tg = self.types[gv.0].as_ref()?;
+        let same = |v: ValueId| self.types[v.0].as_ref().is_some_and(|t| t.dtype == tg.dtype && t.shape == tg.shape);
+        if a == b || !same(a) || !same(b) || self.consts[a.0].is_some() || self.consts[b.0].is_some() {
+            return None;
+        }
+        let pick = |m: ValueId, other: ValueId, m_first: bool| -> Option<Summed> {
+            if !self.private(alias, m) || alias[other.0] == Some(gv) || self.readers(m).count() != 1 {
+                return None;
+            }
+            let (mul_step, u) = self.scaled(alias, m)?;
+            let gather = self.gathered_after(alias, other, mul_step, add_step).map(|i| (i, other));
+            (mul_step < add_step && other != u).then_some(Summed { u, m, mul_step, add_step, m_first, gather })
+        };
+        pick(a, b, true).or_else(|| pick(b, a, false))
+    }
+
+    /// The step of b when b is a GatherGrad that runs after the Mul (so it adds to the scaled
+    /// term) and before the Add, is private and read by the Add only: then it can add its rows
+    /// into gv's memory. Repeated indices then sum onto the other term one by one instead of
+    /// among themselves first: a different rounding, not a different result.
+    fn gathered_after(&self, alias: &[Option<ValueId>], b: ValueId, mul_step: usize, add_step: usize) -> Option<usize> {
+        let (i, _) = self.producer(b, "GatherGrad")?;
+        let ok = i > mul_step && i < add_step && self.private(alias, b) && self.readers(b).count() == 1;
+        ok.then_some(i)
+    }
 }
 
 #[cfg(test)]
