@@ -1,8 +1,11 @@
 //! CPU kernels of ops/activation.rs.
 
+use rayon::prelude::*;
+
 use super::broadcast::{map1, map2};
 use super::elementwise::{ab, first, FloatElem};
 use super::tensor_view::{In, Out};
+use super::vmath;
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
@@ -16,6 +19,14 @@ fn params(node: &Node) -> Result<(f64, f64, bool)> {
     Ok((alpha, beta, tanh))
 }
 
+/// Tanh of f32 by the vectorised kernel (libm's tanh is scalar, ~20 ns an element), by blocks.
+fn tanh_f32(x: &In, o: &mut Out) -> Result<()> {
+    const BLOCK: usize = 1 << 14;
+    let xs = x.slice::<f32>()?;
+    o.slice::<f32>()?.par_chunks_mut(BLOCK).zip(xs.par_chunks(BLOCK)).for_each(|(o, x)| vmath::tanh_slice::call(o, x));
+    Ok(())
+}
+
 fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let (alpha, beta, tanh) = params(node)?;
@@ -25,6 +36,7 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
         match op {
             "Relu" => map1::<T, T>(x, o, |v| if v > zero { v } else { zero }),
             "LeakyRelu" => map1::<T, T>(x, o, move |v| if v >= zero { v } else { a * v }),
+            "Tanh" if x.dtype == crate::tensor::DType::F32 => tanh_f32(x, o),
             "Tanh" => map1::<T, T>(x, o, |v| v.tanh()),
             "Sigmoid" => map1::<T, T>(x, o, move |v| one / (one + (-v).exp())),
             "Gelu" if tanh => {
