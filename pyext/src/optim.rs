@@ -49,16 +49,18 @@ fn adam_step(
     }
     let t = moment_tensors(tensors);
     py.detach(move || {
-        for ((p, g, m, v, n, step), from_zero) in t.into_iter().zip(fresh) {
-            let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
-            // SAFETY: the caller passes distinct live f32 tensors of n elements each.
-            let (p, g, m, v) = unsafe { (f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n)) };
-            if from_zero {
-                optim::adam_from_zero(p, g, m, v, &h);
-            } else {
-                optim::adam(p, g, m, v, &h);
-            }
-        }
+        let all = t
+            .into_iter()
+            .zip(fresh)
+            .map(|((p, g, m, v, n, step), from_zero)| {
+                let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
+                // SAFETY: the caller passes distinct live f32 tensors of n elements each.
+                let (p, g, m, v) = unsafe { (f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n)) };
+                optim::AdamTensor { p, g, m, v, h, from_zero }
+            })
+            .collect();
+        // all tensors' chunks in one parallel pass
+        optim::adam_many(all);
     });
     Ok(())
 }
