@@ -266,10 +266,7 @@ mod tests {
                     let (m2, v2) = if from_zero { (vec![f32::NAN; n], vec![-7.0; n]) } else { (m, v) };
                     got.push((p, g, m2, v2, h));
                 }
-                let tensors = got
-                    .iter_mut()
-                    .map(|(p, g, m, v, h)| AdamTensor { p, g, m, v, h: h.clone(), from_zero })
-                    .collect();
+                let tensors = got.iter_mut().map(|(p, g, m, v, h)| AdamTensor { p, g, m, v, h: h.clone(), from_zero }).collect();
                 adam_many_on(isa, tensors);
                 for ((p, _, m, v, h), (wp, wm, wv)) in got.iter().zip(&want) {
                     let what = format!("{isa:?} from_zero={from_zero} n={} {h:?}", p.len());
@@ -302,8 +299,7 @@ mod bench {
         for round in 0..4 {
             for &isa in &isas {
                 let t = std::time::Instant::now();
-                let tensors =
-                    bufs.iter_mut().map(|(p, g, m, v)| AdamTensor { p, g, m, v, h: h.clone(), from_zero: false }).collect();
+                let tensors = bufs.iter_mut().map(|(p, g, m, v)| AdamTensor { p, g, m, v, h: h.clone(), from_zero: false }).collect();
                 adam_many_on(isa, tensors);
                 let many = t.elapsed().as_secs_f64() * 1e3;
                 let t = std::time::Instant::now();
