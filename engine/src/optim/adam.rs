@@ -12,8 +12,10 @@ use rayon::prelude::*;
 use super::{AdamHyper, CHUNK};
 
 /// One tensor's update: parameter, gradient, both moments (all of one length), its
-/// hyper-parameters (the step number is per tensor) and whether its moments are new (their
-/// memory may be uninitialised: read as +0.0, only written).
+/// hyper-parameters (the step number is per tensor), whether its moments are new (their
+/// memory may be uninitialised: read as +0.0, only written) and where to keep a copy of the
+/// parameter's values before the update (each chunk is copied just before its update, while
+/// it is in cache: a copy pass of its own would read the parameters once more).
 pub struct AdamTensor<'a> {
     pub p: &'a mut [f32],
     pub g: &'a [f32],
@@ -21,6 +23,7 @@ pub struct AdamTensor<'a> {
     pub v: &'a mut [f32],
     pub h: AdamHyper,
     pub from_zero: bool,
+    pub keep: Option<&'a mut [f32]>,
 }
 
 /// The per-tensor constants of the element loop.
@@ -170,14 +173,21 @@ pub fn adam_many(tensors: Vec<AdamTensor<'_>>) {
 }
 
 fn adam_many_on(isa: Isa, tensors: Vec<AdamTensor<'_>>) {
-    type Work<'a> = (Loop, Coefs, &'a mut [f32], &'a [f32], &'a mut [f32], &'a mut [f32]);
+    type Work<'a> = (Loop, Coefs, &'a mut [f32], &'a [f32], &'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>);
     let mut work: Vec<Work> = Vec::new();
     for t in tensors {
         let (f, c) = (loop_for(isa, &t.h, t.from_zero), Coefs::of(&t.h));
         let chunks = t.p.chunks_mut(CHUNK).zip(t.g.chunks(CHUNK)).zip(t.m.chunks_mut(CHUNK)).zip(t.v.chunks_mut(CHUNK));
-        work.extend(chunks.map(|(((p, g), m), v)| (f, c, p, g, m, v)));
+        let mut keep = t.keep.map(|k| k.chunks_mut(CHUNK));
+        work.extend(chunks.map(|(((p, g), m), v)| (f, c, p, g, m, v, keep.as_mut().and_then(|k| k.next()))));
     }
-    work.into_par_iter().for_each(|(f, c, p, g, m, v)| f(p, g, m, v, &c));
+    work.into_par_iter().for_each(|(f, c, p, g, m, v, keep)| {
+        if let Some(k) = keep {
+            let n = k.len().min(p.len());
+            k[..n].copy_from_slice(&p[..n]);
+        }
+        f(p, g, m, v, &c)
+    });
 }
 
 #[cfg(test)]
@@ -266,7 +276,8 @@ mod tests {
                     let (m2, v2) = if from_zero { (vec![f32::NAN; n], vec![-7.0; n]) } else { (m, v) };
                     got.push((p, g, m2, v2, h));
                 }
-                let tensors = got.iter_mut().map(|(p, g, m, v, h)| AdamTensor { p, g, m, v, h: h.clone(), from_zero }).collect();
+                let tensors =
+                    got.iter_mut().map(|(p, g, m, v, h)| AdamTensor { p, g, m, v, h: h.clone(), from_zero, keep: None }).collect();
                 adam_many_on(isa, tensors);
                 for ((p, _, m, v, h), (wp, wm, wv)) in got.iter().zip(&want) {
                     let what = format!("{isa:?} from_zero={from_zero} n={} {h:?}", p.len());
@@ -276,6 +287,30 @@ mod tests {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod keep_tests {
+    use super::*;
+
+    /// `keep` receives every parameter's values as they were before the update, across chunks.
+    #[test]
+    fn keep_holds_the_parameters_before_the_update() {
+        let h = AdamHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 1 };
+        let n = 2 * CHUNK + 3;
+        let p0: Vec<f32> = (0..n).map(|i| (i as f32 * 0.3).sin()).collect();
+        let g: Vec<f32> = (0..n).map(|i| (i as f32 * 0.7).cos()).collect();
+        let (mut p, mut m, mut v, mut keep) = (p0.clone(), vec![0f32; n], vec![0f32; n], vec![f32::NAN; n]);
+        let (mut q, mut m2, mut v2, mut keep2) = (vec![5f32; 7], vec![0f32; 7], vec![0f32; 7], vec![f32::NAN; 7]);
+        let ts = vec![
+            AdamTensor { p: &mut p, g: &g, m: &mut m, v: &mut v, h: h.clone(), from_zero: false, keep: Some(&mut keep) },
+            AdamTensor { p: &mut q, g: &g[..7], m: &mut m2, v: &mut v2, h: h.clone(), from_zero: true, keep: Some(&mut keep2) },
+        ];
+        adam_many(ts);
+        assert_eq!(keep, p0);
+        assert_eq!(keep2, vec![5f32; 7]);
+        assert!(p.iter().zip(&p0).all(|(a, b)| a != b));
     }
 }
 
@@ -299,7 +334,8 @@ mod bench {
         for round in 0..4 {
             for &isa in &isas {
                 let t = std::time::Instant::now();
-                let tensors = bufs.iter_mut().map(|(p, g, m, v)| AdamTensor { p, g, m, v, h: h.clone(), from_zero: false }).collect();
+                let tensors =
+                    bufs.iter_mut().map(|(p, g, m, v)| AdamTensor { p, g, m, v, h: h.clone(), from_zero: false, keep: None }).collect();
                 adam_many_on(isa, tensors);
                 let many = t.elapsed().as_secs_f64() * 1e3;
                 let t = std::time::Instant::now();

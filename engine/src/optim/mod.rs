@@ -26,7 +26,7 @@ pub struct AdamHyper {
 
 /// One Adam/AdamW update of a parameter tensor (torch.optim.Adam, foreach=False semantics).
 pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
-    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: false }]);
+    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: false, keep: None }]);
 }
 
 /// The first Adam/AdamW update of a parameter whose moments torch would have just created as
@@ -34,7 +34,7 @@ pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHype
 /// neither zero-fills nor reads 2 × the parameters' bytes). The arithmetic is `adam`'s with
 /// both moments read as +0.0, so the results are bitwise the same as `adam` on zeroed moments.
 pub fn adam_from_zero(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
-    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: true }]);
+    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: true, keep: None }]);
 }
 
 /// The per-tensor scalar loop adam_many replaced, kept for its speed comparison (adam.rs bench).
