@@ -75,3 +75,39 @@ def test_failed_first_step_leaves_zeroed_moments(monkeypatch):
         _step(model, opt, torch.randn(5, 8))
     moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert moments and all(torch.count_nonzero(m) == 0 for m in moments)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+def test_one_pass_over_groups_follows_torch(kind):
+    """All tensors of all groups are updated in one engine pass (chunks of every tensor together):
+    per-group hyper-parameters, per-tensor step counts (a parameter without a gradient in some
+    steps), odd sizes across several chunks; each step follows torch.optim on the same gradients."""
+    torch.manual_seed(1)
+    shapes = [(3,), (70001,), (17, 33), (40000,), (1,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 1e-2, "weight_decay": 0.05},
+                {"params": ps[2:], "lr": 3e-3, "betas": (0.8, 0.95), "maximize": True}]
+
+    opt, opt_ref = cls(groups(ours), eps=1e-6), cls(groups(ref))
+    for g in opt_ref.param_groups:
+        g["eps"] = 1e-6
+    assert engine_optimizer.accelerate_optimizer(opt)
+    for step in range(4):
+        grads = [torch.randn(s) * 10 ** (-step) for s in shapes]
+        for i, (p, q, g) in enumerate(zip(ours, ref, grads)):
+            skip = i == 3 and step == 1  # no gradient this step: its step count falls behind
+            p.grad = None if skip else g.clone()
+            q.grad = None if skip else g.clone()
+        opt.step()
+        opt_ref.step()
+        # moments within 1e-4: the engine takes the hyper-parameters as f32, so 1 - beta2 is
+        # 1 - 0.999f32 (1.3e-5 from torch's 0.001); a wrong group or step count is far outside
+        for i, (p, q) in enumerate(zip(ours, ref)):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (step, i, (p - q).abs().max())
+            for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-10)):
+                assert torch.allclose(opt.state[p][key], opt_ref.state[q][key], rtol=1e-4, atol=atol), (step, i, key)
+            assert float(opt.state[p]["step"]) == float(opt_ref.state[q]["step"])

@@ -201,6 +201,52 @@ def test_logits_are_computed_only_when_read():
     assert call.fused_logits is not None and call.snapshot is None
 
 
+def test_engine_adam_writes_the_kept_parameters_in_its_pass():
+    """The parameter copy for unread logits is written by the engine's Adam in its own pass, from
+    the values before the update: exactly the parameters of the forward pass, also for a
+    parameter the step does not update (no gradient), and the replayed logits are those."""
+    model, opt, _, _, x, y = _pair()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out = model(x)
+    F.cross_entropy(out.view(-1, V), y).backward()
+    frozen = next(p for n, p in model.named_parameters() if n.endswith("bias"))
+    frozen.grad = None  # not updated by this step: its copy is made outside the engine pass
+    runner = out._call.runner
+    copies = []
+    real = runner.snapshot_params
+    runner.snapshot_params = lambda copy=True: copies.append(copy) or real(copy=copy)
+    opt.step()
+    assert copies == [False]  # deferred to the engine pass
+    snap = dict(zip([n for n, p in model.named_parameters() if p.requires_grad], out._call.snapshot))
+    for n, p in model.named_parameters():
+        assert torch.equal(snap[n], before[n]), n
+    assert not torch.equal(next(model.parameters()), before[next(iter(before))])
+    changed = out.detach().clone()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(before[n])
+    model.eval()
+    torch.testing.assert_close(changed, model(x).detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_deferred_copy_no_step_took_is_dropped():
+    """The optimizer pre-hook ran but its step never did (another hook failed): at the next hook
+    the deferred copy is dropped and reading those logits after the parameters changed refuses."""
+    from ortrain.engine import lazy
+
+    model, opt, _, _, x, y = _pair()
+    out = model(x)
+    F.cross_entropy(out.view(-1, V), y).backward()
+    lazy._before_optimizer_step(opt, (), {})  # as torch would, then no step
+    assert out._call.snapshot is not None
+    lazy._before_optimizer_step(opt, (), {})  # the next step's hook
+    assert out._call.snapshot is None
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(RuntimeError, match="outside an optimizer step"):
+        out.sum()
+
+
 def test_reading_logits_after_a_manual_parameter_change_is_refused():
     model, opt, _, _, x, y = _pair()
     out = model(x)

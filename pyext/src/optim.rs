@@ -21,12 +21,14 @@ fn moment_tensors(tensors: Vec<(usize, usize, usize, usize, usize, u64)>) -> Vec
     tensors.into_iter().map(|(p, g, m, v, n, s)| (Addr(p), Addr(g), Addr(m), Addr(v), n, s)).collect()
 }
 
-/// Adam/AdamW over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step).
-/// `fresh[i]` (optional, one flag per tensor): the moments were just created for this first
-/// update and may be uninitialised memory; they are written as if they had been zeros.
+/// Adam/AdamW over tensors given as (param, grad, exp_avg, exp_avg_sq, numel, step), all in one
+/// parallel pass. `fresh[i]` (optional, one flag per tensor): the moments were just created for
+/// this first update and may be uninitialised memory; they are written as if they had been
+/// zeros. `keep[i]` (optional, an address or 0): numel f32 that receive the parameter's values
+/// from before the update.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
-#[pyo3(signature = (tensors, lr, beta1, beta2, eps, weight_decay, decoupled, maximize, fresh=None))]
+#[pyo3(signature = (tensors, lr, beta1, beta2, eps, weight_decay, decoupled, maximize, fresh=None, keep=None))]
 fn adam_step(
     py: Python<'_>,
     tensors: Vec<(usize, usize, usize, usize, usize, u64)>,
@@ -38,27 +40,36 @@ fn adam_step(
     decoupled: bool,
     maximize: bool,
     fresh: Option<Vec<bool>>,
+    keep: Option<Vec<usize>>,
 ) -> PyResult<()> {
     let fresh = fresh.unwrap_or_else(|| vec![false; tensors.len()]);
-    if fresh.len() != tensors.len() {
+    let keep: Vec<Addr> = keep.unwrap_or_else(|| vec![0; tensors.len()]).into_iter().map(Addr).collect();
+    if fresh.len() != tensors.len() || keep.len() != tensors.len() {
         return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "adam_step: {} fresh flags for {} tensors",
+            "adam_step: {} fresh flags and {} keep addresses for {} tensors",
             fresh.len(),
+            keep.len(),
             tensors.len()
         )));
     }
     let t = moment_tensors(tensors);
     py.detach(move || {
-        for ((p, g, m, v, n, step), from_zero) in t.into_iter().zip(fresh) {
-            let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
-            // SAFETY: the caller passes distinct live f32 tensors of n elements each.
-            let (p, g, m, v) = unsafe { (f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n)) };
-            if from_zero {
-                optim::adam_from_zero(p, g, m, v, &h);
-            } else {
-                optim::adam(p, g, m, v, &h);
-            }
-        }
+        let all = t
+            .into_iter()
+            .zip(fresh)
+            .zip(keep)
+            .map(|(((p, g, m, v, n, step), from_zero), k)| {
+                let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
+                // SAFETY: the caller passes distinct live f32 tensors of n elements each, and
+                // keep addresses (0 for none) of n f32 each, distinct from all of them.
+                let (p, g, m, v) = unsafe { (f32s(p, n), f32s(g, n), f32s(m, n), f32s(v, n)) };
+                // SAFETY: as above.
+                let keep = (k.0 != 0).then(|| unsafe { f32s(k, n) });
+                optim::AdamTensor { p, g, m, v, h, from_zero, keep }
+            })
+            .collect();
+        // all tensors' chunks in one parallel pass
+        optim::adam_many(all);
     });
     Ok(())
 }

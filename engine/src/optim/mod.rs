@@ -2,7 +2,11 @@
 //! torch.optim's arithmetic (same operation order, so results match to the last bits where the
 //! compiler allows), plus the global gradient norm for clipping. Parallel over chunks.
 
+mod adam;
+
 use rayon::prelude::*;
+
+pub use adam::{adam_many, AdamTensor};
 
 const CHUNK: usize = 1 << 14;
 
@@ -22,7 +26,7 @@ pub struct AdamHyper {
 
 /// One Adam/AdamW update of a parameter tensor (torch.optim.Adam, foreach=False semantics).
 pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
-    adam_impl::<false>(p, g, m, v, h);
+    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: false, keep: None }]);
 }
 
 /// The first Adam/AdamW update of a parameter whose moments torch would have just created as
@@ -30,35 +34,23 @@ pub fn adam(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHype
 /// neither zero-fills nor reads 2 × the parameters' bytes). The arithmetic is `adam`'s with
 /// both moments read as +0.0, so the results are bitwise the same as `adam` on zeroed moments.
 pub fn adam_from_zero(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
-    adam_impl::<true>(p, g, m, v, h);
+    adam_many(vec![AdamTensor { p, g, m, v, h: h.clone(), from_zero: true, keep: None }]);
 }
 
-fn adam_impl<const FROM_ZERO: bool>(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
+/// The per-tensor scalar loop adam_many replaced, kept for its speed comparison (adam.rs bench).
+#[cfg(test)]
+fn adam_per_tensor_scalar(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
     let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
     let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
     let step_size = (h.lr as f64 / bc1) as f32;
     let bc2_sqrt = bc2.sqrt() as f32;
-    let w1 = 1.0 - h.beta1;
-    let w2 = 1.0 - h.beta2;
-    let decay = 1.0 - h.lr * h.weight_decay;
+    let (w1, w2) = (1.0 - h.beta1, 1.0 - h.beta2);
     p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).for_each(
         |(((p, g), m), v)| {
             for i in 0..p.len() {
-                let mut grad = if h.maximize { -g[i] } else { g[i] };
-                if h.weight_decay != 0.0 {
-                    if h.decoupled {
-                        p[i] *= decay;
-                    } else {
-                        grad += h.weight_decay * p[i];
-                    }
-                }
-                // IEEE arithmetic on +0.0 is not folded away (0.0 + -0.0 is +0.0), so the
-                // from-zero expressions round exactly as the general ones on zeroed memory
-                let (m0, v0) = if FROM_ZERO { (0.0f32, 0.0f32) } else { (m[i], v[i]) };
-                // exp_avg.lerp_(grad, 1 - beta1)
-                m[i] = m0 + w1 * (grad - m0);
-                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                v[i] = v0 * h.beta2 + w2 * grad * grad;
+                let grad = if h.maximize { -g[i] } else { g[i] };
+                m[i] = m[i] + w1 * (grad - m[i]);
+                v[i] = v[i] * h.beta2 + w2 * grad * grad;
                 let denom = v[i].sqrt() / bc2_sqrt + h.eps;
                 p[i] -= step_size * (m[i] / denom);
             }

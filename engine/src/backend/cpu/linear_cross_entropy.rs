@@ -39,12 +39,33 @@ fn as_f32<T: 'static>(row: &mut [T]) -> Option<&mut [f32]> {
     })
 }
 
-/// One row of logits: returns its loss term −w·log softmax(row)[y] and replaces the row by its
-/// unit-seed gradient g·(softmax − onehot(y)) (zeros for an ignored row, w = 0).
-fn lce_row<T: FloatElem + 'static>(row: &mut [T], y: usize, w: f64, g: f64) -> f64 {
+/// One row of logits (X·op(W), plus `bias` when given: the gemm then left it out): returns its
+/// loss term −w·log softmax(row)[y] and replaces the row by its unit-seed gradient
+/// g·(softmax − onehot(y)) (zeros for an ignored row, w = 0). Adding the bias here rounds as the
+/// gemm's accumulation onto bias rows did (one addition of the same two values), and saves a
+/// pass writing bias rows over the chunk and the gemm reading them back. `one_exp` (the fp32
+/// gemm path): max, exp in place with its sum, one scaling: one exp per element instead of
+/// three. The bf16 path keeps the online log-sum-exp and the softmax pass, the same arithmetic
+/// as the unfused loss kernel: its gradient is rounded to bf16 for the gemms, where last-bit
+/// differences flip roundings (that moved bf16 fused-vs-unfused gradients past 1e-3).
+fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, w: f64, g: f64, one_exp: bool) -> f64 {
     if w == 0.0 {
         row.iter_mut().for_each(|v| *v = T::zero());
         return 0.0;
+    }
+    if one_exp && TypeId::of::<T>() == TypeId::of::<f32>() {
+        let xy = bias.map_or(row[y], |b| row[y] + b[y]);
+        let b32 = bias.map_or(&[][..], |b| {
+            // SAFETY: T is f32 (checked above): the same memory, length and element type.
+            unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len()) }
+        });
+        let r = as_f32(row).unwrap_or_default();
+        let lse = vmath::row_softmax_grad_inplace::call(r, b32, g as f32);
+        r[y] -= g as f32;
+        return -w * (xy.as_() - lse as f64);
+    }
+    if let Some(b) = bias {
+        row.iter_mut().zip(b).for_each(|(v, &b)| *v = *v + b);
     }
     if let Some(r) = as_f32(row) {
         let lse = vmath::row_lse(r);
@@ -106,8 +127,11 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         let r = chunk.min(active.len() - c0);
         let ids = &active[c0..c0 + r];
         let g = &mut scratch[..r * n];
-        // the chunk's logits: bias rows, then X_c · op(W) accumulated onto them
-        match bv {
+        // the chunk's logits: X_c · op(W), the bias added by the row pass (fp32 gemm path), or
+        // bias rows with X_c · op(W) accumulated onto them (bf16 path)
+        let one_exp = crate_path::<T>(a.path);
+        let bias_rows = if one_exp { None } else { bv };
+        match bias_rows {
             Some(bv) => g.par_chunks_mut(n).for_each(|row| row.copy_from_slice(bv)),
             None if k == 0 => g.iter_mut().for_each(|v| *v = T::zero()),
             None => {}
@@ -126,10 +150,14 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
                 if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
             // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n]
             // view of w, the chunk [r, n] in the scratch output (distinct from both).
-            unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), bv.is_some()) };
+            unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), bias_rows.is_some()) };
         }
-        let terms: Vec<f64> =
-            g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
+        let row_bias = if one_exp { bv } else { None };
+        let terms: Vec<f64> = g
+            .par_chunks_mut(n)
+            .zip(ids.par_iter())
+            .map(|(row, &i)| lce_row(row, row_bias, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, one_exp))
+            .collect();
         total += terms.iter().sum::<f64>();
         if k > 0 && crate_path::<T>(a.path) {
             let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b };
@@ -404,7 +432,8 @@ mod bench {
                     gemm_call(MatmulPath::Fp32, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
                 };
                 let t1 = std::time::Instant::now();
-                let _: Vec<f64> = gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, (i * 37) % n, 1.0, 1e-3)).collect();
+                let _: Vec<f64> =
+                    gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, true)).collect();
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.

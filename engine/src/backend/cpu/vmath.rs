@@ -1,4 +1,4 @@
-//! Vectorised f32 row primitives for softmax-style kernels: log-Σ-exp in one pass (online
+//! Vectorised f32 primitives: tanh (`tanh_slice`, for the Tanh op), and rows of softmax-style kernels: log-Σ-exp in one pass (online
 //! max) and the scaled softmax row of the cross-entropy gradient. `exp` is a branch-free
 //! polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
@@ -121,6 +121,72 @@ fn scaled_softmax_inplace_body(x: &mut [f32], lse: f32, g: f32) {
     }
 }
 
+/// x[k] = g · softmax(x + bias)[k] in place (bias: empty for none, else x's length); returns
+/// log Σ exp(x + bias). A max pass (adding the bias), then one exp per element (stored, summed),
+/// then one scale: a third of the exps of `lse_body` followed by `scaled_softmax_inplace_body`
+/// (each of whose passes evaluates exp). A row holding a NaN or an infinity becomes NaN and so
+/// does the returned value (as `row_lse` then the softmax would).
+#[inline(always)]
+fn softmax_grad_inplace_body(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut poison = [0f32; LANES];
+    let mut top = f32::NEG_INFINITY;
+    let mut bad = 0f32;
+    let mut lanes = |c: &[f32]| {
+        for ((mi, p), &v) in m.iter_mut().zip(poison.iter_mut()).zip(c) {
+            *mi = if v > *mi { v } else { *mi };
+            *p += v * 0.0;
+        }
+    };
+    if bias.len() == x.len() {
+        let mut chunks = x.chunks_exact_mut(LANES);
+        let mut bc = bias.chunks_exact(LANES);
+        for (c, b) in (&mut chunks).zip(&mut bc) {
+            c.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
+            lanes(c);
+        }
+        for (v, &b) in chunks.into_remainder().iter_mut().zip(bc.remainder()) {
+            *v += b;
+            top = top.max(*v);
+            bad += *v * 0.0;
+        }
+    } else {
+        let chunks = x.chunks_exact(LANES);
+        for &v in chunks.remainder() {
+            top = top.max(v);
+            bad += v * 0.0;
+        }
+        chunks.for_each(lanes);
+    }
+    top = m.iter().fold(top, |a, &b| a.max(b));
+    bad += poison.iter().sum::<f32>();
+    if bad.is_nan() || top == f32::NEG_INFINITY {
+        x.iter_mut().for_each(|v| *v = f32::NAN);
+        return f32::NAN;
+    }
+    let mut s = [0f32; LANES];
+    let mut chunks = x.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (v, si) in c.iter_mut().zip(s.iter_mut()) {
+            let e = exp_poly(*v - top);
+            *v = e;
+            *si += e;
+        }
+    }
+    let mut total = 0f32;
+    for v in chunks.into_remainder() {
+        let e = exp_poly(*v - top);
+        *v = e;
+        total += e;
+    }
+    total += s.iter().sum::<f32>();
+    let scale = g / total;
+    for v in x.iter_mut() {
+        *v *= scale;
+    }
+    top + total.ln()
+}
+
 macro_rules! multiversion {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         pub mod $name {
@@ -177,6 +243,7 @@ fn level() -> Level {
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 multiversion!(row_scaled_softmax_inplace, scaled_softmax_inplace_body, (x: &mut [f32], lse: f32, g: f32) -> ());
+multiversion!(row_softmax_grad_inplace, softmax_grad_inplace_body, (x: &mut [f32], bias: &[f32], g: f32) -> f32);
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
@@ -227,6 +294,31 @@ mod tests {
         tanh_slice::call(&mut nan, &[f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
         assert!(nan[0].is_nan() && nan[1] == 1.0 && nan[2] == -1.0);
     }
+
+    #[test]
+    fn softmax_grad_inplace_matches_lse_then_softmax() {
+        for n in [1usize, 5, 16, 17, 100, 28782] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
+            let (lse, mut want) = (row_lse(&x), x.clone());
+            row_scaled_softmax_inplace::call(&mut want, lse, 0.25);
+            // with a bias: x − bias plus bias is x again (bias values exact in binary)
+            let bias: Vec<f32> = (0..n).map(|i| (i % 8) as f32 * 0.25 - 1.0).collect();
+            let shifted: Vec<f32> = x.iter().zip(&bias).map(|(v, b)| v - b).collect();
+            for (mut got, b) in [(x.clone(), &[][..]), (shifted, &bias[..])] {
+                let got_lse = row_softmax_grad_inplace::call(&mut got, b, 0.25);
+                assert!((got_lse - lse).abs() <= 2e-6 * lse.abs().max(1.0), "n={n}: lse {got_lse} vs {lse}");
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() <= 4e-6 * b.abs() + 1e-30, "n={n}: {a} vs {b}");
+                }
+            }
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x: Vec<f32> = (0..40).map(|i| i as f32 * 0.1).collect();
+            x[21] = bad;
+            assert!(row_softmax_grad_inplace::call(&mut x, &[], 1.0).is_nan(), "{bad}");
+            assert!(x.iter().all(|v| v.is_nan()), "{bad}");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -251,11 +343,19 @@ mod bench {
                 row_scaled_softmax::call(o, row, 3.0, 0.5);
             }
             let t2 = t.elapsed();
+            out.copy_from_slice(&x);
+            let t = std::time::Instant::now();
+            for row in out.chunks_mut(28782) {
+                s += row_softmax_grad_inplace::call(row, &[], 0.5);
+            }
+            let t3 = t.elapsed();
+            let ns = |d: std::time::Duration| d.as_nanos() as f64 / x.len() as f64;
             println!(
-                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem ({s})",
+                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem, one-exp softmax grad {:.2} ns/elem ({s})",
                 level_name(),
-                t1.as_nanos() as f64 / x.len() as f64,
-                t2.as_nanos() as f64 / x.len() as f64
+                ns(t1),
+                ns(t2),
+                ns(t3)
             );
         }
     }

@@ -31,8 +31,11 @@ _HOOK = None
 
 def _before_optimizer_step(optimizer, args, kwargs):
     """torch.optim's global step pre-hook: the parameters are about to change."""
+    from . import optimizer as engine_optimizer
+
+    engine_optimizer.drop_stale_copies()
     for call in list(_AWAITING):
-        call.keep_parameters()
+        call.keep_parameters(optimizer)
     _AWAITING.clear()
 
 _VIEWS = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.flatten, torch.flatten,
@@ -68,10 +71,17 @@ class Deferred:
             _HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
         _AWAITING.add(self)
 
-    def keep_parameters(self):
-        """Before an optimizer step: a copy of the parameters for a later replay of the logits."""
+    def keep_parameters(self, optimizer=None):
+        """Before an optimizer step: a copy of the parameters for a later replay of the logits.
+        The engine's Adam/AdamW writes the copy in its own pass over the parameters (one read of
+        them less); any other optimizer gets it copied here."""
         if self.fused_logits is None and self.snapshot is None and self._unchanged():
-            self.snapshot = self.runner.snapshot_params()
+            from . import optimizer as engine_optimizer
+
+            in_step = optimizer is not None and engine_optimizer.step_keeps_copies(optimizer)
+            self.snapshot = self.runner.snapshot_params(copy=not in_step)
+            if in_step:
+                engine_optimizer.defer_copies(self.runner.trainable_params, self.snapshot, self)
 
     def _unchanged(self) -> bool:
         return [p._version for p in self.runner.trainable_params] == self.versions

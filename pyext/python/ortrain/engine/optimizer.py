@@ -11,6 +11,30 @@ from ortrain import _ortrain
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
+#: (parameter, copy, owner) whose copy the next engine Adam/AdamW step writes with the
+#: parameter's values before it changes them, in the same pass (engine/lazy.py keeps the
+#: parameters of a fused call's unread logits so: a copy pass of its own would read them again)
+_DEFERRED: list = []
+
+
+def step_keeps_copies(opt) -> bool:
+    """Whether `opt.step()` can write parameter copies in its own pass (the engine's Adam/AdamW)."""
+    return getattr(opt, "_ortrain_base", None) is not None and isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def defer_copies(params, copies, owner) -> None:
+    """copies[i] receives params[i]'s values in the next engine Adam/AdamW step, before the update.
+    `owner` (an object with a `snapshot` attribute) loses its snapshot if that step never comes."""
+    _DEFERRED.extend((p, c, owner) for p, c in zip(params, copies))
+
+
+def drop_stale_copies() -> None:
+    """Deferred copies no step took (a step that never ran): their owners lose the snapshot, so that
+    reading it raises instead of returning parameters from the wrong moment."""
+    for _, _, owner in _DEFERRED:
+        owner.snapshot = None
+    _DEFERRED.clear()
+
 
 def _engine_ok(p: torch.Tensor) -> bool:
     g = p.grad
@@ -18,13 +42,14 @@ def _engine_ok(p: torch.Tensor) -> bool:
             and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
-def _adam_group(opt, group, created: list) -> tuple:
+def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     """Engine-updatable params of an Adam group, a flag per param (its moments were created here,
     uninitialised: the engine writes them as if they were zeros, bitwise as from torch.zeros;
-    they are also appended to `created`), and the params left for PyTorch. Skipping the zero
-    fill saves writing and then reading 2 x the parameters' bytes in the first step (~0.1 s on
-    the tutorial model)."""
-    todo, fresh, rest = [], [], []
+    they are also appended to `created`), per param the address of its deferred copy (0: none;
+    `keep`: id(param) -> (param, copy)), the ids of those, and the params left for PyTorch.
+    Skipping the zero fill saves writing and then reading 2 x the parameters' bytes in the first
+    step (~0.1 s on the tutorial model)."""
+    todo, fresh, rest, keeps, kept = [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -42,7 +67,11 @@ def _adam_group(opt, group, created: list) -> tuple:
         todo.append((p.data_ptr(), p.grad.data_ptr(), state["exp_avg"].data_ptr(),
                      state["exp_avg_sq"].data_ptr(), p.numel(), int(state["step"].item())))
         fresh.append(new)
-    return todo, fresh, rest
+        k = keep.get(id(p))
+        keeps.append(0 if k is None else k[1].data_ptr())
+        if k is not None:
+            kept.append(id(p))
+    return todo, fresh, keeps, kept, rest
 
 
 def _engine_step(self, closure=None):
@@ -51,24 +80,41 @@ def _engine_step(self, closure=None):
         with torch.enable_grad():
             loss = closure()
     leftovers = []
-    with torch.no_grad():
-        for group in self.param_groups:
-            if isinstance(self, torch.optim.SGD):
-                leftovers += _sgd_group(self, group)
-                continue
-            created: list = []
-            try:
-                todo, fresh, rest = _adam_group(self, group, created)
-                leftovers += rest
-                b1, b2 = group["betas"]
-                decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-                _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                                   float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
-                                   fresh=fresh)
-            except BaseException:
-                for moment in created:  # never leave uninitialised moments behind
-                    moment.zero_()
-                raise
+    keep: dict = {}
+    try:
+        with torch.no_grad():
+            for p, c, _ in _DEFERRED:
+                if id(p) in keep:  # a second copy of the same parameter: now, it is unchanged yet
+                    c.copy_(p)
+                else:
+                    keep[id(p)] = (p, c)
+        _DEFERRED.clear()
+        with torch.no_grad():
+            for group in self.param_groups:
+                if isinstance(self, torch.optim.SGD):
+                    leftovers += _sgd_group(self, group)
+                    continue
+                created: list = []
+                try:
+                    todo, fresh, keeps, kept, rest = _adam_group(self, group, created, keep)
+                    leftovers += rest
+                    b1, b2 = group["betas"]
+                    decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+                    _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                                       float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
+                                       fresh=fresh, keep=keeps)
+                    for i in kept:
+                        del keep[i]
+                except BaseException:
+                    for moment in created:  # never leave uninitialised moments behind
+                        moment.zero_()
+                    raise
+    finally:
+        # deferred copies the engine pass did not write (parameters it does not update, a step
+        # that failed before updating anything): their parameters are unchanged so far
+        with torch.no_grad():
+            for p, c in keep.values():
+                c.copy_(p)
     # the engine wrote the parameters through their addresses: bump their autograd versions as an
     # in-place torch update would, so that stale saved tensors are detected like in PyTorch
     torch.autograd.graph.increment_version([p for g in self.param_groups for p in g["params"] if p.grad is not None])

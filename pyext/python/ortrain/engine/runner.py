@@ -127,9 +127,10 @@ class Runner:
     def weight_addresses(self) -> list:
         return [t.data_ptr() for t in self.weights]
 
-    def snapshot_params(self) -> list:
+    def snapshot_params(self, copy: bool = True) -> list:
         """Copies of the trainable parameters (in `trainable_params` order), in memory reused
-        from an earlier snapshot that nobody holds any more."""
+        from an earlier snapshot that nobody holds any more. `copy=False`: only the memory (the
+        caller has the copies written, engine/optimizer.py's deferred copies)."""
         for snap in self._snapshots:
             # references: the pool's list, the loop variable and getrefcount's argument
             if sys.getrefcount(snap) <= 3:
@@ -138,6 +139,8 @@ class Runner:
             snap = [torch.empty_like(p) for p in self.trainable_params]
             if len(self._snapshots) < 2:
                 self._snapshots.append(snap)
+        if not copy:
+            return snap
         with torch.no_grad():
             for s, p in zip(snap, self.trainable_params):
                 s.copy_(p)
