@@ -278,7 +278,12 @@ mod tests {
         assert!(matches!(p.storage[b.0], Storage::Alias(a) if a == gv));
         let step_of = |v: ValueId| p.steps.iter().position(|s| g.nodes[s.0].outputs[0] == v).expect("step");
         assert!(p.kernels[step_of(b)] as usize == cpu::gather_grad_accumulate as Kernel as usize);
-        assert!(p.kernels[step_of(gv)] as usize == cpu::sum_already_in_place as Kernel as usize);
+        // the Add has nothing left to do (an empty kernel: compared by what it is not, since
+        // release builds may fold identical empty functions into one address)
+        let add = p.kernels[step_of(gv)] as usize;
+        let adds: [Kernel; 3] = [cpu::add_in_place_first, cpu::add_in_place_second, cpu::kernel("Add").expect("Add")];
+        assert!(adds.iter().all(|k| *k as usize != add), "the Add still adds");
+        assert!(p.in_place.contains(&step_of(gv)));
     }
 
     #[test]
