@@ -27,6 +27,7 @@ import pickle
 import select
 import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -118,13 +119,15 @@ def _run_in_child(work):
         raise
     finally:
         os.close(read_fd)
-    status = _reap(pid, kill=reason is not None)
     if reason is not None:
+        _reap(pid, kill=True)
         return "failed", reason
     try:
         outcome, payload = pickle.loads(data)
     except Exception as exc:  # noqa: BLE001 - a truncated or unreadable result: export here
-        return "failed", f"the child's result could not be read ({_describe_status(status)}; {type(exc).__name__})"
+        return "failed", f"the child's result could not be read ({_describe_status(_reap(pid, kill=False))}; {type(exc).__name__})"
+    # the child is exiting (its address space takes tens of ms to go): reaped off this thread
+    threading.Thread(target=_reap, args=(pid, False), name="ortrain-export-reaper", daemon=True).start()
     return outcome, payload
 
 
@@ -148,6 +151,8 @@ def _child(work, write_fd: int):
         view = memoryview(data)
         while view:
             view = view[os.write(write_fd, view):]
+        # the parent reads EOF now, not after the kernel has torn this address space down
+        os.close(write_fd)
     except BaseException:  # noqa: BLE001 - nothing may escape a forked child
         code = 1
     finally:
