@@ -14,6 +14,7 @@ pub mod optim;
 pub mod passes;
 pub mod plan;
 pub mod session;
+pub mod simd;
 pub mod tensor;
 
 pub use error::{Error, Result};

@@ -97,7 +97,11 @@ pub fn resolve(graph: &Graph, plan: &Plan) -> Result<Vec<CudaKernel>> {
 pub fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
     match &plan.storage[v.0] {
         Storage::Arena(off) => Ok(base + *off as u64),
-        Storage::Const(_) => consts.bufs.get(&v.0).map(|b| b.ptr()).ok_or_else(|| Error::other(format!("constant '{}' was not uploaded", graph.values[v.0].name))),
+        Storage::Const(_) => consts
+            .bufs
+            .get(&v.0)
+            .map(|b| b.ptr())
+            .ok_or_else(|| Error::other(format!("constant '{}' was not uploaded", graph.values[v.0].name))),
         Storage::Bound => match bind.ptrs[v.0] {
             0 => Err(Error::other(format!("no device memory was bound for '{}'", graph.values[v.0].name))),
             p => Ok(p),

@@ -4,10 +4,10 @@
 
 use std::time::{Duration, Instant};
 
-pub mod fault;
-pub mod profile;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod fault;
+pub mod profile;
 
 use crate::backend::cpu::{CpuCtx, In, Out};
 use crate::error::{Error, Result};

@@ -5,11 +5,10 @@
 //! order and no fused multiply-add, so every lane rounds exactly as the scalar loop does: the
 //! results are bitwise the same on every path.
 
-use std::sync::OnceLock;
-
 use rayon::prelude::*;
 
 use super::{AdamHyper, CHUNK};
+use crate::simd::{level, Level};
 
 /// One tensor's update: parameter, gradient, both moments (all of one length), its
 /// hyper-parameters (the step number is per tensor), whether its moments are new (their
@@ -113,70 +112,46 @@ isa_loops!(avx512, "avx512f");
 #[cfg(target_arch = "x86_64")]
 isa_loops!(avx2, "avx2");
 
-#[derive(Clone, Copy, PartialEq, Debug)]
-enum Isa {
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    Baseline,
-}
-
-fn isa() -> Isa {
-    static I: OnceLock<Isa> = OnceLock::new();
-    *I.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Isa::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
-            }
-        }
-        Isa::Baseline
-    })
-}
-
 /// The element loop for these options on this instruction set.
-fn pick<const Z: bool, const MX: bool, const WD: u8>(isa: Isa) -> Loop {
-    match isa {
-        // SAFETY (both arms): isa() found the CPU features the loop was compiled for.
+fn pick<const Z: bool, const MX: bool, const WD: u8>(level: Level) -> Loop {
+    match level {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => |p, g, m, v, c| unsafe { avx512::run::<Z, MX, WD>(p, g, m, v, c) },
+        // SAFETY: level() found AVX-512F, which this loop was compiled for.
+        Level::Avx512 => |p, g, m, v, c| unsafe { avx512::run::<Z, MX, WD>(p, g, m, v, c) },
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => |p, g, m, v, c| unsafe { avx2::run::<Z, MX, WD>(p, g, m, v, c) },
-        Isa::Baseline => body::<Z, MX, WD>,
+        // SAFETY: level() found AVX2 (and FMA), which this loop was compiled for.
+        Level::Avx2 => |p, g, m, v, c| unsafe { avx2::run::<Z, MX, WD>(p, g, m, v, c) },
+        _ => body::<Z, MX, WD>,
     }
 }
 
-fn pick_wd<const Z: bool, const MX: bool>(isa: Isa, h: &AdamHyper) -> Loop {
+fn pick_wd<const Z: bool, const MX: bool>(level: Level, h: &AdamHyper) -> Loop {
     match (h.weight_decay != 0.0, h.decoupled) {
-        (false, _) => pick::<Z, MX, WD_NONE>(isa),
-        (true, false) => pick::<Z, MX, WD_L2>(isa),
-        (true, true) => pick::<Z, MX, WD_DECOUPLED>(isa),
+        (false, _) => pick::<Z, MX, WD_NONE>(level),
+        (true, false) => pick::<Z, MX, WD_L2>(level),
+        (true, true) => pick::<Z, MX, WD_DECOUPLED>(level),
     }
 }
 
-fn loop_for(isa: Isa, h: &AdamHyper, from_zero: bool) -> Loop {
+fn loop_for(level: Level, h: &AdamHyper, from_zero: bool) -> Loop {
     match (from_zero, h.maximize) {
-        (false, false) => pick_wd::<false, false>(isa, h),
-        (false, true) => pick_wd::<false, true>(isa, h),
-        (true, false) => pick_wd::<true, false>(isa, h),
-        (true, true) => pick_wd::<true, true>(isa, h),
+        (false, false) => pick_wd::<false, false>(level, h),
+        (false, true) => pick_wd::<false, true>(level, h),
+        (true, false) => pick_wd::<true, false>(level, h),
+        (true, true) => pick_wd::<true, true>(level, h),
     }
 }
 
 /// Updates every tensor; all their chunks run in one parallel pass.
 pub fn adam_many(tensors: Vec<AdamTensor<'_>>) {
-    adam_many_on(isa(), tensors)
+    adam_many_on(level(), tensors)
 }
 
-fn adam_many_on(isa: Isa, tensors: Vec<AdamTensor<'_>>) {
+fn adam_many_on(level: Level, tensors: Vec<AdamTensor<'_>>) {
     type Work<'a> = (Loop, Coefs, &'a mut [f32], &'a [f32], &'a mut [f32], &'a mut [f32], Option<&'a mut [f32]>);
     let mut work: Vec<Work> = Vec::new();
     for t in tensors {
-        let (f, c) = (loop_for(isa, &t.h, t.from_zero), Coefs::of(&t.h));
+        let (f, c) = (loop_for(level, &t.h, t.from_zero), Coefs::of(&t.h));
         let chunks = t.p.chunks_mut(CHUNK).zip(t.g.chunks(CHUNK)).zip(t.m.chunks_mut(CHUNK)).zip(t.v.chunks_mut(CHUNK));
         let mut keep = t.keep.map(|k| k.chunks_mut(CHUNK));
         work.extend(chunks.map(|(((p, g), m), v)| (f, c, p, g, m, v, keep.as_mut().and_then(|k| k.next()))));
@@ -231,15 +206,15 @@ mod tests {
         }
     }
 
-    fn isas() -> Vec<Isa> {
-        let mut out = vec![Isa::Baseline];
+    fn isas() -> Vec<Level> {
+        let mut out = vec![Level::Generic];
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx2") {
-                out.push(Isa::Avx2);
+                out.push(Level::Avx2);
             }
             if is_x86_feature_detected!("avx512f") {
-                out.push(Isa::Avx512);
+                out.push(Level::Avx512);
             }
         }
         out
@@ -327,9 +302,9 @@ mod bench {
         let mut bufs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> =
             sizes.iter().map(|&n| (vec![0.5; n], vec![1e-3; n], vec![1e-4; n], vec![1e-6; n])).collect();
         let h = AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 3 };
-        let mut isas = vec![Isa::Baseline];
+        let mut isas = vec![Level::Generic];
         if is_x86_feature_detected!("avx2") {
-            isas.push(Isa::Avx2);
+            isas.push(Level::Avx2);
         }
         for round in 0..4 {
             for &isa in &isas {

@@ -130,7 +130,15 @@ impl Session {
     ///
     /// # Safety
     /// As for `forward_cuda`; gradient addresses are written exclusively by the queued work.
-    pub unsafe fn backward_cuda(&self, rt: &CudaRuntime, stream: CUstream, mut p: CudaPending, weights: &[u64], seeds: &[u64], grads: &[u64]) -> Result<()> {
+    pub unsafe fn backward_cuda(
+        &self,
+        rt: &CudaRuntime,
+        stream: CUstream,
+        mut p: CudaPending,
+        weights: &[u64],
+        seeds: &[u64],
+        grads: &[u64],
+    ) -> Result<()> {
         self.bind_weights_cuda(&mut p.bind, weights)?;
         for (s, &a) in self.seeds.iter().zip(seeds) {
             if let (Some(s), false) = (s, a == 0) {

@@ -123,13 +123,14 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
+    // the fp32 gemm-crate path: one-exp row pass with the bias, gradient gemms by tiles
+    let one_exp = crate_path::<T>(a.path);
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
         let ids = &active[c0..c0 + r];
         let g = &mut scratch[..r * n];
         // the chunk's logits: X_c · op(W), the bias added by the row pass (fp32 gemm path), or
         // bias rows with X_c · op(W) accumulated onto them (bf16 path)
-        let one_exp = crate_path::<T>(a.path);
         let bias_rows = if one_exp { None } else { bv };
         match bias_rows {
             Some(bv) => g.par_chunks_mut(n).for_each(|row| row.copy_from_slice(bv)),
@@ -159,7 +160,7 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             .map(|(row, &i)| lce_row(row, row_bias, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, one_exp))
             .collect();
         total += terms.iter().sum::<f64>();
-        if k > 0 && crate_path::<T>(a.path) {
+        if k > 0 && one_exp {
             let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b };
             if compact {
                 chunk_grads(&c, &mut dxg, dw, db, c0 > 0);

@@ -190,4 +190,3 @@ pub fn register(t: &mut KernelTable) {
     t.add("SoftmaxCrossEntropyLossGrad", loss_grad);
     t.add("NLLLossGrad", loss_grad);
 }
-

@@ -4,7 +4,7 @@
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
 //! (the libm exp it replaces is scalar: ~20 M calls per LM-head step).
 
-use std::sync::OnceLock;
+use crate::simd::{level, Level};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
@@ -216,29 +216,6 @@ macro_rules! multiversion {
 }
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
-
-#[derive(Clone, Copy)]
-enum Level {
-    Avx512,
-    Avx2,
-    Generic,
-}
-
-fn level() -> Level {
-    static L: OnceLock<Level> = OnceLock::new();
-    *L.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx512f") {
-                return Level::Avx512;
-            }
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                return Level::Avx2;
-            }
-        }
-        Level::Generic
-    })
-}
 
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());

@@ -155,7 +155,9 @@ pub fn load(dirs: &[PathBuf]) -> Result<()> {
                 *slot = Some(libs);
                 return Ok(());
             }
-            Err(e) => tried.push(format!("{} ({e})", c.as_ref().map_or_else(|| format!("{CUBLAS_LIB} by name"), |p| p.display().to_string()))),
+            Err(e) => {
+                tried.push(format!("{} ({e})", c.as_ref().map_or_else(|| format!("{CUBLAS_LIB} by name"), |p| p.display().to_string())))
+            }
         }
     }
     Err(Error::CudaUnavailable(format!(

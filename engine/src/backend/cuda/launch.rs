@@ -126,17 +126,8 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
     // parameter's registered type (checked above; the registry's layouts are checked against the
     // CUBIN by engine/tests/cuda_kernels.rs), and `values` outlives the call. Device addresses
     // inside are the caller's responsibility, as for any launch.
-    unsafe {
-        result::launch_kernel(
-            func.cu_function(),
-            (grid.blocks, 1, 1),
-            (grid.threads, 1, 1),
-            grid.shared,
-            stream,
-            params,
-        )
-    }
-    .map_err(|e| Error::Cuda(format!("launching {kernel} {grid:?}: {e}")))
+    unsafe { result::launch_kernel(func.cu_function(), (grid.blocks, 1, 1), (grid.threads, 1, 1), grid.shared, stream, params) }
+        .map_err(|e| Error::Cuda(format!("launching {kernel} {grid:?}: {e}")))
 }
 
 /// A device allocation of `bytes` bytes in the context's device, freed on drop (synchronous

@@ -24,8 +24,8 @@ pub mod elf;
 pub mod launch;
 pub mod loader;
 pub mod nvrtc;
-pub mod philox;
 pub mod ops;
+pub mod philox;
 pub mod registry;
 pub mod runtime;
 

@@ -226,9 +226,10 @@ pub static FAMILIES: &[Family] = &[
 
 /// The registered parameters of `kernel`, if it exists.
 pub fn signature(kernel: &str) -> Option<&'static [Arg]> {
-    FAMILIES.iter().flat_map(|f| f.groups.iter()).find_map(|g| {
-        g.ops.iter().any(|op| g.dtypes.iter().any(|t| kernel_name(op, t) == kernel)).then_some(g.args)
-    })
+    FAMILIES
+        .iter()
+        .flat_map(|f| f.groups.iter())
+        .find_map(|g| g.ops.iter().any(|op| g.dtypes.iter().any(|t| kernel_name(op, t) == kernel)).then_some(g.args))
 }
 
 /// The family that defines `kernel`, if any.

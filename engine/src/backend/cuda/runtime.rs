@@ -53,7 +53,14 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         .ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| Error::Cuda(format!("multiprocessor count: {e}")))? as u32;
-    Ok(RT.get_or_init(|| CudaRuntime { loaded, blas, functions: Mutex::new(HashMap::new()), sms, scratch: Mutex::new(None), ones: Mutex::new([None, None]) }))
+    Ok(RT.get_or_init(|| CudaRuntime {
+        loaded,
+        blas,
+        functions: Mutex::new(HashMap::new()),
+        sms,
+        scratch: Mutex::new(None),
+        ones: Mutex::new([None, None]),
+    }))
 }
 
 impl CudaRuntime {

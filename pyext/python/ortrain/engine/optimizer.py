@@ -88,8 +88,7 @@ def _engine_step(self, closure=None):
                     c.copy_(p)
                 else:
                     keep[id(p)] = (p, c)
-        _DEFERRED.clear()
-        with torch.no_grad():
+            _DEFERRED.clear()
             for group in self.param_groups:
                 if isinstance(self, torch.optim.SGD):
                     leftovers += _sgd_group(self, group)

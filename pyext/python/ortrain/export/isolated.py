@@ -115,7 +115,7 @@ def _run_in_child(work):
     try:
         data, reason = _read_all(read_fd, pid, _timeout_s())
     except BaseException:  # KeyboardInterrupt while waiting: the child goes too
-        _kill(pid)
+        _reap(pid, kill=True)
         raise
     finally:
         os.close(read_fd)
@@ -160,7 +160,7 @@ def _child(work, write_fd: int):
 
 
 def _read_all(fd: int, pid: int, timeout_s: float):
-    """(bytes, None) once the child closed its end, or (partial bytes, reason) on timeout."""
+    """(bytes, None) once the child closed its end, or (b"", reason) on timeout."""
     chunks = []
     deadline = time.monotonic() + timeout_s
     while True:
@@ -168,7 +168,7 @@ def _read_all(fd: int, pid: int, timeout_s: float):
         if left <= 0:
             return b"", f"no result from the export child (pid {pid}) within {timeout_s:.0f} s " \
                         "(ORTRAIN_EXPORT_CHILD_TIMEOUT)"
-        ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+        ready, _, _ = select.select([fd], [], [], left)
         if not ready:
             continue
         chunk = os.read(fd, 1 << 20)
@@ -177,15 +177,8 @@ def _read_all(fd: int, pid: int, timeout_s: float):
         chunks.append(chunk)
 
 
-def _kill(pid: int):
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    _reap(pid, kill=False)
-
-
 def _reap(pid: int, kill: bool):
+    """The child's wait status (None if it was reaped elsewhere), SIGKILLed first if `kill`."""
     if kill:
         try:
             os.kill(pid, signal.SIGKILL)

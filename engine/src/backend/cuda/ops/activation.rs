@@ -34,7 +34,12 @@ fn forward(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
     let (name, alpha, beta) = stem(node)?;
     let kernel = format!("{name}_{}", float_suffix(node, x.dtype)?);
     let n = x.numel();
-    ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::I64(n as i64), KArg::F32(alpha), KArg::F32(beta)])
+    ctx.rt.launch(
+        ctx.stream,
+        &kernel,
+        ctx.rt.elementwise_grid(n),
+        &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::I64(n as i64), KArg::F32(alpha), KArg::F32(beta)],
+    )
 }
 
 /// XGrad(dy, s): s is the forward output or input, as ops/activation.rs chose.

@@ -68,12 +68,7 @@ fn gather(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
         return Ok(());
     }
     let kernel = format!("gather_{}", super::movement::width(x.dtype.size()));
-    ctx.rt.launch(
-        ctx.stream,
-        &kernel,
-        ctx.rt.elementwise_grid(n),
-        &gather_args(x.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag),
-    )
+    ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &gather_args(x.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag))
 }
 
 /// The launch arguments shared by gather_W and gather_grad_T: `n` elements moved between `src`

@@ -54,7 +54,17 @@ fn stat_size(d: DType) -> usize {
 
 /// Per-sample losses and weights of `x` into scratch at (loss_s, w_s); `logp` may be 0.
 #[allow(clippy::too_many_arguments)]
-fn per_sample(node: &Node, ctx: &mut CudaCtx, l: &Layout, x: &DView, labels: u64, weights: u64, loss_s: u64, w_s: u64, logp: u64) -> Result<()> {
+fn per_sample(
+    node: &Node,
+    ctx: &mut CudaCtx,
+    l: &Layout,
+    x: &DView,
+    labels: u64,
+    weights: u64,
+    loss_s: u64,
+    w_s: u64,
+    logp: u64,
+) -> Result<()> {
     let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
     let kernel = format!("sce_loss_{}", float_suffix(node, x.dtype)?);
     ctx.rt.launch(

@@ -92,7 +92,8 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
         if reduced && std::mem::replace(&mut written[oo as usize], true) {
             gi.beta = 1.0;
         }
-        let (pa, pb, po) = (a.ptr + oa as u64 * (m * k) as u64 * es, b.ptr + ob as u64 * (k * n) as u64 * es, o.ptr + oo as u64 * (m * n) as u64 * es);
+        let (pa, pb, po) =
+            (a.ptr + oa as u64 * (m * k) as u64 * es, b.ptr + ob as u64 * (k * n) as u64 * es, o.ptr + oo as u64 * (m * n) as u64 * es);
         ctx.rt.gemm(rs, &gi, pa, pb, po)?;
     }
     Ok(())

@@ -65,7 +65,15 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
         ctx.stream,
         &kernel,
         ctx.rt.elementwise_grid(n.div_ceil(4)),
-        &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), KArg::U64(key), KArg::U64(0)],
+        &[
+            KArg::Ptr(x.ptr),
+            KArg::Ptr(outs[0].ptr),
+            KArg::Ptr(mask),
+            KArg::I64(n as i64),
+            KArg::F32(ratio as f32),
+            KArg::U64(key),
+            KArg::U64(0),
+        ],
     )
 }
 

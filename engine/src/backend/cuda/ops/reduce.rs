@@ -5,9 +5,9 @@
 
 use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::Reduce;
+use crate::backend::cuda::blas::{Gemm, GemmType};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
-use crate::backend::cuda::blas::{Gemm, GemmType};
 use crate::ir::Node;
 use crate::tensor::DType;
 
@@ -55,7 +55,8 @@ pub(super) fn layout(node: &Node, shape: &[usize], reduced: &[bool]) -> Result<R
         if n == 1 {
             continue;
         }
-        let (rank, dims, st) = if r { (&mut l.red_rank, &mut l.red_dims, &mut l.red_stride) } else { (&mut l.out_rank, &mut l.out_dims, &mut l.out_stride) };
+        let (rank, dims, st) =
+            if r { (&mut l.red_rank, &mut l.red_dims, &mut l.red_stride) } else { (&mut l.out_rank, &mut l.out_dims, &mut l.out_stride) };
         if *rank as usize == crate::backend::cuda::abi::MAX_DIMS {
             return Err(node.err(format!("reducing {shape:?}: more than {} dimensions", crate::backend::cuda::abi::MAX_DIMS)));
         }
@@ -74,14 +75,33 @@ pub(super) fn layout(node: &Node, shape: &[usize], reduced: &[bool]) -> Result<R
 /// Launches a sum (`stem` "sum", or "max"/"min") of layout `l`, choosing the kernel by whether
 /// the innermost input dimension is reduced.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn launch_reduce(node: &Node, ctx: &mut CudaCtx, stem: &str, x: &DView, y: u64, l: Reduce, inner_reduced: bool, scale: f64) -> Result<()> {
+pub(super) fn launch_reduce(
+    node: &Node,
+    ctx: &mut CudaCtx,
+    stem: &str,
+    x: &DView,
+    y: u64,
+    l: Reduce,
+    inner_reduced: bool,
+    scale: f64,
+) -> Result<()> {
     let sfx = float_suffix(node, x.dtype)?;
     if inner_reduced {
         let blocks = (l.outputs.max(1) as u64).min(65535 * 8) as u32;
-        ctx.rt.launch(ctx.stream, &format!("reduce_{stem}_{sfx}"), Grid::new(blocks, 256), &[KArg::Ptr(x.ptr), KArg::Ptr(y), KArg::Reduce(l), KArg::F64(scale)])
+        ctx.rt.launch(
+            ctx.stream,
+            &format!("reduce_{stem}_{sfx}"),
+            Grid::new(blocks, 256),
+            &[KArg::Ptr(x.ptr), KArg::Ptr(y), KArg::Reduce(l), KArg::F64(scale)],
+        )
     } else {
         let grid = ctx.rt.elementwise_grid(l.outputs as usize);
-        ctx.rt.launch(ctx.stream, &format!("reduce_{stem}_thread_{sfx}"), grid, &[KArg::Ptr(x.ptr), KArg::Ptr(y), KArg::Reduce(l), KArg::F64(scale)])
+        ctx.rt.launch(
+            ctx.stream,
+            &format!("reduce_{stem}_thread_{sfx}"),
+            grid,
+            &[KArg::Ptr(x.ptr), KArg::Ptr(y), KArg::Reduce(l), KArg::F64(scale)],
+        )
     }
 }
 
@@ -105,7 +125,11 @@ fn reduce_sum_to(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut C
     if marks[split..].iter().all(|&r| r != marks[0]) && matches!(x.dtype, DType::F32 | DType::F64) {
         let size = |want: bool| x.shape.iter().zip(&reduced).filter(|(_, &r)| r == want).map(|(&n, _)| n).product::<usize>();
         let (red, kept) = (size(true), size(false));
-        return if marks[0] { sum_by_gemm(node, ctx, x, o.ptr, red, kept, true) } else { sum_by_gemm(node, ctx, x, o.ptr, kept, red, false) };
+        return if marks[0] {
+            sum_by_gemm(node, ctx, x, o.ptr, red, kept, true)
+        } else {
+            sum_by_gemm(node, ctx, x, o.ptr, kept, red, false)
+        };
     }
     let l = layout(node, x.shape, &reduced)?;
     let inner = x.shape.iter().zip(&reduced).rev().find(|(&n, _)| n != 1).is_some_and(|(_, &r)| r);

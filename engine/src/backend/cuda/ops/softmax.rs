@@ -42,7 +42,12 @@ fn gradient(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCt
     }
     let kernel = format!("{}_grad_{}", stem(node), float_suffix(node, dy.dtype)?);
     let i = |v: usize| KArg::I64(v as i64);
-    ctx.rt.launch(ctx.stream, &kernel, row_grid(rows, n), &[KArg::Ptr(dy.ptr), KArg::Ptr(y.ptr), KArg::Ptr(outs[0].ptr), i(rows), i(n), i(inner)])
+    ctx.rt.launch(
+        ctx.stream,
+        &kernel,
+        row_grid(rows, n),
+        &[KArg::Ptr(dy.ptr), KArg::Ptr(y.ptr), KArg::Ptr(outs[0].ptr), i(rows), i(n), i(inner)],
+    )
 }
 
 pub fn register(t: &mut CudaTable) {

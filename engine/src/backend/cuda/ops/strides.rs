@@ -66,7 +66,10 @@ pub fn make(dims: &[usize], strides: &[Vec<i64>], base: &[i64]) -> Result<Stride
         }
     }
     if ds.len() > MAX_DIMS {
-        return Err(Error::other(format!("index space {dims:?} needs {} dimensions after merging; the CUDA kernels take {MAX_DIMS}", ds.len())));
+        return Err(Error::other(format!(
+            "index space {dims:?} needs {} dimensions after merging; the CUDA kernels take {MAX_DIMS}",
+            ds.len()
+        )));
     }
     let mut s = Strides { rank: ds.len() as i32, ..Default::default() };
     for (d, &n) in ds.iter().enumerate() {

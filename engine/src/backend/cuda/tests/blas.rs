@@ -65,11 +65,18 @@ fn check(name: &str, g: &Gemm, rng: &mut Rng, rtol: f64) {
         GemmType::F16 => host::<u16>(&dc).into_iter().map(|x| f16_value(x) as f64).collect(),
     };
     let want = reference(g, &a, &b, &c0);
-    let abs = reference(&Gemm { alpha: g.alpha.abs(), beta: g.beta.abs(), ..*g }, &a.iter().map(|x| x.abs()).collect::<Vec<_>>(),
-                        &b.iter().map(|x| x.abs()).collect::<Vec<_>>(), &c0.iter().map(|x| x.abs()).collect::<Vec<_>>());
+    let abs = reference(
+        &Gemm { alpha: g.alpha.abs(), beta: g.beta.abs(), ..*g },
+        &a.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+        &b.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+        &c0.iter().map(|x| x.abs()).collect::<Vec<_>>(),
+    );
     // only the elements C covers (padding columns of a wide ldc must stay untouched: c0)
     for (i, ((&gv, &wv), &scale)) in got.iter().zip(&want).zip(&abs).enumerate() {
-        assert!((gv - wv).abs() <= rtol * scale.max(1e-30), "{name}: element {i}: got {gv}, expected {wv} (scale {scale}, rtol {rtol}) {g:?}");
+        assert!(
+            (gv - wv).abs() <= rtol * scale.max(1e-30),
+            "{name}: element {i}: got {gv}, expected {wv} (scale {scale}, rtol {rtol}) {g:?}"
+        );
     }
 }
 
@@ -111,7 +118,12 @@ fn gpu_gemm_16_bit_operands_accumulate_in_f32() {
             check(&format!("{t:?}→f32 trans_a={ta} trans_b={tb}"), &g, &mut rng, 2e-6);
             // 16-bit results: one rounding of the f32 result
             let g = Gemm::contiguous(2, 64, 48, 256, ta, tb, t);
-            check(&format!("{t:?}→{t:?} trans_a={ta} trans_b={tb}"), &g, &mut rng, if t == GemmType::Bf16 { 1.0 / 128.0 } else { 1.0 / 1024.0 });
+            check(
+                &format!("{t:?}→{t:?} trans_a={ta} trans_b={tb}"),
+                &g,
+                &mut rng,
+                if t == GemmType::Bf16 { 1.0 / 128.0 } else { 1.0 / 1024.0 },
+            );
         }
     }
 }

@@ -123,7 +123,6 @@ fn picks(rng: &mut Rng, n: usize, set: &[f64]) -> Vec<f64> {
     (0..n).map(|_| set[rng.int(0, set.len() as i64) as usize]).collect()
 }
 
-
 /// Two-operand broadcasting cases: rank 1 (the kernels' fast path, with a 0 stride too), a
 /// scalar, rank 0, and uncollapsed ranks 2, 3 and 8 with 0 strides on both operands.
 const CASES2: &[(&[usize], &[usize])] = &[

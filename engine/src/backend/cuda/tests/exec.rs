@@ -344,7 +344,13 @@ fn compare(name: &str, m: &Model) {
 
 fn models() -> Vec<(&'static str, Model)> {
     let mut rng = Rng::new(3);
-    vec![("mlp", mlp(&mut rng)), ("movement", movement(&mut rng)), ("masks", masks(&mut rng)), ("embedding", embedding(&mut rng)), ("attention_bits", attention_bits(&mut rng))]
+    vec![
+        ("mlp", mlp(&mut rng)),
+        ("movement", movement(&mut rng)),
+        ("masks", masks(&mut rng)),
+        ("embedding", embedding(&mut rng)),
+        ("attention_bits", attention_bits(&mut rng)),
+    ]
 }
 
 #[test]

@@ -40,8 +40,6 @@ fn gather_test_argument_lists_match_the_registry() {
     check_family_args("gather", args_of);
 }
 
-
-
 /// Asserts the i32 error flag holds `want` (dry run: its size).
 fn check_flag(g: Target, what: &str, err: &Buf, want: i32) {
     g.same(&format!("{what}: the error flag"), "i32", err, &encode("i32", &[want as f64]));

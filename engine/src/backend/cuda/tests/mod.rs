@@ -8,17 +8,17 @@
 //! `SKIPPED <test>: <reason>` and returns. On a GPU machine without cargo the test binary is
 //! built elsewhere (scripts/gpu_prepare.sh) and run by scripts/gpu_checks.sh.
 
-mod support;
-mod blas;
-mod exec;
-mod smoke;
-mod elementwise;
-mod movement;
-mod gather;
 mod activation;
-mod softmax;
-mod layernorm;
-mod reduce;
+mod blas;
 mod dropout;
+mod elementwise;
+mod exec;
+mod gather;
+mod layernorm;
 mod loss;
+mod movement;
 mod optim;
+mod reduce;
+mod smoke;
+mod softmax;
+mod support;

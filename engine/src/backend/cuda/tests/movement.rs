@@ -42,8 +42,6 @@ fn movement_test_argument_lists_match_the_registry() {
     check_family_args("movement", args_of);
 }
 
-
-
 /// `Strides` over `dims` with operand 0 (the source) and operand 1 (the destination) given as
 /// (element strides, base offset).
 fn copy_strides(dims: &[usize], src: (&[i64], i64), dst: (&[i64], i64)) -> Strides {
