@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     if a.system == "ortrain":
         import ortrain
 
-        ortrain.accelerate(model, opt, device="cuda", strict=True)
+        # the same precision as bench/gpu.py gives the ortrain row
+        ortrain.accelerate(model, opt, device="cuda", strict=True, **({"precision": precision} if precision != "fp32" else {}))
     elif precision == "bf16":
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
 

@@ -4,6 +4,7 @@ a few optimizer steps. Skipped (with the reason) where there is no usable GPU.""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -99,6 +100,12 @@ def _curves(make, batches, steps, lr=1e-3, **accel):
     return out, model
 
 
+def _fused_attentions(model) -> int:
+    """Attention nodes the engine's fuse_attention pass made in the model's sessions."""
+    runners = model.__dict__["_ortrain_state"].runners.values()
+    return max((dict(r.session.passes).get("fuse_attention", 0) for r in runners if hasattr(r, "session")), default=0)
+
+
 def test_tutorial_transformer_trains_like_eager_on_the_gpu():
     """The PyTorch tutorial's model (embedding, positional encoding, two encoder layers with
     attention, LayerNorm and the LM head) with the loss fused into the engine graph."""
@@ -120,14 +127,22 @@ def test_tutorial_transformer_trains_like_eager_on_the_gpu():
                  torch.randint(0, vocab, (seq * batch,), device="cuda", generator=g)), forward_loss) for _ in range(3)]
     curves, model = _curves(make, batches, 12)
     diffs = [abs(a - b) / abs(b) for a, b in zip(curves["ortrain"], curves["eager"])]
-    print("tutorial", curves, f"max relative difference {max(diffs):.2e}")
+    print("tutorial", curves, f"max relative difference {max(diffs):.2e}, fused attentions {_fused_attentions(model)}")
     assert max(diffs) < 1e-3, curves
     assert model.__dict__["_ortrain_state"].fused_loss_calls == 12
 
 
-def test_gpt2_trains_like_eager_on_the_gpu():
-    """A 2-layer GPT-2 (Hugging Face, sdpa attention) with the shifted LM loss fused."""
+@pytest.mark.parametrize("fused_attention", [False, True], ids=["unfused", "fused_attention"])
+def test_gpt2_trains_like_eager_on_the_gpu(fused_attention, monkeypatch):
+    """A 2-layer GPT-2 (Hugging Face, sdpa attention) with the shifted LM loss fused; with the
+    opt-in attention fusion, both layers' attention runs as the engine's fused kernels (seq 64:
+    two query tiles, the causal mask's upper tile skipped)."""
     import models
+
+    if fused_attention:
+        monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention")
+    else:
+        monkeypatch.delenv("ORTRAIN_ENABLE_PASSES", raising=False)
 
     vocab, seq, batch = 1000, 64, 4
 
@@ -141,10 +156,11 @@ def test_gpt2_trains_like_eager_on_the_gpu():
 
     g = torch.Generator(device="cuda").manual_seed(4)
     batches = [(torch.randint(0, vocab, (batch, seq), device="cuda", generator=g), forward_loss) for _ in range(3)]
-    curves, _ = _curves(make, batches, 10)
+    curves, model = _curves(make, batches, 10)
     diffs = [abs(a - b) / abs(b) for a, b in zip(curves["ortrain"], curves["eager"])]
     print("gpt2", curves, f"max relative difference {max(diffs):.2e}")
     assert max(diffs) < 1e-3, curves
+    assert _fused_attentions(model) == (2 if fused_attention else 0)
 
 
 def test_dropout_on_the_gpu_is_seeded_and_trains():
@@ -181,16 +197,46 @@ def test_dropout_on_the_gpu_is_seeded_and_trains():
     assert a[-1] < a[0] * 0.9, a
 
 
-def test_explain_and_precision_on_the_gpu():
-    """explain() says the model runs on the GPU and how; bf16 on CUDA warns that its matmuls
-    still run fp32 (and then trains like fp32)."""
+def test_explain_on_the_gpu():
+    """explain() says the model runs on the GPU and how its matmuls run."""
     model = _mlp()
-    with pytest.warns(UserWarning, match="precision='bf16' on CUDA runs fp32 matmuls"):
-        ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False, precision="bf16")
+    ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False)
     x = torch.randn(8, 16, device="cuda")
     model(x).sum().backward()
     text = ortrain.explain(model)
     assert "device cuda" in text and "matmuls fp32 on cuBLAS (TF32 off)" in text, text
+
+
+def test_bf16_matmuls_on_the_gpu_are_autocasts_matmuls():
+    """precision="bf16" on CUDA runs the f32 matmuls on tensor cores at bf16 precision or better
+    with f32 accumulation (cuBLAS picked TF32 kernels on an H100): the outputs agree with
+    PyTorch's bf16 autocast to bf16's precision and are not the exact f32 ones, the gradients
+    are no further from the exact f32 gradients than autocast's, and explain() says so."""
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "runs fp32" warning any more
+        ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False, precision="bf16")
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(64, 16, device="cuda", generator=g)
+    y = torch.randint(0, 10, (64,), device="cuda", generator=g)
+    out = model(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = ref(x)
+    with torch.no_grad():
+        exact = copy.deepcopy(ref)(x)
+    assert out.dtype == torch.float32
+    assert _max_rel(out, want.float()) < 2e-2, _max_rel(out, want.float())
+    assert _max_rel(out, exact) > 1e-4, "the matmuls ran in f32"
+    exact_model = copy.deepcopy(ref)
+    nn.functional.cross_entropy(out, y).backward()
+    nn.functional.cross_entropy(want.float(), y).backward()
+    nn.functional.cross_entropy(exact_model(x), y).backward()
+    for (name, p), q, e in zip(model.named_parameters(), ref.parameters(), exact_model.parameters()):
+        ours, autocast = _max_rel(p.grad, e.grad), _max_rel(q.grad.float(), e.grad)
+        print(f"{name}: ortrain bf16 {ours:.2e}, autocast {autocast:.2e} from the f32 gradient")
+        assert ours < 2 * autocast + 1e-2, (name, ours, autocast)
+    assert "matmuls bf16 on cuBLAS tensor cores" in ortrain.explain(model)
 
 
 def test_tf32_follows_pytorchs_flag():

@@ -146,7 +146,13 @@ pub fn build(graph: &mut Graph, outputs: &[ValueId], seeds: &[Option<ValueId>], 
             })
         })
         .collect();
-    debug_assert!(graph.values.iter().all(|v| v.kind != ValueKind::Computed || v.producer.is_some()));
+    // every computed value a node reads has a producer (values of nodes a graph pass dropped
+    // are read by none)
+    debug_assert!(graph
+        .nodes
+        .iter()
+        .flat_map(|n| n.inputs.iter().flatten())
+        .all(|&v| graph.value(v).kind != ValueKind::Computed || graph.value(v).producer.is_some()));
     Ok(Gradients { grads, first_backward_node: n_fwd })
 }
 

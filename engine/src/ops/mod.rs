@@ -2,6 +2,7 @@
 //! its ops in the registry below; kernels live in the backends, in files of the same name.
 
 mod activation;
+pub mod attention;
 mod batchnorm;
 mod conv;
 mod cumsum;
@@ -98,6 +99,7 @@ fn registry() -> &'static Registry {
     REG.get_or_init(|| {
         let mut r = Registry { ops: BTreeMap::new() };
         activation::register(&mut r);
+        attention::register(&mut r);
         batchnorm::register(&mut r);
         conv::register(&mut r);
         cumsum::register(&mut r);

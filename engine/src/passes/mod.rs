@@ -1,9 +1,11 @@
 //! Graph passes run on the forward graph after import and before autodiff, so that gradients
 //! are built from the fused ops' own rules. One file per rule; the pipeline is the list below.
 //! `ORTRAIN_DISABLE_PASSES` (a comma list of pass names, or `all`) turns passes off, for
-//! fused-vs-unfused comparisons and for bisecting a suspected miscompile. A pass whose fused op
-//! has kernels on some backends only runs for sessions built for those (`Target`).
+//! fused-vs-unfused comparisons and for bisecting a suspected miscompile;
+//! `ORTRAIN_ENABLE_PASSES` turns on the opt-in ones. A pass whose fused op has kernels on some
+//! backends only runs for sessions built for those (`Target`).
 
+mod fuse_attention;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
 mod slice_before_linear;
@@ -22,19 +24,34 @@ pub enum Target {
     Cuda,
 }
 
-/// The pipeline, in order: (name, pass, runs for CUDA sessions). A pass returns how many
+/// Which sessions a pass runs for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Runs {
+    Both,
+    CpuOnly,
+    /// CUDA sessions, only when named in `ORTRAIN_ENABLE_PASSES` (a fusion that is correct but
+    /// not yet faster everywhere).
+    CudaOptIn,
+}
+
+/// The pipeline, in order: (name, pass, sessions it runs for). A pass returns how many
 /// rewrites it made.
-const PIPELINE: &[(&str, Pass, bool)] = &[
-    ("fuse_linear", fuse_linear::run, true),
+const PIPELINE: &[(&str, Pass, Runs)] = &[
+    // CUDA only, opt-in: the CPU's Attention kernel is a plain reference for the GPU's; on an
+    // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
+    // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
+    ("fuse_attention", fuse_attention::run, Runs::CudaOptIn),
+    ("fuse_linear", fuse_linear::run, Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
     // LM head's input, so that the Linear feeds the loss's reshape directly (CPU only, as the
     // fusion it serves)
-    ("slice_before_linear", slice_before_linear::run, false),
+    ("slice_before_linear", slice_before_linear::run, Runs::CpuOnly),
     // after fuse_linear: it matches the Linear that pass made (CPU kernel only)
-    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run, false),
+    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run, Runs::CpuOnly),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
+pub const ENV_ENABLE: &str = "ORTRAIN_ENABLE_PASSES";
 
 /// Rewrites made by each pass that ran.
 #[derive(Clone, Debug, Default)]
@@ -42,9 +59,9 @@ pub struct PassReport {
     pub rewrites: Vec<(&'static str, usize)>,
 }
 
-/// Pass names turned off by the environment.
-fn disabled() -> Result<Vec<String>> {
-    let Ok(v) = std::env::var(ENV_DISABLE) else { return Ok(vec![]) };
+/// Pass names listed in the environment variable `var` (a comma list, or `all`).
+fn listed(var: &str) -> Result<Vec<String>> {
+    let Ok(v) = std::env::var(var) else { return Ok(vec![]) };
     let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
     if names.iter().any(|n| n == "all") {
         return Ok(PIPELINE.iter().map(|(n, _, _)| n.to_string()).collect());
@@ -52,7 +69,7 @@ fn disabled() -> Result<Vec<String>> {
     for n in &names {
         if !PIPELINE.iter().any(|(p, _, _)| p == n) {
             let valid: Vec<&str> = PIPELINE.iter().map(|(p, _, _)| *p).collect();
-            return Err(Error::other(format!("{ENV_DISABLE}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
+            return Err(Error::other(format!("{var}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
         }
     }
     Ok(names)
@@ -61,10 +78,15 @@ fn disabled() -> Result<Vec<String>> {
 /// Runs the pipeline over `graph` (forward nodes only: call before autodiff) for plans on
 /// `target`.
 pub fn run(graph: &mut Graph, target: Target) -> Result<PassReport> {
-    let off = disabled()?;
+    let (off, on) = (listed(ENV_DISABLE)?, listed(ENV_ENABLE)?);
     let mut report = PassReport::default();
-    for (name, pass, cuda) in PIPELINE {
-        if off.iter().any(|n| n == name) || (target == Target::Cuda && !cuda) {
+    for (name, pass, runs) in PIPELINE {
+        let skip = match (target, runs) {
+            (Target::Cpu, Runs::CudaOptIn) | (Target::Cuda, Runs::CpuOnly) => true,
+            (Target::Cuda, Runs::CudaOptIn) => !on.iter().any(|n| n == name),
+            _ => false,
+        };
+        if off.iter().any(|n| n == name) || skip {
             continue;
         }
         let n = pass(graph)?;

@@ -11,6 +11,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUstream;
 
 use super::{Session, Sig};
+use crate::backend::cpu::bf16::MatmulPrecision;
+use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::ops::{CudaCtx, CudaKernel};
 use crate::backend::cuda::runtime::CudaRuntime;
 use crate::error::{Error, Result};
@@ -39,7 +41,7 @@ pub struct CudaPending {
     cplan: Arc<CudaPlan>,
     base: u64,
     seed: u64,
-    tf32: bool,
+    f32_mode: F32Mode,
     /// The forward's bindings (weights, outputs written into caller memory), kept for reading
     /// outputs and extended by the backward pass.
     bind: DeviceBindings,
@@ -68,7 +70,9 @@ impl Session {
     /// Queues the forward phase on `stream`. `inputs` are (type, device address) per user input,
     /// `weights` device addresses in `self.weights` order, `outputs[k]` (0: none) device memory
     /// receiving output k, `arena` at least `arena_bytes(...)` bytes of device memory. `tf32`:
-    /// f32 matmuls (forward and this step's backward) may use TF32 tensor cores.
+    /// f32 matmuls (forward and this step's backward) may use TF32 tensor cores; a session made
+    /// with `precision="bf16"` runs them on tensor cores at bf16 precision or better whatever
+    /// `tf32` says.
     ///
     /// # Safety
     /// Every address must be device memory of the runtime's context holding the value's type
@@ -101,9 +105,14 @@ impl Session {
             unsafe { bind.bind(o, p) };
         }
         let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
-        let mut ctx = CudaCtx { rt, stream, seed, tf32, error_flag: 0 };
+        let f32_mode = match (self.options.matmul_precision, tf32) {
+            (MatmulPrecision::Bf16, _) => F32Mode::Bf16,
+            (MatmulPrecision::Fp32, true) => F32Mode::Tf32,
+            (MatmulPrecision::Fp32, false) => F32Mode::Exact,
+        };
+        let mut ctx = CudaCtx { rt, stream, seed, f32_mode, error_flag: 0 };
         cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
-        Ok(CudaPending { plan, cplan, base: arena, seed, tf32, bind })
+        Ok(CudaPending { plan, cplan, base: arena, seed, f32_mode, bind })
     }
 
     fn bind_weights_cuda(&self, bind: &mut DeviceBindings, weights: &[u64]) -> Result<()> {
@@ -152,7 +161,7 @@ impl Session {
                 unsafe { p.bind.bind(*g, a) };
             }
         }
-        let mut ctx = CudaCtx { rt, stream, seed: p.seed, tf32: p.tf32, error_flag: 0 };
+        let mut ctx = CudaCtx { rt, stream, seed: p.seed, f32_mode: p.f32_mode, error_flag: 0 };
         cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &p.bind, &p.cplan.consts, &[], &mut ctx)
     }
 }

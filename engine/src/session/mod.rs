@@ -46,6 +46,8 @@ pub struct Session {
     /// Gradient of each weight (None: frozen, or it does not affect the outputs).
     pub grads: Vec<Option<ValueId>>,
     pub options: SessionOptions,
+    /// The backend the plans run on (what `from_onnx_for` was given).
+    pub target: Target,
     matmul: MatmulPath,
     /// Plans per (input types, backward, outputs bound, gradients bound from the forward on).
     plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>, bool), Arc<Plan>>>,
@@ -161,6 +163,7 @@ impl Session {
             weights: weight_ids,
             grads,
             options: SessionOptions::default(),
+            target,
             matmul: MatmulPath::Fp32,
             plans: Mutex::new(HashMap::new()),
             arenas: Mutex::new(Vec::new()),
@@ -183,9 +186,16 @@ impl Session {
         self.matmul
     }
 
-    /// `matmul_path` in words, with the reason when bf16 was requested and is not used.
+    /// `matmul_path` in words, with the reason when bf16 was requested and is not used; for a
+    /// CUDA session, the cuBLAS compute mode of f32 matmuls.
     pub fn matmul_description(&self) -> String {
-        self.matmul.describe(self.options.matmul_precision)
+        match (self.target, self.options.matmul_precision) {
+            (Target::Cpu, requested) => self.matmul.describe(requested),
+            (Target::Cuda, MatmulPrecision::Bf16) => {
+                "bf16 (cuBLAS tensor cores on f32 tensors, at least bf16 precision, f32 accumulation)".into()
+            }
+            (Target::Cuda, MatmulPrecision::Fp32) => "fp32 (cuBLAS; TF32 only where torch.backends.cuda.matmul.allow_tf32 is set)".into(),
+        }
     }
 
     /// The plan for these input types; `backward` adds the gradient phase.

@@ -236,10 +236,11 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     other use of the output computes it as usual. `precision`: "fp32", or "bf16" for mixed
     precision like `torch.autocast("cpu", torch.bfloat16)` for matmuls: every matmul (forward and
     backward) multiplies bf16-rounded operands with f32 accumulation, while weights, activations,
-    gradients and the optimizer stay f32. Needs avx512_bf16 or AMX; elsewhere it runs fp32, and
-    `explain()` says which matmul path runs. None (the default) keeps what an earlier call set
-    ("fp32" at first). `device="cuda"`: the model's parameters on the current CUDA device; the
-    engine runs on PyTorch's current stream (bf16 there still runs fp32 matmuls, with a warning).
+    gradients and the optimizer stay f32. On a CPU it needs avx512_bf16 or AMX (elsewhere it runs
+    fp32); on CUDA the f32 matmuls run on tensor cores at bf16 precision or better (cuBLAS
+    picks the kernels: TF32 ones on an H100). `explain()` says which matmul path runs.
+    None (the default) keeps what an earlier call set ("fp32" at first). `device="cuda"`: the
+    model's parameters on the current CUDA device; the engine runs on PyTorch's current stream.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -252,9 +253,6 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
             raise OrtrainError(unavailable_message("device='cuda'"))
         if not torch.cuda.is_available():
             raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
-        if precision == "bf16":
-            warnings.warn("ortrain: precision='bf16' on CUDA runs fp32 matmuls for now (bf16 tensors in the "
-                          "engine's GPU plans are not wired up yet)", stacklevel=2)
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     if precision is not None and precision not in _VALID_PRECISIONS:
@@ -326,7 +324,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             took += ", in a child process" if e.in_child and not e.from_cache else ""
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes")
-            if getattr(r, "on_cuda", False):
+            if getattr(r, "on_cuda", False) and r.session.matmul_precision == "bf16":
+                lines.append(f"    on {r.device}: matmuls bf16 on cuBLAS tensor cores (f32 tensors, at least bf16 "
+                             "precision, f32 accumulation); optimizer step in PyTorch")
+            elif getattr(r, "on_cuda", False):
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
                 lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step in PyTorch")
             else:

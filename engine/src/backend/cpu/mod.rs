@@ -3,6 +3,7 @@
 //! bf16 matmul mode, by `bf16` (avx512_bf16 or AMX, also chosen at run time).
 
 mod activation;
+mod attention;
 mod batchnorm;
 pub mod bf16;
 mod broadcast;
@@ -68,6 +69,7 @@ pub fn kernels() -> &'static KernelTable {
     T.get_or_init(|| {
         let mut t = KernelTable(HashMap::new());
         activation::register(&mut t);
+        attention::register(&mut t);
         batchnorm::register(&mut t);
         conv::register(&mut t);
         cumsum::register(&mut t);

@@ -33,6 +33,24 @@ pub struct Reduce {
     pub count: i64,
 }
 
+/// kernels/attention.cu `AttnShape`: the full batch (padded to 4 dims with leading 1s), each
+/// input's batch strides (0 where broadcast), the matrix sizes and the mask's row/column strides.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AttnShape {
+    pub dims: [i64; 4],
+    pub q: [i64; 4],
+    pub k: [i64; 4],
+    pub v: [i64; 4],
+    pub m: [i64; 4],
+    pub t: i64,
+    pub s: i64,
+    pub d: i64,
+    pub dv: i64,
+    pub mask_t: i64,
+    pub mask_s: i64,
+}
+
 /// kernels/optim.cu `AdamTensor` (in device memory; pointers are device addresses).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -74,6 +92,7 @@ pub enum Arg {
     F64,
     Strides,
     Reduce,
+    AttnShape,
 }
 
 impl Arg {
@@ -83,12 +102,14 @@ impl Arg {
             Arg::Ptr | Arg::I64 | Arg::U64 | Arg::F64 => 8,
             Arg::Strides => std::mem::size_of::<Strides>(),
             Arg::Reduce => std::mem::size_of::<Reduce>(),
+            Arg::AttnShape => std::mem::size_of::<AttnShape>(),
         }
     }
     pub fn align(self) -> usize {
         match self {
             Arg::Strides => std::mem::align_of::<Strides>(),
             Arg::Reduce => std::mem::align_of::<Reduce>(),
+            Arg::AttnShape => std::mem::align_of::<AttnShape>(),
             scalar => scalar.size(),
         }
     }
@@ -116,6 +137,7 @@ mod tests {
         // i32 + pad + 8 + 24 + 3 i64
         assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8);
         assert_eq!(std::mem::size_of::<Reduce>(), 8 + 4 * 8 * 8 + 2 * 8);
+        assert_eq!(std::mem::size_of::<AttnShape>(), 26 * 8);
         assert_eq!(std::mem::size_of::<AdamTensor>(), 40);
         assert_eq!(std::mem::size_of::<SgdTensor>(), 32);
         assert_eq!(std::mem::size_of::<GradTensor>(), 16);

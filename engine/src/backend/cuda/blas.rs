@@ -1,7 +1,11 @@
 //! Matrix products on the GPU through cuBLAS (`cublasGemmStridedBatchedEx`): every MatMul,
 //! Gemm, FusedMatMul and Linear of a plan is one call, with row-major operands described by a
 //! [`Gemm`]. TF32 is off unless asked for (parity with PyTorch's default,
-//! `torch.backends.cuda.matmul.allow_tf32 = False`); bf16/f16 operands accumulate in f32.
+//! `torch.backends.cuda.matmul.allow_tf32 = False`); bf16/f16 operands accumulate in f32. f32
+//! operands may also go to tensor cores at bf16 precision or better ([`F32Mode::Bf16`], cuBLAS's
+//! `CUBLAS_COMPUTE_32F_FAST_16BF`): the mixed precision of `precision="bf16"`, with f32 tensors
+//! in and out. cuBLAS picks the kernels: on an H100 it ran TF32 ones (results within 1e-4 of
+//! the f32 product, not bf16's 1e-2; gpu_gemm_f32_operands_as_bf16 prints it).
 //!
 //! cudarc opens cuBLAS by name (`libcublas.so.13`) and panics when it finds none, and PyTorch's
 //! CUDA wheels keep it in `site-packages/nvidia/cu13/lib/`, off the loader's path. So [`load`]
@@ -54,6 +58,19 @@ impl GemmType {
     }
 }
 
+/// How a gemm multiplies f32 operands.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum F32Mode {
+    /// f32 products (PyTorch's default).
+    #[default]
+    Exact,
+    /// TF32 tensor cores (PyTorch's `allow_tf32`).
+    Tf32,
+    /// Tensor cores allowed to round operands to bf16 (cuBLAS may use TF32 or better), f32
+    /// accumulation.
+    Bf16,
+}
+
 /// `C[b] = alpha · op(A[b]) · op(B[b]) + beta · C[b]` for b in 0..batch, row-major: C[b] is
 /// m×n with row stride `ldc`; A[b] is m×k (k×m when `trans_a`) with row stride `lda`; B[b] is
 /// k×n (n×k when `trans_b`) with row stride `ldb`. Batch strides are in elements; 0 repeats
@@ -77,8 +94,8 @@ pub struct Gemm {
     /// A and B.
     pub ab_type: GemmType,
     pub c_type: GemmType,
-    /// Allow TF32 tensor cores for f32 operands (off: exact f32 products, as PyTorch's default).
-    pub tf32: bool,
+    /// How f32 operands are multiplied (exact unless asked otherwise).
+    pub f32_mode: F32Mode,
 }
 
 impl Gemm {
@@ -101,7 +118,7 @@ impl Gemm {
             beta: 0.0,
             ab_type: t,
             c_type: t,
-            tf32: false,
+            f32_mode: F32Mode::Exact,
         }
     }
 }
@@ -188,9 +205,10 @@ impl Blas {
         let (m, n, k) = (int(g.n, "n")?, int(g.m, "m")?, int(g.k, "k")?);
         let (lda, ldb, ldc) = (int(g.ldb, "ldb")?, int(g.lda, "lda")?, int(g.ldc, "ldc")?);
         let batch = int(g.batch, "batch")?;
-        let compute = match (g.ab_type, g.tf32) {
+        let compute = match (g.ab_type, g.f32_mode) {
             (GemmType::F64, _) => sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
-            (GemmType::F32, true) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            (GemmType::F32, F32Mode::Tf32) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            (GemmType::F32, F32Mode::Bf16) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
             _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
         let (alpha32, beta32) = (g.alpha as f32, g.beta as f32);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaFunction};
 
-use super::abi::{Arg, Reduce, Strides};
+use super::abi::{Arg, AttnShape, Reduce, Strides};
 use super::registry;
 use crate::error::{Error, Result};
 
@@ -26,6 +26,7 @@ pub enum KArg {
     F64(f64),
     Strides(Strides),
     Reduce(Reduce),
+    AttnShape(AttnShape),
 }
 
 impl KArg {
@@ -39,6 +40,7 @@ impl KArg {
             KArg::F64(_) => Arg::F64,
             KArg::Strides(_) => Arg::Strides,
             KArg::Reduce(_) => Arg::Reduce,
+            KArg::AttnShape(_) => Arg::AttnShape,
         }
     }
     fn as_param(&mut self) -> *mut c_void {
@@ -50,6 +52,7 @@ impl KArg {
             KArg::F64(v) => v as *mut f64 as *mut c_void,
             KArg::Strides(v) => v as *mut Strides as *mut c_void,
             KArg::Reduce(v) => v as *mut Reduce as *mut c_void,
+            KArg::AttnShape(v) => v as *mut AttnShape as *mut c_void,
         }
     }
 }
@@ -122,6 +125,19 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
         *p = v.as_param();
     }
     let params = &mut params[..args.len()];
+    // more than 48 KiB of dynamic shared memory must be asked for per function (Hopper: 227 KiB)
+    if grid.shared > 48 * 1024 {
+        // SAFETY: the function handle is live (owned by `func`'s module); the attribute only
+        // raises the function's dynamic shared memory limit.
+        unsafe {
+            result::function::set_function_attribute(
+                func.cu_function(),
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                grid.shared as i32,
+            )
+        }
+        .map_err(|e| Error::Cuda(format!("{kernel}: {} bytes of shared memory: {e}", grid.shared)))?;
+    }
     // SAFETY: `params` holds one pointer per kernel parameter, each to a live value of the
     // parameter's registered type (checked above; the registry's layouts are checked against the
     // CUBIN by engine/tests/cuda_kernels.rs), and `values` outlives the call. Device addresses

@@ -105,7 +105,7 @@ const fn g(ops: &'static [&'static str], dtypes: &'static [&'static str], args: 
     Group { ops, dtypes, args }
 }
 
-use Arg::{Ptr, Reduce, Strides, F32 as AF32, F64 as AF64, I32 as AI32, I64 as AI64, U64 as AU64};
+use Arg::{AttnShape, Ptr, Reduce, Strides, F32 as AF32, F64 as AF64, I32 as AI32, I64 as AI64, U64 as AU64};
 
 /// Signatures shared by many kernels.
 const UNARY: &[Arg] = &[Ptr, Ptr, AI64];
@@ -211,6 +211,14 @@ pub static FAMILIES: &[Family] = &[
             g(&["sce_reduce"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI32]),
             g(&["sce_grad_scale"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
             g(&["sce_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, AI32]),
+        ]
+    ),
+    family!(
+        "attention",
+        [
+            g(&["attention_fwd"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
+            g(&["attention_bwd_dq"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
+            g(&["attention_bwd_dkv"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
         ]
     ),
     family!(

@@ -46,7 +46,7 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
         return Ok(());
     }
     let mut g = Gemm::contiguous(1, m, n, k, ta, tb, t);
-    g.tf32 = ctx.tf32;
+    g.f32_mode = ctx.f32_mode;
     g.alpha = alpha;
     g.beta = beta;
     if k == 0 {

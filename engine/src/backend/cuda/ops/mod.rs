@@ -9,11 +9,13 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys::CUstream;
 
+use super::blas::F32Mode;
 use super::runtime::CudaRuntime;
 use crate::error::Result;
 use crate::ir::Node;
 use crate::tensor::{DType, Tensor};
 
+mod attention;
 mod activation;
 mod elementwise;
 mod gather;
@@ -48,9 +50,10 @@ pub struct CudaCtx<'a> {
     pub stream: CUstream,
     /// The step's dropout seed.
     pub seed: u64,
-    /// Let f32 matmuls use TF32 tensor cores (PyTorch's `torch.backends.cuda.matmul.allow_tf32`,
-    /// read per step by the Python side; off by default, for parity).
-    pub tf32: bool,
+    /// How f32 matmuls multiply: exact (the default, for parity), TF32 (PyTorch's
+    /// `torch.backends.cuda.matmul.allow_tf32`, read per step by the Python side), or bf16 (the
+    /// session's `precision="bf16"`).
+    pub f32_mode: F32Mode,
     /// Device address of an i32 error flag that index-checking kernels (gather, the loss's
     /// labels) set on invalid input; 0: none (invalid input is then silently zero).
     pub error_flag: u64,
@@ -71,6 +74,7 @@ fn table() -> &'static CudaTable {
     T.get_or_init(|| {
         let mut t = CudaTable(HashMap::new());
         matmul::register(&mut t);
+        attention::register(&mut t);
         elementwise::register(&mut t);
         activation::register(&mut t);
         reduce::register(&mut t);

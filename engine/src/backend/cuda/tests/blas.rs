@@ -4,7 +4,7 @@
 //! (printed, for doc/GPU-RUNS.md).
 
 use super::support::*;
-use crate::backend::cuda::blas::{Gemm, GemmType};
+use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
 
 /// The reference: C = alpha·op(A)·op(B) + beta·C0 in f64, with Gemm's row-major layout.
 fn reference(g: &Gemm, a: &[f64], b: &[f64], c0: &[f64]) -> Vec<f64> {
@@ -134,18 +134,66 @@ fn gpu_gemm_tf32_only_when_asked() {
     let mut rng = Rng::new(13);
     let mut g = Gemm::contiguous(1, 128, 128, 512, false, false, GemmType::F32);
     check("f32 no TF32 (tight)", &g, &mut rng, 2e-6);
-    g.tf32 = true;
+    g.f32_mode = F32Mode::Tf32;
     // TF32 keeps 10 mantissa bits of each operand
     check("f32 with TF32", &g, &mut rng, 2e-3);
+}
+
+/// `precision="bf16"` on CUDA: f32 operands multiplied on bf16 tensor cores with f32
+/// accumulation, f32 in and out; every transpose combination and a broadcast batch. The result
+/// is within bf16's rounding of the exact product (each operand off by at most 2^-8 relative,
+/// whatever rounding cuBLAS uses) and not the exact f32 product. Which rounding it is (to
+/// nearest, or toward zero) is printed for doc/GPU-RUNS.md.
+#[test]
+fn gpu_gemm_f32_operands_as_bf16() {
+    let Some(gpu_) = gpu("gpu_gemm_f32_operands_as_bf16") else { return };
+    let mut rng = Rng::new(17);
+    for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut g = Gemm::contiguous(3, 64, 48, 256, ta, tb, GemmType::F32);
+        g.stride_b = if tb { 0 } else { g.stride_b };
+        g.f32_mode = F32Mode::Bf16;
+        let (a_rows, b_rows) = (if ta { g.k } else { g.m }, if tb { g.n } else { g.k });
+        let a = rng.f32s(extent(g.batch, g.stride_a, a_rows, g.lda), -1.0, 1.0);
+        let b = rng.f32s(extent(g.batch, g.stride_b, b_rows, g.ldb), -1.0, 1.0);
+        let (da, db, dc) = (dev(gpu_, &a), dev(gpu_, &b), dev(gpu_, &vec![0f32; g.batch * g.m * g.n]));
+        blas(gpu_).gemm(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), dc.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        gpu_.synchronize().unwrap();
+        let got: Vec<f64> = host::<f32>(&dc).into_iter().map(f64::from).collect();
+        let nearest = |v: &[f32]| v.iter().map(|&x| bf16_value(bf16_bits(x)) as f64).collect::<Vec<f64>>();
+        let toward_zero = |v: &[f32]| v.iter().map(|&x| f32::from_bits(x.to_bits() & 0xffff_0000) as f64).collect::<Vec<f64>>();
+        let exact = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        let abs = |v: &[f32]| v.iter().map(|&x| x.abs() as f64).collect::<Vec<f64>>();
+        let zero = vec![0.0; got.len()];
+        let full = reference(&g, &exact(&a), &exact(&b), &zero);
+        let scale = reference(&g, &abs(&a), &abs(&b), &zero);
+        let max_off = |want: &[f64]| got.iter().zip(want).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        let (off_near, off_zero) = (
+            max_off(&reference(&g, &nearest(&a), &nearest(&b), &zero)),
+            max_off(&reference(&g, &toward_zero(&a), &toward_zero(&b), &zero)),
+        );
+        let mut worst = 0f64;
+        let mut rounded = false;
+        for ((&gv, &fv), &sc) in got.iter().zip(&full).zip(&scale) {
+            worst = worst.max((gv - fv).abs() / sc.max(1e-30));
+            rounded |= (gv - fv).abs() > 1e-5 * sc;
+        }
+        println!("bf16 gemm trans_a={ta} trans_b={tb}: off the exact product by {worst:.2e} of Σ|ab| at most; off the round-to-nearest bf16 product by {off_near:.2e}, the truncated one by {off_zero:.2e}");
+        // bf16 keeps 8 significant bits: an operand is off by 2^-7 relative at most (toward
+        // zero; 2^-8 to nearest), a product by about twice that, plus f32 accumulation
+        assert!(worst <= 1.0 / 32.0, "trans_a={ta} trans_b={tb}: {worst} of Σ|ab| from the exact product");
+        assert!(rounded, "trans_a={ta} trans_b={tb}: the exact f32 product: the operands were not rounded to bf16");
+    }
 }
 
 #[test]
 fn gpu_gemm_speed() {
     let Some(g) = gpu("gpu_gemm_speed") else { return };
     let n = 8192usize;
-    for (t, tf32) in [(GemmType::Bf16, false), (GemmType::F32, false), (GemmType::F32, true)] {
+    for (t, mode) in
+        [(GemmType::Bf16, F32Mode::Exact), (GemmType::F32, F32Mode::Exact), (GemmType::F32, F32Mode::Tf32), (GemmType::F32, F32Mode::Bf16)]
+    {
         let mut desc = Gemm::contiguous(1, n, n, n, false, false, t);
-        desc.tf32 = tf32;
+        desc.f32_mode = mode;
         let (a, b, c) = (zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()));
         let bl = blas(g);
         let go = || bl.gemm(std::ptr::null_mut(), &desc, a.ptr(), b.ptr(), c.ptr()).unwrap_or_else(|e| panic!("{e}"));
@@ -160,6 +208,6 @@ fn gpu_gemm_speed() {
         }
         g.synchronize().unwrap();
         let s = t0.elapsed().as_secs_f64() / reps as f64;
-        println!("gemm {n}³ {t:?} tf32={tf32}: {:.3} ms, {:.0} TFLOP/s (zeros)", s * 1e3, 2.0 * (n as f64).powi(3) / s / 1e12);
+        println!("gemm {n}³ {t:?} {mode:?}: {:.3} ms, {:.0} TFLOP/s (zeros)", s * 1e3, 2.0 * (n as f64).powi(3) / s / 1e12);
     }
 }

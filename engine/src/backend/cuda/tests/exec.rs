@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::support::*;
+use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::DeviceBuffer;
 use crate::backend::cuda::ops::CudaCtx;
 use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
@@ -230,10 +231,80 @@ fn attention_bits(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
+/// Self-attention over x [2, 70, 8] (three 32-row tiles, the last partial; the causal mask's
+/// upper tiles are skipped by the kernels) with 2 heads of 4, written as the exporters write it: Q and
+/// Kᵀ from Reshape + Transpose, then either torchlib's scaled_dot_product_attention (Q and Kᵀ
+/// each scaled by √scale, a causal -inf mask added, `Where(IsNaN(p), 0, p)` after the softmax)
+/// or the eager form (scores / √D, a [B, 1, 1, S] padding mask of 0 / -1e9, no guard).
+fn self_attention(rng: &mut Rng, torchlib: bool) -> Model {
+    const T: usize = 70;
+    let input = vec![2, T, 8];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let perm = |p: &[i64]| Attrs::default().with("perm", Attr::Ints(p.to_vec()));
+    let heads = ints(&mut g, "heads", &[2, T as i64, 2, 4]);
+    let q = {
+        let w = weight(&mut g, &mut ws, "wq", &[8, 8], rng);
+        let h = op(&mut g, "q_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "q_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "q_t", "Transpose", &[h], perm(&[0, 2, 1, 3]))
+    };
+    let kt = {
+        let w = weight(&mut g, &mut ws, "wk", &[8, 8], rng);
+        let h = op(&mut g, "k_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "k_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "k_t", "Transpose", &[h], perm(&[0, 2, 3, 1]))
+    };
+    let v = {
+        let w = weight(&mut g, &mut ws, "wv", &[8, 8], rng);
+        let h = op(&mut g, "v_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "v_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "v_t", "Transpose", &[h], perm(&[0, 2, 1, 3]))
+    };
+    let o = if torchlib {
+        let c = g.add_const("sqrt_scale", Tensor::from_f32(vec![], vec![0.5f32.sqrt()]));
+        let qs = op(&mut g, "q_scaled", "Mul", &[q, c], Attrs::default());
+        let ks = op(&mut g, "k_scaled", "Mul", &[kt, c], Attrs::default());
+        let s = op(&mut g, "scores", "MatMul", &[qs, ks], Attrs::default());
+        let causal: Vec<f32> = (0..T * T).map(|i| if i % T > i / T { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = g.add_const("causal", Tensor::from_f32(vec![1, 1, T, T], causal));
+        let s = op(&mut g, "masked", "Add", &[s, mask], Attrs::default());
+        let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
+        let nan = op(&mut g, "isnan", "IsNaN", &[p], Attrs::default());
+        let zero = g.add_const("zero", Tensor::from_f32(vec![], vec![0.0]));
+        let p = g.add_node("guard", "Where", vec![Some(nan), Some(zero), Some(p)], Attrs::default(), 1)[0];
+        op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
+    } else {
+        let s = op(&mut g, "scores", "MatMul", &[q, kt], Attrs::default());
+        let c = g.add_const("sqrt_d", Tensor::from_f32(vec![], vec![2.0]));
+        let s = op(&mut g, "scaled", "Div", &[s, c], Attrs::default());
+        // the first sample's last 5 positions and the second's last 40 are padding
+        let pad: Vec<f32> = (0..2 * T).map(|i| if (i < T && i >= T - 5) || i >= 2 * T - 40 { -1e9 } else { 0.0 }).collect();
+        let mask = g.add_const("padding", Tensor::from_f32(vec![2, 1, 1, T], pad));
+        let s = op(&mut g, "masked", "Add", &[mask, s], Attrs::default());
+        let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
+        op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
+    };
+    let o = op(&mut g, "merge_t", "Transpose", &[o], perm(&[0, 2, 1, 3]));
+    let merged = ints(&mut g, "merged", &[2, T as i64, 8]);
+    let o = op(&mut g, "merge", "Reshape", &[o, merged], Attrs::default());
+    let wo = weight(&mut g, &mut ws, "wo", &[8, 8], rng);
+    let y = op(&mut g, "out", "MatMul", &[o, wo], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 fn session(m: &Model) -> Session {
+    session_for(m, crate::session::Target::Cuda)
+}
+
+fn session_for(m: &Model, target: crate::session::Target) -> Session {
+    // the attention fusion is opt-in; every test here wants it (no test reads the variable
+    // expecting it unset)
+    std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention");
     let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
     let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
-    Session::from_onnx_for(&bytes, None, &names, &vec![true; names.len()], None, crate::session::Target::Cuda).expect("import")
+    Session::from_onnx_for(&bytes, None, &names, &vec![true; names.len()], None, target).expect("import")
 }
 
 fn weight_data(m: &Model) -> Vec<Vec<f32>> {
@@ -306,7 +377,7 @@ fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, tf32: false, error_flag: 0 };
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, f32_mode: F32Mode::Exact, error_flag: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
@@ -350,6 +421,8 @@ fn models() -> Vec<(&'static str, Model)> {
         ("masks", masks(&mut rng)),
         ("embedding", embedding(&mut rng)),
         ("attention_bits", attention_bits(&mut rng)),
+        ("sdpa_causal", self_attention(&mut rng, true)),
+        ("eager_attention_padding", self_attention(&mut rng, false)),
     ]
 }
 
@@ -406,6 +479,30 @@ fn test_models_cover_the_movement_elementwise_and_gather_dispatchers() {
     ];
     let missing: Vec<&str> = want.iter().copied().filter(|o| !seen.contains(*o)).collect();
     assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
+}
+
+/// The exporters' attention becomes one Attention node in a CUDA session, and the fused graph's
+/// train step on the CPU executor (the reference the GPU is compared with) matches the unfused
+/// graph of a CPU session: outputs and every weight gradient.
+#[test]
+fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
+    let mut rng = Rng::new(11);
+    for torchlib in [true, false] {
+        let m = self_attention(&mut rng, torchlib);
+        let (fused, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
+        let count = |s: &Session| s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "Attention").count();
+        assert_eq!((count(&fused), count(&plain)), (1, 0), "torchlib={torchlib}");
+        let x = m.input_bytes(&mut rng);
+        let plan = fused.plan(&[m.sig()], true).expect("plan");
+        let mut seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (fo, fg) = cpu_step(&fused, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
+        let (po, pg) = cpu_step(&plain, &x, &m.sig(), weight_data(&m), &mut seeds);
+        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        assert_close(&format!("torchlib={torchlib}: output"), &f(&fo[0]), &f(&po[0]), 1e-5, 1e-6);
+        for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
+            assert_close(&format!("torchlib={torchlib}: gradient of {name}"), &f(a), &f(b), 1e-5, 1e-6);
+        }
+    }
 }
 
 /// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives

@@ -1,0 +1,125 @@
+//! Attention and AttentionGrad (kernels/attention.cu): the fused forward (online softmax, only
+//! LSE saved) and the two backward kernels (dQ; dKt and dV), f32, head sizes up to 128.
+
+use super::{input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::abi::AttnShape;
+use crate::backend::cuda::launch::{Grid, KArg};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::attention::{attention_layout, AttnLayout};
+use crate::tensor::DType;
+
+const TILE: usize = 32;
+/// Row of a transposed tile, and of the probability tile (kernels/attention.cu ATT_LD, ATT_PLD).
+const LD: usize = 33;
+const PLD: usize = 36;
+const THREADS: u32 = 128;
+
+/// Shared-memory floats of regions laid out one after another, each 16-byte aligned (ATT_A4).
+fn floats(regions: &[usize]) -> usize {
+    regions.iter().map(|r| r.div_ceil(4) * 4).sum()
+}
+
+/// Layout, kernel-side shape and the mask's address of a node whose Q, Kt, V, mask start at
+/// input `first`.
+fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64)> {
+    let (q, kt, v) = (input(node, ins, first)?, input(node, ins, first + 1)?, input(node, ins, first + 2)?);
+    let mask = ins.get(first + 3).and_then(|m| m.as_ref());
+    if q.dtype != DType::F32 {
+        return Err(node.err(format!("the CUDA attention kernels take f32 tensors, got {}", q.dtype.name())));
+    }
+    let l = attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?;
+    if l.d > 128 || l.dv > 128 {
+        return Err(node.err(format!("the CUDA attention kernels take head sizes up to 128, got D = {}, Dv = {}", l.d, l.dv)));
+    }
+    if l.batch.len() > 4 {
+        return Err(node.err(format!("the CUDA attention kernels take up to 4 batch dims, got {:?}", l.batch)));
+    }
+    let pad = 4 - l.batch.len();
+    let four = |v: &[usize], fill: i64| {
+        let mut a = [fill; 4];
+        for (i, &x) in v.iter().enumerate() {
+            a[pad + i] = x as i64;
+        }
+        a
+    };
+    let (mb, mt, ms) = l.m.clone().unwrap_or((vec![0; l.batch.len()], 0, 0));
+    let shape = AttnShape {
+        dims: four(&l.batch, 1),
+        q: four(&l.q, 0),
+        k: four(&l.k, 0),
+        v: four(&l.v, 0),
+        m: four(&mb, 0),
+        t: l.t as i64,
+        s: l.s as i64,
+        d: l.d as i64,
+        dv: l.dv as i64,
+        mask_t: mt as i64,
+        mask_s: ms as i64,
+    };
+    Ok((l, shape, mask.map_or(0, |m| m.ptr)))
+}
+
+/// A grid of batch · ceil(rows / 32) blocks with `floats` f32s of dynamic shared memory.
+fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid> {
+    let blocks = u32::try_from(l.batch_count() * rows.div_ceil(TILE)).map_err(|_| node.err("attention grid too large"))?;
+    Ok(Grid { blocks, threads: THREADS, shared: (floats * 4) as u32 })
+}
+
+fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (l, shape, mask) = setup(node, ins, 0)?;
+    if l.batch_count() == 0 || l.t == 0 {
+        return Ok(());
+    }
+    let (d, dv) = (l.d, l.dv);
+    let g = grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?;
+    let p = |i: usize| KArg::Ptr(ins[i].as_ref().map_or(0, |x| x.ptr));
+    let scale = node.attrs.float("scale", 1.0)?;
+    let guard = node.attrs.int("nan_guard", 0)? as i32;
+    ctx.rt.launch(
+        ctx.stream,
+        "attention_fwd_f32",
+        g,
+        &[
+            p(0),
+            p(1),
+            p(2),
+            KArg::Ptr(mask),
+            KArg::Ptr(outs[0].ptr),
+            KArg::Ptr(outs[1].ptr),
+            KArg::AttnShape(shape),
+            KArg::F32(scale),
+            KArg::I32(guard),
+        ],
+    )
+}
+
+/// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
+fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (l, shape, mask) = setup(node, ins, 1)?;
+    if l.batch_count() == 0 {
+        return Ok(());
+    }
+    let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
+    let p = |i: usize| KArg::Ptr(ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr));
+    let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
+    let common = [p(0), p(1), p(2), p(3), KArg::Ptr(mask), p(5), p(6)];
+    if l.t > 0 {
+        let g = grid(node, &l, l.t, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * (d + 1)), TILE * PLD]))?;
+        let mut args = common.to_vec();
+        args.extend([KArg::Ptr(outs[0].ptr), KArg::AttnShape(shape), scale]);
+        ctx.rt.launch(ctx.stream, "attention_bwd_dq_f32", g, &args)?;
+    }
+    if l.s > 0 {
+        let g = grid(node, &l, l.s, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * wide), TILE * PLD]))?;
+        let mut args = common.to_vec();
+        args.extend([KArg::Ptr(outs[1].ptr), KArg::Ptr(outs[2].ptr), KArg::AttnShape(shape), scale]);
+        ctx.rt.launch(ctx.stream, "attention_bwd_dkv_f32", g, &args)?;
+    }
+    Ok(())
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("Attention", attention);
+    t.add("AttentionGrad", attention_grad);
+}

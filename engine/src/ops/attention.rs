@@ -1,0 +1,182 @@
+//! Attention (internal, made by passes/fuse_attention.rs): O = softmax(scale · Q·Kt + M) · V over
+//! the last two dims, with Q [.., T, D], Kt [.., D, S] (K transposed, as the exporters write
+//! Q·Kᵀ), V [.., S, Dv] and an optional additive mask M broadcast to [.., T, S]; batch dims
+//! broadcast. Outputs O [batch.., T, Dv] and LSE [batch.., T] (f32: log Σ exp of each score row,
+//! what the gradient recomputes the probabilities from, so the [T, S] scores are never kept).
+//! `nan_guard` = 1: a row whose scores are all -inf gives 0 (the exporters'
+//! `Where(IsNaN(p), 0, p)` after the softmax), else NaN as a plain softmax does.
+//!
+//! AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV) in the full batch; the gradient rule
+//! sums them over broadcast batch dims. The mask gets no gradient (the pass fuses only masks
+//! that depend on no weight).
+
+use super::util::{broadcast_shapes, input};
+use super::{InferIn, OpDef, Registry, TypeOut};
+use crate::autodiff::GradCtx;
+use crate::error::Result;
+use crate::ir::Node;
+use crate::tensor::DType;
+
+/// The sizes of one Attention node and each input's batch strides in the full batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AttnLayout {
+    /// The broadcast batch dims.
+    pub batch: Vec<usize>,
+    pub t: usize,
+    pub s: usize,
+    pub d: usize,
+    pub dv: usize,
+    /// Element strides of Q, Kt, V per full batch dim (0 where broadcast).
+    pub q: Vec<usize>,
+    pub k: Vec<usize>,
+    pub v: Vec<usize>,
+    /// The mask's strides per full batch dim, then along T and S.
+    pub m: Option<(Vec<usize>, usize, usize)>,
+}
+
+impl AttnLayout {
+    pub fn batch_count(&self) -> usize {
+        self.batch.iter().product()
+    }
+    /// Element offsets of (Q, Kt, V, mask) for flat full-batch index `b`.
+    pub fn offsets(&self, mut b: usize) -> [usize; 4] {
+        let mut o = [0usize; 4];
+        for i in (0..self.batch.len()).rev() {
+            let k = b % self.batch[i];
+            b /= self.batch[i];
+            o[0] += k * self.q[i];
+            o[1] += k * self.k[i];
+            o[2] += k * self.v[i];
+            o[3] += k * self.m.as_ref().map_or(0, |m| m.0[i]);
+        }
+        o
+    }
+}
+
+/// Contiguous strides of `shape` aligned to the trailing dims of `full`, 0 where `shape` has 1
+/// (or lacks the dim).
+fn broadcast_strides(shape: &[usize], full: &[usize]) -> Vec<usize> {
+    let mut strides = vec![0usize; full.len()];
+    let mut step = 1usize;
+    for (i, &d) in shape.iter().enumerate().rev() {
+        let at = full.len() - (shape.len() - i);
+        strides[at] = if d == 1 { 0 } else { step };
+        step *= d;
+    }
+    strides
+}
+
+/// Checks the shapes of an Attention node's inputs and lays them out.
+pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mask: Option<&[usize]>) -> Result<AttnLayout> {
+    if q.len() < 2 || kt.len() < 2 || v.len() < 2 {
+        return Err(node.err(format!("Q, Kt and V must have rank >= 2, got {q:?}, {kt:?}, {v:?}")));
+    }
+    let split = |x: &[usize]| (x[..x.len() - 2].to_vec(), x[x.len() - 2], x[x.len() - 1]);
+    let ((bq, t, d), (bk, dk, s), (bv, sv, dv)) = (split(q), split(kt), split(v));
+    if dk != d || sv != s {
+        return Err(node.err(format!("Q {q:?}, Kt {kt:?} and V {v:?} do not chain: Q·Kt·V needs [.., T, D], [.., D, S], [.., S, Dv]")));
+    }
+    let batch = broadcast_shapes(node, &[&bq, &bk, &bv])?;
+    let full = |b: &[usize], rows: usize, cols: usize| {
+        let mut s = broadcast_strides(b, &batch);
+        s.iter_mut().for_each(|x| *x *= rows * cols);
+        s
+    };
+    let m = match mask {
+        None => None,
+        Some(ms) => {
+            let mut want = batch.clone();
+            want.extend([t, s]);
+            if broadcast_shapes(node, &[ms, &want])? != want {
+                return Err(node.err(format!("the mask {ms:?} does not broadcast to the scores {want:?}")));
+            }
+            let st = broadcast_strides(ms, &want);
+            let n = st.len();
+            Some((st[..n - 2].to_vec(), st[n - 2], st[n - 1]))
+        }
+    };
+    Ok(AttnLayout { q: full(&bq, t, d), k: full(&bk, d, s), v: full(&bv, s, dv), batch, t, s, d, dv, m })
+}
+
+fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(AttnLayout, DType)> {
+    let (q, kt, v) = (input(node, inputs, first)?, input(node, inputs, first + 1)?, input(node, inputs, first + 2)?);
+    let mask = inputs.get(first + 3).and_then(|m| m.as_ref());
+    for (what, x) in [("Kt", kt), ("V", v)].into_iter().chain(mask.map(|m| ("the mask", m))) {
+        if x.dtype != q.dtype {
+            return Err(node.err(format!("{what} is {}, Q is {}", x.dtype.name(), q.dtype.name())));
+        }
+    }
+    if !matches!(q.dtype, DType::F32 | DType::F64) {
+        return Err(node.err(format!("attention takes f32 or f64 tensors, got {}", q.dtype.name())));
+    }
+    Ok((attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?, q.dtype))
+}
+
+struct Attention;
+impl OpDef for Attention {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (l, dt) = layout_of(node, inputs, 0)?;
+        let mut o = l.batch.clone();
+        o.extend([l.t, l.dv]);
+        let mut lse = l.batch.clone();
+        lse.push(l.t);
+        Ok(vec![TypeOut::new(dt, o), TypeOut::new(DType::F32, lse)])
+    }
+    fn non_differentiable_inputs(&self) -> &'static [usize] {
+        &[3]
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dout) = g.dy(0) else { return Ok(()) };
+            if g.wants(3) {
+                return Err(node.err("the fused attention has no gradient for its mask (the mask depends on a weight)"));
+            }
+            let (q, kt, v) = (g.x(0)?, g.x(1)?, g.x(2)?);
+            let ins = vec![Some(dout), Some(q), Some(kt), Some(v), g.x_opt(3), Some(g.y(0)), Some(g.y(1))];
+            let outs = g.op_n("AttentionGrad", ins, g.attrs().clone(), 3);
+            for (i, (d, x)) in outs.into_iter().zip([q, kt, v]).enumerate() {
+                if g.wants(i) {
+                    let summed = g.sum_to(d, x);
+                    g.set(i, summed);
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+struct AttentionGrad;
+impl OpDef for AttentionGrad {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (l, dt) = layout_of(node, inputs, 1)?;
+        let with = |rows: usize, cols: usize| {
+            let mut s = l.batch.clone();
+            s.extend([rows, cols]);
+            TypeOut::new(dt, s)
+        };
+        Ok(vec![with(l.t, l.d), with(l.d, l.s), with(l.s, l.dv)])
+    }
+}
+
+pub fn register(r: &mut Registry) {
+    r.internal("Attention", Attention);
+    r.internal("AttentionGrad", AttentionGrad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_broadcasts_batches_and_the_mask() {
+        let node = Node { name: "a".into(), op_type: "Attention".into(), inputs: vec![], outputs: vec![], attrs: Default::default() };
+        // K and V shared by 3 heads, a padding mask [B, 1, 1, S]
+        let l = attention_layout(&node, &[2, 3, 5, 4], &[2, 1, 4, 7], &[2, 1, 7, 6], Some(&[2, 1, 1, 7])).expect("layout");
+        assert_eq!((l.batch.clone(), l.t, l.s, l.d, l.dv), (vec![2, 3], 5, 7, 4, 6));
+        assert_eq!((l.q.clone(), l.k.clone(), l.v.clone()), (vec![60, 20], vec![28, 0], vec![42, 0]));
+        assert_eq!(l.m, Some((vec![7, 0], 0, 1)));
+        assert_eq!(l.offsets(4), [80, 28, 42, 7]);
+        let bad = attention_layout(&node, &[2, 5, 4], &[2, 3, 7], &[2, 7, 6], None);
+        assert!(bad.unwrap_err().to_string().contains("do not chain"));
+    }
+}

@@ -1,0 +1,139 @@
+//! fuse_attention: the exporters' attention, MatMul(Softmax(MatMul(A, B) [· c | / c] [+ M]), V)
+//! with the softmax over the last axis, optionally guarded as `Where(IsNaN(p), 0, p)` (torchlib's
+//! scaled_dot_product_attention), becomes one Attention(A, B, V, M) (ops/attention.rs): the
+//! [.., T, S] scores, the probabilities and their gradients are never stored. Only where each
+//! intermediate has no other reader, the scale is a one-element constant, and the mask depends
+//! on no weight (the fused op gives the mask no gradient). CUDA only for now (the CPU kernel is
+//! the unfused reference).
+
+use crate::error::Result;
+use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+
+/// The node producing `v` if it is of type `op` and `v` has exactly one reader and is no
+/// graph output.
+fn sole_producer<'g>(graph: &'g Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, op: &str) -> Option<&'g Node> {
+    let p = graph.value(v).producer?;
+    let node = &graph.nodes[p.0];
+    (node.op_type == op && consumers[v.0].len() == 1 && !graph.outputs.contains(&v)).then_some(node)
+}
+
+/// The value of a one-element float constant.
+fn scalar(graph: &Graph, v: ValueId) -> Option<f64> {
+    let ValueKind::Const(t) = &graph.value(v).kind else { return None };
+    let vals = t.to_f64_vec();
+    (vals.len() == 1).then(|| vals[0])
+}
+
+/// Whether any value `v` is computed from is a weight.
+fn depends_on_weight(graph: &Graph, v: ValueId) -> bool {
+    let mut seen = vec![false; graph.values.len()];
+    let mut stack = vec![v];
+    while let Some(x) = stack.pop() {
+        if std::mem::replace(&mut seen[x.0], true) {
+            continue;
+        }
+        if graph.value(x).kind == ValueKind::Weight {
+            return true;
+        }
+        if let Some(p) = graph.value(x).producer {
+            stack.extend(graph.nodes[p.0].inputs.iter().flatten());
+        }
+    }
+    false
+}
+
+/// (probabilities, nan_guard): P' = Where(IsNaN(P), 0, P) with P read only by those two, or P.
+fn unguard(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], p_prime: ValueId) -> Option<(ValueId, bool)> {
+    let Some(w) = sole_producer(graph, consumers, p_prime, "Where") else { return Some((p_prime, false)) };
+    let (cond, zero, p) = (w.input(0)?, w.input(1)?, w.input(2)?);
+    let isnan = sole_producer(graph, consumers, cond, "IsNaN")?;
+    let readers = &consumers[p.0];
+    let guarded = isnan.input(0) == Some(p)
+        && scalar(graph, zero) == Some(0.0)
+        && readers.len() == 2
+        && readers.iter().all(|(n, _)| matches!(graph.nodes[n.0].op_type.as_str(), "IsNaN" | "Where"))
+        && !graph.outputs.contains(&p);
+    guarded.then_some((p, true))
+}
+
+/// (A, B, scale) of scores = MatMul(A, B) [· c | c · | / c], each read only on the way.
+fn scores_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], s: ValueId) -> Option<(ValueId, ValueId, f64)> {
+    if consumers[s.0].len() != 1 || graph.outputs.contains(&s) {
+        return None;
+    }
+    let prod = &graph.nodes[graph.value(s).producer?.0];
+    let (mm_out, scale) = match prod.op_type.as_str() {
+        "MatMul" => (s, 1.0),
+        "Mul" | "Div" => {
+            let (a, b) = (prod.input(0)?, prod.input(1)?);
+            let (m, c) = match (scalar(graph, a), scalar(graph, b)) {
+                (_, Some(c)) => (a, c),
+                (Some(c), None) if prod.op_type == "Mul" => (b, c),
+                _ => return None,
+            };
+            let c = if prod.op_type == "Div" { 1.0 / c } else { c };
+            (m, c)
+        }
+        _ => return None,
+    };
+    if !scale.is_finite() {
+        return None;
+    }
+    let mm = sole_producer(graph, consumers, mm_out, "MatMul")?;
+    Some((mm.input(0)?, mm.input(1)?, scale))
+}
+
+/// The fused node replacing MatMul `node` (P' · V), if its first operand is an attention.
+fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> Option<(Vec<Option<ValueId>>, f64, bool)> {
+    let (p_prime, v) = (node.input(0)?, node.input(1)?);
+    let (p, guard) = unguard(graph, consumers, p_prime)?;
+    if !guard && consumers[p.0].len() != 1 {
+        return None;
+    }
+    let sm = graph.nodes[graph.value(p).producer?.0].clone();
+    if sm.op_type != "Softmax" || sm.attrs.int("axis", -1).ok()? != -1 || graph.outputs.contains(&p) {
+        return None;
+    }
+    let x = sm.input(0)?;
+    // scores [+ mask], the scores on either side of the Add
+    let (a, b, scale, mask) = match sole_producer(graph, consumers, x, "Add") {
+        Some(add) => {
+            let (l, r) = (add.input(0)?, add.input(1)?);
+            match scores_of(graph, consumers, l) {
+                Some((a, b, c)) => (a, b, c, Some(r)),
+                None => {
+                    let (a, b, c) = scores_of(graph, consumers, r)?;
+                    (a, b, c, Some(l))
+                }
+            }
+        }
+        None => {
+            let (a, b, c) = scores_of(graph, consumers, x)?;
+            (a, b, c, None)
+        }
+    };
+    if mask.is_some_and(|m| depends_on_weight(graph, m)) {
+        return None;
+    }
+    let inputs = vec![Some(a), Some(b), Some(v), mask];
+    Some((inputs, scale, guard))
+}
+
+pub fn run(graph: &mut Graph) -> Result<usize> {
+    let consumers = graph.consumers();
+    let mut rewrites = 0;
+    for n in 0..graph.nodes.len() {
+        if graph.nodes[n].op_type != "MatMul" {
+            continue;
+        }
+        let Some((inputs, scale, guard)) = match_at(graph, &consumers, &graph.nodes[n]) else { continue };
+        let name = graph.nodes[n].name.clone();
+        let out = graph.nodes[n].outputs[0];
+        let lse = graph.add_value(&format!("{name}:lse"), ValueKind::Computed, Some(crate::tensor::DType::F32), None);
+        graph.values[lse.0].producer = Some(NodeId(n));
+        let attrs = Attrs::default().with("scale", Attr::Float(scale as f32)).with("nan_guard", Attr::Int(guard as i64));
+        graph.nodes[n] = Node { name, op_type: "Attention".into(), inputs, outputs: vec![out, lse], attrs };
+        rewrites += 1;
+    }
+    Ok(rewrites)
+}
