@@ -6,6 +6,7 @@
 //! backends only runs for sessions built for those (`Target`).
 
 mod fuse_attention;
+mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
 mod slice_before_linear;
@@ -41,6 +42,7 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
     ("fuse_attention", fuse_attention::run, Runs::CudaOptIn),
+    ("fuse_gelu_tanh", fuse_gelu_tanh::run, Runs::Both),
     ("fuse_linear", fuse_linear::run, Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
     // LM head's input, so that the Linear feeds the loss's reshape directly (CPU only, as the
