@@ -6,23 +6,9 @@
 //! on no weight (the fused op gives the mask no gradient). CUDA only for now (the CPU kernel is
 //! the unfused reference).
 
+use super::{scalar_const as scalar, sole_producer};
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
-
-/// The node producing `v` if it is of type `op` and `v` has exactly one reader and is no
-/// graph output.
-fn sole_producer<'g>(graph: &'g Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, op: &str) -> Option<&'g Node> {
-    let p = graph.value(v).producer?;
-    let node = &graph.nodes[p.0];
-    (node.op_type == op && consumers[v.0].len() == 1 && !graph.outputs.contains(&v)).then_some(node)
-}
-
-/// The value of a one-element float constant.
-fn scalar(graph: &Graph, v: ValueId) -> Option<f64> {
-    let ValueKind::Const(t) = &graph.value(v).kind else { return None };
-    let vals = t.to_f64_vec();
-    (vals.len() == 1).then(|| vals[0])
-}
 
 /// Whether any value `v` is computed from is a weight.
 fn depends_on_weight(graph: &Graph, v: ValueId) -> bool {

@@ -5,23 +5,15 @@
 //! Only where every intermediate has no other reader and the constants are those of the
 //! formula.
 
+use super::{scalar_const, sole_producer};
 use crate::error::Result;
-use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId};
 
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 
-/// The node producing `v` if it is of type `op`, `v` has one reader and is no graph output.
-fn sole<'g>(graph: &'g Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, op: &str) -> Option<&'g Node> {
-    let p = graph.value(v).producer?;
-    let node = &graph.nodes[p.0];
-    (node.op_type == op && consumers[v.0].len() == 1 && !graph.outputs.contains(&v)).then_some(node)
-}
-
 /// Whether `v` is a one-element constant equal to `want` (to f32 rounding).
 fn is_const(graph: &Graph, v: ValueId, want: f64) -> bool {
-    let ValueKind::Const(t) = &graph.value(v).kind else { return false };
-    let vals = t.to_f64_vec();
-    vals.len() == 1 && (vals[0] - want).abs() <= 1e-6 * want.abs().max(1.0)
+    scalar_const(graph, v).is_some_and(|c| (c - want).abs() <= 1e-6 * want.abs().max(1.0))
 }
 
 /// The other operand of a binary `node` whose one operand is the constant `c`.
@@ -38,12 +30,12 @@ fn with_const(graph: &Graph, node: &Node, c: f64) -> Option<ValueId> {
 
 /// x of `x + 0.044715·x³` (Add and Mul in either order, x³ as Pow(x, 3)).
 fn cubic_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> Option<ValueId> {
-    let add = sole(graph, consumers, v, "Add")?;
+    let add = sole_producer(graph, consumers, v, "Add")?;
     let (a, b) = (add.input(0)?, add.input(1)?);
     for (x, term) in [(a, b), (b, a)] {
-        let Some(mul) = sole(graph, consumers, term, "Mul") else { continue };
+        let Some(mul) = sole_producer(graph, consumers, term, "Mul") else { continue };
         let Some(cube) = with_const(graph, mul, 0.044715) else { continue };
-        let Some(pow) = sole(graph, consumers, cube, "Pow") else { continue };
+        let Some(pow) = sole_producer(graph, consumers, cube, "Pow") else { continue };
         if pow.input(0) == Some(x) && pow.input(1).is_some_and(|e| is_const(graph, e, 3.0)) {
             return Some(x);
         }
@@ -53,10 +45,10 @@ fn cubic_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> Op
 
 /// x of `1 + tanh(√(2/π)·(x + 0.044715·x³))`.
 fn one_plus_tanh_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> Option<ValueId> {
-    let add = sole(graph, consumers, v, "Add")?;
+    let add = sole_producer(graph, consumers, v, "Add")?;
     let t = with_const(graph, add, 1.0)?;
-    let tanh = sole(graph, consumers, t, "Tanh")?;
-    let scaled = sole(graph, consumers, tanh.input(0)?, "Mul")?;
+    let tanh = sole_producer(graph, consumers, t, "Tanh")?;
+    let scaled = sole_producer(graph, consumers, tanh.input(0)?, "Mul")?;
     cubic_of(graph, consumers, with_const(graph, scaled, SQRT_2_OVER_PI)?)
 }
 
@@ -64,7 +56,7 @@ fn one_plus_tanh_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueI
 fn gelu_input(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> Option<ValueId> {
     let (a, b) = (node.input(0)?, node.input(1)?);
     for (half, rest) in [(a, b), (b, a)] {
-        let Some(h) = sole(graph, consumers, half, "Mul") else { continue };
+        let Some(h) = sole_producer(graph, consumers, half, "Mul") else { continue };
         let Some(x) = with_const(graph, h, 0.5) else { continue };
         if one_plus_tanh_of(graph, consumers, rest) == Some(x) {
             return Some(x);

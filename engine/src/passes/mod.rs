@@ -12,7 +12,7 @@ mod fuse_linear_cross_entropy;
 mod slice_before_linear;
 
 use crate::error::{Error, Result};
-use crate::ir::{Graph, NodeId};
+use crate::ir::{Graph, Node, NodeId, ValueId, ValueKind};
 
 type Pass = fn(&mut Graph) -> Result<usize>;
 
@@ -128,4 +128,19 @@ fn remove_dead_nodes(graph: &mut Graph) {
             graph.nodes.push(node);
         }
     }
+}
+
+/// The node producing `v` if it is of type `op`, `v` has exactly one reader and is no graph
+/// output (an intermediate a fusion may swallow).
+pub(super) fn sole_producer<'g>(graph: &'g Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, op: &str) -> Option<&'g Node> {
+    let p = graph.value(v).producer?;
+    let node = &graph.nodes[p.0];
+    (node.op_type == op && consumers[v.0].len() == 1 && !graph.outputs.contains(&v)).then_some(node)
+}
+
+/// The value of a one-element constant.
+pub(super) fn scalar_const(graph: &Graph, v: ValueId) -> Option<f64> {
+    let ValueKind::Const(t) = &graph.value(v).kind else { return None };
+    let vals = t.to_f64_vec();
+    (vals.len() == 1).then(|| vals[0])
 }
