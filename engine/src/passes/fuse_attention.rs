@@ -3,8 +3,8 @@
 //! scaled_dot_product_attention), becomes one Attention(A, B, V, M) (ops/attention.rs): the
 //! [.., T, S] scores, the probabilities and their gradients are never stored. Only where each
 //! intermediate has no other reader, the scale is a one-element constant, and the mask depends
-//! on no weight (the fused op gives the mask no gradient). CUDA only for now (the CPU kernel is
-//! the unfused reference).
+//! on no weight (the fused op gives the mask no gradient). CUDA sessions only, opt-in
+//! (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU kernel is the reference.
 
 use super::{scalar_const as scalar, sole_producer};
 use crate::error::Result;
@@ -76,7 +76,7 @@ fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> O
     if !guard && consumers[p.0].len() != 1 {
         return None;
     }
-    let sm = graph.nodes[graph.value(p).producer?.0].clone();
+    let sm = &graph.nodes[graph.value(p).producer?.0];
     if sm.op_type != "Softmax" || sm.attrs.int("axis", -1).ok()? != -1 || graph.outputs.contains(&p) {
         return None;
     }

@@ -192,7 +192,7 @@ impl Session {
         match (self.target, self.options.matmul_precision) {
             (Target::Cpu, requested) => self.matmul.describe(requested),
             (Target::Cuda, MatmulPrecision::Bf16) => {
-                "bf16 (cuBLAS tensor cores on f32 tensors, at least bf16 precision, f32 accumulation)".into()
+                "bf16 on cuBLAS tensor cores (f32 tensors, at least bf16 precision, f32 accumulation)".into()
             }
             (Target::Cuda, MatmulPrecision::Fp32) => "fp32 (cuBLAS; TF32 only where torch.backends.cuda.matmul.allow_tf32 is set)".into(),
         }

@@ -325,8 +325,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes")
             if getattr(r, "on_cuda", False) and r.session.matmul_precision == "bf16":
-                lines.append(f"    on {r.device}: matmuls bf16 on cuBLAS tensor cores (f32 tensors, at least bf16 "
-                             "precision, f32 accumulation); optimizer step in PyTorch")
+                lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step in PyTorch")
             elif getattr(r, "on_cuda", False):
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
                 lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step in PyTorch")
