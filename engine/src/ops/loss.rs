@@ -5,7 +5,7 @@
 //!
 //! LinearCrossEntropy (internal, made by passes/fuse_linear_cross_entropy.rs): the LM head
 //! `Linear(X, W, b)` and a row-wise softmax cross-entropy (reduction mean or sum) as one op that
-//! never holds the whole logits matrix. It walks the rows in chunks of `LCE_CHUNK_ROWS`: one
+//! never holds the whole logits matrix. It walks the rows in chunks of `lce_chunk_rows`: one
 //! chunk's logits (output `scratch`, planned in the arena and dead after the node), their
 //! log-sum-exp and loss terms, and, in the same pass, the gradient the loss would get for a unit
 //! seed (softmax − one-hot, times the row's class weight and the reduction's 1/Σweights), pushed
@@ -70,14 +70,32 @@ impl OpDef for LossGrad {
     }
 }
 
-/// Rows per chunk of LinearCrossEntropy (the scratch logits are `[min(rows, this), N]`). The
-/// per-chunk dW gemm (inner dimension = chunk rows) reads and writes all of dW once per chunk,
-/// so chunks must be large: on the tutorial head (700 × 200 · 200 × 28782, 2 threads) 256 rows
-/// took 0.8x the time of 128 in 5 of 6 interleaved runs (`lce_phase_speed` in
-/// backend/cpu/loss.rs: the dW gemm is where 128 loses), while its logits (256 × 28782 f32 =
-/// 29 MB) are still a third of the unfused 80 MB. A chunk that fits in L2 (≈ 8 such rows) would
-/// make the dW gemm memory-bound.
+/// The most rows per chunk of LinearCrossEntropy. The per-chunk dW gemm (inner dimension =
+/// chunk rows) reads and writes all of dW once per chunk, so chunks must be large: on the
+/// tutorial head (700 × 200 · 200 × 28782, 2 threads) 256 rows took 0.8x the time of 128 in 5 of
+/// 6 interleaved runs (`lce_chunk_speed` in backend/cpu/linear_cross_entropy.rs), while its
+/// logits (256 × 28782 f32 = 29 MB) are still a third of the unfused 80 MB.
 pub const LCE_CHUNK_ROWS: usize = 256;
+
+/// The fewest rows per chunk whatever the vocabulary (below it the dW gemm's re-reads of dW
+/// dominate).
+const LCE_MIN_CHUNK_ROWS: usize = 128;
+
+/// The chunk logits' budget: a vocabulary wider than 40 MiB / 256 rows (GPT-2's 50257 f32
+/// columns: 51 MB at 256 rows) gets fewer rows per chunk. On GPT-2's head (508 × 256 · 256 × 50257,
+/// 2 threads) three chunks of 170 rows cost 1.08x the time of two of 254 and 17 MB less peak.
+const LCE_SCRATCH_BUDGET_BYTES: usize = 40 << 20;
+
+/// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most
+/// LCE_CHUNK_ROWS and what fits LCE_SCRATCH_BUDGET_BYTES (never under LCE_MIN_CHUNK_ROWS), then
+/// evened out over the chunks that takes (700 rows: 3 × 234, not 256 + 256 + 188), so that the
+/// scratch is no larger than the chunks need.
+pub fn lce_chunk_rows(rows: usize, n: usize, elem_bytes: usize) -> usize {
+    let fits = LCE_SCRATCH_BUDGET_BYTES / (n * elem_bytes).max(1);
+    let most = fits.clamp(LCE_MIN_CHUNK_ROWS, LCE_CHUNK_ROWS);
+    let chunks = rows.div_ceil(most).max(1);
+    rows.div_ceil(chunks)
+}
 
 /// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁,
 /// scratch), where the `₁` outputs are the gradients for a loss seed of 1 (db₁ is [N] zeros when
@@ -113,7 +131,7 @@ impl OpDef for LinearCrossEntropy {
             TypeOut::like(x),
             TypeOut::like(w),
             TypeOut::new(x.dtype, vec![n]),
-            TypeOut::new(x.dtype, vec![rows.min(LCE_CHUNK_ROWS), n]),
+            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, x.dtype.size()), n]),
         ])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
@@ -140,4 +158,23 @@ pub fn register(r: &mut Registry) {
     r.add("NegativeLogLikelihoodLoss", Loss);
     r.internal("SoftmaxCrossEntropyLossGrad", LossGrad);
     r.internal("NLLLossGrad", LossGrad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::lce_chunk_rows;
+
+    #[test]
+    fn lce_chunks_are_even_and_within_the_scratch_budget() {
+        // the tutorial's head (700 rows, 28782 f32 columns): 3 chunks of 234, not 256 + 256 + 188
+        assert_eq!(lce_chunk_rows(700, 28782, 4), 234);
+        // GPT-2's (508 rows, 50257 columns): 256 rows would be 51 MB; 3 chunks of 170 fit 40 MiB
+        assert_eq!(lce_chunk_rows(508, 50257, 4), 170);
+        // f64 logits take twice the bytes per row: 182 rows fit, 4 chunks of 175
+        assert_eq!(lce_chunk_rows(700, 28782, 8), 175);
+        // few rows: one chunk of all of them; a huge vocabulary still gets 128-row chunks
+        assert_eq!(lce_chunk_rows(77, 30522, 4), 77);
+        assert_eq!(lce_chunk_rows(1000, 1 << 20, 4), 125);
+        assert_eq!(lce_chunk_rows(0, 100, 4), 0);
+    }
 }
