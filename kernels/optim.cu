@@ -7,10 +7,12 @@
 // f32 (master weights); gradients are G = f32, bf16 or f16.
 //
 //   adam_G(const AdamTensor* ts, const i32* chunk_tensor, const i64* chunk_start, i64 chunks, i64 chunk,
-//          f32 beta1, f32 beta2, f32 eps, f32 weight_decay, f32 decay, f32 step_size, f32 bc2_sqrt,
-//          i32 decoupled, i32 maximize)
-//       Adam and AdamW; decay = 1 - lr * weight_decay (AdamW), step_size = lr / (1 - beta1^t) and
-//       bc2_sqrt = sqrt(1 - beta2^t) computed on the host in f64, as the CPU code does
+//          f32 w1, f32 beta2, f32 w2, f32 eps, f32 weight_decay, f32 decay, f32 step_size,
+//          f32 bc2_sqrt, i32 decoupled, i32 maximize)
+//       Adam and AdamW; w1 = 1 - beta1, w2 = 1 - beta2, decay = 1 - lr * weight_decay (AdamW),
+//       step_size = lr / (1 - beta1^t) and bc2_sqrt = sqrt(1 - beta2^t), all computed on the host
+//       in f64 and rounded once (optim::AdamScalars, as torch's Python floats); the element
+//       arithmetic is the CPU loop's (engine/src/optim/adam.rs: torch's CPU kernels' roundings)
 //   sgd_G(const SgdTensor* ts, ..., f32 lr, f32 momentum, f32 dampening, f32 weight_decay,
 //         i32 nesterov, i32 maximize, i32 first)       buf null: no momentum
 //   sum_squares_G(const GradTensor* ts, ..., f64* partial)   partial[c] = sum of g^2 over chunk c
@@ -61,22 +63,23 @@ template <typename TS, typename F> __device__ __forceinline__ void for_each_elem
 }
 
 template <typename G> __device__ __forceinline__ void adam(const AdamTensor* ts, const i32* chunk_tensor, const i64* chunk_start, i64 chunks,
-                                                           i64 chunk, f32 beta1, f32 beta2, f32 eps, f32 weight_decay, f32 decay,
-                                                           f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize) {
-    const f32 w1 = 1.0f - beta1, w2 = 1.0f - beta2;
+                                                           i64 chunk, f32 w1, f32 beta2, f32 w2, f32 eps, f32 weight_decay,
+                                                           f32 decay, f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize) {
+    const bool small_weight = fabsf(w1) < 0.5f;
     for_each_element(ts, chunk_tensor, chunk_start, chunks, chunk, [&](const AdamTensor& a, i64 i) {
         f32 grad = Num<G>::load(((const G*)a.g)[i]);
         if (maximize) grad = -grad;
         f32 p = a.p[i];
         if (weight_decay != 0.0f) {
             if (decoupled) p *= decay;
-            else grad += weight_decay * p;
+            else grad = fmaf(p, weight_decay, grad);  // grad.add(param, alpha=weight_decay)
         }
         f32 m = a.m[i], v = a.v[i];
-        m += w1 * (grad - m);              // exp_avg.lerp_(grad, 1 - beta1)
-        v = v * beta2 + w2 * grad * grad;  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+        // exp_avg.lerp_(grad, 1 - beta1), as torch's CPU lerp: from the end for weights >= 0.5
+        m = small_weight ? fmaf(w1, grad - m, m) : fmaf(w1 - 1.0f, grad - m, grad);
+        v = fmaf(w2 * grad, grad, v * beta2);  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
         const f32 denom = sqrtf(v) / bc2_sqrt + eps;
-        a.p[i] = p - step_size * (m / denom);
+        a.p[i] = p + (-step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
         a.m[i] = m;
         a.v[i] = v;
     });
@@ -128,10 +131,11 @@ template <typename G> __device__ __forceinline__ void scale_by(const GradTensor*
 
 #define CHUNK_ARGS const i32 *chunk_tensor, const i64 *chunk_start, i64 chunks, i64 chunk
 #define OPTIM(op, G)                                                                          \
-    extern "C" __global__ void adam_##G(const AdamTensor* ts, CHUNK_ARGS, f32 beta1, f32 beta2, f32 eps, f32 weight_decay, \
-                                        f32 decay, f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize) { \
-        adam<G>(ts, chunk_tensor, chunk_start, chunks, chunk, beta1, beta2, eps, weight_decay, decay, step_size, bc2_sqrt, \
-                decoupled, maximize);                                                         \
+    extern "C" __global__ void adam_##G(const AdamTensor* ts, CHUNK_ARGS, f32 w1, f32 beta2, f32 w2, f32 eps,        \
+                                        f32 weight_decay, f32 decay, f32 step_size, f32 bc2_sqrt, i32 decoupled, \
+                                        i32 maximize) {                                       \
+        adam<G>(ts, chunk_tensor, chunk_start, chunks, chunk, w1, beta2, w2, eps, weight_decay, decay, step_size, \
+                bc2_sqrt, decoupled, maximize);                                               \
     }                                                                                         \
     extern "C" __global__ void sgd_##G(const SgdTensor* ts, CHUNK_ARGS, f32 lr, f32 momentum, f32 dampening, \
                                        f32 weight_decay, i32 nesterov, i32 maximize, i32 first) { \

@@ -90,7 +90,8 @@ def test_one_pass_over_groups_follows_torch(kind):
 
     def groups(ps):
         return [{"params": ps[:2], "lr": 1e-2, "weight_decay": 0.05},
-                {"params": ps[2:], "lr": 3e-3, "betas": (0.8, 0.95), "maximize": True}]
+                {"params": ps[2:4], "lr": 3e-3, "betas": (0.8, 0.95), "maximize": True},
+                {"params": ps[4:], "lr": 1e-3, "betas": (0.3, 0.9)}]  # lerp weight 0.7: from the gradient
 
     opt, opt_ref = cls(groups(ours), eps=1e-6), cls(groups(ref))
     for g in opt_ref.param_groups:
@@ -104,10 +105,19 @@ def test_one_pass_over_groups_follows_torch(kind):
             q.grad = None if skip else g.clone()
         opt.step()
         opt_ref.step()
-        # moments within 1e-4: the engine takes the hyper-parameters as f32, so 1 - beta2 is
-        # 1 - 0.999f32 (1.3e-5 from torch's 0.001); a wrong group or step count is far outside
+        # the moments are bitwise torch's where torch runs its vectorised kernels (fused
+        # multiply-adds in lerp_/addcmul_/add, the scalars from f64 hyper-parameters); the
+        # parameters differ only where torch's vectorised sqrt is one ulp off (a last-bit change
+        # of the update), and from then on Adam's L2 term (weight_decay * param) carries that
+        # into the moments of group 0; a wrong group, step count or scalar is far outside either
+        vectorised = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
         for i, (p, q) in enumerate(zip(ours, ref)):
-            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (step, i, (p - q).abs().max())
+            exact = vectorised and (step == 0 or i >= 2 or kind == "adamw")
+            assert torch.allclose(p, q, rtol=2.4e-7, atol=1e-8), (step, i, (p - q).abs().max(), int((p != q).sum()))
             for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-10)):
-                assert torch.allclose(opt.state[p][key], opt_ref.state[q][key], rtol=1e-4, atol=atol), (step, i, key)
+                a, b = opt.state[p][key], opt_ref.state[q][key]
+                if exact:
+                    assert torch.equal(a, b), (step, i, key, int((a != b).sum()), (a - b).abs().max())
+                else:
+                    assert torch.allclose(a, b, rtol=1e-5, atol=atol), (step, i, key, (a - b).abs().max())
             assert float(opt.state[p]["step"]) == float(opt_ref.state[q]["step"])

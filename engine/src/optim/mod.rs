@@ -6,17 +6,21 @@ mod adam;
 
 use rayon::prelude::*;
 
-pub use adam::{adam_many, AdamTensor};
+pub use adam::{adam_many, AdamScalars, AdamTensor};
 
 const CHUNK: usize = 1 << 14;
 
 #[derive(Clone, Debug)]
+/// Adam/AdamW hyper-parameters as the user gave them (Python floats: f64). torch derives the
+/// update's scalars (1 − β, lr / (1 − β₁ᵗ), 1 − lr·wd, …) in f64 and rounds each to f32 once as a
+/// kernel's scalar argument; `AdamScalars::of` does the same (1 − β₂ from an f32 β₂ is 1.3e-5
+/// off torch's).
 pub struct AdamHyper {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
     /// AdamW: decay the weights directly instead of adding to the gradient.
     pub decoupled: bool,
     pub maximize: bool,
@@ -40,19 +44,15 @@ pub fn adam_from_zero(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h:
 /// The per-tensor scalar loop adam_many replaced, kept for its speed comparison (adam.rs bench).
 #[cfg(test)]
 fn adam_per_tensor_scalar(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamHyper) {
-    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
-    let step_size = (h.lr as f64 / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
-    let (w1, w2) = (1.0 - h.beta1, 1.0 - h.beta2);
+    let c = AdamScalars::of(h);
     p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(m.par_chunks_mut(CHUNK)).zip(v.par_chunks_mut(CHUNK)).for_each(
         |(((p, g), m), v)| {
             for i in 0..p.len() {
                 let grad = if h.maximize { -g[i] } else { g[i] };
-                m[i] = m[i] + w1 * (grad - m[i]);
-                v[i] = v[i] * h.beta2 + w2 * grad * grad;
-                let denom = v[i].sqrt() / bc2_sqrt + h.eps;
-                p[i] -= step_size * (m[i] / denom);
+                m[i] = c.lerp_coef.mul_add(grad - m[i], if c.lerp_from_grad { grad } else { m[i] });
+                v[i] = (c.w2 * grad).mul_add(grad, v[i] * c.beta2);
+                let denom = v[i].sqrt() / c.bc2_sqrt + c.eps;
+                p[i] += (-c.step_size * m[i]) / denom;
             }
         },
     );

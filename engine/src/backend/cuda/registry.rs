@@ -224,7 +224,7 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "optim",
         [
-            g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),
+            g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),
             g(&["sgd"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AI32, AI32, AI32]),
             g(&["sum_squares", "scale_by"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
             g(&["grad_norm"], F64, &[Ptr, AI64, AF32, Ptr, Ptr]),

@@ -25,23 +25,11 @@ fn chunk_list(sizes: &[usize], chunk: usize) -> (Vec<i32>, Vec<i64>) {
     sizes.iter().enumerate().flat_map(|(t, &n)| (0..n).step_by(chunk).map(move |s| (t as i32, s as i64))).unzip()
 }
 
-/// The per-step scalars of Adam, as engine/src/optim computes them (f64 bias corrections).
-struct AdamStep {
-    decay: f32,
-    step_size: f32,
-    bc2_sqrt: f32,
-}
-
-fn adam_step(h: &AdamHyper) -> AdamStep {
-    let bc1 = 1.0 - (h.beta1 as f64).powi(h.step as i32);
-    let bc2 = 1.0 - (h.beta2 as f64).powi(h.step as i32);
-    AdamStep { decay: 1.0 - h.lr * h.weight_decay, step_size: (h.lr as f64 / bc1) as f32, bc2_sqrt: bc2.sqrt() as f32 }
-}
-
-/// `adam_G(ts, chunk_tensor, chunk_start, i64 chunks, i64 chunk, f32 beta1, f32 beta2, f32 eps,
-/// f32 weight_decay, f32 decay, f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize)`
+/// `adam_G(ts, chunk_tensor, chunk_start, i64 chunks, i64 chunk, f32 w1, f32 beta2, f32 w2,
+/// f32 eps, f32 weight_decay, f32 decay, f32 step_size, f32 bc2_sqrt, i32 decoupled, i32 maximize)`
+/// with the scalars engine/src/optim uses (AdamScalars: f64, rounded once)
 fn adam_args(ts: u64, ct: u64, cs: u64, chunks: usize, h: &AdamHyper) -> Vec<KArg> {
-    let s = adam_step(h);
+    let s = optim::AdamScalars::of(h);
     let f = KArg::F32;
     vec![
         KArg::Ptr(ts),
@@ -49,10 +37,11 @@ fn adam_args(ts: u64, ct: u64, cs: u64, chunks: usize, h: &AdamHyper) -> Vec<KAr
         KArg::Ptr(cs),
         KArg::I64(chunks as i64),
         KArg::I64(CHUNK as i64),
-        f(h.beta1),
-        f(h.beta2),
-        f(h.eps),
-        f(h.weight_decay),
+        f(s.w1),
+        f(s.beta2),
+        f(s.w2),
+        f(s.eps),
+        f(s.weight_decay),
         f(s.decay),
         f(s.step_size),
         f(s.bc2_sqrt),
@@ -96,7 +85,8 @@ fn adam_configs() -> Vec<(&'static str, AdamHyper)> {
     vec![
         ("Adam, L2 weight decay 0.01", AdamHyper { weight_decay: 0.01, ..base.clone() }),
         ("AdamW, decoupled weight decay 0.1", AdamHyper { weight_decay: 0.1, decoupled: true, ..base.clone() }),
-        ("Adam, maximize, betas (0.8, 0.99)", AdamHyper { maximize: true, beta1: 0.8, beta2: 0.99, ..base }),
+        ("Adam, maximize, betas (0.8, 0.99)", AdamHyper { maximize: true, beta1: 0.8, beta2: 0.99, ..base.clone() }),
+        ("Adam, betas (0.4, 0.999): lerp from the gradient", AdamHyper { beta1: 0.4, ..base }),
     ]
 }
 
