@@ -110,6 +110,28 @@ def rebuild_call(spec: CallSpec, flat) -> tuple[tuple, dict]:
             {k: _build(t, flat) for k, t in spec.kwargs})
 
 
+def sizes(args: tuple, kwargs: dict | None = None) -> tuple:
+    """The sizes of a call's tensors (in `signature`'s order): with the signature, the key of a
+    graph exported with fixed sizes."""
+    if not isinstance(args, tuple):
+        args = (args,)
+    out: list = []
+    for value in (*args, *(v for _, v in sorted((kwargs or {}).items()))):
+        _collect_sizes(value, out)
+    return tuple(out)
+
+
+def _collect_sizes(value, out: list) -> None:
+    if isinstance(value, torch.Tensor):
+        out.append(tuple(value.shape))
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _collect_sizes(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _collect_sizes(v, out)
+
+
 def _sig(value):
     if isinstance(value, torch.Tensor):
         return ("T", str(value.dtype), value.dim(), value.device.type)
