@@ -144,7 +144,7 @@ isa_loops!(avx2, "avx2,fma");
 fn pick<const Z: bool, const MX: bool, const WD: u8>(level: Level) -> Loop {
     match level {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: level() found AVX-512F, which this loop was compiled for.
+        // SAFETY: level() found AVX-512F and FMA, which this loop was compiled for.
         Level::Avx512 => |p, g, m, v, c| unsafe { avx512::run::<Z, MX, WD>(p, g, m, v, c) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: level() found AVX2 (and FMA), which this loop was compiled for.

@@ -1,5 +1,7 @@
 //! CPU kernels of ops/random.rs, and the counter-based random stream they draw from: element i
-//! of a draw is a hash of (seed, draw counter, i), so parallel kernels are deterministic.
+//! of a draw is a hash of (seed, draw counter, i), so parallel kernels are deterministic. The
+//! per-element hash is 32-bit (murmur3's finalizer, twice, keyed by the draw's 64-bit key) so
+//! that it vectorises: AVX2 has 32-bit but no 64-bit lane multiplies.
 
 use rayon::prelude::*;
 
@@ -8,6 +10,7 @@ use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable, PAR_MIN};
 use crate::error::Result;
 use crate::ir::Node;
+use crate::simd::multiversion;
 
 pub struct Rng {
     seed: u64,
@@ -33,11 +36,40 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// Uniform in [0, 1) for element `i` of the stream `key`.
-#[inline]
-pub fn uniform(key: u64, i: u64) -> f64 {
-    (splitmix(key ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93)) >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+/// murmur3's 32-bit finalizer: a bijection whose every output bit depends on every input bit.
+#[inline(always)]
+fn fmix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85EB_CA6B);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xC2B2_AE35);
+    h ^ (h >> 16)
 }
+
+/// 32 random bits for element `i` of the stream `key`.
+#[inline(always)]
+fn bits(key: u64, i: u64) -> u32 {
+    let lo = (i as u32).wrapping_mul(0x9E37_79B9) ^ key as u32;
+    fmix32(fmix32(lo) ^ (key >> 32) as u32 ^ ((i >> 32) as u32).wrapping_mul(0x27D4_EB2F))
+}
+
+/// The 32-bit draw below which an element is dropped: P(drop) = ratio to within 2⁻³².
+fn drop_threshold(ratio: f64) -> u32 {
+    (ratio * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
+}
+
+/// mask[k] = 1 where element `start + k` of the stream `key` is kept, else 0.
+#[inline(always)]
+fn keep_body<const FMA: bool>(mask: &mut [u8], start: u64, key: u64, threshold: u32) {
+    for (k, m) in mask.iter_mut().enumerate() {
+        *m = (bits(key, start + k as u64) >= threshold) as u8;
+    }
+}
+
+multiversion!(keep_mask, keep_body, (mask: &mut [u8], start: u64, key: u64, threshold: u32) -> ());
+
+/// Elements per parallel task of the dropout kernel.
+const DROPOUT_CHUNK: usize = 1 << 14;
 
 /// (ratio, training) of a Dropout node from its optional inputs (defaults 0.5, false).
 fn dropout_params(node: &Node, inputs: &[Option<In>], ratio_at: usize) -> Result<(f64, bool)> {
@@ -77,15 +109,18 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
             return Ok(());
         }
         let scale = T::from_f64(1.0 / (1.0 - ratio));
-        let body = |(i, ((y, m), &v)): (usize, ((&mut T, &mut u8), &T))| {
-            let keep = uniform(key, i as u64) >= ratio;
-            *m = keep as u8;
-            *y = if keep { v * scale } else { T::zero() };
+        let threshold = drop_threshold(ratio);
+        let chunk = |(c, ((y, m), x)): (usize, ((&mut [T], &mut [u8]), &[T]))| {
+            keep_mask::call(m, (c * DROPOUT_CHUNK) as u64, key, threshold);
+            for ((y, &m), &v) in y.iter_mut().zip(m.iter()).zip(x) {
+                *y = if m != 0 { v * scale } else { T::zero() };
+            }
         };
         if xv.len() >= PAR_MIN {
-            yv.par_iter_mut().zip(mv.par_iter_mut()).zip(xv.par_iter()).enumerate().for_each(body);
+            let chunks = yv.par_chunks_mut(DROPOUT_CHUNK).zip(mv.par_chunks_mut(DROPOUT_CHUNK)).zip(xv.par_chunks(DROPOUT_CHUNK));
+            chunks.enumerate().for_each(chunk);
         } else {
-            yv.iter_mut().zip(mv.iter_mut()).zip(xv.iter()).enumerate().for_each(body);
+            yv.chunks_mut(DROPOUT_CHUNK).zip(mv.chunks_mut(DROPOUT_CHUNK)).zip(xv.chunks(DROPOUT_CHUNK)).enumerate().for_each(chunk);
         }
         Ok(())
     }
@@ -107,4 +142,47 @@ fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
 pub fn register(t: &mut KernelTable) {
     t.add("Dropout", dropout);
     t.add("DropoutGrad", dropout_grad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mask(n: usize, key: u64, ratio: f64) -> Vec<u8> {
+        let mut m = vec![0u8; n];
+        for (c, chunk) in m.chunks_mut(DROPOUT_CHUNK).enumerate() {
+            keep_mask::call(chunk, (c * DROPOUT_CHUNK) as u64, key, drop_threshold(ratio));
+        }
+        m
+    }
+
+    /// The drop rate is the ratio, masks of different draws are independent (both drop an
+    /// element with probability ratio²), the bits are uniform, and every instruction-set path
+    /// gives the same mask as the scalar hash.
+    #[test]
+    fn dropout_masks_drop_the_ratio_independently() {
+        let n = 1 << 20;
+        for ratio in [0.1, 0.2, 0.5, 0.9] {
+            let (a, b) = (mask(n, Rng::new(7).next_key(), ratio), mask(n, Rng::new(8).next_key(), ratio));
+            let dropped = |m: &[u8]| m.iter().filter(|&&v| v == 0).count() as f64 / n as f64;
+            let both = a.iter().zip(&b).filter(|(&x, &y)| x == 0 && y == 0).count() as f64 / n as f64;
+            // 4.5 standard deviations of a binomial over 2^20 draws
+            let tol = |p: f64| 4.5 * (p * (1.0 - p) / n as f64).sqrt();
+            assert!((dropped(&a) - ratio).abs() < tol(ratio), "ratio {ratio}: dropped {}", dropped(&a));
+            assert!((both - ratio * ratio).abs() < tol(ratio * ratio), "ratio {ratio}: both {both}");
+        }
+        let key = 0x0123_4567_89AB_CDEF;
+        let mut buckets = [0u32; 16];
+        for i in 0..n as u64 {
+            buckets[(bits(key, i) >> 28) as usize] += 1;
+        }
+        let expected = n as f64 / 16.0;
+        let chi2: f64 = buckets.iter().map(|&c| (c as f64 - expected).powi(2) / expected).sum();
+        assert!(chi2 < 40.0, "top 4 bits not uniform: chi2 {chi2} over 15 degrees of freedom");
+        let m = mask(1000, key, 0.3);
+        let scalar: Vec<u8> = (0..1000).map(|i| (bits(key, i) >= drop_threshold(0.3)) as u8).collect();
+        assert_eq!(m, scalar);
+        // indices past 2^32 do not repeat the first 2^32
+        assert_ne!((0..64).map(|i| bits(key, i)).collect::<Vec<_>>(), (0..64).map(|i| bits(key, i + (1 << 32))).collect::<Vec<_>>());
+    }
 }

