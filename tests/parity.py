@@ -22,3 +22,15 @@ def worst_grad(model_a, model_b) -> tuple[str, float]:
         if d > worst[1]:
             worst = (name, d)
     return worst
+
+
+def grads_match_at_sizes(acc, ref, sizes, vocab: int, tol: float = 1e-4) -> None:
+    """For each (seq, batch): random token ids, sum of the output, backward in both models; the
+    gradients agree within `tol` (relative, per tensor)."""
+    for seq, batch in sizes:
+        x = torch.randint(0, vocab, (seq, batch))
+        for m in (acc, ref):
+            m.zero_grad()
+            m(x).sum().backward()
+        name, d = worst_grad(acc, ref)
+        assert d <= tol, f"seq {seq} batch {batch}: {name} {d:.2e}"

@@ -5,12 +5,11 @@ whatever graph runs it, trains like PyTorch."""
 import copy
 
 import pytest
-import torch
 
 import models
 import ortrain
 import ortrain.export as export_pkg
-from parity import worst_grad
+from parity import grads_match_at_sizes
 
 NTOK = 500
 SIZES = [(35, 20), (35, 20), (17, 20), (35, 7), (17, 20)]
@@ -33,13 +32,7 @@ def exports(monkeypatch):
 
 
 def _train_both(acc, ref, sizes):
-    for seq, batch in sizes:
-        x = torch.randint(0, NTOK, (seq, batch))
-        for m in (acc, ref):
-            m.zero_grad()
-            m(x).sum().backward()
-        name, d = worst_grad(acc, ref)
-        assert d <= 1e-4, f"seq {seq} batch {batch}: {name} {d:.2e}"
+    grads_match_at_sizes(acc, ref, sizes, NTOK)
 
 
 def _model():
