@@ -83,7 +83,8 @@ const LCE_MIN_CHUNK_ROWS: usize = 128;
 
 /// The chunk logits' budget: a vocabulary wider than 40 MiB / 256 rows (GPT-2's 50257 f32
 /// columns: 51 MB at 256 rows) gets fewer rows per chunk. On GPT-2's head (508 × 256 · 256 × 50257,
-/// 2 threads) three chunks of 170 rows cost 1.08x the time of two of 254 and 17 MB less peak.
+/// 2 threads) three chunks of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on
+/// that shape) for 17 MB less peak.
 const LCE_SCRATCH_BUDGET_BYTES: usize = 40 << 20;
 
 /// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most
