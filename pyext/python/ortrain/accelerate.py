@@ -5,11 +5,11 @@ do not change. Whatever the engine cannot take runs in PyTorch, with one warning
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import contextmanager
 
 import torch
 
+from ortrain._warn import warn
 from ortrain.errors import OrtrainError
 
 _VALID_DEVICES = ("cpu", "cuda")
@@ -132,7 +132,7 @@ class _State:
     def _fall_back(self, exc: Exception):
         if self.strict:
             raise OrtrainError(f"ortrain (strict): {type(self.module).__name__} cannot run in the engine: {exc}") from exc
-        warnings.warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}", stacklevel=4)
+        warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}")
 
     def forward(self, *args, **kwargs):
         from ortrain.export import flatten_call, unflatten_outputs
@@ -245,8 +245,7 @@ class _State:
                 runner = exc
                 if self.strict:
                     raise OrtrainError(f"ortrain (strict): the cross-entropy cannot run in the engine: {exc}") from exc
-                warnings.warn(f"ortrain: the loss runs in PyTorch (cannot fuse it into the engine: {_first_line(exc)})",
-                              stacklevel=4)
+                warn(f"ortrain: the loss runs in PyTorch (cannot fuse it into the engine: {_first_line(exc)})")
             self.loss_runners[key] = runner
         if isinstance(runner, Exception):
             return None
@@ -260,7 +259,7 @@ class _State:
             if self.strict:
                 raise
             self.loss_runners[key] = exc
-            warnings.warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}", stacklevel=4)
+            warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}")
             return None
         runner.last_inputs = [x.detach() for x in call.inputs] + [target.detach()]  # for explain()
         if logits is None:

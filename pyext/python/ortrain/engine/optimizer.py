@@ -3,11 +3,11 @@ gradient and state memory. The optimizer object keeps its class hierarchy, param
 state (so state_dict() loads into plain PyTorch and back), step hooks keep working."""
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from ortrain import _ortrain
+from ortrain._warn import warn
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -169,7 +169,7 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
         if strict:
             from ortrain.errors import UnsupportedError
             raise UnsupportedError(msg)
-        warnings.warn(msg, stacklevel=3)
+        warn(msg)
         return False
     for g in opt.param_groups:
         if g.get("amsgrad"):
@@ -177,7 +177,7 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
             if strict:
                 from ortrain.errors import UnsupportedError
                 raise UnsupportedError(msg)
-            warnings.warn(msg, stacklevel=3)
+            warn(msg)
             return False
     base = type(opt)
     cls = type(f"Ortrain{base.__name__}", (base,), {"step": _engine_step, "__module__": __name__,

@@ -33,6 +33,8 @@ import warnings
 
 import torch
 
+from ortrain._warn import warn
+
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -76,7 +78,7 @@ def export_isolated(module: torch.nn.Module, args=(), kwargs: dict | None = None
         return payload
     if outcome == "raised":
         raise payload
-    warnings.warn(f"ortrain: exporting in this process instead of a child process: {payload}", stacklevel=3)
+    warn(f"ortrain: exporting in this process instead of a child process: {payload}")
     return export_module(module, args, kwargs, **options)
 
 
