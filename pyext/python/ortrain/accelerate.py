@@ -79,9 +79,10 @@ class _State:
         key = base if self.any_sizes.get(base, self.dynamic is True) else fixed
         if key not in self.runners:
             earlier = [r for k, r in self.runners.items() if k[:3] == base]
-            if any(isinstance(r, Exception) for r in earlier):
+            failed = next((r for r in earlier if isinstance(r, Exception)), None)
+            if failed is not None:
                 # this kind of call already failed to export: PyTorch runs it at any size
-                self.runners[key] = next(r for r in earlier if isinstance(r, Exception))
+                self.runners[key] = failed
             else:
                 key, runner = self._new_runner(args, kwargs, base, fixed, switch=bool(earlier))
                 self.runners[key] = runner
