@@ -25,6 +25,18 @@
 // A label outside [0, C) that is not ignore_index counts as ignored and sets *err = 1 (err may be
 // null); the executor reports it, as the CPU kernel fails on it. T: f32 f64 bf16 f16; A = f32
 // (f64 for f64).
+//
+// LinearCrossEntropy (the LM head and its loss, engine/src/ops/loss.rs): the host walks row
+// chunks, cuBLAS makes each chunk's logits and its three gradient products, and
+//   lce_weights_T(const i64* labels, const T* weights, A* w_s, A* wsum, i64 rows, i64 C,
+//                 i64 ignore_index, i32 has_ignore, i32* err)
+//       ONE block, before the chunks: w_s[r] = row r's weight (0 ignored or invalid), *wsum = Σ w_s
+//   lce_rows_T(T* g, const T* bias, const i64* labels, const A* w_s, const A* wsum, A* loss_s,
+//              i64 R, i64 C, i32 mean)
+//       one block per row of a chunk (labels, w_s and loss_s at its first row): the row's logits
+//       g[r] (plus bias, when not null) become their unit-seed gradient w f (softmax - onehot),
+//       f = 1 / *wsum for the mean (0 when it is 0) or 1 for the sum, and loss_s[r] = -w log
+//       softmax[label]; sce_reduce_T then reduces loss_s and w_s as for the unfused loss.
 
 #include "prelude.cuh"
 
@@ -145,6 +157,70 @@ template <typename T> __device__ __forceinline__ void sce_grad(const T* dy, cons
     }
 }
 
+// Row weights and their sum (one block).
+template <typename T> __device__ __forceinline__ void lce_weights(const i64* labels, const T* weights, typename Num<T>::Acc* w_s,
+                                                                  typename Num<T>::Acc* wsum, i64 rows, i64 C, i64 ignore_index,
+                                                                  i32 has_ignore, i32* err) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    if (blockIdx.x != 0) return;
+    A total = (A)0;
+    for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
+        const A w = sample_weight<T>(labels[r], weights, C, ignore_index, has_ignore, err);
+        w_s[r] = w;
+        total += w;
+    }
+    total = block_reduce<OpSum>(total, scratch);
+    if (threadIdx.x == 0) *wsum = total;
+}
+
+// A chunk's logits into their unit-seed gradient, in place. Each thread reads back only the
+// elements it wrote (the same k stride in every pass), so no barrier is needed between them; the
+// label's logit is read by the thread that owns it, in the last pass.
+template <typename T> __device__ __forceinline__ void lce_rows(T* g, const T* bias, const i64* labels, const typename Num<T>::Acc* w_s,
+                                                               const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R,
+                                                               i64 C, i32 mean) {
+    typedef typename Num<T>::Acc A;
+    __shared__ A scratch[32];
+    const A total = mean ? *wsum : (A)1;
+    const A f = total == (A)0 ? (A)0 : (A)1 / total;
+    for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
+        T* row = g + r * C;
+        const A w = w_s[r];
+        if (w == (A)0) {  // the same for the whole block: no thread skips a barrier the others reach
+            for (i64 k = threadIdx.x; k < C; k += blockDim.x) row[k] = Num<T>::store((A)0);
+            if (threadIdx.x == 0) loss_s[r] = (A)0;
+            continue;
+        }
+        const i64 y = labels[r];
+        A mx = OpMax::init<A>();
+        for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
+            A v = Num<T>::load(row[k]);
+            if (bias) {
+                v += Num<T>::load(bias[k]);
+                row[k] = Num<T>::store(v);
+                v = Num<T>::load(row[k]);
+            }
+            mx = OpMax::apply(mx, v);
+        }
+        const A m = block_reduce<OpMax>(mx, scratch);
+        A s = (A)0;
+        for (i64 k = threadIdx.x; k < C; k += blockDim.x) s += m_exp(Num<T>::load(row[k]) - m);
+        const A lse = m + m_log(block_reduce<OpSum>(s, scratch));
+        const A gw = w * f;
+        for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
+            const A v = Num<T>::load(row[k]);
+            A p = m_exp(v - lse);
+            if (k == y) {
+                loss_s[r] = -w * (v - lse);
+                p -= (A)1;
+            }
+            row[k] = Num<T>::store(gw * p);
+        }
+        __syncthreads();
+    }
+}
+
 #define LOSS(op, T)                                                                           \
     extern "C" __global__ void sce_loss_##T(const T* x, const i64* labels, const T* weights, Num<T>::Acc* loss_s, \
                                             Num<T>::Acc* w_s, T* logp, T* grad, i64 S, i64 C, i64 inner, \
@@ -167,5 +243,13 @@ template <typename T> __device__ __forceinline__ void sce_grad(const T* dy, cons
                                             const Num<T>::Acc* wsum, T* dx, i64 S, i64 C, i64 inner, \
                                             i64 ignore_index, i32 has_ignore, i32 softmax, i32 reduction) { \
         sce_grad<T>(dy, x, labels, weights, wsum, dx, S, C, inner, ignore_index, has_ignore, softmax, reduction); \
+    }                                                                                         \
+    extern "C" __global__ void lce_weights_##T(const i64* labels, const T* weights, Num<T>::Acc* w_s, Num<T>::Acc* wsum, \
+                                               i64 rows, i64 C, i64 ignore_index, i32 has_ignore, i32* err) { \
+        lce_weights<T>(labels, weights, w_s, wsum, rows, C, ignore_index, has_ignore, err);   \
+    }                                                                                         \
+    extern "C" __global__ void lce_rows_##T(T* g, const T* bias, const i64* labels, const Num<T>::Acc* w_s, \
+                                            const Num<T>::Acc* wsum, Num<T>::Acc* loss_s, i64 R, i64 C, i32 mean) { \
+        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, mean);                            \
     }
 ORT_FLOATS(LOSS, _)

@@ -100,6 +100,14 @@ def _curves(make, batches, steps, lr=1e-3, **accel):
     return out, model
 
 
+def _lm_head_fusions(model) -> int:
+    """LinearCrossEntropy nodes the engine's fuse_linear_cross_entropy pass made in the model's
+    loss graphs (the LM head and its loss, chunked)."""
+    runners = model.__dict__["_ortrain_state"].loss_runners.values()
+    return max((dict(r.session.passes).get("fuse_linear_cross_entropy", 0) for r in runners if hasattr(r, "session")),
+               default=0)
+
+
 def _fused_attentions(model) -> int:
     """Attention nodes the engine's fuse_attention pass made in the model's sessions."""
     runners = model.__dict__["_ortrain_state"].runners.values()
@@ -130,6 +138,7 @@ def test_tutorial_transformer_trains_like_eager_on_the_gpu():
     print("tutorial", curves, f"max relative difference {max(diffs):.2e}, fused attentions {_fused_attentions(model)}")
     assert max(diffs) < 1e-3, curves
     assert model.__dict__["_ortrain_state"].fused_loss_calls == 12
+    assert _lm_head_fusions(model) == 1
 
 
 @pytest.mark.parametrize("fused_attention", [False, True], ids=["unfused", "fused_attention"])
@@ -161,6 +170,64 @@ def test_gpt2_trains_like_eager_on_the_gpu(fused_attention, monkeypatch):
     print("gpt2", curves, f"max relative difference {max(diffs):.2e}")
     assert max(diffs) < 1e-3, curves
     assert _fused_attentions(model) == (2 if fused_attention else 0)
+    assert _lm_head_fusions(model) == 1
+
+
+def test_fused_loss_logits_are_replayed_on_the_gpu():
+    """With the loss fused, the logits are never whole on the GPU either: the fused graph's only
+    output is the loss, and logits read afterwards (here after optimizer.step(), from the
+    parameter copy taken before it) are the forward's, as eager computes them."""
+    import models
+
+    vocab, seq, batch = 1000, 35, 20
+    ref = models.tutorial_transformer(vocab, dropout=0.0, seed=0)[0].cuda()
+    model = copy.deepcopy(ref)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ortrain.accelerate(model, opt, device="cuda", strict=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randint(0, vocab, (seq, batch), device="cuda", generator=g)
+    y = torch.randint(0, vocab, (seq * batch,), device="cuda", generator=g)
+    out = model(x)
+    loss = nn.functional.cross_entropy(out.view(-1, vocab), y)
+    loss.backward()
+    (runner,) = model.__dict__["_ortrain_state"].loss_runners.values()
+    assert runner.session.output_names == ["ortrain_ce_loss"]
+    opt.step()
+    want = ref(x)
+    assert _max_rel(nn.functional.cross_entropy(want.view(-1, vocab), y), loss) < 1e-5
+    assert _max_rel(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
+def test_engine_adam_on_the_gpu_follows_torch(cls):
+    """accelerate's optimizer on the GPU: Adam/AdamW run as the engine's one multi-tensor launch
+    (tensors of several 65536-element chunks, the last partial, and tiny ones) and follow
+    torch's own step: parameters and both moments after 6 steps, weight decay, and a parameter
+    without a gradient in one step left alone; the state loads back into plain torch."""
+    from ortrain.engine.optimizer import accelerate_optimizer
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    shapes = [(300, 500), (7,), (1000,), (65536,)]
+    ref = [torch.randn(s, device="cuda", generator=g).requires_grad_() for s in shapes]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    kw = {"lr": 1e-2, "betas": (0.8, 0.99), "weight_decay": 0.1}
+    opt_ref, opt = cls(ref, **kw), cls(ours, **kw)
+    assert accelerate_optimizer(opt, strict=True)
+    for step in range(6):
+        for i, (a, b) in enumerate(zip(ref, ours)):
+            skip = step == 2 and i == 1
+            grad = None if skip else torch.randn(a.shape, device="cuda", generator=g)
+            a.grad, b.grad = grad, None if grad is None else grad.clone()
+        opt_ref.step()
+        opt.step()
+    assert "_ortrain_gpu_chunks" in opt.__dict__  # the engine's launch ran, not torch's fallback
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-7)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[b][key], opt_ref.state[a][key], rtol=2e-6, atol=1e-9)
+        assert float(opt.state[b]["step"]) == float(opt_ref.state[a]["step"])
+    plain = cls([p.detach().clone() for p in ours], **kw)
+    plain.load_state_dict(opt.state_dict())
 
 
 def test_dropout_on_the_gpu_is_seeded_and_trains():

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use ortrain_engine::backend::cuda::runtime::{self, CudaRuntime};
+use ortrain_engine::optim::AdamHyper;
 use ortrain_engine::session::cuda::CudaPending;
 use ortrain_engine::session::{Session, Sig};
 use pyo3::exceptions::PyRuntimeError;
@@ -31,7 +32,12 @@ fn sigs(v: Vec<(String, Vec<usize>)>) -> PyResult<Vec<Sig>> {
 /// written into caller memory.
 #[pyfunction]
 #[pyo3(signature = (session, inputs, backward, out_bound=None))]
-fn cuda_arena_bytes(session: &PySession, inputs: Vec<(String, Vec<usize>)>, backward: bool, out_bound: Option<Vec<bool>>) -> PyResult<usize> {
+fn cuda_arena_bytes(
+    session: &PySession,
+    inputs: Vec<(String, Vec<usize>)>,
+    backward: bool,
+    out_bound: Option<Vec<bool>>,
+) -> PyResult<usize> {
     session.inner.arena_bytes(&sigs(inputs)?, backward, &out_bound.unwrap_or_default()).map_err(to_py)
 }
 
@@ -87,7 +93,10 @@ fn cuda_backward(
     stream: usize,
 ) -> PyResult<()> {
     let rt = rt()?;
-    let p = pending.inner.take().ok_or_else(|| PyRuntimeError::new_err("this forward pass was already used for a backward pass or released"))?;
+    let p = pending
+        .inner
+        .take()
+        .ok_or_else(|| PyRuntimeError::new_err("this forward pass was already used for a backward pass or released"))?;
     let c = |v: Vec<usize>| v.into_iter().map(|a| a as u64).collect::<Vec<u64>>();
     let (w, sd, g) = (c(weights), c(seeds), c(grads));
     let (s, st) = (session.inner.clone(), Addr(stream));
@@ -128,8 +137,55 @@ fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize) -> PyResult<()
     unsafe { rt()?.copy(stream as _, dst as u64, src as u64, bytes) }.map_err(to_py)
 }
 
+/// The chunk list of a fused optimizer update over tensors of these sizes: (tensor index, first
+/// element) per chunk, for cuda_adam_step.
+#[pyfunction]
+fn cuda_optim_chunks(sizes: Vec<usize>) -> (Vec<i32>, Vec<i64>) {
+    ortrain_engine::backend::cuda::optim::chunk_list(&sizes)
+}
+
+/// Queues one Adam/AdamW update (f32 parameters, gradients and moments) on `stream` over the
+/// tensors that `table` describes: a device int64 [n, 5] tensor of (param, grad, exp_avg,
+/// exp_avg_sq addresses, numel) rows; `chunk_tensor` / `chunk_start` are device copies of
+/// cuda_optim_chunks(numels), `chunks` their length; `step` is the step count after this update.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cuda_adam_step(
+    table: usize,
+    chunk_tensor: usize,
+    chunk_start: usize,
+    chunks: usize,
+    lr: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    decoupled: bool,
+    maximize: bool,
+    step: u64,
+    stream: usize,
+) -> PyResult<()> {
+    let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
+    // SAFETY: the Python caller (engine/optimizer.py) passes device tensors it keeps alive in
+    // stream order: the table of live, distinct f32 tensors and the chunk lists made for them.
+    unsafe {
+        ortrain_engine::backend::cuda::optim::adam_f32(
+            rt()?,
+            stream as _,
+            table as u64,
+            chunk_tensor as u64,
+            chunk_start as u64,
+            chunks,
+            &h,
+        )
+    }
+    .map_err(to_py)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCudaPending>()?;
+    m.add_function(wrap_pyfunction!(cuda_optim_chunks, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;

@@ -70,30 +70,50 @@ impl OpDef for LossGrad {
     }
 }
 
-/// The most rows per chunk of LinearCrossEntropy. The per-chunk dW gemm (inner dimension =
-/// chunk rows) reads and writes all of dW once per chunk, so chunks must be large: on the
-/// tutorial head (700 × 200 · 200 × 28782, 2 threads) 256 rows took 0.8x the time of 128 in 5 of
-/// 6 interleaved runs (`lce_chunk_speed` in backend/cpu/linear_cross_entropy.rs), while its
-/// logits (256 × 28782 f32 = 29 MB) are still a third of the unfused 80 MB.
-pub const LCE_CHUNK_ROWS: usize = 256;
+/// How large LinearCrossEntropy's chunks may be on one backend: at most `max_rows` rows and
+/// `scratch_bytes` of chunk logits, never under `min_rows` rows whatever the vocabulary (below it
+/// the per-chunk dW gemm's re-reads of dW dominate). The node's `target` attribute ("cpu", the
+/// default, or "cuda", set by passes/fuse_linear_cross_entropy.rs) picks one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LceBudget {
+    pub max_rows: usize,
+    pub min_rows: usize,
+    pub scratch_bytes: usize,
+}
 
-/// The fewest rows per chunk whatever the vocabulary (below it the dW gemm's re-reads of dW
-/// dominate).
-const LCE_MIN_CHUNK_ROWS: usize = 128;
+impl LceBudget {
+    /// The per-chunk dW gemm (inner dimension = chunk rows) reads and writes all of dW once per
+    /// chunk, so chunks must be large: on the tutorial head (700 × 200 · 200 × 28782, 2 threads)
+    /// 256 rows took 0.8x the time of 128 in 5 of 6 interleaved runs (`lce_chunk_speed` in
+    /// backend/cpu/linear_cross_entropy.rs), while its logits (256 × 28782 f32 = 29 MB) are still a
+    /// third of the unfused 80 MB. A vocabulary wider than 40 MiB / 256 rows (GPT-2's 50257 f32
+    /// columns: 51 MB at 256 rows) gets fewer rows: on GPT-2's head (508 × 256 · 256 × 50257, 2
+    /// threads) three chunks of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on
+    /// that shape) for 17 MB less peak.
+    pub const CPU: LceBudget = LceBudget { max_rows: 256, min_rows: 128, scratch_bytes: 40 << 20 };
+    /// A GPU wants thousands of rows per gemm, and each chunk's dW products re-read and re-write
+    /// dW (GPT-2 124M's: 154 MB) at memory bandwidth: 512 MiB of logits is 7 chunks of 2339 rows
+    /// for GPT-2 124M's 16368 rows (the unfused logits and their gradient: 3.3 GB each), one
+    /// chunk for the tutorial's 700.
+    pub const CUDA: LceBudget = LceBudget { max_rows: 8192, min_rows: 512, scratch_bytes: 512 << 20 };
 
-/// The chunk logits' budget: a vocabulary wider than 40 MiB / 256 rows (GPT-2's 50257 f32
-/// columns: 51 MB at 256 rows) gets fewer rows per chunk. On GPT-2's head (508 × 256 · 256 × 50257,
-/// 2 threads) three chunks of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on
-/// that shape) for 17 MB less peak.
-const LCE_SCRATCH_BUDGET_BYTES: usize = 40 << 20;
+    /// The budget a LinearCrossEntropy node names in its `target` attribute.
+    pub fn of(node: &Node) -> Result<LceBudget> {
+        match node.attrs.string("target", "cpu")?.as_str() {
+            "cpu" => Ok(LceBudget::CPU),
+            "cuda" => Ok(LceBudget::CUDA),
+            other => Err(node.err(format!("target '{other}' is not one of cpu, cuda"))),
+        }
+    }
+}
 
-/// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most
-/// LCE_CHUNK_ROWS and what fits LCE_SCRATCH_BUDGET_BYTES (never under LCE_MIN_CHUNK_ROWS), then
-/// evened out over the chunks that takes (700 rows: 3 × 234, not 256 + 256 + 188), so that the
+/// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most the
+/// budget's rows and what fits its scratch bytes (never under its `min_rows`), then evened out
+/// over the chunks that takes (700 rows on the CPU: 3 × 234, not 256 + 256 + 188), so that the
 /// scratch is no larger than the chunks need.
-pub fn lce_chunk_rows(rows: usize, n: usize, elem_bytes: usize) -> usize {
-    let fits = LCE_SCRATCH_BUDGET_BYTES / (n * elem_bytes).max(1);
-    let most = fits.clamp(LCE_MIN_CHUNK_ROWS, LCE_CHUNK_ROWS);
+pub fn lce_chunk_rows(rows: usize, n: usize, elem_bytes: usize, budget: LceBudget) -> usize {
+    let fits = budget.scratch_bytes / (n * elem_bytes).max(1);
+    let most = fits.clamp(budget.min_rows, budget.max_rows);
     let chunks = rows.div_ceil(most).max(1);
     rows.div_ceil(chunks)
 }
@@ -132,7 +152,7 @@ impl OpDef for LinearCrossEntropy {
             TypeOut::like(x),
             TypeOut::like(w),
             TypeOut::new(x.dtype, vec![n]),
-            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, x.dtype.size()), n]),
+            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, x.dtype.size(), LceBudget::of(node)?), n]),
         ])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
@@ -163,19 +183,32 @@ pub fn register(r: &mut Registry) {
 
 #[cfg(test)]
 mod tests {
-    use super::lce_chunk_rows;
+    use super::{lce_chunk_rows, LceBudget};
 
     #[test]
     fn lce_chunks_are_even_and_within_the_scratch_budget() {
+        let cpu = |rows, n, elem| lce_chunk_rows(rows, n, elem, LceBudget::CPU);
         // the tutorial's head (700 rows, 28782 f32 columns): 3 chunks of 234, not 256 + 256 + 188
-        assert_eq!(lce_chunk_rows(700, 28782, 4), 234);
+        assert_eq!(cpu(700, 28782, 4), 234);
         // GPT-2's (508 rows, 50257 columns): 256 rows would be 51 MB; 3 chunks of 170 fit 40 MiB
-        assert_eq!(lce_chunk_rows(508, 50257, 4), 170);
+        assert_eq!(cpu(508, 50257, 4), 170);
         // f64 logits take twice the bytes per row: 182 rows fit, 4 chunks of 175
-        assert_eq!(lce_chunk_rows(700, 28782, 8), 175);
+        assert_eq!(cpu(700, 28782, 8), 175);
         // few rows: one chunk of all of them; a huge vocabulary still gets 128-row chunks
-        assert_eq!(lce_chunk_rows(77, 30522, 4), 77);
-        assert_eq!(lce_chunk_rows(1000, 1 << 20, 4), 125);
-        assert_eq!(lce_chunk_rows(0, 100, 4), 0);
+        assert_eq!(cpu(77, 30522, 4), 77);
+        assert_eq!(cpu(1000, 1 << 20, 4), 125);
+        assert_eq!(cpu(0, 100, 4), 0);
+    }
+
+    #[test]
+    fn gpu_chunks_are_thousands_of_rows() {
+        let cuda = |rows, n, elem| lce_chunk_rows(rows, n, elem, LceBudget::CUDA);
+        // GPT-2 124M (16 × 1023 shifted rows, 50257 columns): 2670 rows fit 512 MiB; 7 × 2339
+        assert_eq!(cuda(16 * 1023, 50257, 4), 2339);
+        // the tutorial's 700 rows: one chunk
+        assert_eq!(cuda(700, 28782, 4), 700);
+        // a huge vocabulary keeps 512-row chunks; many rows of a small one stop at 8192
+        assert_eq!(cuda(4096, 1 << 20, 4), 512);
+        assert_eq!(cuda(20000, 1000, 4), 6667);
     }
 }

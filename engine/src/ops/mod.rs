@@ -149,7 +149,7 @@ pub fn movement_slice_params(node: &Node, inputs: &[Option<InferIn>], shape: &[u
     movement::slice_params(node, inputs, shape)
 }
 
-pub use self::loss::{lce_chunk_rows, LCE_CHUNK_ROWS};
+pub use self::loss::{lce_chunk_rows, LceBudget};
 pub use self::shape_ops::shape_range;
 
 /// Reduce*'s normalised axes (shared with backends).

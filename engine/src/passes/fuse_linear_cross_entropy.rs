@@ -4,8 +4,8 @@
 //! neither the logits nor their gradient are ever whole in memory. Only where nothing else
 //! reads the logits (not a graph output, no other consumer of the Linear or the Reshape): were
 //! they computed anyway, the fused op would add a fourth LM-head gemm to the three unfused ones.
-//! CPU only: the CUDA backend has no LinearCrossEntropy kernel, and sessions built for CUDA skip
-//! this pass.
+//! The node's `target` attribute sizes its chunks for the backend (`ops::LceBudget`): a few
+//! hundred rows on the CPU, thousands on a GPU.
 
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
@@ -38,7 +38,17 @@ fn linear_under(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], scores: Value
     flattens.then_some(lin.0)
 }
 
-pub fn run(graph: &mut Graph) -> Result<usize> {
+/// The fusion for sessions on the CPU.
+pub fn run_cpu(graph: &mut Graph) -> Result<usize> {
+    fuse(graph, "cpu")
+}
+
+/// The fusion for sessions on CUDA.
+pub fn run_cuda(graph: &mut Graph) -> Result<usize> {
+    fuse(graph, "cuda")
+}
+
+fn fuse(graph: &mut Graph, target: &str) -> Result<usize> {
     let consumers = graph.consumers();
     let mut rewrites = 0;
     for s in 0..graph.nodes.len() {
@@ -59,6 +69,7 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
         let bias = linear.input(2);
         let mut attrs =
             Attrs::default().with("transB", Attr::Int(linear.attrs.int("transB", 0)?)).with("reduction", Attr::String(reduction));
+        attrs.set("target", Attr::String(target.into()));
         if let Some(a) = node.attrs.get("ignore_index") {
             attrs.set("ignore_index", a.clone());
         }

@@ -30,6 +30,7 @@ pub enum Target {
 enum Runs {
     Both,
     CpuOnly,
+    CudaOnly,
     /// CUDA sessions, only when named in `ORTRAIN_ENABLE_PASSES` (a fusion that is correct but
     /// not yet faster everywhere).
     CudaOptIn,
@@ -45,11 +46,11 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     ("fuse_gelu_tanh", fuse_gelu_tanh::run, Runs::Both),
     ("fuse_linear", fuse_linear::run, Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
-    // LM head's input, so that the Linear feeds the loss's reshape directly (CPU only, as the
-    // fusion it serves)
-    ("slice_before_linear", slice_before_linear::run, Runs::CpuOnly),
-    // after fuse_linear: it matches the Linear that pass made (CPU kernel only)
-    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run, Runs::CpuOnly),
+    // LM head's input, so that the Linear feeds the loss's reshape directly
+    ("slice_before_linear", slice_before_linear::run, Runs::Both),
+    // after fuse_linear: it matches the Linear that pass made; one name, chunks sized per backend
+    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run_cpu, Runs::CpuOnly),
+    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run_cuda, Runs::CudaOnly),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
@@ -70,7 +71,8 @@ fn listed(var: &str) -> Result<Vec<String>> {
     }
     for n in &names {
         if !PIPELINE.iter().any(|(p, _, _)| p == n) {
-            let valid: Vec<&str> = PIPELINE.iter().map(|(p, _, _)| *p).collect();
+            let mut valid: Vec<&str> = PIPELINE.iter().map(|(p, _, _)| *p).collect();
+            valid.dedup();
             return Err(Error::other(format!("{var}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
         }
     }
@@ -84,7 +86,7 @@ pub fn run(graph: &mut Graph, target: Target) -> Result<PassReport> {
     let mut report = PassReport::default();
     for (name, pass, runs) in PIPELINE {
         let skip = match (target, runs) {
-            (Target::Cpu, Runs::CudaOptIn) | (Target::Cuda, Runs::CpuOnly) => true,
+            (Target::Cpu, Runs::CudaOptIn | Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
             (Target::Cuda, Runs::CudaOptIn) => !on.iter().any(|n| n == name),
             _ => false,
         };

@@ -250,12 +250,8 @@ class _State:
             self.loss_runners[key] = runner
         if isinstance(runner, Exception):
             return None
-        logits = None if runner.lazy_logits else runner.logits_buffer(call.shape, call.dtype)
         try:
-            if logits is None:
-                loss, = runner(call.inputs + [target.contiguous()], True, seed=call.seed)
-            else:
-                loss, _ = runner(call.inputs + [target.contiguous()], True, seed=call.seed, bound={1: logits})
+            loss, = runner(call.inputs + [target.contiguous()], True, seed=call.seed)
         except (EngineError, OrtrainError) as exc:
             if self.strict:
                 raise
@@ -263,10 +259,7 @@ class _State:
             warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}")
             return None
         runner.last_inputs = [x.detach() for x in call.inputs] + [target.detach()]  # for explain()
-        if logits is None:
-            call.fused_lazily()  # the logits are computed if and when they are read
-        else:
-            call.fused_logits = logits
+        call.fused_lazily()  # the logits are computed if and when they are read
         self.fused_loss_calls += 1
         return loss
 
@@ -334,9 +327,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         from ortrain.engine.optimizer import accelerate_optimizer
 
         state.optimizer = optimizer
-        # on CUDA the optimizer step stays PyTorch's (its fused CUDA kernels) until the engine's
-        # multi-tensor optimizer kernels are wired up
-        state.optimizer_in_engine = accelerate_optimizer(optimizer, strict) if device == "cpu" else False
+        # on CUDA the engine has Adam/AdamW (one multi-tensor launch); SGD stays PyTorch's there
+        engine_has_it = device == "cpu" or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+        state.optimizer_in_engine = accelerate_optimizer(optimizer, strict) if engine_has_it else False
     return model
 
 
@@ -420,7 +413,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
                 continue
             fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
-            lines.append(f"    loss graph{' (logits computed only when read)' if r.lazy_logits else ''}: "
+            lines.append(f"    loss graph (logits computed only when read): "
                          f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                          f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
     if profile:

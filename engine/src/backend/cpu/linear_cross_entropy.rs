@@ -252,7 +252,7 @@ mod tests {
     use super::super::testutil::try_run_opt;
     use super::super::CpuCtx;
     use crate::ir::{Attr, Attrs};
-    use crate::ops::{lce_chunk_rows, LCE_CHUNK_ROWS};
+    use crate::ops::{lce_chunk_rows, LceBudget};
     use crate::tensor::{Data, Tensor};
 
     fn vals(n: usize, seed: u64) -> Vec<f64> {
@@ -335,9 +335,9 @@ mod tests {
     #[test]
     fn linear_cross_entropy_matches_the_definition() {
         let (k, n) = (9, 1100);
-        let (d0, d1) = (16, LCE_CHUNK_ROWS / 8 + 2);
+        let (d0, d1) = (16, LceBudget::CPU.max_rows / 8 + 2);
         let rows = d0 * d1;
-        let chunk = lce_chunk_rows(rows, n, 4);
+        let chunk = lce_chunk_rows(rows, n, 4, LceBudget::CPU);
         assert!(rows > 2 * chunk && rows % chunk != 0);
         let cases = [
             (true, true, false, true, false),
@@ -369,7 +369,7 @@ mod tests {
             close(&format!("case {case}: dW"), &out[2].to_f64_vec(), &dw, tol);
             close(&format!("case {case}: db"), &out[3].to_f64_vec(), &db, tol);
             let elem = if f64s { 8 } else { 4 };
-            assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, elem), n], "case {case}: scratch");
+            assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, elem, LceBudget::CPU), n], "case {case}: scratch");
         }
     }
 }

@@ -5,8 +5,9 @@
 //! ([`nvrtc`]), the on-disk CUBIN cache ([`cache`], [`compile`]), the kernel registry
 //! ([`registry`], the kernel sources in kernels/*.cu at the repository root), a CUBIN symbol
 //! reader ([`elf`]), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
-//! ([`blas`]), the per-process GPU runtime ([`runtime`]) and the kernel table of the executor
-//! ([`ops`]; the executor itself is `crate::exec::cuda`). CI compiles every kernel file for sm_90
+//! ([`blas`]), the per-process GPU runtime ([`runtime`]), the kernel table of the executor
+//! ([`ops`]; the executor itself is `crate::exec::cuda`) and the fused optimizer update for the
+//! Python optimizer bridge ([`optim`]). CI compiles every kernel file for sm_90
 //! and checks every kernel name and parameter layout; the GPU tests (`tests`, unit tests of the
 //! crate) ran on an H100: doc/GPU-RUNS.md records what ran and what has not.
 //!
@@ -25,6 +26,7 @@ pub mod launch;
 pub mod loader;
 pub mod nvrtc;
 pub mod ops;
+pub mod optim;
 pub mod philox;
 pub mod registry;
 pub mod runtime;

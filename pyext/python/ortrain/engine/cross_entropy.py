@@ -1,18 +1,16 @@
 """The model with a softmax cross-entropy appended, as one engine graph: what a user's
 `criterion(output.view(-1, C), target)` becomes when it is fused (engine/lazy.py). The loss and
 its gradient are computed inside the engine: the logits and their gradient never round-trip
-through PyTorch. On the CPU the graph's only output is the loss (the engine's
-fuse_linear_cross_entropy pass then computes the LM head and the loss chunk by chunk, and the
-logits never exist whole); a user who reads the logits gets them from a forward-only replay
-(engine/lazy.py). On CUDA the logits are also an output, written into a torch buffer."""
+through PyTorch. The graph's only output is the loss: the engine's fuse_linear_cross_entropy
+pass then computes the LM head and the loss chunk by chunk (a few hundred rows at a time on the
+CPU, thousands on a GPU), and the logits never exist whole; a user who reads the logits gets
+them from a forward-only replay (engine/lazy.py)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import numpy as np
 import onnx
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from .function import EngineFunction
@@ -28,10 +26,8 @@ TARGET = "ortrain_ce_target"
 LOSS = "ortrain_ce_loss"
 
 
-def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: int, reduction: str,
-                        keep_outputs: bool = True) -> bytes:
-    """Outputs become [loss, logits, ...the other outputs] (`keep_outputs=False`: [loss]); one new
-    input, the int64 targets. `slices` ((axis, start, stop), ...) are applied to the logits before
+def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: int, reduction: str) -> bytes:
+    """The only output becomes the loss; one new input, the int64 targets. `slices` ((axis, start, stop), ...) are applied to the logits before
     the rows are formed."""
     model = onnx.load_from_string(onnx_bytes)
     g = model.graph
@@ -51,51 +47,27 @@ def _with_cross_entropy(onnx_bytes: bytes, slices, classes: int, ignore_index: i
     g.node.append(helper.make_node("SoftmaxCrossEntropyLoss", ["ortrain_ce_rows", TARGET], [LOSS],
                                    name="ortrain_ce_loss", reduction=reduction, ignore_index=ignore_index))
     g.input.append(helper.make_tensor_value_info(TARGET, TensorProto.INT64, ["ortrain_ce_n"]))
-    outputs = list(g.output)
     del g.output[:]
     g.output.append(helper.make_empty_tensor_value_info(LOSS))
-    if keep_outputs:
-        g.output.extend(outputs)
     return model.SerializeToString()
 
 
 class CrossEntropyRunner(Runner):
-    """A Runner over the model + loss graph; output 0 is the loss. `lazy_logits` (the CPU): that
-    is the only output; else output 1 is the logits (read, never differentiated: their gradient
-    stays inside the engine)."""
+    """A Runner over the model + loss graph; its one output is the loss."""
 
-    seeded_outputs = (True, False)
+    seeded_outputs = (True,)
     function = FusedCrossEntropyLoss
 
     def __init__(self, module, exported, slices, classes: int, ignore_index: int, reduction: str, precision: str = "fp32",
                  device: str = "cpu"):
-        self.lazy_logits = device == "cpu"
-        if self.lazy_logits:
-            self.seeded_outputs = (True,)
-            # the fused LM head + loss makes its weight gradients in the forward pass: written
-            # straight into the gradient tensors, they take no arena space until the backward
-            self.grads_at_forward = True
+        # the CPU's fused LM head + loss makes its weight gradients in the forward pass: written
+        # straight into the gradient tensors, they take no arena space until the backward (the
+        # CUDA plans keep them in the arena)
+        self.grads_at_forward = device == "cpu"
         fused = dataclasses.replace(
             exported,
-            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction,
-                                           keep_outputs=not self.lazy_logits),
+            onnx_bytes=_with_cross_entropy(exported.onnx_bytes, slices, classes, ignore_index, reduction),
             input_names=list(exported.input_names) + [TARGET],
-            output_names=[LOSS] + ([] if self.lazy_logits else list(exported.output_names)),
+            output_names=[LOSS],
         )
         super().__init__(module, fused, precision, device)
-        self._pool: list = []
-
-    def logits_buffer(self, shape, dtype) -> torch.Tensor:
-        """A tensor for the logits: one from an earlier step that nobody holds any more, else new
-        (so that after the first steps the logits land in memory that is already mapped). On
-        CUDA, PyTorch's caching allocator already reuses memory: always a new tensor."""
-        if self.on_cuda:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        for t in self._pool:
-            # references: the pool's list, the loop variable and getrefcount's argument
-            if sys.getrefcount(t) <= 3 and t.shape == shape and t.dtype == dtype:
-                return t
-        t = torch.empty(shape, dtype=dtype)
-        if len(self._pool) < 3:
-            self._pool.append(t)
-        return t

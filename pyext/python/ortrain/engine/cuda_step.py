@@ -29,7 +29,10 @@ def cuda_triple(t: torch.Tensor, what: str) -> tuple:
 class CudaStep:
     """One forward pass queued on the GPU, and its backward pass."""
 
-    def __init__(self, runner, inputs: list, backward: bool, seed: int, bound: dict | None):
+    def __init__(self, runner, inputs: list, backward: bool, seed: int, bound: dict | None,
+                 weights: list | None = None):
+        """`weights`: device addresses to read the weights from instead of the live tensors
+        (forward only: a replay from a parameter snapshot)."""
         self.runner = runner
         sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, runner.input_names)]
         out_bound = [k in bound for k in range(runner.n_outputs)] if bound else None
@@ -40,7 +43,8 @@ class CudaStep:
         self.arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=runner.device)
         addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)] if bound else None
         self.pending = _ortrain.cuda_forward(runner.session, [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)],
-                                             runner.weight_addresses(), backward, seed, _stream(),
+                                             runner.weight_addresses() if weights is None else weights, backward, seed,
+                                             _stream(),
                                              self.arena.data_ptr(), addrs,
                                              tf32=bool(torch.backends.cuda.matmul.allow_tf32))
 

@@ -31,12 +31,12 @@ def new_seed() -> int:
 
 def run_inference(runner, inputs: list, seed: int | None = None, weights: list | None = None) -> list:
     """Forward only (eval, or no_grad): no activations kept. `seed` fixes dropout masks;
-    `weights` (CPU): addresses to read the weights from instead of the live tensors."""
+    `weights`: addresses to read the weights from instead of the live tensors."""
     seed = new_seed() if seed is None else seed
     if runner.on_cuda:
         from .cuda_step import CudaStep
 
-        step = CudaStep(runner, inputs, False, seed, None)
+        step = CudaStep(runner, inputs, False, seed, None, weights)
         try:
             return step.outputs()
         finally:

@@ -8,8 +8,8 @@ the right shape and dtype but no data yet. Basic slicing (`logits[:, :-1, :]`) a
 one graph (engine/cross_entropy.py) and returns the loss: their gradient never leaves the
 engine, and on the CPU the logits are not even computed (the engine's fused LM head + loss works
 chunk by chunk). Any other use materialises the output: after a fused run, by a forward-only
-replay of the model with the same dropout seed (exactly the fused run's logits; on CUDA the fused
-run wrote them already), else a normal engine forward. So that the logits stay readable after
+replay of the model with the same dropout seed (exactly the fused run's logits), else a normal
+engine forward. So that the logits stay readable after
 `optimizer.step()` (accuracy code does that), every optimizer's step first keeps a copy of the
 parameters for each fused call whose output is still referenced and not read yet; the replay
 reads that copy. A gradient through a materialised fused output is computed by replaying the

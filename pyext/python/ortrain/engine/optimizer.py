@@ -1,6 +1,8 @@
 """torch.optim.Adam / AdamW / SGD whose step() runs in the engine over the same parameter,
 gradient and state memory. The optimizer object keeps its class hierarchy, param_groups and
-state (so state_dict() loads into plain PyTorch and back), step hooks keep working."""
+state (so state_dict() loads into plain PyTorch and back), step hooks keep working. CPU
+parameters: Adam/AdamW and SGD in one parallel pass; GPU parameters: Adam/AdamW as one
+multi-tensor kernel launch per group (kernels/optim.cu), SGD in PyTorch."""
 from __future__ import annotations
 
 
@@ -42,6 +44,45 @@ def _engine_ok(p: torch.Tensor) -> bool:
             and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
+def _gpu_ok(p: torch.Tensor) -> bool:
+    """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0)."""
+    g = p.grad
+    if not (p.device == _GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
+            and g.dtype == torch.float32 and g.is_contiguous() and g.device == _GPU):
+        return False
+    from ortrain.cuda import cuda_available
+
+    return cuda_available()[0]
+
+
+_GPU = torch.device("cuda", 0)
+
+
+def _gpu_adam(opt, todo: list, group, decoupled: bool) -> None:
+    """One engine launch per device update of the GPU parameters in `todo` ((param, grad,
+    exp_avg, exp_avg_sq, step) each): kernels/optim.cu's multi-tensor Adam, queued on the current
+    stream, instead of torch's foreach kernels. The descriptor table goes up through pinned memory
+    (an asynchronous copy: no host sync); the chunk lists are uploaded once per set of sizes."""
+    b1, b2 = group["betas"]
+    stream = torch.cuda.current_stream(_GPU).cuda_stream
+    cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})
+    by_step: dict = {}
+    for t in todo:
+        by_step.setdefault(t[4], []).append(t)
+    for step, ts in by_step.items():
+        sizes = tuple(p.numel() for p, *_ in ts)
+        chunks = cache.get(sizes)
+        if chunks is None:
+            tensor_of, start = _ortrain.cuda_optim_chunks(list(sizes))
+            chunks = cache[sizes] = (torch.tensor(tensor_of, dtype=torch.int32, device=_GPU),
+                                     torch.tensor(start, dtype=torch.int64, device=_GPU))
+        rows = [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v, _ in ts]
+        table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(_GPU, non_blocking=True)
+        _ortrain.cuda_adam_step(table.data_ptr(), chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[0].numel(),
+                                float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                                float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)), step, stream)
+
+
 def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     """Engine-updatable params of an Adam group, a flag per param (its moments were created here,
     uninitialised: the engine writes them as if they were zeros, bitwise as from torch.zeros;
@@ -49,12 +90,15 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     `keep`: id(param) -> (param, copy)), the ids of those, and the params left for PyTorch.
     Skipping the zero fill saves writing and then reading 2 x the parameters' bytes in the first
     step (~0.1 s on the tutorial model)."""
-    todo, fresh, rest, keeps, kept = [], [], [], [], []
+    todo, fresh, rest, keeps, kept, gpu = [], [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
-        if not _engine_ok(p) or torch.is_complex(p):
-            rest.append(p)
+        if torch.is_complex(p) or not _engine_ok(p):
+            if not torch.is_complex(p) and _gpu_ok(p):
+                gpu.append(_gpu_adam_entry(opt, p, keep, kept))
+            else:
+                rest.append(p)
             continue
         state = opt.state[p]
         new = len(state) == 0
@@ -71,7 +115,24 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
         keeps.append(0 if k is None else k[1].data_ptr())
         if k is not None:
             kept.append(id(p))
-    return todo, fresh, keeps, kept, rest
+    return todo, fresh, keeps, kept, rest, gpu
+
+
+def _gpu_adam_entry(opt, p, keep: dict, kept: list) -> tuple:
+    """(param, grad, exp_avg, exp_avg_sq, step) of a GPU parameter, its state created as torch's
+    Adam creates it (zero moments, a CPU step count) and the step counted; a deferred copy of the
+    parameter (engine/lazy.py) is queued now, before the update."""
+    state = opt.state[p]
+    if len(state) == 0:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+    k = keep.get(id(p))
+    if k is not None:
+        k[1].copy_(p)
+        kept.append(id(p))
+    return (p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()))
 
 
 def _engine_step(self, closure=None):
@@ -95,13 +156,16 @@ def _engine_step(self, closure=None):
                     continue
                 created: list = []
                 try:
-                    todo, fresh, keeps, kept, rest = _adam_group(self, group, created, keep)
+                    todo, fresh, keeps, kept, rest, gpu = _adam_group(self, group, created, keep)
                     leftovers += rest
                     b1, b2 = group["betas"]
                     decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-                    _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                                       float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
-                                       fresh=fresh, keep=keeps)
+                    if todo:
+                        _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                                           float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
+                                           fresh=fresh, keep=keeps)
+                    if gpu:
+                        _gpu_adam(self, gpu, group, decoupled)
                     for i in kept:
                         del keep[i]
                 except BaseException:

@@ -13,7 +13,7 @@ use crate::ir::Node;
 use crate::ops::linear::linear_dims;
 use crate::tensor::DType;
 
-fn gemm_type(node: &Node, d: DType) -> Result<GemmType> {
+pub(super) fn gemm_type(node: &Node, d: DType) -> Result<GemmType> {
     match d {
         DType::F32 => Ok(GemmType::F32),
         DType::F64 => Ok(GemmType::F64),

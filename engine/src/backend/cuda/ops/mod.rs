@@ -15,10 +15,11 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::tensor::{DType, Tensor};
 
-mod attention;
 mod activation;
+mod attention;
 mod elementwise;
 mod gather;
+mod linear_cross_entropy;
 mod loss;
 mod matmul;
 mod movement;
@@ -83,6 +84,7 @@ fn table() -> &'static CudaTable {
         norm::register(&mut t);
         random::register(&mut t);
         loss::register(&mut t);
+        linear_cross_entropy::register(&mut t);
         gather::register(&mut t);
         t
     })

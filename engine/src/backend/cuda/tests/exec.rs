@@ -294,6 +294,42 @@ fn self_attention(rng: &mut Rng, torchlib: bool) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
+/// An LM head and its loss, which CUDA sessions fuse into one LinearCrossEntropy:
+/// Reshape(x·op(W) [+ b], [-1, C]) into SoftmaxCrossEntropyLoss. `big`: x [3, 3000, 8] (9000
+/// rows: two chunks of 4500 under the CUDA budget), W [C, 8] read through a Transpose (transB),
+/// a bias, class weights, ignore_index and the mean; otherwise x [2, 35, 8] (one chunk), W [8, C],
+/// no bias, the sum.
+fn lm_head(rng: &mut Rng, big: bool) -> Model {
+    const C: usize = 40;
+    let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
+    let rows: usize = input[..2].iter().product();
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let h = if big {
+        let w = weight(&mut g, &mut ws, "w", &[C, 8], rng);
+        let b = weight(&mut g, &mut ws, "b", &[C], rng);
+        let wt = op(&mut g, "w_t", "Transpose", &[w], Attrs::default().with("perm", Attr::Ints(vec![1, 0])));
+        let h = op(&mut g, "head", "MatMul", &[x, wt], Attrs::default());
+        op(&mut g, "head_bias", "Add", &[h, b], Attrs::default())
+    } else {
+        let w = weight(&mut g, &mut ws, "w", &[8, C], rng);
+        op(&mut g, "head", "MatMul", &[x, w], Attrs::default())
+    };
+    let shape = ints(&mut g, "rows", &[-1, C as i64]);
+    let scores = op(&mut g, "flat", "Reshape", &[h, shape], Attrs::default());
+    let labels = g.add_const("labels", Tensor::from_i64(vec![rows], (0..rows).map(|i| (i * 7 % C) as i64).collect()));
+    let mut ins = vec![Some(scores), Some(labels)];
+    let mut attrs = Attrs::default().with("reduction", Attr::String(if big { "mean" } else { "sum" }.into()));
+    if big {
+        let cw = g.add_const("class_weights", Tensor::from_f32(vec![C], (0..C).map(|c| 0.5 + (c % 3) as f32 * 0.25).collect()));
+        ins.push(Some(cw));
+        attrs.set("ignore_index", Attr::Int(3));
+    }
+    let loss = g.add_node("ce", "SoftmaxCrossEntropyLoss", ins, attrs, 1)[0];
+    g.outputs.push(loss);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 fn session(m: &Model) -> Session {
     session_for(m, crate::session::Target::Cuda)
 }
@@ -423,6 +459,8 @@ fn models() -> Vec<(&'static str, Model)> {
         ("attention_bits", attention_bits(&mut rng)),
         ("sdpa_causal", self_attention(&mut rng, true)),
         ("eager_attention_padding", self_attention(&mut rng, false)),
+        ("lm_head_chunked", lm_head(&mut rng, true)),
+        ("lm_head", lm_head(&mut rng, false)),
     ]
 }
 
@@ -476,6 +514,7 @@ fn test_models_cover_the_movement_elementwise_and_gather_dispatchers() {
         "GatherGrad",
         "GatherElements",
         "GatherElementsGrad",
+        "LinearCrossEntropy",
     ];
     let missing: Vec<&str> = want.iter().copied().filter(|o| !seen.contains(*o)).collect();
     assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
@@ -502,6 +541,22 @@ fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
         for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
             assert_close(&format!("torchlib={torchlib}: gradient of {name}"), &f(a), &f(b), 1e-5, 1e-6);
         }
+    }
+}
+
+/// CUDA sessions fuse the LM head with its loss, in chunks of thousands of rows: the 9000 rows
+/// of `lm_head_chunked` take two chunks of 4500 (the scratch output), the 70 of `lm_head` one.
+#[test]
+fn lm_head_loss_fuses_for_cuda_in_large_chunks() {
+    let mut rng = Rng::new(13);
+    for (big, scratch) in [(true, vec![4500, 40]), (false, vec![70, 40])] {
+        let m = lm_head(&mut rng, big);
+        let s = session(&m);
+        let fused: Vec<_> = s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "LinearCrossEntropy").collect();
+        assert_eq!(fused.len(), 1, "big={big}: {:?}", s.graph.nodes.iter().map(|n| &n.op_type).collect::<Vec<_>>());
+        assert_eq!(fused[0].attrs.string("target", "").expect("target"), "cuda");
+        let plan = s.plan(&[m.sig()], true).expect("plan");
+        assert_eq!(plan.shape(fused[0].outputs[4]), scratch.as_slice(), "big={big}");
     }
 }
 

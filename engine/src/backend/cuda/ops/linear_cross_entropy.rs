@@ -1,0 +1,134 @@
+//! LinearCrossEntropy (ops/loss.rs: the LM head fused with its softmax cross-entropy) on the
+//! GPU. The rows are walked in the chunks the node's scratch output holds (`LceBudget::CUDA`:
+//! thousands of rows): per chunk, cuBLAS makes the logits X_c·op(W) in the scratch,
+//! `lce_rows` (kernels/loss.cu) turns them in place into the unit-seed gradient G (bias added,
+//! softmax − one-hot, times the row weight and 1/Σweights for the mean) and writes the rows'
+//! loss terms, then three more products accumulate dX_c = G·op(W)ᵀ, dW (+)= G's product with
+//! X_c and db (+)= 1ᵀ·G. Row weights and their sum come first (`lce_weights`, from the labels
+//! alone), the loss is reduced last (`sce_reduce`, as for the unfused loss). Rows of weight 0
+//! (ignore_index) are computed and come out as zeros: unlike the CPU kernel, no compaction.
+
+use super::matmul::gemm_type;
+use super::movement::zero;
+use super::softmax::row_grid;
+use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::blas::{F32Mode, Gemm};
+use crate::backend::cuda::launch::{Grid, KArg};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::linear::linear_dims;
+use crate::tensor::DType;
+
+/// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁, scratch).
+fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (x, w, labels) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 3)?);
+    let bias = ins.get(2).and_then(|b| b.as_ref()).map_or(0, |b| b.ptr);
+    let class_weights = ins.get(4).and_then(|c| c.as_ref()).map_or(0, |c| c.ptr);
+    let [loss, dx, dw, db, scratch] = outs else {
+        return Err(node.err("expected 5 outputs (loss, dX, dW, db, scratch)"));
+    };
+    if labels.dtype != DType::I64 {
+        return Err(node.err(format!("the CUDA loss kernels take int64 labels, got {}", labels.dtype.name())));
+    }
+    let (k, n) = linear_dims(node, w.shape)?;
+    let trans_b = node.attrs.int("transB", 0)? != 0;
+    let rows = labels.numel();
+    let mean = match node.attrs.string("reduction", "mean")?.as_str() {
+        "mean" => true,
+        "sum" => false,
+        other => return Err(node.err(format!("reduction '{other}' is not one of sum, mean"))),
+    };
+    let ignore = node.attrs.get("ignore_index").map(|_| node.attrs.int("ignore_index", 0)).transpose()?;
+    let t = gemm_type(node, x.dtype)?;
+    let sfx = float_suffix(node, x.dtype)?;
+    let (es, stat) = (x.dtype.size() as u64, if x.dtype == DType::F64 { 8u64 } else { 4 });
+
+    // per-row weights and loss terms, and the weight sum, in the runtime's scratch memory
+    let per_row = (rows as u64 * stat).div_ceil(256) * 256;
+    let w_s = ctx.rt.scratch(2 * per_row as usize + 256)?;
+    let (loss_s, wsum) = (w_s + per_row, w_s + 2 * per_row);
+    let p = KArg::Ptr;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("lce_weights_{sfx}"),
+        Grid::new(1, 1024),
+        &[
+            p(labels.ptr),
+            p(class_weights),
+            p(w_s),
+            p(wsum),
+            KArg::I64(rows as i64),
+            KArg::I64(n as i64),
+            KArg::I64(ignore.unwrap_or(0)),
+            KArg::I32(ignore.is_some() as i32),
+            p(ctx.error_flag),
+        ],
+    )?;
+
+    let chunk = scratch.shape.first().copied().unwrap_or(0);
+    if rows == 0 || n == 0 || chunk == 0 {
+        zero(ctx, dx)?;
+        zero(ctx, dw)?;
+        zero(ctx, db)?;
+    } else {
+        let gemm = |m: usize, nn: usize, kk: usize, ta: bool, tb: bool, accumulate: bool, mode: F32Mode| {
+            let mut g = Gemm::contiguous(1, m, nn, kk, ta, tb, t);
+            g.f32_mode = mode;
+            g.beta = if accumulate { 1.0 } else { 0.0 };
+            g
+        };
+        let ones = ctx.rt.ones(ctx.stream, t.size(), chunk)?;
+        let mut r0 = 0;
+        while r0 < rows {
+            let r = chunk.min(rows - r0);
+            let (xc, g) = (x.ptr + (r0 * k) as u64 * es, scratch.ptr);
+            let later = r0 > 0;
+            if k > 0 {
+                ctx.rt.gemm(ctx.stream, &gemm(r, n, k, false, trans_b, false, ctx.f32_mode), xc, w.ptr, g)?;
+            } else {
+                zero(ctx, &DView { shape: &[r * n], ..*scratch })?;
+            }
+            ctx.rt.launch(
+                ctx.stream,
+                &format!("lce_rows_{sfx}"),
+                row_grid(r, n),
+                &[
+                    p(g),
+                    p(bias),
+                    p(labels.ptr + r0 as u64 * 8),
+                    p(w_s + r0 as u64 * stat),
+                    p(wsum),
+                    p(loss_s + r0 as u64 * stat),
+                    KArg::I64(r as i64),
+                    KArg::I64(n as i64),
+                    KArg::I32(mean as i32),
+                ],
+            )?;
+            if k > 0 {
+                // dX_c = G · op(W)ᵀ
+                ctx.rt.gemm(ctx.stream, &gemm(r, k, n, false, !trans_b, false, ctx.f32_mode), g, w.ptr, dx.ptr + (r0 * k) as u64 * es)?;
+                if trans_b {
+                    // dW[n, k] (+)= Gᵀ · X_c
+                    ctx.rt.gemm(ctx.stream, &gemm(n, k, r, true, false, later, ctx.f32_mode), g, xc, dw.ptr)?;
+                } else {
+                    // dW[k, n] (+)= X_cᵀ · G
+                    ctx.rt.gemm(ctx.stream, &gemm(k, n, r, true, false, later, ctx.f32_mode), xc, g, dw.ptr)?;
+                }
+            }
+            // db (+)= 1ᵀ · G, exact as the unfused bias gradient's column sums
+            ctx.rt.gemm(ctx.stream, &gemm(1, n, r, false, false, later, F32Mode::Exact), ones, g, db.ptr)?;
+            r0 += r;
+        }
+    }
+    let reduction = if mean { 2 } else { 1 };
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("sce_reduce_{sfx}"),
+        Grid::new(1, 1024),
+        &[p(loss_s), p(w_s), p(loss.ptr), p(0), KArg::I64(rows as i64), KArg::I32(reduction)],
+    )
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("LinearCrossEntropy", linear_cross_entropy);
+}

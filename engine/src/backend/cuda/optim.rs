@@ -1,0 +1,81 @@
+//! The fused optimizer update on the GPU for callers outside a plan (the Python optimizer
+//! bridge): one `adam_f32` launch (kernels/optim.cu) over every tensor of a parameter group,
+//! described by a table of `abi::AdamTensor` in device memory that the caller fills, and the
+//! group's chunk list (`chunk_list`, uploaded once per set of tensor sizes). The scalars are
+//! engine/src/optim's (`AdamScalars`: f64 hyper-parameters rounded once, as torch's).
+
+use cudarc::driver::sys::CUstream;
+
+use super::launch::{Grid, KArg};
+use super::runtime::CudaRuntime;
+use crate::error::{Error, Result};
+use crate::optim::{AdamHyper, AdamScalars};
+
+/// Elements per chunk: a block's unit of work (the tutorial model's 13M parameters: ~200 chunks).
+pub const CHUNK: usize = 1 << 16;
+
+/// (tensor index, first element) of every CHUNK-element chunk of tensors of these sizes, in order.
+pub fn chunk_list(sizes: &[usize]) -> (Vec<i32>, Vec<i64>) {
+    sizes.iter().enumerate().flat_map(|(t, &n)| (0..n).step_by(CHUNK).map(move |s| (t as i32, s as i64))).unzip()
+}
+
+/// Queues Adam/AdamW (`h.decoupled`) with f32 gradients on `stream` over the tensors that
+/// `table` describes (device addresses of `AdamTensor`s), whose `chunks` chunks are listed at
+/// `chunk_tensor` (i32) and `chunk_start` (i64) as `chunk_list` makes them.
+///
+/// # Safety
+/// The table and chunk lists must be device memory of the runtime's context, holding what they
+/// describe, with every parameter, gradient and moment address live f32 device memory of its
+/// `n` elements, distinct from the others, until the queued update has run.
+pub unsafe fn adam_f32(
+    rt: &CudaRuntime,
+    stream: CUstream,
+    table: u64,
+    chunk_tensor: u64,
+    chunk_start: u64,
+    chunks: usize,
+    h: &AdamHyper,
+) -> Result<()> {
+    if chunks == 0 {
+        return Ok(());
+    }
+    if table == 0 || chunk_tensor == 0 || chunk_start == 0 {
+        return Err(Error::other("adam_f32: a null table or chunk list"));
+    }
+    let s = AdamScalars::of(h);
+    let blocks = chunks.min(rt.sms as usize * 4).max(1) as u32;
+    rt.launch(
+        stream,
+        "adam_f32",
+        Grid::new(blocks, 256),
+        &[
+            KArg::Ptr(table),
+            KArg::Ptr(chunk_tensor),
+            KArg::Ptr(chunk_start),
+            KArg::I64(chunks as i64),
+            KArg::I64(CHUNK as i64),
+            KArg::F32(s.w1),
+            KArg::F32(s.beta2),
+            KArg::F32(s.w2),
+            KArg::F32(s.eps),
+            KArg::F32(s.weight_decay),
+            KArg::F32(s.decay),
+            KArg::F32(s.step_size),
+            KArg::F32(s.bc2_sqrt),
+            KArg::I32(h.decoupled as i32),
+            KArg::I32(h.maximize as i32),
+        ],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{chunk_list, CHUNK};
+
+    #[test]
+    fn chunks_cover_every_element_once() {
+        let (t, s) = chunk_list(&[CHUNK + 1, 0, 5, 2 * CHUNK]);
+        assert_eq!(t, vec![0, 0, 2, 3, 3]);
+        assert_eq!(s, vec![0, CHUNK as i64, 0, 0, CHUNK as i64]);
+    }
+}
