@@ -24,50 +24,13 @@
 // causal mask's upper triangle) are skipped. D, Dv <= 128. T: f32.
 
 #include "prelude.cuh"
-
-struct AttnShape {
-    i64 dims[4];  // the full batch, padded with leading 1s
-    i64 q[4];     // batch strides of each input (elements; 0 where broadcast)
-    i64 k[4];
-    i64 v[4];
-    i64 m[4];
-    i64 T, S, D, Dv;
-    i64 mask_t, mask_s;  // the mask's strides along T and S
-};
+#include "attention.cuh"
 
 #define ATT_TILE 32
 #define ATT_LD 33   // padded row of a transposed tile: no bank conflicts
 #define ATT_PLD 36  // row of the probability tile: float4-aligned
 #define ATT_A4(n) (((n) + 3) & ~3)  // shared-memory regions start 16-byte aligned
 #define ATT_DMAX 128
-#define ATT_INF __int_as_float(0x7f800000)
-#define ATT_NAN __int_as_float(0x7fc00000)
-
-struct AttnOff {
-    i64 q, k, v, m;
-};
-
-__device__ __forceinline__ AttnOff attn_offsets(const AttnShape& b, i64 bi) {
-    AttnOff o = {0, 0, 0, 0};
-    for (int d = 3; d >= 0; --d) {
-        const i64 i = bi % b.dims[d];
-        bi /= b.dims[d];
-        o.q += i * b.q[d];
-        o.k += i * b.k[d];
-        o.v += i * b.v[d];
-        o.m += i * b.m[d];
-    }
-    return o;
-}
-
-__device__ __forceinline__ f32 att_warp_max(f32 v) {
-    for (int s = 16; s > 0; s >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
-    return v;
-}
-__device__ __forceinline__ f32 att_warp_sum(f32 v) {
-    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-    return v;
-}
 
 // acc[r] = Σ_d A[(w·8 + r)·lda + d] · B[d·ATT_LD + lane]: 8 rows of a row-major tile times column
 // `lane` of a d-major tile. Rows of A are read as float4 where they are 16-byte aligned.
@@ -173,27 +136,9 @@ __device__ __forceinline__ void att_load_cols_t(f32* dst, int ldd, const f32* kt
     }
 }
 
-// Whether every score of rows r0.. and columns c0.. (a 32 x 32 tile) is -inf: outside the
-// matrix or masked with -inf (a causal mask's upper triangle). The whole block gets the answer.
+// Whether every score of a 32 x 32 tile is -inf (att_tile_dead_n).
 __device__ __forceinline__ bool att_tile_dead(const f32* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms) {
-    int live = 0;
-    if (mask) {
-        for (int e = threadIdx.x; e < ATT_TILE * ATT_TILE; e += blockDim.x) {
-            const i64 r = r0 + e / ATT_TILE, c = c0 + e % ATT_TILE;
-            if (r < T && c < S && mask[mo + r * mt + c * ms] != -ATT_INF) live = 1;
-        }
-    } else {
-        live = 1;
-    }
-    return __syncthreads_or(live) == 0;
-}
-
-// The score of (row, col) after scale and mask; -inf outside the matrix.
-__device__ __forceinline__ f32 att_score(f32 dot, f32 scale, const f32* mask, i64 mo, i64 row, i64 col, i64 T, i64 S, i64 mt, i64 ms) {
-    if (row >= T || col >= S) return -ATT_INF;
-    f32 x = dot * scale;
-    if (mask) x += mask[mo + row * mt + col * ms];
-    return x;
+    return att_tile_dead_n(mask, mo, r0, c0, T, S, mt, ms, ATT_TILE, ATT_TILE);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o,

@@ -198,6 +198,44 @@ def test_fused_loss_logits_are_replayed_on_the_gpu():
     assert _max_rel(out, want) < 1e-5
 
 
+def test_gpt2_bf16_with_tensor_core_attention_trains_like_autocast(monkeypatch):
+    """precision="bf16" with the opt-in attention fusion and heads of 64: both layers' attention
+    runs as the tensor-core kernels (kernels/attention_mma.cu, seq 128: two 64-row tiles, the
+    causal mask's upper tile skipped), and the loss curve follows PyTorch's bf16 autocast within
+    bf16's precision."""
+    import models
+
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention")
+    vocab, seq, batch = 1000, 128, 4
+    ref = models.gpt2_small(vocab=vocab, n_layer=2, n_embd=128, n_head=2, n_positions=seq, dropout=0.0,
+                            batch=batch, seq=seq, seed=0, attn_implementation="sdpa")[0].cuda()
+    model = copy.deepcopy(ref)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, precision="bf16")
+
+    def loss_of(m, ids):
+        logits = m(ids).logits
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(3)]
+    ours, theirs = [], []
+    for step in range(10):
+        ids = batches[step % 3]
+        for m, o, out in ((model, opt, ours), (ref, opt_ref, theirs)):
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=m is ref):
+                loss = loss_of(m, ids)
+            loss.backward()
+            o.step()
+            out.append(loss.item())
+    diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    print("gpt2 bf16", ours, theirs, f"max relative difference {max(diffs):.2e}")
+    assert _fused_attentions(model) == 2
+    assert max(diffs) < 2e-2, (ours, theirs)
+    assert ours[-1] < ours[0], ours
+
+
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
 def test_engine_adam_on_the_gpu_follows_torch(cls):
     """accelerate's optimizer on the GPU: Adam/AdamW run as the engine's one multi-tensor launch

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use super::cache::{self, Key};
 use super::nvrtc::{self, Nvrtc};
-use super::registry::{Family, PRELUDE};
+use super::registry::{Family, HEADERS};
 use super::{abi, elf};
 use crate::error::{Error, Result};
 
@@ -49,7 +49,7 @@ pub fn arch_of(major: i32, minor: i32) -> String {
 /// kernel the registry lists (and no other). For CI and for [`cubin`].
 pub fn compile_checked(nv: &Nvrtc, family: &Family, arch: &str) -> Result<(Vec<u8>, String, f64)> {
     let t = Instant::now();
-    let out = nvrtc::compile_cubin(nv, &family.file(), family.source, &[PRELUDE], arch)?;
+    let out = nvrtc::compile_cubin(nv, &family.file(), family.source, HEADERS, arch)?;
     let millis = t.elapsed().as_secs_f64() * 1e3;
     check_symbols(family, &out.cubin)?;
     check_params(family, &out.cubin)?;
@@ -108,14 +108,8 @@ pub fn cubin(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<
 /// The disk cache, else NVRTC (storing the result), without the process memo.
 pub fn load_or_compile(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<&Path>) -> Result<Cubin> {
     let version = nv.version_string();
-    let key = Key {
-        family: family.name,
-        source: family.source,
-        headers: &[PRELUDE],
-        arch,
-        nvrtc_version: &version,
-        options: nvrtc::BASE_OPTIONS,
-    };
+    let key =
+        Key { family: family.name, source: family.source, headers: HEADERS, arch, nvrtc_version: &version, options: nvrtc::BASE_OPTIONS };
     let expected = family.kernel_names();
     let (bytes, origin, log) = match cache_dir.map(|d| cache::read(d, &key, &expected)) {
         Some(Ok(b)) => (b, Origin::Disk, String::new()),

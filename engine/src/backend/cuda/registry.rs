@@ -91,6 +91,10 @@ use super::abi::Arg;
 /// The prelude every kernel file includes as "prelude.cuh".
 pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kernels/prelude.cuh"));
 
+/// Every header a kernel file may include, served to NVRTC from memory (and part of the cache
+/// key): the prelude and what the two attention families share.
+pub const HEADERS: &[(&str, &str)] = &[PRELUDE, ("attention.cuh", include_str!("../../../../kernels/attention.cuh"))];
+
 use types::*;
 
 const CAST_OPS: &[&str] = &["cast_f32", "cast_f64", "cast_bf16", "cast_f16", "cast_i64", "cast_i32", "cast_u8", "cast_i8"];
@@ -221,6 +225,18 @@ pub static FAMILIES: &[Family] = &[
             g(&["attention_fwd"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
             g(&["attention_bwd_dq"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
             g(&["attention_bwd_dkv"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
+        ]
+    ),
+    family!(
+        "attention_mma",
+        [
+            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
+            g(&["attention_mma_bwd_dq_d64", "attention_mma_bwd_dq_d128"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
+            g(
+                &["attention_mma_bwd_dkv_d64", "attention_mma_bwd_dkv_d128"],
+                F32,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32],
+            ),
         ]
     ),
     family!(

@@ -1,8 +1,12 @@
-//! Attention and AttentionGrad (kernels/attention.cu): the fused forward (online softmax, only
-//! LSE saved) and the two backward kernels (dQ; dKt and dV), f32, head sizes up to 128.
+//! Attention and AttentionGrad: the fused forward (online softmax, only LSE saved) and the two
+//! backward kernels (dQ; dKt and dV), f32, head sizes up to 128. Sessions whose f32 matmuls run
+//! at bf16 precision (`F32Mode::Bf16`) with D = Dv = 64 or 128 get the tensor-core kernels
+//! (kernels/attention_mma.cu: 64-row tiles, mma.sync with bf16 operands, f32 accumulation);
+//! the others the SIMT f32 kernels (kernels/attention.cu: 32-row tiles), exact as the CPU's.
 
 use super::{input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
+use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -60,10 +64,38 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
     Ok((l, shape, mask.map_or(0, |m| m.ptr)))
 }
 
-/// A grid of batch · ceil(rows / 32) blocks with `floats` f32s of dynamic shared memory.
+/// A grid of batch · ceil(rows / tile) blocks with `bytes` of dynamic shared memory.
+fn grid_of(node: &Node, l: &AttnLayout, rows: usize, tile: usize, bytes: usize) -> Result<Grid> {
+    let blocks = u32::try_from(l.batch_count() * rows.div_ceil(tile)).map_err(|_| node.err("attention grid too large"))?;
+    Ok(Grid { blocks, threads: THREADS, shared: bytes as u32 })
+}
+
+/// The SIMT kernels' grid: 32-row tiles, `floats` f32s of dynamic shared memory.
 fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid> {
-    let blocks = u32::try_from(l.batch_count() * rows.div_ceil(TILE)).map_err(|_| node.err("attention grid too large"))?;
-    Ok(Grid { blocks, threads: THREADS, shared: (floats * 4) as u32 })
+    grid_of(node, l, rows, TILE, floats * 4)
+}
+
+/// Rows (queries or keys) per block of the tensor-core kernels, and the bf16 padding of their
+/// shared rows (kernels/attention_mma.cu AM_TILE, AM_PAD).
+const MMA_TILE: usize = 64;
+const MMA_PAD: usize = 8;
+
+/// Which tensor-core kernel instance serves this head size in this session ("d64", "d128"), if any.
+fn mma_variant(l: &AttnLayout, ctx: &CudaCtx) -> Option<&'static str> {
+    if ctx.f32_mode != F32Mode::Bf16 || l.d != l.dv {
+        return None;
+    }
+    match l.d {
+        64 => Some("d64"),
+        128 => Some("d128"),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of a tensor-core kernel: `rows_tiles` bf16 tiles of 64 rows of HD
+/// (padded) and `cols_tiles` of HD rows of 64 (padded).
+fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
+    2 * (rows_tiles * MMA_TILE * (hd + MMA_PAD) + cols_tiles * hd * (MMA_TILE + MMA_PAD))
 }
 
 fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
@@ -72,13 +104,16 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
         return Ok(());
     }
     let (d, dv) = (l.d, l.dv);
-    let g = grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?;
+    let (kernel, g) = match mma_variant(&l, ctx) {
+        Some(v) => (format!("attention_mma_fwd_{v}_f32"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
+        None => ("attention_fwd_f32".to_string(), grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?),
+    };
     let p = |i: usize| KArg::Ptr(ins[i].as_ref().map_or(0, |x| x.ptr));
     let scale = node.attrs.float("scale", 1.0)?;
     let guard = node.attrs.int("nan_guard", 0)? as i32;
     ctx.rt.launch(
         ctx.stream,
-        "attention_fwd_f32",
+        &kernel,
         g,
         &[
             p(0),
@@ -104,17 +139,30 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let p = |i: usize| KArg::Ptr(ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr));
     let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
     let common = [p(0), p(1), p(2), p(3), KArg::Ptr(mask), p(5), p(6)];
+    let mma = mma_variant(&l, ctx);
     if l.t > 0 {
-        let g = grid(node, &l, l.t, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * (d + 1)), TILE * PLD]))?;
+        let (kernel, g) = match mma {
+            Some(v) => (format!("attention_mma_bwd_dq_{v}_f32"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
+            None => (
+                "attention_bwd_dq_f32".to_string(),
+                grid(node, &l, l.t, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * (d + 1)), TILE * PLD]))?,
+            ),
+        };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[0].ptr), KArg::AttnShape(shape), scale]);
-        ctx.rt.launch(ctx.stream, "attention_bwd_dq_f32", g, &args)?;
+        ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     if l.s > 0 {
-        let g = grid(node, &l, l.s, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * wide), TILE * PLD]))?;
+        let (kernel, g) = match mma {
+            Some(v) => (format!("attention_mma_bwd_dkv_{v}_f32"), grid_of(node, &l, l.s, MMA_TILE, mma_smem(d, 4, 2))?),
+            None => (
+                "attention_bwd_dkv_f32".to_string(),
+                grid(node, &l, l.s, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * wide), TILE * PLD]))?,
+            ),
+        };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[1].ptr), KArg::Ptr(outs[2].ptr), KArg::AttnShape(shape), scale]);
-        ctx.rt.launch(ctx.stream, "attention_bwd_dkv_f32", g, &args)?;
+        ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     Ok(())
 }

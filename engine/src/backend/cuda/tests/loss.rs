@@ -229,6 +229,7 @@ fn loss_argument_lists_match_the_registry() {
             checked.extend(["sce_loss", "sce_reduce", "sce_grad_scale", "sce_grad"].map(|op| format!("{op}_{t}")));
         }
     }
+    checked.extend(super::lce::checked_kernels());
     assert_covers("loss", &checked);
 }
 

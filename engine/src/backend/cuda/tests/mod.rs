@@ -15,6 +15,7 @@ mod elementwise;
 mod exec;
 mod gather;
 mod layernorm;
+mod lce;
 mod loss;
 mod movement;
 mod optim;

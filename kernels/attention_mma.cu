@@ -1,0 +1,426 @@
+// Fused attention on tensor cores (engine/src/ops/attention.rs; the SIMT f32 kernels in
+// kernels/attention.cu compute the same, and the CPU kernel is the reference of both): the same
+// arguments, outputs and semantics (additive mask with strides, nan_guard, LSE saved, the
+// backward as one kernel for dQ and one for dKt and dV, no atomics), for sessions whose f32
+// matmuls run at bf16 precision (`precision="bf16"`): Q·Kᵀ, P·V and the backward's four products
+// are mma.sync m16n8k16 with bf16 operands (rounded to nearest from the f32 tensors, and P / dS
+// from their f32 values) and f32 accumulation; softmax statistics, LSE, Δ and the outputs are f32.
+//
+//   attention_mma_fwd_dHD_f32(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard)
+//   attention_mma_bwd_dq_dHD_f32(dout, q, kt, v, mask, o, lse, dq, a, scale)
+//   attention_mma_bwd_dkv_dHD_f32(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale)
+//
+// HD = D = Dv, 64 or 128. Launch: 128 threads (4 warps, 16 rows each), a 1-D grid of
+// batch · ceil(T / 64) blocks (fwd, dq) or batch · ceil(S / 64) (dkv), dynamic shared memory
+// of the bf16 tiles each kernel lays out (the dispatcher computes the same sizes: am_smem_*).
+// 64 x 64 tiles whose mask is all -inf are skipped.
+//
+// Fragments (PTX ISA, mma.m16n8k16 .bf16): with g = lane / 4 and q = lane % 4, A (16 x 16) holds
+// rows g, g + 8 at k = 2q, 2q + 1 and 2q + 8, 2q + 9; B (16 x 8) holds column g at k = 2q, 2q + 1,
+// 2q + 8, 2q + 9; C (16 x 8) holds rows g, g + 8 at columns 2q, 2q + 1. So two C tiles side by
+// side are one A fragment: P and dS go from accumulators to operands without shared memory.
+// Operands are read from shared tiles whose k dimension is contiguous (a pair is one 32-bit load).
+
+#include "prelude.cuh"
+#include "attention.cuh"
+
+#define AM_TILE 64  // rows (fwd, dq) or keys (dkv) per block, and the loop's tile
+#define AM_PAD 8    // bf16 elements of padding per shared row (16 bytes)
+#define AM_LDT (AM_TILE + AM_PAD)  // row of a tile whose rows are 64 long
+
+// Two f32 as a bf16 pair (round to nearest), lo in the low half.
+__device__ __forceinline__ u32 am_pack(f32 lo, f32 hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// c += a · b: 16 x 8 x 16, bf16 operands, f32 accumulators.
+__device__ __forceinline__ void am_mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 am_pair(const u16* t, int ld, int r, int k) { return *reinterpret_cast<const u32*>(t + r * ld + k); }
+
+// The A fragment of rows r0.. and k0.. of a k-contiguous tile.
+__device__ __forceinline__ void am_load_a(u32 a[4], const u16* t, int ld, int r0, int k0, int g, int q) {
+    a[0] = am_pair(t, ld, r0 + g, k0 + 2 * q);
+    a[1] = am_pair(t, ld, r0 + g + 8, k0 + 2 * q);
+    a[2] = am_pair(t, ld, r0 + g, k0 + 2 * q + 8);
+    a[3] = am_pair(t, ld, r0 + g + 8, k0 + 2 * q + 8);
+}
+
+// The B fragment of columns n0.. (tile rows) and k0.. of an n-major, k-contiguous tile.
+__device__ __forceinline__ void am_load_b(u32& b0, u32& b1, const u16* t, int ld, int n0, int k0, int g, int q) {
+    b0 = am_pair(t, ld, n0 + g, k0 + 2 * q);
+    b1 = am_pair(t, ld, n0 + g, k0 + 2 * q + 8);
+}
+
+// Accumulators c[j] (16 x 8 tiles j, j + 1 side by side) as the A fragment of a 16 x 16 operand.
+__device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {
+    a[0] = am_pack(c0[0], c0[1]);
+    a[1] = am_pack(c0[2], c0[3]);
+    a[2] = am_pack(c1[0], c1[1]);
+    a[3] = am_pack(c1[2], c1[3]);
+}
+
+__device__ __forceinline__ u16 am_bf16(f32 x) { return f32_to_bf16(x).bits; }
+
+// dst[r·ld + c] = src[(r0 + r)·ld_src + c] as bf16 for 64 rows and `width` columns; zeros past `rows`.
+__device__ __forceinline__ void am_stage_rows(u16* dst, int ld, const f32* src, i64 ld_src, i64 r0, i64 rows, int width) {
+    for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
+        const int r = e / width, c = e % width;
+        dst[r * ld + c] = am_bf16(r0 + r < rows ? src[(r0 + r) * ld_src + c] : 0.f);
+    }
+}
+
+// The transpose: dst[c·AM_LDT + r] = src[(r0 + r)·ld_src + c].
+__device__ __forceinline__ void am_stage_rows_t(u16* dst, const f32* src, i64 ld_src, i64 r0, i64 rows, int width) {
+    for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
+        const int r = e / width, c = e % width;
+        dst[c * AM_LDT + r] = am_bf16(r0 + r < rows ? src[(r0 + r) * ld_src + c] : 0.f);
+    }
+}
+
+// Columns c0.. of kt ([D][S]) d-major: dst[d·AM_LDT + c] = kt[d·S + c0 + c].
+__device__ __forceinline__ void am_stage_cols(u16* dst, const f32* kt, i64 S, i64 c0, int D) {
+    for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
+        const int d = e / AM_TILE, c = e % AM_TILE;
+        dst[d * AM_LDT + c] = am_bf16(c0 + c < S ? kt[d * S + c0 + c] : 0.f);
+    }
+}
+
+// The same columns key-major: dst[c·ld + d] = kt[d·S + c0 + c].
+__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const f32* kt, i64 S, i64 c0, int D) {
+    for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
+        const int d = e / AM_TILE, c = e % AM_TILE;
+        dst[c * ld + d] = am_bf16(c0 + c < S ? kt[d * S + c0 + c] : 0.f);
+    }
+}
+
+// Σ over the row of the quad's 4 threads (the lanes holding one accumulator row).
+__device__ __forceinline__ f32 am_quad_sum(f32 v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ f32 am_quad_max(f32 v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+// S = A · Bᵀ for one warp: 16 rows (the A fragments `a`, HD/16 k-steps) by the 64 rows of the
+// n-major tile `bt` (k = HD contiguous): s[j] is the 16 x 8 tile of columns 8j.
+template <int HD> __device__ __forceinline__ void am_scores(f32 s[8][4], const u32 a[HD / 16][4], const u16* bt, int g, int q) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            u32 b0, b1;
+            am_load_b(b0, b1, bt, HD + AM_PAD, 8 * j, 16 * kk, g, q);
+            am_mma(s[j], a[kk], b0, b1);
+        }
+    }
+}
+
+// acc[n] += P · X for one warp: P the 16 x 64 accumulators p (as A fragments), X the tile `xt`
+// stored n-major [HD][AM_LDT] (k = the 64 contiguous): acc[n] is the 16 x 8 tile of columns 8n.
+template <int HD> __device__ __forceinline__ void am_accumulate(f32 acc[HD / 8][4], const f32 p[8][4], const u16* xt, int g, int q) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        u32 a[4];
+        am_c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) {
+            u32 b0, b1;
+            am_load_b(b0, b1, xt, AM_LDT, 8 * n, 16 * kk, g, q);
+            am_mma(acc[n], a, b0, b1);
+        }
+    }
+}
+
+// Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...).
+__device__ __forceinline__ void am_delta(f32* delta, const f32* dout, const f32* o, i64 bi, i64 T, int Dv, i64 t0, int w, int lane) {
+    for (int r = w; r < AM_TILE; r += 4) {
+        const i64 row = t0 + r;
+        f32 s = 0.f;
+        if (row < T)
+            for (int d = lane; d < Dv; d += 32) s += dout[(bi * T + row) * Dv + d] * o[(bi * T + row) * Dv + d];
+        s = att_warp_sum(s);
+        if (lane == 0) delta[r] = s;
+    }
+}
+
+// Where a block and a thread are: the batch matrix bi, the block's first row (or key) r0, the
+// inputs' offsets, the warp w, the lane's accumulator coordinates (g, qd) and its two rows (or
+// keys) r0 + 16w + g and that + 8.
+struct AmPlace {
+    i64 bi, r0;
+    AttnOff off;
+    int w, lane, g, qd;
+    i64 own[2];
+};
+
+__device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
+    AmPlace p;
+    const i64 tiles = (extent + AM_TILE - 1) / AM_TILE;
+    p.bi = blockIdx.x / tiles;
+    p.r0 = (blockIdx.x % tiles) * AM_TILE;
+    p.off = attn_offsets(a, p.bi);
+    p.w = threadIdx.x >> 5;
+    p.lane = threadIdx.x & 31;
+    p.g = p.lane >> 2;
+    p.qd = p.lane & 3;
+    p.own[0] = p.r0 + 16 * p.w + p.g;
+    p.own[1] = p.own[0] + 8;
+    return p;
+}
+
+template <int HD>
+__device__ __forceinline__ void am_fwd(const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o, f32* lse, const AttnShape& a, f32 scale,
+                                       i32 nan_guard) {
+    extern __shared__ __align__(16) u16 am_smem[];
+    constexpr int LD = HD + AM_PAD;
+    const i64 T = a.T, S = a.S;
+    u16* qs = am_smem;            // Q [64][HD]
+    u16* ks = qs + AM_TILE * LD;  // K key-major [64][HD]
+    u16* vt = ks + AM_TILE * LD;  // Vᵀ [HD][64]
+    const AmPlace at = am_place(a, T);
+    const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
+    const AttnOff off = at.off;
+    const int w = at.w, g = at.g, qd = at.qd;
+    am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
+    __syncthreads();
+    u32 qa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) am_load_a(qa[kk], qs, LD, 16 * w, 16 * kk, g, qd);
+    f32 m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f}, acc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
+        __syncthreads();  // the previous K and V tiles are read
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // adds nothing
+        am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
+        am_stage_rows_t(vt, v + off.v, HD, s0, S, HD);
+        __syncthreads();
+        f32 s[8][4];
+        am_scores<HD>(s, qa, ks, g, qd);
+        f32 mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const f32 x = att_score(s[j][e], scale, mask, off.m, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), T, S, a.mask_t, a.mask_s);
+                s[j][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        f32 sum[2] = {0.f, 0.f}, corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = am_quad_max(mx[h]);
+            corr[h] = mx[h] == -ATT_INF ? 1.f : expf(m[h] - mx[h]);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e >> 1;
+                const f32 p = mx[h] == -ATT_INF ? 0.f : expf(s[j][e] - mx[h]);
+                s[j][e] = p;
+                sum[h] += p;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            l[h] = l[h] * corr[h] + am_quad_sum(sum[h]);
+            m[h] = mx[h];
+        }
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
+        am_accumulate<HD>(acc, s, vt, g, qd);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 row = rows[h];
+        if (row >= T) continue;
+        const bool empty = m[h] == -ATT_INF;
+        const f32 inv = empty ? (nan_guard ? 0.f : ATT_NAN) : 1.f / l[h];
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) o[(bi * T + row) * HD + 8 * n + 2 * qd + c] = empty && nan_guard ? 0.f : acc[n][2 * h + c] * inv;
+        if (qd == 0) lse[bi * T + row] = empty ? -ATT_INF : m[h] + logf(l[h]);
+    }
+}
+
+// P of one warp's 16 rows against the 64 keys of tile s0 (s: the scores' dot products, in place),
+// from the rows' LSE: 0 where masked, outside the matrix or in an empty row.
+__device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const f32* mask, i64 mo,
+                                         const AttnShape& a) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const f32 x = att_score(s[j][e], scale, mask, mo, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), a.T, a.S, a.mask_t, a.mask_s);
+            const f32 lr = lrow[e >> 1];
+            s[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
+        }
+}
+
+template <int HD>
+__device__ __forceinline__ void am_bwd_dq(const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o,
+                                          const f32* lse, f32* dq, const AttnShape& a, f32 scale) {
+    extern __shared__ __align__(16) u16 am_smem[];
+    constexpr int LD = HD + AM_PAD;
+    const i64 T = a.T, S = a.S;
+    u16* qs = am_smem;             // Q [64][HD]
+    u16* dos = qs + AM_TILE * LD;  // dO [64][HD]
+    u16* ks = dos + AM_TILE * LD;  // K key-major [64][HD]
+    u16* vs = ks + AM_TILE * LD;   // V [64 keys][HD]
+    u16* kd = vs + AM_TILE * LD;   // K d-major [HD][64]
+    __shared__ f32 delta[AM_TILE];
+    const AmPlace at = am_place(a, T);
+    const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
+    const AttnOff off = at.off;
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
+    am_stage_rows(dos, LD, dout + bi * T * HD, HD, t0, T, HD);
+    am_delta(delta, dout, o, bi, T, HD, t0, w, lane);
+    __syncthreads();
+    u32 qa[HD / 16][4], doa[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        am_load_a(qa[kk], qs, LD, 16 * w, 16 * kk, g, qd);
+        am_load_a(doa[kk], dos, LD, 16 * w, 16 * kk, g, qd);
+    }
+    const f32 lrow[2] = {rows[0] < T ? lse[bi * T + rows[0]] : -ATT_INF, rows[1] < T ? lse[bi * T + rows[1]] : -ATT_INF};
+    const f32 drow[2] = {delta[16 * w + g], delta[16 * w + g + 8]};
+    f32 acc[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+    for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
+        __syncthreads();
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // P = 0 there
+        am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
+        am_stage_rows(vs, LD, v + off.v, HD, s0, S, HD);
+        am_stage_cols(kd, kt + off.k, S, s0, HD);
+        __syncthreads();
+        f32 p[8][4], dp[8][4];
+        am_scores<HD>(p, qa, ks, g, qd);
+        am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a);
+        am_scores<HD>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[j][e] = p[j][e] * (dp[j][e] - drow[e >> 1]);  // dS
+        am_accumulate<HD>(acc, dp, kd, g, qd);  // dQ += dS · K
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        if (rows[h] >= T) continue;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) dq[(bi * T + rows[h]) * HD + 8 * n + 2 * qd + c] = acc[n][2 * h + c] * scale;
+    }
+}
+
+// A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
+// rows in tiles of 64: Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
+template <int HD>
+__device__ __forceinline__ void am_bwd_dkv(const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o,
+                                           const f32* lse, f32* dkt, f32* dv, const AttnShape& a, f32 scale) {
+    extern __shared__ __align__(16) u16 am_smem[];
+    constexpr int LD = HD + AM_PAD;
+    const i64 T = a.T, S = a.S;
+    u16* ks = am_smem;             // K key-major [64][HD]
+    u16* vs = ks + AM_TILE * LD;   // V [64 keys][HD]
+    u16* qs = vs + AM_TILE * LD;   // Q [64 rows][HD]
+    u16* dos = qs + AM_TILE * LD;  // dO [64 rows][HD]
+    u16* qt = dos + AM_TILE * LD;  // Qᵀ [HD][64 rows]
+    u16* dot = qt + HD * AM_LDT;   // dOᵀ [HD][64 rows]
+    __shared__ f32 lse_s[AM_TILE], delta[AM_TILE];
+    const AmPlace at = am_place(a, S);
+    const i64 bi = at.bi, s0 = at.r0, *keys = at.own;
+    const AttnOff off = at.off;
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
+    am_stage_rows(vs, LD, v + off.v, HD, s0, S, HD);
+    __syncthreads();
+    u32 ka[HD / 16][4], va[HD / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        am_load_a(ka[kk], ks, LD, 16 * w, 16 * kk, g, qd);
+        am_load_a(va[kk], vs, LD, 16 * w, 16 * kk, g, qd);
+    }
+    f32 acc_k[HD / 8][4], acc_v[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
+    for (i64 t0 = 0; t0 < T; t0 += AM_TILE) {
+        __syncthreads();
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // P = 0 there
+        am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
+        am_stage_rows(dos, LD, dout + bi * T * HD, HD, t0, T, HD);
+        am_stage_rows_t(qt, q + off.q, HD, t0, T, HD);
+        am_stage_rows_t(dot, dout + bi * T * HD, HD, t0, T, HD);
+        am_delta(delta, dout, o, bi, T, HD, t0, w, lane);
+        for (int r = threadIdx.x; r < AM_TILE; r += blockDim.x) lse_s[r] = t0 + r < T ? lse[bi * T + t0 + r] : -ATT_INF;
+        __syncthreads();
+        f32 p[8][4], dp[8][4];
+        am_scores<HD>(p, ka, qs, g, qd);   // Sᵀ: element (key, row 8j + 2qd + (e & 1))
+        am_scores<HD>(dp, va, dos, g, qd);  // dPᵀ = V · dOᵀ
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 8 * j + 2 * qd + (e & 1);
+                const f32 x = att_score(p[j][e], scale, mask, off.m, t0 + r, keys[e >> 1], T, S, a.mask_t, a.mask_s);
+                const f32 lr = lse_s[r];
+                p[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
+                dp[j][e] = p[j][e] * (dp[j][e] - delta[r]);  // dSᵀ
+            }
+        am_accumulate<HD>(acc_v, p, dot, g, qd);  // dV += Pᵀ · dO
+        am_accumulate<HD>(acc_k, dp, qt, g, qd);  // dK += dSᵀ · Q
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 key = keys[h];
+        if (key >= S) continue;
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int d = 8 * n + 2 * qd + c;
+                dkt[bi * HD * S + d * S + key] = acc_k[n][2 * h + c] * scale;
+                dv[(bi * S + key) * HD + d] = acc_v[n][2 * h + c];
+            }
+    }
+}
+
+#define AM_KERNELS(HD)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_f32(                                                \
+        const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o, f32* lse, AttnShape a, f32 scale, i32 nan_guard) {      \
+        am_fwd<HD>(q, kt, v, mask, o, lse, a, scale, nan_guard);                                                                    \
+    }                                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_f32(const f32* dout, const f32* q, const f32* kt, \
+                                                                                       const f32* v, const f32* mask, const f32* o, \
+                                                                                       const f32* lse, f32* dq, AttnShape a, f32 scale) { \
+        am_bwd_dq<HD>(dout, q, kt, v, mask, o, lse, dq, a, scale);                                                                  \
+    }                                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_f32(                                           \
+        const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o, const f32* lse, f32* dkt,        \
+        f32* dv, AttnShape a, f32 scale) {                                                                                          \
+        am_bwd_dkv<HD>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale);                                                            \
+    }
+AM_KERNELS(64)
+AM_KERNELS(128)
