@@ -43,6 +43,28 @@ def test_keyword_tensor_and_flag_arguments_and_dict_outputs():
     assert "runs in PyTorch" not in ortrain.explain(acc)
 
 
+def test_a_replaced_layer_or_frozen_weight_is_seen_by_the_next_call():
+    """The parameter list is cached between calls: replacing a layer after accelerate() (a new
+    head) and freezing a weight both reach the next call, which exports again and trains what
+    the model now holds."""
+    torch.manual_seed(0)
+    acc = ortrain.accelerate(_KwModel())
+    x = torch.randn(4, 6)
+    acc(x)["logits"].sum().backward()
+    acc.b = torch.nn.Linear(6, 3)
+    ref = _KwModel()
+    ref.load_state_dict(acc.state_dict())
+    out = acc(x)["logits"]
+    torch.testing.assert_close(out, ref(x)["logits"])
+    out.sum().backward()
+    assert acc.b.weight.grad is not None and acc.b.weight.grad.abs().sum() > 0
+    acc.a.weight.requires_grad_(False)
+    acc.a.weight.grad = None
+    acc(x)["logits"].sum().backward()
+    assert acc.a.weight.grad is None and acc.a.bias.grad is not None
+    assert len(acc._ortrain_state.runners) == 3
+
+
 def test_explain_shows_the_plan_before_the_first_step():
     model, (x,), _ = models.tutorial_transformer(1000, dropout=0.0)
     ortrain.accelerate(model)

@@ -217,6 +217,19 @@ def test_constants_and_signature_and_kwargs():
     hash(s1)
 
 
+def test_flat_tensors_follow_flatten_calls_order():
+    """The forward's fast path (flat_tensors) hands the engine the same tensors in the same order
+    as the export's flattening: nested tuples, lists and dicts, kwargs in the order given."""
+    from ortrain.export.inputs import flat_tensors, flatten_call
+
+    t = [torch.randn(2) for _ in range(6)]
+    args = (t[0], (t[1], [t[2], 3]), {"b": t[3], "a": None})
+    kwargs = {"z": t[4], "mask": {"k": (t[5],)}, "flag": True}
+    _, want = flatten_call(torch.nn.Identity(), args, kwargs)
+    got = flat_tensors(args, kwargs)
+    assert [id(x) for x in got] == [id(x) for x in want] == [id(x) for x in t]
+
+
 def test_dict_output_structure():
     class DictOut(torch.nn.Module):
         def __init__(self):

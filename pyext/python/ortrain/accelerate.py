@@ -16,6 +16,26 @@ _VALID_DEVICES = ("cpu", "cuda")
 _VALID_PRECISIONS = ("fp32", "bf16")
 
 
+#: bumped whenever any module registers a parameter or a submodule (torch's global registration
+#: hooks, installed on the first accelerate()): the per-model parameter lists below are cached
+#: between such events (module.parameters() walks every submodule: ~50 us per call on the
+#: tutorial model, in every forward)
+_REGISTRATIONS = [0]
+_HOOKS: list = []
+
+
+def _count_registration(*_):
+    _REGISTRATIONS[0] += 1  # returns None: the registered object is kept as is
+
+
+def _watch_registrations() -> None:
+    if not _HOOKS:
+        from torch.nn.modules import module as torch_module
+
+        _HOOKS.append(torch_module.register_module_parameter_registration_hook(_count_registration))
+        _HOOKS.append(torch_module.register_module_module_registration_hook(_count_registration))
+
+
 class _State:
     """Per-module acceleration state: exports and runners cached per call signature and mode."""
 
@@ -25,7 +45,7 @@ class _State:
         self.device = device
         self.strict = strict
         self.exporter = exporter
-        # (signature, training, trainable mask[, input sizes]) -> Runner | Exception: the sizes
+        # (signature, training, (parameter, trains) pairs[, input sizes]) -> Runner | Exception: the sizes
         # are in the key of graphs exported with fixed sizes
         self.runners: dict = {}
         self.dynamic = dynamic  # "auto" | True | False (accelerate's `dynamic`)
@@ -40,6 +60,13 @@ class _State:
         self.fused_loss_calls = 0
         self.precision = "fp32"
         self.setup_bytes = None  # resident size that exporting and building the runners added
+        self._params: tuple = (-1, [])  # (registration count, module.parameters()) when listed
+
+    def parameters(self) -> list:
+        """module.parameters(), listed again only after a parameter or submodule was registered."""
+        if self._params[0] != _REGISTRATIONS[0]:
+            self._params = (_REGISTRATIONS[0], list(self.module.parameters()))
+        return self._params[1]
 
     @contextmanager
     def counting_setup(self):
@@ -73,7 +100,9 @@ class _State:
         one fixed-size graph per distinct set of sizes instead."""
         from ortrain.export import signature, sizes
 
-        mask = tuple(p.requires_grad for p in self.module.parameters())
+        # which tensors the graph binds (a layer replaced after accelerate() brings new ones) and
+        # which of them train
+        mask = tuple((id(p), p.requires_grad) for p in self.parameters())
         base = (signature(args, kwargs), self.module.training, mask)
         fixed = base + (sizes(args, kwargs),)
         key = base if self.any_sizes.get(base, self.dynamic is True) else fixed
@@ -136,7 +165,7 @@ class _State:
         warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}")
 
     def forward(self, *args, **kwargs):
-        from ortrain.export import flatten_call, unflatten_outputs
+        from ortrain.export import flat_tensors, unflatten_outputs
         from ortrain.engine.runner import Runner
 
         self.calls += 1
@@ -144,7 +173,7 @@ class _State:
         if not isinstance(runner, Runner):
             with self.plain():
                 return self.module.forward(*args, **kwargs)
-        _, flat = flatten_call(self.module, args, kwargs)
+        flat = flat_tensors(args, kwargs)
         self.last_inputs = flat
         lazy = self._deferred(runner, flat, args, kwargs)
         if lazy is not None:
@@ -309,6 +338,7 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     if dynamic is not None and not (isinstance(dynamic, bool) or dynamic == "auto"):
         raise ValueError(f"dynamic={dynamic!r} is not one of 'auto', True, False")
+    _watch_registrations()
     state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter, fuse_loss, "auto" if dynamic is None else dynamic)

@@ -87,52 +87,50 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     """Engine-updatable params of an Adam group, a flag per param (its moments were created here,
     uninitialised: the engine writes them as if they were zeros, bitwise as from torch.zeros;
     they are also appended to `created`), per param the address of its deferred copy (0: none;
-    `keep`: id(param) -> (param, copy)), the ids of those, and the params left for PyTorch.
-    Skipping the zero fill saves writing and then reading 2 x the parameters' bytes in the first
-    step (~0.1 s on the tutorial model)."""
-    todo, fresh, rest, keeps, kept, gpu = [], [], [], [], [], []
+    `keep`: id(param) -> (param, copy)), the ids of those, the params left for PyTorch, and the
+    GPU params ((param, grad, exp_avg, exp_avg_sq, step) each). Skipping the zero fill saves
+    writing and then reading 2 x the parameters' bytes in the first step (~0.1 s on the tutorial
+    model). The step counts (0-dim CPU tensors, as torch keeps them) are counted in one foreach
+    add (~3x cheaper than one in-place add per parameter)."""
+    cpu, gpu, fresh, rest, keeps, kept = [], [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
-        if torch.is_complex(p) or not _engine_ok(p):
-            if not torch.is_complex(p) and _gpu_ok(p):
-                gpu.append(_gpu_adam_entry(opt, p, keep, kept))
-            else:
-                rest.append(p)
+        on_cpu = not torch.is_complex(p) and _engine_ok(p)
+        if not on_cpu and (torch.is_complex(p) or not _gpu_ok(p)):
+            rest.append(p)
             continue
         state = opt.state[p]
         new = len(state) == 0
         if new:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.empty_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
-            created += [state["exp_avg"], state["exp_avg_sq"]]
-        state["step"] += 1
-        todo.append((p.data_ptr(), p.grad.data_ptr(), state["exp_avg"].data_ptr(),
-                     state["exp_avg_sq"].data_ptr(), p.numel(), int(state["step"].item())))
-        fresh.append(new)
+            if on_cpu:
+                state["exp_avg"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.empty_like(p, memory_format=torch.preserve_format)
+                created += [state["exp_avg"], state["exp_avg_sq"]]
+            else:
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         k = keep.get(id(p))
-        keeps.append(0 if k is None else k[1].data_ptr())
         if k is not None:
             kept.append(id(p))
-    return todo, fresh, keeps, kept, rest, gpu
-
-
-def _gpu_adam_entry(opt, p, keep: dict, kept: list) -> tuple:
-    """(param, grad, exp_avg, exp_avg_sq, step) of a GPU parameter, its state created as torch's
-    Adam creates it (zero moments, a CPU step count) and the step counted; a deferred copy of the
-    parameter (engine/lazy.py) is queued now, before the update."""
-    state = opt.state[p]
-    if len(state) == 0:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["step"] += 1
-    k = keep.get(id(p))
-    if k is not None:
-        k[1].copy_(p)
-        kept.append(id(p))
-    return (p, p.grad, state["exp_avg"], state["exp_avg_sq"], int(state["step"].item()))
+        if on_cpu:
+            cpu.append(p)
+            fresh.append(new)
+            keeps.append(0 if k is None else k[1].data_ptr())
+        else:
+            gpu.append(p)
+            if k is not None:
+                k[1].copy_(p)  # the GPU update has no copy pass: queued now, before it
+    params = cpu + gpu
+    counts = [opt.state[p]["step"] for p in params]
+    if counts:
+        torch._foreach_add_(counts, 1)
+    steps = [int(c.item()) for c in counts]
+    todo = [(p.data_ptr(), p.grad.data_ptr(), opt.state[p]["exp_avg"].data_ptr(), opt.state[p]["exp_avg_sq"].data_ptr(),
+             p.numel(), t) for p, t in zip(cpu, steps)]
+    gpu_todo = [(p, p.grad, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], t) for p, t in zip(gpu, steps[len(cpu):])]
+    return todo, fresh, keeps, kept, rest, gpu_todo
 
 
 def _engine_step(self, closure=None):

@@ -27,12 +27,13 @@ from ortrain.errors import ExportError
 from ortrain.export import dynamo as _dynamo
 from ortrain.export import graph as _graph
 from ortrain.export import legacy as _legacy
-from ortrain.export.inputs import flatten_call, rebuild_call, signature, sizes
+from ortrain.export.inputs import flat_tensors, flatten_call, rebuild_call, signature, sizes
 from ortrain.export.outputs import flatten_outputs, unflatten_outputs
 from ortrain.export.quiet import quiet
 from ortrain.export.cache import export_cached
 
-__all__ = ["ExportedGraph", "export_module", "export_cached", "signature", "sizes", "unflatten_outputs", "EXPORTERS"]
+__all__ = ["ExportedGraph", "export_module", "export_cached", "flat_tensors", "signature", "sizes", "unflatten_outputs",
+           "EXPORTERS"]
 
 EXPORTERS = {"legacy": _legacy, "dynamo": _dynamo}
 AUTO_ORDER = ("dynamo", "legacy")
