@@ -268,6 +268,37 @@ def test_engine_adam_on_the_gpu_follows_torch(cls):
     plain.load_state_dict(opt.state_dict())
 
 
+def test_a_failing_gpu_update_falls_back_to_torchs_step(monkeypatch):
+    """If the engine's GPU Adam launch fails, the step is PyTorch's (with one warning), counted
+    once, and later steps stay in PyTorch: the parameters follow torch's own optimizer."""
+    from ortrain import _ortrain
+    from ortrain.engine import optimizer as engine_optimizer
+
+    def broken(*args):
+        raise _ortrain.EngineError("no kernel named adam_f32 (simulated)")
+
+    monkeypatch.setattr(_ortrain, "cuda_adam_step", broken)
+    monkeypatch.setattr(engine_optimizer, "_GPU_UPDATE_WORKS", [True])
+    g = torch.Generator(device="cuda").manual_seed(8)
+    ref = [torch.randn(s, device="cuda", generator=g).requires_grad_() for s in [(50, 3), (7,)]]
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    opt_ref, opt = torch.optim.Adam(ref, lr=1e-2), torch.optim.Adam(ours, lr=1e-2)
+    assert engine_optimizer.accelerate_optimizer(opt, strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for a, b in zip(ref, ours):
+                a.grad = torch.randn(a.shape, device="cuda", generator=g)
+                b.grad = a.grad.clone()
+            opt_ref.step()
+            opt.step()
+    failed = [w for w in caught if "GPU Adam update failed" in str(w.message)]
+    assert len(failed) == 1, [str(w.message) for w in caught]
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a)
+        assert float(opt.state[b]["step"]) == float(opt_ref.state[a]["step"]) == 3.0
+
+
 def test_dropout_on_the_gpu_is_seeded_and_trains():
     """Dropout masks come from the engine's Philox stream: they differ from PyTorch's (as
     PyTorch's own CPU and CUDA masks differ), so the check is statistical: the model trains,

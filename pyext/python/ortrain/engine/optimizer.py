@@ -45,9 +45,10 @@ def _engine_ok(p: torch.Tensor) -> bool:
 
 
 def _gpu_ok(p: torch.Tensor) -> bool:
-    """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0)."""
+    """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0),
+    while the engine's GPU update works in this process."""
     g = p.grad
-    if not (p.device == _GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
+    if not (_GPU_UPDATE_WORKS[0] and p.device == _GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
             and g.dtype == torch.float32 and g.is_contiguous() and g.device == _GPU):
         return False
     from ortrain.cuda import cuda_available
@@ -56,13 +57,18 @@ def _gpu_ok(p: torch.Tensor) -> bool:
 
 
 _GPU = torch.device("cuda", 0)
+#: False once a launch of the engine's GPU update failed: PyTorch's step takes those parameters
+_GPU_UPDATE_WORKS = [True]
 
 
-def _gpu_adam(opt, todo: list, group, decoupled: bool) -> None:
-    """One engine launch per device update of the GPU parameters in `todo` ((param, grad,
+def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
+    """One engine launch per step count updates the GPU parameters in `todo` ((param, grad,
     exp_avg, exp_avg_sq, step) each): kernels/optim.cu's multi-tensor Adam, queued on the current
     stream, instead of torch's foreach kernels. The descriptor table goes up through pinned memory
-    (an asynchronous copy: no host sync); the chunk lists are uploaded once per set of sizes."""
+    (an asynchronous copy: no host sync); the chunk lists are uploaded once per set of sizes.
+    Returns the parameters it did not update: none, or (a launch failed: warned once, and the
+    engine's GPU update is off for the process) those of that launch and the ones after it, their
+    step counts taken back for PyTorch's step to count them."""
     b1, b2 = group["betas"]
     stream = torch.cuda.current_stream(_GPU).cuda_stream
     cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})
@@ -78,9 +84,24 @@ def _gpu_adam(opt, todo: list, group, decoupled: bool) -> None:
                                      torch.tensor(start, dtype=torch.int64, device=_GPU))
         rows = [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v, _ in ts]
         table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(_GPU, non_blocking=True)
-        _ortrain.cuda_adam_step(table.data_ptr(), chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[0].numel(),
-                                float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                                float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)), step, stream)
+        try:
+            _ortrain.cuda_adam_step(table.data_ptr(), chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[0].numel(),
+                                    float(group["lr"]), float(b1), float(b2), float(group["eps"]),
+                                    float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)), step,
+                                    stream)
+        except _ortrain.EngineError as exc:
+            _GPU_UPDATE_WORKS[0] = False
+            warn(f"ortrain: the engine's GPU Adam update failed ({str(exc).splitlines()[0]}); PyTorch's step updates "
+                 "the GPU parameters from now on")
+            done = set()
+            for k, group_ts in by_step.items():
+                if k == step:
+                    break
+                done.update(id(t[0]) for t in group_ts)
+            left = [t[0] for t in todo if id(t[0]) not in done]
+            torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
+            return left
+    return []
 
 
 def _adam_group(opt, group, created: list, keep: dict) -> tuple:
@@ -163,7 +184,7 @@ def _engine_step(self, closure=None):
                                            float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
                                            fresh=fresh, keep=keeps)
                     if gpu:
-                        _gpu_adam(self, gpu, group, decoupled)
+                        leftovers += _gpu_adam(self, gpu, group, decoupled)
                     for i in kept:
                         del keep[i]
                 except BaseException:
