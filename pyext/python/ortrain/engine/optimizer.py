@@ -75,7 +75,8 @@ def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
     by_step: dict = {}
     for t in todo:
         by_step.setdefault(t[4], []).append(t)
-    for step, ts in by_step.items():
+    groups = list(by_step.items())
+    for i, (step, ts) in enumerate(groups):
         sizes = tuple(p.numel() for p, *_ in ts)
         chunks = cache.get(sizes)
         if chunks is None:
@@ -93,12 +94,7 @@ def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
             _GPU_UPDATE_WORKS[0] = False
             warn(f"ortrain: the engine's GPU Adam update failed ({str(exc).splitlines()[0]}); PyTorch's step updates "
                  "the GPU parameters from now on")
-            done = set()
-            for k, group_ts in by_step.items():
-                if k == step:
-                    break
-                done.update(id(t[0]) for t in group_ts)
-            left = [t[0] for t in todo if id(t[0]) not in done]
+            left = [t[0] for _, later in groups[i:] for t in later]
             torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
             return left
     return []
@@ -143,14 +139,15 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
             gpu.append(p)
             if k is not None:
                 k[1].copy_(p)  # the GPU update has no copy pass: queued now, before it
-    params = cpu + gpu
-    counts = [opt.state[p]["step"] for p in params]
+    states = [opt.state[p] for p in cpu + gpu]
+    counts = [st["step"] for st in states]
     if counts:
         torch._foreach_add_(counts, 1)
     steps = [int(c.item()) for c in counts]
-    todo = [(p.data_ptr(), p.grad.data_ptr(), opt.state[p]["exp_avg"].data_ptr(), opt.state[p]["exp_avg_sq"].data_ptr(),
-             p.numel(), t) for p, t in zip(cpu, steps)]
-    gpu_todo = [(p, p.grad, opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], t) for p, t in zip(gpu, steps[len(cpu):])]
+    todo = [(p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), p.numel(), t)
+            for p, st, t in zip(cpu, states, steps)]
+    gpu_todo = [(p, p.grad, st["exp_avg"], st["exp_avg_sq"], t)
+                for p, st, t in zip(gpu, states[len(cpu):], steps[len(cpu):])]
     return todo, fresh, keeps, kept, rest, gpu_todo
 
 
