@@ -17,6 +17,12 @@
 //       s.dims is the index tensor's shape (and y's), s.stride[0] the strides of x, s.base[0] 0:
 //       y[p] = x[coords of p, with idx[p] on `axis`]
 //   gather_elements_grad_T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i32 axis, i64 dim, i32* err)
+//   gather_nd_W(const W* x, const i64* idx, W* y, Strides s, i64 n, i64 slice, i64 tuples, i64 batch_block, i32* err)
+//       GatherND (engine/src/ops/gather_nd.rs): s.rank is the tuple length k and s.dims the k
+//       data dimensions a tuple indexes (only those fields are read); output element
+//       t·slice + j is x[(t / tuples)·batch_block + offset(tuple t)·slice + j]
+//   gather_nd_grad_T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i64 slice, i64 tuples, i64 batch_block, i32* err)
+//       dx (zeroed by the caller) += dy scattered back (float atomics)
 
 #include "prelude.cuh"
 
@@ -52,8 +58,18 @@ __device__ __forceinline__ i64 elements_src(const Strides& s, i64 p, const i64* 
     return off;
 }
 
-__device__ __forceinline__ void atomic_add(f32* p, f32 v) { atomicAdd(p, v); }
-__device__ __forceinline__ void atomic_add(f64* p, f64 v) { atomicAdd(p, v); }
+// Source offset of element e of a GatherND output, or -1.
+__device__ __forceinline__ i64 nd_src(i64 e, const i64* idx, const Strides& s, i64 slice, i64 tuples, i64 batch_block, i32* err) {
+    const i64 t = e / slice, j = e - t * slice;
+    i64 off = 0;
+#pragma unroll 1
+    for (int d = 0; d < s.rank; ++d) {
+        const i64 id = checked_index(idx[t * s.rank + d], s.dims[d], err);
+        if (id < 0) return -1;
+        off = off * s.dims[d] + id;
+    }
+    return (t / tuples) * batch_block + off * slice + j;
+}
 
 #define GATHER(op, W)                                                                         \
     extern "C" __global__ void gather_##W(const W* x, const i64* idx, W* y, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err) { \
@@ -66,6 +82,13 @@ __device__ __forceinline__ void atomic_add(f64* p, f64 v) { atomicAdd(p, v); }
         ORT_GRID_LOOP(p, n) {                                                                 \
             const i64 src = elements_src(s, p, idx, axis, dim, err);                          \
             y[p] = src < 0 ? (W)0 : x[src];                                                   \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void gather_nd_##W(const W* x, const i64* idx, W* y, Strides s, i64 n, i64 slice, i64 tuples, i64 batch_block, \
+                                             i32* err) {                                      \
+        ORT_GRID_LOOP(e, n) {                                                                 \
+            const i64 src = nd_src(e, idx, s, slice, tuples, batch_block, err);               \
+            y[e] = src < 0 ? (W)0 : x[src];                                                   \
         }                                                                                     \
     }
 ORT_WIDTHS(GATHER, _)
@@ -81,6 +104,13 @@ ORT_WIDTHS(GATHER, _)
         ORT_GRID_LOOP(p, n) {                                                                 \
             const i64 dst = elements_src(s, p, idx, axis, dim, err);                          \
             if (dst >= 0) atomic_add(dx + dst, dy[p]);                                        \
+        }                                                                                     \
+    }                                                                                         \
+    extern "C" __global__ void gather_nd_grad_##T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i64 slice, i64 tuples,       \
+                                                  i64 batch_block, i32* err) {                \
+        ORT_GRID_LOOP(e, n) {                                                                 \
+            const i64 dst = nd_src(e, idx, s, slice, tuples, batch_block, err);               \
+            if (dst >= 0) atomic_add(dx + dst, dy[e]);                                        \
         }                                                                                     \
     }
 GATHER_GRAD(_, f32)

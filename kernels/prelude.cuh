@@ -40,6 +40,24 @@ struct Strides {
     i64 base[3];
 };
 
+// A sliding window over the two spatial axes of [N, C, H, W] (1-D windows have H = 1): Conv's
+// im2col and the pools (engine/src/ops/window.rs, `Window::as_2d`). `channels` is C.
+struct Win2d {
+    i64 channels;
+    i64 in_h, in_w, out_h, out_w;
+    i64 k_h, k_w, stride_h, stride_w, dil_h, dil_w;
+    i64 pad_h, pad_w, pad_end_h, pad_end_w;  // padding before and after each axis
+};
+
+// The output position along one window axis whose tap k reads input position i:
+// (i + pad − k·dil) / stride when that divides exactly and lies in [0, out); else -1.
+__device__ __forceinline__ i64 window_source(i64 i, i64 k, i64 pad, i64 dil, i64 stride, i64 out) {
+    const i64 t = i + pad - k * dil;
+    if (t < 0 || t % stride != 0) return -1;
+    const i64 o = t / stride;
+    return o < out ? o : -1;
+}
+
 // ---- conversions -------------------------------------------------------------------------
 
 __device__ __forceinline__ float bf16_to_f32(bf16 v) { return __uint_as_float(((u32)v.bits) << 16); }
@@ -139,6 +157,10 @@ template <int K> __device__ __forceinline__ void strided_offsets(const Strides& 
         for (int k = 0; k < K; ++k) off[k] += c * s.stride[k][d];
     }
 }
+
+// Float atomics (scatter-add gradients; sm_60+ for f64).
+__device__ __forceinline__ void atomic_add(f32* p, f32 v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(f64* p, f64 v) { atomicAdd(p, v); }
 
 // ---- reductions ------------------------------------------------------------------------------
 

@@ -24,6 +24,9 @@ TRAINING_OPS = [
     ("Gradient", "the engine's autodiff (Session backward)"),
 ]
 YES, NO = "✓", "—"
+# ops whose output depends only on shapes or constant inputs: plans are built for concrete shapes,
+# so they are always folded into constants at plan time and no GPU kernel is needed
+PLAN_TIME = {"Shape", "Size", "ConstantOfShape", "Range"}
 
 
 def conformance_counts(path: Path = MANIFEST) -> dict[str, tuple[int, int]]:
@@ -57,8 +60,10 @@ def render(table, counts) -> str:
         "- **import**: the ONNX importer accepts the op (default domain, opsets 11–28).",
         "- **gradient**: the op has a gradient rule; every one is checked against central differences",
         "  in float64 by `tests/test_gradcheck.py`.",
-        "- **CPU / CUDA**: the backend has a kernel. The CUDA kernels ran on an H100 (doc/GPU-RUNS.md);",
-        "  a model with an op lacking a CUDA kernel runs in PyTorch on the GPU, with a warning naming it.",
+        "- **CPU / CUDA**: the backend has a kernel. doc/GPU-RUNS.md says which CUDA kernels have run",
+        "  on a GPU and which are compiled, not run; a model with an op lacking a CUDA kernel runs in",
+        "  PyTorch on the GPU, with a warning naming it. \"folded\": the op only reads shapes or",
+        "  constants, and plans (built for concrete shapes) always fold it at plan time.",
         "- **conformance**: onnx's own node tests for the op passing / attempted",
         "  (`python -m tests.conformance.runner --all`); failures and their reasons are in the manifest.",
         "",
@@ -69,7 +74,10 @@ def render(table, counts) -> str:
         "| op | import | gradient | CPU | CUDA | conformance |",
         "|---|---|---|---|---|---|",
     ]
-    rows = [(op, YES, YES if g else NO, YES if c else NO, YES if cu else NO, conf(op)) for op, g, c, cu in onnx_ops]
+    def cuda(op, cu):
+        return YES if cu else "folded" if op in PLAN_TIME else NO
+
+    rows = [(op, YES, YES if g else NO, YES if c else NO, cuda(op, cu), conf(op)) for op, g, c, cu in onnx_ops]
     rows += [(op, f"{YES} ({how})", NO, NO, NO, conf(op)) for op, how in IMPORTER_OPS]
     for r in sorted(rows):
         out.append("| " + " | ".join(r) + " |")

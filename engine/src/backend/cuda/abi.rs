@@ -51,6 +51,54 @@ pub struct AttnShape {
     pub mask_s: i64,
 }
 
+/// kernels/prelude.cuh `Win2d`: a sliding window over two spatial axes (Conv's im2col, the
+/// pools), from `crate::ops::window::Window::as_2d`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Win2d {
+    pub channels: i64,
+    pub in_h: i64,
+    pub in_w: i64,
+    pub out_h: i64,
+    pub out_w: i64,
+    pub k_h: i64,
+    pub k_w: i64,
+    pub stride_h: i64,
+    pub stride_w: i64,
+    pub dil_h: i64,
+    pub dil_w: i64,
+    pub pad_h: i64,
+    pub pad_w: i64,
+    pub pad_end_h: i64,
+    pub pad_end_w: i64,
+}
+
+impl Win2d {
+    /// The kernels' view of `w` (any rank up to 2: a 1-D window gets a height of 1) over
+    /// `channels` channels.
+    pub fn new(w: &crate::ops::window::Window, channels: usize) -> Win2d {
+        let w = w.as_2d();
+        let i = |v: usize| v as i64;
+        Win2d {
+            channels: i(channels),
+            in_h: i(w.input[0]),
+            in_w: i(w.input[1]),
+            out_h: i(w.output[0]),
+            out_w: i(w.output[1]),
+            k_h: i(w.kernel[0]),
+            k_w: i(w.kernel[1]),
+            stride_h: i(w.strides[0]),
+            stride_w: i(w.strides[1]),
+            dil_h: i(w.dilations[0]),
+            dil_w: i(w.dilations[1]),
+            pad_h: i(w.pad_begin[0]),
+            pad_w: i(w.pad_begin[1]),
+            pad_end_h: i(w.pad_end[0]),
+            pad_end_w: i(w.pad_end[1]),
+        }
+    }
+}
+
 /// kernels/optim.cu `AdamTensor` (in device memory; pointers are device addresses).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -93,6 +141,7 @@ pub enum Arg {
     Strides,
     Reduce,
     AttnShape,
+    Win2d,
 }
 
 impl Arg {
@@ -103,6 +152,7 @@ impl Arg {
             Arg::Strides => std::mem::size_of::<Strides>(),
             Arg::Reduce => std::mem::size_of::<Reduce>(),
             Arg::AttnShape => std::mem::size_of::<AttnShape>(),
+            Arg::Win2d => std::mem::size_of::<Win2d>(),
         }
     }
     pub fn align(self) -> usize {
@@ -110,6 +160,7 @@ impl Arg {
             Arg::Strides => std::mem::align_of::<Strides>(),
             Arg::Reduce => std::mem::align_of::<Reduce>(),
             Arg::AttnShape => std::mem::align_of::<AttnShape>(),
+            Arg::Win2d => std::mem::align_of::<Win2d>(),
             scalar => scalar.size(),
         }
     }
@@ -138,6 +189,7 @@ mod tests {
         assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8);
         assert_eq!(std::mem::size_of::<Reduce>(), 8 + 4 * 8 * 8 + 2 * 8);
         assert_eq!(std::mem::size_of::<AttnShape>(), 26 * 8);
+        assert_eq!(std::mem::size_of::<Win2d>(), 15 * 8);
         assert_eq!(std::mem::size_of::<AdamTensor>(), 40);
         assert_eq!(std::mem::size_of::<SgdTensor>(), 32);
         assert_eq!(std::mem::size_of::<GradTensor>(), 16);

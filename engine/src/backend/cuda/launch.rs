@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{result, sys, CudaContext, CudaFunction};
 
-use super::abi::{Arg, AttnShape, Reduce, Strides};
+use super::abi::{Arg, AttnShape, Reduce, Strides, Win2d};
 use super::registry;
 use crate::error::{Error, Result};
 
@@ -27,6 +27,7 @@ pub enum KArg {
     Strides(Strides),
     Reduce(Reduce),
     AttnShape(AttnShape),
+    Win2d(Win2d),
 }
 
 impl KArg {
@@ -41,6 +42,7 @@ impl KArg {
             KArg::Strides(_) => Arg::Strides,
             KArg::Reduce(_) => Arg::Reduce,
             KArg::AttnShape(_) => Arg::AttnShape,
+            KArg::Win2d(_) => Arg::Win2d,
         }
     }
     fn as_param(&mut self) -> *mut c_void {
@@ -53,6 +55,7 @@ impl KArg {
             KArg::Strides(v) => v as *mut Strides as *mut c_void,
             KArg::Reduce(v) => v as *mut Reduce as *mut c_void,
             KArg::AttnShape(v) => v as *mut AttnShape as *mut c_void,
+            KArg::Win2d(v) => v as *mut Win2d as *mut c_void,
         }
     }
 }

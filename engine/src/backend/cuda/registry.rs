@@ -109,7 +109,7 @@ const fn g(ops: &'static [&'static str], dtypes: &'static [&'static str], args: 
     Group { ops, dtypes, args }
 }
 
-use Arg::{AttnShape, Ptr, Reduce, Strides, F32 as AF32, F64 as AF64, I32 as AI32, I64 as AI64, U64 as AU64};
+use Arg::{AttnShape, Ptr, Reduce, Strides, Win2d, F32 as AF32, F64 as AF64, I32 as AI32, I64 as AI64, U64 as AU64};
 
 /// Signatures shared by many kernels.
 const UNARY: &[Arg] = &[Ptr, Ptr, AI64];
@@ -202,6 +202,27 @@ pub static FAMILIES: &[Family] = &[
             g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
             g(&["gather_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
             g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
+            g(&["gather_nd"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
+            g(&["gather_nd_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
+        ]
+    ),
+    family!("scan", [g(&["cumsum"], ARITH, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI32])]),
+    family!("conv", [g(&["im2col", "col2im"], FLOATS, &[Ptr, Ptr, Win2d, AI64])]),
+    family!(
+        "pool",
+        [
+            g(&["max_pool"], FLOATS, &[Ptr, Ptr, Ptr, Win2d, AI64]),
+            g(&["max_pool_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, Ptr]),
+            g(&["avg_pool", "avg_pool_grad"], FLOATS, &[Ptr, Ptr, Win2d, AI64, AI32]),
+        ]
+    ),
+    family!(
+        "batchnorm",
+        [
+            g(&["batch_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
+            g(&["batch_norm_apply"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AF64, AF64, AF64]),
+            g(&["batch_norm_grad_sums"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AF64]),
+            g(&["batch_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AF64, AI32]),
         ]
     ),
     family!(

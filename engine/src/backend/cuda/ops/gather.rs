@@ -48,7 +48,7 @@ pub(super) fn elements_layout(node: &Node, x: &[usize], idx: &[usize], axis: usi
     Ok(s)
 }
 
-fn int64_indices(node: &Node, idx: &DView) -> Result<()> {
+pub(super) fn int64_indices(node: &Node, idx: &DView) -> Result<()> {
     match idx.dtype {
         DType::I64 => Ok(()),
         other => Err(node.err(format!("the CUDA kernels take int64 indices, got {} (cast them to int64 first)", other.name()))),

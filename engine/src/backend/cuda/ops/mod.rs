@@ -17,13 +17,18 @@ use crate::tensor::{DType, Tensor};
 
 mod activation;
 mod attention;
+mod batchnorm;
+mod conv;
+mod cumsum;
 mod elementwise;
 mod gather;
+mod gather_nd;
 mod linear_cross_entropy;
 mod loss;
 mod matmul;
 mod movement;
 mod norm;
+mod pool;
 mod random;
 mod reduce;
 mod softmax;
@@ -86,6 +91,11 @@ fn table() -> &'static CudaTable {
         loss::register(&mut t);
         linear_cross_entropy::register(&mut t);
         gather::register(&mut t);
+        gather_nd::register(&mut t);
+        cumsum::register(&mut t);
+        conv::register(&mut t);
+        pool::register(&mut t);
+        batchnorm::register(&mut t);
         t
     })
 }

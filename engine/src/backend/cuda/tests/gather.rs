@@ -26,8 +26,15 @@ fn gather_elements_args(x: u64, idx: u64, y: u64, s: Strides, n: i64, axis: i32,
     vec![KArg::Ptr(x), KArg::Ptr(idx), KArg::Ptr(y), KArg::Strides(s), KArg::I64(n), KArg::I32(axis), KArg::I64(dim), KArg::Ptr(err)]
 }
 
+/// gather_nd_W(x, idx, y, s, n, slice, tuples, batch_block, err) and gather_nd_grad_T(dy, idx, dx, ...).
+fn gather_nd_args(x: u64, idx: u64, y: u64, s: Strides, n: i64, slice: i64, tuples: i64, batch_block: i64, err: u64) -> Vec<KArg> {
+    let i = KArg::I64;
+    vec![KArg::Ptr(x), KArg::Ptr(idx), KArg::Ptr(y), KArg::Strides(s), i(n), i(slice), i(tuples), i(batch_block), KArg::Ptr(err)]
+}
+
 fn args_of(op: &str) -> Vec<KArg> {
     match op {
+        "gather_nd" | "gather_nd_grad" => gather_nd_args(1, 2, 3, Strides::default(), 4, 5, 6, 7, 8),
         "gather" | "gather_grad" => gather_args(1, 2, 3, 4, 5, 6, 7, 8),
         "gather_elements" | "gather_elements_grad" => gather_elements_args(1, 2, 3, Strides::default(), 4, 0, 5, 6),
         _ => panic!("gather: no test launches {op}"),

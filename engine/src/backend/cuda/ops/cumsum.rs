@@ -1,0 +1,37 @@
+//! CumSum (kernels/scan.cu) with the semantics of backend/cpu/cumsum.rs: the axis input
+//! (a constant), `exclusive` and `reverse`; x viewed as [outer, len, inner] around the axis,
+//! one thread per (outer, inner) column.
+
+use super::{input, CudaCtx, CudaTable, DView};
+use crate::backend::cuda::launch::KArg;
+use crate::error::Result;
+use crate::ir::Node;
+use crate::tensor::DType;
+
+fn cumsum(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let x = input(node, ins, 0)?;
+    let axis_in = super::infer_ins(node, ins, 1..2, "axis")?;
+    let axis = crate::ops::cumsum_axis_of(node, &axis_in[0], x.shape.len())?;
+    let sfx = match x.dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        other => return Err(node.err(format!("CumSum on CUDA takes f32, f64, int64 or int32, got {}", other.name()))),
+    };
+    let len = x.shape.get(axis).copied().unwrap_or(1);
+    let inner: usize = x.shape.get(axis + 1..).map(|s| s.iter().product()).unwrap_or(1);
+    let outer: usize = x.shape[..axis.min(x.shape.len())].iter().product();
+    let columns = outer * inner;
+    if columns == 0 || len == 0 {
+        return Ok(());
+    }
+    let flag = |name: &str| -> Result<KArg> { Ok(KArg::I32((node.attrs.int(name, 0)? != 0) as i32)) };
+    let i = |v: usize| KArg::I64(v as i64);
+    let args = [KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), i(outer), i(len), i(inner), flag("exclusive")?, flag("reverse")?];
+    ctx.rt.launch(ctx.stream, &format!("cumsum_{sfx}"), ctx.rt.elementwise_grid(columns), &args)
+}
+
+pub fn register(t: &mut CudaTable) {
+    t.add("CumSum", cumsum);
+}

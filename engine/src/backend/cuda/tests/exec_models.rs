@@ -1,0 +1,445 @@
+//! The small models the CUDA executor tests run on both backends (tests/exec.rs): each a graph
+//! with one input and named f32 weights, built here and exported to ONNX by the tests, so the
+//! graph passes and autodiff run as for a user's model.
+//!
+//! `mlp` (Linear, MatMul, activations, broadcasting arithmetic, Transpose), `movement` (Expand,
+//! Slice, Concat, Split, Trilu and their gradients), `masks` (Max/Min, Cast to f64 and bool,
+//! Erf, Mod, IsNaN/IsInf, Where and their gradients), `embedding` (int64 ids: Gather,
+//! GatherElements and their gradients, Cast of integers), `attention_bits`, `self_attention`
+//! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
+//! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
+//! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
+//! GatherND and their gradients).
+
+use std::sync::Arc;
+
+use super::support::*;
+use crate::ir::{Attr, Attrs, Dim, Graph, ValueId, ValueKind};
+use crate::session::Sig;
+use crate::tensor::{DType, Tensor};
+
+/// A test model: a graph with one input (f32, or int64 indices), named f32 weights (with data)
+/// and its f32 outputs.
+pub(super) struct Model {
+    pub(super) graph: Graph,
+    pub(super) input: Vec<usize>,
+    /// The input's type; for int64 inputs, indices are drawn in [-`index_bound`, `index_bound`)
+    /// (valid for a dimension of that size, negative ones included).
+    pub(super) input_dtype: DType,
+    pub(super) index_bound: i64,
+    pub(super) weights: Vec<(String, Vec<usize>)>,
+}
+
+impl Model {
+    pub(super) fn sig(&self) -> Sig {
+        (self.input_dtype, self.input.clone())
+    }
+    /// Random input bytes of the model's input type.
+    pub(super) fn input_bytes(&self, rng: &mut Rng) -> Vec<u8> {
+        let n: usize = self.input.iter().product();
+        match self.input_dtype {
+            DType::I64 => (0..n).flat_map(|_| rng.int(-self.index_bound, self.index_bound).to_le_bytes()).collect(),
+            _ => bytes_of(&rng.f32s(n, -1.0, 1.0)).to_vec(),
+        }
+    }
+}
+
+pub(super) fn new_model(input: &[usize]) -> (Graph, ValueId) {
+    new_model_of(input, DType::F32)
+}
+
+pub(super) fn new_model_of(input: &[usize], dtype: DType) -> (Graph, ValueId) {
+    let mut g = Graph::default();
+    let x = g.add_value("x", ValueKind::Input, Some(dtype), Some(input.iter().map(|&d| Dim::Known(d)).collect()));
+    g.inputs.push(x);
+    (g, x)
+}
+
+pub(super) fn ints(g: &mut Graph, name: &str, v: &[i64]) -> ValueId {
+    g.add_const(name, Tensor::from_i64(vec![v.len()], v.to_vec()))
+}
+
+pub(super) fn weight(g: &mut Graph, ws: &mut Vec<(String, Vec<usize>)>, name: &str, shape: &[usize], rng: &mut Rng) -> ValueId {
+    let v = g.add_value(name, ValueKind::Weight, Some(DType::F32), Some(shape.iter().map(|&d| Dim::Known(d)).collect()));
+    let n = shape.iter().product();
+    g.weights.push((v, Some(Arc::new(Tensor::from_f32(shape.to_vec(), rng.f32s(n, -0.5, 0.5))))));
+    ws.push((name.to_string(), shape.to_vec()));
+    v
+}
+
+pub(super) fn op(g: &mut Graph, name: &str, op: &str, ins: &[ValueId], attrs: Attrs) -> ValueId {
+    g.add_node(name, op, ins.iter().map(|&v| Some(v)).collect(), attrs, 1)[0]
+}
+
+/// Linear layers with bias and activations over a 3-D input (batch folded into rows), a
+/// batched MatMul against a weight, broadcasting arithmetic and a Transpose.
+pub(super) fn mlp(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 5];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w1 = weight(&mut g, &mut ws, "w1", &[8, 5], rng);
+    let b1 = weight(&mut g, &mut ws, "b1", &[8], rng);
+    let w2 = weight(&mut g, &mut ws, "w2", &[8, 4], rng);
+    let s = weight(&mut g, &mut ws, "s", &[4], rng);
+    let t = op(&mut g, "t1", "Transpose", &[w1], Attrs::default().with("perm", Attr::Ints(vec![1, 0])));
+    let h = op(&mut g, "mm1", "MatMul", &[x, t], Attrs::default());
+    let h = op(&mut g, "add1", "Add", &[h, b1], Attrs::default());
+    let h = op(&mut g, "relu", "Relu", &[h], Attrs::default());
+    let h = op(&mut g, "mm2", "MatMul", &[h, w2], Attrs::default());
+    let h = op(&mut g, "tanh", "Tanh", &[h], Attrs::default());
+    let h2 = op(&mut g, "mul", "Mul", &[h, s], Attrs::default());
+    let h3 = op(&mut g, "sig", "Sigmoid", &[h2], Attrs::default());
+    let y = op(&mut g, "sub", "Sub", &[h3, h], Attrs::default());
+    let yt = op(&mut g, "t2", "Transpose", &[y], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1])));
+    g.outputs.push(yt);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Data movement: Expand of a weight (ReduceSumTo back), Slice with a negative step and
+/// negative axes (SliceGrad), Concat on axis -1 (ConcatGrad of each part), Split with an unused
+/// output (its gradient: Concat with an Affine zero part), Trilu with a constant k (Trilu of dy).
+pub(super) fn movement(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 6];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[6, 8], rng);
+    let e = weight(&mut g, &mut ws, "e", &[1, 8], rng);
+    let u = weight(&mut g, &mut ws, "u", &[2, 2, 3], rng);
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let shape = ints(&mut g, "expand_shape", &[3, 8]);
+    let e8 = op(&mut g, "expand", "Expand", &[e, shape], Attrs::default());
+    let h = op(&mut g, "add", "Add", &[h, e8], Attrs::default());
+    // axis -1: 7, 5, 3, 1; axis 1: 1..3
+    let (st, en, ax, sp) = (
+        ints(&mut g, "starts", &[-1, 1]),
+        ints(&mut g, "ends", &[-100, 3]),
+        ints(&mut g, "axes", &[-1, 1]),
+        ints(&mut g, "steps", &[-2, 1]),
+    );
+    let s1 = g.add_node("slice", "Slice", vec![Some(h), Some(st), Some(en), Some(ax), Some(sp)], Attrs::default(), 1)[0];
+    let c = op(&mut g, "concat", "Concat", &[s1, u], Attrs::default().with("axis", Attr::Int(-1)));
+    let sizes = ints(&mut g, "split_sizes", &[3, 2, 2]);
+    let parts = g.add_node("split", "Split", vec![Some(c), Some(sizes)], Attrs::default().with("axis", Attr::Int(2)), 3);
+    let y = op(&mut g, "concat2", "Concat", &[parts[1], parts[0]], Attrs::default().with("axis", Attr::Int(-1)));
+    let k = g.add_const("trilu_k", Tensor::from_i64(vec![], vec![1]));
+    let z = op(&mut g, "trilu", "Trilu", &[y, k], Attrs::default().with("upper", Attr::Int(0)));
+    g.outputs.push(z);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Element-wise: Max and Min against broadcast weights (MinMaxGrad), Cast to f64 and back
+/// (CastLike both ways in the backward), Erf in f64 (ErfGrad), Mod and fmod, a Cast to bool
+/// and IsNaN/IsInf/Or as Where conditions (MaskSelect both ways), a bool Cast back to f32.
+pub(super) fn masks(rng: &mut Rng) -> Model {
+    let input = vec![3, 5];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let a = weight(&mut g, &mut ws, "a", &[3, 5], rng);
+    let b = weight(&mut g, &mut ws, "b", &[5], rng);
+    let c = weight(&mut g, &mut ws, "c", &[5], rng);
+    let none = Attrs::default;
+    let to = |code: i64| Attrs::default().with("to", Attr::Int(code));
+    let h = op(&mut g, "mul", "Mul", &[x, a], none());
+    let m = op(&mut g, "max", "Max", &[h, b], none());
+    let m64 = op(&mut g, "to_f64", "Cast", &[m], to(11));
+    let e = op(&mut g, "erf", "Erf", &[m64], none());
+    let e32 = op(&mut g, "to_f32", "Cast", &[e], to(1));
+    // cond: floor(4 · (x mod 0.5)) ∈ {0, 1}, as bool
+    let half = g.add_const("half", Tensor::from_f32(vec![1], vec![0.5]));
+    let four = g.add_const("four", Tensor::from_f32(vec![1], vec![4.0]));
+    let r = op(&mut g, "mod", "Mod", &[x, half], Attrs::default().with("fmod", Attr::Int(0)));
+    let r = op(&mut g, "mul4", "Mul", &[r, four], none());
+    let f = op(&mut g, "floor", "Floor", &[r], none());
+    let cond = op(&mut g, "to_bool", "Cast", &[f], to(9));
+    let lo = op(&mut g, "min", "Min", &[h, c], none());
+    let w = op(&mut g, "where", "Where", &[cond, e32, lo], none());
+    // a NaN/inf guard that never fires
+    let nan = op(&mut g, "isnan", "IsNaN", &[h], none());
+    let inf = op(&mut g, "isinf", "IsInf", &[h], Attrs::default().with("detect_negative", Attr::Int(0)));
+    let bad = op(&mut g, "or", "Or", &[nan, inf], none());
+    let zero = g.add_const("zero", Tensor::from_f32(vec![1], vec![0.0]));
+    let w = op(&mut g, "guard", "Where", &[bad, zero, w], none());
+    let cf = op(&mut g, "cond_f32", "Cast", &[cond], to(1));
+    let y = op(&mut g, "scale", "Mul", &[w, cf], none());
+    let y2 = op(&mut g, "sum", "Add", &[y, w], none());
+    let third = g.add_const("third", Tensor::from_f32(vec![1], vec![0.3]));
+    let fm = op(&mut g, "fmod", "Mod", &[x, third], Attrs::default().with("fmod", Attr::Int(1)));
+    let y2 = op(&mut g, "plus_fmod", "Add", &[y2, fm], none());
+    g.outputs.push(y2);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Indices: an embedding Gather of int64 ids (GatherGrad into the table), a Gather on axis -2
+/// with a negative constant index, GatherElements on axis -1 (GatherElementsGrad), and the ids
+/// cast to f32.
+pub(super) fn embedding(rng: &mut Rng) -> Model {
+    let input = vec![2, 4];
+    let vocab = 6;
+    let (mut g, ids) = new_model_of(&input, DType::I64);
+    let mut ws = Vec::new();
+    let emb = weight(&mut g, &mut ws, "emb", &[vocab, 5], rng);
+    let w = weight(&mut g, &mut ws, "w", &[5, 3], rng);
+    let h = op(&mut g, "lookup", "Gather", &[emb, ids], Attrs::default());
+    let h = op(&mut g, "mm", "MatMul", &[h, w], Attrs::default());
+    let idx: Vec<i64> = (0..16).map(|i| [0, 2, -1, 1, -3, 2, 1, 0][i % 8]).collect();
+    let idx = g.add_const("elements_idx", Tensor::from_i64(vec![2, 4, 2], idx));
+    let ge = op(&mut g, "elements", "GatherElements", &[h, idx], Attrs::default().with("axis", Attr::Int(-1)));
+    let cid = op(&mut g, "ids_f32", "Cast", &[ids], Attrs::default().with("to", Attr::Int(1)));
+    let axes = ints(&mut g, "unsq_axes", &[-1]);
+    let u = op(&mut g, "unsq", "Unsqueeze", &[cid, axes], Attrs::default());
+    let y = op(&mut g, "scaled", "Mul", &[ge, u], Attrs::default());
+    g.outputs.push(y);
+    let rows = ints(&mut g, "rows", &[-1, 1, 1]);
+    let y2 = op(&mut g, "pick", "Gather", &[h, rows], Attrs::default().with("axis", Attr::Int(-2)));
+    g.outputs.push(y2);
+    Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
+}
+
+/// LayerNorm, Softmax, Dropout (inference mode: masks of a training-mode Dropout differ
+/// between backends by design), LogSoftmax and a softmax cross-entropy with ignore_index.
+pub(super) fn attention_bits(rng: &mut Rng) -> Model {
+    let input = vec![2, 6, 8];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let scale = weight(&mut g, &mut ws, "ln_scale", &[8], rng);
+    let bias = weight(&mut g, &mut ws, "ln_bias", &[8], rng);
+    let w = weight(&mut g, &mut ws, "w", &[8, 8], rng);
+    let h = op(&mut g, "ln", "LayerNormalization", &[x, scale, bias], Attrs::default().with("axis", Attr::Int(-1)));
+    let h = op(&mut g, "mm", "MatMul", &[h, w], Attrs::default());
+    let p = op(&mut g, "sm", "Softmax", &[h], Attrs::default().with("axis", Attr::Int(-1)));
+    let ratio = g.add_const("ratio", Tensor::from_f32(vec![], vec![0.3]));
+    let training = g.add_const("training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![0])).expect("bool"));
+    let d = g.add_node("drop", "Dropout", vec![Some(p), Some(ratio), Some(training)], Attrs::default(), 1)[0];
+    let lp = op(&mut g, "lsm", "LogSoftmax", &[d], Attrs::default().with("axis", Attr::Int(1)));
+    g.outputs.push(lp);
+    let shape = ints(&mut g, "rows", &[12, 8]);
+    let scores = op(&mut g, "flat", "Reshape", &[h, shape], Attrs::default());
+    let labels = g.add_const("labels", Tensor::from_i64(vec![12], (0..12).map(|i| (i * 5 % 8) as i64).collect()));
+    let loss = op(
+        &mut g,
+        "ce",
+        "SoftmaxCrossEntropyLoss",
+        &[scores, labels],
+        Attrs::default().with("ignore_index", Attr::Int(2)).with("reduction", Attr::String("mean".into())),
+    );
+    g.outputs.push(loss);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Self-attention over x [2, 70, 8] (three 32-row tiles, the last partial; the causal mask's
+/// upper tiles are skipped by the kernels) with 2 heads of 4, written as the exporters write it: Q and
+/// Kᵀ from Reshape + Transpose, then either torchlib's scaled_dot_product_attention (Q and Kᵀ
+/// each scaled by √scale, a causal -inf mask added, `Where(IsNaN(p), 0, p)` after the softmax)
+/// or the eager form (scores / √D, a [B, 1, 1, S] padding mask of 0 / -1e9, no guard).
+pub(super) fn self_attention(rng: &mut Rng, torchlib: bool) -> Model {
+    self_attention_of(rng, torchlib, 70, 4)
+}
+
+/// The same over x [2, t, 2·hd] with 2 heads of `hd` (the scale 1/√hd; the padding: the first
+/// sample's last 5 positions and the second's last 40).
+pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usize) -> Model {
+    #[allow(non_snake_case)]
+    let T = t;
+    let width = 2 * hd;
+    let input = vec![2, T, width];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let perm = |p: &[i64]| Attrs::default().with("perm", Attr::Ints(p.to_vec()));
+    let heads = ints(&mut g, "heads", &[2, T as i64, 2, hd as i64]);
+    let q = {
+        let w = weight(&mut g, &mut ws, "wq", &[width, width], rng);
+        let h = op(&mut g, "q_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "q_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "q_t", "Transpose", &[h], perm(&[0, 2, 1, 3]))
+    };
+    let kt = {
+        let w = weight(&mut g, &mut ws, "wk", &[width, width], rng);
+        let h = op(&mut g, "k_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "k_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "k_t", "Transpose", &[h], perm(&[0, 2, 3, 1]))
+    };
+    let v = {
+        let w = weight(&mut g, &mut ws, "wv", &[width, width], rng);
+        let h = op(&mut g, "v_mm", "MatMul", &[x, w], Attrs::default());
+        let h = op(&mut g, "v_split", "Reshape", &[h, heads], Attrs::default());
+        op(&mut g, "v_t", "Transpose", &[h], perm(&[0, 2, 1, 3]))
+    };
+    let o = if torchlib {
+        let c = g.add_const("sqrt_scale", Tensor::from_f32(vec![], vec![(1.0 / (hd as f32).sqrt()).sqrt()]));
+        let qs = op(&mut g, "q_scaled", "Mul", &[q, c], Attrs::default());
+        let ks = op(&mut g, "k_scaled", "Mul", &[kt, c], Attrs::default());
+        let s = op(&mut g, "scores", "MatMul", &[qs, ks], Attrs::default());
+        let causal: Vec<f32> = (0..T * T).map(|i| if i % T > i / T { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = g.add_const("causal", Tensor::from_f32(vec![1, 1, T, T], causal));
+        let s = op(&mut g, "masked", "Add", &[s, mask], Attrs::default());
+        let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
+        let nan = op(&mut g, "isnan", "IsNaN", &[p], Attrs::default());
+        let zero = g.add_const("zero", Tensor::from_f32(vec![], vec![0.0]));
+        let p = g.add_node("guard", "Where", vec![Some(nan), Some(zero), Some(p)], Attrs::default(), 1)[0];
+        op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
+    } else {
+        let s = op(&mut g, "scores", "MatMul", &[q, kt], Attrs::default());
+        let c = g.add_const("sqrt_d", Tensor::from_f32(vec![], vec![(hd as f32).sqrt()]));
+        let s = op(&mut g, "scaled", "Div", &[s, c], Attrs::default());
+        // the first sample's last 5 positions and the second's last 40 are padding
+        let pad: Vec<f32> = (0..2 * T).map(|i| if (i < T && i >= T - 5) || i >= 2 * T - 40 { -1e9 } else { 0.0 }).collect();
+        let mask = g.add_const("padding", Tensor::from_f32(vec![2, 1, 1, T], pad));
+        let s = op(&mut g, "masked", "Add", &[mask, s], Attrs::default());
+        let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
+        op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
+    };
+    let o = op(&mut g, "merge_t", "Transpose", &[o], perm(&[0, 2, 1, 3]));
+    let merged = ints(&mut g, "merged", &[2, T as i64, width as i64]);
+    let o = op(&mut g, "merge", "Reshape", &[o, merged], Attrs::default());
+    let wo = weight(&mut g, &mut ws, "wo", &[width, width], rng);
+    let y = op(&mut g, "out", "MatMul", &[o, wo], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// An LM head and its loss, which CUDA sessions fuse into one LinearCrossEntropy:
+/// Reshape(x·op(W) [+ b], [-1, C]) into SoftmaxCrossEntropyLoss. `big`: x [3, 3000, 8] (9000
+/// rows: two chunks of 4500 under the CUDA budget), W [C, 8] read through a Transpose (transB),
+/// a bias, class weights, ignore_index and the mean; otherwise x [2, 35, 8] (one chunk), W [8, C],
+/// no bias, the sum.
+pub(super) fn lm_head(rng: &mut Rng, big: bool) -> Model {
+    const C: usize = 40;
+    let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
+    let rows: usize = input[..2].iter().product();
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let h = if big {
+        let w = weight(&mut g, &mut ws, "w", &[C, 8], rng);
+        let b = weight(&mut g, &mut ws, "b", &[C], rng);
+        let wt = op(&mut g, "w_t", "Transpose", &[w], Attrs::default().with("perm", Attr::Ints(vec![1, 0])));
+        let h = op(&mut g, "head", "MatMul", &[x, wt], Attrs::default());
+        op(&mut g, "head_bias", "Add", &[h, b], Attrs::default())
+    } else {
+        let w = weight(&mut g, &mut ws, "w", &[8, C], rng);
+        op(&mut g, "head", "MatMul", &[x, w], Attrs::default())
+    };
+    let shape = ints(&mut g, "rows", &[-1, C as i64]);
+    let scores = op(&mut g, "flat", "Reshape", &[h, shape], Attrs::default());
+    let labels = g.add_const("labels", Tensor::from_i64(vec![rows], (0..rows).map(|i| (i * 7 % C) as i64).collect()));
+    let mut ins = vec![Some(scores), Some(labels)];
+    let mut attrs = Attrs::default().with("reduction", Attr::String(if big { "mean" } else { "sum" }.into()));
+    if big {
+        let cw = g.add_const("class_weights", Tensor::from_f32(vec![C], (0..C).map(|c| 0.5 + (c % 3) as f32 * 0.25).collect()));
+        ins.push(Some(cw));
+        attrs.set("ignore_index", Attr::Int(3));
+    }
+    let loss = g.add_node("ce", "SoftmaxCrossEntropyLoss", ins, attrs, 1)[0];
+    g.outputs.push(loss);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Reductions, each kernel shape: h = x·W [2, 3, 6]; c = h − ReduceMean(h, [-1]) (the sum by a
+/// matrix product, scaled); d = c·ReduceMax(x, [-1]) + ReduceMin(x, [0, 2]) (Max and Min of the
+/// input: no gradient needed); outputs ReduceSum(d, [1]) (a thread per output), ReduceMean(d,
+/// [0, 2]) (a block per output, scaled) and ReduceSum(h, [0]) with keepdims 0 (over rows by a
+/// matrix product). The gradients are ReduceGrad and ReduceSumTo.
+pub(super) fn reductions(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 4];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[4, 6], rng);
+    let axes = |v: &[i64]| Attrs::default().with("axes", Attr::Ints(v.to_vec()));
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let mean = op(&mut g, "row_mean", "ReduceMean", &[h], axes(&[-1]));
+    let c = op(&mut g, "center", "Sub", &[h, mean], Attrs::default());
+    let mx = op(&mut g, "x_max", "ReduceMax", &[x], axes(&[-1]));
+    let mn = op(&mut g, "x_min", "ReduceMin", &[x], axes(&[0, 2]));
+    let d = op(&mut g, "scale", "Mul", &[c, mx], Attrs::default());
+    let d = op(&mut g, "shift", "Add", &[d, mn], Attrs::default());
+    let a1 = ints(&mut g, "sum_axes", &[1]);
+    let y1 = op(&mut g, "sum_mid", "ReduceSum", &[d, a1], Attrs::default());
+    let y2 = op(&mut g, "mean_outer", "ReduceMean", &[d], axes(&[0, 2]));
+    let a0 = ints(&mut g, "rows_axes", &[0]);
+    let y3 = op(&mut g, "sum_rows", "ReduceSum", &[h, a0], Attrs::default().with("keepdims", Attr::Int(0)));
+    g.outputs.extend([y1, y2, y3]);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// A small CNN: Conv (3×3, pads 1, strides [2, 1], bias) → Relu → BatchNormalization in
+/// training mode (running statistics as extra outputs) → MaxPool (2×2, stride 1, Indices for
+/// the gradient) → grouped 1×1 Conv (the direct path, 2 groups) → AveragePool (3×2, pads,
+/// count_include_pad) and GlobalAveragePool. Gradients: ConvGradX/W/B, BatchNormGrad,
+/// MaxPoolGrad, AveragePoolGrad, GlobalAveragePoolGrad.
+pub(super) fn conv_net(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 7, 6];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w1 = weight(&mut g, &mut ws, "w1", &[4, 3, 3, 3], rng);
+    let b1 = weight(&mut g, &mut ws, "b1", &[4], rng);
+    let gamma = weight(&mut g, &mut ws, "gamma", &[4], rng);
+    let beta = weight(&mut g, &mut ws, "beta", &[4], rng);
+    let w2 = weight(&mut g, &mut ws, "w2", &[4, 2, 1, 1], rng);
+    let ints_attr = |v: &[i64]| Attr::Ints(v.to_vec());
+    let c1 = op(
+        &mut g,
+        "conv1",
+        "Conv",
+        &[x, w1, b1],
+        Attrs::default().with("pads", ints_attr(&[1, 1, 1, 1])).with("strides", ints_attr(&[2, 1])),
+    );
+    let r = op(&mut g, "relu", "Relu", &[c1], Attrs::default());
+    let mean = g.add_const("running_mean", Tensor::from_f32(vec![4], vec![0.1, -0.2, 0.0, 0.3]));
+    let var = g.add_const("running_var", Tensor::from_f32(vec![4], vec![1.0, 0.5, 2.0, 1.5]));
+    let bn_attrs =
+        Attrs::default().with("training_mode", Attr::Int(1)).with("momentum", Attr::Float(0.8)).with("epsilon", Attr::Float(1e-3));
+    let bn = g.add_node("bn", "BatchNormalization", vec![Some(r), Some(gamma), Some(beta), Some(mean), Some(var)], bn_attrs, 3);
+    let mp = op(&mut g, "maxpool", "MaxPool", &[bn[0]], Attrs::default().with("kernel_shape", ints_attr(&[2, 2])));
+    let c2 = op(&mut g, "conv2", "Conv", &[mp, w2], Attrs::default().with("group", Attr::Int(2)));
+    let avg_attrs = Attrs::default()
+        .with("kernel_shape", ints_attr(&[3, 2]))
+        .with("pads", ints_attr(&[1, 0, 1, 1]))
+        .with("count_include_pad", Attr::Int(1));
+    let ap = op(&mut g, "avgpool", "AveragePool", &[c2], avg_attrs);
+    let gp = op(&mut g, "gap", "GlobalAveragePool", &[c2], Attrs::default());
+    g.outputs.extend([ap, gp, bn[1], bn[2]]);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// A 1-D convolution (grouped, dilated, SAME_UPPER) into CumSum and GatherND: h = Conv1d(x)
+/// [2, 4, 9]; CumSum over the last axis (reverse, exclusive); GatherND with batch_dims 1 and
+/// index tuples of length 1, a repeated and a negative index (GatherNDGrad sums the repeat).
+pub(super) fn conv1d_scan_gather(rng: &mut Rng) -> Model {
+    let input = vec![2, 4, 9];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[4, 2, 3], rng);
+    let conv_attrs = Attrs::default()
+        .with("group", Attr::Int(2))
+        .with("dilations", Attr::Ints(vec![2]))
+        .with("auto_pad", Attr::String("SAME_UPPER".into()));
+    let h = op(&mut g, "conv", "Conv", &[x, w], conv_attrs);
+    let axis = g.add_const("cumsum_axis", Tensor::from_i64(vec![], vec![-1]));
+    let cs = op(&mut g, "cumsum", "CumSum", &[h, axis], Attrs::default().with("reverse", Attr::Int(1)).with("exclusive", Attr::Int(1)));
+    let idx = g.add_const("nd_indices", Tensor::from_i64(vec![2, 3, 1], vec![1, 3, 0, 2, 2, -1]));
+    let y = op(&mut g, "gather_nd", "GatherND", &[cs, idx], Attrs::default().with("batch_dims", Attr::Int(1)));
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+pub(super) fn models() -> Vec<(&'static str, Model)> {
+    let mut rng = Rng::new(3);
+    vec![
+        ("mlp", mlp(&mut rng)),
+        ("movement", movement(&mut rng)),
+        ("masks", masks(&mut rng)),
+        ("embedding", embedding(&mut rng)),
+        ("attention_bits", attention_bits(&mut rng)),
+        ("sdpa_causal", self_attention(&mut rng, true)),
+        ("eager_attention_padding", self_attention(&mut rng, false)),
+        ("lm_head_chunked", lm_head(&mut rng, true)),
+        ("lm_head", lm_head(&mut rng, false)),
+        ("reductions", reductions(&mut rng)),
+        ("conv_net", conv_net(&mut rng)),
+        ("conv1d_scan_gather", conv1d_scan_gather(&mut rng)),
+    ]
+}
+
+pub(super) fn bytes_of(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding; the slice covers exactly v's memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
