@@ -114,6 +114,56 @@ def _fused_attentions(model) -> int:
     return max((dict(r.session.passes).get("fuse_attention", 0) for r in runners if hasattr(r, "session")), default=0)
 
 
+class _SmallCnn(nn.Module):
+    """Conv2d (strided, padded), BatchNorm2d in training mode, MaxPool2d, a grouped 1×1 Conv2d,
+    AvgPool2d and AdaptiveAvgPool2d, then a Linear classifier: every CNN op family on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False)  # BatchNorm follows
+        self.bn = nn.BatchNorm2d(16)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(16, 16, 1, groups=4)
+        self.avg = nn.AvgPool2d(3, stride=1, padding=1, count_include_pad=False)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.pool(torch.relu(self.bn(self.conv1(x))))
+        h = self.avg(torch.relu(self.conv2(h)))
+        return self.head(nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def test_small_cnn_trains_like_eager_on_the_gpu():
+    """Conv, BatchNorm, the pools and their gradients run in the engine on CUDA (strict: no
+    fallback) and train like eager, BatchNorm's running statistics included."""
+    torch.manual_seed(0)
+    ref = _SmallCnn().cuda()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, fuse_loss=False)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batches = [(torch.randn(8, 3, 32, 32, device="cuda", generator=g), torch.randint(0, 10, (8,), device="cuda", generator=g))
+               for _ in range(3)]
+    losses = {"ortrain": [], "eager": []}
+    for step in range(12):
+        x, y = batches[step % 3]
+        for name, m, o in (("ortrain", model, opt), ("eager", ref, opt_ref)):
+            o.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            o.step()
+            losses[name].append(loss.item())
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses["ortrain"], losses["eager"])]
+    assert max(diffs) < 1e-3, losses
+    assert losses["ortrain"][9] < losses["ortrain"][0], losses  # the same batch, 9 steps later
+    assert model.bn.num_batches_tracked.item() == 12
+    for buf in ("running_mean", "running_var"):
+        assert _max_rel(getattr(model.bn, buf), getattr(ref.bn, buf)) < 1e-3, buf
+    state = model.__dict__["_ortrain_state"]
+    assert state.engine_calls == state.calls == 12
+
+
 def test_tutorial_transformer_trains_like_eager_on_the_gpu():
     """The PyTorch tutorial's model (embedding, positional encoding, two encoder layers with
     attention, LayerNorm and the LM head) with the loss fused into the engine graph."""
