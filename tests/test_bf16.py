@@ -69,9 +69,9 @@ def _mean_rel(a, b):
 
 def test_precision_is_validated():
     model, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
-    with pytest.raises(ValueError, match=r"precision='fp16' is not one of fp32, bf16"):
-        ortrain.accelerate(copy.deepcopy(model), precision="fp16")
-    with pytest.raises(ValueError, match=r'matmul_precision="half" is not one of: fp32, bf16'):
+    with pytest.raises(ValueError, match=r"precision='half' is not one of fp32, bf16, fp16"):
+        ortrain.accelerate(copy.deepcopy(model), precision="half")
+    with pytest.raises(ValueError, match=r'matmul_precision="half" is not one of: fp32, bf16, fp16'):
         _ortrain.Session(b"", [], [], matmul_precision="half")
 
 

@@ -425,6 +425,49 @@ def test_bf16_matmuls_on_the_gpu_are_autocasts_matmuls():
     assert "matmuls bf16 on cuBLAS tensor cores" in ortrain.explain(model)
 
 
+def test_fp16_trains_like_autocast_with_a_grad_scaler():
+    """precision="fp16" on CUDA: fp16-or-better tensor-core matmuls with the engine's dynamic loss
+    scaler (start 2^16). The loss curve follows PyTorch's fp16 autocast + GradScaler, no step is
+    skipped, the gradients reaching .grad are unscaled, explain() names both."""
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, fuse_loss=False, precision="fp16")
+    scaler = torch.amp.GradScaler("cuda")
+    g = torch.Generator(device="cuda").manual_seed(4)
+    batches = [(torch.randn(32, 16, device="cuda", generator=g), torch.randint(0, 10, (32,), device="cuda", generator=g))
+               for _ in range(4)]
+    ours, theirs = [], []
+    for step in range(30):
+        x, y = batches[step % 4]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if step == 0:
+            exact = copy.deepcopy(ref)
+            nn.functional.cross_entropy(exact(x), y).backward()
+            for (name, p), e in zip(model.named_parameters(), exact.parameters()):
+                assert _max_rel(p.grad, e.grad) < 1e-2, (name, _max_rel(p.grad, e.grad))  # unscaled
+        opt.step()
+        ours.append(loss.item())
+        opt_ref.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            ref_loss = nn.functional.cross_entropy(ref(x), y)
+        scaler.scale(ref_loss).backward()
+        scaler.step(opt_ref)
+        scaler.update()
+        theirs.append(ref_loss.item())
+    diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    print("ortrain fp16", [f"{v:.4f}" for v in ours[::6]], "autocast", [f"{v:.4f}" for v in theirs[::6]])
+    assert max(diffs) < 3e-2, (ours, theirs)
+    assert ours[-1] < ours[0] * 0.8
+    state = ortrain.loss_scale(model)
+    assert state["steps"] == 30 and state["skipped_steps"] == 0 and state["scale"] == 2.0**16, state
+    text = ortrain.explain(model)
+    assert "matmuls fp16 on cuBLAS tensor cores" in text and "dynamic loss scale 65536" in text, text
+
+
 def test_tf32_follows_pytorchs_flag():
     """With torch.backends.cuda.matmul.allow_tf32 set, the engine's f32 matmuls may use TF32
     too: ortrain and eager then agree to TF32's precision, not f32's."""

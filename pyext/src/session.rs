@@ -30,8 +30,13 @@ pub(crate) fn dtype(name: &str) -> PyResult<DType> {
     })
 }
 
-fn options(matmul_precision: &str) -> PyResult<SessionOptions> {
+fn options(matmul_precision: &str, target: Target) -> PyResult<SessionOptions> {
     let matmul_precision = MatmulPrecision::parse(matmul_precision).map_err(PyValueError::new_err)?;
+    if matmul_precision == MatmulPrecision::Fp16 && target == Target::Cpu {
+        return Err(PyValueError::new_err(
+            "matmul_precision='fp16' needs device='cuda' (fp16 matmuls run on cuBLAS); on the CPU use 'bf16'",
+        ));
+    }
     Ok(SessionOptions { matmul_precision })
 }
 
@@ -50,7 +55,7 @@ pub struct PyPending {
 impl PySession {
     /// Imports an ONNX model; `weights` are the initializer names bound per call, `trainable`
     /// flags which of them get gradients. `seeded` (optional, one flag per output): False for
-    /// outputs that carry no gradient. `matmul_precision`: "fp32" or "bf16" (matmul products in
+    /// outputs that carry no gradient. `matmul_precision`: "fp32", "fp16" (CUDA only) or "bf16" (matmul products in
     /// bf16 with f32 accumulation, where the CPU has avx512_bf16 or AMX). `device`: "cpu" or
     /// "cuda", the backend its plans run on (graph passes without kernels there are skipped).
     #[new]
@@ -64,12 +69,12 @@ impl PySession {
         matmul_precision: &str,
         device: &str,
     ) -> PyResult<Self> {
-        let opts = options(matmul_precision)?;
         let target = match device {
             "cpu" => Target::Cpu,
             "cuda" => Target::Cuda,
             other => return Err(PyValueError::new_err(format!("device '{other}' is not one of cpu, cuda"))),
         };
+        let opts = options(matmul_precision, target)?;
         let bytes = onnx.as_bytes().to_vec();
         let s = py.detach(move || Session::from_onnx_for(&bytes, None, &weights, &trainable, seeded.as_deref(), target)).map_err(to_py)?;
         Ok(PySession { inner: Arc::new(s.with_options(opts)) })
@@ -85,7 +90,7 @@ impl PySession {
         trainable: Vec<bool>,
         matmul_precision: &str,
     ) -> PyResult<Self> {
-        let opts = options(matmul_precision)?;
+        let opts = options(matmul_precision, Target::Cpu)?;
         let s = py
             .detach(move || {
                 let bytes = std::fs::read(&path).map_err(|e| Error::onnx(path.display().to_string(), format!("cannot read: {e}")))?;
@@ -95,7 +100,7 @@ impl PySession {
         Ok(PySession { inner: Arc::new(s.with_options(opts)) })
     }
 
-    /// The precision asked for: "fp32" or "bf16".
+    /// The precision asked for: "fp32", "bf16" or "fp16".
     #[getter]
     fn matmul_precision(&self) -> &'static str {
         self.inner.options.matmul_precision.name()

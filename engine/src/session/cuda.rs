@@ -107,6 +107,7 @@ impl Session {
         let feed: Vec<(ValueId, InputSrc)> = self.inputs.iter().copied().zip(inputs.iter().map(|(_, p)| InputSrc::Device(*p))).collect();
         let f32_mode = match (self.options.matmul_precision, tf32) {
             (MatmulPrecision::Bf16, _) => F32Mode::Bf16,
+            (MatmulPrecision::Fp16, _) => F32Mode::F16,
             (MatmulPrecision::Fp32, true) => F32Mode::Tf32,
             (MatmulPrecision::Fp32, false) => F32Mode::Exact,
         };

@@ -195,6 +195,9 @@ impl Session {
                 "bf16 on cuBLAS tensor cores (f32 tensors, at least bf16 precision, f32 accumulation)".into()
             }
             (Target::Cuda, MatmulPrecision::Fp32) => "fp32 (cuBLAS; TF32 only where torch.backends.cuda.matmul.allow_tf32 is set)".into(),
+            (Target::Cuda, MatmulPrecision::Fp16) => {
+                "fp16 on cuBLAS tensor cores (f32 tensors, at least fp16 precision, f32 accumulation)".into()
+            }
         }
     }
 

@@ -22,6 +22,7 @@ _LAZY = {
     "is_accelerated": ("ortrain.accelerate", "is_accelerated"),
     "explain": ("ortrain.accelerate", "explain"),
     "reset_profile": ("ortrain.accelerate", "reset_profile"),
+    "loss_scale": ("ortrain.accelerate", "loss_scale"),
     "ORTTrainer": ("ortrain.trainer", "ORTTrainer"),
     "optim": ("ortrain.optim", None),
     "load_onnx": ("ortrain.onnx_model", "load_onnx"),

@@ -13,7 +13,7 @@ from ortrain._warn import warn
 from ortrain.errors import OrtrainError
 
 _VALID_DEVICES = ("cpu", "cuda")
-_VALID_PRECISIONS = ("fp32", "bf16")
+_VALID_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 #: bumped whenever any module registers a parameter or a submodule (torch's global registration
@@ -59,8 +59,21 @@ class _State:
         self.loss_runners: dict = {}  # (runner key, slices, classes, ignore_index, reduction) -> runner | Exception
         self.fused_loss_calls = 0
         self.precision = "fp32"
+        self.loss_scale_mode = None  # accelerate's `loss_scale`: None (dynamic for fp16) | "dynamic" | False
+        self.loss_scaler = None  # engine/loss_scale.py's DynamicLossScaler while scaling is on
         self.setup_bytes = None  # resident size that exporting and building the runners added
         self._params: tuple = (-1, [])  # (registration count, module.parameters()) when listed
+
+    def adopt(self, runner):
+        """A new runner (or the exception that prevented it), given the loss scaler."""
+        if not isinstance(runner, Exception):
+            runner.loss_scaler = self.loss_scaler
+        return runner
+
+    def set_loss_scaler(self, scaler) -> None:
+        self.loss_scaler = scaler
+        for r in (*self.runners.values(), *self.loss_runners.values()):
+            self.adopt(r)
 
     def parameters(self) -> list:
         """module.parameters(), listed again only after a parameter or submodule was registered."""
@@ -146,7 +159,7 @@ class _State:
             with self.plain():
                 exported = export_cached(self.module, args, kwargs, training=self.module.training,
                                          exporter=self.exporter, dynamic=dynamic)
-            return Runner(self.module, exported, self.precision, self.device)
+            return self.adopt(Runner(self.module, exported, self.precision, self.device))
         except Exception as exc:  # noqa: BLE001 - reported by the caller, then PyTorch runs the call
             return exc
 
@@ -233,8 +246,8 @@ class _State:
         if key not in self.loss_runners:
             try:
                 with self.counting_setup():
-                    self.loss_runners[key] = CrossEntropyRunner(self.module, runner.exported, (), shape[-1], -100,
-                                                                "mean", self.precision, self.device)
+                    self.loss_runners[key] = self.adopt(CrossEntropyRunner(self.module, runner.exported, (), shape[-1], -100,
+                                                                           "mean", self.precision, self.device))
             except Exception:  # noqa: BLE001 - the first step reports it
                 return None
         loss_runner = self.loss_runners[key]
@@ -269,8 +282,8 @@ class _State:
         runner = self.loss_runners.get(key)
         if runner is None:
             try:
-                runner = CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index, reduction,
-                                            self.precision, self.device)
+                runner = self.adopt(CrossEntropyRunner(self.module, call.runner.exported, slices, classes, ignore_index,
+                                                       reduction, self.precision, self.device))
             except Exception as exc:  # noqa: BLE001 - the loss then runs in PyTorch
                 runner = exc
                 if self.strict:
@@ -300,7 +313,7 @@ def _first_line(exc: Exception) -> str:
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
                exporter: str = "auto", fuse_loss: bool = True, precision: str | None = None,
-               dynamic: bool | str | None = None):
+               dynamic: bool | str | None = None, loss_scale: str | bool | None = None):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
@@ -312,7 +325,8 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     backward) multiplies bf16-rounded operands with f32 accumulation, while weights, activations,
     gradients and the optimizer stay f32. On a CPU it needs avx512_bf16 or AMX (elsewhere it runs
     fp32); on CUDA the f32 matmuls run on tensor cores at bf16 precision or better (cuBLAS
-    picks the kernels: TF32 ones on an H100). `explain()` says which matmul path runs.
+    picks the kernels: TF32 ones on an H100). "fp16" (CUDA only): the same at fp16 precision or
+    better, with the dynamic loss scaler. `explain()` says which matmul path runs.
     None (the default) keeps what an earlier call set ("fp32" at first). `device="cuda"`: the
     model's parameters on the current CUDA device; the engine runs on PyTorch's current stream.
     `dynamic`: the input sizes the exported graph takes. "auto" exports the first call with its
@@ -320,6 +334,12 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     sizes (as torch.compile's automatic dynamic shapes); True: any sizes from the first call
     (for inputs whose sizes change every step); False: one graph per distinct set of sizes.
     None keeps what an earlier call set ("auto" at first).
+    `loss_scale`: "dynamic" multiplies the gradient entering the engine's backward pass by a scale
+    and divides the weight gradients by it again before they reach `.grad` (so `.grad`, clipping
+    and the optimizer see true gradients); `optimizer.step()` is skipped after any inf/NaN
+    gradient, the scale halving then and doubling after 2000 finite steps (start 2^16), as ONNX
+    Runtime's mixed precision did. It needs the optimizer. None (the default): "dynamic" with
+    precision="fp16", off otherwise; False turns it off. `ortrain.loss_scale(model)` reports it.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -338,6 +358,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise ValueError(f"precision={precision!r} is not one of {', '.join(_VALID_PRECISIONS)}")
     if dynamic is not None and not (isinstance(dynamic, bool) or dynamic == "auto"):
         raise ValueError(f"dynamic={dynamic!r} is not one of 'auto', True, False")
+    if loss_scale is not None and loss_scale is not False and loss_scale != "dynamic":
+        raise ValueError(f"loss_scale={loss_scale!r} is not one of 'dynamic', False, None")
+    _check_mixed_precision(model, optimizer, device, precision, loss_scale)
     _watch_registrations()
     state = getattr(model, "_ortrain_state", None)
     if state is None:
@@ -356,11 +379,60 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     if optimizer is not None:
         from ortrain.engine.optimizer import accelerate_optimizer
 
+        if state.optimizer is not None and state.optimizer is not optimizer:
+            from ortrain.engine.loss_scale import unguard
+
+            unguard(state.optimizer)  # the scaler guards the new one below
         state.optimizer = optimizer
         # on CUDA the engine has Adam/AdamW (one multi-tensor launch); SGD stays PyTorch's there
         engine_has_it = device == "cpu" or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         state.optimizer_in_engine = accelerate_optimizer(optimizer, strict) if engine_has_it else False
+    if loss_scale is not None:
+        state.loss_scale_mode = loss_scale
+    _apply_loss_scale(state)
     return model
+
+
+def _check_mixed_precision(model, optimizer, device, precision, loss_scale) -> None:
+    """Refuses fp16 off CUDA and loss scaling without an optimizer before anything changes."""
+    state = model.__dict__.get("_ortrain_state")
+    device = state.device if state is not None else device
+    precision = precision if precision is not None else (state.precision if state is not None else "fp32")
+    if precision == "fp16" and device != "cuda":
+        raise ValueError("precision='fp16' needs device='cuda' (fp16 matmuls run on cuBLAS); on the CPU use "
+                         "precision='bf16'")
+    mode = loss_scale if loss_scale is not None else (state.loss_scale_mode if state is not None else None)
+    scaling = mode == "dynamic" or (mode is None and precision == "fp16")
+    if scaling and optimizer is None and (state is None or state.optimizer is None):
+        raise ValueError("loss scaling (precision='fp16' or loss_scale='dynamic') needs the optimizer: "
+                         "accelerate(model, optimizer, ...), so that steps with inf/NaN gradients are skipped")
+
+
+def _apply_loss_scale(state) -> None:
+    """Turns the dynamic loss scaler on or off as `state` asks (fp16: on unless turned off)."""
+    from ortrain.engine import loss_scale as ls
+
+    mode = state.loss_scale_mode if state.loss_scale_mode is not None else ("dynamic" if state.precision == "fp16" else False)
+    if mode != "dynamic":
+        if state.loss_scaler is not None:
+            if state.optimizer is not None:
+                ls.unguard(state.optimizer)
+            state.set_loss_scaler(None)
+        return
+    scaler = state.loss_scaler
+    if scaler is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if state.device == "cuda" else torch.device("cpu")
+        scaler = ls.DynamicLossScaler(device)
+    ls.guard(state.optimizer, scaler)
+    state.set_loss_scaler(scaler)
+
+
+def loss_scale(model) -> dict | None:
+    """The dynamic loss scaler's state of an accelerated model (scale, steps, skipped_steps,
+    growth_interval), or None where loss scaling is off."""
+    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    scaler = getattr(state, "loss_scaler", None)
+    return None if scaler is None else scaler.state()
 
 
 def deaccelerate(model: torch.nn.Module):
@@ -368,8 +440,10 @@ def deaccelerate(model: torch.nn.Module):
     state = model.__dict__.pop("_ortrain_state", None)
     model.__dict__.pop("forward", None)
     if state is not None and state.optimizer is not None:
+        from ortrain.engine.loss_scale import unguard
         from ortrain.engine.optimizer import restore_optimizer
 
+        unguard(state.optimizer)
         restore_optimizer(state.optimizer)
     return model
 
@@ -400,6 +474,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     n_params = sum(p.numel() for p in model.parameters())
     lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
              f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"]
+    if state.loss_scaler is not None:
+        ls = state.loss_scaler.state()
+        lines.append(f"  dynamic loss scale {ls['scale']:g}: {ls['skipped_steps']} of {ls['steps']} optimizer steps "
+                     "skipped for inf/NaN gradients")
     if not state.runners:
         lines.append("  not called yet: the model is exported on its first call")
     for key, r in state.runners.items():
@@ -413,7 +491,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 else "any input sizes"
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes, {sizes}")
-            if getattr(r, "on_cuda", False) and r.session.matmul_precision == "bf16":
+            if getattr(r, "on_cuda", False) and r.session.matmul_precision in ("bf16", "fp16"):
                 lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step in PyTorch")
             elif getattr(r, "on_cuda", False):
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"

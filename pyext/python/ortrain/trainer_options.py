@@ -7,6 +7,8 @@ from ortrain.errors import UnsupportedError
 
 # section -> key -> (default, check) ; check(value) returns an error string or None
 _BOOL = lambda v: None if isinstance(v, bool) else "must be True or False"  # noqa: E731
+_FP16_ELSEWHERE = ("fp16 with the dynamic loss scaler runs on CUDA, through "
+                   "ortrain.accelerate(model, optimizer, device='cuda', precision='fp16'); ORTTrainer runs on the CPU")
 
 SUPPORTED = {
     "batch": {"gradient_accumulation_steps": (1, lambda v: None if isinstance(v, int) and v >= 1 else "must be an int ≥ 1")},
@@ -16,10 +18,12 @@ SUPPORTED = {
     # the CPU engine is deterministic for a fixed thread count either way
     "debug": {"deterministic_compute": (False, _BOOL)},
     "lr_scheduler": None,  # an ortrain.optim.*LRScheduler or None
-    # bf16 matmuls with f32 accumulation and f32 master weights: no loss scaling needed
+    # bf16 matmuls with f32 accumulation and f32 master weights: no loss scaling needed. fp16 and
+    # its dynamic loss scaler run on CUDA only, through accelerate(); ORTTrainer runs on the CPU
     "mixed_precision": {"enabled": (False, _BOOL),
-                        "dtype": ("bf16", lambda v: None if v == "bf16" else "only 'bf16' is supported yet"),
-                        "loss_scaler": (None, lambda v: None if v is None else "not supported yet (bf16 needs no loss scaling)")},
+                        "dtype": ("bf16", lambda v: None if v == "bf16" else _FP16_ELSEWHERE if v == "fp16" else "must be 'bf16'"),
+                        "loss_scaler": (None, lambda v: None if v is None else
+                                        "bf16 needs no loss scaling; " + _FP16_ELSEWHERE)},
 }
 
 # what ORT offered and ortrain does not have yet: the value that means "off"

@@ -4,7 +4,7 @@
 //! `torch.backends.cuda.matmul.allow_tf32 = False`); bf16/f16 operands accumulate in f32. f32
 //! operands may also go to tensor cores at bf16 precision or better ([`F32Mode::Bf16`], cuBLAS's
 //! `CUBLAS_COMPUTE_32F_FAST_16BF`): the mixed precision of `precision="bf16"`, with f32 tensors
-//! in and out. cuBLAS picks the kernels: on an H100 it ran TF32 ones (results within 1e-4 of
+//! in and out; `precision="fp16"` likewise at fp16 ([`F32Mode::F16`], `..._FAST_16F`). cuBLAS picks the kernels: on an H100 it ran TF32 ones (results within 1e-4 of
 //! the f32 product, not bf16's 1e-2; gpu_gemm_f32_operands_as_bf16 prints it).
 //!
 //! cudarc opens cuBLAS by name (`libcublas.so.13`) and panics when it finds none, and PyTorch's
@@ -69,6 +69,9 @@ pub enum F32Mode {
     /// Tensor cores allowed to round operands to bf16 (cuBLAS may use TF32 or better), f32
     /// accumulation.
     Bf16,
+    /// The same at fp16 (`CUBLAS_COMPUTE_32F_FAST_16F`): the mixed precision of
+    /// `precision="fp16"`.
+    F16,
 }
 
 /// `C[b] = alpha · op(A[b]) · op(B[b]) + beta · C[b]` for b in 0..batch, row-major: C[b] is
@@ -209,6 +212,7 @@ impl Blas {
             (GemmType::F64, _) => sys::cublasComputeType_t::CUBLAS_COMPUTE_64F,
             (GemmType::F32, F32Mode::Tf32) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
             (GemmType::F32, F32Mode::Bf16) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16BF,
+            (GemmType::F32, F32Mode::F16) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_16F,
             _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
         let (alpha32, beta32) = (g.alpha as f32, g.beta as f32);

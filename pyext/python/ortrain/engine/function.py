@@ -95,6 +95,7 @@ class EngineFunction(torch.autograd.Function):
     def backward(ctx, *grad_outputs):
         runner, pending = ctx.runner, ctx.pending
         ctx.pending = None
+        scaler = runner.loss_scaler
         seeds, keep = [], []
         for g, (shape, dtype), sd in zip(grad_outputs, ctx.out_meta, runner.seeded):
             if not dtype.is_floating_point or not sd:
@@ -105,6 +106,8 @@ class EngineFunction(torch.autograd.Function):
             g = g.contiguous()
             if g.dtype != dtype:
                 g = g.to(dtype)
+            if scaler is not None:
+                g = scaler.scale_seed(g)
             keep.append(g)
             seeds.append(g.data_ptr() if runner.on_cuda else address(g, "output gradient"))
         grads = getattr(ctx, "grads", None)
@@ -117,4 +120,7 @@ class EngineFunction(torch.autograd.Function):
         else:
             runner.session.backward(pending, runner.weight_addresses(), seeds, grad_addrs)
         ctx.bound = None
-        return (None, None, None, None) + (None,) * ctx.n_inputs + tuple(runner.grads_for_trainable(grads))
+        trainable = runner.grads_for_trainable(grads)
+        if scaler is not None:
+            scaler.unscale_(trainable)
+        return (None, None, None, None) + (None,) * ctx.n_inputs + tuple(trainable)

@@ -70,9 +70,12 @@ class Runner:
     #: the gradient tensors are allocated at the forward pass and bound from then on (the engine
     #: may write gradients there in the forward pass: Session.forward's `grads`)
     grads_at_forward = False
+    #: fp16's dynamic loss scaler (engine/loss_scale.py), set by accelerate(); None: no scaling
+    loss_scaler = None
 
     def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32", device: str = "cpu"):
-        """`precision`: "fp32", or "bf16" for matmul products in bf16 with f32 accumulation.
+        """`precision`: "fp32", "bf16" for matmul products in bf16 with f32 accumulation, or
+        "fp16" (CUDA only) for the same at fp16.
         `device`: "cpu", or "cuda" (every parameter on the current CUDA device)."""
         self.on_cuda = device == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")

@@ -47,16 +47,20 @@ pub enum MatmulPrecision {
     #[default]
     Fp32,
     Bf16,
+    /// Products of fp16-rounded operands (or better) with f32 accumulation: CUDA sessions only
+    /// (cuBLAS's `CUBLAS_COMPUTE_32F_FAST_16F`); the Python side adds the dynamic loss scaler.
+    Fp16,
 }
 
 impl MatmulPrecision {
-    pub const NAMES: [&'static str; 2] = ["fp32", "bf16"];
+    pub const NAMES: [&'static str; 3] = ["fp32", "bf16", "fp16"];
 
-    /// Parses "fp32" | "bf16"; the error names the allowed values.
+    /// Parses "fp32" | "bf16" | "fp16"; the error names the allowed values.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "fp32" => Ok(MatmulPrecision::Fp32),
             "bf16" => Ok(MatmulPrecision::Bf16),
+            "fp16" => Ok(MatmulPrecision::Fp16),
             _ => Err(format!("matmul_precision={s:?} is not one of: {}", Self::NAMES.join(", "))),
         }
     }
@@ -65,6 +69,7 @@ impl MatmulPrecision {
         match self {
             MatmulPrecision::Fp32 => "fp32",
             MatmulPrecision::Bf16 => "bf16",
+            MatmulPrecision::Fp16 => "fp16",
         }
     }
 }
@@ -109,6 +114,7 @@ impl MatmulPath {
                 "fp32 (bf16 requested, but this CPU has neither avx512_bf16 nor AMX, or ORTRAIN_CPU_BF16=off)".into()
             }
             (MatmulPath::Fp32, MatmulPrecision::Fp32) => "fp32".into(),
+            (MatmulPath::Fp32, MatmulPrecision::Fp16) => "fp32 (fp16 matmuls run on CUDA only)".into(),
         }
     }
 }
