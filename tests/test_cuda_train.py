@@ -4,6 +4,7 @@ a few optimizer steps. Skipped (with the reason) where there is no usable GPU.""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -466,6 +467,35 @@ def test_fp16_trains_like_autocast_with_a_grad_scaler():
     assert state["steps"] == 30 and state["skipped_steps"] == 0 and state["scale"] == 2.0**16, state
     text = ortrain.explain(model)
     assert "matmuls fp16 on cuBLAS tensor cores" in text and "dynamic loss scale 65536" in text, text
+
+
+def test_an_out_of_range_index_is_reported_by_the_next_step():
+    """GPU kernels cannot stop on a bad embedding id or label: they write 0 and set a flag per
+    node, which the next step reads (without waiting for the GPU) and reports as an IndexError
+    naming the node; after that, steps run again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Flatten(), nn.Linear(8 * 4, 3)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, fuse_loss=False)
+    good = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], device="cuda")
+    bad = torch.tensor([[1, 2, 3, 4], [5, 6, 12, 8]], device="cuda")
+    y = torch.tensor([0, 2], device="cuda")
+
+    def step(x):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step(good)
+    step(bad)  # queued; the flag lands with it
+    torch.cuda.synchronize()
+    with pytest.raises(IndexError, match=r"out of range in a recent step on the GPU, in Gather node '[^']+'"):
+        step(good)
+    assert math.isfinite(step(good))  # reported once, then cleared
+    torch.cuda.synchronize()
+    step(good)
 
 
 def test_tf32_follows_pytorchs_flag():

@@ -41,6 +41,14 @@ fn cuda_arena_bytes(
     session.inner.arena_bytes(&sigs(inputs)?, backward, &out_bound.unwrap_or_default()).map_err(to_py)
 }
 
+/// The nodes ("Gather node 'emb'") whose GPU kernels met an index out of range in a step whose
+/// results have landed since the last call (their outputs were 0 there, their gradients
+/// dropped); empty when none did. Never waits for the device.
+#[pyfunction]
+fn cuda_index_errors(session: &PySession) -> PyResult<Vec<String>> {
+    session.inner.index_errors_cuda().map_err(to_py)
+}
+
 /// Queues the forward pass on `stream`: `inputs` (address, dtype, shape) per model input,
 /// `weights` one address per weight, `outputs` (optional) per output an address receiving it (0:
 /// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes, `tf32`: f32 matmuls
@@ -189,6 +197,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_index_errors, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_backward, m)?)?;
     Ok(())
 }

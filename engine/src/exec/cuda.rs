@@ -157,6 +157,9 @@ pub fn run_phase(
     };
     for i in range {
         let node = &graph.nodes[plan.steps[i].0];
+        if ctx.error_base != 0 {
+            ctx.error_flag = ctx.error_base + 4 * plan.steps[i].0 as u64;
+        }
         let mut ins = Vec::with_capacity(node.inputs.len());
         for inp in &node.inputs {
             ins.push(match inp {

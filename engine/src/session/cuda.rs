@@ -10,6 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUstream;
 
+use super::cuda_errors::ErrorFlags;
 use super::{Session, Sig};
 use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
@@ -33,6 +34,8 @@ pub struct CudaPlan {
 #[derive(Default)]
 pub struct CudaState {
     plans: Mutex<HashMap<usize, Arc<CudaPlan>>>,
+    /// One index-error flag per node (made with the first GPU step).
+    errors: Mutex<Option<ErrorFlags>>,
 }
 
 /// A forward pass on the GPU whose backward pass may still come.
@@ -59,6 +62,24 @@ impl Session {
         let p = Arc::new(CudaPlan { kernels, consts });
         plans.insert(key, p.clone());
         Ok(p)
+    }
+
+    /// Runs `f` on the session's index-error flags, made on first use.
+    fn with_flags<R>(&self, rt: &CudaRuntime, f: impl FnOnce(&mut ErrorFlags) -> Result<R>) -> Result<R> {
+        let mut guard = self.cuda.errors.lock().map_err(|_| Error::other("CUDA error flags poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(ErrorFlags::new(rt, self.graph.nodes.len())?);
+        }
+        f(guard.as_mut().expect("made above"))
+    }
+
+    /// The nodes ("Gather node 'emb'") whose kernels met an index out of range in a GPU step
+    /// whose results have landed since the last call; empty when none did or none has landed
+    /// yet. Never waits for the device.
+    pub fn index_errors_cuda(&self) -> Result<Vec<String>> {
+        let mut guard = self.cuda.errors.lock().map_err(|_| Error::other("CUDA error flags poisoned"))?;
+        let Some(flags) = guard.as_mut() else { return Ok(Vec::new()) };
+        Ok(flags.take()?.into_iter().filter_map(|i| self.graph.nodes.get(i)).map(|n| format!("{} node '{}'", n.op_type, n.name)).collect())
     }
 
     /// The arena bytes a GPU step with these inputs needs (the caller allocates them).
@@ -111,8 +132,15 @@ impl Session {
             (MatmulPrecision::Fp32, true) => F32Mode::Tf32,
             (MatmulPrecision::Fp32, false) => F32Mode::Exact,
         };
-        let mut ctx = CudaCtx { rt, stream, seed, f32_mode, error_flag: 0 };
+        let error_base = self.with_flags(rt, |f| {
+            f.begin(stream)?;
+            Ok(f.flag(0))
+        })?;
+        let mut ctx = CudaCtx { rt, stream, seed, f32_mode, error_flag: 0, error_base };
         cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
+        if !backward {
+            self.with_flags(rt, |f| f.publish(stream))?;
+        }
         Ok(CudaPending { plan, cplan, base: arena, seed, f32_mode, bind })
     }
 
@@ -162,7 +190,9 @@ impl Session {
                 unsafe { p.bind.bind(*g, a) };
             }
         }
-        let mut ctx = CudaCtx { rt, stream, seed: p.seed, f32_mode: p.f32_mode, error_flag: 0 };
-        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &p.bind, &p.cplan.consts, &[], &mut ctx)
+        let error_base = self.with_flags(rt, |f| Ok(f.flag(0)))?;
+        let mut ctx = CudaCtx { rt, stream, seed: p.seed, f32_mode: p.f32_mode, error_flag: 0, error_base };
+        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &p.bind, &p.cplan.consts, &[], &mut ctx)?;
+        self.with_flags(rt, |f| f.publish(stream))
     }
 }

@@ -20,6 +20,8 @@ use crate::tensor::DType;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+#[cfg(feature = "cuda")]
+mod cuda_errors;
 
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);

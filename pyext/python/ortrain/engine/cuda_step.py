@@ -26,6 +26,18 @@ def cuda_triple(t: torch.Tensor, what: str) -> tuple:
     return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
 
 
+def check_index_errors(session) -> None:
+    """Raises IndexError when a recent GPU step of `session` met an index out of range (the
+    kernels cannot stop: they wrote 0 there and dropped those gradients). Checked at each step
+    from a copy that has already landed, so it never waits for the GPU; the report comes one
+    step or so after the bad batch, as PyTorch's own device-side asserts do."""
+    bad = _ortrain.cuda_index_errors(session)
+    if bad:
+        raise IndexError(f"ortrain: an index was out of range in a recent step on the GPU, in {', '.join(bad)}: "
+                         "those outputs were 0 and those gradients dropped (check the batch's ids or labels "
+                         "against the embedding size or the number of classes)")
+
+
 class CudaStep:
     """One forward pass queued on the GPU, and its backward pass."""
 
@@ -34,6 +46,7 @@ class CudaStep:
         """`weights`: device addresses to read the weights from instead of the live tensors
         (forward only: a replay from a parameter snapshot)."""
         self.runner = runner
+        check_index_errors(runner.session)
         sigs = [(engine_dtype(x, n), list(x.shape)) for x, n in zip(inputs, runner.input_names)]
         out_bound = [k in bound for k in range(runner.n_outputs)] if bound else None
         key = (tuple((d, tuple(s)) for d, s in sigs), backward, tuple(out_bound or ()))

@@ -19,6 +19,7 @@ use crate::backend::cuda::blas::{Gemm, GemmType};
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
 use crate::ir::Node;
+use crate::tensor::DType;
 
 /// Bytes of column matrix (and, for ConvGradW, per-sample partial products) per chunk.
 const COL_BUDGET: usize = 256 << 20;
@@ -84,6 +85,13 @@ impl Geo {
     }
 }
 
+/// The gemm type, kernel suffix, element size and geometry of a Conv-family node whose float
+/// operands have type `d`, for input shape `x` and weight shape `w`.
+fn setup(node: &Node, d: DType, x: &[usize], w: &[usize]) -> Result<(GemmType, &'static str, usize, Geo)> {
+    let t = gemm_type(node, d)?;
+    Ok((t, float_suffix(node, d)?, t.size(), Geo::new(node, x, w)?))
+}
+
 /// im2col_T / col2im_T over `n` elements.
 fn rearrange(ctx: &mut CudaCtx, kernel: &str, src: u64, dst: u64, win: Win2d, n: usize) -> Result<()> {
     let grid = ctx.rt.elementwise_grid(n);
@@ -111,9 +119,7 @@ fn batched_gemm(
 fn conv(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, w) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let y = &outs[0];
-    let (t, sfx) = (gemm_type(node, x.dtype)?, float_suffix(node, x.dtype)?);
-    let es = t.size();
-    let g = Geo::new(node, x.shape, w.shape)?;
+    let (t, sfx, es, g) = setup(node, x.dtype, x.shape, w.shape)?;
     if y.numel() == 0 {
         return Ok(());
     }
@@ -146,9 +152,7 @@ fn conv(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -
 fn conv_grad_x(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, w) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let dx = &outs[0];
-    let (t, sfx) = (gemm_type(node, dy.dtype)?, float_suffix(node, dy.dtype)?);
-    let es = t.size();
-    let g = Geo::new(node, dx.shape, w.shape)?;
+    let (t, sfx, es, g) = setup(node, dy.dtype, dx.shape, w.shape)?;
     if dx.numel() == 0 {
         return Ok(());
     }
@@ -177,9 +181,7 @@ fn conv_grad_x(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
 fn conv_grad_w(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let dw = &outs[0];
-    let (t, sfx) = (gemm_type(node, dy.dtype)?, float_suffix(node, dy.dtype)?);
-    let es = t.size();
-    let g = Geo::new(node, x.shape, dw.shape)?;
+    let (t, sfx, es, g) = setup(node, dy.dtype, x.shape, dw.shape)?;
     if dw.numel() == 0 {
         return Ok(());
     }

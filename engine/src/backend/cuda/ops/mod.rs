@@ -63,6 +63,9 @@ pub struct CudaCtx<'a> {
     /// Device address of an i32 error flag that index-checking kernels (gather, the loss's
     /// labels) set on invalid input; 0: none (invalid input is then silently zero).
     pub error_flag: u64,
+    /// Where the executor points `error_flag` for each step: this address plus 4 × the node's
+    /// index (one flag per node, session/cuda_errors.rs); 0: `error_flag` as given.
+    pub error_base: u64,
 }
 
 pub type CudaKernel = fn(&Node, &[Option<DView>], &[DView], &mut CudaCtx) -> Result<()>;

@@ -107,7 +107,7 @@ fn gpu_step_in(
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, f32_mode: mode, error_flag: 0 };
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, f32_mode: mode, error_flag: 0, error_base: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
