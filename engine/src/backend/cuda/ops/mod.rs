@@ -19,6 +19,7 @@ mod activation;
 mod attention;
 mod batchnorm;
 mod conv;
+mod conv_plan;
 mod cumsum;
 mod elementwise;
 mod gather;

@@ -27,6 +27,7 @@ fn gather_elements_args(x: u64, idx: u64, y: u64, s: Strides, n: i64, axis: i32,
 }
 
 /// gather_nd_W(x, idx, y, s, n, slice, tuples, batch_block, err) and gather_nd_grad_T(dy, idx, dx, ...).
+#[allow(clippy::too_many_arguments)]
 fn gather_nd_args(x: u64, idx: u64, y: u64, s: Strides, n: i64, slice: i64, tuples: i64, batch_block: i64, err: u64) -> Vec<KArg> {
     let i = KArg::I64;
     vec![KArg::Ptr(x), KArg::Ptr(idx), KArg::Ptr(y), KArg::Strides(s), i(n), i(slice), i(tuples), i(batch_block), KArg::Ptr(err)]

@@ -6,6 +6,7 @@
 //!   without count_include_pad;
 //! - the batch-norm kernels chained as the dispatcher chains them, training and inference;
 //! - cumsum in all four modes, integers exactly.
+//!
 //! Without a GPU the argument lists are checked against the registry.
 
 use super::support::*;
