@@ -134,3 +134,26 @@ def test_deaccelerate_and_turning_it_off_restore_the_optimizers_step():
     ortrain.accelerate(model, opt, loss_scale="dynamic")
     ortrain.deaccelerate(model)
     assert "step" not in opt.__dict__ and type(opt).step is plain_step
+
+
+def test_the_per_batch_metrics_carry_the_loss_scale():
+    """The metrics %%ort logs to MLflow per batch include the scale (halved after a skipped step)."""
+    from ortrain._steps import StepRecorder, step_metrics
+
+    model, data = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, strict=True, loss_scale="dynamic")
+    seen = []
+    with StepRecorder([model], lambda s: seen.append(step_metrics(s)), optimizers=[opt]):
+        _train(model, opt, data, 2)
+        model.__dict__["_ortrain_state"].loss_scaler.scale.fill_(float("inf"))
+        _train(model, opt, data, 1)  # overflows: skipped, still one batch
+    assert [m.get("loss_scale") for m in seen[:2]] == [2.0**16, 2.0**16]
+    assert len(seen) == 3 and "loss" in seen[2]
+    plain, _ = _model()
+    opt2 = torch.optim.Adam(plain.parameters(), lr=1e-3)
+    ortrain.accelerate(plain, opt2, strict=True)
+    seen.clear()
+    with StepRecorder([plain], lambda s: seen.append(step_metrics(s)), optimizers=[opt2]):
+        _train(plain, opt2, data, 1)
+    assert "loss_scale" not in seen[0]

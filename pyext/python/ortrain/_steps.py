@@ -26,6 +26,8 @@ class Step:
     samples: int | None
     tokens: int | None
     rss_bytes: int | None
+    #: the dynamic loss scale after this step (fp16 / accelerate(loss_scale="dynamic")), else None
+    loss_scale: float | None = None
 
 
 def find_modules(ns: dict) -> dict:
@@ -198,7 +200,9 @@ class StepRecorder:
                 samples = shape[bdim] if len(shape) > bdim else shape[0]
                 if not dtype.is_floating_point and not dtype.is_complex:
                     tokens = math.prod(shape)
-        step = Step(self.steps, dt_ms, loss, self._loss_kind, lr, samples, tokens, rss_bytes())
+        scaler = getattr(self.optimizer, "_ortrain_scaler", None)
+        scale = float(scaler.scale.item()) if scaler is not None else None
+        step = Step(self.steps, dt_ms, loss, self._loss_kind, lr, samples, tokens, rss_bytes(), scale)
         self.steps += 1
         self._last_loss = None
         self.on_step(step)
@@ -225,4 +229,6 @@ def step_metrics(step: Step) -> dict:
         m["samples_per_sec"] = step.samples / sec
     if sec > 0 and step.tokens:
         m["tokens_per_sec"] = step.tokens / sec
+    if step.loss_scale is not None:
+        m["loss_scale"] = step.loss_scale
     return m

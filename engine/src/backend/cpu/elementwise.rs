@@ -286,10 +286,23 @@ unary_float!(recip, |x| x.recip());
 unary_float!(floor, |x| x.floor());
 unary_float!(ceil, |x| x.ceil());
 
+/// `0 − x` that wraps for integers, as PyTorch does (the minimum value stays, uint8 wraps
+/// around), instead of overflowing (a panic in debug builds).
+pub trait NegWrapping: Copy {
+    fn neg_wrapping(self) -> Self;
+}
+macro_rules! neg_wrapping {
+    (float: $($t:ty),*; int: $($i:ty),*) => {
+        $(impl NegWrapping for $t { fn neg_wrapping(self) -> Self { -self } })*
+        $(impl NegWrapping for $i { fn neg_wrapping(self) -> Self { self.wrapping_neg() } })*
+    };
+}
+neg_wrapping!(float: f32, f64; int: i64, i32, i8, u8);
+
 macro_rules! unary_num {
     ($name:ident, |$x:ident| $e:expr) => {
         fn $name(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
-            fn go<T: Arith>(a: &In, o: &mut Out) -> Result<()> {
+            fn go<T: Arith + NegWrapping>(a: &In, o: &mut Out) -> Result<()> {
                 map1::<T, T>(a, o, |$x| $e)
             }
             let a = first(node, inputs)?;
@@ -297,8 +310,8 @@ macro_rules! unary_num {
         }
     };
 }
-unary_num!(neg, |x| T::zero() - x);
-unary_num!(abs, |x| if x < T::zero() { T::zero() - x } else { x });
+unary_num!(neg, |x| x.neg_wrapping());
+unary_num!(abs, |x| if x < T::zero() { x.neg_wrapping() } else { x });
 unary_num!(sign, |x| if x > T::zero() {
     T::one()
 } else if x < T::zero() {
