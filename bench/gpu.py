@@ -2,14 +2,17 @@
 ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
 
     python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain]
-                        [--steps 50] [--warmup 10] [--gpt2-batch 16] [--json PATH]
+                        [--steps 50] [--warmup 10] [--gpt2-batch 16] [--gpt2-precision bf16|fp16]
+                        [--json PATH]
 
 Each (workload, system) runs in its own process, one after another, so peak memory
 (torch.cuda.max_memory_allocated) and torch.compile's caches belong to that system alone. A step
 is timed from its first line to a torch.cuda.synchronize() after optimizer.step(): what a user's
 per-batch log sees. MFU counts the model FLOPs of a training step (6 per parameter per token for
 the matmul weights plus 12·L·H·Q·T for attention, as nanoGPT/PaLM) against the GPU's dense peak
-for the precision (tensor-core bf16, or plain fp32 since TF32 is off).
+for the precision (tensor-core bf16 or fp16, or plain fp32 since TF32 is off). GPT-2 runs in
+mixed precision: eager and torch.compile under torch.autocast (fp16 with a GradScaler), ortrain
+with `precision=` the same (fp16 with the engine's dynamic loss scaler).
 """
 from __future__ import annotations
 
@@ -24,12 +27,12 @@ import traceback
 
 SYSTEMS = ("eager", "compile", "ortrain")
 # dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
-PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp32"): 66.9e12,
-         ("H200", "bf16"): 989.4e12, ("H200", "fp32"): 66.9e12,
-         ("A100", "bf16"): 312e12, ("A100", "fp32"): 19.5e12}
+PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"): 66.9e12,
+         ("H200", "bf16"): 989.4e12, ("H200", "fp16"): 989.4e12, ("H200", "fp32"): 66.9e12,
+         ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12}
 
 
-def _build(workload: str, gpt2_batch: int):
+def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
     """(model, optimizer, batch(step), forward_loss(model, batch), clip, precision, tokens/step,
     FLOPs/step) on cuda."""
     import torch
@@ -71,7 +74,7 @@ def _build(workload: str, gpt2_batch: int):
         n = sum(p.numel() for p in model.parameters()) - wpe  # wte counts: it is the tied LM head
         tokens = seq * bsz
         flops = 6 * n * tokens + 12 * 12 * 768 * seq * tokens
-        return model, optimizer, lambda s: (batches[s % len(batches)],), forward_loss, None, "bf16", tokens, flops
+        return model, optimizer, lambda s: (batches[s % len(batches)],), forward_loss, None, gpt2_precision, tokens, flops
     raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m")
 
 
@@ -83,9 +86,13 @@ def _worker(cfg: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(cfg["workload"], cfg["gpt2_batch"])
+    model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(
+        cfg["workload"], cfg["gpt2_batch"], cfg.get("gpt2_precision", "bf16"))
     system = cfg["system"]
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else contextlib.nullcontext
+    # PyTorch's fp16 recipe scales the loss; ortrain's engine does it inside (accelerate's loss_scale)
+    grad_scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and system != "ortrain" else None
     if system == "compile":
         model = torch.compile(model)
     elif system == "ortrain":
@@ -104,6 +111,14 @@ def _worker(cfg: dict) -> dict:
         optimizer.zero_grad(set_to_none=True)
         with autocast():
             loss = forward_loss(model, batch(s))
+        if grad_scaler is not None:
+            grad_scaler.scale(loss).backward()
+            if clip is not None:
+                grad_scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            grad_scaler.step(optimizer)
+            grad_scaler.update()
+            return loss
         loss.backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -178,6 +193,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--gpt2-batch", type=int, default=16)
+    ap.add_argument("--gpt2-precision", choices=("bf16", "fp16"), default="bf16")
     ap.add_argument("--json", default=None, help="where to write the raw results")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -196,7 +212,8 @@ def main(argv=None) -> int:
                                                        os.environ.get("PYTHONPATH", "")]))
     for w in workloads:
         for s in systems:
-            cfg = {"workload": w, "system": s, "steps": a.steps, "warmup": a.warmup, "gpt2_batch": a.gpt2_batch}
+            cfg = {"workload": w, "system": s, "steps": a.steps, "warmup": a.warmup, "gpt2_batch": a.gpt2_batch,
+                   "gpt2_precision": a.gpt2_precision}
             t0 = time.time()
             p = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", json.dumps(cfg)], env=env,
                                capture_output=True, text=True, cwd=os.path.dirname(here))
