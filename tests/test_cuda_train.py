@@ -514,6 +514,41 @@ def test_tf32_follows_pytorchs_flag():
     assert _max_rel(out, want) < 5e-3
 
 
+def test_explain_prints_the_planned_gpu_memory_before_step_one():
+    """explain(model, x) before the first step prints the planned GPU memory (parameters,
+    gradients, Adam's state, the fused loss graph's arena); torch.cuda's peak during the second
+    step (all four alive) is within 10% of it."""
+    import re
+
+    import models
+
+    vocab, seq, batch = 2000, 35, 20
+    model, _, _ = models.tutorial_transformer(vocab, dropout=0.0, seed=0)
+    model = model.cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, device="cuda", strict=True)
+    x = torch.randint(0, vocab, (seq, batch), device="cuda")
+    y = torch.randint(0, vocab, (seq * batch,), device="cuda")
+    text = ortrain.explain(model, x)
+    m = re.search(r"with the loss fused .*GPU memory planned: .* = ([0-9.]+) MiB", text)
+    assert m, text
+    planned = float(m.group(1)) * 2**20
+
+    def step():
+        opt.zero_grad()  # .grad None: autograd keeps the engine's gradient tensors, no second copy
+        nn.functional.cross_entropy(model(x).view(-1, vocab), y).backward()
+        opt.step()
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    print(f"planned {planned / 2**20:.1f} MiB, torch.cuda peak during step 2 {peak / 2**20:.1f} MiB")
+    assert abs(peak - planned) <= 0.1 * planned, (peak, planned, text)
+
+
 def test_planned_arena_is_what_torch_cuda_allocates():
     """The memory plan's arena is the step's device memory: during a forward pass, torch.cuda's
     allocation grows by the planned arena plus the output, within 10% of the arena."""

@@ -24,16 +24,16 @@ def rss_bytes() -> int | None:
         return None
 
 
-def _bytes(tensors) -> int:
+def _bytes(tensors, device_type: str = "cpu") -> int:
     seen, total = set(), 0
     for t in tensors:
-        if t.device.type == "cpu" and t.data_ptr() not in seen:
+        if t.device.type == device_type and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
 
 
-def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
+def optimizer_state_bytes(optimizer, device_type: str = "cpu") -> tuple[int | None, str]:
     """(bytes, kind) of the state `optimizer` keeps per parameter once it has stepped: Adam and
     AdamW two tensors (three with amsgrad), SGD one with momentum and none without; None for
     other optimizers."""
@@ -50,7 +50,7 @@ def optimizer_state_bytes(optimizer) -> tuple[int | None, str]:
             per = max(per, 1 if g.get("momentum", 0) else 0)
         else:
             return None, type(optimizer).__name__
-    return per * _bytes(params), f"{type(optimizer).__name__}: {per} per parameter"
+    return per * _bytes(params, device_type), f"{type(optimizer).__name__}: {per} per parameter"
 
 
 def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | None) -> str:
@@ -73,3 +73,24 @@ def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | No
     parts.append(f"runtime code and malloc caches ~{RUNTIME_ALLOWANCE * mib:.0f} (allowance)")
     total += RUNTIME_ALLOWANCE
     return f"training memory: {' + '.join(parts)} = {total * mib:.0f} MiB above the process before the model was built"
+
+
+def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
+    """explain()'s planned GPU memory of a training step on CUDA: the module's CUDA tensors, one
+    gradient per trainable parameter, the optimizer's state and the step's planned arena (a
+    torch.cuda allocation). From the second step on, all four are alive at once during the
+    backward pass, so their sum is what torch.cuda.max_memory_allocated() should show then."""
+    mib = 1 / 2**20
+    tensors = _bytes(list(module.parameters()) + list(module.buffers()), "cuda")
+    grads = _bytes([p for p in module.parameters() if p.requires_grad], "cuda")
+    state, kind = optimizer_state_bytes(optimizer, "cuda")
+    parts = [f"parameters and buffers {tensors * mib:.1f}", f"gradients {grads * mib:.1f}"]
+    total = tensors + grads + arena_bytes
+    if state is None:
+        parts.append(f"optimizer state not estimated ({kind})")
+    else:
+        parts.append(f"optimizer state {state * mib:.1f} ({kind})")
+        total += state
+    parts.append(f"peak arena {arena_bytes * mib:.1f}")
+    return (f"GPU memory planned: {' + '.join(parts)} = {total * mib:.1f} MiB "
+            "(torch.cuda.max_memory_allocated() during a later step)")

@@ -234,7 +234,7 @@ class _State:
         from ortrain.engine.cross_entropy import CrossEntropyRunner
 
         if not (self.fuse_loss and self.module.training and runner.trainable_params and runner.n_user_outputs == 1
-                and not runner.buffer_outputs and not runner.on_cuda):
+                and not runner.buffer_outputs):
             return None
         try:
             (dtype, shape), = runner.output_types(flat)
@@ -480,6 +480,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                      "skipped for inf/NaN gradients")
     if not state.runners:
         lines.append("  not called yet: the model is exported on its first call")
+    where_step = "in the engine" if state.optimizer_in_engine else "in PyTorch"
     for key, r in state.runners.items():
         mode = "train" if key[1] else "eval"
         if isinstance(r, Runner):
@@ -492,10 +493,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
                          f"{fwd} forward + {bwd} gradient nodes, {sizes}")
             if getattr(r, "on_cuda", False) and r.session.matmul_precision in ("bf16", "fp16"):
-                lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step in PyTorch")
+                lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step {where_step}")
             elif getattr(r, "on_cuda", False):
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
-                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step in PyTorch")
+                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step {where_step}")
             else:
                 lines.append(f"    matmuls: {r.session.matmul_path}")
             if e.dropout_fixes:
@@ -506,7 +507,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                              f"{info['forward_steps']} forward + {info['backward_steps']} backward steps, "
                              f"{info['folded_nodes']} nodes folded")
-                if key[1] and r.trainable_params and not getattr(r, "on_cuda", False):
+                if key[1] and r.trainable_params:
                     lines += _training_memory(state, r, info)
         else:
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
@@ -535,7 +536,12 @@ def _training_memory(state, runner, info) -> list:
     """explain()'s estimate of the training peak: with the model + cross-entropy graph's arena
     where the usual loss would be fused (the arena of the graph that will run), else with this
     plan's arena and the loss in PyTorch."""
-    from ortrain._memory import training_estimate
+    from ortrain._memory import gpu_training_estimate, training_estimate
+
+    def estimate(arena: int) -> str:
+        if runner.on_cuda:
+            return gpu_training_estimate(state.module, state.optimizer, arena)
+        return training_estimate(state.module, state.optimizer, arena, state.setup_bytes)
 
     fused = state.likely_loss_runner(runner, state.last_inputs)
     if fused is not None:
@@ -545,10 +551,8 @@ def _training_memory(state, runner, info) -> list:
         except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
             fused = None
     if fused is not None:
-        return ["    with the loss fused (F.cross_entropy on the output), " +
-                training_estimate(state.module, state.optimizer, arena, state.setup_bytes)]
-    return ["    " + training_estimate(state.module, state.optimizer, info["arena_bytes"], state.setup_bytes) +
-            ", plus the loss in PyTorch"]
+        return ["    with the loss fused (F.cross_entropy on the output), " + estimate(arena)]
+    return ["    " + estimate(info["arena_bytes"]) + ", plus the loss in PyTorch"]
 
 
 def reset_profile(model) -> None:
