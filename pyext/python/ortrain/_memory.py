@@ -53,26 +53,35 @@ def optimizer_state_bytes(optimizer, device_type: str = "cpu") -> tuple[int | No
     return per * _bytes(params, device_type), f"{type(optimizer).__name__}: {per} per parameter"
 
 
-def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | None) -> str:
-    """One line: the parts and their sum, in MiB."""
-    mib = 1 / 2**20
-    tensors = _bytes(list(module.parameters()) + list(module.buffers()))
-    grads = _bytes([p for p in module.parameters() if p.requires_grad])
-    state, kind = optimizer_state_bytes(optimizer)
-    parts = [f"parameters and buffers {tensors * mib:.1f}", f"gradients {grads * mib:.1f}"]
+_MIB = 1 / 2**20
+
+
+def _tensor_parts(module, optimizer, arena_bytes: int, device_type: str) -> tuple[list, int]:
+    """The parts every estimate has (the module's tensors, gradients, optimizer state, the peak
+    arena) on `device_type`, as text, and their sum in bytes."""
+    tensors = _bytes(list(module.parameters()) + list(module.buffers()), device_type)
+    grads = _bytes([p for p in module.parameters() if p.requires_grad], device_type)
+    state, kind = optimizer_state_bytes(optimizer, device_type)
+    parts = [f"parameters and buffers {tensors * _MIB:.1f}", f"gradients {grads * _MIB:.1f}"]
     total = tensors + grads + arena_bytes
     if state is None:
         parts.append(f"optimizer state not estimated ({kind})")
     else:
-        parts.append(f"optimizer state {state * mib:.1f} ({kind})")
+        parts.append(f"optimizer state {state * _MIB:.1f} ({kind})")
         total += state
-    parts.append(f"peak arena {arena_bytes * mib:.1f}")
+    parts.append(f"peak arena {arena_bytes * _MIB:.1f}")
+    return parts, total
+
+
+def training_estimate(module, optimizer, arena_bytes: int, setup_bytes: int | None) -> str:
+    """One line: the parts and their sum, in MiB."""
+    parts, total = _tensor_parts(module, optimizer, arena_bytes, "cpu")
     if setup_bytes is not None:
-        parts.append(f"export and engine build {max(setup_bytes, 0) * mib:.1f} (measured)")
+        parts.append(f"export and engine build {max(setup_bytes, 0) * _MIB:.1f} (measured)")
         total += max(setup_bytes, 0)
-    parts.append(f"runtime code and malloc caches ~{RUNTIME_ALLOWANCE * mib:.0f} (allowance)")
+    parts.append(f"runtime code and malloc caches ~{RUNTIME_ALLOWANCE * _MIB:.0f} (allowance)")
     total += RUNTIME_ALLOWANCE
-    return f"training memory: {' + '.join(parts)} = {total * mib:.0f} MiB above the process before the model was built"
+    return f"training memory: {' + '.join(parts)} = {total * _MIB:.0f} MiB above the process before the model was built"
 
 
 def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
@@ -80,17 +89,6 @@ def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
     gradient per trainable parameter, the optimizer's state and the step's planned arena (a
     torch.cuda allocation). From the second step on, all four are alive at once during the
     backward pass, so their sum is what torch.cuda.max_memory_allocated() should show then."""
-    mib = 1 / 2**20
-    tensors = _bytes(list(module.parameters()) + list(module.buffers()), "cuda")
-    grads = _bytes([p for p in module.parameters() if p.requires_grad], "cuda")
-    state, kind = optimizer_state_bytes(optimizer, "cuda")
-    parts = [f"parameters and buffers {tensors * mib:.1f}", f"gradients {grads * mib:.1f}"]
-    total = tensors + grads + arena_bytes
-    if state is None:
-        parts.append(f"optimizer state not estimated ({kind})")
-    else:
-        parts.append(f"optimizer state {state * mib:.1f} ({kind})")
-        total += state
-    parts.append(f"peak arena {arena_bytes * mib:.1f}")
-    return (f"GPU memory planned: {' + '.join(parts)} = {total * mib:.1f} MiB "
+    parts, total = _tensor_parts(module, optimizer, arena_bytes, "cuda")
+    return (f"GPU memory planned: {' + '.join(parts)} = {total * _MIB:.1f} MiB "
             "(torch.cuda.max_memory_allocated() during a later step)")
