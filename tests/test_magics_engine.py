@@ -20,6 +20,19 @@ def test_accelerate_off_status(shell, engine_api, capsys):
     assert not engine_api["is_accelerated"](shell.user_ns["model"])
 
 
+def test_accelerate_takes_a_precision(shell, engine_api, capsys):
+    assert shell.run_cell(SETUP).success
+    shell.run_cell("%ort accelerate --precision fp16")
+    out = "".join(capsys.readouterr())
+    assert "precision='fp16' needs device='cuda'" in out and "use precision='bf16'" in out
+    assert not engine_api["is_accelerated"](shell.user_ns["model"])
+    shell.run_cell("%ort accelerate --precision bf16")
+    assert "runs in the engine on cpu" in capsys.readouterr().out
+    assert shell.user_ns["model"].__dict__["_ortrain_state"].precision == "bf16"
+    shell.run_cell("%ort accelerate --precision half")
+    assert "invalid choice" in "".join(capsys.readouterr())
+
+
 def test_accelerate_needs_a_unique_model(shell, engine_api, capsys):
     assert shell.run_cell(SETUP + "\nother = torch.nn.Linear(3, 3)").success
     shell.run_cell("%ort accelerate")

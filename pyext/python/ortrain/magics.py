@@ -100,9 +100,11 @@ class OrtMagics(Magics):
     @argument("model", nargs="?", help="the module to accelerate (default: the one nn.Module with parameters)")
     @argument("--optimizer", default=None, help="its optimizer (default: the one torch.optim.Optimizer)")
     @argument("--device", default="cpu", choices=["cpu", "cuda"])
+    @argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+              help="matmul precision: bf16 (CPU with avx512_bf16/AMX, or CUDA), fp16 (CUDA, with the dynamic loss scaler)")
     @argument("--strict", action="store_true", help="fail instead of falling back to PyTorch")
     def _accelerate(self, line):
-        """%ort accelerate [MODEL] [--optimizer OPT] [--device cpu|cuda] [--strict]"""
+        """%ort accelerate [MODEL] [--optimizer OPT] [--device cpu|cuda] [--precision fp32|bf16|fp16] [--strict]"""
         args = parse_argstring(self._accelerate, line)
         eng = engine()
         from ortrain._steps import find_modules, find_optimizers
@@ -113,7 +115,10 @@ class OrtMagics(Magics):
         opt = None
         if args.optimizer or optimizers:
             _, opt = _pick("optimizer", optimizers, args.optimizer, ns)
-        eng["accelerate"](model, opt, device=args.device, strict=args.strict)
+        try:
+            eng["accelerate"](model, opt, device=args.device, strict=args.strict, precision=args.precision)
+        except ValueError as exc:
+            raise UsageError(f"%ort accelerate: {exc}") from None
         self.accelerated[name] = (model, opt, args.device)
         nparams = sum(p.numel() for p in model.parameters())
         explain = (eng["explain"](model) or "").strip().splitlines()
