@@ -36,14 +36,9 @@ template <typename T> __device__ __forceinline__ void col2im(const T* col, T* dx
         const i64 ih = t % w.in_h, sc = t / w.in_h;
         const T* rows = col + sc * kk * ohw;
         A acc = 0;
-        for (i64 ki = 0; ki < w.k_h; ++ki) {
-            const i64 oi = window_source(ih, ki, w.pad_h, w.dil_h, w.stride_h, w.out_h);
-            if (oi < 0) continue;
-            for (i64 kj = 0; kj < w.k_w; ++kj) {
-                const i64 oj = window_source(iw, kj, w.pad_w, w.dil_w, w.stride_w, w.out_w);
-                if (oj >= 0) acc += Num<T>::load(rows[(ki * w.k_w + kj) * ohw + oi * w.out_w + oj]);
-            }
-        }
+        for_each_window_source(w, ih, iw, [&](i64 ki, i64 kj, i64 oi, i64 oj) {
+            acc += Num<T>::load(rows[(ki * w.k_w + kj) * ohw + oi * w.out_w + oj]);
+        });
         dx[e] = Num<T>::store(acc);
     }
 }

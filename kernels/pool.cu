@@ -40,20 +40,14 @@ template <typename T> __device__ __forceinline__ void max_pool(const T* x, T* y,
         const i64 oi = o / w.out_w, oj = o - oi * w.out_w;
         A best = -m_inf<A>();
         i64 at = -1;
-        for (i64 ki = 0; ki < w.k_h; ++ki) {
-            const i64 ih = oi * w.stride_h - w.pad_h + ki * w.dil_h;
-            if (ih < 0 || ih >= w.in_h) continue;
-            for (i64 kj = 0; kj < w.k_w; ++kj) {
-                const i64 iw = oj * w.stride_w - w.pad_w + kj * w.dil_w;
-                if (iw < 0 || iw >= w.in_w) continue;
-                const i64 src = p * ip + ih * w.in_w + iw;
-                const A v = Num<T>::load(x[src]);
-                if (at < 0 || v > best || (m_isnan(v) && !m_isnan(best))) {
-                    best = v;
-                    at = src;
-                }
+        for_each_window_tap(w, oi, oj, [&](i64 ih, i64 iw) {
+            const i64 src = p * ip + ih * w.in_w + iw;
+            const A v = Num<T>::load(x[src]);
+            if (at < 0 || v > best || (m_isnan(v) && !m_isnan(best))) {
+                best = v;
+                at = src;
             }
-        }
+        });
         y[e] = Num<T>::store(best);
         if (idx) idx[e] = at;
     }
@@ -80,14 +74,7 @@ template <typename T> __device__ __forceinline__ void avg_pool(const T* x, T* y,
         const i64 o = e % ohw, p = e / ohw;
         const i64 oi = o / w.out_w, oj = o - oi * w.out_w;
         A s = 0;
-        for (i64 ki = 0; ki < w.k_h; ++ki) {
-            const i64 ih = oi * w.stride_h - w.pad_h + ki * w.dil_h;
-            if (ih < 0 || ih >= w.in_h) continue;
-            for (i64 kj = 0; kj < w.k_w; ++kj) {
-                const i64 iw = oj * w.stride_w - w.pad_w + kj * w.dil_w;
-                if (iw >= 0 && iw < w.in_w) s += Num<T>::load(x[p * ip + ih * w.in_w + iw]);
-            }
-        }
+        for_each_window_tap(w, oi, oj, [&](i64 ih, i64 iw) { s += Num<T>::load(x[p * ip + ih * w.in_w + iw]); });
         y[e] = Num<T>::store(s / (A)avg_divisor(w, oi, oj, include_pad));
     }
 }
@@ -99,14 +86,9 @@ template <typename T> __device__ __forceinline__ void avg_pool_grad(const T* dy,
         const i64 iw = e % w.in_w, t = e / w.in_w;
         const i64 ih = t % w.in_h, p = t / w.in_h;
         A s = 0;
-        for (i64 ki = 0; ki < w.k_h; ++ki) {
-            const i64 oi = window_source(ih, ki, w.pad_h, w.dil_h, w.stride_h, w.out_h);
-            if (oi < 0) continue;
-            for (i64 kj = 0; kj < w.k_w; ++kj) {
-                const i64 oj = window_source(iw, kj, w.pad_w, w.dil_w, w.stride_w, w.out_w);
-                if (oj >= 0) s += Num<T>::load(dy[p * ohw + oi * w.out_w + oj]) / (A)avg_divisor(w, oi, oj, include_pad);
-            }
-        }
+        for_each_window_source(w, ih, iw, [&](i64, i64, i64 oi, i64 oj) {
+            s += Num<T>::load(dy[p * ohw + oi * w.out_w + oj]) / (A)avg_divisor(w, oi, oj, include_pad);
+        });
         dx[e] = Num<T>::store(s);
     }
 }

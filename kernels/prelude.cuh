@@ -58,6 +58,31 @@ __device__ __forceinline__ i64 window_source(i64 i, i64 k, i64 pad, i64 dil, i64
     return o < out ? o : -1;
 }
 
+// Calls f(ih, iw) for each tap of output (oi, oj)'s window that lies inside the input.
+template <typename F> __device__ __forceinline__ void for_each_window_tap(const Win2d& w, i64 oi, i64 oj, F f) {
+    for (i64 ki = 0; ki < w.k_h; ++ki) {
+        const i64 ih = oi * w.stride_h - w.pad_h + ki * w.dil_h;
+        if (ih < 0 || ih >= w.in_h) continue;
+        for (i64 kj = 0; kj < w.k_w; ++kj) {
+            const i64 iw = oj * w.stride_w - w.pad_w + kj * w.dil_w;
+            if (iw >= 0 && iw < w.in_w) f(ih, iw);
+        }
+    }
+}
+
+// The adjoint walk: calls f(ki, kj, oi, oj) for each output (oi, oj) whose window tap (ki, kj)
+// reads input position (ih, iw).
+template <typename F> __device__ __forceinline__ void for_each_window_source(const Win2d& w, i64 ih, i64 iw, F f) {
+    for (i64 ki = 0; ki < w.k_h; ++ki) {
+        const i64 oi = window_source(ih, ki, w.pad_h, w.dil_h, w.stride_h, w.out_h);
+        if (oi < 0) continue;
+        for (i64 kj = 0; kj < w.k_w; ++kj) {
+            const i64 oj = window_source(iw, kj, w.pad_w, w.dil_w, w.stride_w, w.out_w);
+            if (oj >= 0) f(ki, kj, oi, oj);
+        }
+    }
+}
+
 // ---- conversions -------------------------------------------------------------------------
 
 __device__ __forceinline__ float bf16_to_f32(bf16 v) { return __uint_as_float(((u32)v.bits) << 16); }

@@ -402,18 +402,21 @@ def _check_mixed_precision(model, optimizer, device, precision, loss_scale) -> N
         raise ValueError("precision='fp16' needs device='cuda' (fp16 matmuls run on cuBLAS); on the CPU use "
                          "precision='bf16'")
     mode = loss_scale if loss_scale is not None else (state.loss_scale_mode if state is not None else None)
-    scaling = mode == "dynamic" or (mode is None and precision == "fp16")
-    if scaling and optimizer is None and (state is None or state.optimizer is None):
+    if _scales(mode, precision) and optimizer is None and (state is None or state.optimizer is None):
         raise ValueError("loss scaling (precision='fp16' or loss_scale='dynamic') needs the optimizer: "
                          "accelerate(model, optimizer, ...), so that steps with inf/NaN gradients are skipped")
+
+
+def _scales(mode, precision: str) -> bool:
+    """Whether accelerate's `loss_scale` mode (None: dynamic for fp16) turns the scaler on."""
+    return mode == "dynamic" or (mode is None and precision == "fp16")
 
 
 def _apply_loss_scale(state) -> None:
     """Turns the dynamic loss scaler on or off as `state` asks (fp16: on unless turned off)."""
     from ortrain.engine import loss_scale as ls
 
-    mode = state.loss_scale_mode if state.loss_scale_mode is not None else ("dynamic" if state.precision == "fp16" else False)
-    if mode != "dynamic":
+    if not _scales(state.loss_scale_mode, state.precision):
         if state.loss_scaler is not None:
             if state.optimizer is not None:
                 ls.unguard(state.optimizer)

@@ -58,31 +58,28 @@ fn max_pool_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut C
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &args)
 }
 
-fn average_pool(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
-    let x = input(node, ins, 0)?;
-    let win = window(node, x.shape)?;
-    let y = &outs[0];
-    let n = y.numel();
+/// avg_pool_T (src x, dst y) or avg_pool_grad_T (src dy, dst dx) over `dst`'s elements, the window
+/// read from the input shape `x_shape`.
+fn average(node: &Node, ctx: &mut CudaCtx, stem: &str, src: &DView, dst: &DView, x_shape: &[usize]) -> Result<()> {
+    let win = window(node, x_shape)?;
+    let n = dst.numel();
     if n == 0 {
         return Ok(());
     }
-    let kernel = format!("avg_pool_{}", float_suffix(node, x.dtype)?);
-    let args = [KArg::Ptr(x.ptr), KArg::Ptr(y.ptr), KArg::Win2d(win), KArg::I64(n as i64), count_include_pad(node)?];
+    let kernel = format!("{stem}_{}", float_suffix(node, src.dtype)?);
+    let args = [KArg::Ptr(src.ptr), KArg::Ptr(dst.ptr), KArg::Win2d(win), KArg::I64(n as i64), count_include_pad(node)?];
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &args)
+}
+
+fn average_pool(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let x = input(node, ins, 0)?;
+    average(node, ctx, "avg_pool", x, &outs[0], x.shape)
 }
 
 /// AveragePoolGrad(dy, x_shape).
 fn average_pool_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let dy = input(node, ins, 0)?;
-    let dx = &outs[0];
-    let win = window(node, dx.shape)?;
-    let n = dx.numel();
-    if n == 0 {
-        return Ok(());
-    }
-    let kernel = format!("avg_pool_grad_{}", float_suffix(node, dy.dtype)?);
-    let args = [KArg::Ptr(dy.ptr), KArg::Ptr(dx.ptr), KArg::Win2d(win), KArg::I64(n as i64), count_include_pad(node)?];
-    ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &args)
+    average(node, ctx, "avg_pool_grad", dy, &outs[0], outs[0].shape)
 }
 
 /// GlobalAveragePool: the mean over every axis after the first two.
