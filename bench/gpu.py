@@ -1,7 +1,7 @@
 """The GPU benchmark: PyTorch eager, torch.compile and ortrain on one NVIDIA GPU, in one run, with
 ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
 
-    python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain]
+    python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain[,ortrain-nographs]]
                         [--steps 50] [--warmup 10] [--gpt2-batch 16] [--gpt2-precision bf16|fp16]
                         [--json PATH]
 
@@ -12,7 +12,8 @@ per-batch log sees. MFU counts the model FLOPs of a training step (6 per paramet
 the matmul weights plus 12·L·H·Q·T for attention, as nanoGPT/PaLM) against the GPU's dense peak
 for the precision (tensor-core bf16 or fp16, or plain fp32 since TF32 is off). GPT-2 runs in
 mixed precision: eager and torch.compile under torch.autocast (fp16 with a GradScaler), ortrain
-with `precision=` the same (fp16 with the engine's dynamic loss scaler).
+with `precision=` the same (fp16 with the engine's dynamic loss scaler). `ortrain-nographs` is
+ortrain with `cuda_graphs=False` (every kernel launched): what the CUDA graphs bring, in one run.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import time
 import traceback
 
 SYSTEMS = ("eager", "compile", "ortrain")
+OPTIONAL_SYSTEMS = ("ortrain-nographs",)
 # dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
 PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"): 66.9e12,
          ("H200", "bf16"): 989.4e12, ("H200", "fp16"): 989.4e12, ("H200", "fp32"): 66.9e12,
@@ -92,15 +94,15 @@ def _worker(cfg: dict) -> dict:
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else contextlib.nullcontext
     # PyTorch's fp16 recipe scales the loss; ortrain's engine does it inside (accelerate's loss_scale)
-    grad_scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and system != "ortrain" else None
+    grad_scaler = torch.amp.GradScaler("cuda") if precision == "fp16" and not system.startswith("ortrain") else None
     if system == "compile":
         model = torch.compile(model)
-    elif system == "ortrain":
+    elif system in ("ortrain", "ortrain-nographs"):
         import ortrain
 
         try:
             # strict: a fallback to PyTorch is an error here, never a row timed as ortrain
-            ortrain.accelerate(model, optimizer, device="cuda", strict=True,
+            ortrain.accelerate(model, optimizer, device="cuda", strict=True, cuda_graphs=system == "ortrain",
                                **({"precision": precision} if precision != "fp32" else {}))
         except Exception as exc:  # noqa: BLE001 - reported as the row's status
             return {"status": "unsupported", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
@@ -128,7 +130,7 @@ def _worker(cfg: dict) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    if system == "ortrain":
+    if system.startswith("ortrain"):
         from ortrain.errors import OrtrainError
 
         try:
@@ -170,18 +172,18 @@ def _table(results: dict, workloads: list, systems: list) -> str:
         eager = rows.get("eager", {}).get("median_ms") if rows.get("eager", {}).get("status") == "ok" else None
         comp = rows.get("compile", {}).get("median_ms") if rows.get("compile", {}).get("status") == "ok" else None
         lines.append(f"\n{w}")
-        lines.append(f"{'system':<9} {'ms/step':>9} {'p10':>8} {'p90':>8} {'tok/s':>10} {'MFU':>6} "
+        lines.append(f"{'system':<16} {'ms/step':>9} {'p10':>8} {'p90':>8} {'tok/s':>10} {'MFU':>6} "
                      f"{'peak MiB':>9} {'first s':>8} {'vs eager':>9} {'vs compile':>10} {'loss':>8}")
         for s in systems:
             r = rows.get(s, {})
             if r.get("status") != "ok":
-                lines.append(f"{s:<9} {r.get('status', 'missing')}: {r.get('error', '')}")
+                lines.append(f"{s:<16} {r.get('status', 'missing')}: {r.get('error', '')}")
                 continue
             m = r["median_ms"]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
             ve = f"{eager / m:.2f}x" if eager else "-"
             vc = f"{comp / m:.2f}x" if comp else "-"
-            lines.append(f"{s:<9} {m:>9.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
+            lines.append(f"{s:<16} {m:>9.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
                          f"{mfu:>6} {r['peak_mib']:>9.0f} {r['first_s']:>8.2f} {ve:>9} {vc:>10} {r['final_loss']:>8.4f}")
     return "\n".join(lines)
 
@@ -206,6 +208,9 @@ def main(argv=None) -> int:
         return 0
     workloads = a.workloads.split(",")
     systems = a.systems.split(",")
+    unknown = [s for s in systems if s not in SYSTEMS + OPTIONAL_SYSTEMS]
+    if unknown:
+        ap.error(f"--systems: {', '.join(unknown)} not among {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
     results: dict = {w: {} for w in workloads}
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.path.join(os.path.dirname(here), "tests"),

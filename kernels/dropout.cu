@@ -9,6 +9,11 @@
 //   dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
 //       keep where uniform >= ratio (as the CPU kernel); y = keep ? x / (1 - ratio) : 0;
 //       mask may be null. Training with ratio 0, or inference, is a copy (no launch needed).
+//   dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//       the same with the key read from device memory: key = splitmix64(*seed ^ salt), offset 0
+//       (the host computes the same key for dropout_T from the step's seed and salt =
+//       splitmix64(node id), so both draw the same masks). A CUDA graph bakes kernel arguments;
+//       this variant lets a replayed step draw fresh masks from a seed written before the replay.
 //   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
 //       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
 // T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy).
@@ -53,9 +58,20 @@ template <typename T> __device__ __forceinline__ void dropout_fwd(const T* x, T*
     }
 }
 
+// SplitMix64's finaliser (Steele, Lea and Flood, OOPSLA 2014), as ops/random.rs computes it.
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
 #define DROPOUT(op, T)                                                                        \
     extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
         dropout_fwd<T>(x, y, mask, n, ratio, seed, offset);                                   \
+    }                                                                                         \
+    extern "C" __global__ void dropout_slot_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt) { \
+        dropout_fwd<T>(x, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);                    \
     }                                                                                         \
     extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
         typedef Num<T>::Acc A;                                                                \

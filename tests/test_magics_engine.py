@@ -33,6 +33,13 @@ def test_accelerate_takes_a_precision(shell, engine_api, capsys):
     assert "invalid choice" in "".join(capsys.readouterr())
 
 
+def test_accelerate_can_turn_cuda_graphs_off(shell, engine_api, capsys):
+    assert shell.run_cell(SETUP).success
+    shell.run_cell("%ort accelerate --no-cuda-graphs")
+    assert "runs in the engine on cpu" in capsys.readouterr().out
+    assert shell.user_ns["model"].__dict__["_ortrain_state"].cuda_graphs is False
+
+
 def test_accelerate_needs_a_unique_model(shell, engine_api, capsys):
     assert shell.run_cell(SETUP + "\nother = torch.nn.Linear(3, 3)").success
     shell.run_cell("%ort accelerate")

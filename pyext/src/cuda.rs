@@ -8,6 +8,7 @@ use std::sync::Arc;
 use ortrain_engine::backend::cuda::runtime::{self, CudaRuntime};
 use ortrain_engine::optim::AdamHyper;
 use ortrain_engine::session::cuda::CudaPending;
+use ortrain_engine::session::cuda_graph::{GraphSlot, Graphed, PhaseRun};
 use ortrain_engine::session::{Session, Sig};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -18,6 +19,27 @@ use crate::session::{dtype, to_py, Addr, PySession};
 pub struct PyCudaPending {
     inner: Option<CudaPending>,
     session: Arc<Session>,
+}
+
+/// One phase of a GPU step as a CUDA graph: empty until the first run given it records the
+/// graph, replayed by the runs after (over the same memory only: the caller keeps it).
+#[pyclass(name = "CudaGraph", module = "ortrain._ortrain", frozen)]
+pub struct PyCudaGraph {
+    slot: Arc<GraphSlot>,
+}
+
+#[pymethods]
+impl PyCudaGraph {
+    #[new]
+    fn new() -> Self {
+        PyCudaGraph { slot: Arc::new(GraphSlot::default()) }
+    }
+
+    /// Nodes of the recorded graph (kernels, copies, memsets); None before it is recorded.
+    #[getter]
+    fn nodes(&self) -> Option<usize> {
+        self.slot.nodes()
+    }
 }
 
 fn rt() -> PyResult<&'static CudaRuntime> {
@@ -52,9 +74,11 @@ fn cuda_index_errors(session: &PySession) -> PyResult<Vec<String>> {
 /// Queues the forward pass on `stream`: `inputs` (address, dtype, shape) per model input,
 /// `weights` one address per weight, `outputs` (optional) per output an address receiving it (0:
 /// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes, `tf32`: f32 matmuls
-/// may use TF32 tensor cores (this step's forward and backward).
+/// may use TF32 tensor cores (this step's forward and backward). `graph`: run the phase through
+/// this CudaGraph (recording it on its first use) with the seed written to the u64 at device
+/// address `seed_slot` first.
 #[pyfunction]
-#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None, tf32=false))]
+#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None, tf32=false, graph=None, seed_slot=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_forward(
     py: Python<'_>,
@@ -67,7 +91,12 @@ fn cuda_forward(
     arena: usize,
     outputs: Option<Vec<usize>>,
     tf32: bool,
+    graph: Option<&PyCudaGraph>,
+    seed_slot: usize,
 ) -> PyResult<PyCudaPending> {
+    if graph.is_some() && seed_slot == 0 {
+        return Err(PyRuntimeError::new_err("a graphed forward pass needs a seed_slot (device address of a u64)"));
+    }
     let rt = rt()?;
     let mut feed = Vec::with_capacity(inputs.len());
     for (addr, dt, shape) in inputs {
@@ -76,21 +105,30 @@ fn cuda_forward(
     let w: Vec<u64> = weights.into_iter().map(|a| a as u64).collect();
     let o: Vec<u64> = outputs.unwrap_or_default().into_iter().map(|a| a as u64).collect();
     let (s, st) = (session.inner.clone(), Addr(stream));
+    let slot = graph.map(|g| g.slot.clone());
     let pending = py
         .detach(move || {
             let st = st;
+            let run = match &slot {
+                None => PhaseRun::Launches,
+                Some(slot) => PhaseRun::Graph(Graphed { slot, seed_slot: seed_slot as u64 }),
+            };
             // SAFETY: the Python caller passes live CUDA tensors of the declared types (inputs,
             // weights, bound outputs) and an arena tensor of the planned size, all kept alive
-            // until the queued work has run; the stream is PyTorch's current stream.
-            unsafe { s.forward_cuda(rt, st.0 as _, arena as u64, &feed, &w, backward, seed, &o, tf32) }
+            // until the queued work has run (graphed: the arena and the seed slot for the graph's
+            // life); the stream is PyTorch's current stream.
+            unsafe { s.forward_cuda(rt, st.0 as _, arena as u64, &feed, &w, backward, seed, &o, tf32, run) }
         })
         .map_err(to_py)?;
     Ok(PyCudaPending { inner: Some(pending), session: session.inner.clone() })
 }
 
 /// Queues the backward pass of `pending` on `stream`: `seeds` one address per output (0: none),
-/// `grads` one address per weight (0: not wanted).
+/// `grads` one address per weight (0: not wanted); `graph`: through this CudaGraph (recorded on
+/// its first use).
 #[pyfunction]
+#[pyo3(signature = (session, pending, weights, seeds, grads, stream, graph=None))]
+#[allow(clippy::too_many_arguments)]
 fn cuda_backward(
     py: Python<'_>,
     session: &PySession,
@@ -99,22 +137,28 @@ fn cuda_backward(
     seeds: Vec<usize>,
     grads: Vec<usize>,
     stream: usize,
+    graph: Option<&PyCudaGraph>,
 ) -> PyResult<()> {
     let rt = rt()?;
-    let p = pending
+    let mut p = pending
         .inner
         .take()
         .ok_or_else(|| PyRuntimeError::new_err("this forward pass was already used for a backward pass or released"))?;
     let c = |v: Vec<usize>| v.into_iter().map(|a| a as u64).collect::<Vec<u64>>();
     let (w, sd, g) = (c(weights), c(seeds), c(grads));
     let (s, st) = (session.inner.clone(), Addr(stream));
-    py.detach(move || {
+    let slot = graph.map(|g| g.slot.clone());
+    let (p, done) = py.detach(move || {
         let st = st;
-        // SAFETY: as for cuda_forward; gradient buffers are fresh CUDA tensors written only by
-        // the queued work.
-        unsafe { s.backward_cuda(rt, st.0 as _, p, &w, &sd, &g) }
-    })
-    .map_err(to_py)
+        // SAFETY: as for cuda_forward; gradient buffers are written only by the queued work
+        // (graphed: the seeds' and gradients' memory is kept for the graph's life).
+        let done = unsafe { s.backward_cuda(rt, st.0 as _, &mut p, &w, &sd, &g, slot.as_deref()) };
+        (p, done)
+    });
+    if done.is_err() {
+        pending.inner = Some(p); // a failed recording queued nothing: the step can still run without it
+    }
+    done.map_err(to_py)
 }
 
 #[pymethods]
@@ -192,6 +236,7 @@ fn cuda_adam_step(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCudaPending>()?;
+    m.add_class::<PyCudaGraph>()?;
     m.add_function(wrap_pyfunction!(cuda_optim_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;

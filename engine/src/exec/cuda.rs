@@ -111,6 +111,36 @@ pub fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, con
     }
 }
 
+/// Queues the copies of a forward phase's `inputs` into their arena slots (arena `base`) on
+/// `ctx.stream`. `run_phase` does it first; a step replayed from a CUDA graph does it before the
+/// replay (the graph keeps the slots, the inputs' own memory changes per step).
+pub fn copy_inputs(graph: &Graph, plan: &Plan, base: u64, inputs: &[(ValueId, InputSrc)], ctx: &CudaCtx) -> Result<()> {
+    for (v, src) in inputs {
+        if let Storage::Arena(off) = plan.storage[v.0] {
+            let want = plan.shape(*v).iter().product::<usize>() * plan.dtype(*v).map_or(0, |d| d.size());
+            let dst = base + off as u64;
+            // the arena slot holds `want` bytes (the plan's layout; the caller reserved
+            // plan.arena_bytes at `base`)
+            let r = match src {
+                InputSrc::Host(bytes) => {
+                    if bytes.len() != want {
+                        return Err(Error::Input {
+                            name: graph.values[v.0].name.clone(),
+                            msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
+                        });
+                    }
+                    // SAFETY: `bytes` holds exactly `want` bytes (checked above), the slot too.
+                    unsafe { result::memcpy_htod_sync(dst, bytes) }
+                }
+                // SAFETY: the caller's contract: `p` holds the input's `want` bytes.
+                InputSrc::Device(p) => unsafe { result::memcpy_dtod_async(dst, *p, want, ctx.stream) },
+            };
+            r.map_err(|e| Error::Cuda(format!("copying input '{}': {e}", graph.values[v.0].name)))?;
+        }
+    }
+    Ok(())
+}
+
 /// Queues one phase of `plan` on `ctx.stream`. `base` is the arena (plan.arena_bytes at least);
 /// `inputs` are copied into it at the start of the forward phase.
 #[allow(clippy::too_many_arguments)]
@@ -128,29 +158,7 @@ pub fn run_phase(
     ctx.rt.bind()?;
     let range = match phase {
         Phase::Forward => {
-            for (v, src) in inputs {
-                if let Storage::Arena(off) = plan.storage[v.0] {
-                    let want = plan.shape(*v).iter().product::<usize>() * plan.dtype(*v).map_or(0, |d| d.size());
-                    let dst = base + off as u64;
-                    // the arena slot holds `want` bytes (the plan's layout; the caller reserved
-                    // plan.arena_bytes at `base`)
-                    let r = match src {
-                        InputSrc::Host(bytes) => {
-                            if bytes.len() != want {
-                                return Err(Error::Input {
-                                    name: graph.values[v.0].name.clone(),
-                                    msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
-                                });
-                            }
-                            // SAFETY: `bytes` holds exactly `want` bytes (checked above), the slot too.
-                            unsafe { result::memcpy_htod_sync(dst, bytes) }
-                        }
-                        // SAFETY: the caller's contract: `p` holds the input's `want` bytes.
-                        InputSrc::Device(p) => unsafe { result::memcpy_dtod_async(dst, *p, want, ctx.stream) },
-                    };
-                    r.map_err(|e| Error::Cuda(format!("copying input '{}': {e}", graph.values[v.0].name)))?;
-                }
-            }
+            copy_inputs(graph, plan, base, inputs, ctx)?;
             0..plan.split
         }
         Phase::Backward => plan.split..plan.steps.len(),

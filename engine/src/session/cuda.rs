@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUstream;
 
 use super::cuda_errors::ErrorFlags;
+use super::cuda_graph::{GraphSlot, PhaseRun};
 use super::{Session, Sig};
 use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
@@ -93,12 +94,15 @@ impl Session {
     /// receiving output k, `arena` at least `arena_bytes(...)` bytes of device memory. `tf32`:
     /// f32 matmuls (forward and this step's backward) may use TF32 tensor cores; a session made
     /// with `precision="bf16"` runs them on tensor cores at bf16 precision or better whatever
-    /// `tf32` says.
+    /// `tf32` says. `run`: the kernels launched one by one, or the phase replayed from a CUDA
+    /// graph (recorded on its first graphed run): the inputs are copied into the arena and the
+    /// seed written to the seed slot first, then one graph launch.
     ///
     /// # Safety
     /// Every address must be device memory of the runtime's context holding the value's type
     /// and shape, alive and unmodified by others until the queued work has run (the arena and
-    /// bound outputs until the backward phase has run too).
+    /// bound outputs until the backward phase has run too; graphed: the arena, the seed slot,
+    /// the weights and bound outputs for as long as the graph may be replayed).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn forward_cuda(
         &self,
@@ -111,6 +115,7 @@ impl Session {
         seed: u64,
         outputs: &[u64],
         tf32: bool,
+        run: PhaseRun,
     ) -> Result<CudaPending> {
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         let out_bound: Vec<bool> = outputs.iter().map(|&p| p != 0).collect();
@@ -136,8 +141,28 @@ impl Session {
             f.begin(stream)?;
             Ok(f.flag(0))
         })?;
-        let mut ctx = CudaCtx { rt, stream, seed, f32_mode, error_flag: 0, error_base };
-        cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
+        match run {
+            PhaseRun::Launches => {
+                let mut ctx = CudaCtx { rt, stream, seed, seed_slot: 0, f32_mode, error_flag: 0, error_base };
+                cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
+            }
+            PhaseRun::Graph(g) => {
+                rt.bind()?;
+                let ctx = CudaCtx { rt, stream, seed, seed_slot: 0, f32_mode, error_flag: 0, error_base };
+                cexec::copy_inputs(&self.graph, &plan, arena, &feed, &ctx)?;
+                rt.write_u64(stream, g.seed_slot, seed)?;
+                let mut over = vec![Arc::as_ptr(&plan) as u64, arena, g.seed_slot, f32_mode as u64];
+                over.extend(weights.iter().chain(outputs));
+                let seed_slot = g.seed_slot;
+                // SAFETY: forwarded from this function's contract; the seed slot is the caller's.
+                unsafe {
+                    g.slot.run(rt, stream, over, |rec| {
+                        let mut ctx = CudaCtx { rt, stream: rec, seed, seed_slot, f32_mode, error_flag: 0, error_base };
+                        cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &[], &mut ctx)
+                    })
+                }?;
+            }
+        }
         if !backward {
             self.with_flags(rt, |f| f.publish(stream))?;
         }
@@ -164,18 +189,21 @@ impl Session {
     }
 
     /// Queues the backward phase of a pending GPU step: `seeds[k]` the gradient of output k
-    /// (0: none), `grads[i]` the memory receiving weight i's gradient (0: none).
+    /// (0: none), `grads[i]` the memory receiving weight i's gradient (0: none). `graph`: replay
+    /// the phase from this slot's graph (recorded on first use) instead of launching its kernels.
     ///
     /// # Safety
     /// As for `forward_cuda`; gradient addresses are written exclusively by the queued work.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn backward_cuda(
         &self,
         rt: &CudaRuntime,
         stream: CUstream,
-        mut p: CudaPending,
+        p: &mut CudaPending,
         weights: &[u64],
         seeds: &[u64],
         grads: &[u64],
+        graph: Option<&GraphSlot>,
     ) -> Result<()> {
         self.bind_weights_cuda(&mut p.bind, weights)?;
         for (s, &a) in self.seeds.iter().zip(seeds) {
@@ -191,8 +219,21 @@ impl Session {
             }
         }
         let error_base = self.with_flags(rt, |f| Ok(f.flag(0)))?;
-        let mut ctx = CudaCtx { rt, stream, seed: p.seed, f32_mode: p.f32_mode, error_flag: 0, error_base };
-        cexec::run_phase(&self.graph, &p.plan, &p.cplan.kernels, Phase::Backward, p.base, &p.bind, &p.cplan.consts, &[], &mut ctx)?;
+        let (plan, kernels, consts, bind, base) = (&p.plan, &p.cplan.kernels, &p.cplan.consts, &p.bind, p.base);
+        let (seed, f32_mode) = (p.seed, p.f32_mode);
+        let queue = |stream: CUstream| {
+            let mut ctx = CudaCtx { rt, stream, seed, seed_slot: 0, f32_mode, error_flag: 0, error_base };
+            cexec::run_phase(&self.graph, plan, kernels, Phase::Backward, base, bind, consts, &[], &mut ctx)
+        };
+        match graph {
+            None => queue(stream)?,
+            Some(slot) => {
+                let mut over = vec![Arc::as_ptr(plan) as u64, base, f32_mode as u64];
+                over.extend(weights.iter().chain(seeds).chain(grads));
+                // SAFETY: forwarded from this function's contract.
+                unsafe { slot.run(rt, stream, over, queue) }?;
+            }
+        }
         self.with_flags(rt, |f| f.publish(stream))
     }
 }

@@ -22,6 +22,8 @@ use crate::tensor::DType;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 mod cuda_errors;
+#[cfg(feature = "cuda")]
+pub mod cuda_graph;
 
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);

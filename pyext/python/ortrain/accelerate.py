@@ -61,14 +61,27 @@ class _State:
         self.precision = "fp32"
         self.loss_scale_mode = None  # accelerate's `loss_scale`: None (dynamic for fp16) | "dynamic" | False
         self.loss_scaler = None  # engine/loss_scale.py's DynamicLossScaler while scaling is on
+        self.cuda_graphs = True  # accelerate's `cuda_graphs`
         self.setup_bytes = None  # resident size that exporting and building the runners added
         self._params: tuple = (-1, [])  # (registration count, module.parameters()) when listed
 
     def adopt(self, runner):
-        """A new runner (or the exception that prevented it), given the loss scaler."""
+        """A new runner (or the exception that prevented it), given the loss scaler and, on CUDA,
+        its graph cache (engine/cuda_graphs.py) while `cuda_graphs` is on."""
         if not isinstance(runner, Exception):
             runner.loss_scaler = self.loss_scaler
+            if not (self.cuda_graphs and getattr(runner, "on_cuda", False)):
+                runner.graphs = None
+            elif getattr(runner, "graphs", None) is None:
+                from ortrain.engine.cuda_graphs import GraphCache, enabled_by_environment
+
+                runner.graphs = GraphCache(runner.device) if enabled_by_environment() else None
         return runner
+
+    def set_cuda_graphs(self, on: bool) -> None:
+        self.cuda_graphs = on
+        for r in (*self.runners.values(), *self.loss_runners.values()):
+            self.adopt(r)
 
     def set_loss_scaler(self, scaler) -> None:
         self.loss_scaler = scaler
@@ -313,7 +326,8 @@ def _first_line(exc: Exception) -> str:
 
 def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
                exporter: str = "auto", fuse_loss: bool = True, precision: str | None = None,
-               dynamic: bool | str | None = None, loss_scale: str | bool | None = None):
+               dynamic: bool | str | None = None, loss_scale: str | bool | None = None,
+               cuda_graphs: bool | None = None):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
     The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
@@ -340,6 +354,13 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     gradient, the scale halving then and doubling after 2000 finite steps (start 2^16), as ONNX
     Runtime's mixed precision did. It needs the optimizer. None (the default): "dynamic" with
     precision="fp16", off otherwise; False turns it off. `ortrain.loss_scale(model)` reports it.
+    `cuda_graphs` (CUDA): from the second step of each input shape on, the forward and the
+    backward pass each replay one recorded CUDA graph instead of launching their kernels one by
+    one (a small model's step is bound by those launches); dropout masks, gradients and
+    losses are the same as without. Steps that cannot use a graph (gradient accumulation
+    without `zero_grad()`, two forward passes before one backward) run without one. None (the
+    default) keeps what an earlier call set (on at first); `ORTRAIN_CUDA_GRAPHS=0` turns them
+    off for the process. `explain()` says what was recorded.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
@@ -360,6 +381,8 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise ValueError(f"dynamic={dynamic!r} is not one of 'auto', True, False")
     if loss_scale is not None and loss_scale is not False and loss_scale != "dynamic":
         raise ValueError(f"loss_scale={loss_scale!r} is not one of 'dynamic', False, None")
+    if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} is not one of True, False, None")
     _check_mixed_precision(model, optimizer, device, precision, loss_scale)
     _watch_registrations()
     state = getattr(model, "_ortrain_state", None)
@@ -390,6 +413,8 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     if loss_scale is not None:
         state.loss_scale_mode = loss_scale
     _apply_loss_scale(state)
+    if cuda_graphs is not None and cuda_graphs != state.cuda_graphs:
+        state.set_cuda_graphs(cuda_graphs)
     return model
 
 
@@ -502,6 +527,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step {where_step}")
             else:
                 lines.append(f"    matmuls: {r.session.matmul_path}")
+            if getattr(r, "on_cuda", False):
+                lines.append("    " + _graphs_line(state, r))
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:
@@ -528,11 +555,22 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"    loss graph (logits computed only when read): "
                          f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                          f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
+            if getattr(r, "on_cuda", False):
+                lines.append("    " + _graphs_line(state, r))
     if profile:
         from ortrain._profile import format_profile
 
         lines += format_profile(state)
     return "\n".join(lines)
+
+
+def _graphs_line(state, runner) -> str:
+    """explain()'s line on a CUDA runner's graphs."""
+    if runner.graphs is not None:
+        return runner.graphs.describe()
+    if not state.cuda_graphs:
+        return "CUDA graphs off (accelerate(..., cuda_graphs=False))"
+    return "CUDA graphs off (ORTRAIN_CUDA_GRAPHS=0)"
 
 
 def _training_memory(state, runner, info) -> list:

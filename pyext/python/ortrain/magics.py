@@ -102,9 +102,12 @@ class OrtMagics(Magics):
     @argument("--device", default="cpu", choices=["cpu", "cuda"])
     @argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
               help="matmul precision: bf16 (CPU with avx512_bf16/AMX, or CUDA), fp16 (CUDA, with the dynamic loss scaler)")
+    @argument("--no-cuda-graphs", action="store_true",
+              help="CUDA: launch every kernel instead of replaying each step's recorded CUDA graphs")
     @argument("--strict", action="store_true", help="fail instead of falling back to PyTorch")
     def _accelerate(self, line):
-        """%ort accelerate [MODEL] [--optimizer OPT] [--device cpu|cuda] [--precision fp32|bf16|fp16] [--strict]"""
+        """%ort accelerate [MODEL] [--optimizer OPT] [--device cpu|cuda] [--precision fp32|bf16|fp16]
+        [--no-cuda-graphs] [--strict]"""
         args = parse_argstring(self._accelerate, line)
         eng = engine()
         from ortrain._steps import find_modules, find_optimizers
@@ -116,7 +119,8 @@ class OrtMagics(Magics):
         if args.optimizer or optimizers:
             _, opt = _pick("optimizer", optimizers, args.optimizer, ns)
         try:
-            eng["accelerate"](model, opt, device=args.device, strict=args.strict, precision=args.precision)
+            eng["accelerate"](model, opt, device=args.device, strict=args.strict, precision=args.precision,
+                              cuda_graphs=False if args.no_cuda_graphs else None)
         except ValueError as exc:
             raise UsageError(f"%ort accelerate: {exc}") from None
         self.accelerated[name] = (model, opt, args.device)

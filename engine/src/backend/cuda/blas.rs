@@ -129,7 +129,16 @@ impl Gemm {
 /// A cuBLAS handle. Calls are serialised (a handle is not meant for concurrent use).
 pub struct Blas {
     handle: Mutex<sys::cublasHandle_t>,
+    /// The handle's workspace, ours rather than cuBLAS's pool: a gemm recorded into a CUDA graph
+    /// keeps the workspace address it was recorded with, so it must never move or be freed
+    /// (PyTorch sets its handles' workspaces for the same reason). Set again after every
+    /// `cublasSetStream`, which resets it to the pool.
+    workspace: super::launch::DeviceBuffer,
 }
+
+/// 32 MiB: what cuBLAS itself uses per handle on Hopper, and PyTorch's `CUBLAS_WORKSPACE_CONFIG`
+/// default there (`:4096:8`).
+pub const WORKSPACE_BYTES: usize = 32 << 20;
 
 // SAFETY: the handle is only used under the mutex, one call at a time, which cuBLAS allows
 // from any thread.
@@ -188,12 +197,13 @@ pub fn load(dirs: &[PathBuf]) -> Result<()> {
 }
 
 impl Blas {
-    /// A handle in the current context (cuBLAS must be loaded: [`load`]).
-    pub fn new() -> Result<Blas> {
+    /// A handle in the current context (cuBLAS must be loaded: [`load`]) with its own workspace.
+    pub fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>) -> Result<Blas> {
+        let workspace = super::launch::DeviceBuffer::zeroed(ctx, WORKSPACE_BYTES)?;
         let handle = std::panic::catch_unwind(cublas::create_handle)
             .map_err(|_| Error::Cuda(format!("cudarc could not open {CUBLAS_LIB} by name although it is loaded")))?
             .map_err(blas_err("creating a handle"))?;
-        Ok(Blas { handle: Mutex::new(handle) })
+        Ok(Blas { handle: Mutex::new(handle), workspace })
     }
 
     /// Enqueues `g` on `stream` with device addresses `a`, `b`, `c`.
@@ -222,12 +232,16 @@ impl Blas {
             (&alpha32 as *const f32 as *const c_void, &beta32 as *const f32 as *const c_void)
         };
         let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the handle is live (owned, under the lock); alpha/beta point at host values of
+        // SAFETY: the handle is live (owned, under the lock), the workspace a device buffer it
+        // owns for its whole life (WORKSPACE_BYTES, 256-byte aligned); alpha/beta point at host values of
         // the compute type that outlive the call (host pointer mode, the default); the device
         // addresses and the sizes/strides describing them are the caller's contract, as for a
         // kernel launch.
         unsafe {
             cublas::set_stream(*handle, stream as sys::cudaStream_t).map_err(blas_err("setting the stream"))?;
+            sys::cublasSetWorkspace_v2(*handle, self.workspace.ptr() as *mut c_void, self.workspace.bytes())
+                .result()
+                .map_err(blas_err("setting the workspace"))?;
             cublas::gemm_strided_batched_ex(
                 *handle,
                 op(g.trans_b),

@@ -6,8 +6,8 @@
 //! ([`registry`], the kernel sources in kernels/*.cu at the repository root), a CUBIN symbol
 //! reader ([`elf`]), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
 //! ([`blas`]), the per-process GPU runtime ([`runtime`]), the kernel table of the executor
-//! ([`ops`]; the executor itself is `crate::exec::cuda`) and the fused optimizer update for the
-//! Python optimizer bridge ([`optim`]). CI compiles every kernel file for sm_90
+//! ([`ops`]; the executor itself is `crate::exec::cuda`), CUDA graphs of recorded step phases
+//! ([`graph`]) and the fused optimizer update for the Python optimizer bridge ([`optim`]). CI compiles every kernel file for sm_90
 //! and checks every kernel name and parameter layout; the GPU tests (`tests`, unit tests of the
 //! crate) ran on an H100: doc/GPU-RUNS.md records what ran and what has not.
 //!
@@ -22,6 +22,7 @@ pub mod cache;
 pub mod compile;
 pub mod driver;
 pub mod elf;
+pub mod graph;
 pub mod launch;
 pub mod loader;
 pub mod nvrtc;

@@ -227,7 +227,11 @@ pub static FAMILIES: &[Family] = &[
     ),
     family!(
         "dropout",
-        [g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]), g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),]
+        [
+            g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
+            g(&["dropout_slot"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
+            g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
+        ]
     ),
     family!(
         "loss",

@@ -4,9 +4,10 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use cudarc::driver::{sys::CUstream, CudaFunction};
+use cudarc::driver::{result as driver, sys::CUstream, CudaFunction};
 
 use super::abi::Arg;
 use super::blas::{self, Blas, Gemm};
@@ -29,7 +30,22 @@ pub struct CudaRuntime {
     scratch: Mutex<Option<super::launch::DeviceBuffer>>,
     /// A vector of ones per float width (4: f32, 8: f64), for sums as matrix products.
     ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 2]>,
+    /// Set once a CUDA graph has been recorded: graphs keep the scratch and ones addresses they
+    /// were recorded with, so from then on a buffer replaced by a larger one is kept (`retired`)
+    /// instead of freed. The growth is geometric, so that costs less than the last buffer.
+    graphs: AtomicBool,
+    retired: Mutex<Vec<super::launch::DeviceBuffer>>,
+    /// The stream CUDA graphs are recorded on (made on first use; recording cannot use
+    /// PyTorch's default stream, the legacy NULL stream), one recording at a time.
+    capture: Mutex<Option<CaptureStream>>,
 }
+
+/// A non-blocking stream of our own, only ever used to record graphs (never to run work).
+pub struct CaptureStream(pub CUstream);
+
+// SAFETY: a stream handle may be used from any thread of the process; the runtime hands it out
+// only under its mutex.
+unsafe impl Send for CaptureStream {}
 
 /// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
 /// (the Python package passes `site-packages/nvidia/cu13/lib`). A failure is returned every
@@ -48,7 +64,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
     let loaded = loader::load_all(0, nv, cache::default_dir().as_deref())?;
     loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
     blas::load(dirs)?;
-    let blas = Blas::new()?;
+    let blas = Blas::new(&loaded.ctx)?;
     let sms = loaded
         .ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -60,6 +76,9 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         sms,
         scratch: Mutex::new(None),
         ones: Mutex::new([None, None]),
+        graphs: AtomicBool::new(false),
+        retired: Mutex::new(Vec::new()),
+        capture: Mutex::new(None),
     }))
 }
 
@@ -86,8 +105,11 @@ impl CudaRuntime {
     pub fn scratch(&self, bytes: usize) -> Result<u64> {
         let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         if s.as_ref().is_none_or(|b| b.bytes() < bytes) {
-            *s = None;
-            *s = Some(super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?);
+            // allocated before the old one goes: a failed allocation leaves the runtime as it was
+            let grown = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?;
+            if let Some(old) = s.replace(grown) {
+                self.retire(old);
+            }
         }
         Ok(s.as_ref().map_or(0, |b| b.ptr()))
     }
@@ -98,13 +120,38 @@ impl CudaRuntime {
         let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
         if ones[slot].as_ref().is_none_or(|(_, have)| *have < n) {
             let count = n.next_power_of_two().max(1 << 12);
-            ones[slot] = None;
             let buf = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, count * width)?;
             let (kernel, bits) = if width == 8 { ("fill_u64", 1f64.to_bits()) } else { ("fill_u32", 1f32.to_bits() as u64) };
             self.launch(stream, kernel, self.elementwise_grid(count), &[KArg::Ptr(buf.ptr()), KArg::I64(count as i64), KArg::U64(bits)])?;
-            ones[slot] = Some((buf, count));
+            if let Some((old, _)) = ones[slot].replace((buf, count)) {
+                self.retire(old);
+            }
         }
         Ok(ones[slot].as_ref().map_or(0, |(b, _)| b.ptr()))
+    }
+    /// Frees a replaced scratch or ones buffer, or keeps it when graphs may read it.
+    fn retire(&self, old: super::launch::DeviceBuffer) {
+        if self.graphs.load(Ordering::Acquire) {
+            self.retired.lock().unwrap_or_else(|p| p.into_inner()).push(old);
+        }
+    }
+    /// The stream to record a graph on, held for the recording (made on first use). Marks the
+    /// runtime as having graphs: buffers they may read are kept from then on.
+    pub fn capture_stream(&self) -> Result<MutexGuard<'_, Option<CaptureStream>>> {
+        self.graphs.store(true, Ordering::Release);
+        let mut guard = self.capture.lock().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            self.bind()?;
+            let s = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+                .map_err(|e| Error::Cuda(format!("creating the stream CUDA graphs are recorded on: {e}")))?;
+            *guard = Some(CaptureStream(s));
+        }
+        Ok(guard)
+    }
+    /// Writes `value` into the u64 at device address `slot`, queued on `stream` (a kernel, so
+    /// the value travels as an argument: no host memory has to outlive the call).
+    pub fn write_u64(&self, stream: CUstream, slot: u64, value: u64) -> Result<()> {
+        self.launch(stream, "fill_u64", Grid::elementwise(1, 1), &[KArg::Ptr(slot), KArg::I64(1), KArg::U64(value)])
     }
     /// A grid-stride launch over `n` elements: 256-thread blocks, at most 8 per SM.
     pub fn elementwise_grid(&self, n: usize) -> Grid {

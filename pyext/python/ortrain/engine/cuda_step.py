@@ -3,7 +3,9 @@ every tensor a CUDA tensor (inputs, parameters, output-gradient seeds and gradie
 zero-copy), the work queued on PyTorch's current stream, and the engine's arena a uint8 CUDA
 tensor from PyTorch's caching allocator, kept alive with the step until its backward pass has
 been queued (stream order makes its later reuse safe). f32 matmuls follow PyTorch's
-`torch.backends.cuda.matmul.allow_tf32` (off by default), read at each step's forward."""
+`torch.backends.cuda.matmul.allow_tf32` (off by default), read at each step's forward. With the
+runner's graph cache (engine/cuda_graphs.py) a step of a known shape runs each phase as one
+CUDA graph launch over the cache entry's memory instead."""
 from __future__ import annotations
 
 import torch
@@ -53,13 +55,34 @@ class CudaStep:
         nbytes = runner.arena_sizes.get(key)
         if nbytes is None:
             nbytes = runner.arena_sizes[key] = _ortrain.cuda_arena_bytes(runner.session, sigs, backward, out_bound)
+        feed = [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)]
+        tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
+        stream = _stream()
+        cache = getattr(runner, "graphs", None)
+        self.graph_key = self.entry = None
+        if cache is not None and weights is None and not bound:
+            weights = runner.weight_addresses()
+            self.graph_key = (key, tf32, stream, tuple(weights))
+            self.entry = cache.entry(self.graph_key, nbytes)
+        if self.entry is not None:
+            try:
+                self.pending = _ortrain.cuda_forward(runner.session, feed, weights, backward, seed, stream,
+                                                     self.entry.arena.data_ptr(), None, tf32=tf32,
+                                                     graph=self.entry.forward, seed_slot=self.entry.seed_slot.data_ptr())
+                self.arena = self.entry.arena
+                self.entry.busy = True
+                cache.replays += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - the step runs without a graph below
+                cache.fail(self.graph_key, exc)
+                self.entry = None
         self.arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=runner.device)
         addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)] if bound else None
-        self.pending = _ortrain.cuda_forward(runner.session, [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)],
+        self.pending = _ortrain.cuda_forward(runner.session, feed,
                                              runner.weight_addresses() if weights is None else weights, backward, seed,
-                                             _stream(),
-                                             self.arena.data_ptr(), addrs,
-                                             tf32=bool(torch.backends.cuda.matmul.allow_tf32))
+                                             stream, self.arena.data_ptr(), addrs, tf32=tf32)
+        if cache is not None:
+            cache.ran_without_graph(self.graph_key, "forward")
 
     def outputs(self, bound: dict | None = None) -> list:
         """The outputs as new CUDA tensors (copies queued on the stream), except bound ones."""
@@ -74,10 +97,44 @@ class CudaStep:
             outs.append(t)
         return outs
 
-    def backward(self, seeds: list, grads: list) -> None:
-        _ortrain.cuda_backward(self.runner.session, self.pending, self.runner.weight_addresses(), seeds, grads, _stream())
-        self.release()
+    def backward(self, seeds: list) -> list:
+        """Queues the backward pass from `seeds` (per output a gradient tensor, or None) and
+        returns the weights' gradients (None where a weight gets none): through the entry's
+        graph when the step has one and its memory is free, else into fresh tensors."""
+        runner, entry, cache = self.runner, self.entry, getattr(self.runner, "graphs", None)
+        try:
+            if entry is not None and cache.backward_ready(self.graph_key):
+                grads = entry.static_grads(runner.weights, runner.wants_grad())
+                static = entry.static_seeds(seeds) if grads is not None else None
+                if static is not None:
+                    try:
+                        _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
+                                               [0 if s is None else s.data_ptr() for s in static],
+                                               [0 if g is None else g.data_ptr() for g in grads], _stream(),
+                                               graph=entry.backward)
+                        cache.replays += 1
+                        return grads
+                    except Exception as exc:  # noqa: BLE001 - a failed recording queued nothing: run it below
+                        cache.fail(self.graph_key, exc)
+            grads = runner.new_grad_buffers()
+            _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
+                                   [0 if s is None else s.data_ptr() for s in seeds],
+                                   [0 if g is None else g.data_ptr() for g in grads], _stream())
+            if cache is not None:
+                cache.ran_without_graph(self.graph_key, "backward")
+            return grads
+        finally:
+            self.release()
 
     def release(self) -> None:
         self.pending.release()
         self.arena = None
+        if self.entry is not None:
+            self.entry.busy = False
+            self.entry = None
+
+    def __del__(self):
+        # a forward pass dropped without its backward pass (autograd freed the graph) frees its entry
+        entry = getattr(self, "entry", None)
+        if entry is not None:
+            entry.busy = False

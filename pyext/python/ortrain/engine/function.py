@@ -96,10 +96,10 @@ class EngineFunction(torch.autograd.Function):
         runner, pending = ctx.runner, ctx.pending
         ctx.pending = None
         scaler = runner.loss_scaler
-        seeds, keep = [], []
+        seeds = []  # per output: its gradient (contiguous, the output's type), or None
         for g, (shape, dtype), sd in zip(grad_outputs, ctx.out_meta, runner.seeded):
             if not dtype.is_floating_point or not sd:
-                seeds.append(0)
+                seeds.append(None)
                 continue
             if g is None:
                 g = torch.zeros(shape, dtype=dtype, device=runner.device)
@@ -108,17 +108,17 @@ class EngineFunction(torch.autograd.Function):
                 g = g.to(dtype)
             if scaler is not None:
                 g = scaler.scale_seed(g)
-            keep.append(g)
-            seeds.append(g.data_ptr() if runner.on_cuda else address(g, "output gradient"))
+            seeds.append(g)
         grads = getattr(ctx, "grads", None)
         ctx.grads = None
-        if grads is None:
-            grads = runner.new_grad_buffers()
-        grad_addrs = grad_addresses(grads)
         if runner.on_cuda:
-            pending.backward(seeds, grad_addrs)
+            grads = pending.backward(seeds)
         else:
-            runner.session.backward(pending, runner.weight_addresses(), seeds, grad_addrs)
+            if grads is None:
+                grads = runner.new_grad_buffers()
+            runner.session.backward(pending, runner.weight_addresses(),
+                                    [0 if g is None else address(g, "output gradient") for g in seeds],
+                                    grad_addresses(grads))
         ctx.bound = None
         trainable = runner.grads_for_trainable(grads)
         if scaler is not None:

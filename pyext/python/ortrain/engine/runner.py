@@ -126,6 +126,7 @@ class Runner:
         self.batch_counters = _batch_counters(module, [key for key, _ in self.buffer_outputs])
         self._snapshots: list = []
         self._grad_storage: list = [None] * len(self.weights)  # CPU: last step's gradient memory
+        self.graphs = None  # CUDA: the graph cache (engine/cuda_graphs.py), set by accelerate
 
     def weight_addresses(self) -> list:
         return [t.data_ptr() for t in self.weights]
@@ -176,6 +177,10 @@ class Runner:
                     self._grad_storage[i] = g.untyped_storage()
             out.append(g)
         return out
+
+    def wants_grad(self) -> list:
+        """Per weight: whether the engine computes its gradient."""
+        return [bool(tr and hg) for tr, hg in zip(self.trainable, self.has_grad)]
 
     def grads_for_trainable(self, grads: list) -> list:
         return [g for g, tr in zip(grads, self.trainable) if tr]

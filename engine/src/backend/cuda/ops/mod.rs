@@ -35,6 +35,8 @@ mod reduce;
 mod softmax;
 pub mod strides;
 
+pub use random::random_key;
+
 /// A value on the device: its type, shape and address (contiguous, row-major), and for
 /// constants (folded at plan time: shapes, axes, slice bounds) the host copy too.
 #[derive(Clone, Copy, Debug)]
@@ -57,6 +59,10 @@ pub struct CudaCtx<'a> {
     pub stream: CUstream,
     /// The step's dropout seed.
     pub seed: u64,
+    /// Device address of a u64 holding the step's seed (0: none). Set while a step is recorded
+    /// into a CUDA graph: Dropout then reads its key from there (`dropout_slot_T`), so each
+    /// replay draws fresh masks from the seed written before it.
+    pub seed_slot: u64,
     /// How f32 matmuls multiply: exact (the default, for parity), TF32 (PyTorch's
     /// `torch.backends.cuda.matmul.allow_tf32`, read per step by the Python side), or bf16 (the
     /// session's `precision="bf16"`).

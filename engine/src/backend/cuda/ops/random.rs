@@ -1,7 +1,8 @@
 //! Dropout and DropoutGrad (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
 //! step's seed mixed with the node's output id, so every Dropout node of a step draws its own
 //! stream and a replay with the same seed draws the same masks (they differ from the CPU
-//! backend's masks, as PyTorch's CPU and CUDA masks differ).
+//! backend's masks, as PyTorch's CPU and CUDA masks differ). In a step recorded into a CUDA
+//! graph the seed is read from device memory (`dropout_slot_T`), which computes the same key.
 
 use cudarc::driver::result;
 
@@ -15,6 +16,12 @@ fn splitmix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// The Philox key of a Dropout node: the step's seed mixed with the node's salt
+/// (splitmix(output id)); `dropout_slot_T` computes the same on the device.
+pub fn random_key(seed: u64, salt: u64) -> u64 {
+    splitmix(seed ^ salt)
 }
 
 /// (ratio, training) from the optional constant inputs at `at` and `at + 1` (defaults 0.5 and
@@ -59,21 +66,19 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
         }
         return Ok(());
     }
-    let key = splitmix(ctx.seed ^ splitmix(node.outputs[0].0 as u64));
-    let kernel = format!("dropout_{}", float_suffix(node, x.dtype)?);
+    let salt = splitmix(node.outputs[0].0 as u64);
+    let t = float_suffix(node, x.dtype)?;
+    // the Philox key, or the seed's address and the salt the kernel mixes into it
+    let (kernel, key, last) = if ctx.seed_slot != 0 {
+        (format!("dropout_slot_{t}"), KArg::Ptr(ctx.seed_slot), KArg::U64(salt))
+    } else {
+        (format!("dropout_{t}"), KArg::U64(random_key(ctx.seed, salt)), KArg::U64(0))
+    };
     ctx.rt.launch(
         ctx.stream,
         &kernel,
         ctx.rt.elementwise_grid(n.div_ceil(4)),
-        &[
-            KArg::Ptr(x.ptr),
-            KArg::Ptr(outs[0].ptr),
-            KArg::Ptr(mask),
-            KArg::I64(n as i64),
-            KArg::F32(ratio as f32),
-            KArg::U64(key),
-            KArg::U64(0),
-        ],
+        &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), key, last],
     )
 }
 

@@ -18,6 +18,11 @@ fn fwd_args(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, offset: 
     vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::U64(seed), KArg::U64(offset)]
 }
 
+/// `dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)`
+fn slot_args(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, salt: u64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::Ptr(seed), KArg::U64(salt)]
+}
+
 /// `dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)`
 fn bwd_args(dy: u64, mask: u64, dx: u64, n: usize, scale: f32) -> Vec<KArg> {
     vec![KArg::Ptr(dy), KArg::Ptr(mask), KArg::Ptr(dx), KArg::I64(n as i64), KArg::F32(scale)]
@@ -42,8 +47,9 @@ fn dropout_argument_lists_match_the_registry() {
     for t in FLOATS {
         check(&format!("dropout_{t}"), &fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
         check(&format!("dropout_{t}"), &fwd_args(1, 1, 0, N, RATIO, SEED, OFFSET));
+        check(&format!("dropout_slot_{t}"), &slot_args(1, 1, 1, N, RATIO, 1, SEED));
         check(&format!("dropout_grad_{t}"), &bwd_args(1, 1, 1, N, 2.0));
-        checked.extend([format!("dropout_{t}"), format!("dropout_grad_{t}")]);
+        checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
     assert_covers("dropout", &checked);
 }
@@ -92,6 +98,30 @@ fn gpu_dropout_masks_are_philox_and_the_gradient_matches_the_cpu_kernel() {
             let want = testutil::run("DropoutGrad", Attrs::default(), &[&t64(&[N], &dy), &mask_t, &Tensor::scalar_f32(0.5), &mode])[0]
                 .to_f64_vec();
             assert_close(&format!("{kg} scale {scale} (training {training}), n {N}"), &host_as(&dx, t), &rounded(t, &want), rtol(t), 0.0);
+        }
+    }
+}
+
+/// The variant a CUDA graph records reads the seed from device memory and mixes the salt in as
+/// the dispatcher does on the host (ops/random.rs): the same masks as `dropout_T` with the
+/// host-mixed key, so a step draws the same masks replayed from a graph or launched directly.
+#[test]
+fn gpu_dropout_with_the_seed_in_device_memory_draws_the_host_keyed_masks() {
+    let Some(g) = gpu("gpu_dropout_with_the_seed_in_device_memory_draws_the_host_keyed_masks") else { return };
+    use crate::backend::cuda::ops::random_key;
+    let mut rng = Rng::new(52);
+    let salt = 0x5A17_u64;
+    for seed in [SEED, 7, u64::MAX] {
+        let slot = dev(g, &[seed]);
+        let key = random_key(seed, salt);
+        for t in FLOATS {
+            let x = rand_as(&mut rng, t, N, -2.0, 2.0);
+            let dx = dev_as(g, t, &x);
+            let (y1, m1, y2, m2) = (zeros_as(g, t, N), zeros::<u8>(g, N), zeros_as(g, t, N), zeros::<u8>(g, N));
+            run(g, &format!("dropout_{t}"), grid(), &fwd_args(dx.ptr(), y1.ptr(), m1.ptr(), N, RATIO, key, 0));
+            run(g, &format!("dropout_slot_{t}"), grid(), &slot_args(dx.ptr(), y2.ptr(), m2.ptr(), N, RATIO, slot.ptr(), salt));
+            assert_eq!(host::<u8>(&m2), host::<u8>(&m1), "dropout_slot_{t} seed {seed:#x}: masks differ from dropout_{t} keyed {key:#x}");
+            assert_eq!(host_as(&y2, t), host_as(&y1, t), "dropout_slot_{t} seed {seed:#x}: outputs differ");
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts
 use crate::exec::Phase;
 use crate::session::{Session, Sig};
 
-fn session(m: &Model) -> Session {
+pub(super) fn session(m: &Model) -> Session {
     session_for(m, crate::session::Target::Cuda)
 }
 
@@ -30,7 +30,7 @@ fn session_for(m: &Model, target: crate::session::Target) -> Session {
     Session::from_onnx_for(&bytes, None, &names, &vec![true; names.len()], None, target).expect("import")
 }
 
-fn weight_data(m: &Model) -> Vec<Vec<f32>> {
+pub(super) fn weight_data(m: &Model) -> Vec<Vec<f32>> {
     m.weights
         .iter()
         .map(|(name, _)| {
@@ -62,7 +62,7 @@ fn cpu_step(s: &Session, x: &[u8], sig: &Sig, mut weights: Vec<Vec<f32>>, seeds:
     (outs, grads)
 }
 
-fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, n: usize) -> Vec<f32> {
+pub(super) fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, n: usize) -> Vec<f32> {
     g.synchronize().expect("sync");
     let mut v = vec![0f32; n];
     // SAFETY: addr holds n f32 values of a live device buffer (the arena or a bound buffer).
@@ -107,7 +107,7 @@ fn gpu_step_in(
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s

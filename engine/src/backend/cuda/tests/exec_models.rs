@@ -9,7 +9,8 @@
 //! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
-//! GatherND and their gradients).
+//! GatherND and their gradients). `dropout_mlp` (a training-mode Dropout: its masks differ
+//! between backends by design) is for tests comparing GPU runs with each other.
 
 use std::sync::Arc;
 
@@ -92,6 +93,22 @@ pub(super) fn mlp(rng: &mut Rng) -> Model {
     let y = op(&mut g, "sub", "Sub", &[h3, h], Attrs::default());
     let yt = op(&mut g, "t2", "Transpose", &[y], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1])));
     g.outputs.push(yt);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// A Linear, a training-mode Dropout (ratio 0.3) and a Tanh: the masks come from the step's
+/// seed, so two GPU runs of one step agree only if they drew from the same seed.
+pub(super) fn dropout_mlp(rng: &mut Rng) -> Model {
+    let input = vec![4, 64];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[64, 48], rng);
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let ratio = g.add_const("ratio", Tensor::from_f32(vec![], vec![0.3]));
+    let training = g.add_const("training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![1])).expect("bool"));
+    let d = g.add_node("drop", "Dropout", vec![Some(h), Some(ratio), Some(training)], Attrs::default(), 1)[0];
+    let y = op(&mut g, "tanh", "Tanh", &[d], Attrs::default());
+    g.outputs.push(y);
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 

@@ -15,6 +15,7 @@ mod elementwise;
 mod exec;
 mod exec_models;
 mod gather;
+mod graphs;
 mod layernorm;
 mod lce;
 mod loss;
