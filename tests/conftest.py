@@ -63,6 +63,21 @@ def shell(mlflow_server, monkeypatch, tmp_path):
     sh.init_user_ns()
 
 
+def require_cuda() -> None:
+    """Skips the calling test where there is no usable GPU; fails it where PyTorch sees one but
+    ortrain's CUDA backend does not load. TF32 off, for parity."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here (torch.cuda.is_available() is False)")
+    import ortrain
+
+    ok, why = ortrain.cuda_available()
+    if not ok:
+        pytest.fail(f"PyTorch sees a GPU but ortrain's CUDA backend does not load: {why}")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def runs_of(client, experiment: str) -> list:
     exp = client.get_experiment_id(experiment)
     return client.search_runs([exp]) if exp else []

@@ -36,11 +36,11 @@ def _text_batches(n, seq=35, batch=20):
     return [(data[i:i + seq], data[i + 1:i + 1 + seq].reshape(-1)) for i in starts]
 
 
-def _train(model, opt, batches, autocast=False):
+def _train(model, opt, batches, autocast=False, device="cpu"):
     crit = torch.nn.CrossEntropyLoss()
     losses = []
     for x, y in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             loss = crit(model(x).view(-1, NTOK), y)
         opt.zero_grad()
         loss.backward()
@@ -50,15 +50,15 @@ def _train(model, opt, batches, autocast=False):
     return losses
 
 
-def _curve(base, batches, system):
-    """Loss curve of one system from a copy of `base`: torch_fp32 | torch_bf16 (autocast) |
-    ort_fp32 | ort_bf16."""
+def _curve(base, batches, system, device="cpu"):
+    """Loss curve of one system from a copy of `base` (on `device`, as the batches): torch_fp32 |
+    torch_bf16 (autocast) | ort_fp32 | ort_bf16."""
     model = copy.deepcopy(base)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if system.startswith("ort"):
-        ortrain.accelerate(model, opt, strict=True, precision=system[4:])
-    losses = _train(model, opt, batches, autocast=system == "torch_bf16")
-    if system == "ort_bf16":
+        ortrain.accelerate(model, opt, device=device, strict=True, precision=system[4:])
+    losses = _train(model, opt, batches, autocast=system == "torch_bf16", device=device)
+    if system == "ort_bf16" and device == "cpu":
         assert f"matmuls: bf16 ({_ortrain.cpu_bf16()}" in ortrain.explain(model), ortrain.explain(model)
     return losses
 

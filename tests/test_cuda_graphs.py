@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import ortrain
+from conftest import require_cuda
 from ortrain.engine.cuda_graphs import GraphCache
 
 
@@ -108,15 +109,6 @@ def test_cuda_graphs_option_is_checked():
 # --- on a GPU -------------------------------------------------------------------------------
 
 
-def _need_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here (torch.cuda.is_available() is False)")
-    ok, why = ortrain.cuda_available()
-    if not ok:
-        pytest.fail(f"PyTorch sees a GPU but ortrain's CUDA backend does not load: {why}")
-    torch.backends.cuda.matmul.allow_tf32 = False
-
-
 def _mlp(classes: int):
     """Two dropouts and the loss fused into the engine; no embedding (its gradient sums with
     float atomics, so two runs of it differ in the last bits whatever graphs do)."""
@@ -125,7 +117,8 @@ def _mlp(classes: int):
                          nn.Dropout(0.2), nn.Linear(128, classes)).cuda()
 
 
-def _train(model, graphs: bool, batches: list, accumulate: int = 1, two_forwards: bool = False):
+def _train(model, graphs: bool, batches: list, accumulate: int = 1, two_forwards: bool = False,
+           loss_of=nn.functional.cross_entropy, clip: float | None = None):
     """Losses, final weights and the trained copy of `model` on `batches` (x, labels), with the
     dropout seeds fixed per step."""
     model = copy.deepcopy(model)
@@ -138,10 +131,12 @@ def _train(model, graphs: bool, batches: list, accumulate: int = 1, two_forwards
             opt.zero_grad()
         if two_forwards:
             h = x.shape[0] // 2
-            loss = (nn.functional.cross_entropy(model(x[:h]), y[:h]) + nn.functional.cross_entropy(model(x[h:]), y[h:])) / 2
+            loss = (loss_of(model(x[:h]), y[:h]) + loss_of(model(x[h:]), y[h:])) / 2
         else:
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = loss_of(model(x), y)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if (step + 1) % accumulate == 0:
             opt.step()
         losses.append(loss.item())
@@ -170,7 +165,7 @@ def test_training_with_cuda_graphs_is_training_without_them(case):
     accumulated over two steps (every other backward pass runs without its graph: the gradient
     memory is held by `.grad`); two forward passes before one backward (the second runs
     without the graph: the arena is held)."""
-    _need_gpu()
+    require_cuda()
     classes = 50
     base = _mlp(classes)
     kw = {"steady": {}, "two_shapes": {}, "accumulation": {"accumulate": 2}, "two_forwards": {"two_forwards": True}}[case]
@@ -192,7 +187,7 @@ def test_the_tutorial_trains_the_same_with_cuda_graphs():
     """The tutorial model (dropout 0.2, the LM head's loss fused): the first loss bit for bit,
     the rest within the float-atomics noise of the embedding gradient (as two runs without
     graphs differ), every step from the second on replayed."""
-    _need_gpu()
+    require_cuda()
     import models
 
     vocab = 500
@@ -202,22 +197,10 @@ def test_the_tutorial_trains_the_same_with_cuda_graphs():
     batches = [(torch.randint(0, vocab, (35, 20), device="cuda", generator=g),
                 torch.randint(0, vocab, (700,), device="cuda", generator=g)) for _ in range(8)]
 
-    def run(graphs: bool):
-        m = copy.deepcopy(base)
-        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-        ortrain.accelerate(m, opt, device="cuda", strict=True, cuda_graphs=graphs)
-        losses = []
-        for step, (src, tgt) in enumerate(batches):
-            torch.manual_seed(100 + step)
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(m(src).view(-1, vocab), tgt)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-            opt.step()
-            losses.append(loss.item())
-        return losses, m
+    def loss_of(out, tgt):
+        return nn.functional.cross_entropy(out.view(-1, vocab), tgt)
 
-    (a, model), (b, _) = run(True), run(False)
+    (a, _, model), (b, _, _) = (_train(base, graphs, batches, loss_of=loss_of, clip=0.5) for graphs in (True, False))
     replays, _, described = _replays(model)
     print("tutorial", a, b, described)
     assert a[0] == b[0], (a, b)
@@ -227,6 +210,6 @@ def test_the_tutorial_trains_the_same_with_cuda_graphs():
 
 @pytest.mark.gpu
 def test_cuda_graphs_off_launches_every_kernel():
-    _need_gpu()
+    require_cuda()
     _, _, model = _train(_mlp(10), False, _batches(10, 3))
     assert "CUDA graphs off (accelerate(..., cuda_graphs=False))" in ortrain.explain(model)

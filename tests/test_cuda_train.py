@@ -12,18 +12,14 @@ import torch
 from torch import nn
 
 import ortrain
+from conftest import require_cuda
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
 def _gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here (torch.cuda.is_available() is False)")
-    ok, why = ortrain.cuda_available()
-    if not ok:
-        pytest.fail(f"PyTorch sees a GPU but ortrain's CUDA backend does not load: {why}")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    require_cuda()
     yield
 
 
@@ -579,31 +575,13 @@ def test_two_hundred_bf16_steps_follow_autocast_within_bf16_noise():
     the mean relative loss difference stays within 3x the noise references (autocast against
     fp32, which is what bf16 rounding does; ortrain fp32 against PyTorch fp32, which is what the
     summation order does over 200 steps), and both end at the same loss within 1%."""
-    from test_bf16 import NTOK, _mean_rel, _text_batches
+    from test_bf16 import NTOK, _curve, _mean_rel, _text_batches
 
     import models
 
     base = models.tutorial_transformer(NTOK, dropout=0.0, seed=0)[0].cuda()
     batches = [(x.cuda(), y.cuda()) for x, y in _text_batches(200)]
-    crit = nn.CrossEntropyLoss()
-
-    def curve(system: str) -> list:
-        model = copy.deepcopy(base)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        if system.startswith("ort"):
-            ortrain.accelerate(model, opt, device="cuda", strict=True, precision=system[4:])
-        losses = []
-        for x, y in batches:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=system == "torch_bf16"):
-                loss = crit(model(x).view(-1, NTOK), y)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    c = {s: curve(s) for s in ("torch_fp32", "torch_bf16", "ort_fp32", "ort_bf16")}
+    c = {s: _curve(base, batches, s, device="cuda") for s in ("torch_fp32", "torch_bf16", "ort_fp32", "ort_bf16")}
     noise = _mean_rel(c["torch_bf16"], c["torch_fp32"])
     d32 = _mean_rel(c["ort_fp32"], c["torch_fp32"])
     d = _mean_rel(c["ort_bf16"], c["torch_bf16"])
