@@ -73,20 +73,20 @@ def test_a_failed_recording_warns_once_and_that_shape_runs_without_graphs():
 
 def test_gradient_memory_is_reused_only_when_nothing_else_holds_it():
     cache = _cache()
-    cache.ran_without_graph("k", "forward")
-    e = cache.entry("k", 64)
     weights = [torch.zeros(3, 4), torch.zeros(5), torch.zeros(2)]
-    grads = e.static_grads(weights, [True, True, False])
+    grads = cache.static_grads(weights, [True, True, False])
     if grads is None:
         pytest.skip("this torch has no torch._C._storage_Use_Count: gradients always get fresh memory")
     assert grads[2] is None and grads[0].shape == (3, 4) and grads[1].shape == (5,)
     ptrs = [g.data_ptr() for g in grads[:2]]
     kept = grads[0]  # a `.grad` kept from the last step (accumulation): the memory is not free
     del grads
-    assert e.static_grads(weights, [True, True, False]) is None
+    assert cache.static_grads(weights, [True, True, False]) is None
+    assert "1 backward pass(es) without their graph: the gradients' memory was still referenced" in cache.describe()
     del kept
-    again = e.static_grads(weights, [True, True, False])
+    again = cache.static_grads(weights, [True, True, False])
     assert [g.data_ptr() for g in again[:2]] == ptrs
+    assert cache.held() == (12 + 5) * 4  # counted in the budget once, shared by the entries
 
 
 def test_gradient_seeds_are_copied_into_the_entrys_memory():

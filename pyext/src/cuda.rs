@@ -155,8 +155,8 @@ fn cuda_backward(
         let done = unsafe { s.backward_cuda(rt, st.0 as _, &mut p, &w, &sd, &g, slot.as_deref()) };
         (p, done)
     });
-    if done.is_err() {
-        pending.inner = Some(p); // a failed recording queued nothing: the step can still run without it
+    if done.is_err() && !p.spent() {
+        pending.inner = Some(p); // nothing was queued (a failed recording): the step can still run without it
     }
     done.map_err(to_py)
 }

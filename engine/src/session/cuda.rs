@@ -49,6 +49,17 @@ pub struct CudaPending {
     /// The forward's bindings (weights, outputs written into caller memory), kept for reading
     /// outputs and extended by the backward pass.
     bind: DeviceBindings,
+    /// The seed slot of a graphed forward pass (0: launched); its backward graph reads the same.
+    seed_slot: u64,
+    /// The backward phase was queued: the step cannot run again.
+    spent: bool,
+}
+
+impl CudaPending {
+    /// Whether the backward phase was queued (also when an error came after it).
+    pub fn spent(&self) -> bool {
+        self.spent
+    }
 }
 
 impl Session {
@@ -141,7 +152,7 @@ impl Session {
             f.begin(stream)?;
             Ok(f.flag(0))
         })?;
-        match run {
+        match &run {
             PhaseRun::Launches => {
                 let mut ctx = CudaCtx { rt, stream, seed, seed_slot: 0, f32_mode, error_flag: 0, error_base };
                 cexec::run_phase(&self.graph, &plan, &cplan.kernels, Phase::Forward, arena, &bind, &cplan.consts, &feed, &mut ctx)?;
@@ -166,7 +177,11 @@ impl Session {
         if !backward {
             self.with_flags(rt, |f| f.publish(stream))?;
         }
-        Ok(CudaPending { plan, cplan, base: arena, seed, f32_mode, bind })
+        let seed_slot = match &run {
+            PhaseRun::Graph(g) => g.seed_slot,
+            PhaseRun::Launches => 0,
+        };
+        Ok(CudaPending { plan, cplan, base: arena, seed, f32_mode, bind, seed_slot, spent: false })
     }
 
     fn bind_weights_cuda(&self, bind: &mut DeviceBindings, weights: &[u64]) -> Result<()> {
@@ -221,17 +236,23 @@ impl Session {
         let error_base = self.with_flags(rt, |f| Ok(f.flag(0)))?;
         let (plan, kernels, consts, bind, base) = (&p.plan, &p.cplan.kernels, &p.cplan.consts, &p.bind, p.base);
         let (seed, f32_mode) = (p.seed, p.f32_mode);
+        // a recorded backward reads the seed where its forward did (no op draws there today)
+        let seed_slot = if graph.is_some() { p.seed_slot } else { 0 };
         let queue = |stream: CUstream| {
-            let mut ctx = CudaCtx { rt, stream, seed, seed_slot: 0, f32_mode, error_flag: 0, error_base };
+            let mut ctx = CudaCtx { rt, stream, seed, seed_slot, f32_mode, error_flag: 0, error_base };
             cexec::run_phase(&self.graph, plan, kernels, Phase::Backward, base, bind, consts, &[], &mut ctx)
         };
         match graph {
-            None => queue(stream)?,
+            None => {
+                p.spent = true; // kernels may be queued even if one fails
+                queue(stream)?
+            }
             Some(slot) => {
-                let mut over = vec![Arc::as_ptr(plan) as u64, base, f32_mode as u64];
+                let mut over = vec![Arc::as_ptr(plan) as u64, base, seed_slot, f32_mode as u64];
                 over.extend(weights.iter().chain(seeds).chain(grads));
                 // SAFETY: forwarded from this function's contract.
                 unsafe { slot.run(rt, stream, over, queue) }?;
+                p.spent = true;
             }
         }
         self.with_flags(rt, |f| f.publish(stream))

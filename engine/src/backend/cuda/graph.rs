@@ -48,7 +48,10 @@ impl CudaGraph {
         unsafe { sys::cuStreamBeginCapture_v2(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
             .result()
             .map_err(driver_err("starting the recording"))?;
-        let recorded = body(stream);
+        // a panic in `body` must still end the capture: a stream (and, in thread-local mode, a
+        // thread) left capturing would fail every later recording and PyTorch's own calls
+        let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(stream)))
+            .unwrap_or_else(|_| Err(Error::Cuda("CUDA graph: the step panicked while being recorded".into())));
         let mut g: CUgraph = std::ptr::null_mut();
         // SAFETY: ends the capture begun above on the same stream (always, also after an error
         // of `body`, so the stream leaves capture mode); writes the graph handle or null.

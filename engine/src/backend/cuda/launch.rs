@@ -163,9 +163,11 @@ impl DeviceBuffer {
         // SAFETY: the context is current on this thread; a zero-byte request allocates one byte
         // so every buffer has a distinct, valid address.
         let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| Error::Cuda(format!("allocating {bytes} bytes: {e}")))?;
+        // owned from here, so a failed memset frees it (drop)
+        let buf = DeviceBuffer { ctx: ctx.clone(), ptr, bytes };
         // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes.
         unsafe { result::memset_d8_sync(ptr, 0, bytes.max(1)) }.map_err(|e| Error::Cuda(format!("zeroing {bytes} bytes: {e}")))?;
-        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, bytes })
+        Ok(buf)
     }
     /// A buffer holding a copy of `data`.
     pub fn from_slice<T: Copy>(ctx: &Arc<CudaContext>, data: &[T]) -> Result<Self> {

@@ -6,8 +6,8 @@ host to launch them. Recorded once as a graph per phase (forward, backward), the
 launch each. A graph keeps every address it was recorded with, so each step key (input types
 and sizes, training or not, the weights' addresses, the TF32 flag, the stream) gets an entry
 holding the memory the graphs use for their whole life: the arena, a seed slot (Dropout reads
-the step's seed there, so replays draw fresh masks, the same masks as without a graph), and the
-gradient seeds' and gradients' memory. A new sequence length is a new key: planned, warmed and
+the step's seed there, so replays draw fresh masks, the same masks as without a graph) and the
+gradient seeds' memory; the gradients' memory is one per runner, shared by its entries. A new sequence length is a new key: planned, warmed and
 recorded for itself (the old key's graphs stay, least recently used first out).
 
 A step runs without a graph, and stays correct, when:
@@ -20,7 +20,9 @@ A step runs without a graph, and stays correct, when:
 - a recording failed (an operation that cannot be part of a graph): that key runs without
   graphs from then on, after one warning;
 - the arena alone is over the graph budget (a quarter of the GPU's memory: such a step is long
-  enough that launches do not matter); entries together stay within it, least recently used out.
+  enough that launches do not matter); entries together (and the gradients' memory) stay within
+  it, least recently used out; memory for an entry that is not there (out of memory) is the
+  same as a failed recording.
 """
 from __future__ import annotations
 
@@ -53,7 +55,6 @@ class GraphEntry:
         self.backward = _ortrain.CudaGraph()
         self.bytes = arena_bytes
         self.seeds: list | None = None  # gradient seeds' memory: a tensor (or None) per output
-        self.grads: list | None = None  # gradients' memory: (storage, shape, dtype) (or None) per weight
         self.busy = False  # a forward pass holds the arena until its backward pass is queued
 
     def static_seeds(self, seeds: list) -> list | None:
@@ -71,22 +72,6 @@ class GraphEntry:
                 mine.copy_(s)
         return self.seeds
 
-    def static_grads(self, weights: list, wanted: list) -> list | None:
-        """Tensors over the entry's gradient memory, one per weight (None where `wanted` is
-        False), or None while any of that memory is still referenced elsewhere (a `.grad` kept
-        from the last step) or references cannot be counted."""
-        if _use_count is None:
-            return None
-        if self.grads is None:
-            self.grads = [(torch.empty(w.shape, dtype=w.dtype, device=w.device).untyped_storage(), w.shape, w.dtype)
-                          if want else None for w, want in zip(weights, wanted)]
-        if any(g is not None and _use_count(g[0]._cdata) != 1 for g in self.grads):
-            return None
-        # fresh tensors over the storage: autograd may then make them `.grad` without a copy
-        return [None if g is None else torch.empty(0, dtype=g[2], device=self.arena.device).set_(g[0], 0, g[1])
-                for g in self.grads]
-
-
 class GraphCache:
     """The graph entries of one runner, with the policy of when a step may use one."""
 
@@ -100,7 +85,10 @@ class GraphCache:
         if budget is None:
             budget = int(torch.cuda.get_device_properties(device).total_memory * BUDGET_FRACTION)
         self.budget = budget
+        self.grads: list | None = None  # gradients' memory: (storage, shape, dtype) (or None) per weight
+        self.grad_bytes = 0
         self.replays = 0  # phases run through a graph
+        self.grads_held = 0  # backward passes run without their graph: the gradient memory was referenced
         self.unwarned = True
 
     def entry(self, key, arena_bytes: int) -> GraphEntry | None:
@@ -118,13 +106,41 @@ class GraphCache:
                                 f"({self.budget / 2**20:.1f} MiB)")
             return None
         while self.entries and (len(self.entries) >= MAX_ENTRIES
-                                or sum(x.bytes for x in self.entries.values()) + arena_bytes > self.budget):
+                                or self.held() + arena_bytes > self.budget):
             idle = next((k for k, x in self.entries.items() if not x.busy), None)
             if idle is None:
                 return None
             del self.entries[idle]  # its memory returns to PyTorch's allocator in stream order
-        e = self.entries[key] = GraphEntry(self.device, arena_bytes)
+        try:
+            e = self.entries[key] = GraphEntry(self.device, arena_bytes)
+        except torch.OutOfMemoryError:
+            self.failed[key] = f"out of GPU memory for its graph's arena ({arena_bytes / 2**20:.1f} MiB)"
+            return None
         return e
+
+    def held(self) -> int:
+        """Bytes the entries' arenas and the gradients' memory hold."""
+        return sum(x.bytes for x in self.entries.values()) + self.grad_bytes
+
+    def static_grads(self, weights: list, wanted: list) -> list | None:
+        """Tensors over the gradients' memory, one per weight (None where `wanted` is False), or
+        None while any of it is still referenced elsewhere (a `.grad` kept from the last step),
+        references cannot be counted, or there is no memory for it."""
+        if _use_count is None:
+            return None
+        if self.grads is None:
+            try:
+                self.grads = [(torch.empty(w.shape, dtype=w.dtype, device=w.device).untyped_storage(), w.shape, w.dtype)
+                              if want else None for w, want in zip(weights, wanted)]
+            except torch.OutOfMemoryError:
+                return None
+            self.grad_bytes = sum(g[0].nbytes() for g in self.grads if g is not None)
+        if any(g is not None and _use_count(g[0]._cdata) != 1 for g in self.grads):
+            self.grads_held += 1
+            return None
+        # fresh tensors over the storage: autograd may then make them `.grad` without a copy
+        return [None if g is None else torch.empty(0, dtype=g[2], device=g[0].device).set_(g[0], 0, g[1])
+                for g in self.grads]
 
     def ran_without_graph(self, key, phase: str) -> None:
         if key is None:
@@ -153,6 +169,9 @@ class GraphCache:
         text = (f"CUDA graphs on: {recorded} step shape(s) recorded"
                 + (f" ({', '.join(str(n) for n in nodes)} nodes)" if nodes else "")
                 + f", {self.replays} phase(s) replayed")
+        if self.grads_held:
+            text += (f"; {self.grads_held} backward pass(es) without their graph: the gradients' memory was "
+                     "still referenced (gradient accumulation, or zero_grad(set_to_none=False))")
         if self.failed:
             text += "; without a graph: " + "; ".join(sorted(set(self.failed.values())))
         return text

@@ -58,7 +58,7 @@ class CudaStep:
         feed = [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)]
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
         stream = _stream()
-        cache = getattr(runner, "graphs", None)
+        cache = self.cache = getattr(runner, "graphs", None)
         self.graph_key = self.entry = None
         if cache is not None and weights is None and not bound:
             weights = runner.weight_addresses()
@@ -101,11 +101,14 @@ class CudaStep:
         """Queues the backward pass from `seeds` (per output a gradient tensor, or None) and
         returns the weights' gradients (None where a weight gets none): through the entry's
         graph when the step has one and its memory is free, else into fresh tensors."""
-        runner, entry, cache = self.runner, self.entry, getattr(self.runner, "graphs", None)
+        runner, entry, cache = self.runner, self.entry, self.cache
         try:
             if entry is not None and cache.backward_ready(self.graph_key):
-                grads = entry.static_grads(runner.weights, runner.wants_grad())
-                static = entry.static_seeds(seeds) if grads is not None else None
+                grads = cache.static_grads(runner.weights, runner.wants_grad())
+                try:
+                    static = entry.static_seeds(seeds) if grads is not None else None
+                except torch.OutOfMemoryError:
+                    static = None
                 if static is not None:
                     try:
                         _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
