@@ -391,8 +391,8 @@ def test_explain_on_the_gpu():
 
 
 def test_bf16_matmuls_on_the_gpu_are_autocasts_matmuls():
-    """precision="bf16" on CUDA runs the f32 matmuls on tensor cores at bf16 precision or better
-    with f32 accumulation (cuBLAS picked TF32 kernels on an H100): the outputs agree with
+    """precision="bf16" on CUDA runs the f32 matmuls on bf16 tensor cores (operands rounded to
+    bf16, f32 accumulation and result): the outputs agree with
     PyTorch's bf16 autocast to bf16's precision and are not the exact f32 ones, the gradients
     are no further from the exact f32 gradients than autocast's, and explain() says so."""
     ref = _mlp()

@@ -196,11 +196,11 @@ impl Session {
         match (self.target, self.options.matmul_precision) {
             (Target::Cpu, requested) => self.matmul.describe(requested),
             (Target::Cuda, MatmulPrecision::Bf16) => {
-                "bf16 on cuBLAS tensor cores (f32 tensors, at least bf16 precision, f32 accumulation)".into()
+                "bf16 on cuBLAS tensor cores (f32 tensors, operands rounded to bf16, f32 accumulation)".into()
             }
             (Target::Cuda, MatmulPrecision::Fp32) => "fp32 (cuBLAS; TF32 only where torch.backends.cuda.matmul.allow_tf32 is set)".into(),
             (Target::Cuda, MatmulPrecision::Fp16) => {
-                "fp16 on cuBLAS tensor cores (f32 tensors, at least fp16 precision, f32 accumulation)".into()
+                "fp16 on cuBLAS tensor cores (f32 tensors, operands rounded to fp16, f32 accumulation)".into()
             }
         }
     }

@@ -338,9 +338,8 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     precision like `torch.autocast("cpu", torch.bfloat16)` for matmuls: every matmul (forward and
     backward) multiplies bf16-rounded operands with f32 accumulation, while weights, activations,
     gradients and the optimizer stay f32. On a CPU it needs avx512_bf16 or AMX (elsewhere it runs
-    fp32); on CUDA the f32 matmuls run on tensor cores at bf16 precision or better (cuBLAS
-    picks the kernels: TF32 ones on an H100). "fp16" (CUDA only): the same at fp16 precision or
-    better, with the dynamic loss scaler. `explain()` says which matmul path runs.
+    fp32); on CUDA each f32 matmul rounds its operands to bf16 and runs on bf16 tensor cores
+    with an f32 result. "fp16" (CUDA only): the same at fp16, with the dynamic loss scaler. `explain()` says which matmul path runs.
     None (the default) keeps what an earlier call set ("fp32" at first). `device="cuda"`: the
     model's parameters on the current CUDA device; the engine runs on PyTorch's current stream.
     `dynamic`: the input sizes the exported graph takes. "auto" exports the first call with its

@@ -67,7 +67,8 @@ pub enum F32Mode {
     /// TF32 tensor cores (PyTorch's `allow_tf32`).
     Tf32,
     /// Tensor cores allowed to round operands to bf16 (cuBLAS may use TF32 or better), f32
-    /// accumulation.
+    /// accumulation. The runtime's `gemm` rounds the operands itself and runs a bf16 gemm
+    /// (half_gemm.rs): cuBLAS picked TF32 kernels for this mode on an H100.
     Bf16,
     /// The same at fp16 (`CUBLAS_COMPUTE_32F_FAST_16F`): the mixed precision of
     /// `precision="fp16"`.

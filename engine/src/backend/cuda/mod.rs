@@ -5,7 +5,7 @@
 //! ([`nvrtc`]), the on-disk CUBIN cache ([`cache`], [`compile`]), the kernel registry
 //! ([`registry`], the kernel sources in kernels/*.cu at the repository root), a CUBIN symbol
 //! reader ([`elf`]), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
-//! ([`blas`]), the per-process GPU runtime ([`runtime`]), the kernel table of the executor
+//! ([`blas`]; mixed-precision f32 gemms as 16-bit ones, [`half_gemm`]), the per-process GPU runtime ([`runtime`]), the kernel table of the executor
 //! ([`ops`]; the executor itself is `crate::exec::cuda`), CUDA graphs of recorded step phases
 //! ([`graph`]) and the fused optimizer update for the Python optimizer bridge ([`optim`]). CI compiles every kernel file for sm_90
 //! and checks every kernel name and parameter layout; the GPU tests (`tests`, unit tests of the
@@ -23,6 +23,7 @@ pub mod compile;
 pub mod driver;
 pub mod elf;
 pub mod graph;
+pub mod half_gemm;
 pub mod launch;
 pub mod loader;
 pub mod nvrtc;

@@ -10,10 +10,10 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use cudarc::driver::{result as driver, sys::CUstream, CudaFunction};
 
 use super::abi::Arg;
-use super::blas::{self, Blas, Gemm};
+use super::blas::{self, Blas, F32Mode, Gemm, GemmType};
 use super::launch::{self, Grid, KArg};
 use super::loader::{self, Loaded};
-use super::{cache, nvrtc};
+use super::{cache, half_gemm, nvrtc};
 use crate::error::{Error, Result};
 
 pub struct CudaRuntime {
@@ -28,6 +28,9 @@ pub struct CudaRuntime {
     /// at a time (PyTorch's current stream), so a later launch's use is ordered after an earlier
     /// one's, and growing frees the old region with a synchronising cuMemFree.
     scratch: Mutex<Option<super::launch::DeviceBuffer>>,
+    /// The 16-bit copies of a mixed-precision gemm's operands (half_gemm.rs); apart from
+    /// `scratch`, which a dispatcher may hold across its gemms. Grown and reused the same way.
+    operands: Mutex<Option<super::launch::DeviceBuffer>>,
     /// A vector of ones per float width (4: f32, 8: f64), for sums as matrix products.
     ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 2]>,
     /// Set once a CUDA graph has been recorded: graphs keep the scratch and ones addresses they
@@ -75,6 +78,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         functions: Mutex::new(HashMap::new()),
         sms,
         scratch: Mutex::new(None),
+        operands: Mutex::new(None),
         ones: Mutex::new([None, None]),
         graphs: AtomicBool::new(false),
         retired: Mutex::new(Vec::new()),
@@ -103,7 +107,12 @@ impl CudaRuntime {
     /// Device address of at least `bytes` bytes of scratch memory (see the field's note), 256-byte
     /// aligned; valid until the next call.
     pub fn scratch(&self, bytes: usize) -> Result<u64> {
-        let mut s = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        self.grown(&self.scratch, bytes)
+    }
+    /// `slot`'s buffer, replaced by one of at least `bytes` bytes (a power of two, 64 KiB or
+    /// more) when it is smaller.
+    fn grown(&self, slot: &Mutex<Option<super::launch::DeviceBuffer>>, bytes: usize) -> Result<u64> {
+        let mut s = slot.lock().unwrap_or_else(|p| p.into_inner());
         if s.as_ref().is_none_or(|b| b.bytes() < bytes) {
             // allocated before the old one goes: a failed allocation leaves the runtime as it was
             let grown = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?;
@@ -157,8 +166,19 @@ impl CudaRuntime {
     pub fn elementwise_grid(&self, n: usize) -> Grid {
         Grid::elementwise(n as i64, self.sms * 8)
     }
+    /// Queues `g` on `stream`; the f32 gemms of mixed-precision sessions as 16-bit gemms
+    /// (half_gemm.rs: both operands rounded into the operand scratch first).
     pub fn gemm(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
-        self.blas.gemm(stream, g, a, b, c)
+        let Some(t) = half_gemm::half_type(g) else {
+            return self.blas.gemm(stream, g, a, b, c);
+        };
+        let (na, nb, b_off) = (half_gemm::span_a(g), half_gemm::span_b(g), half_gemm::b_offset(g, t));
+        let ws = self.grown(&self.operands, b_off + nb * t.size())?;
+        let cast = if t == GemmType::Bf16 { "cast_f32_bf16" } else { "cast_f32_f16" };
+        for (src, dst, n) in [(a, ws, na), (b, ws + b_off as u64, nb)] {
+            self.launch(stream, cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])?;
+        }
+        self.blas.gemm(stream, &Gemm { ab_type: t, f32_mode: F32Mode::Exact, ..*g }, ws, ws + b_off as u64, c)
     }
     /// Queues a device-to-device copy of `bytes` bytes on `stream`.
     ///

@@ -1,6 +1,7 @@
 //! cuBLAS matrix products against an f64 host reference: every transpose combination, batches
 //! with a broadcast operand, row strides wider than the matrix, alpha/beta, f64, bf16/f16
-//! operands with f32 or 16-bit results, TF32 on request; and the speed of large products
+//! operands with f32 or 16-bit results, TF32 on request, the runtime's mixed-precision gemms
+//! (operands rounded to bf16/f16 to nearest, half_gemm.rs); and the speed of large products
 //! (printed, for doc/GPU-RUNS.md).
 
 use super::support::*;
@@ -185,6 +186,49 @@ fn gpu_gemm_f32_operands_as_bf16() {
     }
 }
 
+/// The runtime's gemm in a mixed-precision mode rounds both f32 operands to the 16-bit type
+/// (nearest even) and accumulates in f32: within f32 accumulation of the product of the rounded
+/// operands, and not the f32 product. Transposes, a broadcast operand and a row stride wider
+/// than the matrix.
+#[test]
+fn gpu_runtime_mixed_precision_gemms_multiply_rounded_operands() {
+    let Some(gpu_) = gpu("gpu_runtime_mixed_precision_gemms_multiply_rounded_operands") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(29);
+    type Round = fn(f32) -> f32;
+    let modes: [(F32Mode, Round); 2] = [(F32Mode::Bf16, |x| bf16_value(bf16_bits(x))), (F32Mode::F16, |x| f16_value(f16_bits(x)))];
+    for (mode, round) in modes {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let mut g = Gemm::contiguous(3, 64, 48, 200, ta, tb, GemmType::F32);
+            g.f32_mode = mode;
+            g.stride_b = if tb { 0 } else { g.stride_b };
+            g.lda += 3; // rows wider than the matrix: the gap is rounded too, and never read
+            g.stride_a = g.lda * if ta { g.k } else { g.m };
+            let (a_rows, b_rows) = (if ta { g.k } else { g.m }, if tb { g.n } else { g.k });
+            let a = rng.f32s(extent(g.batch, g.stride_a, a_rows, g.lda), -1.0, 1.0);
+            let b = rng.f32s(extent(g.batch, g.stride_b, b_rows, g.ldb), -1.0, 1.0);
+            let (da, db, dc) = (dev(gpu_, &a), dev(gpu_, &b), dev(gpu_, &vec![0f32; g.batch * g.m * g.n]));
+            rt.gemm(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), dc.ptr()).unwrap_or_else(|e| panic!("{e}"));
+            gpu_.synchronize().unwrap();
+            let got: Vec<f64> = host::<f32>(&dc).into_iter().map(f64::from).collect();
+            let f = |v: &[f32], r: &dyn Fn(f32) -> f32| v.iter().map(|&x| r(x) as f64).collect::<Vec<f64>>();
+            let zero = vec![0.0; got.len()];
+            let rounded = reference(&g, &f(&a, &round), &f(&b, &round), &zero);
+            let exact = reference(&g, &f(&a, &|x| x), &f(&b, &|x| x), &zero);
+            let scale = reference(&g, &f(&a, &|x: f32| x.abs()), &f(&b, &|x: f32| x.abs()), &zero);
+            let (mut off_rounded, mut off_exact) = (0f64, 0f64);
+            for i in 0..got.len() {
+                off_rounded = off_rounded.max((got[i] - rounded[i]).abs() / scale[i].max(1e-30));
+                off_exact = off_exact.max((got[i] - exact[i]).abs() / scale[i].max(1e-30));
+            }
+            println!("{mode:?} trans_a={ta} trans_b={tb}: off the rounded-operand product by {off_rounded:.2e}, the f32 one by {off_exact:.2e} (of Σ|ab|)");
+            assert!(off_rounded < 1e-5, "{mode:?} trans_a={ta} trans_b={tb}: {off_rounded:.2e} from the product of rounded operands");
+            // an f32 product is within ~1e-7 of Σ|ab|; rounding 200 operand pairs moves it by ~1e-5 (f16) and more
+            assert!(off_exact > 5e-6, "{mode:?} trans_a={ta} trans_b={tb}: the f32 product: operands not rounded");
+        }
+    }
+}
+
 #[test]
 fn gpu_gemm_speed() {
     let Some(g) = gpu("gpu_gemm_speed") else { return };
@@ -197,6 +241,24 @@ fn gpu_gemm_speed() {
         let (a, b, c) = (zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()), zeros::<u8>(g, n * n * t.size()));
         let bl = blas(g);
         let go = || bl.gemm(std::ptr::null_mut(), &desc, a.ptr(), b.ptr(), c.ptr()).unwrap_or_else(|e| panic!("{e}"));
+        // the executor's path: mixed-precision f32 gemms with operands rounded first (half_gemm.rs)
+        if mode == F32Mode::Bf16 {
+            let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+            let run = || rt.gemm(std::ptr::null_mut(), &desc, a.ptr(), b.ptr(), c.ptr()).unwrap_or_else(|e| panic!("{e}"));
+            run();
+            g.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..20 {
+                run();
+            }
+            g.synchronize().unwrap();
+            let s = t0.elapsed().as_secs_f64() / 20.0;
+            println!(
+                "gemm {n}³ F32 Bf16 through the runtime (operands rounded to bf16 first): {:.3} ms, {:.0} TFLOP/s (zeros)",
+                s * 1e3,
+                2.0 * (n as f64).powi(3) / s / 1e12
+            );
+        }
         for _ in 0..3 {
             go();
         }
