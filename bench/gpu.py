@@ -6,7 +6,9 @@ ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
                         [--json PATH]
 
 Each (workload, system) runs in its own process, one after another, so peak memory
-(torch.cuda.max_memory_allocated) and torch.compile's caches belong to that system alone. A step
+(torch.cuda.max_memory_allocated, plus for ortrain the buffers its CUDA runtime holds outside
+PyTorch's allocator: scratch, rounded gemm operands, cuBLAS's workspace) and torch.compile's
+caches belong to that system alone. A step
 is timed from its first line to a torch.cuda.synchronize() after optimizer.step(): what a user's
 per-batch log sees. MFU counts the model FLOPs of a training step (6 per parameter per token for
 the matmul weights plus 12·L·H·Q·T for attention, as nanoGPT/PaLM) against the GPU's dense peak
@@ -154,10 +156,17 @@ def _worker(cfg: dict) -> dict:
     name = torch.cuda.get_device_name()
     peak = next((v for (frag, p), v in PEAKS.items() if frag in name and p == precision), None)
     med = statistics.median(times)
+    torch_peak = torch.cuda.max_memory_allocated()
+    own = 0  # ortrain's runtime buffers live outside PyTorch's allocator: counted here, not hidden
+    if system.startswith("ortrain"):
+        from ortrain import _ortrain
+
+        own = _ortrain.cuda_runtime_bytes()
     return {"status": "ok", "device": name, "precision": precision, "tokens": tokens, "flops": flops,
             "median_ms": med * 1e3, "p10_ms": _q(times, 0.1) * 1e3, "p90_ms": _q(times, 0.9) * 1e3,
             "first_s": first, "tokens_per_s": tokens / med, "mfu": (flops / med / peak) if peak else None,
-            "peak_mib": torch.cuda.max_memory_allocated() / 2**20, "final_loss": float(loss), "times": times}
+            "peak_mib": (torch_peak + own) / 2**20, "torch_peak_mib": torch_peak / 2**20, "runtime_mib": own / 2**20,
+            "final_loss": float(loss), "times": times}
 
 
 def _q(xs, q):

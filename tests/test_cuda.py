@@ -45,6 +45,18 @@ def test_accelerate_on_cuda_names_the_reason():
     assert "doc/GPU-RUNS.md" in msg and "device='cpu'" in msg, msg
 
 
+def test_runtime_memory_is_none_without_a_gpu_and_counts_the_cublas_workspace_with_one():
+    """The bytes ortrain's CUDA runtime holds outside PyTorch's allocator (bench.gpu adds them to
+    ortrain's peak): nothing before any GPU step, at least cuBLAS's 32 MiB workspace after one."""
+    if not ortrain.cuda_available()[0] or not torch.cuda.is_available():
+        assert _ortrain.cuda_runtime_bytes() == 0
+        return
+    model = torch.nn.Linear(8, 8).cuda()
+    ortrain.accelerate(model, device="cuda", strict=True, fuse_loss=False)
+    model(torch.randn(4, 8, device="cuda")).sum().backward()
+    assert _ortrain.cuda_runtime_bytes() >= 32 << 20
+
+
 def test_the_extension_links_no_cuda_library():
     readelf = shutil.which("readelf")
     if readelf is None:

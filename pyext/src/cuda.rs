@@ -181,6 +181,14 @@ impl PyCudaPending {
     }
 }
 
+/// Device bytes ortrain's CUDA runtime holds outside PyTorch's allocator (scratch and operand
+/// buffers, cuBLAS's workspace): what torch.cuda's memory statistics do not see. 0 before the
+/// runtime exists.
+#[pyfunction]
+fn cuda_runtime_bytes() -> usize {
+    runtime::loaded_runtime().map_or(0, |rt| rt.own_bytes())
+}
+
 /// Queues a copy of `bytes` bytes from device address `src` to `dst` on `stream`.
 #[pyfunction]
 fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize) -> PyResult<()> {
@@ -240,6 +248,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_optim_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_runtime_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_index_errors, m)?)?;

@@ -50,11 +50,17 @@ pub struct CaptureStream(pub CUstream);
 // only under its mutex.
 unsafe impl Send for CaptureStream {}
 
+static RT: OnceLock<CudaRuntime> = OnceLock::new();
+
+/// The runtime if something has created it (never creates it).
+pub fn loaded_runtime() -> Option<&'static CudaRuntime> {
+    RT.get()
+}
+
 /// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
 /// (the Python package passes `site-packages/nvidia/cu13/lib`). A failure is returned every
 /// time (with its reason) and retried on the next call.
 pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
-    static RT: OnceLock<CudaRuntime> = OnceLock::new();
     static INIT: Mutex<()> = Mutex::new(());
     if let Some(rt) = RT.get() {
         return Ok(rt);
@@ -137,6 +143,15 @@ impl CudaRuntime {
             }
         }
         Ok(ones[slot].as_ref().map_or(0, |(b, _)| b.ptr()))
+    }
+    /// Device bytes the runtime holds itself, outside PyTorch's allocator (so not in
+    /// torch.cuda's statistics): the scratch, operand and ones buffers, those kept for graphs,
+    /// and cuBLAS's workspace.
+    pub fn own_bytes(&self) -> usize {
+        let held = |m: &Mutex<Option<super::launch::DeviceBuffer>>| m.lock().map_or(0, |b| b.as_ref().map_or(0, |b| b.bytes()));
+        let ones = self.ones.lock().map_or(0, |o| o.iter().flatten().map(|(b, _)| b.bytes()).sum::<usize>());
+        let retired = self.retired.lock().map_or(0, |r| r.iter().map(|b| b.bytes()).sum::<usize>());
+        held(&self.scratch) + held(&self.operands) + ones + retired + blas::WORKSPACE_BYTES
     }
     /// Frees a replaced scratch or ones buffer, or keeps it when graphs may read it.
     fn retire(&self, old: super::launch::DeviceBuffer) {
