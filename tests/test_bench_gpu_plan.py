@@ -30,3 +30,24 @@ def test_gpu_plan_reports_each_variant_without_a_gpu(tmp_path):
     assert attention["arena"] < default["arena"] < plain["arena"], r
     for name in r:
         assert name in proc.stdout
+
+
+def test_gpu_plan_of_the_tutorial_model(tmp_path):
+    """`--workload tutorial` plans the tutorial model's fused loss graph ([seq, batch] ids, the
+    targets flattened): the LM-head fusion plans less memory than without it."""
+    out = tmp_path / "plan.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+    env.pop("ORTRAIN_ENABLE_PASSES", None)
+    env.pop("ORTRAIN_DISABLE_PASSES", None)
+    cmd = [sys.executable, "-m", "bench.gpu_plan", "--workload", "tutorial", "--vocab", "2000", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    print(proc.stdout, proc.stderr[-3000:], sep="\n")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["batch"] == 20 and data["config"]["seq"] == 35 and data["eager_peak_gib"] == 0.44
+    r = data["results"]
+    default, plain = r["default passes"], r["without the LM-head fusion"]
+    assert default["passes"].get("fuse_linear_cross_entropy") == 1
+    assert default["arena"] < plain["arena"], r
+    assert "the tutorial model" in proc.stdout
