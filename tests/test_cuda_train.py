@@ -528,6 +528,7 @@ def test_explain_prints_the_planned_gpu_memory_before_step_one():
     text = ortrain.explain(model, x)
     m = re.search(r"with the loss fused .*GPU memory planned: .* = ([0-9.]+) MiB", text)
     assert m, text
+    assert "ortrain's runtime buffers outside PyTorch's allocator" in text, text
     planned = float(m.group(1)) * 2**20
 
     def step():

@@ -90,5 +90,11 @@ def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
     torch.cuda allocation). From the second step on, all four are alive at once during the
     backward pass, so their sum is what torch.cuda.max_memory_allocated() should show then."""
     parts, total = _tensor_parts(module, optimizer, arena_bytes, "cuda")
+    from ortrain import _ortrain
+
+    own = _ortrain.cuda_runtime_bytes()  # 0 before the first GPU step
+    outside = (f"; ortrain's runtime holds {own * _MIB:.1f} MiB more outside PyTorch's allocator (cuBLAS's "
+               "workspace, scratch)" if own else "; plus ortrain's runtime buffers outside PyTorch's allocator "
+               "(cuBLAS's 32 MiB workspace, scratch), from the first GPU step")
     return (f"GPU memory planned: {' + '.join(parts)} = {total * _MIB:.1f} MiB "
-            "(torch.cuda.max_memory_allocated() during a later step)")
+            "(torch.cuda.max_memory_allocated() during a later step)" + outside)
