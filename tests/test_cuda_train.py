@@ -28,6 +28,13 @@ def _mlp():
     return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)).cuda()
 
 
+def _mlp_batches(seed: int) -> list:
+    """Four (x [32, 16], labels of 10 classes) batches on the GPU for _mlp."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [(torch.randn(32, 16, device="cuda", generator=g), torch.randint(0, 10, (32,), device="cuda", generator=g))
+            for _ in range(4)]
+
+
 def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
@@ -58,9 +65,7 @@ def test_mlp_trains_like_eager_on_the_gpu():
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ortrain.accelerate(model, opt, device="cuda", strict=True, fuse_loss=False)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    batches = [(torch.randn(32, 16, device="cuda", generator=g), torch.randint(0, 10, (32,), device="cuda", generator=g))
-               for _ in range(4)]
+    batches = _mlp_batches(2)
     losses, ref_losses = [], []
     for step in range(20):
         x, y = batches[step % 4]
@@ -432,9 +437,7 @@ def test_fp16_trains_like_autocast_with_a_grad_scaler():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ortrain.accelerate(model, opt, device="cuda", strict=True, fuse_loss=False, precision="fp16")
     scaler = torch.amp.GradScaler("cuda")
-    g = torch.Generator(device="cuda").manual_seed(4)
-    batches = [(torch.randn(32, 16, device="cuda", generator=g), torch.randint(0, 10, (32,), device="cuda", generator=g))
-               for _ in range(4)]
+    batches = _mlp_batches(4)
     ours, theirs = [], []
     for step in range(30):
         x, y = batches[step % 4]

@@ -490,6 +490,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     state = getattr(model, "__dict__", {}).get("_ortrain_state")
     if state is None:
         return f"{type(model).__name__}: not accelerated"
+    from ortrain.engine.cuda_graphs import describe_graphs
     from ortrain.engine.runner import Runner
 
     if example_args or example_kwargs:
@@ -527,7 +528,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             else:
                 lines.append(f"    matmuls: {r.session.matmul_path}")
             if getattr(r, "on_cuda", False):
-                lines.append("    " + _graphs_line(state, r))
+                lines.append("    " + describe_graphs(r, state.cuda_graphs))
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:
@@ -555,21 +556,12 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                          f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                          f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
             if getattr(r, "on_cuda", False):
-                lines.append("    " + _graphs_line(state, r))
+                lines.append("    " + describe_graphs(r, state.cuda_graphs))
     if profile:
         from ortrain._profile import format_profile
 
         lines += format_profile(state)
     return "\n".join(lines)
-
-
-def _graphs_line(state, runner) -> str:
-    """explain()'s line on a CUDA runner's graphs."""
-    if runner.graphs is not None:
-        return runner.graphs.describe()
-    if not state.cuda_graphs:
-        return "CUDA graphs off (accelerate(..., cuda_graphs=False))"
-    return "CUDA graphs off (ORTRAIN_CUDA_GRAPHS=0)"
 
 
 def _training_memory(state, runner, info) -> list:

@@ -175,3 +175,12 @@ class GraphCache:
         if self.failed:
             text += "; without a graph: " + "; ".join(sorted(set(self.failed.values())))
         return text
+
+
+def describe_graphs(runner, option_on: bool) -> str:
+    """explain()'s line on a CUDA runner's graphs (`option_on`: accelerate's `cuda_graphs`)."""
+    if runner.graphs is not None:
+        return runner.graphs.describe()
+    if not option_on:
+        return "CUDA graphs off (accelerate(..., cuda_graphs=False))"
+    return f"CUDA graphs off ({_ENV}=0)"
