@@ -11,6 +11,10 @@ pub enum DType {
     Bool,
     U8,
     I8,
+    /// bfloat16 (ONNX BFLOAT16): the 16-bit activations of mixed-precision plans
+    BF16,
+    /// IEEE half (ONNX FLOAT16)
+    F16,
 }
 
 impl DType {
@@ -19,10 +23,15 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F64 | DType::I64 => 8,
             DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::BF16 | DType::F16 => 2,
         }
     }
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F64)
+        matches!(self, DType::F32 | DType::F64 | DType::BF16 | DType::F16)
+    }
+    /// A 16-bit float type (bf16 or fp16): stored in 16 bits, computed in f32.
+    pub fn is_half(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -33,6 +42,8 @@ impl DType {
             DType::Bool => "bool",
             DType::U8 => "uint8",
             DType::I8 => "int8",
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
         }
     }
     /// The ONNX TensorProto.DataType code.
@@ -45,6 +56,8 @@ impl DType {
             DType::I64 => 7,
             DType::Bool => 9,
             DType::F64 => 11,
+            DType::F16 => 10,
+            DType::BF16 => 16,
         }
     }
     pub fn from_onnx(code: i32) -> Option<DType> {
@@ -56,11 +69,15 @@ impl DType {
             7 => DType::I64,
             9 => DType::Bool,
             11 => DType::F64,
+            10 => DType::F16,
+            16 => DType::BF16,
             _ => return None,
         })
     }
     pub fn from_name(name: &str) -> Option<DType> {
-        [DType::F32, DType::F64, DType::I64, DType::I32, DType::Bool, DType::U8, DType::I8].into_iter().find(|d| d.name() == name)
+        [DType::F32, DType::F64, DType::I64, DType::I32, DType::Bool, DType::U8, DType::I8, DType::BF16, DType::F16]
+            .into_iter()
+            .find(|d| d.name() == name)
     }
 }
 
@@ -74,6 +91,8 @@ pub enum Data {
     Bool(Vec<u8>),
     U8(Vec<u8>),
     I8(Vec<i8>),
+    BF16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -100,6 +119,8 @@ impl Tensor {
             DType::Bool => Data::Bool(vec![0; n]),
             DType::U8 => Data::U8(vec![0; n]),
             DType::I8 => Data::I8(vec![0; n]),
+            DType::BF16 => Data::BF16(vec![half::bf16::ZERO; n]),
+            DType::F16 => Data::F16(vec![half::f16::ZERO; n]),
         };
         Tensor { shape, data }
     }
@@ -121,6 +142,8 @@ impl Tensor {
             Data::Bool(_) => DType::Bool,
             Data::U8(_) => DType::U8,
             Data::I8(_) => DType::I8,
+            Data::BF16(_) => DType::BF16,
+            Data::F16(_) => DType::F16,
         }
     }
     pub fn numel(&self) -> usize {
@@ -134,6 +157,8 @@ impl Tensor {
             Data::I32(v) => v.len(),
             Data::Bool(v) | Data::U8(v) => v.len(),
             Data::I8(v) => v.len(),
+            Data::BF16(v) => v.len(),
+            Data::F16(v) => v.len(),
         }
     }
     pub fn byte_len(&self) -> usize {
@@ -153,6 +178,8 @@ impl Tensor {
             Data::I32(v) => bytes(v),
             Data::Bool(v) | Data::U8(v) => v,
             Data::I8(v) => bytes(v),
+            Data::BF16(v) => bytes(v),
+            Data::F16(v) => bytes(v),
         }
     }
     /// Mutable raw bytes of the elements.
@@ -169,6 +196,8 @@ impl Tensor {
             Data::I32(v) => bytes(v),
             Data::Bool(v) | Data::U8(v) => v,
             Data::I8(v) => bytes(v),
+            Data::BF16(v) => bytes(v),
+            Data::F16(v) => bytes(v),
         }
     }
     /// Builds a tensor from little-endian raw bytes.
@@ -196,6 +225,8 @@ impl Tensor {
             DType::Bool => Data::Bool(raw.iter().map(|&b| (b != 0) as u8).collect()),
             DType::U8 => Data::U8(raw.to_vec()),
             DType::I8 => Data::I8(raw.iter().map(|&b| b as i8).collect()),
+            DType::BF16 => Data::BF16(raw.chunks_exact(2).map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
+            DType::F16 => Data::F16(raw.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]]))).collect()),
         };
         Ok(Tensor { shape, data })
     }
@@ -206,7 +237,7 @@ impl Tensor {
             Data::I32(v) => v.iter().map(|&x| x as i64).collect(),
             Data::Bool(v) | Data::U8(v) => v.iter().map(|&x| x as i64).collect(),
             Data::I8(v) => v.iter().map(|&x| x as i64).collect(),
-            Data::F32(_) | Data::F64(_) => return None,
+            Data::F32(_) | Data::F64(_) | Data::BF16(_) | Data::F16(_) => return None,
         })
     }
     /// The elements as f64 (any dtype).
@@ -218,6 +249,8 @@ impl Tensor {
             Data::I32(v) => v.iter().map(|&x| x as f64).collect(),
             Data::Bool(v) | Data::U8(v) => v.iter().map(|&x| x as f64).collect(),
             Data::I8(v) => v.iter().map(|&x| x as f64).collect(),
+            Data::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            Data::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
         }
     }
 }

@@ -26,7 +26,9 @@ unsafe impl Send for Addr {}
 
 pub(crate) fn dtype(name: &str) -> PyResult<DType> {
     DType::from_name(name).ok_or_else(|| {
-        PyValueError::new_err(format!("unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8)"))
+        PyValueError::new_err(format!(
+            "unsupported element type '{name}' (supported: float32, float64, int64, int32, bool, uint8, int8, bfloat16, float16)"
+        ))
     })
 }
 
@@ -76,8 +78,10 @@ impl PySession {
         };
         let opts = options(matmul_precision, target)?;
         let bytes = onnx.as_bytes().to_vec();
-        let s = py.detach(move || Session::from_onnx_for(&bytes, None, &weights, &trainable, seeded.as_deref(), target)).map_err(to_py)?;
-        Ok(PySession { inner: Arc::new(s.with_options(opts)) })
+        let s = py
+            .detach(move || Session::from_onnx_with(&bytes, None, &weights, &trainable, seeded.as_deref(), target, opts))
+            .map_err(to_py)?;
+        Ok(PySession { inner: Arc::new(s) })
     }
 
     /// Imports an ONNX file; external data files are read from the file's folder.

@@ -149,7 +149,7 @@ pub fn run_phase(
             // SAFETY: p points to the output's planned bytes, written only by this step.
             outs.push(unsafe { Out::from_raw(dtype, plan.shape(o), p) });
         }
-        (plan.kernels[i])(node, &ins, &mut outs, ctx).map_err(|e| match e {
+        crate::backend::cpu::widen::call(plan.kernels[i], node, &ins, &mut outs, ctx).map_err(|e| match e {
             Error::Node { .. } => e,
             other => node.err(other.to_string()),
         })?;

@@ -40,6 +40,9 @@ pub fn tensor_from_proto(t: &TensorProto, base_dir: Option<&Path>, field: &str) 
         DType::Bool => Data::Bool(t.int32_data.iter().map(|&x| (x != 0) as u8).collect()),
         DType::U8 => Data::U8(t.int32_data.iter().map(|&x| x as u8).collect()),
         DType::I8 => Data::I8(t.int32_data.iter().map(|&x| x as i8).collect()),
+        // 16-bit floats are stored as their bit patterns in int32_data
+        DType::BF16 => Data::BF16(t.int32_data.iter().map(|&x| half::bf16::from_bits(x as u16)).collect()),
+        DType::F16 => Data::F16(t.int32_data.iter().map(|&x| half::f16::from_bits(x as u16)).collect()),
     };
     Tensor::new(shape, data).map_err(|e| Error::onnx(format!("{field} typed data"), e.to_string()))
 }

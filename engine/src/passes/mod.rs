@@ -5,6 +5,7 @@
 //! `ORTRAIN_ENABLE_PASSES` turns on the opt-in ones. A pass whose fused op has kernels on some
 //! backends only runs for sessions built for those (`Target`).
 
+mod autocast;
 mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
@@ -13,8 +14,17 @@ mod slice_before_linear;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, NodeId, ValueId, ValueKind};
+use crate::tensor::DType;
 
-type Pass = fn(&mut Graph) -> Result<usize>;
+type Pass = fn(&mut Graph, &PassCtx) -> Result<usize>;
+
+/// What a pass may know of the session it runs for.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PassCtx {
+    pub target: Target,
+    /// The 16-bit float type of a mixed-precision session (bf16 or fp16), None for fp32.
+    pub half: Option<DType>,
+}
 
 /// The backend a session's plans will run on: passes whose fused ops lack kernels there are
 /// skipped (a missing kernel would be a plan-time error).
@@ -34,6 +44,8 @@ enum Runs {
     /// CUDA sessions, only when named in `ORTRAIN_ENABLE_PASSES` (a fusion that is correct but
     /// not yet faster everywhere).
     CudaOptIn,
+    /// Every session, only when named in `ORTRAIN_ENABLE_PASSES`.
+    OptIn,
 }
 
 /// The pipeline, in order: (name, pass, sessions it runs for). A pass returns how many
@@ -42,15 +54,19 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // CUDA only, opt-in: the CPU's Attention kernel is a plain reference for the GPU's; on an
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
-    ("fuse_attention", fuse_attention::run, Runs::CudaOptIn),
-    ("fuse_gelu_tanh", fuse_gelu_tanh::run, Runs::Both),
-    ("fuse_linear", fuse_linear::run, Runs::Both),
+    ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CudaOptIn),
+    ("fuse_gelu_tanh", |g, _| fuse_gelu_tanh::run(g), Runs::Both),
+    ("fuse_linear", |g, _| fuse_linear::run(g), Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
     // LM head's input, so that the Linear feeds the loss's reshape directly
-    ("slice_before_linear", slice_before_linear::run, Runs::Both),
+    ("slice_before_linear", |g, _| slice_before_linear::run(g), Runs::Both),
     // after fuse_linear: it matches the Linear that pass made; one name, chunks sized per backend
-    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run_cpu, Runs::CpuOnly),
-    ("fuse_linear_cross_entropy", fuse_linear_cross_entropy::run_cuda, Runs::CudaOnly),
+    ("fuse_linear_cross_entropy", |g, _| fuse_linear_cross_entropy::run_cpu(g), Runs::CpuOnly),
+    ("fuse_linear_cross_entropy", |g, _| fuse_linear_cross_entropy::run_cuda(g), Runs::CudaOnly),
+    // last, on the fused graph; opt-in until it has run on a GPU: 16-bit activations in
+    // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
+    // to f32 (backend/cpu/widen.rs): a reference, not a fast path.
+    ("autocast", |g, c| c.half.map_or(Ok(0), |h| autocast::run(g, h)), Runs::OptIn),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
@@ -80,20 +96,21 @@ fn listed(var: &str) -> Result<Vec<String>> {
 }
 
 /// Runs the pipeline over `graph` (forward nodes only: call before autodiff) for plans on
-/// `target`.
-pub fn run(graph: &mut Graph, target: Target) -> Result<PassReport> {
+/// `ctx.target`.
+pub fn run(graph: &mut Graph, ctx: PassCtx) -> Result<PassReport> {
+    let target = ctx.target;
     let (off, on) = (listed(ENV_DISABLE)?, listed(ENV_ENABLE)?);
     let mut report = PassReport::default();
     for (name, pass, runs) in PIPELINE {
         let skip = match (target, runs) {
             (Target::Cpu, Runs::CudaOptIn | Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
-            (Target::Cuda, Runs::CudaOptIn) => !on.iter().any(|n| n == name),
+            (Target::Cuda, Runs::CudaOptIn) | (_, Runs::OptIn) => !on.iter().any(|n| n == name),
             _ => false,
         };
         if off.iter().any(|n| n == name) || skip {
             continue;
         }
-        let n = pass(graph)?;
+        let n = pass(graph, &ctx)?;
         report.rewrites.push((name, n));
         if n > 0 {
             remove_dead_nodes(graph);

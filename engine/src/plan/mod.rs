@@ -382,7 +382,7 @@ fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: 
                 unsafe { Out::from_raw(dtype, shape, ptr) }
             })
             .collect();
-        k(node, &views, &mut out_views, ctx)?;
+        cpu::widen::call(k, node, &views, &mut out_views, ctx)?;
     }
     Ok(Some(results))
 }

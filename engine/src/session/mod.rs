@@ -106,6 +106,20 @@ impl Session {
         seeded: Option<&[bool]>,
         target: Target,
     ) -> Result<Session> {
+        Self::from_onnx_with(onnx, base_dir, weights, trainable, seeded, target, SessionOptions::default())
+    }
+
+    /// As `from_onnx_for`, with `options` (the graph passes see the matmul precision: the
+    /// opt-in `autocast` pass keeps activations in 16 bits for bf16/fp16 sessions).
+    pub fn from_onnx_with(
+        onnx: &[u8],
+        base_dir: Option<&Path>,
+        weights: &[String],
+        trainable: &[bool],
+        seeded: Option<&[bool]>,
+        target: Target,
+        options: SessionOptions,
+    ) -> Result<Session> {
         if weights.len() != trainable.len() {
             return Err(Error::other("weights and trainable flags differ in length"));
         }
@@ -130,7 +144,12 @@ impl Session {
         // bound weights are read from the caller's memory on every call: the imported copy of their
         // data would only double the model's memory
         graph.weights = graph.weights.into_iter().filter(|(v, _)| weight_ids.contains(v)).map(|(v, _)| (v, None)).collect();
-        let passes = crate::passes::run(&mut graph, target)?;
+        let half = match options.matmul_precision {
+            MatmulPrecision::Fp32 => None,
+            MatmulPrecision::Bf16 => Some(DType::BF16),
+            MatmulPrecision::Fp16 => Some(DType::F16),
+        };
+        let passes = crate::passes::run(&mut graph, crate::passes::PassCtx { target, half })?;
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());
@@ -158,7 +177,7 @@ impl Session {
             }
         }
         let inputs = graph.inputs.clone();
-        Ok(Session {
+        let session = Session {
             graph,
             n_fwd,
             inputs,
@@ -175,7 +194,8 @@ impl Session {
             passes,
             #[cfg(feature = "cuda")]
             cuda: cuda::CudaState::default(),
-        })
+        };
+        Ok(session.with_options(options))
     }
 
     /// The session with these options (the matmul path is resolved here, from the CPU).

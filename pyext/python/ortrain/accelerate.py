@@ -518,8 +518,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             took += ", in a child process" if e.in_child and not e.from_cache else ""
             sizes = ("input sizes fixed to " + ", ".join(str(list(x)) for x in key[3])) if len(key) == 4 \
                 else "any input sizes"
+            passes = ", ".join(f"{name} ×{n}" for name, n in r.session.passes if n)
             lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
-                         f"{fwd} forward + {bwd} gradient nodes, {sizes}")
+                         f"{fwd} forward + {bwd} gradient nodes, {sizes}" + (f"; passes {passes}" if passes else ""))
             if getattr(r, "on_cuda", False) and r.session.matmul_precision in ("bf16", "fp16"):
                 lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step {where_step}")
             elif getattr(r, "on_cuda", False):

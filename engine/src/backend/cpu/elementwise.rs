@@ -252,6 +252,7 @@ fn cast(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
                 DType::U8 => go::<$s, u8>(a, o),
                 DType::I8 => go::<$s, i8>(a, o),
                 DType::Bool => to_bool::<$s>(a, o),
+                DType::BF16 | DType::F16 => Err(half_reached(node)),
             }
         };
     }
@@ -262,7 +263,13 @@ fn cast(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> 
         DType::I32 => from!(i32),
         DType::U8 | DType::Bool => from!(u8),
         DType::I8 => from!(i8),
+        DType::BF16 | DType::F16 => Err(half_reached(node)),
     }
+}
+
+/// 16-bit floats reach Cast widened to f32 (backend/cpu/widen.rs), never as such.
+fn half_reached(node: &Node) -> crate::error::Error {
+    node.err("a 16-bit float reached Cast unwidened")
 }
 
 macro_rules! unary_float {

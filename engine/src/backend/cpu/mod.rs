@@ -27,6 +27,7 @@ mod shape_ops;
 mod softmax;
 pub mod tensor_view;
 mod vmath;
+pub mod widen;
 
 use std::collections::HashMap;
 use std::sync::OnceLock;
@@ -154,7 +155,7 @@ pub(crate) mod testutil {
                 unsafe { Out::from_raw(d, s, t.as_bytes_mut().as_mut_ptr()) }
             })
             .collect();
-        kernel(op).expect("kernel")(&node, &views, &mut outs, ctx)?;
+        super::widen::call(kernel(op).expect("kernel"), &node, &views, &mut outs, ctx)?;
         drop(outs);
         Ok(results)
     }

@@ -21,6 +21,8 @@ elem!(i64, I64);
 elem!(i32, I32);
 elem!(u8, U8);
 elem!(i8, I8);
+elem!(half::bf16, BF16);
+elem!(half::f16, F16);
 
 /// Read-only input view.
 #[derive(Clone, Copy, Debug)]
@@ -104,6 +106,14 @@ impl<'a> Out<'a> {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// A second view of the same output, borrowing this one.
+    pub fn reborrow(&mut self) -> Out<'_> {
+        Out { dtype: self.dtype, shape: self.shape, ptr: self.ptr }
+    }
+    /// What the output's memory holds now, as an input view borrowing this one.
+    pub fn as_input(&mut self) -> In<'_> {
+        In { dtype: self.dtype, shape: self.shape, ptr: self.ptr }
+    }
     pub fn slice<T: Elem>(&mut self) -> Result<&mut [T]> {
         check(self.dtype, T::DTYPE)?;
         if self.numel() == 0 {
@@ -146,6 +156,10 @@ macro_rules! dispatch_num {
             $crate::tensor::DType::I32 => $f::<i32>($($arg),*),
             $crate::tensor::DType::U8 | $crate::tensor::DType::Bool => $f::<u8>($($arg),*),
             $crate::tensor::DType::I8 => $f::<i8>($($arg),*),
+            d @ ($crate::tensor::DType::BF16 | $crate::tensor::DType::F16) => Err($node.err(format!(
+                "element type {} reached a kernel without 16-bit floats (they run widened to f32: backend/cpu/widen.rs)",
+                d.name()
+            ))),
         }
     };
 }

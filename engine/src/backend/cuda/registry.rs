@@ -83,6 +83,8 @@ pub fn dtype_suffix(d: crate::tensor::DType) -> &'static str {
         I32 => "i32",
         Bool | U8 => "u8",
         I8 => "i8",
+        BF16 => "bf16",
+        F16 => "f16",
     }
 }
 

@@ -13,6 +13,8 @@ _TO_ENGINE = {
     torch.bool: "bool",
     torch.uint8: "uint8",
     torch.int8: "int8",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
 }
 _TO_TORCH = {v: k for k, v in _TO_ENGINE.items()}
 

@@ -17,7 +17,10 @@ pub(super) fn gemm_type(node: &Node, d: DType) -> Result<GemmType> {
     match d {
         DType::F32 => Ok(GemmType::F32),
         DType::F64 => Ok(GemmType::F64),
-        other => Err(node.err(format!("CUDA matmuls take f32 or f64, got {}", other.name()))),
+        // 16-bit activations (passes/autocast.rs): 16-bit operands and result, f32 accumulation
+        DType::BF16 => Ok(GemmType::Bf16),
+        DType::F16 => Ok(GemmType::F16),
+        other => Err(node.err(format!("CUDA matmuls take float tensors, got {}", other.name()))),
     }
 }
 

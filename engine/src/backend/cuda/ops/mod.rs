@@ -131,6 +131,8 @@ pub(crate) fn float_suffix(node: &Node, d: DType) -> Result<&'static str> {
     match d {
         DType::F32 => Ok("f32"),
         DType::F64 => Ok("f64"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
         other => Err(node.err(format!("the CUDA kernel takes float tensors, got {}", other.name()))),
     }
 }
