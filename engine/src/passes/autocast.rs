@@ -21,7 +21,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::error::Result;
-use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+use crate::ir::{Attr, Attrs, Graph, Node, ValueId, ValueKind};
 use crate::tensor::DType;
 
 /// How an op treats 16-bit operands.
@@ -61,7 +61,7 @@ pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
     loop {
         let mut w = Rewrite {
             graph,
-            types: types.clone(),
+            types: &types,
             half,
             half_of: HashMap::new(),
             produced: HashSet::new(),
@@ -88,7 +88,7 @@ pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
         let read: HashSet<ValueId> =
             w.nodes.iter().filter(|n| n.op_type != "Cast").flat_map(|n| n.inputs.iter().flatten().copied()).collect();
         let wasted: Vec<usize> = low_outputs.iter().filter(|(_, outs)| !outs.iter().any(|o| read.contains(o))).map(|(i, _)| *i).collect();
-        if low > 0 && !wasted.is_empty() {
+        if !wasted.is_empty() {
             *w.graph = original.clone();
             keep_f32.extend(wasted);
             continue;
@@ -97,15 +97,8 @@ pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
             *w.graph = original;
             return Ok(0);
         }
+        // producers are renumbered by the pipeline's dead-node sweep after any rewrite
         w.graph.nodes = std::mem::take(&mut w.nodes);
-        for v in w.graph.values.iter_mut() {
-            v.producer = None;
-        }
-        for (i, node) in w.graph.nodes.iter().enumerate() {
-            for o in &node.outputs {
-                w.graph.values[o.0].producer = Some(NodeId(i));
-            }
-        }
         return Ok(low);
     }
 }
@@ -184,10 +177,10 @@ const KEEPS_TYPE: &[&str] = &[
     "Cos",
 ];
 
-struct Rewrite<'g> {
+struct Rewrite<'g, 't> {
     graph: &'g mut Graph,
     /// Each original value's element type (before this pass).
-    types: Vec<Option<DType>>,
+    types: &'t [Option<DType>],
     half: DType,
     /// Original f32 value -> its 16-bit form (a node's 16-bit output, or a cast).
     half_of: HashMap<ValueId, ValueId>,
@@ -199,7 +192,7 @@ struct Rewrite<'g> {
     nodes: Vec<Node>,
 }
 
-impl Rewrite<'_> {
+impl Rewrite<'_, '_> {
     fn is_f32(&self, v: ValueId) -> bool {
         self.types.get(v.0).copied().flatten() == Some(DType::F32)
     }
