@@ -43,12 +43,14 @@ __device__ __forceinline__ f32 att_warp_sum(f32 v) {
 
 // Whether every score of rows r0.. and columns c0.. (a rows x cols tile) is -inf: outside the
 // matrix or masked with -inf (a causal mask's upper triangle). The whole block gets the answer.
-__device__ __forceinline__ bool att_tile_dead_n(const f32* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms, int rows, int cols) {
+// M: the mask's element type (f32, or bf16 in 16-bit plans).
+template <typename M>
+__device__ __forceinline__ bool att_tile_dead_n(const M* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms, int rows, int cols) {
     int live = 0;
     if (mask) {
         for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
             const i64 r = r0 + e / cols, c = c0 + e % cols;
-            if (r < T && c < S && mask[mo + r * mt + c * ms] != -ATT_INF) live = 1;
+            if (r < T && c < S && Num<M>::load(mask[mo + r * mt + c * ms]) != -ATT_INF) live = 1;
         }
     } else {
         live = 1;
@@ -57,10 +59,11 @@ __device__ __forceinline__ bool att_tile_dead_n(const f32* mask, i64 mo, i64 r0,
 }
 
 // The score of (row, col) after scale and mask; -inf outside the matrix.
-__device__ __forceinline__ f32 att_score(f32 dot, f32 scale, const f32* mask, i64 mo, i64 row, i64 col, i64 T, i64 S, i64 mt, i64 ms) {
+template <typename M>
+__device__ __forceinline__ f32 att_score(f32 dot, f32 scale, const M* mask, i64 mo, i64 row, i64 col, i64 T, i64 S, i64 mt, i64 ms) {
     if (row >= T || col >= S) return -ATT_INF;
     f32 x = dot * scale;
-    if (mask) x += mask[mo + row * mt + col * ms];
+    if (mask) x += Num<M>::load(mask[mo + row * mt + col * ms]);
     return x;
 }
 

@@ -69,34 +69,38 @@ __device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c
 __device__ __forceinline__ u16 am_bf16(f32 x) { return f32_to_bf16(x).bits; }
 
 // dst[r·ld + c] = src[(r0 + r)·ld_src + c] as bf16 for 64 rows and `width` columns; zeros past `rows`.
-__device__ __forceinline__ void am_stage_rows(u16* dst, int ld, const f32* src, i64 ld_src, i64 r0, i64 rows, int width) {
+template <typename E>
+__device__ __forceinline__ void am_stage_rows(u16* dst, int ld, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
     for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
         const int r = e / width, c = e % width;
-        dst[r * ld + c] = am_bf16(r0 + r < rows ? src[(r0 + r) * ld_src + c] : 0.f);
+        dst[r * ld + c] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
     }
 }
 
 // The transpose: dst[c·AM_LDT + r] = src[(r0 + r)·ld_src + c].
-__device__ __forceinline__ void am_stage_rows_t(u16* dst, const f32* src, i64 ld_src, i64 r0, i64 rows, int width) {
+template <typename E>
+__device__ __forceinline__ void am_stage_rows_t(u16* dst, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
     for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
         const int r = e / width, c = e % width;
-        dst[c * AM_LDT + r] = am_bf16(r0 + r < rows ? src[(r0 + r) * ld_src + c] : 0.f);
+        dst[c * AM_LDT + r] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
     }
 }
 
 // Columns c0.. of kt ([D][S]) d-major: dst[d·AM_LDT + c] = kt[d·S + c0 + c].
-__device__ __forceinline__ void am_stage_cols(u16* dst, const f32* kt, i64 S, i64 c0, int D) {
+template <typename E>
+__device__ __forceinline__ void am_stage_cols(u16* dst, const E* kt, i64 S, i64 c0, int D) {
     for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
         const int d = e / AM_TILE, c = e % AM_TILE;
-        dst[d * AM_LDT + c] = am_bf16(c0 + c < S ? kt[d * S + c0 + c] : 0.f);
+        dst[d * AM_LDT + c] = am_bf16(c0 + c < S ? Num<E>::load(kt[d * S + c0 + c]) : 0.f);
     }
 }
 
 // The same columns key-major: dst[c·ld + d] = kt[d·S + c0 + c].
-__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const f32* kt, i64 S, i64 c0, int D) {
+template <typename E>
+__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, i64 S, i64 c0, int D) {
     for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
         const int d = e / AM_TILE, c = e % AM_TILE;
-        dst[c * ld + d] = am_bf16(c0 + c < S ? kt[d * S + c0 + c] : 0.f);
+        dst[c * ld + d] = am_bf16(c0 + c < S ? Num<E>::load(kt[d * S + c0 + c]) : 0.f);
     }
 }
 
@@ -143,12 +147,13 @@ template <int HD> __device__ __forceinline__ void am_accumulate(f32 acc[HD / 8][
 }
 
 // Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...).
-__device__ __forceinline__ void am_delta(f32* delta, const f32* dout, const f32* o, i64 bi, i64 T, int Dv, i64 t0, int w, int lane) {
+template <typename E>
+__device__ __forceinline__ void am_delta(f32* delta, const E* dout, const E* o, i64 bi, i64 T, int Dv, i64 t0, int w, int lane) {
     for (int r = w; r < AM_TILE; r += 4) {
         const i64 row = t0 + r;
         f32 s = 0.f;
         if (row < T)
-            for (int d = lane; d < Dv; d += 32) s += dout[(bi * T + row) * Dv + d] * o[(bi * T + row) * Dv + d];
+            for (int d = lane; d < Dv; d += 32) s += Num<E>::load(dout[(bi * T + row) * Dv + d]) * Num<E>::load(o[(bi * T + row) * Dv + d]);
         s = att_warp_sum(s);
         if (lane == 0) delta[r] = s;
     }
@@ -179,8 +184,8 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
     return p;
 }
 
-template <int HD>
-__device__ __forceinline__ void am_fwd(const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o, f32* lse, const AttnShape& a, f32 scale,
+template <int HD, typename E>
+__device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const E* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
@@ -254,14 +259,15 @@ __device__ __forceinline__ void am_fwd(const f32* q, const f32* kt, const f32* v
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) o[(bi * T + row) * HD + 8 * n + 2 * qd + c] = empty && nan_guard ? 0.f : acc[n][2 * h + c] * inv;
+            for (int c = 0; c < 2; ++c) o[(bi * T + row) * HD + 8 * n + 2 * qd + c] = Num<E>::store(empty && nan_guard ? 0.f : acc[n][2 * h + c] * inv);
         if (qd == 0) lse[bi * T + row] = empty ? -ATT_INF : m[h] + logf(l[h]);
     }
 }
 
 // P of one warp's 16 rows against the 64 keys of tile s0 (s: the scores' dot products, in place),
 // from the rows' LSE: 0 where masked, outside the matrix or in an empty row.
-__device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const f32* mask, i64 mo,
+template <typename E>
+__device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const E* mask, i64 mo,
                                          const AttnShape& a) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -273,9 +279,9 @@ __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f
         }
 }
 
-template <int HD>
-__device__ __forceinline__ void am_bwd_dq(const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o,
-                                          const f32* lse, f32* dq, const AttnShape& a, f32 scale) {
+template <int HD, typename E>
+__device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const E* mask, const E* o,
+                                          const f32* lse, E* dq, const AttnShape& a, f32 scale) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
@@ -329,15 +335,15 @@ __device__ __forceinline__ void am_bwd_dq(const f32* dout, const f32* q, const f
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) dq[(bi * T + rows[h]) * HD + 8 * n + 2 * qd + c] = acc[n][2 * h + c] * scale;
+            for (int c = 0; c < 2; ++c) dq[(bi * T + rows[h]) * HD + 8 * n + 2 * qd + c] = Num<E>::store(acc[n][2 * h + c] * scale);
     }
 }
 
 // A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
 // rows in tiles of 64: Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD>
-__device__ __forceinline__ void am_bwd_dkv(const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o,
-                                           const f32* lse, f32* dkt, f32* dv, const AttnShape& a, f32 scale) {
+template <int HD, typename E>
+__device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const E* mask, const E* o,
+                                           const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
@@ -401,26 +407,32 @@ __device__ __forceinline__ void am_bwd_dkv(const f32* dout, const f32* q, const 
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int d = 8 * n + 2 * qd + c;
-                dkt[bi * HD * S + d * S + key] = acc_k[n][2 * h + c] * scale;
-                dv[(bi * S + key) * HD + d] = acc_v[n][2 * h + c];
+                dkt[bi * HD * S + d * S + key] = Num<E>::store(acc_k[n][2 * h + c] * scale);
+                dv[(bi * S + key) * HD + d] = Num<E>::store(acc_v[n][2 * h + c]);
             }
     }
 }
 
-#define AM_KERNELS(HD)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_f32(                                                \
-        const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o, f32* lse, AttnShape a, f32 scale, i32 nan_guard) {      \
-        am_fwd<HD>(q, kt, v, mask, o, lse, a, scale, nan_guard);                                                                    \
-    }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_f32(const f32* dout, const f32* q, const f32* kt, \
-                                                                                       const f32* v, const f32* mask, const f32* o, \
-                                                                                       const f32* lse, f32* dq, AttnShape a, f32 scale) { \
-        am_bwd_dq<HD>(dout, q, kt, v, mask, o, lse, dq, a, scale);                                                                  \
-    }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_f32(                                           \
-        const f32* dout, const f32* q, const f32* kt, const f32* v, const f32* mask, const f32* o, const f32* lse, f32* dkt,        \
-        f32* dv, AttnShape a, f32 scale) {                                                                                          \
-        am_bwd_dkv<HD>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale);                                                            \
+// One instance per head size and element type T of Q, Kᵀ, V, the mask, O and the gradients
+// (f32: rounded to bf16 for the products; bf16: the 16-bit plans' own tensors). LSE is f32.
+#define AM_KERNELS(HD, T)                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_##T(const T* q, const T* kt, const T* v,            \
+                                                                                   const T* mask, T* o, f32* lse, AttnShape a,     \
+                                                                                   f32 scale, i32 nan_guard) {                     \
+        am_fwd<HD, T>(q, kt, v, mask, o, lse, a, scale, nan_guard);                                                                \
+    }                                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_##T(const T* dout, const T* q, const T* kt,      \
+                                                                                      const T* v, const T* mask, const T* o,       \
+                                                                                      const f32* lse, T* dq, AttnShape a,          \
+                                                                                      f32 scale) {                                 \
+        am_bwd_dq<HD, T>(dout, q, kt, v, mask, o, lse, dq, a, scale);                                                              \
+    }                                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_##T(                                          \
+        const T* dout, const T* q, const T* kt, const T* v, const T* mask, const T* o, const f32* lse, T* dkt, T* dv, AttnShape a, \
+        f32 scale) {                                                                                                               \
+        am_bwd_dkv<HD, T>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale);                                                        \
     }
-AM_KERNELS(64)
-AM_KERNELS(128)
+AM_KERNELS(64, f32)
+AM_KERNELS(128, f32)
+AM_KERNELS(64, bf16)
+AM_KERNELS(128, bf16)

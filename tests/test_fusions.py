@@ -40,6 +40,9 @@ CASES = {
     "gpt2-slice_before_linear": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "slice_before_linear", 1),
     "gpt2-fuse_linear_cross_entropy": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_linear_cross_entropy", 1),
     "bert-fuse_linear_cross_entropy": (lambda: models.bert_small(vocab=200, dropout=0.0), "fuse_linear_cross_entropy", 1),
+    # the exporters repeat constants and per-layer work (GPT-2's causal mask): computed once
+    "gpt2-cse": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "cse", 10),
+    "tutorial-cse": (_tutorial, "cse", 3),
     # GPT-2's NewGELUActivation, written out as Pow/Mul/Add/Tanh, becomes Gelu(approximate="tanh")
     "gpt2-fuse_gelu_tanh": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_gelu_tanh", 2),
 }

@@ -182,6 +182,19 @@ impl PySession {
         d.set_item("view_nodes", plan.views)?;
         d.set_item("ops", plan.op_histogram(&self.inner.graph))?;
         d.set_item("text", plan.describe(&self.inner.graph))?;
+        let (step, live, values) = plan.peak();
+        let g = &self.inner.graph;
+        let at_peak: Vec<(String, String, String, Vec<usize>, usize)> = values
+            .iter()
+            .map(|&(v, bytes)| {
+                let op = g.values[v.0].producer.map(|p| g.nodes[p.0].op_type.clone()).unwrap_or_else(|| "input".into());
+                let dtype = plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default();
+                (g.values[v.0].name.clone(), op, dtype, plan.shape(v).to_vec(), bytes)
+            })
+            .collect();
+        d.set_item("peak_step", (step, if step < plan.split { "forward" } else { "backward" }))?;
+        d.set_item("peak_live_bytes", live)?;
+        d.set_item("peak_values", at_peak)?;
         Ok(d.into_any().unbind())
     }
 

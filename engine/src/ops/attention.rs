@@ -106,8 +106,8 @@ fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(A
             return Err(node.err(format!("{what} is {}, Q is {}", x.dtype.name(), q.dtype.name())));
         }
     }
-    if !matches!(q.dtype, DType::F32 | DType::F64) {
-        return Err(node.err(format!("attention takes f32 or f64 tensors, got {}", q.dtype.name())));
+    if !q.dtype.is_float() {
+        return Err(node.err(format!("attention takes float tensors (f32, f64, bf16, fp16), got {}", q.dtype.name())));
     }
     Ok((attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?, q.dtype))
 }

@@ -135,6 +135,13 @@ pub fn all_op_types() -> Vec<(&'static str, bool)> {
 }
 
 /// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
+/// Whether input `i` of an `op_type` node is read for its element type and shape only, never
+/// its data (Shape and Size of anything; CastLike's `target_type` operand). Plans neither keep
+/// such a value alive for the read nor widen it.
+pub fn reads_type_only(op_type: &str, i: usize) -> bool {
+    matches!((op_type, i), ("Shape" | "Size", 0) | ("CastLike", 1))
+}
+
 pub fn is_internal(op_type: &str) -> bool {
     registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
 }

@@ -5,8 +5,10 @@
 //!
 //! - matmuls (MatMul, Gemm, Linear, Conv) take 16-bit operands (f32 weights, biases and
 //!   activations are cast, each value once) and give 16-bit results;
-//! - numerically sensitive ops (softmax, normalisation, reductions, exp/log/pow, losses, the
-//!   fused attention) get f32 inputs (16-bit ones are cast back) and give f32 results;
+//! - the fused attention takes and gives 16 bits, as PyTorch's scaled_dot_product_attention
+//!   does under autocast (its softmax statistics stay f32);
+//! - numerically sensitive ops (softmax, normalisation, reductions, exp/log/pow, losses) get
+//!   f32 inputs (16-bit ones are cast back) and give f32 results;
 //! - elementwise and data-movement ops run in 16 bits when all their float operands are 16-bit
 //!   (a one-element float constant counts as such: it is cast, as PyTorch treats a 0-dim
 //!   tensor), else in f32 (type promotion: the 16-bit operands are cast up);
@@ -40,12 +42,20 @@ const ALL: &[usize] = &[0, 1, 2, 3, 4, 5, 6, 7];
 fn rule(op: &str) -> Rule {
     match op {
         "MatMul" | "Gemm" | "Linear" | "Conv" => Rule::Low(&[0, 1, 2]),
+        // as PyTorch's scaled_dot_product_attention: Q, Kᵀ, V and the additive mask in 16 bits
+        // (softmax statistics in f32 inside the kernels), the output in 16 bits, LSE f32
+        "Attention" => Rule::Low(&[0, 1, 2, 3]),
         "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" | "Concat" => Rule::Follow(ALL),
         "Neg" | "Abs" | "Relu" | "LeakyRelu" | "Gelu" | "Tanh" | "Sigmoid" | "Erf" | "Dropout" | "Transpose" | "Reshape" | "Flatten"
         | "Squeeze" | "Unsqueeze" | "Slice" | "Split" | "Expand" | "Identity" | "Gather" => Rule::Follow(&[0]),
         "Where" => Rule::Follow(&[1, 2]),
         _ => Rule::F32,
     }
+}
+
+/// Outputs that stay f32 when their op runs in 16 bits (the fused attention's log-sum-exp).
+fn f32_output(op: &str, k: usize) -> bool {
+    op == "Attention" && k == 1
 }
 
 /// Rewrites the forward graph; returns how many nodes now run in 16 bits.
@@ -56,12 +66,14 @@ fn rule(op: &str) -> Rule {
 /// until none is left.
 pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
     let types = forward_types(graph);
+    let scalars = scalar_consts(graph);
     let original = graph.clone();
     let mut keep_f32: HashSet<usize> = HashSet::new();
     loop {
         let mut w = Rewrite {
             graph,
             types: &types,
+            scalars: &scalars,
             half,
             half_of: HashMap::new(),
             produced: HashSet::new(),
@@ -147,6 +159,24 @@ fn forward_types(graph: &Graph) -> Vec<Option<DType>> {
     t
 }
 
+/// Which values are one-element constants, or elementwise arithmetic on such constants only
+/// (torchlib's attention scale `Sqrt(CastLike(c, q))`, folded at plan time).
+fn scalar_consts(graph: &Graph) -> Vec<bool> {
+    let mut s: Vec<bool> = graph.values.iter().map(|v| matches!(&v.kind, ValueKind::Const(t) if t.numel() == 1)).collect();
+    for node in &graph.nodes {
+        let data: &[usize] = match node.op_type.as_str() {
+            // CastLike reads its second operand's type only
+            "Cast" | "CastLike" | "Sqrt" | "Neg" | "Reciprocal" | "Abs" | "Exp" | "Log" => &[0],
+            "Add" | "Sub" | "Mul" | "Div" => &[0, 1],
+            _ => continue,
+        };
+        if node.outputs.len() == 1 && data.iter().all(|&i| node.input(i).is_some_and(|x| s[x.0])) {
+            s[node.outputs[0].0] = true;
+        }
+    }
+    s
+}
+
 /// Ops (of the F32 rule) whose outputs have their first typed input's type.
 const KEEPS_TYPE: &[&str] = &[
     "Softmax",
@@ -165,7 +195,6 @@ const KEEPS_TYPE: &[&str] = &[
     "SoftmaxCrossEntropyLoss",
     "NegativeLogLikelihoodLoss",
     "LinearCrossEntropy",
-    "Attention",
     "Sign",
     "Floor",
     "Ceil",
@@ -181,6 +210,8 @@ struct Rewrite<'g, 't> {
     graph: &'g mut Graph,
     /// Each original value's element type (before this pass).
     types: &'t [Option<DType>],
+    /// Original values that are one-element constants (`scalar_consts`).
+    scalars: &'t [bool],
     half: DType,
     /// Original f32 value -> its 16-bit form (a node's 16-bit output, or a cast).
     half_of: HashMap<ValueId, ValueId>,
@@ -202,7 +233,7 @@ impl Rewrite<'_, '_> {
     }
 
     fn scalar_const(&self, v: ValueId) -> bool {
-        matches!(&self.graph.value(v).kind, ValueKind::Const(t) if t.numel() == 1)
+        self.scalars.get(v.0).copied().unwrap_or(false)
     }
 
     fn cast(&mut self, x: ValueId, to: DType, name: &str, out: Option<ValueId>) -> ValueId {
@@ -279,7 +310,7 @@ impl Rewrite<'_, '_> {
         }
         for k in 0..node.outputs.len() {
             let o = node.outputs[k];
-            if self.is_f32(o) {
+            if self.is_f32(o) && !f32_output(&node.op_type, k) {
                 let name = format!("{}:{}", self.graph.value(o).name, self.half.name());
                 let h = self.graph.add_value(&name, ValueKind::Computed, Some(self.half), None);
                 node.outputs[k] = h;

@@ -6,6 +6,7 @@
 //! backends only runs for sessions built for those (`Target`).
 
 mod autocast;
+mod cse;
 mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
@@ -51,6 +52,7 @@ enum Runs {
 /// The pipeline, in order: (name, pass, sessions it runs for). A pass returns how many
 /// rewrites it made.
 const PIPELINE: &[(&str, Pass, Runs)] = &[
+    ("cse", |g, _| cse::run(g), Runs::Both),
     // CUDA only, opt-in: the CPU's Attention kernel is a plain reference for the GPU's; on an
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)

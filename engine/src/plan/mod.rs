@@ -70,6 +70,8 @@ pub struct Plan {
     pub views: usize,
     /// Steps that scale their first operand in place (`PlanRequest::bound_from_forward`).
     pub in_place: Vec<usize>,
+    /// Every arena buffer: the value owning it, its size and the steps it is alive.
+    pub buffers: Vec<(ValueId, Buffer)>,
 }
 
 impl Plan {
@@ -88,6 +90,30 @@ impl Plan {
         let mut v: Vec<(String, usize)> = h.into_iter().map(|(k, n)| (k.to_string(), n)).collect();
         v.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
         v
+    }
+    /// The step at which the arena's buffers alive together weigh the most, that weight, and
+    /// the values alive then, largest first. The arena is at least that weight (more where
+    /// the placement leaves gaps).
+    pub fn peak(&self) -> (usize, usize, Vec<(ValueId, usize)>) {
+        let n = self.steps.len().max(1);
+        // bytes starting minus bytes ending at each step
+        let mut delta = vec![0i128; n + 1];
+        for (_, b) in &self.buffers {
+            delta[b.first.min(n - 1)] += memory::align_up(b.bytes) as i128;
+            delta[b.last.min(n - 1) + 1] -= memory::align_up(b.bytes) as i128;
+        }
+        let (mut sum, mut best) = (0i128, (0usize, 0i128));
+        for (i, d) in delta.iter().take(n).enumerate() {
+            sum += d;
+            if sum > best.1 {
+                best = (i, sum);
+            }
+        }
+        let best = (best.0, best.1 as usize);
+        let mut alive: Vec<(ValueId, usize)> =
+            self.buffers.iter().filter(|(_, b)| b.first <= best.0 && best.0 <= b.last).map(|(v, b)| (*v, b.bytes)).collect();
+        alive.sort_by(|a, b| b.1.cmp(&a.1).then(a.0 .0.cmp(&b.0 .0)));
+        (best.0, best.1, alive)
     }
     pub fn describe(&self, graph: &Graph) -> String {
         let mut s = String::new();
@@ -196,9 +222,8 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         if outs.len() < node.outputs.len() {
             return Err(node.err(format!("shape inference gave {} outputs for {}", outs.len(), node.outputs.len())));
         }
-        // Shape and Size read only the (known) type of their input
-        let reads_type_only = matches!(node.op_type.as_str(), "Shape" | "Size");
-        let all_const = reads_type_only || node.inputs.iter().flatten().all(|v| consts[v.0].is_some());
+        let all_const =
+            node.inputs.iter().enumerate().all(|(i, v)| v.is_none_or(|v| consts[v.0].is_some() || ops::reads_type_only(&node.op_type, i)));
         let foldable = all_const && !op.is_random() && node.outputs.iter().all(|o| !req.bound_outputs.contains(o));
         let folded_vals = if foldable { fold(node, &ins, &outs, &mut ctx)? } else { None };
         for (k, &o) in node.outputs.iter().enumerate() {
@@ -249,9 +274,14 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     let owner = |v: ValueId| alias[v.0].unwrap_or(v);
     for (i, s) in steps.iter().enumerate() {
         let node = &g.nodes[s.0];
-        for &v in node.inputs.iter().flatten() {
+        for (k, v) in node.inputs.iter().enumerate() {
+            let Some(v) = *v else { continue };
             if let Some(c) = &consts[v.0] {
                 storage[v.0] = Storage::Const(c.clone());
+                continue;
+            }
+            // a read of the type only (CastLike's target) leaves the value's memory free
+            if ops::reads_type_only(&node.op_type, k) && first[owner(v).0] != usize::MAX {
                 continue;
             }
             let v = owner(v);
@@ -297,12 +327,25 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     for (k, &i) in owners.iter().enumerate() {
         storage[i] = Storage::Arena(mp.offsets[k]);
     }
+    let buffers: Vec<(ValueId, Buffer)> = owners.iter().map(|&i| ValueId(i)).zip(buffers).collect();
     for (i, a) in alias.iter().enumerate() {
         if let Some(a) = a {
             storage[i] = Storage::Alias(*a);
         }
     }
-    Ok(Plan { steps, split, kernels, types, storage, arena_bytes: mp.arena_bytes, copied_inputs, folded_nodes: folded, views, in_place })
+    Ok(Plan {
+        steps,
+        split,
+        kernels,
+        types,
+        storage,
+        arena_bytes: mp.arena_bytes,
+        copied_inputs,
+        folded_nodes: folded,
+        views,
+        in_place,
+        buffers,
+    })
 }
 
 /// Values living in memory the caller binds per call.
@@ -358,13 +401,15 @@ fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: 
         return Ok(None); // leave huge constant computations to run time
     }
     let mut results: Vec<Tensor> = outs.iter().take(node.outputs.len()).map(|o| Tensor::zeros(o.dtype, o.shape.clone())).collect();
-    // a type-only input (Shape/Size of a runtime value) gets a view with no data behind it
+    // a type-only input (Shape/Size of a runtime value, CastLike's target) gets a view with no
+    // data behind it
     let views: Vec<Option<In>> = ins
         .iter()
         .map(|i| {
             i.map(|i| match i.value {
                 Some(t) => In::of(t),
-                // SAFETY: Shape and Size kernels read only dtype and shape, never the data.
+                // SAFETY: constant-free inputs here are type-only reads (ops::reads_type_only):
+                // their kernels read dtype and shape, never the data.
                 None => unsafe { In::from_raw(i.dtype, i.shape, std::ptr::NonNull::<u64>::dangling().as_ptr() as *const u8) },
             })
         })

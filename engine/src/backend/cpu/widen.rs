@@ -13,13 +13,14 @@ use crate::tensor::DType;
 
 /// Runs `kernel`, widening 16-bit float views to f32 around it when there are any.
 pub fn call(kernel: Kernel, node: &Node, ins: &[Option<In>], outs: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    let half_in = ins.iter().flatten().any(|i| i.dtype.is_half());
-    // Shape and Size read the type only (at plan time their input may have no data behind it)
-    let type_only = matches!(node.op_type.as_str(), "Shape" | "Size");
-    if type_only || (!half_in && !outs.iter().any(|o| o.dtype.is_half())) {
+    // inputs read for their type only keep it (Shape's result, CastLike's target) and may have
+    // no data behind them (at plan time, or memory a plan has already reused)
+    let data_read = |k: usize, i: &In| i.dtype.is_half() && !crate::ops::reads_type_only(&node.op_type, k);
+    let half_in = ins.iter().enumerate().any(|(k, i)| i.as_ref().is_some_and(|i| data_read(k, i)));
+    if !half_in && !outs.iter().any(|o| o.dtype.is_half()) {
         return kernel(node, ins, outs, ctx);
     }
-    let wide_in: Vec<Option<Vec<f32>>> = ins.iter().map(|i| i.filter(|i| i.dtype.is_half()).map(|i| widen(&i))).collect();
+    let wide_in: Vec<Option<Vec<f32>>> = ins.iter().enumerate().map(|(k, i)| i.filter(|i| data_read(k, i)).map(|i| widen(&i))).collect();
     let views: Vec<Option<In>> = ins
         .iter()
         .zip(&wide_in)

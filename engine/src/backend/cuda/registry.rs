@@ -21,6 +21,8 @@ pub mod types {
     /// Gradient types of the fused optimizers (parameters and moments are f32).
     pub const GRADS: &[&str] = &["f32", "bf16", "f16"];
     pub const F32: &[&str] = &["f32"];
+    /// f32, and bf16 tensors read as they are (the tensor-core attention).
+    pub const F32_BF16: &[&str] = &["f32", "bf16"];
     pub const F64: &[&str] = &["f64"];
     pub const U8: &[&str] = &["u8"];
     pub const I64: &[&str] = &["i64"];
@@ -257,11 +259,15 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_mma",
         [
-            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
-            g(&["attention_mma_bwd_dq_d64", "attention_mma_bwd_dq_d128"], F32, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]),
+            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32_BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
+            g(
+                &["attention_mma_bwd_dq_d64", "attention_mma_bwd_dq_d128"],
+                F32_BF16,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]
+            ),
             g(
                 &["attention_mma_bwd_dkv_d64", "attention_mma_bwd_dkv_d128"],
-                F32,
+                F32_BF16,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32],
             ),
         ]

@@ -1,13 +1,16 @@
 //! Attention and AttentionGrad: the fused forward (online softmax, only LSE saved) and the two
-//! backward kernels (dQ; dKt and dV), f32, head sizes up to 128. Sessions whose f32 matmuls run
-//! at bf16 precision (`F32Mode::Bf16`) with D = Dv = 64 or 128 get the tensor-core kernels
-//! (kernels/attention_mma.cu: 64-row tiles, mma.sync with bf16 operands, f32 accumulation);
-//! the others the SIMT f32 kernels (kernels/attention.cu: 32-row tiles), exact as the CPU's.
+//! backward kernels (dQ; dKt and dV), head sizes up to 128. With D = Dv = 64 or 128, bf16
+//! tensors (16-bit plans) and f32 ones in sessions whose f32 matmuls run at bf16 precision
+//! (`F32Mode::Bf16`) get the tensor-core kernels (kernels/attention_mma.cu: 64-row tiles,
+//! mma.sync with bf16 operands, f32 accumulation); other f32 tensors the SIMT f32 kernels
+//! (kernels/attention.cu: 32-row tiles), exact as the CPU's; other 16-bit tensors (fp16, other
+//! head sizes) those kernels on f32 copies (widen.rs).
 
-use super::{input, CudaCtx, CudaTable, DView};
+use super::{input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
+use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::attention::{attention_layout, AttnLayout};
@@ -29,8 +32,8 @@ fn floats(regions: &[usize]) -> usize {
 fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64)> {
     let (q, kt, v) = (input(node, ins, first)?, input(node, ins, first + 1)?, input(node, ins, first + 2)?);
     let mask = ins.get(first + 3).and_then(|m| m.as_ref());
-    if q.dtype != DType::F32 {
-        return Err(node.err(format!("the CUDA attention kernels take f32 tensors, got {}", q.dtype.name())));
+    if !matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16) {
+        return Err(node.err(format!("the CUDA attention kernels take f32, bf16 or fp16 tensors, got {}", q.dtype.name())));
     }
     let l = attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?;
     if l.d > 128 || l.dv > 128 {
@@ -80,9 +83,11 @@ fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid>
 const MMA_TILE: usize = 64;
 const MMA_PAD: usize = 8;
 
-/// Which tensor-core kernel instance serves this head size in this session ("d64", "d128"), if any.
-fn mma_variant(l: &AttnLayout, ctx: &CudaCtx) -> Option<&'static str> {
-    if ctx.f32_mode != F32Mode::Bf16 || l.d != l.dv {
+/// Which tensor-core kernel instance serves this head size and element type in this session
+/// ("d64", "d128"), if any.
+fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType) -> Option<&'static str> {
+    let bf16_products = dtype == DType::BF16 || (dtype == DType::F32 && ctx.f32_mode == F32Mode::Bf16);
+    if !bf16_products || l.d != l.dv {
         return None;
     }
     match l.d {
@@ -100,12 +105,17 @@ fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
 
 fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (l, shape, mask) = setup(node, ins, 0)?;
+    let dtype = input(node, ins, 0)?.dtype;
+    let mma = mma_variant(&l, ctx, dtype);
+    if dtype.is_half() && mma.is_none() {
+        return widen::widened(node, ins, outs, ctx, attention);
+    }
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
-    let (d, dv) = (l.d, l.dv);
-    let (kernel, g) = match mma_variant(&l, ctx) {
-        Some(v) => (format!("attention_mma_fwd_{v}_f32"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
+    let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
+    let (kernel, g) = match mma {
+        Some(v) => (format!("attention_mma_fwd_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
         None => ("attention_fwd_f32".to_string(), grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?),
     };
     let p = |i: usize| KArg::Ptr(ins[i].as_ref().map_or(0, |x| x.ptr));
@@ -132,17 +142,22 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (l, shape, mask) = setup(node, ins, 1)?;
+    let dtype = input(node, ins, 1)?.dtype;
+    let mma = mma_variant(&l, ctx, dtype);
+    if dtype.is_half() && mma.is_none() {
+        return widen::widened(node, ins, outs, ctx, attention_grad);
+    }
     if l.batch_count() == 0 {
         return Ok(());
     }
+    let sfx = dtype_suffix(dtype);
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
     let p = |i: usize| KArg::Ptr(ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr));
     let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
     let common = [p(0), p(1), p(2), p(3), KArg::Ptr(mask), p(5), p(6)];
-    let mma = mma_variant(&l, ctx);
     if l.t > 0 {
         let (kernel, g) = match mma {
-            Some(v) => (format!("attention_mma_bwd_dq_{v}_f32"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
+            Some(v) => (format!("attention_mma_bwd_dq_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
             None => (
                 "attention_bwd_dq_f32".to_string(),
                 grid(node, &l, l.t, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * (d + 1)), TILE * PLD]))?,
@@ -154,7 +169,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     }
     if l.s > 0 {
         let (kernel, g) = match mma {
-            Some(v) => (format!("attention_mma_bwd_dkv_{v}_f32"), grid_of(node, &l, l.s, MMA_TILE, mma_smem(d, 4, 2))?),
+            Some(v) => (format!("attention_mma_bwd_dkv_{v}_{sfx}"), grid_of(node, &l, l.s, MMA_TILE, mma_smem(d, 4, 2))?),
             None => (
                 "attention_bwd_dkv_f32".to_string(),
                 grid(node, &l, l.s, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * wide), TILE * PLD]))?,

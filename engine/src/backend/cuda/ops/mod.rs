@@ -34,6 +34,7 @@ mod random;
 mod reduce;
 mod softmax;
 pub mod strides;
+mod widen;
 
 pub use random::random_key;
 

@@ -10,24 +10,30 @@ use std::collections::HashMap;
 
 use super::exec_models::*;
 use super::support::*;
+use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::DeviceBuffer;
 use crate::backend::cuda::ops::CudaCtx;
 use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
 use crate::exec::Phase;
-use crate::session::{Session, Sig};
+use crate::session::{Session, SessionOptions, Sig};
 
 pub(super) fn session(m: &Model) -> Session {
     session_for(m, crate::session::Target::Cuda)
 }
 
 fn session_for(m: &Model, target: crate::session::Target) -> Session {
-    // the attention fusion is opt-in; every test here wants it (no test reads the variable
-    // expecting it unset)
-    std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention");
+    session_with(m, target, MatmulPrecision::Fp32)
+}
+
+fn session_with(m: &Model, target: crate::session::Target, precision: MatmulPrecision) -> Session {
+    // the attention fusion and the autocast pass are opt-in; every test here wants them (no
+    // test reads the variable expecting it unset; autocast changes bf16/fp16 sessions only)
+    std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention,autocast");
     let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
     let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
-    Session::from_onnx_for(&bytes, None, &names, &vec![true; names.len()], None, target).expect("import")
+    let options = SessionOptions { matmul_precision: precision };
+    Session::from_onnx_with(&bytes, None, &names, &vec![true; names.len()], None, target, options).expect("import")
 }
 
 pub(super) fn weight_data(m: &Model) -> Vec<Vec<f32>> {
@@ -187,6 +193,45 @@ fn gpu_tensor_core_attention_matches_the_cpu_executor() {
             }
             println!("{name}: output and {} gradients within 3e-2 of the largest value", cg.len());
         }
+    }
+}
+
+/// A bf16 session with the autocast pass: Q, Kᵀ, V, the mask and the fused attention's output
+/// are bf16 tensors in the plan. Without a GPU: every step has a CUDA kernel. On a GPU, heads of
+/// 64 run the tensor-core kernels on the bf16 tensors as they are, heads of 32 the f32 kernels on
+/// widened copies (ops/widen.rs): outputs and weight gradients within bf16's precision of the CPU
+/// executor's (which widens every 16-bit kernel call to f32).
+#[test]
+fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
+    let mut rng = Rng::new(23);
+    for hd in [64, 32] {
+        let m = self_attention_of(&mut rng, true, 70, hd);
+        let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
+        let sig = m.sig();
+        let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
+        let attention = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).find(|n| n.op_type == "Attention").expect("a fused attention");
+        let q = attention.input(0).expect("q");
+        assert_eq!(plan.dtype(q), Some(crate::tensor::DType::BF16), "heads of {hd}: Q is bf16 in the plan");
+        let missing = cexec::missing_kernels(&s.graph, &plan);
+        assert!(missing.is_empty(), "heads of {hd}: no CUDA kernel for {missing:?}");
+        let x = m.input_bytes(&mut rng);
+        let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+        // the CPU's bf16 plan follows the f32 one within bf16's precision
+        let exact = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
+        let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(&m), &mut seeds.clone());
+        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        assert_close_scaled(&format!("heads of {hd}: CPU bf16 output"), &f(&co[0]), &f(&eo[0]), 3e-2);
+        for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
+            assert_close_scaled(&format!("heads of {hd}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
+        }
+        let Some(_) = gpu("sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor") else { continue };
+        let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
+        assert_close_scaled(&format!("heads of {hd}: output"), &f(&go[0]), &f(&co[0]), 3e-2);
+        for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
+            assert_close_scaled(&format!("heads of {hd}: gradient of {wname}"), &f(g), &f(c), 3e-2);
+        }
+        println!("heads of {hd}: bf16 output and {} gradients within 3e-2 of the largest value", cg.len());
     }
 }
 
