@@ -71,6 +71,13 @@ def test_explain_shows_the_plan_before_the_first_step():
     text = ortrain.explain(model, x)
     assert "peak arena" in text and "MiB" in text and "exporter" in text
     assert model._ortrain_state.engine_calls == 0
+    # what fills the plan at its peak: the values alive then, grouped, largest first; the LM
+    # head's [35, 20, 1000] f32 logits are the largest single value of the tutorial's forward
+    peak = next(line for line in text.splitlines() if "alive at the peak" in line)
+    assert "largest: Linear float32 [35, 20, 1000] 2.7 MiB" in peak, peak
+    alive = float(peak.split(" MiB alive")[0])
+    arena = float(text.split("peak arena ")[1].split(" MiB")[0])
+    assert 0.5 * arena <= alive <= arena, (alive, arena)
 
 
 def test_onnx_file_with_external_data(tmp_path):

@@ -98,3 +98,22 @@ def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
                "(cuBLAS's 32 MiB workspace, scratch), from the first GPU step")
     return (f"GPU memory planned: {' + '.join(parts)} = {total * _MIB:.1f} MiB "
             "(torch.cuda.max_memory_allocated() during a later step)" + outside)
+
+
+def peak_summary(info: dict, top: int = 4) -> str:
+    """What fills a plan at its heaviest step (`Session.plan_info`'s `peak_values`), grouped by
+    producing op, element type and shape, largest first: where a smaller batch, bf16 activations
+    or a fusion would save memory."""
+    groups: dict = {}
+    for _name, op, dtype, shape, nbytes in info.get("peak_values", []):
+        key = (op, dtype, tuple(shape))
+        count, total = groups.get(key, (0, 0))
+        groups[key] = (count + 1, total + nbytes)
+    if not groups:
+        return "nothing in the arena"
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])
+    parts = [f"{op} {dtype} {list(shape)}{f' ×{n}' if n > 1 else ''} {total / 2**20:.1f} MiB"
+             for (op, dtype, shape), (n, total) in ranked[:top]]
+    step, phase = info["peak_step"]
+    return (f"{info['peak_live_bytes'] / 2**20:.1f} MiB alive at the peak (step {step}, {phase}), largest: "
+            + "; ".join(parts))

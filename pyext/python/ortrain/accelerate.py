@@ -490,6 +490,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     state = getattr(model, "__dict__", {}).get("_ortrain_state")
     if state is None:
         return f"{type(model).__name__}: not accelerated"
+    from ortrain._memory import peak_summary
     from ortrain.engine.cuda_graphs import describe_graphs
     from ortrain.engine.runner import Runner
 
@@ -538,6 +539,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
                              f"{info['forward_steps']} forward + {info['backward_steps']} backward steps, "
                              f"{info['folded_nodes']} nodes folded")
+                lines.append("    " + peak_summary(info))
                 if key[1] and r.trainable_params:
                     lines += _training_memory(state, r, info)
         else:
@@ -555,7 +557,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
             lines.append(f"    loss graph (logits computed only when read): "
                          f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
-                         f"{info['forward_steps']} forward + {info['backward_steps']} backward steps")
+                         f"{info['forward_steps']} forward + {info['backward_steps']} backward steps\n      " + peak_summary(info))
             if getattr(r, "on_cuda", False):
                 lines.append("    " + describe_graphs(r, state.cuda_graphs))
     if profile:
