@@ -185,7 +185,7 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
 }
 
 template <int HD, typename E>
-__device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const E* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
+__device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
@@ -266,8 +266,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
 
 // P of one warp's 16 rows against the 64 keys of tile s0 (s: the scores' dot products, in place),
 // from the rows' LSE: 0 where masked, outside the matrix or in an empty row.
-template <typename E>
-__device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const E* mask, i64 mo,
+__device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const f32* mask, i64 mo,
                                          const AttnShape& a) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -280,7 +279,7 @@ __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f
 }
 
 template <int HD, typename E>
-__device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const E* mask, const E* o,
+__device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                           const f32* lse, E* dq, const AttnShape& a, f32 scale) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
@@ -342,7 +341,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
 // A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
 // rows in tiles of 64: Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
 template <int HD, typename E>
-__device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const E* mask, const E* o,
+__device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                            const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale) {
     extern __shared__ __align__(16) u16 am_smem[];
     constexpr int LD = HD + AM_PAD;
@@ -414,21 +413,22 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
 }
 
 // One instance per head size and element type T of Q, Kᵀ, V, the mask, O and the gradients
-// (f32: rounded to bf16 for the products; bf16: the 16-bit plans' own tensors). LSE is f32.
+// (f32: rounded to bf16 for the products; bf16: the 16-bit plans' own tensors). LSE and the
+// additive mask are f32 in both (a mask's large negative values would round to -inf in bf16).
 #define AM_KERNELS(HD, T)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_##T(const T* q, const T* kt, const T* v,            \
-                                                                                   const T* mask, T* o, f32* lse, AttnShape a,     \
+                                                                                   const f32* mask, T* o, f32* lse, AttnShape a,     \
                                                                                    f32 scale, i32 nan_guard) {                     \
         am_fwd<HD, T>(q, kt, v, mask, o, lse, a, scale, nan_guard);                                                                \
     }                                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_##T(const T* dout, const T* q, const T* kt,      \
-                                                                                      const T* v, const T* mask, const T* o,       \
+                                                                                      const T* v, const f32* mask, const T* o,       \
                                                                                       const f32* lse, T* dq, AttnShape a,          \
                                                                                       f32 scale) {                                 \
         am_bwd_dq<HD, T>(dout, q, kt, v, mask, o, lse, dq, a, scale);                                                              \
     }                                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_##T(                                          \
-        const T* dout, const T* q, const T* kt, const T* v, const T* mask, const T* o, const f32* lse, T* dkt, T* dv, AttnShape a, \
+        const T* dout, const T* q, const T* kt, const T* v, const f32* mask, const T* o, const f32* lse, T* dkt, T* dv, AttnShape a, \
         f32 scale) {                                                                                                               \
         am_bwd_dkv<HD, T>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale);                                                        \
     }

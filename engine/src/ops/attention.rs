@@ -102,8 +102,18 @@ fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(A
     let (q, kt, v) = (input(node, inputs, first)?, input(node, inputs, first + 1)?, input(node, inputs, first + 2)?);
     let mask = inputs.get(first + 3).and_then(|m| m.as_ref());
     for (what, x) in [("Kt", kt), ("V", v)].into_iter().chain(mask.map(|m| ("the mask", m))) {
-        if x.dtype != q.dtype {
+        // a 16-bit attention keeps an f32 mask (large negative values would round to -inf)
+        let f32_mask = what == "the mask" && q.dtype.is_half() && x.dtype == DType::F32;
+        if x.dtype != q.dtype && !f32_mask {
             return Err(node.err(format!("{what} is {}, Q is {}", x.dtype.name(), q.dtype.name())));
+        }
+    }
+    // AttentionGrad(dO, Q, Kt, V, M, O, LSE): dO and O have Q's type too
+    for i in (first > 0).then_some([0, first + 4]).into_iter().flatten() {
+        if let Some(x) = inputs.get(i).and_then(|x| x.as_ref()) {
+            if x.dtype != q.dtype {
+                return Err(node.err(format!("input {i} is {}, Q is {}", x.dtype.name(), q.dtype.name())));
+            }
         }
     }
     if !q.dtype.is_float() {

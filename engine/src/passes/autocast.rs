@@ -6,7 +6,7 @@
 //! - matmuls (MatMul, Gemm, Linear, Conv) take 16-bit operands (f32 weights, biases and
 //!   activations are cast, each value once) and give 16-bit results;
 //! - the fused attention takes and gives 16 bits, as PyTorch's scaled_dot_product_attention
-//!   does under autocast (its softmax statistics stay f32);
+//!   does under autocast (its softmax statistics and additive mask stay f32);
 //! - numerically sensitive ops (softmax, normalisation, reductions, exp/log/pow, losses) get
 //!   f32 inputs (16-bit ones are cast back) and give f32 results;
 //! - elementwise and data-movement ops run in 16 bits when all their float operands are 16-bit
@@ -29,7 +29,8 @@ use crate::tensor::DType;
 /// How an op treats 16-bit operands.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Rule {
-    /// 16-bit float operands in, 16-bit out (inputs: the float operands to cast).
+    /// 16-bit float operands in, 16-bit out (inputs: the float operands to cast; other float
+    /// operands, such as the attention mask, stay f32).
     Low(&'static [usize]),
     /// f32 in (16-bit operands cast back), f32 out.
     F32,
@@ -42,9 +43,11 @@ const ALL: &[usize] = &[0, 1, 2, 3, 4, 5, 6, 7];
 fn rule(op: &str) -> Rule {
     match op {
         "MatMul" | "Gemm" | "Linear" | "Conv" => Rule::Low(&[0, 1, 2]),
-        // as PyTorch's scaled_dot_product_attention: Q, Kᵀ, V and the additive mask in 16 bits
-        // (softmax statistics in f32 inside the kernels), the output in 16 bits, LSE f32
-        "Attention" => Rule::Low(&[0, 1, 2, 3]),
+        // as PyTorch's scaled_dot_product_attention: Q, Kᵀ, V in 16 bits (softmax statistics in
+        // f32 inside the kernels), the output in 16 bits, LSE f32; the additive mask stays f32
+        // (finfo(f32).min, the usual padding value, is -inf in bf16: a fully masked row would
+        // become empty, NaN, where f32 gives a finite softmax)
+        "Attention" => Rule::Low(&[0, 1, 2]),
         "Add" | "Sub" | "Mul" | "Div" | "Max" | "Min" | "Concat" => Rule::Follow(ALL),
         "Neg" | "Abs" | "Relu" | "LeakyRelu" | "Gelu" | "Tanh" | "Sigmoid" | "Erf" | "Dropout" | "Transpose" | "Reshape" | "Flatten"
         | "Squeeze" | "Unsqueeze" | "Slice" | "Split" | "Expand" | "Identity" | "Gather" => Rule::Follow(&[0]),
@@ -66,6 +69,7 @@ fn f32_output(op: &str, k: usize) -> bool {
 /// until none is left.
 pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
     let types = forward_types(graph);
+    casts_to_known_types(graph, &types);
     let scalars = scalar_consts(graph);
     let original = graph.clone();
     let mut keep_f32: HashSet<usize> = HashSet::new();
@@ -157,6 +161,19 @@ fn forward_types(graph: &Graph) -> Vec<Option<DType>> {
         }
     }
     t
+}
+
+/// CastLike(x, like) with `like` of a known type becomes Cast(x, to = that type): `like` is read
+/// for its type only, and after the rewrite its f32 form would have to be made again (a cast
+/// back of a whole activation) just to be read so (torchlib's attention scale
+/// `CastLike(c, q)`).
+fn casts_to_known_types(graph: &mut Graph, types: &[Option<DType>]) {
+    for node in graph.nodes.iter_mut().filter(|n| n.op_type == "CastLike") {
+        let Some(to) = node.input(1).and_then(|v| types[v.0]) else { continue };
+        node.op_type = "Cast".into();
+        node.inputs.truncate(1);
+        node.attrs.set("to", Attr::Int(to.onnx_code() as i64));
+    }
 }
 
 /// Which values are one-element constants, or elementwise arithmetic on such constants only
@@ -275,7 +292,7 @@ impl Rewrite<'_, '_> {
         let in_half = |w: &Self, i: usize| node.input(i).is_some_and(|v| w.is_half_now(v));
         let go_half = !keep_f32
             && match rule(&node.op_type) {
-                Rule::Low(which) => !floats.is_empty() && floats.iter().all(|i| which.contains(i)),
+                Rule::Low(which) => floats.iter().any(|i| which.contains(i)),
                 Rule::F32 => false,
                 Rule::Follow(which) => {
                     let data: Vec<usize> = floats.iter().copied().filter(|i| which.contains(i)).collect();

@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 
 use crate::error::Result;
-use crate::ir::{Graph, ValueId, ValueKind};
+use crate::ir::{Attrs, Graph, ValueId, ValueKind};
 use crate::ops;
 
 /// Constants larger than this many bytes are left as they are (hashing them costs more than
@@ -29,6 +29,12 @@ fn canonical_consts(graph: &Graph) -> Vec<ValueId> {
         canon[i] = *first.entry((t.dtype().name().to_string(), t.shape.clone(), bytes)).or_insert(ValueId(i));
     }
     canon
+}
+
+/// Attributes equal, floats by value and sign (`==` takes -0.0 for 0.0; ConstantOfShape's
+/// -0.0 is another constant: 1/x differs).
+fn same_attrs(a: &Attrs, b: &Attrs) -> bool {
+    a == b && format!("{a:?}") == format!("{b:?}")
 }
 
 pub fn run(graph: &mut Graph) -> Result<usize> {
@@ -51,7 +57,7 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
         let same = seen.entry(key).or_default();
         let earlier = same.iter().copied().find(|&m| {
             let other = &graph.nodes[m];
-            other.attrs == node.attrs && other.outputs.len() == node.outputs.len()
+            same_attrs(&other.attrs, &node.attrs) && other.outputs.len() == node.outputs.len()
         });
         match earlier {
             Some(m) => {
@@ -97,6 +103,18 @@ mod tests {
         assert_eq!(node("sb").inputs, vec![Some(a)]);
         assert_eq!(node("sa").inputs, vec![Some(a)]);
         assert_eq!(node("both").inputs, vec![Some(a), Some(a)]);
+    }
+
+    #[test]
+    fn attributes_differing_in_the_sign_of_zero_are_not_merged() {
+        let mut g = Graph::default();
+        let shape = g.add_value("s", ValueKind::Input, Some(DType::I64), Some(vec![Dim::Known(1)]));
+        let fill = |x: f32| Attrs::default().with("value", Attr::Tensor(Tensor::from_f32(vec![1], vec![x])));
+        let a = g.add_node("a", "ConstantOfShape", vec![Some(shape)], fill(0.0), 1)[0];
+        let b = g.add_node("b", "ConstantOfShape", vec![Some(shape)], fill(-0.0), 1)[0];
+        let s = g.add_node("sum", "Add", vec![Some(a), Some(b)], Attrs::default(), 1)[0];
+        g.outputs = vec![s];
+        assert_eq!(run(&mut g).unwrap(), 0);
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod recompute;
 mod slice_before_linear;
 
 use crate::error::{Error, Result};
@@ -71,6 +72,14 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     ("autocast", |g, c| c.half.map_or(Ok(0), |h| autocast::run(g, h)), Runs::OptIn),
 ];
 
+/// Passes over the train graph, after autodiff (forward nodes first, `n_fwd` of them).
+type TrainPass = fn(&mut Graph, usize) -> usize;
+const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
+    // CUDA only: on the CPU, memory is not where the targets are short, and the recomputation
+    // would cost step time
+    ("recompute", recompute::run, Runs::CudaOnly),
+];
+
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";
 pub const ENV_ENABLE: &str = "ORTRAIN_ENABLE_PASSES";
 
@@ -84,12 +93,13 @@ pub struct PassReport {
 fn listed(var: &str) -> Result<Vec<String>> {
     let Ok(v) = std::env::var(var) else { return Ok(vec![]) };
     let names: Vec<String> = v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect();
+    let all = || PIPELINE.iter().map(|(p, _, _)| *p).chain(TRAIN_PIPELINE.iter().map(|(p, _, _)| *p));
     if names.iter().any(|n| n == "all") {
-        return Ok(PIPELINE.iter().map(|(n, _, _)| n.to_string()).collect());
+        return Ok(all().map(str::to_string).collect());
     }
     for n in &names {
-        if !PIPELINE.iter().any(|(p, _, _)| p == n) {
-            let mut valid: Vec<&str> = PIPELINE.iter().map(|(p, _, _)| *p).collect();
+        if !all().any(|p| p == n) {
+            let mut valid: Vec<&str> = all().collect();
             valid.dedup();
             return Err(Error::other(format!("{var}: unknown pass '{n}' (valid: all, {})", valid.join(", "))));
         }
@@ -104,12 +114,7 @@ pub fn run(graph: &mut Graph, ctx: PassCtx) -> Result<PassReport> {
     let (off, on) = (listed(ENV_DISABLE)?, listed(ENV_ENABLE)?);
     let mut report = PassReport::default();
     for (name, pass, runs) in PIPELINE {
-        let skip = match (target, runs) {
-            (Target::Cpu, Runs::CudaOptIn | Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
-            (Target::Cuda, Runs::CudaOptIn) | (_, Runs::OptIn) => !on.iter().any(|n| n == name),
-            _ => false,
-        };
-        if off.iter().any(|n| n == name) || skip {
+        if !wanted(name, *runs, target, &off, &on) {
             continue;
         }
         let n = pass(graph, &ctx)?;
@@ -119,6 +124,29 @@ pub fn run(graph: &mut Graph, ctx: PassCtx) -> Result<PassReport> {
         }
     }
     Ok(report)
+}
+
+/// Whether the pass `name` runs for a session on `target` (`off`/`on`: the names listed in
+/// ORTRAIN_DISABLE_PASSES / ORTRAIN_ENABLE_PASSES).
+fn wanted(name: &str, runs: Runs, target: Target, off: &[String], on: &[String]) -> bool {
+    let skip = match (target, runs) {
+        (Target::Cpu, Runs::CudaOptIn | Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
+        (Target::Cuda, Runs::CudaOptIn) | (_, Runs::OptIn) => !on.iter().any(|n| n == name),
+        _ => false,
+    };
+    !skip && !off.iter().any(|n| n == name)
+}
+
+/// Runs the train-graph passes over `graph` (after autodiff; its first `n_fwd` nodes are the
+/// forward pass), adding their counts to `report`.
+pub fn run_on_train_graph(graph: &mut Graph, n_fwd: usize, target: Target, report: &mut PassReport) -> Result<()> {
+    let (off, on) = (listed(ENV_DISABLE)?, listed(ENV_ENABLE)?);
+    for (name, pass, runs) in TRAIN_PIPELINE {
+        if wanted(name, *runs, target, &off, &on) {
+            report.rewrites.push((name, pass(graph, n_fwd)));
+        }
+    }
+    Ok(())
 }
 
 /// Drops nodes none of whose outputs is consumed or a graph output, then renumbers producers.

@@ -149,7 +149,7 @@ impl Session {
             MatmulPrecision::Bf16 => Some(DType::BF16),
             MatmulPrecision::Fp16 => Some(DType::F16),
         };
-        let passes = crate::passes::run(&mut graph, crate::passes::PassCtx { target, half })?;
+        let mut passes = crate::passes::run(&mut graph, crate::passes::PassCtx { target, half })?;
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());
@@ -168,6 +168,7 @@ impl Session {
         }
         let wrt: Vec<ValueId> = weight_ids.iter().zip(trainable).filter(|(_, &t)| t).map(|(&v, _)| v).collect();
         let g = autodiff::build(&mut graph, &outputs, &seeds, &wrt)?;
+        crate::passes::run_on_train_graph(&mut graph, n_fwd, target, &mut passes)?;
         let mut grads = vec![None; weight_ids.len()];
         let mut k = 0;
         for (i, &t) in trainable.iter().enumerate() {

@@ -83,11 +83,11 @@ fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid>
 const MMA_TILE: usize = 64;
 const MMA_PAD: usize = 8;
 
-/// Which tensor-core kernel instance serves this head size and element type in this session
-/// ("d64", "d128"), if any.
-fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType) -> Option<&'static str> {
+/// Which tensor-core kernel instance serves this head size, element type and mask type (f32
+/// in every instance) in this session ("d64", "d128"), if any.
+fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>) -> Option<&'static str> {
     let bf16_products = dtype == DType::BF16 || (dtype == DType::F32 && ctx.f32_mode == F32Mode::Bf16);
-    if !bf16_products || l.d != l.dv {
+    if !bf16_products || l.d != l.dv || mask.is_some_and(|m| m != DType::F32) {
         return None;
     }
     match l.d {
@@ -95,6 +95,11 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType) -> Option<&'static s
         128 => Some("d128"),
         _ => None,
     }
+}
+
+/// The element type of the mask at input `i`, if there is one.
+fn mask_type(ins: &[Option<DView>], i: usize) -> Option<DType> {
+    ins.get(i).and_then(|m| m.as_ref()).map(|m| m.dtype)
 }
 
 /// Dynamic shared memory of a tensor-core kernel: `rows_tiles` bf16 tiles of 64 rows of HD
@@ -106,7 +111,7 @@ fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
 fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
-    let mma = mma_variant(&l, ctx, dtype);
+    let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
@@ -143,7 +148,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
 fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
-    let mma = mma_variant(&l, ctx, dtype);
+    let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }

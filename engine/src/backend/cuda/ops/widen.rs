@@ -25,14 +25,13 @@ fn cast(ctx: &CudaCtx, from: DType, to: DType, src: u64, dst: u64, n: usize) -> 
 pub fn widened(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx, kernel: CudaKernel) -> Result<()> {
     let views = ins.iter().flatten().chain(outs.iter());
     let bytes: usize = views.filter(|v| v.dtype.is_half()).map(|v| (v.numel() * 4).div_ceil(ALIGN) * ALIGN).sum();
-    if bytes == 0 {
-        return kernel(node, ins, outs, ctx);
-    }
-    let mut next = ctx.rt.scratch(bytes)?;
+    // empty 16-bit views are relabelled too (never read): the kernel must not see 16 bits again
+    let mut next = if bytes == 0 { 0 } else { ctx.rt.scratch(bytes)? };
     fn region<'a>(next: &mut u64, v: &DView<'a>) -> DView<'a> {
         let at = *next;
         *next += ((v.numel() * 4).div_ceil(ALIGN) * ALIGN) as u64;
-        DView { dtype: DType::F32, ptr: at, ..*v }
+        // no host copy: it would hold 16-bit values under an f32 label
+        DView { dtype: DType::F32, ptr: at, host: None, ..*v }
     }
     let mut wide_ins = Vec::with_capacity(ins.len());
     for x in ins {

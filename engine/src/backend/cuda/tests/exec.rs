@@ -345,6 +345,30 @@ fn lm_head_loss_fuses_for_cuda_in_large_chunks() {
 
 /// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives
 /// every weight a gradient and runs a train step on the CPU executor with finite results.
+/// The CUDA train graphs recompute activations in the backward pass (passes/recompute.rs):
+/// on the CPU executor, every test model's CUDA-target graph gives the CPU-target graph's
+/// outputs and gradients (the targets' other passes only regroup the same arithmetic).
+#[test]
+fn recomputed_activations_give_the_same_train_step() {
+    let mut recomputed = 0;
+    for (name, m) in models() {
+        let mut rng = Rng::new(7);
+        let cuda = session(&m);
+        let cpu = session_for(&m, crate::session::Target::Cpu);
+        recomputed += cuda.passes.rewrites.iter().filter(|(p, _)| *p == "recompute").map(|(_, n)| n).sum::<usize>();
+        let x = m.input_bytes(&mut rng);
+        let plan = cuda.plan(&[m.sig()], true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut seeds: Vec<Vec<f32>> = cuda.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (co, cg) = cpu_step(&cuda, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
+        let (po, pg) = cpu_step(&cpu, &x, &m.sig(), weight_data(&m), &mut seeds);
+        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        for (k, (a, b)) in co.iter().zip(&po).chain(cg.iter().zip(&pg)).enumerate() {
+            assert_close(&format!("{name}: output or gradient {k}"), &f(a), &f(b), 1e-5, 1e-6);
+        }
+    }
+    assert!(recomputed >= 2, "the test models recompute {recomputed} activations");
+}
+
 #[test]
 fn every_test_model_runs_a_cpu_train_step() {
     for (name, m) in models() {

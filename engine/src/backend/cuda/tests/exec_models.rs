@@ -96,6 +96,27 @@ pub(super) fn mlp(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
+/// A transformer MLP: MatMul, GELU (tanh) and LeakyReLU outputs read through a Reshape by the
+/// next MatMul, whose weight gradient reads them again in the backward pass: the CUDA train
+/// graph recomputes both there (passes/recompute.rs).
+pub(super) fn gelu_mlp(rng: &mut Rng) -> Model {
+    let input = vec![2, 3, 6];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w1 = weight(&mut g, &mut ws, "w1", &[6, 16], rng);
+    let w2 = weight(&mut g, &mut ws, "w2", &[16, 8], rng);
+    let w3 = weight(&mut g, &mut ws, "w3", &[8, 4], rng);
+    let h = op(&mut g, "fc", "MatMul", &[x, w1], Attrs::default());
+    let a = op(&mut g, "gelu", "Gelu", &[h], Attrs::default().with("approximate", Attr::String("tanh".into())));
+    let rows = ints(&mut g, "rows", &[6, 16]);
+    let a = op(&mut g, "view", "Reshape", &[a, rows], Attrs::default());
+    let h2 = op(&mut g, "proj", "MatMul", &[a, w2], Attrs::default());
+    let l = op(&mut g, "leaky", "LeakyRelu", &[h2], Attrs::default().with("alpha", Attr::Float(0.1)));
+    let y = op(&mut g, "out", "MatMul", &[l, w3], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 /// A Linear, a training-mode Dropout (ratio 0.3) and a Tanh: the masks come from the step's
 /// seed, so two GPU runs of one step agree only if they drew from the same seed.
 pub(super) fn dropout_mlp(rng: &mut Rng) -> Model {
@@ -442,6 +463,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
     let mut rng = Rng::new(3);
     vec![
         ("mlp", mlp(&mut rng)),
+        ("gelu_mlp", gelu_mlp(&mut rng)),
         ("movement", movement(&mut rng)),
         ("masks", masks(&mut rng)),
         ("embedding", embedding(&mut rng)),
