@@ -109,7 +109,8 @@ fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(A
         }
     }
     // AttentionGrad(dO, Q, Kt, V, M, O, LSE): dO and O have Q's type too
-    for i in (first > 0).then_some([0, first + 4]).into_iter().flatten() {
+    let grad_operands: &[usize] = if first > 0 { &[0, 5] } else { &[] };
+    for &i in grad_operands {
         if let Some(x) = inputs.get(i).and_then(|x| x.as_ref()) {
             if x.dtype != q.dtype {
                 return Err(node.err(format!("input {i} is {}, Q is {}", x.dtype.name(), q.dtype.name())));

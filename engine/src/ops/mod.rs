@@ -134,7 +134,6 @@ pub fn all_op_types() -> Vec<(&'static str, bool)> {
     registry().ops.iter().map(|(k, (_, internal))| (*k, *internal)).collect()
 }
 
-/// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
 /// Whether input `i` of an `op_type` node is read for its element type and shape only, never
 /// its data (Shape and Size of anything; CastLike's `target_type` operand). Plans neither keep
 /// such a value alive for the read nor widen it.
@@ -142,6 +141,7 @@ pub fn reads_type_only(op_type: &str, i: usize) -> bool {
     matches!((op_type, i), ("Shape" | "Size", 0) | ("CastLike", 1))
 }
 
+/// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).
 pub fn is_internal(op_type: &str) -> bool {
     registry().ops.get(op_type).is_some_and(|(_, internal)| *internal)
 }

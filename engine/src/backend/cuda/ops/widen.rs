@@ -21,18 +21,25 @@ fn cast(ctx: &CudaCtx, from: DType, to: DType, src: u64, dst: u64, n: usize) -> 
     ctx.rt.launch(ctx.stream, &cast_kernel(from, to), ctx.rt.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])
 }
 
+/// Scratch bytes of a view's f32 copy, aligned.
+fn f32_bytes(v: &DView) -> usize {
+    (v.numel() * 4).div_ceil(ALIGN) * ALIGN
+}
+
+/// The f32 copy of `v` at scratch address `*next`, which moves past it.
+fn region<'a>(next: &mut u64, v: &DView<'a>) -> DView<'a> {
+    let at = *next;
+    *next += f32_bytes(v) as u64;
+    // no host copy: it would hold 16-bit values under an f32 label
+    DView { dtype: DType::F32, ptr: at, host: None, ..*v }
+}
+
 /// Runs `kernel` with every 16-bit input and output widened to f32.
 pub fn widened(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx, kernel: CudaKernel) -> Result<()> {
     let views = ins.iter().flatten().chain(outs.iter());
-    let bytes: usize = views.filter(|v| v.dtype.is_half()).map(|v| (v.numel() * 4).div_ceil(ALIGN) * ALIGN).sum();
+    let bytes: usize = views.filter(|v| v.dtype.is_half()).map(f32_bytes).sum();
     // empty 16-bit views are relabelled too (never read): the kernel must not see 16 bits again
     let mut next = if bytes == 0 { 0 } else { ctx.rt.scratch(bytes)? };
-    fn region<'a>(next: &mut u64, v: &DView<'a>) -> DView<'a> {
-        let at = *next;
-        *next += ((v.numel() * 4).div_ceil(ALIGN) * ALIGN) as u64;
-        // no host copy: it would hold 16-bit values under an f32 label
-        DView { dtype: DType::F32, ptr: at, host: None, ..*v }
-    }
     let mut wide_ins = Vec::with_capacity(ins.len());
     for x in ins {
         wide_ins.push(match x {
