@@ -1,5 +1,6 @@
 """The memory plan's peak, printed by explain() before the first step, is what the executor
 really allocates; the arena is reused across steps (no allocation per step)."""
+import copy
 import re
 
 import torch
@@ -120,3 +121,34 @@ def test_fused_lm_head_gradients_are_written_into_the_gradient_tensors():
     assert runner.plan_info([x, y], True)["arena_bytes"] == early
     text = ortrain.explain(model)
     assert f"peak arena {early / 2**20:.1f} MiB" in text, text
+
+
+def test_gpt2_split_heads_and_full_slices_copy_no_more_than_needed():
+    """GPT-2's q/k/v split (torch.split under the dynamo exporter: SplitToSequence) runs as one
+    Split whose gradient is one Concat, not three zero-padded slice gradients and their sums;
+    HF's `hidden_states[:, slice(0, None)]` shares its input's memory, forward and backward.
+    Training still follows eager."""
+    torch.manual_seed(0)
+    model, (ids,), _ = models.gpt2_small(vocab=200, dropout=0.0)
+    reference = copy.deepcopy(model)
+    ortrain.accelerate(model, strict=True)
+
+    def lm_loss(m):
+        logits = m(ids).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 200), ids[:, 1:].reshape(-1))
+
+    loss = lm_loss(model)
+    loss.backward()
+    want = lm_loss(reference)
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-5
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5, rtol=1e-4), name
+    (runner,) = model._ortrain_state.loss_runners.values()
+    info = runner.session.plan_info([("int64", list(ids.shape)), ("int64", [ids.numel() - ids.shape[0]])], True)
+    ops = [op for op, _, _ in info["steps"]]
+    assert len(ops) == info["forward_steps"] + info["backward_steps"]
+    layers = model.config.n_layer
+    assert (ops.count("Split"), ops.count("Concat")) == (layers, layers), dict(info["ops"])
+    # left: the shifted loss's own slice (logits[:, :-1], moved before the LM head) and its gradient
+    assert (ops.count("Slice"), ops.count("SliceGrad")) == (1, 1), dict(info["ops"])

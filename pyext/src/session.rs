@@ -13,6 +13,9 @@ use pyo3::types::PyBytes;
 
 pyo3::create_exception!(_ortrain, EngineError, pyo3::exceptions::PyRuntimeError);
 
+/// One plan step for Python: (op type, node name, [(output name, dtype, shape)]).
+type PlanStep = (String, String, Vec<(String, String, Vec<usize>)>);
+
 pub fn to_py(e: Error) -> PyErr {
     EngineError::new_err(e.to_string())
 }
@@ -168,7 +171,8 @@ impl PySession {
         (self.inner.n_fwd, self.inner.graph.nodes.len() - self.inner.n_fwd)
     }
 
-    /// Plans for these input types and returns a summary dict (arena bytes, step counts, ops).
+    /// Plans for these input types and returns a summary dict (arena bytes, step counts, ops,
+    /// every step with its outputs, the values alive at the peak).
     /// `grads_from_forward`: the plan forward(..., grads=...) runs.
     #[pyo3(signature = (sigs, backward, grads_from_forward=false))]
     fn plan_info(&self, py: Python<'_>, sigs: Vec<(String, Vec<usize>)>, backward: bool, grads_from_forward: bool) -> PyResult<Py<PyAny>> {
@@ -182,8 +186,25 @@ impl PySession {
         d.set_item("view_nodes", plan.views)?;
         d.set_item("ops", plan.op_histogram(&self.inner.graph))?;
         d.set_item("text", plan.describe(&self.inner.graph))?;
-        let (step, live, values) = plan.peak();
         let g = &self.inner.graph;
+        let steps: Vec<PlanStep> = plan
+            .steps
+            .iter()
+            .map(|n| {
+                let node = &g.nodes[n.0];
+                let outs = node
+                    .outputs
+                    .iter()
+                    .map(|&v| {
+                        let dtype = plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default();
+                        (g.values[v.0].name.clone(), dtype, plan.shape(v).to_vec())
+                    })
+                    .collect();
+                (node.op_type.clone(), node.name.clone(), outs)
+            })
+            .collect();
+        d.set_item("steps", steps)?;
+        let (step, live, values) = plan.peak();
         let at_peak: Vec<(String, String, String, Vec<usize>, usize)> = values
             .iter()
             .map(|&(v, bytes)| {

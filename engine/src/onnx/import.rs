@@ -1,7 +1,7 @@
 //! ModelProto -> ir::Graph. Initializers become weights (bindable by name at run time),
 //! Constant nodes become constant values, dims become known or symbolic.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -87,8 +87,9 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
     }
     let mut unknown = Vec::new();
     let mut seqs = Sequences::default();
+    let declared = declared_shapes(&g.value_info);
     for (i, n) in g.node.iter().enumerate() {
-        import_node(&mut graph, n, i, opset, base_dir, opts, &mut unknown, &mut seqs)?;
+        import_node(&mut graph, n, i, opset, base_dir, opts, &mut unknown, &mut seqs, &declared)?;
     }
     if !unknown.is_empty() {
         let mut types: Vec<&str> = unknown.iter().map(|(op, _)| op.as_str()).collect();
@@ -146,6 +147,26 @@ fn value_type(vi: &ValueInfoProto, field: &str) -> Result<(DType, Vec<Dim>)> {
     Ok((dtype, dims))
 }
 
+/// The sizes value_info declares for intermediate values, by name (None: symbolic or absent).
+/// Only import-time rewrites read them (sequence.rs); plans infer every shape themselves.
+fn declared_shapes(value_info: &[ValueInfoProto]) -> HashMap<String, Vec<Option<usize>>> {
+    value_info
+        .iter()
+        .filter_map(|vi| {
+            let shape = vi.r#type.as_ref()?.tensor_type.as_ref()?.shape.as_ref()?;
+            let dims = shape
+                .dim
+                .iter()
+                .map(|d| match &d.value {
+                    Some(DimensionValue::DimValue(v)) if *v >= 0 => Some(*v as usize),
+                    _ => None,
+                })
+                .collect();
+            Some((vi.name.clone(), dims))
+        })
+        .collect()
+}
+
 #[allow(clippy::too_many_arguments)]
 fn import_node(
     graph: &mut Graph,
@@ -156,6 +177,7 @@ fn import_node(
     opts: &ImportOptions,
     unknown: &mut Vec<(String, String)>,
     seqs: &mut Sequences,
+    declared: &HashMap<String, Vec<Option<usize>>>,
 ) -> Result<()> {
     let name = if n.name.is_empty() { format!("{}_{index}", n.op_type) } else { n.name.clone() };
     let field = format!("graph.node[{index}] '{name}' ({})", n.op_type);
@@ -181,7 +203,7 @@ fn import_node(
     // sequences: SplitToSequence read by SequenceAt(constant) becomes Slices (see sequence.rs)
     if n.op_type == "SplitToSequence" {
         let out = n.output.first().ok_or_else(|| Error::onnx(field.clone(), "SplitToSequence without output"))?;
-        return seqs.split_to_sequence(graph, &name, &n.input, out, &attrs);
+        return seqs.split_to_sequence(graph, &name, &n.input, out, &attrs, declared);
     }
     if n.op_type == "SequenceAt" && n.input.first().is_some_and(|s| seqs.is_sequence(s)) {
         let (out, pos) = (n.output.first(), n.input.get(1));

@@ -77,6 +77,11 @@ pub trait OpDef: Sync + Send {
     fn is_view(&self) -> bool {
         false
     }
+    /// The same for this node and these input types: ops that are views only for some
+    /// arguments (a Slice keeping everything is one, a reversing one is not) override it.
+    fn is_view_for(&self, _node: &Node, _inputs: &[Option<InferIn>]) -> bool {
+        self.is_view()
+    }
 }
 
 pub struct Registry {

@@ -388,6 +388,20 @@ impl OpDef for Slice {
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[1, 2, 3, 4]
     }
+    /// A slice keeping every element in order (HF's `hidden_states[:, slice(0, None)]`): the
+    /// plan shares its input's memory where the sizes agree.
+    fn is_view_for(&self, _: &Node, inputs: &[Option<InferIn>]) -> bool {
+        forward_steps(inputs, 4)
+    }
+}
+
+/// Whether the steps input at `i` is absent or a constant of positive steps (with equal
+/// sizes in and out, such a slice takes every element in order).
+fn forward_steps(inputs: &[Option<InferIn>], i: usize) -> bool {
+    match inputs.get(i) {
+        None | Some(None) => true,
+        Some(Some(x)) => x.value.and_then(|t| t.to_i64_vec()).is_some_and(|v| v.iter().all(|&s| s > 0)),
+    }
 }
 
 /// SliceGrad(dy, x_shape, starts, ends, axes?, steps?): dy scattered into zeros of x's shape.
@@ -397,6 +411,10 @@ impl OpDef for SliceGrad {
         let dy = input(node, inputs, 0)?;
         let s: Vec<usize> = const_ints(node, &inputs[1], "shape")?.into_iter().map(|d| d as usize).collect();
         Ok(vec![TypeOut::new(dy.dtype, s)])
+    }
+    /// The gradient of a slice keeping everything in order is dy itself.
+    fn is_view_for(&self, _: &Node, inputs: &[Option<InferIn>]) -> bool {
+        forward_steps(inputs, 5)
     }
 }
 

@@ -302,7 +302,12 @@ impl Rewrite<'_, '_> {
             };
         if !go_half {
             for i in 0..node.inputs.len() {
-                if let Some(v) = node.input(i) {
+                let Some(v) = node.input(i) else { continue };
+                // Shape and Size read no element type: a 16-bit input is read as it is, with no
+                // f32 copy made for them
+                if matches!(node.op_type.as_str(), "Shape" | "Size") && i == 0 && self.is_half_now(v) {
+                    node.inputs[i] = Some(self.half_of[&v]);
+                } else {
                     self.wide_value(v);
                 }
             }
@@ -337,5 +342,33 @@ impl Rewrite<'_, '_> {
         }
         self.nodes.push(node);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Dim;
+
+    fn f32_value(g: &mut Graph, name: &str, kind: ValueKind) -> ValueId {
+        g.add_value(name, kind, Some(DType::F32), Some(vec![Dim::Known(4), Dim::Known(4)]))
+    }
+
+    #[test]
+    fn a_shape_read_of_a_16_bit_activation_casts_nothing_back() {
+        let mut g = Graph::default();
+        let x = f32_value(&mut g, "x", ValueKind::Input);
+        let w = f32_value(&mut g, "w", ValueKind::Weight);
+        let y = g.add_node("mm", "MatMul", vec![Some(x), Some(w)], Attrs::default(), 1)[0];
+        let z = g.add_node("mm2", "MatMul", vec![Some(y), Some(w)], Attrs::default(), 1)[0];
+        let s = g.add_node("shape", "Shape", vec![Some(y)], Attrs::default(), 1)[0];
+        let r = g.add_node("reshape", "Reshape", vec![Some(z), Some(s)], Attrs::default(), 1)[0];
+        g.outputs = vec![r];
+        assert!(run(&mut g, DType::BF16).unwrap() >= 2);
+        let node = |name: &str| g.nodes.iter().find(|n| n.name == name).expect(name).clone();
+        let read = node("shape").inputs[0].expect("Shape's input");
+        assert_eq!(g.value(read).dtype, Some(DType::BF16), "Shape reads the 16-bit activation as it is");
+        let widened = g.nodes.iter().filter(|n| n.op_type == "Cast" && n.attrs.int("to", 0).ok() == Some(1)).count();
+        assert_eq!(widened, 1, "only the graph output is cast back to f32: {:?}", g.nodes);
     }
 }

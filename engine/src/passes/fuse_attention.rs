@@ -6,7 +6,7 @@
 //! on no weight (the fused op gives the mask no gradient). CUDA sessions only, opt-in
 //! (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU kernel is the reference.
 
-use super::{scalar_const as scalar, sole_producer};
+use super::{scalar_const, scalar_value, sole_producer};
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
@@ -35,7 +35,7 @@ fn unguard(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], p_prime: ValueId) 
     let isnan = sole_producer(graph, consumers, cond, "IsNaN")?;
     let readers = &consumers[p.0];
     let guarded = isnan.input(0) == Some(p)
-        && scalar(graph, zero) == Some(0.0)
+        && scalar_const(graph, zero) == Some(0.0)
         && readers.len() == 2
         && readers.iter().all(|(n, _)| matches!(graph.nodes[n.0].op_type.as_str(), "IsNaN" | "Where"))
         && !graph.outputs.contains(&p);
@@ -50,23 +50,37 @@ fn scores_of(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], s: ValueId) -> O
     let prod = &graph.nodes[graph.value(s).producer?.0];
     let (mm_out, scale) = match prod.op_type.as_str() {
         "MatMul" => (s, 1.0),
-        "Mul" | "Div" => {
-            let (a, b) = (prod.input(0)?, prod.input(1)?);
-            let (m, c) = match (scalar(graph, a), scalar(graph, b)) {
-                (_, Some(c)) => (a, c),
-                (Some(c), None) if prod.op_type == "Mul" => (b, c),
-                _ => return None,
-            };
-            let c = if prod.op_type == "Div" { 1.0 / c } else { c };
-            (m, c)
-        }
+        "Mul" | "Div" => scaled_operand(graph, prod)?,
         _ => return None,
     };
-    if !scale.is_finite() {
-        return None;
-    }
     let mm = sole_producer(graph, consumers, mm_out, "MatMul")?;
-    Some((mm.input(0)?, mm.input(1)?, scale))
+    let (a, ca) = unscaled(graph, consumers, mm.input(0)?);
+    let (b, cb) = unscaled(graph, consumers, mm.input(1)?);
+    let scale = scale * ca * cb;
+    scale.is_finite().then_some((a, b, scale))
+}
+
+/// (x, c) of a node `x · c`, `c · x` or `x / c` with `c` a scalar expression (rank ≤ 2, so
+/// that it broadcasts into the rank ≥ 2 operands of a matmul without changing their shape).
+fn scaled_operand(graph: &Graph, node: &Node) -> Option<(ValueId, f64)> {
+    let (a, b) = (node.input(0)?, node.input(1)?);
+    let scalar = |v: ValueId| scalar_value(graph, v).filter(|&(_, rank)| rank <= 2).map(|(c, _)| c);
+    let (x, c) = match (scalar(a), scalar(b)) {
+        (_, Some(c)) => (a, c),
+        (Some(c), None) if node.op_type == "Mul" => (b, c),
+        _ => return None,
+    };
+    Some((x, if node.op_type == "Div" { 1.0 / c } else { c }))
+}
+
+/// A matmul operand with its scalar scaling peeled off (torchlib scales Q and Kᵀ by √scale
+/// each before their product): (x, c) for `x · c` read only by the matmul, else (v, 1).
+fn unscaled(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> (ValueId, f64) {
+    ["Mul", "Div"]
+        .iter()
+        .find_map(|op| sole_producer(graph, consumers, v, op))
+        .and_then(|node| scaled_operand(graph, node))
+        .unwrap_or((v, 1.0))
 }
 
 /// The fused node replacing MatMul `node` (P' · V), if its first operand is an attention.

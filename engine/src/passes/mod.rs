@@ -193,3 +193,40 @@ pub(super) fn scalar_const(graph: &Graph, v: ValueId) -> Option<f64> {
     let vals = t.to_f64_vec();
     (vals.len() == 1).then(|| vals[0])
 }
+
+/// The value and rank of a one-element float expression known at import: a one-element
+/// constant, or Cast (to a float type), CastLike, Sqrt, Neg, Reciprocal, Mul, Div, Add or Sub of
+/// such expressions only (torchlib writes its attention scale as `Sqrt(CastLike(c, q))`; plans
+/// fold it, passes see the nodes). Evaluated in f64. CastLike's target often has no declared
+/// type: it is taken for a float unless declared otherwise, so callers use this only for values
+/// that scale float data (an integer target would truncate).
+pub(super) fn scalar_value(graph: &Graph, v: ValueId) -> Option<(f64, usize)> {
+    fn eval(graph: &Graph, v: ValueId, depth: usize) -> Option<(f64, usize)> {
+        if let ValueKind::Const(t) = &graph.value(v).kind {
+            return scalar_const(graph, v).map(|c| (c, t.shape.len()));
+        }
+        let node = &graph.nodes[graph.value(v).producer?.0];
+        if depth == 0 || node.outputs.len() != 1 {
+            return None;
+        }
+        let arg = |i: usize| node.input(i).and_then(|x| eval(graph, x, depth - 1));
+        let unary = |f: fn(f64) -> f64| arg(0).map(|(x, r)| (f(x), r));
+        let binary = |f: fn(f64, f64) -> f64| Some((arg(0)?, arg(1)?)).map(|((a, ra), (b, rb))| (f(a, b), ra.max(rb)));
+        match node.op_type.as_str() {
+            "Cast" => {
+                let to = node.attrs.int("to", 0).ok().and_then(|c| DType::from_onnx(c as i32));
+                to.is_some_and(|d| d.is_float()).then(|| arg(0)).flatten()
+            }
+            "CastLike" if node.input(1).and_then(|l| graph.value(l).dtype).is_none_or(|d| d.is_float()) => arg(0),
+            "Sqrt" => unary(f64::sqrt),
+            "Neg" => unary(|x| -x),
+            "Reciprocal" => unary(|x| 1.0 / x),
+            "Mul" => binary(|a, b| a * b),
+            "Div" => binary(|a, b| a / b),
+            "Add" => binary(|a, b| a + b),
+            "Sub" => binary(|a, b| a - b),
+            _ => None,
+        }
+    }
+    eval(graph, v, 8)
+}

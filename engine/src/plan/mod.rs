@@ -219,6 +219,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
             }
         }
         let outs = op.infer(node, &ins)?;
+        let is_view = op.is_view_for(node, &ins);
         if outs.len() < node.outputs.len() {
             return Err(node.err(format!("shape inference gave {} outputs for {}", outs.len(), node.outputs.len())));
         }
@@ -237,7 +238,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
                 folded += 1;
             }
             None => {
-                let root = view_source(op, node, &types, &req.bound_outputs).map(|src| alias[src.0].unwrap_or(src));
+                let root = view_source(is_view, node, &types, &req.bound_outputs).map(|src| alias[src.0].unwrap_or(src));
                 // forward outputs are read after the call, when caller memory is no longer bound
                 let readable = |r: ValueId| !(is_bound(req, r) && req.forward_outputs.contains(&node.outputs[0]));
                 match root {
@@ -353,10 +354,10 @@ fn is_bound(req: &PlanRequest, v: ValueId) -> bool {
     req.graph.values[v.0].kind == ValueKind::Weight || req.bound_outputs.contains(&v) || req.seeds.iter().any(|s| s.0 == v)
 }
 
-/// The input whose memory a view node's output may share: the op is a view, element type and
+/// The input whose memory a view node's output may share: the op is a view (`is_view`: for these arguments), element type and
 /// count agree, and the output is not written into caller memory.
-fn view_source(op: &dyn ops::OpDef, node: &crate::ir::Node, types: &[Option<TypeOut>], bound: &[ValueId]) -> Option<ValueId> {
-    if !op.is_view() || node.outputs.len() != 1 || bound.contains(&node.outputs[0]) {
+fn view_source(is_view: bool, node: &crate::ir::Node, types: &[Option<TypeOut>], bound: &[ValueId]) -> Option<ValueId> {
+    if !is_view || node.outputs.len() != 1 || bound.contains(&node.outputs[0]) {
         return None;
     }
     let src = node.input(0)?;

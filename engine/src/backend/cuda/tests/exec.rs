@@ -305,6 +305,12 @@ fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
         let (fused, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
         let count = |s: &Session| s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "Attention").count();
         assert_eq!((count(&fused), count(&plain)), (1, 0), "torchlib={torchlib}");
+        // the scaling of Q and Kᵀ (torchlib's) or of the scores (eager) is the node's scale
+        let attn = fused.graph.nodes.iter().find(|n| n.op_type == "Attention").expect("Attention");
+        let scale = attn.attrs.float("scale", 1.0).expect("scale") as f64;
+        assert!((scale - 1.0 / (hd as f64).sqrt()).abs() < 1e-6, "torchlib={torchlib}: scale {scale}");
+        let muls = fused.graph.nodes[..fused.n_fwd].iter().filter(|n| matches!(n.op_type.as_str(), "Mul" | "Div")).count();
+        assert_eq!(muls, 0, "torchlib={torchlib}: no scaling left outside the fused attention");
         let x = m.input_bytes(&mut rng);
         let plan = fused.plan(&[m.sig()], true).expect("plan");
         let mut seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();

@@ -303,7 +303,10 @@ pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usi
         op(&mut g, "v_t", "Transpose", &[h], perm(&[0, 2, 1, 3]))
     };
     let o = if torchlib {
-        let c = g.add_const("sqrt_scale", Tensor::from_f32(vec![], vec![(1.0 / (hd as f32).sqrt()).sqrt()]));
+        // as torchlib writes it: Sqrt(CastLike(scale, q)), folded at plan time
+        let scale = g.add_const("scale", Tensor::from_f32(vec![], vec![1.0 / (hd as f32).sqrt()]));
+        let c = op(&mut g, "scale_like_q", "CastLike", &[scale, q], Attrs::default());
+        let c = op(&mut g, "sqrt_scale", "Sqrt", &[c], Attrs::default());
         let qs = op(&mut g, "q_scaled", "Mul", &[q, c], Attrs::default());
         let ks = op(&mut g, "k_scaled", "Mul", &[kt, c], Attrs::default());
         let s = op(&mut g, "scores", "MatMul", &[qs, ks], Attrs::default());
