@@ -3,7 +3,7 @@
 profile=True)`. `--before` turns the graph passes and the fused loss off (the engine as it was
 before them), for before/after comparisons in one build.
 
-    python bench/profile_tutorial.py [--before] [--steps 25]
+    python bench/profile_tutorial.py [--before] [--steps 25] [--precision bf16]
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--before", action="store_true", help="passes off (ORTRAIN_DISABLE_PASSES=all), loss in PyTorch")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="accelerate(precision=...)")
     args = ap.parse_args()
     if args.before:
         os.environ["ORTRAIN_DISABLE_PASSES"] = "all"
@@ -35,7 +36,7 @@ def main():
     model, _, _ = models.tutorial_transformer(vocab, dropout=0.2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     crit = torch.nn.CrossEntropyLoss()
-    ortrain.accelerate(model, opt, fuse_loss=not args.before)
+    ortrain.accelerate(model, opt, fuse_loss=not args.before, precision=args.precision)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (35, 20), generator=g)
     y = torch.randint(0, vocab, (700,), generator=g)

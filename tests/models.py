@@ -42,12 +42,12 @@ class TransformerModel(nn.Module):
     forward from `src.size(0)` (not `len(src)`, which a tracer would freeze to a constant).
     """
 
-    def __init__(self, ntoken, ninp=200, nhead=2, nhid=200, nlayers=2, dropout=0.2):
+    def __init__(self, ntoken, ninp=200, nhead=2, nhid=200, nlayers=2, dropout=0.2, activation="relu"):
         super().__init__()
         self.ninp = ninp
         self.encoder = nn.Embedding(ntoken, ninp)
         self.pos_encoder = PositionalEncoding(ninp, dropout)
-        layer = nn.TransformerEncoderLayer(ninp, nhead, nhid, dropout)
+        layer = nn.TransformerEncoderLayer(ninp, nhead, nhid, dropout, activation=activation)
         self.transformer_encoder = nn.TransformerEncoder(layer, nlayers, enable_nested_tensor=False)
         self.decoder = nn.Linear(ninp, ntoken)
         initrange = 0.1
@@ -65,10 +65,12 @@ class TransformerModel(nn.Module):
 
 
 def tutorial_transformer(ntokens=1000, dropout=0.0, *, emsize=200, nhid=200, nlayers=2, nhead=2,
-                         seq=35, batch=20, seed=0):
-    """The PyTorch nn.Transformer tutorial model (full size: ntokens=28782, dropout=0.2)."""
+                         seq=35, batch=20, seed=0, activation="relu"):
+    """The PyTorch nn.Transformer tutorial model (full size: ntokens=28782, dropout=0.2).
+    `activation="gelu"` gives tests that compare single steps with PyTorch a model without ReLU
+    inputs that rounding can put on either side of zero."""
     torch.manual_seed(seed)
-    model = TransformerModel(ntokens, emsize, nhead, nhid, nlayers, dropout).train()
+    model = TransformerModel(ntokens, emsize, nhead, nhid, nlayers, dropout, activation).train()
     g = torch.Generator().manual_seed(seed + 1)
     data = torch.randint(0, ntokens, (seq, batch), generator=g)
     targets = torch.randint(0, ntokens, (seq * batch,), generator=g)

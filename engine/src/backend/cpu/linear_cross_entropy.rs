@@ -411,7 +411,8 @@ mod bench {
     }
 
     /// Where LinearCrossEntropy's time goes on the tutorial shape, phase by phase (the kernel's
-    /// steps, timed separately over all chunks):
+    /// steps, timed separately over all chunks), on the fp32 path and on the bf16 path when the
+    /// CPU has one:
     /// `cargo test --release -p ortrain-engine lce_phase_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -421,7 +422,9 @@ mod bench {
         let x: Vec<f32> = (0..rows * k).map(|i| ((i * 7919) % 1000) as f32 / 5000.0 - 0.1).collect();
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 / 5000.0 - 0.1).collect();
         let (mut dx, mut dw, mut db) = (vec![0f32; rows * k], vec![0f32; n * k], vec![0f32; n]);
-        for chunk in [128usize, 256, 128, 256] {
+        let paths = [Some(MatmulPath::Fp32), crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16)];
+        for (path, chunk) in paths.into_iter().flatten().flat_map(|p| [(p, 128usize), (p, 256), (p, 234), (p, 256)]) {
+            let one_exp = path == MatmulPath::Fp32;
             let mut g = vec![0f32; chunk * n];
             let mut t = [0f64; 5];
             let mut c0 = 0;
@@ -432,17 +435,17 @@ mod bench {
                 let t0 = std::time::Instant::now();
                 // SAFETY: shapes as in lce_go.
                 unsafe {
-                    gemm_call(MatmulPath::Fp32, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
+                    gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
                 };
                 let t1 = std::time::Instant::now();
                 let _: Vec<f64> =
-                    gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, true)).collect();
+                    gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp)).collect();
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
                 unsafe {
                     gemm_call(
-                        MatmulPath::Fp32,
+                        path,
                         r,
                         k,
                         n,
@@ -456,7 +459,7 @@ mod bench {
                 let t3 = std::time::Instant::now();
                 let gt = Mat { ptr: gs.as_ptr(), rs: 1, cs: n as isize };
                 // SAFETY: as above.
-                unsafe { gemm_call(MatmulPath::Fp32, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
+                unsafe { gemm_call(path, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
                 let t4 = std::time::Instant::now();
                 super::add_col_sums(&mut db, gs, n);
                 let t5 = std::time::Instant::now();
@@ -466,7 +469,7 @@ mod bench {
                 c0 += r;
             }
             println!(
-                "chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}",
+                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}",
                 t[0], t[1], t[2], t[3], t[4]
             );
         }
