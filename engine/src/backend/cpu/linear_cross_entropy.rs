@@ -82,17 +82,33 @@ fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, 
     term
 }
 
-/// db[j] += Σ_rows g[row, j], by column blocks in parallel.
-fn add_col_sums<T: FloatElem>(db: &mut [T], g: &[T], n: usize) {
-    const COLS: usize = 1024;
-    db.par_chunks_mut(COLS).enumerate().for_each(|(c, dst)| {
-        let (start, width) = (c * COLS, dst.len());
-        for row in g.chunks_exact(n) {
-            for (d, &v) in dst.iter_mut().zip(&row[start..start + width]) {
-                *d = *d + v;
+/// Runs `row_pass(row, j)` on every row j of the chunk `g` ([rows, n]) in parallel, returning
+/// the sum of what it returns, and adds the column sums of the rows it leaves (db[c] += Σ_j
+/// g[j, c]): each thread sums its own run of rows into a partial while they are in cache, instead
+/// of a second pass over the chunk.
+fn rows_with_col_sums<T: FloatElem>(g: &mut [T], n: usize, row_pass: impl Fn(&mut [T], usize) -> f64 + Sync, db: &mut [T]) -> f64 {
+    let rows = g.len() / n.max(1);
+    let parts = rayon::current_num_threads().clamp(1, rows.max(1));
+    let per = rows.div_ceil(parts).max(1);
+    let partials: Vec<(f64, Vec<T>)> = g
+        .par_chunks_mut(per * n)
+        .enumerate()
+        .map(|(p, block)| {
+            let mut sums = vec![T::zero(); n];
+            let mut total = 0f64;
+            for (i, row) in block.chunks_exact_mut(n).enumerate() {
+                total += row_pass(row, p * per + i);
+                sums.iter_mut().zip(row.iter()).for_each(|(s, &v)| *s = *s + v);
             }
-        }
-    });
+            (total, sums)
+        })
+        .collect();
+    let mut total = 0f64;
+    for (t, sums) in partials {
+        total += t;
+        db.iter_mut().zip(&sums).for_each(|(d, &s)| *d = *d + s);
+    }
+    total
 }
 
 fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: &mut [Out]) -> Result<()> {
@@ -123,20 +139,13 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    // the fp32 gemm-crate path: one-exp row pass with the bias, gradient gemms by tiles
+    // the fp32 gemm-crate path: one-exp row pass, gradient gemms by tiles; the bf16 path: three
+    // whole-chunk products, the column sums of G taken in the row pass
     let one_exp = crate_path::<T>(a.path);
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
         let ids = &active[c0..c0 + r];
         let g = &mut scratch[..r * n];
-        // the chunk's logits: X_c · op(W), the bias added by the row pass (fp32 gemm path), or
-        // bias rows with X_c · op(W) accumulated onto them (bf16 path)
-        let bias_rows = if one_exp { None } else { bv };
-        match bias_rows {
-            Some(bv) => g.par_chunks_mut(n).for_each(|row| row.copy_from_slice(bv)),
-            None if k == 0 => g.iter_mut().for_each(|v| *v = T::zero()),
-            None => {}
-        }
         let x_rows: &[T] = if compact {
             for (dst, &i) in xg.chunks_exact_mut(k.max(1)).zip(ids) {
                 dst.copy_from_slice(&xv[i * k..(i + 1) * k]);
@@ -146,21 +155,19 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             &xv[c0 * k..(c0 + r) * k]
         };
         let xc = Mat { ptr: x_rows.as_ptr(), rs: k as isize, cs: 1 };
-        if k > 0 {
-            let wm =
-                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
+        // the chunk's logits X_c · op(W) (the row pass adds the bias)
+        if k == 0 {
+            g.iter_mut().for_each(|v| *v = T::zero());
+        } else {
+            let wm = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
             // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n]
             // view of w, the chunk [r, n] in the scratch output (distinct from both).
-            unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), bias_rows.is_some()) };
+            unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
         }
-        let row_bias = if one_exp { bv } else { None };
-        let terms: Vec<f64> = g
-            .par_chunks_mut(n)
-            .zip(ids.par_iter())
-            .map(|(row, &i)| lce_row(row, row_bias, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, one_exp))
-            .collect();
-        total += terms.iter().sum::<f64>();
         if k > 0 && one_exp {
+            let terms: Vec<f64> =
+                g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, true)).collect();
+            total += terms.iter().sum::<f64>();
             let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b };
             if compact {
                 chunk_grads(&c, &mut dxg, dw, db, c0 > 0);
@@ -173,12 +180,12 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             c0 += r;
             continue;
         }
+        total += rows_with_col_sums(g, n, |row, j| lce_row(row, bv, a.t[ids[j]].0, a.t[ids[j]].1, a.t[ids[j]].1 * a.scale, one_exp), db);
         if k > 0 {
             let gm = Mat { ptr: g.as_ptr(), rs: n as isize, cs: 1 };
             // dX_c = G · op(W)ᵀ
-            let wt =
-                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
             let dx_rows = if compact { dxg.as_mut_ptr() } else { dx[c0 * k..].as_mut_ptr() };
+            let wt = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
             // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c [r, k]: dx's rows, or the
             // compact staging buffer (r·k elements) scattered below.
             unsafe { gemm_call(a.path, r, k, n, dx_rows, gm, wt, T::one(), false) };
@@ -199,7 +206,6 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
                 unsafe { gemm_call(a.path, k, n, r, dw.as_mut_ptr(), xt, gm, T::one(), c0 > 0) };
             }
         }
-        add_col_sums(db, g, n);
         c0 += r;
     }
     let loss = if a.nan { f64::NAN } else { total * a.scale };
@@ -384,7 +390,8 @@ mod bench {
     use crate::tensor::{DType, Tensor};
 
     /// The tutorial's LM head (700 rows, K 200, N 28782) through LinearCrossEntropy with several
-    /// chunk sizes: `cargo test --release -p ortrain-engine lce_chunk_speed -- --ignored --nocapture`
+    /// chunk sizes (`LCE_CHUNKS=128,256`), on the fp32 path and on the bf16 path when the CPU has
+    /// one: `cargo test --release -p ortrain-engine lce_chunk_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
     fn lce_chunk_speed() {
@@ -392,20 +399,27 @@ mod bench {
         let x = Tensor::from_f32(vec![rows, k], (0..rows * k).map(|i| ((i * 7919) % 1000) as f32 / 5000.0 - 0.1).collect());
         let w = Tensor::from_f32(vec![n, k], (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 / 5000.0 - 0.1).collect());
         let t: Vec<(usize, f64)> = (0..rows).map(|r| (r * 37 % n, 1.0)).collect();
-        let a = Lce { path: MatmulPath::Fp32, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true };
+        let paths = [Some(MatmulPath::Fp32), crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16)];
         let mut outs: Vec<Vec<f32>> = vec![vec![0.0; 1], vec![0.0; rows * k], vec![0.0; n * k], vec![0.0; n], vec![0.0; 700 * n]];
-        for round in 0..6 {
-            for chunk in [128usize, 256, 192, 96] {
-                let shapes = [vec![], vec![rows, k], vec![n, k], vec![n], vec![chunk, n]];
-                let mut views: Vec<Out> = outs
-                    .iter_mut()
-                    .zip(&shapes)
-                    // SAFETY: each vector holds at least numel(shape) f32s and is borrowed once.
-                    .map(|(v, s)| unsafe { Out::from_raw(DType::F32, s, v.as_mut_ptr() as *mut u8) })
-                    .collect();
-                let t0 = std::time::Instant::now();
-                lce_go::<f32>(&a, &In::of(&x), &In::of(&w), None, &mut views).unwrap_or_else(|e| panic!("{e}"));
-                println!("round {round}: chunk {chunk:4}: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+        let chunks: Vec<usize> = std::env::var("LCE_CHUNKS")
+            .ok()
+            .map(|v| v.split(',').filter_map(|c| c.parse().ok()).collect())
+            .unwrap_or_else(|| vec![128, 256, 234, 350]);
+        for round in 0..4 {
+            for path in paths.into_iter().flatten() {
+                let a = Lce { path, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true };
+                for &chunk in &chunks {
+                    let shapes = [vec![], vec![rows, k], vec![n, k], vec![n], vec![chunk, n]];
+                    let mut views: Vec<Out> = outs
+                        .iter_mut()
+                        .zip(&shapes)
+                        // SAFETY: each vector holds at least numel(shape) f32s and is borrowed once.
+                        .map(|(v, s)| unsafe { Out::from_raw(DType::F32, s, v.as_mut_ptr() as *mut u8) })
+                        .collect();
+                    let t0 = std::time::Instant::now();
+                    lce_go::<f32>(&a, &In::of(&x), &In::of(&w), None, &mut views).unwrap_or_else(|e| panic!("{e}"));
+                    println!("round {round}: {path:?} chunk {chunk:4}: {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+                }
             }
         }
     }
@@ -426,7 +440,7 @@ mod bench {
         for (path, chunk) in paths.into_iter().flatten().flat_map(|p| [(p, 128usize), (p, 256), (p, 234), (p, 256)]) {
             let one_exp = path == MatmulPath::Fp32;
             let mut g = vec![0f32; chunk * n];
-            let mut t = [0f64; 5];
+            let mut t = [0f64; 4];
             let mut c0 = 0;
             while c0 < rows {
                 let r = chunk.min(rows - c0);
@@ -438,8 +452,7 @@ mod bench {
                     gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
                 };
                 let t1 = std::time::Instant::now();
-                let _: Vec<f64> =
-                    gs.par_chunks_mut(n).enumerate().map(|(i, row)| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp)).collect();
+                super::rows_with_col_sums(gs, n, |row, i| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp), &mut db);
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
@@ -461,16 +474,14 @@ mod bench {
                 // SAFETY: as above.
                 unsafe { gemm_call(path, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
                 let t4 = std::time::Instant::now();
-                super::add_col_sums(&mut db, gs, n);
-                let t5 = std::time::Instant::now();
-                for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]) {
+                for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)]) {
                     *acc += (b - a).as_secs_f64() * 1e3;
                 }
                 c0 += r;
             }
             println!(
-                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, db {:.1}",
-                t[0], t[1], t[2], t[3], t[4]
+                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows and db {:.1}, dX gemm {:.1}, dW gemm {:.1}",
+                t[0], t[1], t[2], t[3]
             );
         }
     }
