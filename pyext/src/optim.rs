@@ -1,5 +1,5 @@
 //! Python entry points of engine::optim: fused Adam/AdamW and SGD steps over lists of
-//! parameter tensors given by address, and the squared norm used for clipping.
+//! parameter tensors given by address, and the global gradient norm and scaling of clipping.
 
 use ortrain_engine::optim::{self, AdamHyper, LambHyper, SgdHyper};
 use pyo3::prelude::*;
@@ -125,27 +125,40 @@ fn lamb_step(
     });
 }
 
-/// Sum of squares of f32 tensors given as (address, numel), accumulated in f64.
-#[pyfunction]
-fn sum_squares(py: Python<'_>, tensors: Vec<(usize, usize)>) -> f64 {
-    let t: Vec<(Addr, usize)> = tensors.into_iter().map(|(a, n)| (Addr(a), n)).collect();
-    // SAFETY: the caller passes live f32 tensors of n elements (only read here).
-    py.detach(move || t.into_iter().map(|(a, n)| optim::sum_squares(unsafe { f32s(a, n) })).sum())
+/// f32 tensors given as (address, numel) as addresses that may cross threads.
+fn addressed(tensors: Vec<(usize, usize)>) -> Vec<(Addr, usize)> {
+    tensors.into_iter().map(|(a, n)| (Addr(a), n)).collect()
 }
 
-/// Scales f32 tensors given as (address, numel) in place.
+/// The L2 norm of f32 tensors given as (address, numel), seen as one vector, as
+/// torch.nn.utils.clip_grad_norm_ computes it (each tensor's norm as an f32, then the norm of
+/// those), in one parallel pass over all of them.
+#[pyfunction]
+fn global_norm(py: Python<'_>, tensors: Vec<(usize, usize)>) -> f32 {
+    let t = addressed(tensors);
+    py.detach(move || {
+        // SAFETY: the caller passes live f32 tensors of n elements (only read here).
+        let views: Vec<&[f32]> = t.into_iter().map(|(a, n)| &*unsafe { f32s(a, n) }).collect();
+        optim::global_norm(&views)
+    })
+}
+
+/// Scales f32 tensors given as (address, numel) in place, in one parallel pass.
 #[pyfunction]
 fn scale(py: Python<'_>, tensors: Vec<(usize, usize)>, factor: f32) {
-    let t: Vec<(Addr, usize)> = tensors.into_iter().map(|(a, n)| (Addr(a), n)).collect();
-    // SAFETY: the caller passes distinct live f32 tensors of n elements.
-    py.detach(move || t.into_iter().for_each(|(a, n)| optim::scale(unsafe { f32s(a, n) }, factor)));
+    let t = addressed(tensors);
+    py.detach(move || {
+        // SAFETY: the caller passes distinct live f32 tensors of n elements.
+        let views: Vec<&mut [f32]> = t.into_iter().map(|(a, n)| unsafe { f32s(a, n) }).collect();
+        optim::scale_many(views, factor)
+    });
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(lamb_step, m)?)?;
-    m.add_function(wrap_pyfunction!(sum_squares, m)?)?;
+    m.add_function(wrap_pyfunction!(global_norm, m)?)?;
     m.add_function(wrap_pyfunction!(scale, m)?)?;
     Ok(())
 }

@@ -336,6 +336,9 @@ mod bench {
         if is_x86_feature_detected!("avx2") {
             isas.push(Level::Avx2);
         }
+        if level() == Level::Avx512 {
+            isas.push(Level::Avx512);
+        }
         for round in 0..4 {
             for &isa in &isas {
                 let t = std::time::Instant::now();

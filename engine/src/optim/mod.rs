@@ -3,10 +3,12 @@
 //! compiler allows), plus the global gradient norm for clipping. Parallel over chunks.
 
 mod adam;
+mod clip;
 
 use rayon::prelude::*;
 
 pub use adam::{adam_many, AdamScalars, AdamTensor};
+pub use clip::{global_norm, scale_many, sum_squares_many};
 
 const CHUNK: usize = 1 << 14;
 
@@ -138,12 +140,12 @@ pub fn lamb(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &LambHype
 
 /// Sum of squares of a gradient tensor, accumulated in f64.
 pub fn sum_squares(g: &[f32]) -> f64 {
-    g.par_chunks(CHUNK).map(|c| c.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>()).sum()
+    sum_squares_many(&[g])[0]
 }
 
 /// Scales a tensor in place.
 pub fn scale(g: &mut [f32], s: f32) {
-    g.par_chunks_mut(CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x *= s));
+    scale_many(vec![g], s)
 }
 
 #[cfg(test)]

@@ -398,6 +398,10 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         state.any_sizes.clear()
         state.runners.clear()
         state.loss_runners.clear()
+    if device == "cpu":
+        from ortrain.engine import clip
+
+        clip.install(model)  # clip_grad_norm_ of its gradients runs in the engine
     if optimizer is not None:
         from ortrain.engine.optimizer import accelerate_optimizer
 
@@ -466,6 +470,9 @@ def deaccelerate(model: torch.nn.Module):
     """Restores plain PyTorch (same parameters, same optimizer state)."""
     state = model.__dict__.pop("_ortrain_state", None)
     model.__dict__.pop("forward", None)
+    from ortrain.engine import clip
+
+    clip.forget(model)
     if state is not None and state.optimizer is not None:
         from ortrain.engine.loss_scale import unguard
         from ortrain.engine.optimizer import restore_optimizer

@@ -222,7 +222,7 @@ class ORTTrainer:
         clip = self.options["utils"]["grad_norm_clip"]
         if clip:
             max_norm = 1.0 if clip is True else float(clip)
-            total = _ortrain.sum_squares([(g.data_ptr(), g.numel()) for _, _, g in named]) ** 0.5
+            total = _ortrain.global_norm([(g.data_ptr(), g.numel()) for _, _, g in named])
             if total > max_norm:
                 _ortrain.scale([(g.data_ptr(), g.numel()) for _, _, g in named], max_norm / (total + 1e-6))
         self.step += 1
