@@ -5,9 +5,9 @@ multiplied by it in place), returning the same 0-dim total-norm tensor.
 
 Why: with it, a training step of an accelerated model runs no parallel region of torch's at
 all. After one, torch's OpenMP workers spin for milliseconds (libgomp's default wait policy) on
-the cores the engine's next phase needs: on a 2-core AMD EPYC (Zen 4) the tutorial's optimizer
-step took 12.5 ms right after torch's clip_grad_norm_ and 9.0-9.3 ms with OMP_WAIT_POLICY=passive
-or without the clip (`bench/clip_threads.py` compares the three in one run).
+the cores the engine's next phase needs. On a 2-core AMD EPYC (Zen 4), `python bench/clip_threads.py
+--rounds 5` (the tutorial step, medians): clip + optimizer step 4.8 + 10.3 ms with torch's clip,
+5.5 + 7.8 with torch's clip and OMP_WAIT_POLICY=passive, 3.9 + 7.2 with the engine's.
 
 `accelerate()` on the CPU patches torch.nn.utils.clip_grad_norm_ (the module attributes, so code
 that calls it through torch.nn.utils sees the patch; a reference taken with `from ... import`

@@ -257,7 +257,8 @@ fn bf16_gemm_speed() {
         eprintln!("skipped: no bf16 instruction set on this CPU");
         return;
     };
-    let (t, e, v) = (700usize, 200usize, 28782usize);
+    let t: usize = std::env::var("BF16_BENCH_ROWS").ok().and_then(|t| t.parse().ok()).unwrap_or(700);
+    let (e, v) = (200usize, 28782usize);
     let x = data(t * e, 1); // activations [700, 200]
     let w = data(e * v, 2); // LM-head weight, transposed [200, 28782]
     let dy = data(t * v, 3); // output gradient [700, 28782]
