@@ -62,6 +62,7 @@ def test_engine_clip_matches_torch(max_norm, monkeypatch):
     if max_norm > total.item():
         for n, p in model.named_parameters():  # a coefficient of 1: gradients unchanged
             assert torch.equal(p.grad, ref[n]), n
+    assert "call(s) on the engine's threads" in ortrain.explain(model)
 
 
 def test_accelerated_training_loop_with_clip_follows_pytorch():
@@ -94,6 +95,7 @@ def test_what_the_engine_does_not_cover_goes_to_torch(monkeypatch):
     # another norm: torch's result, from torch's function
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, norm_type=float("inf"))
     assert torch.equal(total, _torch_clip(ref, 0.1, norm_type=float("inf")))
+    assert "in PyTorch (last: norm_type=inf)" in ortrain.explain(model)
     torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)  # a model that is not accelerated
     w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))  # a gradient that is not f32
     w.grad = torch.full((3,), 4.0, dtype=torch.float64)

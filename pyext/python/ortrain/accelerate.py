@@ -514,6 +514,11 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
         ls = state.loss_scaler.state()
         lines.append(f"  dynamic loss scale {ls['scale']:g}: {ls['skipped_steps']} of {ls['steps']} optimizer steps "
                      "skipped for inf/NaN gradients")
+    from ortrain.engine import clip
+
+    clipped = clip.describe()
+    if clipped and state.device == "cpu":
+        lines.append("  " + clipped)
     if not state.runners:
         lines.append("  not called yet: the model is exported on its first call")
     where_step = "in the engine" if state.optimizer_in_engine else "in PyTorch"

@@ -31,6 +31,8 @@ _MODELS: weakref.WeakSet = weakref.WeakSet()
 #: ((registration count, models), ids of their parameters), rebuilt when either changes
 _PARAM_IDS: list = [None, frozenset()]
 _ORIGINAL: list = []
+#: calls with accelerated models' gradients: in the engine, in torch's function (and why, last)
+_CALLS = {"engine": 0, "torch": 0, "why": ""}
 
 
 def install(model: torch.nn.Module) -> None:
@@ -62,28 +64,49 @@ def _accelerated_ids() -> frozenset:
     return _PARAM_IDS[1]
 
 
-def _engine_grads(params: list, norm_type) -> list | None:
-    """The gradients to clip in the engine, or None when torch's function must do it."""
-    if os.environ.get("ORTRAIN_ENGINE_CLIP", "1") == "0" or float(norm_type) != 2.0:
-        return None
+def _engine_grads(params: list, norm_type) -> tuple:
+    """(the gradients to clip in the engine, "") or (None, why torch's function clips them: empty
+    when no accelerated model's gradient is among them)."""
     ids = _accelerated_ids()
-    grads = []
+    grads, ours = [], False
+    why = ""
     for p in params:
         g = p.grad
         if g is None:
             continue
-        if not (id(p) in ids and g.device.type == "cpu" and g.dtype == torch.float32 and g.layout == torch.strided
-                and g.is_contiguous()):
-            return None
+        ours = ours or id(p) in ids
+        if id(p) not in ids:
+            why = why or "parameters of models that are not accelerated among them"
+        elif not (g.device.type == "cpu" and g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous()):
+            why = why or f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 CPU one"
         grads.append(g)
-    return grads or None
+    if not ours:
+        return None, ""
+    if os.environ.get("ORTRAIN_ENGINE_CLIP", "1") == "0":
+        why = "ORTRAIN_ENGINE_CLIP=0"
+    elif float(norm_type) != 2.0:
+        why = f"norm_type={norm_type}"
+    return (None, why) if why else (grads, "")
+
+
+def describe() -> str | None:
+    """explain()'s line: where clip_grad_norm_ ran for accelerated models' gradients, if it did."""
+    if not (_CALLS["engine"] or _CALLS["torch"]):
+        return None
+    line = f"clip_grad_norm_ of accelerated gradients: {_CALLS['engine']} call(s) on the engine's threads"
+    if _CALLS["torch"]:
+        line += f", {_CALLS['torch']} in PyTorch (last: {_CALLS['why']})"
+    return line
 
 
 @torch.no_grad()
 def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     is_generator = isinstance(parameters, types.GeneratorType)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads = _engine_grads(params, norm_type)
+    grads, why = _engine_grads(params, norm_type)
+    if why:
+        _CALLS["torch"] += 1
+        _CALLS["why"] = why
     if grads is None:
         # an emptied generator goes on as one, so that torch warns about it as it would
         again = (p for p in params) if is_generator else params
@@ -97,4 +120,5 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
             "set `error_if_nonfinite=False`")
     coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     _ortrain.scale(tensors, coef.item())
+    _CALLS["engine"] += 1
     return total_norm
