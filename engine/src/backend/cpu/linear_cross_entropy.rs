@@ -159,14 +159,18 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         if k == 0 {
             g.iter_mut().for_each(|v| *v = T::zero());
         } else {
-            let wm = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
+            let wm =
+                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
             // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n]
             // view of w, the chunk [r, n] in the scratch output (distinct from both).
             unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
         }
         if k > 0 && one_exp {
-            let terms: Vec<f64> =
-                g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, true)).collect();
+            let terms: Vec<f64> = g
+                .par_chunks_mut(n)
+                .zip(ids.par_iter())
+                .map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, true))
+                .collect();
             total += terms.iter().sum::<f64>();
             let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b };
             if compact {
@@ -185,7 +189,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             let gm = Mat { ptr: g.as_ptr(), rs: n as isize, cs: 1 };
             // dX_c = G · op(W)ᵀ
             let dx_rows = if compact { dxg.as_mut_ptr() } else { dx[c0 * k..].as_mut_ptr() };
-            let wt = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
+            let wt =
+                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
             // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c [r, k]: dx's rows, or the
             // compact staging buffer (r·k elements) scattered below.
             unsafe { gemm_call(a.path, r, k, n, dx_rows, gm, wt, T::one(), false) };
@@ -448,26 +453,14 @@ mod bench {
                 let xc = Mat { ptr: x[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
                 let t0 = std::time::Instant::now();
                 // SAFETY: shapes as in lce_go.
-                unsafe {
-                    gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false)
-                };
+                unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
                 let t1 = std::time::Instant::now();
                 super::rows_with_col_sums(gs, n, |row, i| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp), &mut db);
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
                 unsafe {
-                    gemm_call(
-                        path,
-                        r,
-                        k,
-                        n,
-                        dx[c0 * k..].as_mut_ptr(),
-                        gm,
-                        Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 },
-                        1.0,
-                        false,
-                    )
+                    gemm_call(path, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 }, 1.0, false)
                 };
                 let t3 = std::time::Instant::now();
                 let gt = Mat { ptr: gs.as_ptr(), rs: 1, cs: n as isize };
