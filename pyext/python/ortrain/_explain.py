@@ -1,0 +1,132 @@
+"""`ortrain.explain(model)`: what runs where for an accelerated model (exporter, engine graphs,
+matmul path, planned memory, fallbacks, optional per-op profile), and `reset_profile`."""
+from __future__ import annotations
+
+import torch
+
+from ortrain.accelerate import _first_line
+
+
+def explain(model, *example_args, profile: bool = False, **example_kwargs) -> str:
+    """What runs where: exporter, engine graph size, planned peak memory, fallbacks.
+
+    With example inputs, the model is exported and planned for them first (nothing runs), so the
+    memory plan is known before the first step. `profile=True` adds the engine's time per op type
+    and the slowest nodes, averaged over the steps run so far (`ortrain.reset_profile(model)`
+    starts a new measurement).
+    """
+    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    if state is None:
+        return f"{type(model).__name__}: not accelerated"
+    from ortrain._memory import peak_summary
+    from ortrain.engine.cuda_graphs import describe_graphs
+    from ortrain.engine.runner import Runner
+
+    if example_args or example_kwargs:
+        from ortrain.export import flatten_call
+
+        state.runner_for(example_args, example_kwargs)
+        state.last_inputs = flatten_call(model, example_args, example_kwargs)[1]
+
+    n_params = sum(p.numel() for p in model.parameters())
+    lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
+             f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"]
+    if state.loss_scaler is not None:
+        ls = state.loss_scaler.state()
+        lines.append(f"  dynamic loss scale {ls['scale']:g}: {ls['skipped_steps']} of {ls['steps']} optimizer steps "
+                     "skipped for inf/NaN gradients")
+    from ortrain.engine import clip
+
+    clipped = clip.describe()
+    if clipped and state.device == "cpu":
+        lines.append("  " + clipped)
+    if not state.runners:
+        lines.append("  not called yet: the model is exported on its first call")
+    where_step = "in the engine" if state.optimizer_in_engine else "in PyTorch"
+    for key, r in state.runners.items():
+        mode = "train" if key[1] else "eval"
+        if isinstance(r, Runner):
+            e = r.exported
+            fwd, bwd = r.session.node_count
+            took = "reused from an earlier export in this process" if e.from_cache else f"{e.seconds:.2f} s"
+            took += ", in a child process" if e.in_child and not e.from_cache else ""
+            sizes = ("input sizes fixed to " + ", ".join(str(list(x)) for x in key[3])) if len(key) == 4 \
+                else "any input sizes"
+            passes = ", ".join(f"{name} ×{n}" for name, n in r.session.passes if n)
+            lines.append(f"  [{mode}] exporter {e.exporter} (opset {e.opset}, {took}), "
+                         f"{fwd} forward + {bwd} gradient nodes, {sizes}" + (f"; passes {passes}" if passes else ""))
+            if getattr(r, "on_cuda", False) and r.session.matmul_precision in ("bf16", "fp16"):
+                lines.append(f"    on {r.device}: matmuls {r.session.matmul_path}; optimizer step {where_step}")
+            elif getattr(r, "on_cuda", False):
+                tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
+                lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step {where_step}")
+            else:
+                lines.append(f"    matmuls: {r.session.matmul_path}")
+            if getattr(r, "on_cuda", False):
+                lines.append("    " + describe_graphs(r, state.cuda_graphs))
+            if e.dropout_fixes:
+                lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
+            if key == state.last_key and state.last_inputs is not None:
+                info = r.plan_info(state.last_inputs, bool(key[1]) and bool(r.trainable_params))
+                shapes = ", ".join(str(list(x.shape)) for x in state.last_inputs)
+                lines.append(f"    plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
+                             f"{info['forward_steps']} forward + {info['backward_steps']} backward steps, "
+                             f"{info['folded_nodes']} nodes folded")
+                lines.append("    " + peak_summary(info))
+                if key[1] and r.trainable_params:
+                    lines += _training_memory(state, r, info)
+        else:
+            lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
+    if state.fused_loss_calls:
+        lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
+        for r in state.loss_runners.values():
+            last = getattr(r, "last_inputs", None)
+            if last is None:
+                continue
+            try:
+                info = r.plan_info(last, True)
+            except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
+                continue
+            fused = [f"{name} ×{n}" for name, n in r.session.passes if n]
+            lines.append(f"    loss graph (logits computed only when read): "
+                         f"passes {', '.join(fused) or 'none'}; peak arena {info['arena_bytes'] / 2**20:.1f} MiB, "
+                         f"{info['forward_steps']} forward + {info['backward_steps']} backward steps\n      " + peak_summary(info))
+            if getattr(r, "on_cuda", False):
+                lines.append("    " + describe_graphs(r, state.cuda_graphs))
+    if profile:
+        from ortrain._profile import format_profile
+
+        lines += format_profile(state)
+    return "\n".join(lines)
+
+
+def _training_memory(state, runner, info) -> list:
+    """explain()'s estimate of the training peak: with the model + cross-entropy graph's arena
+    where the usual loss would be fused (the arena of the graph that will run), else with this
+    plan's arena and the loss in PyTorch."""
+    from ortrain._memory import gpu_training_estimate, training_estimate
+
+    def estimate(arena: int) -> str:
+        if runner.on_cuda:
+            return gpu_training_estimate(state.module, state.optimizer, arena)
+        return training_estimate(state.module, state.optimizer, arena, state.setup_bytes)
+
+    fused = state.likely_loss_runner(runner, state.last_inputs)
+    if fused is not None:
+        loss_runner, inputs = fused
+        try:
+            arena = loss_runner.plan_info(inputs, True)["arena_bytes"]
+        except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
+            fused = None
+    if fused is not None:
+        return ["    with the loss fused (F.cross_entropy on the output), " + estimate(arena)]
+    return ["    " + estimate(info["arena_bytes"]) + ", plus the loss in PyTorch"]
+
+
+def reset_profile(model) -> None:
+    """Starts a new profile measurement for `explain(model, profile=True)`."""
+    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    if state is not None:
+        from ortrain._profile import reset
+
+        reset(state)
