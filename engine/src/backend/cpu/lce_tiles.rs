@@ -2,14 +2,20 @@
 //! thread walks its own run of column tiles of the chunk's gradient G and, while a tile is in
 //! cache, adds its share to dW (rows of the tile, owned by the thread), db and a private dX
 //! partial; the partials are summed at the end. One-thread gemm calls on cache-sized tiles beat
-//! the three whole-chunk parallel gemms (dX, dW, db passes over the 29 MB chunk).
+//! the three whole-chunk parallel gemms (dX, dW, db passes over the 29 MB chunk): the chunk is
+//! read from memory once (by the db sums, row by row, which also brings the tile into L2 before
+//! the gemm packers read it column-wise), and on the bf16 path both bf16 packings of a tile read
+//! it from L2. The bf16 path multiplies each tile with the bf16 kernel on the calling thread.
 
 use rayon::prelude::*;
 
+use super::bf16::{self, MatRef, MatmulPath};
 use super::elementwise::FloatElem;
 use super::matmul::{gemm_serial, Mat};
 
-/// Columns of G per tile: [chunk rows × 512] is 512 KB at 256 rows, within a core's L2.
+/// Columns of G per tile: [chunk rows × 512] is 512 KB at 256 rows, within a core's L2. On the
+/// tutorial's head (chunks of 234 rows, k = 200, Zen 4, 2 threads) tiles of 288 columns were no
+/// faster on either path (`lce_phase_speed`, three interleaved runs each).
 const TILE: usize = 512;
 
 /// One chunk's operands: G [r, n] row-major, X_c [r, k] row-major, W as stored ([n, k] when
@@ -22,6 +28,8 @@ pub(super) struct ChunkGrads<'a, T> {
     pub n: usize,
     pub k: usize,
     pub trans_b: bool,
+    /// The matmul path: the bf16 one multiplies each tile with the bf16 kernel on this thread.
+    pub path: MatmulPath,
 }
 
 /// Raw addresses shared by the threads: each writes disjoint parts (its own tiles' dW rows or
@@ -49,6 +57,18 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
             let mut p = vec![T::zero(); r * k];
             for j in ti * tiles / nt..(ti + 1) * tiles / nt {
                 let (j0, cols) = (j * TILE, TILE.min(n - j * TILE));
+                // SAFETY: the tile's columns of G exist (row stride n); tiles are disjoint
+                // between threads, so are their db entries.
+                unsafe {
+                    let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
+                    for i in 0..r {
+                        let row = std::slice::from_raw_parts(g.add(j0 + i * n), cols);
+                        dbt.iter_mut().zip(row).for_each(|(d, &v)| *d = *d + v);
+                    }
+                }
+                if k == 0 {
+                    continue;
+                }
                 // SAFETY: j0 + cols ≤ n: the tile's columns of G (row stride n), of op(W) and
                 // of dW exist; tiles are disjoint between threads, so are their dW and db parts.
                 unsafe {
@@ -57,17 +77,12 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
                     if c.trans_b {
                         // dW[j0.., :] (+)= G_tileᵀ · X_c
                         let lhs = Mat { ptr: gt, rs: 1, cs: n as isize };
-                        gemm_serial(cols, k, r, dwp.add(j0 * k), k as isize, 1, lhs, xc, accumulate_dw);
+                        tile_gemm(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, accumulate_dw);
                     } else {
                         // dW[:, j0..] (+)= X_cᵀ · G_tile
                         let lhs = Mat { ptr: x, rs: 1, cs: k as isize };
                         let rhs = Mat { ptr: gt, rs: n as isize, cs: 1 };
-                        gemm_serial(k, cols, r, dwp.add(j0), n as isize, 1, lhs, rhs, accumulate_dw);
-                    }
-                    let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
-                    for i in 0..r {
-                        let row = std::slice::from_raw_parts(gt.add(i * n), cols);
-                        dbt.iter_mut().zip(row).for_each(|(d, &v)| *d = *d + v);
+                        tile_gemm(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, accumulate_dw);
                     }
                     // dX partial += G_tile · op(W)ᵀ_tile ([cols, k] view of w)
                     let wt = if c.trans_b {
@@ -76,7 +91,7 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
                         Mat { ptr: w.add(j0), rs: 1, cs: n as isize }
                     };
                     let gm = Mat { ptr: gt, rs: n as isize, cs: 1 };
-                    gemm_serial(r, k, cols, p.as_mut_ptr(), k as isize, 1, gm, wt, true);
+                    tile_gemm(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, true);
                 }
             }
             p
@@ -87,4 +102,32 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
     for p in &parts {
         dx.iter_mut().zip(p).for_each(|(d, &v)| *d = *d + v);
     }
+}
+
+/// dst[m×n] (row stride ldc) (+)= lhs · rhs on the calling thread: the bf16 kernel for f32
+/// operands on the bf16 path, the `gemm` crate otherwise.
+///
+/// # Safety
+/// As `gemm_serial` with dst row-major at stride ldc.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_gemm<T: FloatElem + 'static>(
+    path: MatmulPath,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    ldc: usize,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    accumulate: bool,
+) {
+    if let (MatmulPath::Bf16(isa), true) = (path, std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()) {
+        let view = |x: Mat<T>| MatRef { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        // SAFETY: T is f32, so the casts are identities; the views and dst are the caller's.
+        unsafe { bf16::gemm(isa, m, n, k, 1.0, view(lhs), view(rhs), beta, dst as *mut f32, ldc, false) };
+        return;
+    }
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { gemm_serial(m, n, k, dst, ldc as isize, 1, lhs, rhs, accumulate) }
 }

@@ -1,6 +1,7 @@
 //! CPU kernel of LinearCrossEntropy (ops/loss.rs: the LM head fused with its softmax
 //! cross-entropy): the rows are walked in chunks, one chunk's logits at a time, their loss terms
-//! and unit-seed gradient, then the gradient gemms into dX and dW. Rows of weight 0 are skipped.
+//! and unit-seed gradient, then the gradient gemms into dX, dW and db by vocabulary tiles
+//! (lce_tiles.rs). Rows of weight 0 are skipped.
 
 use std::any::TypeId;
 
@@ -82,35 +83,6 @@ fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, 
     term
 }
 
-/// Runs `row_pass(row, j)` on every row j of the chunk `g` ([rows, n]) in parallel, returning
-/// the sum of what it returns, and adds the column sums of the rows it leaves (db[c] += Σ_j
-/// g[j, c]): each thread sums its own run of rows into a partial while they are in cache, instead
-/// of a second pass over the chunk.
-fn rows_with_col_sums<T: FloatElem>(g: &mut [T], n: usize, row_pass: impl Fn(&mut [T], usize) -> f64 + Sync, db: &mut [T]) -> f64 {
-    let rows = g.len() / n.max(1);
-    let parts = rayon::current_num_threads().clamp(1, rows.max(1));
-    let per = rows.div_ceil(parts).max(1);
-    let partials: Vec<(f64, Vec<T>)> = g
-        .par_chunks_mut(per * n)
-        .enumerate()
-        .map(|(p, block)| {
-            let mut sums = vec![T::zero(); n];
-            let mut total = 0f64;
-            for (i, row) in block.chunks_exact_mut(n).enumerate() {
-                total += row_pass(row, p * per + i);
-                sums.iter_mut().zip(row.iter()).for_each(|(s, &v)| *s = *s + v);
-            }
-            (total, sums)
-        })
-        .collect();
-    let mut total = 0f64;
-    for (t, sums) in partials {
-        total += t;
-        db.iter_mut().zip(&sums).for_each(|(d, &s)| *d = *d + s);
-    }
-    total
-}
-
 fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: &mut [Out]) -> Result<()> {
     let (xv, wv) = (x.slice::<T>()?, w.slice::<T>()?);
     let bv = b.map(|b| b.slice::<T>()).transpose()?;
@@ -123,7 +95,7 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     if rows == 0 || n == 0 || k == 0 {
         dx.iter_mut().chain(dw.iter_mut()).for_each(|v| *v = T::zero());
     }
-    let chunk = if n == 0 { rows } else { scratch.len() / n };
+    let chunk = scratch.len().checked_div(n).unwrap_or(rows);
     // Rows with weight 0 (ignore_index: e.g. the 85% unmasked tokens of a masked-LM batch) add
     // nothing to the loss or any gradient: only the others are computed, gathered into compact
     // chunks, and their dX rows scattered back (the ignored rows' dX is 0).
@@ -139,8 +111,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    // the fp32 gemm-crate path: one-exp row pass, gradient gemms by tiles; the bf16 path: three
-    // whole-chunk products, the column sums of G taken in the row pass
+    // the fp32 gemm-crate path: the one-exp row pass; the bf16 path keeps the unfused loss
+    // kernel's arithmetic (see lce_row). Both take the gradient products by vocabulary tiles.
     let one_exp = crate_path::<T>(a.path);
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
@@ -165,51 +137,20 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             // view of w, the chunk [r, n] in the scratch output (distinct from both).
             unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
         }
-        if k > 0 && one_exp {
-            let terms: Vec<f64> = g
-                .par_chunks_mut(n)
-                .zip(ids.par_iter())
-                .map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, true))
-                .collect();
-            total += terms.iter().sum::<f64>();
-            let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b };
-            if compact {
-                chunk_grads(&c, &mut dxg, dw, db, c0 > 0);
-                for (src, &i) in dxg.chunks_exact(k).zip(ids) {
-                    dx[i * k..(i + 1) * k].copy_from_slice(src);
-                }
-            } else {
-                chunk_grads(&c, &mut dx[c0 * k..(c0 + r) * k], dw, db, c0 > 0);
+        let terms: Vec<f64> = g
+            .par_chunks_mut(n)
+            .zip(ids.par_iter())
+            .map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, one_exp))
+            .collect();
+        total += terms.iter().sum::<f64>();
+        let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b, path: a.path };
+        if compact {
+            chunk_grads(&c, &mut dxg, dw, db, c0 > 0);
+            for (src, &i) in dxg.chunks_exact(k.max(1)).zip(ids) {
+                dx[i * k..(i + 1) * k].copy_from_slice(src);
             }
-            c0 += r;
-            continue;
-        }
-        total += rows_with_col_sums(g, n, |row, j| lce_row(row, bv, a.t[ids[j]].0, a.t[ids[j]].1, a.t[ids[j]].1 * a.scale, one_exp), db);
-        if k > 0 {
-            let gm = Mat { ptr: g.as_ptr(), rs: n as isize, cs: 1 };
-            // dX_c = G · op(W)ᵀ
-            let dx_rows = if compact { dxg.as_mut_ptr() } else { dx[c0 * k..].as_mut_ptr() };
-            let wt =
-                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: k as isize, cs: 1 } } else { Mat { ptr: wv.as_ptr(), rs: 1, cs: n as isize } };
-            // SAFETY: G is [r, n], op(W)ᵀ an [n, k] view of w, dX_c [r, k]: dx's rows, or the
-            // compact staging buffer (r·k elements) scattered below.
-            unsafe { gemm_call(a.path, r, k, n, dx_rows, gm, wt, T::one(), false) };
-            if compact {
-                for (src, &i) in dxg.chunks_exact(k).zip(ids) {
-                    dx[i * k..(i + 1) * k].copy_from_slice(src);
-                }
-            }
-            if a.trans_b {
-                // dW[n, k] (+)= Gᵀ · X_c
-                let gt = Mat { ptr: g.as_ptr(), rs: 1, cs: n as isize };
-                // SAFETY: Gᵀ is an [n, r] view of the chunk, X_c [r, k], dW [n, k] (its own output).
-                unsafe { gemm_call(a.path, n, k, r, dw.as_mut_ptr(), gt, xc, T::one(), c0 > 0) };
-            } else {
-                // dW[k, n] (+)= X_cᵀ · G
-                let xt = Mat { ptr: x_rows.as_ptr(), rs: 1, cs: k as isize };
-                // SAFETY: X_cᵀ is a [k, r] view of X_c, G [r, n], dW [k, n] (its own output).
-                unsafe { gemm_call(a.path, k, n, r, dw.as_mut_ptr(), xt, gm, T::one(), c0 > 0) };
-            }
+        } else {
+            chunk_grads(&c, &mut dx[c0 * k..(c0 + r) * k], dw, db, c0 > 0);
         }
         c0 += r;
     }
@@ -372,15 +313,23 @@ mod tests {
                 .with("ignore_index", Attr::Int(-100))
                 .with("reduction", Attr::String(if mean { "mean" } else { "sum" }.into()));
             let ins = [Some(&xt), Some(&wt), bias.then_some(&bt), Some(&yt), weighted.then_some(&ct)];
-            let out = try_run_opt("LinearCrossEntropy", attrs, &ins, &mut CpuCtx::new(0)).unwrap_or_else(|e| panic!("case {case}: {e}"));
             let (loss, dx, dw, db) = reference(&x, &w, bias.then_some(&b[..]), &y, weighted.then_some(&cw[..]), k, n, tb, -100, mean);
-            let tol = if f64s { 1e-12 } else { 2e-5 };
-            close(&format!("case {case}: loss"), &out[0].to_f64_vec(), &[loss], tol);
-            close(&format!("case {case}: dX"), &out[1].to_f64_vec(), &dx, tol);
-            close(&format!("case {case}: dW"), &out[2].to_f64_vec(), &dw, tol);
-            close(&format!("case {case}: db"), &out[3].to_f64_vec(), &db, tol);
-            let elem = if f64s { 8 } else { 4 };
-            assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, elem, LceBudget::CPU), n], "case {case}: scratch");
+            // f32 tensors also through the bf16 kernels when this CPU has them (operands rounded
+            // to bf16: about 3 significant digits)
+            use crate::backend::cpu::bf16::{detect, MatmulPath};
+            let bf16 = detect().filter(|_| !f64s).map(MatmulPath::Bf16);
+            for (path, tol) in [(Some(MatmulPath::Fp32), if f64s { 1e-12 } else { 2e-5 }), (bf16, 1e-2)] {
+                let Some(path) = path else { continue };
+                let mut ctx = CpuCtx::new(0).with_matmul(path);
+                let out = try_run_opt("LinearCrossEntropy", attrs.clone(), &ins, &mut ctx).unwrap_or_else(|e| panic!("case {case}: {e}"));
+                let what = |v: &str| format!("case {case} ({path:?}): {v}");
+                close(&what("loss"), &out[0].to_f64_vec(), &[loss], tol);
+                close(&what("dX"), &out[1].to_f64_vec(), &dx, tol);
+                close(&what("dW"), &out[2].to_f64_vec(), &dw, tol);
+                close(&what("db"), &out[3].to_f64_vec(), &db, tol);
+                let elem = if f64s { 8 } else { 4 };
+                assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, elem, LceBudget::CPU), n], "case {case}: scratch");
+            }
         }
     }
 }
@@ -455,7 +404,9 @@ mod bench {
                 // SAFETY: shapes as in lce_go.
                 unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
                 let t1 = std::time::Instant::now();
-                super::rows_with_col_sums(gs, n, |row, i| super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp), &mut db);
+                gs.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
+                    super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp);
+                });
                 let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
@@ -467,9 +418,9 @@ mod bench {
                 // SAFETY: as above.
                 unsafe { gemm_call(path, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
                 let t4 = std::time::Instant::now();
-                if one_exp {
-                    // what the fp32 path runs instead of the two gemms: both by vocabulary tiles
-                    let c = super::ChunkGrads { g: &*gs, x: &x[c0 * k..(c0 + r) * k], w: &w, r, n, k, trans_b: true };
+                {
+                    // what the kernel runs instead of the two gemms: both (and db) by vocabulary tiles
+                    let c = super::ChunkGrads { g: &*gs, x: &x[c0 * k..(c0 + r) * k], w: &w, r, n, k, trans_b: true, path };
                     super::chunk_grads(&c, &mut dx[c0 * k..(c0 + r) * k], &mut dw, &mut db, c0 > 0);
                 }
                 t[4] += t4.elapsed().as_secs_f64() * 1e3;
@@ -479,7 +430,7 @@ mod bench {
                 c0 += r;
             }
             println!(
-                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows and db {:.1}, dX gemm {:.1}, dW gemm {:.1}, both by tiles {:.1}",
+                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, both and db by tiles {:.1}",
                 t[0], t[1], t[2], t[3], t[4]
             );
         }
