@@ -51,7 +51,6 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
     let parts: Vec<Vec<T>> = (0..nt)
         .into_par_iter()
         .map(|ti| {
-            let dst = dst;
             let (g, x, w) = (ga as *const T, xa as *const T, wa as *const T);
             let (dwp, dbp) = (dst.dw as *mut T, dst.db as *mut T);
             let mut p = vec![T::zero(); r * k];

@@ -3,8 +3,10 @@
 //! (or K) where the layout allows, so that one large gemm call replaces many small ones.
 
 use std::any::TypeId;
+use std::cell::Cell;
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 use super::bf16::{self, MatRef, MatmulPath};
 use super::broadcast::bcast_strides;
@@ -15,6 +17,10 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::util::broadcast_shapes;
 
+/// The largest m·n·k of one batch of a batched product that runs whole on one thread (the
+/// batches then spread over the threads): 2 M multiply-adds, ~20 µs on one core.
+const SMALL_PRODUCT: usize = 1 << 21;
+
 /// Row-major matrix operand: pointer plus (row stride, column stride) for the logical view.
 #[derive(Clone, Copy)]
 pub(super) struct Mat<T> {
@@ -23,8 +29,27 @@ pub(super) struct Mat<T> {
     pub cs: isize,
 }
 
+thread_local! {
+    /// Set while this thread's matmuls must not fork (see `on_this_thread`).
+    static ONE_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every matmul it makes on the calling thread alone: for callers that already
+/// run several independent products side by side, one per thread.
+pub fn on_this_thread<R>(f: impl FnOnce() -> R) -> R {
+    let before = ONE_THREAD.with(|c| c.replace(true));
+    let r = f();
+    ONE_THREAD.with(|c| c.set(before));
+    r
+}
+
+fn one_thread() -> bool {
+    ONE_THREAD.with(|c| c.get())
+}
+
 /// dst[m×n] = (accumulate ? dst : 0) + alpha · lhs[m×k] · rhs[k×n]; f32 products go through
-/// the bf16 GEMM when `path` says so.
+/// the bf16 GEMM when `path` says so. Multithreaded over rayon's pool unless the product is
+/// small or the caller runs `on_this_thread`.
 ///
 /// # Safety
 /// The pointers must cover the m×k, k×n and m×n views with the given strides, dst not
@@ -45,11 +70,11 @@ pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
         let f32_view = |x: Mat<T>| MatRef { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
         let beta = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: T is f32, so the pointer casts are identities; the views are the caller's.
-        unsafe { bf16::gemm(isa, m, n, k, alpha.as_() as f32, f32_view(lhs), f32_view(rhs), beta, dst as *mut f32, n, true) };
+        unsafe { bf16::gemm(isa, m, n, k, alpha.as_() as f32, f32_view(lhs), f32_view(rhs), beta, dst as *mut f32, n, !one_thread()) };
         return;
     }
     let flops = m * n * k;
-    let par = if flops >= 1 << 16 { Parallelism::Rayon(0) } else { Parallelism::None };
+    let par = if flops >= 1 << 16 && !one_thread() { Parallelism::Rayon(0) } else { Parallelism::None };
     // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).
     unsafe { crate_gemm(m, n, k, dst, n as isize, 1, lhs, rhs, alpha, accumulate, par) }
 }
@@ -244,7 +269,7 @@ fn batched<T: FloatElem + 'static>(
     if reduced && !accumulate {
         ov.iter_mut().for_each(|v| *v = T::zero());
     }
-    for bi in 0..batch_full {
+    let offsets = |bi: usize| {
         let (mut r, mut oa, mut ob, mut oo) = (bi, 0, 0, 0);
         for d in (0..full.len()).rev() {
             let i = r % full[d];
@@ -253,6 +278,27 @@ fn batched<T: FloatElem + 'static>(
             ob += i * sb[d];
             oo += i * so[d];
         }
+        (oa, ob, oo)
+    };
+    // Many small products (attention's per-head score and value products) run one per thread
+    // instead of each being split across the threads; summed batches share an output and stay
+    // in order.
+    let spread = !reduced && batch_full > 1 && m * n * k <= SMALL_PRODUCT && rayon::current_num_threads() > 1 && !one_thread();
+    if spread {
+        let (op, out_len) = (ov.as_mut_ptr() as usize, ov.len());
+        (0..batch_full).into_par_iter().for_each(|bi| {
+            let (oa, ob, oo) = offsets(bi);
+            debug_assert!(oo * m * n + m * n <= out_len);
+            // SAFETY: batch offsets index whole matrices inside each buffer; without a summed
+            // batch each output batch is written by exactly one task.
+            on_this_thread(|| unsafe {
+                gemm_call(path, m, n, k, (op as *mut T).add(oo * m * n), mat_a(oa * m * k, m), mat_b(ob * k * n), alpha, accumulate)
+            });
+        });
+        return Ok(());
+    }
+    for bi in 0..batch_full {
+        let (oa, ob, oo) = offsets(bi);
         // SAFETY: batch offsets index whole matrices inside each buffer.
         unsafe {
             gemm_call(path, m, n, k, ov[oo * m * n..].as_mut_ptr(), mat_a(oa * m * k, m), mat_b(ob * k * n), alpha, accumulate || reduced)
@@ -384,6 +430,50 @@ mod tests {
                 );
             }
             assert!(split.iter().zip(&whole).all(|(x, y)| x.to_bits() == y.to_bits()), "trans {trans}");
+        }
+    }
+
+    /// Small batched products spread over the threads (one whole product per thread) give the
+    /// definition's result, with broadcast batches, transposes and alpha; so do the same
+    /// products on one thread (`on_this_thread`).
+    #[test]
+    fn small_batches_spread_over_threads_match_the_definition() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap_or_else(|e| panic!("{e}"));
+        // a [4, 1, 35, 20] · b [1, 3, 20, 30] → [4, 3, 35, 30]; FusedMatMul transB, alpha 0.5:
+        // a [2, 5, 35, 20] · b[2, 5, 30, 20]ᵀ → [2, 5, 35, 30]
+        let tb = Attrs::default().with("transB", Attr::Int(1)).with("alpha", Attr::Float(0.5));
+        let cases = [("MatMul", Attrs::default(), [4usize, 1], [1usize, 3], false, 1.0), ("FusedMatMul", tb, [2, 5], [2, 5], true, 0.5)];
+        for (op, attrs, ba, bb, trans_b, alpha) in cases {
+            let (m, k, n) = (35usize, 20usize, 30usize);
+            let (na, nb) = (ba[0] * ba[1], bb[0] * bb[1]);
+            let a = Tensor::from_f32(vec![ba[0], ba[1], m, k], vals(na * m * k, 1));
+            let bshape = if trans_b { vec![bb[0], bb[1], n, k] } else { vec![bb[0], bb[1], k, n] };
+            let b = Tensor::from_f32(bshape, vals(nb * k * n, 2));
+            let (av, bv) = (a.to_f64_vec(), b.to_f64_vec());
+            let full = [ba[0].max(bb[0]), ba[1].max(bb[1])];
+            let mut want = vec![0f64; full[0] * full[1] * m * n];
+            for (i0, i1) in (0..full[0]).flat_map(|i| (0..full[1]).map(move |j| (i, j))) {
+                let ia = (i0 % ba[0]) * ba[1] + i1 % ba[1];
+                let ib = (i0 % bb[0]) * bb[1] + i1 % bb[1];
+                for (r, c) in (0..m).flat_map(|r| (0..n).map(move |c| (r, c))) {
+                    let bat = |kk: usize| if trans_b { bv[ib * n * k + c * k + kk] } else { bv[ib * k * n + kk * n + c] };
+                    let dot: f64 = (0..k).map(|kk| av[ia * m * k + r * k + kk] * bat(kk)).sum();
+                    want[((i0 * full[1] + i1) * m + r) * n + c] = alpha * dot;
+                }
+            }
+            for one_thread in [false, true] {
+                let got = pool.install(|| {
+                    let go = || try_run_ctx(op, attrs.clone(), &[&a, &b], &mut CpuCtx::new(0)).unwrap_or_else(|e| panic!("{op}: {e}"));
+                    if one_thread {
+                        super::on_this_thread(go)
+                    } else {
+                        go()
+                    }
+                });
+                assert_eq!(got[0].shape, vec![full[0], full[1], m, n], "{op}");
+                let d = got[0].to_f64_vec().iter().zip(&want).fold(0f64, |x, (g, w)| x.max((g - w).abs()));
+                assert!(d < 1e-4, "{op} (one thread: {one_thread}): {d:.2e}");
+            }
         }
     }
 

@@ -33,6 +33,7 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 pub use in_place::{add_in_place_first, add_in_place_second, gather_grad_accumulate, mul_scalar_in_place, sum_already_in_place};
+pub use matmul::on_this_thread;
 pub use tensor_view::{In, Out};
 
 use crate::error::Result;

@@ -70,6 +70,11 @@ impl<'a> In<'a> {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// The addresses of the bytes this view covers.
+    pub fn addr_range(&self) -> std::ops::Range<usize> {
+        let start = self.ptr as usize;
+        start..start + self.numel() * self.dtype.size()
+    }
     pub fn slice<T: Elem>(&self) -> Result<&'a [T]> {
         check(self.dtype, T::DTYPE)?;
         if self.numel() == 0 {
@@ -105,6 +110,11 @@ impl<'a> Out<'a> {
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+    /// The addresses of the bytes this view covers.
+    pub fn addr_range(&self) -> std::ops::Range<usize> {
+        let start = self.ptr as usize;
+        start..start + self.numel() * self.dtype.size()
     }
     /// A second view of the same output, borrowing this one.
     pub fn reborrow(&mut self) -> Out<'_> {
