@@ -40,67 +40,108 @@ struct Dst {
     db: usize,
 }
 
+/// Runs `body(state, j, j0, cols)` for every tile j (columns j0..j0 + cols of n), each thread
+/// of rayon's pool over its own contiguous run of tiles with its own `init()` state; returns
+/// the states.
+pub(super) fn over_tiles<S: Send>(n: usize, init: impl Fn() -> S + Sync, body: impl Fn(&mut S, usize, usize, usize) + Sync) -> Vec<S> {
+    let tiles = n.div_ceil(TILE);
+    let nt = rayon::current_num_threads().clamp(1, tiles.max(1));
+    (0..nt)
+        .into_par_iter()
+        .map(|ti| {
+            let mut state = init();
+            for j in ti * tiles / nt..(ti + 1) * tiles / nt {
+                body(&mut state, j, j * TILE, TILE.min(n - j * TILE));
+            }
+            state
+        })
+        .collect()
+}
+
+/// The number of tiles `over_tiles` walks for n columns.
+pub(super) fn tile_count(n: usize) -> usize {
+    n.div_ceil(TILE)
+}
+
+/// The widest tile.
+pub(super) const TILE_COLS: usize = TILE;
+
+/// One tile's share of the gradient products: dW's rows (or columns) of the tile (+)= their
+/// product (accumulated when `accumulate_dw`), and the dX partial `p` ([r, k]) += G_tile ·
+/// op(W)ᵀ_tile. G_tile is [r, cols] at `gt` with row stride `gs`.
+///
+/// # Safety
+/// `gt` covers r rows of `cols` at stride gs; j0 + cols ≤ n; no other thread writes this
+/// tile's part of dW (at `dwp`, dW's start) while the call runs.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
+    c: &ChunkGrads<T>,
+    j0: usize,
+    cols: usize,
+    gt: *const T,
+    gs: usize,
+    dwp: *mut T,
+    p: &mut [T],
+    accumulate_dw: bool,
+) {
+    let (r, n, k) = (c.r, c.n, c.k);
+    if k == 0 {
+        return;
+    }
+    let (x, w) = (c.x.as_ptr(), c.w.as_ptr());
+    // SAFETY: the caller's contract: the tile's columns of G, op(W) and dW exist, and this
+    // tile's dW part is written by this call alone.
+    unsafe {
+        let xc = Mat { ptr: x, rs: k as isize, cs: 1 };
+        if c.trans_b {
+            // dW[j0.., :] (+)= G_tileᵀ · X_c
+            let lhs = Mat { ptr: gt, rs: 1, cs: gs as isize };
+            tile_gemm(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, accumulate_dw);
+        } else {
+            // dW[:, j0..] (+)= X_cᵀ · G_tile
+            let lhs = Mat { ptr: x, rs: 1, cs: k as isize };
+            let rhs = Mat { ptr: gt, rs: gs as isize, cs: 1 };
+            tile_gemm(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, accumulate_dw);
+        }
+        // dX partial += G_tile · op(W)ᵀ_tile ([cols, k] view of w)
+        let wt = if c.trans_b { Mat { ptr: w.add(j0 * k), rs: k as isize, cs: 1 } } else { Mat { ptr: w.add(j0), rs: 1, cs: n as isize } };
+        let gm = Mat { ptr: gt, rs: gs as isize, cs: 1 };
+        tile_gemm(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, true);
+    }
+}
+
+/// dx[..r·k] = the sum of the threads' dX partials.
+pub(super) fn sum_partials<T: FloatElem>(dx: &mut [T], parts: &[Vec<T>]) {
+    dx.iter_mut().for_each(|v| *v = T::zero());
+    for p in parts {
+        dx.iter_mut().zip(p).for_each(|(d, &v)| *d = *d + v);
+    }
+}
+
 /// dX_c = G · op(W)ᵀ (overwritten), dW (+)= the chunk's G-product (accumulated when
 /// `accumulate_dw`), db += column sums of G.
 pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T], dw: &mut [T], db: &mut [T], accumulate_dw: bool) {
     let (r, n, k) = (c.r, c.n, c.k);
-    let tiles = n.div_ceil(TILE);
-    let nt = rayon::current_num_threads().clamp(1, tiles.max(1));
     let dst = Dst { dw: dw.as_mut_ptr() as usize, db: db.as_mut_ptr() as usize };
-    let (ga, xa, wa) = (c.g.as_ptr() as usize, c.x.as_ptr() as usize, c.w.as_ptr() as usize);
-    let parts: Vec<Vec<T>> = (0..nt)
-        .into_par_iter()
-        .map(|ti| {
-            let (g, x, w) = (ga as *const T, xa as *const T, wa as *const T);
-            let (dwp, dbp) = (dst.dw as *mut T, dst.db as *mut T);
-            let mut p = vec![T::zero(); r * k];
-            for j in ti * tiles / nt..(ti + 1) * tiles / nt {
-                let (j0, cols) = (j * TILE, TILE.min(n - j * TILE));
-                // SAFETY: the tile's columns of G exist (row stride n); tiles are disjoint
-                // between threads, so are their db entries.
-                unsafe {
-                    let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
-                    for i in 0..r {
-                        let row = std::slice::from_raw_parts(g.add(j0 + i * n), cols);
-                        dbt.iter_mut().zip(row).for_each(|(d, &v)| *d = *d + v);
-                    }
+    let ga = c.g.as_ptr() as usize;
+    let parts = over_tiles(
+        n,
+        || vec![T::zero(); r * k],
+        |p, _, j0, cols| {
+            let (g, dwp, dbp) = (ga as *const T, dst.dw as *mut T, dst.db as *mut T);
+            // SAFETY: the tile's columns of G exist (row stride n); tiles are disjoint between
+            // threads, so are their db entries and dW parts.
+            unsafe {
+                let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
+                for i in 0..r {
+                    let row = std::slice::from_raw_parts(g.add(j0 + i * n), cols);
+                    dbt.iter_mut().zip(row).for_each(|(d, &v)| *d = *d + v);
                 }
-                if k == 0 {
-                    continue;
-                }
-                // SAFETY: j0 + cols ≤ n: the tile's columns of G (row stride n), of op(W) and
-                // of dW exist; tiles are disjoint between threads, so are their dW and db parts.
-                unsafe {
-                    let gt = g.add(j0);
-                    let xc = Mat { ptr: x, rs: k as isize, cs: 1 };
-                    if c.trans_b {
-                        // dW[j0.., :] (+)= G_tileᵀ · X_c
-                        let lhs = Mat { ptr: gt, rs: 1, cs: n as isize };
-                        tile_gemm(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, accumulate_dw);
-                    } else {
-                        // dW[:, j0..] (+)= X_cᵀ · G_tile
-                        let lhs = Mat { ptr: x, rs: 1, cs: k as isize };
-                        let rhs = Mat { ptr: gt, rs: n as isize, cs: 1 };
-                        tile_gemm(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, accumulate_dw);
-                    }
-                    // dX partial += G_tile · op(W)ᵀ_tile ([cols, k] view of w)
-                    let wt = if c.trans_b {
-                        Mat { ptr: w.add(j0 * k), rs: k as isize, cs: 1 }
-                    } else {
-                        Mat { ptr: w.add(j0), rs: 1, cs: n as isize }
-                    };
-                    let gm = Mat { ptr: gt, rs: n as isize, cs: 1 };
-                    tile_gemm(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, true);
-                }
+                tile_products(c, j0, cols, g.add(j0), n, dwp, p, accumulate_dw);
             }
-            p
-        })
-        .collect();
-    let dx = &mut dx[..r * k];
-    dx.iter_mut().for_each(|v| *v = T::zero());
-    for p in &parts {
-        dx.iter_mut().zip(p).for_each(|(d, &v)| *d = *d + v);
-    }
+        },
+    );
+    sum_partials(&mut dx[..r * k], &parts);
 }
 
 /// dst[m×n] (row stride ldc) (+)= lhs · rhs on the calling thread: the bf16 kernel for f32

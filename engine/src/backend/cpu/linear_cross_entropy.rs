@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::bf16::MatmulPath;
 use super::elementwise::{first, FloatElem};
+use super::lce_stream::{self, StreamRows};
 use super::lce_tiles::{chunk_grads, ChunkGrads};
 use super::loss::{targets, Layout};
 use super::matmul::{crate_path, gemm_call, Mat};
@@ -40,30 +41,35 @@ fn as_f32<T: 'static>(row: &mut [T]) -> Option<&mut [f32]> {
     })
 }
 
+/// The f32 operands of a chunk when T is f32.
+struct Fp32Chunk<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
+    b: Option<&'a [f32]>,
+}
+
+impl<'a> Fp32Chunk<'a> {
+    fn of<T: 'static>(x: &'a [T], w: &'a [T], b: Option<&'a [T]>) -> Option<Self> {
+        let view = |s: &'a [T]| {
+            // SAFETY: T is f32 (checked below): the same memory, length and element type.
+            unsafe { std::slice::from_raw_parts(s.as_ptr() as *const f32, s.len()) }
+        };
+        (TypeId::of::<T>() == TypeId::of::<f32>()).then(|| Fp32Chunk { x: view(x), w: view(w), b: b.map(view) })
+    }
+}
+
 /// One row of logits (X·op(W), plus `bias` when given: the gemm then left it out): returns its
 /// loss term −w·log softmax(row)[y] and replaces the row by its unit-seed gradient
 /// g·(softmax − onehot(y)) (zeros for an ignored row, w = 0). Adding the bias here rounds as the
-/// gemm's accumulation onto bias rows did (one addition of the same two values), and saves a
-/// pass writing bias rows over the chunk and the gemm reading them back. `one_exp` (the fp32
-/// gemm path): max, exp in place with its sum, one scaling: one exp per element instead of
-/// three. The bf16 path keeps the online log-sum-exp and the softmax pass, the same arithmetic
-/// as the unfused loss kernel: its gradient is rounded to bf16 for the gemms, where last-bit
-/// differences flip roundings (that moved bf16 fused-vs-unfused gradients past 1e-3).
-fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, w: f64, g: f64, one_exp: bool) -> f64 {
+/// gemm's accumulation onto bias rows did (one addition of the same two values). The bf16 path
+/// (f32 rows) keeps the online log-sum-exp and the softmax pass, the same arithmetic as the
+/// unfused loss kernel: its gradient is rounded to bf16 for the gemms, where last-bit
+/// differences flip roundings (that moved bf16 fused-vs-unfused gradients past 1e-3). The fp32
+/// path does not come here (lce_stream.rs).
+fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, w: f64, g: f64) -> f64 {
     if w == 0.0 {
         row.iter_mut().for_each(|v| *v = T::zero());
         return 0.0;
-    }
-    if one_exp && TypeId::of::<T>() == TypeId::of::<f32>() {
-        let xy = bias.map_or(row[y], |b| row[y] + b[y]);
-        let b32 = bias.map_or(&[][..], |b| {
-            // SAFETY: T is f32 (checked above): the same memory, length and element type.
-            unsafe { std::slice::from_raw_parts(b.as_ptr() as *const f32, b.len()) }
-        });
-        let r = as_f32(row).unwrap_or_default();
-        let lse = vmath::row_softmax_grad_inplace::call(r, b32, g as f32);
-        r[y] -= g as f32;
-        return -w * (xy.as_() - lse as f64);
     }
     if let Some(b) = bias {
         row.iter_mut().zip(b).for_each(|(v, &b)| *v = *v + b);
@@ -111,9 +117,9 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    // the fp32 gemm-crate path: the one-exp row pass; the bf16 path keeps the unfused loss
-    // kernel's arithmetic (see lce_row). Both take the gradient products by vocabulary tiles.
-    let one_exp = crate_path::<T>(a.path);
+    // the fp32 gemm-crate path streams each chunk by vocabulary tiles (lce_stream.rs); the bf16
+    // path (and f64) makes the chunk's logits, runs the row pass, then the tiled products
+    let fp32 = crate_path::<T>(a.path);
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
         let ids = &active[c0..c0 + r];
@@ -126,6 +132,23 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         } else {
             &xv[c0 * k..(c0 + r) * k]
         };
+        if let (true, Some(f), Some(g32), Some(dw32), Some(db32)) = (fp32, Fp32Chunk::of(x_rows, wv, bv), as_f32(g), as_f32(dw), as_f32(db))
+        {
+            // the fp32 path: the whole chunk by vocabulary tiles (lce_stream.rs)
+            let c = ChunkGrads { g: &[], x: f.x, w: f.w, r, n, k, trans_b: a.trans_b, path: a.path };
+            let rows = StreamRows { targets: ids.iter().map(|&i| (a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect(), bias: f.b };
+            let dx_rows = if compact { &mut dxg[..] } else { &mut dx[c0 * k..(c0 + r) * k] };
+            if let Some(dx32) = as_f32(dx_rows) {
+                total += lce_stream::chunk(&c, g32, &rows, dx32, dw32, db32, c0 > 0);
+            }
+            if compact {
+                for (src, &i) in dxg.chunks_exact(k.max(1)).zip(ids) {
+                    dx[i * k..(i + 1) * k].copy_from_slice(src);
+                }
+            }
+            c0 += r;
+            continue;
+        }
         let xc = Mat { ptr: x_rows.as_ptr(), rs: k as isize, cs: 1 };
         // the chunk's logits X_c · op(W) (the row pass adds the bias)
         if k == 0 {
@@ -137,11 +160,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             // view of w, the chunk [r, n] in the scratch output (distinct from both).
             unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
         }
-        let terms: Vec<f64> = g
-            .par_chunks_mut(n)
-            .zip(ids.par_iter())
-            .map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale, one_exp))
-            .collect();
+        let terms: Vec<f64> =
+            g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
         total += terms.iter().sum::<f64>();
         let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b, path: a.path };
         if compact {
@@ -378,9 +398,10 @@ mod bench {
         }
     }
 
-    /// Where LinearCrossEntropy's time goes on the tutorial shape, phase by phase (the kernel's
-    /// steps, timed separately over all chunks), on the fp32 path and on the bf16 path when the
-    /// CPU has one:
+    /// Where LinearCrossEntropy's time goes on the tutorial shape, over all chunks: the three
+    /// products as whole-chunk parallel gemms (references), and what the kernel runs: on the
+    /// fp32 path the streamed chunk (lce_stream.rs, everything), on the bf16 path (when the CPU
+    /// has one) the logits gemm, the row pass and the tiled products:
     /// `cargo test --release -p ortrain-engine lce_phase_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -392,46 +413,55 @@ mod bench {
         let (mut dx, mut dw, mut db) = (vec![0f32; rows * k], vec![0f32; n * k], vec![0f32; n]);
         let paths = [Some(MatmulPath::Fp32), crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16)];
         for (path, chunk) in paths.into_iter().flatten().flat_map(|p| [(p, 128usize), (p, 256), (p, 234), (p, 256)]) {
-            let one_exp = path == MatmulPath::Fp32;
             let mut g = vec![0f32; chunk * n];
             let mut t = [0f64; 5];
             let mut c0 = 0;
             while c0 < rows {
                 let r = chunk.min(rows - c0);
                 let gs = &mut g[..r * n];
-                let xc = Mat { ptr: x[c0 * k..].as_ptr(), rs: k as isize, cs: 1 };
+                let (xr, dxr) = (&x[c0 * k..(c0 + r) * k], &mut dx[c0 * k..(c0 + r) * k]);
+                let xc = Mat { ptr: xr.as_ptr(), rs: k as isize, cs: 1 };
+                let targets: Vec<(usize, f64, f64)> = (0..r).map(|i| ((i * 37) % n, 1.0, 1e-3)).collect();
                 let t0 = std::time::Instant::now();
                 // SAFETY: shapes as in lce_go.
                 unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
                 let t1 = std::time::Instant::now();
-                gs.par_chunks_mut(n).enumerate().for_each(|(i, row)| {
-                    super::lce_row(row, None, (i * 37) % n, 1.0, 1e-3, one_exp);
-                });
-                let t2 = std::time::Instant::now();
                 let gm = Mat { ptr: gs.as_ptr(), rs: n as isize, cs: 1 };
                 // SAFETY: as above.
-                unsafe {
-                    gemm_call(path, r, k, n, dx[c0 * k..].as_mut_ptr(), gm, Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 }, 1.0, false)
-                };
-                let t3 = std::time::Instant::now();
+                unsafe { gemm_call(path, r, k, n, dxr.as_mut_ptr(), gm, Mat { ptr: w.as_ptr(), rs: k as isize, cs: 1 }, 1.0, false) };
+                let t2 = std::time::Instant::now();
                 let gt = Mat { ptr: gs.as_ptr(), rs: 1, cs: n as isize };
                 // SAFETY: as above.
                 unsafe { gemm_call(path, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
-                let t4 = std::time::Instant::now();
-                {
-                    // what the kernel runs instead of the two gemms: both (and db) by vocabulary tiles
-                    let c = super::ChunkGrads { g: &*gs, x: &x[c0 * k..(c0 + r) * k], w: &w, r, n, k, trans_b: true, path };
-                    super::chunk_grads(&c, &mut dx[c0 * k..(c0 + r) * k], &mut dw, &mut db, c0 > 0);
+                let t3 = std::time::Instant::now();
+                if path == MatmulPath::Fp32 {
+                    let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
+                    let rows = super::StreamRows { targets, bias: None };
+                    super::lce_stream::chunk(&c, gs, &rows, dxr, &mut dw, &mut db, c0 > 0);
+                } else {
+                    // SAFETY: as above.
+                    unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
+                    let tr = std::time::Instant::now();
+                    gs.par_chunks_mut(n).zip(&targets).for_each(|(row, &(y, wt, gi))| {
+                        super::lce_row(row, None, y, wt, gi);
+                    });
+                    t[4] += tr.elapsed().as_secs_f64() * 1e3;
+                    let c = super::ChunkGrads { g: &*gs, x: xr, w: &w, r, n, k, trans_b: true, path };
+                    super::chunk_grads(&c, dxr, &mut dw, &mut db, c0 > 0);
                 }
-                t[4] += t4.elapsed().as_secs_f64() * 1e3;
-                for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3), (t3, t4)]) {
+                t[3] += t3.elapsed().as_secs_f64() * 1e3;
+                for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
                     *acc += (b - a).as_secs_f64() * 1e3;
                 }
                 c0 += r;
             }
             println!(
-                "{path:?} chunk {chunk}: logits gemm {:.1} ms, rows {:.1}, dX gemm {:.1}, dW gemm {:.1}, both and db by tiles {:.1}",
-                t[0], t[1], t[2], t[3], t[4]
+                "{path:?} chunk {chunk}: whole gemms: logits {:.1} ms, dX {:.1}, dW {:.1}; the kernel's way: {:.1} ms{}",
+                t[0],
+                t[1],
+                t[2],
+                t[3],
+                if path == MatmulPath::Fp32 { " (streamed)".to_string() } else { format!(" (of which the row pass {:.1})", t[4]) }
             );
         }
     }

@@ -13,6 +13,7 @@ mod elementwise;
 mod gather_nd;
 mod in_place;
 mod internal;
+mod lce_stream;
 mod lce_tiles;
 mod linear;
 mod linear_cross_entropy;

@@ -136,13 +136,14 @@ fn scaled_softmax_inplace_body<const FMA: bool>(x: &mut [f32], lse: f32, g: f32)
     }
 }
 
-/// x[k] = g · softmax(x + bias)[k] in place (bias: empty for none, else x's length); returns
-/// log Σ exp(x + bias). A max pass (adding the bias), then one exp per element (stored, summed),
-/// then one scale: a third of the exps of `lse_body` followed by `scaled_softmax_inplace_body`
-/// (each of whose passes evaluates exp). A row holding a NaN or an infinity becomes NaN and so
-/// does the returned value (as `row_lse` then the softmax would).
+/// x[k] = exp(x[k] + bias[k] − m) in place, m the largest x + bias (bias: empty for none, else
+/// x's length); returns (m, Σ of the stored values): the softmax of x + bias is the stored
+/// values over the sum, its log-sum-exp m + ln(sum). One exp per element (`lse_body` then
+/// `scaled_softmax_inplace_body` take two). A NaN or an infinity anywhere gives m = NaN (as
+/// `row_lse` gives NaN) and leaves x with the biased values, not to be used; an empty x gives
+/// (−∞, 0).
 #[inline(always)]
-fn softmax_grad_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], g: f32) -> f32 {
+fn exp_shifted_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32]) -> (f32, f32) {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut poison = [0f32; LANES];
     let mut top = f32::NEG_INFINITY;
@@ -175,9 +176,12 @@ fn softmax_grad_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], g: f3
     }
     top = m.iter().fold(top, |a, &b| a.max(b));
     bad += poison.iter().sum::<f32>();
-    if bad.is_nan() || top == f32::NEG_INFINITY {
-        x.iter_mut().for_each(|v| *v = f32::NAN);
-        return f32::NAN;
+    if bad.is_nan() {
+        return (f32::NAN, f32::NAN);
+    }
+    if top == f32::NEG_INFINITY {
+        x.iter_mut().for_each(|v| *v = 0.0);
+        return (top, 0.0);
     }
     let mut s = [0f32; LANES];
     let mut chunks = x.chunks_exact_mut(LANES);
@@ -194,12 +198,16 @@ fn softmax_grad_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], g: f3
         *v = e;
         total += e;
     }
-    total += s.iter().sum::<f32>();
-    let scale = g / total;
-    for v in x.iter_mut() {
-        *v *= scale;
+    (top, total + s.iter().sum::<f32>())
+}
+
+/// out[k] = f · x[k], and sums[k] += out[k].
+#[inline(always)]
+fn scale_into_and_sum_body<const FMA: bool>(out: &mut [f32], x: &[f32], f: f32, sums: &mut [f32]) {
+    for ((o, &v), s) in out.iter_mut().zip(x).zip(sums.iter_mut()) {
+        *o = v * f;
+        *s += *o;
     }
-    top + total.ln()
 }
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
@@ -207,7 +215,8 @@ multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 multiversion!(row_scaled_softmax_inplace, scaled_softmax_inplace_body, (x: &mut [f32], lse: f32, g: f32) -> ());
-multiversion!(row_softmax_grad_inplace, softmax_grad_inplace_body, (x: &mut [f32], bias: &[f32], g: f32) -> f32);
+multiversion!(row_exp_shifted_inplace, exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32]) -> (f32, f32));
+multiversion!(scale_into_and_sum, scale_into_and_sum_body, (out: &mut [f32], x: &[f32], f: f32, sums: &mut [f32]) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
@@ -262,7 +271,7 @@ mod tests {
     }
 
     #[test]
-    fn softmax_grad_inplace_matches_lse_then_softmax() {
+    fn exp_shifted_gives_the_softmax_and_the_log_sum_exp() {
         for n in [1usize, 5, 16, 17, 100, 28782] {
             let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
             let (lse, mut want) = (row_lse(&x), x.clone());
@@ -271,9 +280,11 @@ mod tests {
             let bias: Vec<f32> = (0..n).map(|i| (i % 8) as f32 * 0.25 - 1.0).collect();
             let shifted: Vec<f32> = x.iter().zip(&bias).map(|(v, b)| v - b).collect();
             for (mut got, b) in [(x.clone(), &[][..]), (shifted, &bias[..])] {
-                let got_lse = row_softmax_grad_inplace::call(&mut got, b, 0.25);
+                let (m, sum) = row_exp_shifted_inplace::call(&mut got, b);
+                let got_lse = m + sum.ln();
                 assert!((got_lse - lse).abs() <= 2e-6 * lse.abs().max(1.0), "n={n}: lse {got_lse} vs {lse}");
                 for (a, b) in got.iter().zip(&want) {
+                    let a = a * (0.25 / sum);
                     assert!((a - b).abs() <= 4e-6 * b.abs() + 1e-30, "n={n}: {a} vs {b}");
                 }
             }
@@ -281,8 +292,19 @@ mod tests {
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
             let mut x: Vec<f32> = (0..40).map(|i| i as f32 * 0.1).collect();
             x[21] = bad;
-            assert!(row_softmax_grad_inplace::call(&mut x, &[], 1.0).is_nan(), "{bad}");
-            assert!(x.iter().all(|v| v.is_nan()), "{bad}");
+            assert!(row_exp_shifted_inplace::call(&mut x, &[]).0.is_nan(), "{bad}");
+        }
+        assert_eq!(row_exp_shifted_inplace::call(&mut [], &[]), (f32::NEG_INFINITY, 0.0));
+    }
+
+    #[test]
+    fn scale_into_and_sum_scales_and_adds() {
+        let x: Vec<f32> = (0..37).map(|i| i as f32 - 3.5).collect();
+        let (mut out, mut sums) = (vec![0f32; 37], vec![1f32; 37]);
+        scale_into_and_sum::call(&mut out, &x, 0.5, &mut sums);
+        for i in 0..37 {
+            assert_eq!(out[i], x[i] * 0.5);
+            assert_eq!(sums[i], 1.0 + x[i] * 0.5);
         }
     }
 }
@@ -312,12 +334,12 @@ mod bench {
             out.copy_from_slice(&x);
             let t = std::time::Instant::now();
             for row in out.chunks_mut(28782) {
-                s += row_softmax_grad_inplace::call(row, &[], 0.5);
+                s += row_exp_shifted_inplace::call(row, &[]).1;
             }
             let t3 = t.elapsed();
             let ns = |d: std::time::Duration| d.as_nanos() as f64 / x.len() as f64;
             println!(
-                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem, one-exp softmax grad {:.2} ns/elem ({s})",
+                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem, one-exp shifted exp {:.2} ns/elem ({s})",
                 level_name(),
                 ns(t1),
                 ns(t2),

@@ -1,0 +1,147 @@
+//! One chunk of LinearCrossEntropy on the fp32 `gemm`-crate path, by vocabulary tiles from end
+//! to end, so that the chunk's logits are swept through memory twice instead of four times:
+//! 1. each thread, for its run of tiles: the tile's logits (one-thread gemm into the chunk),
+//!    then, while the tile is in cache, per row the bias, the tile's max m and
+//!    e = exp(v + b − m) in place with its sum s;
+//! 2. per row (cheap): lse = M + ln Σ s·exp(m − M) over the row's tiles, the loss term and one
+//!    factor per tile, g·exp(m − lse);
+//! 3. each thread, for the same tiles: G_tile = factor · e (minus g at the label) into a
+//!    tile-sized buffer with db's column sums, then dW's and the dX partial's products from it.
+//!
+//! The whole-row version (a row pass over the chunk between a whole-chunk gemm and the tiled
+//! products) read and wrote the 27 MB chunk once more. G equals g·exp(v + b − max)/Σ up to
+//! rounding (per-tile shifts), as the unfused kernel's softmax gradient.
+
+use super::lce_tiles::{over_tiles, sum_partials, tile_count, tile_products, ChunkGrads, TILE_COLS};
+use super::matmul::{gemm_serial, Mat};
+use super::vmath;
+
+/// One chunk's rows: (label, loss weight w, gradient factor g = w · 1/Σw or w) each.
+pub(super) struct StreamRows<'a> {
+    pub targets: Vec<(usize, f64, f64)>,
+    pub bias: Option<&'a [f32]>,
+}
+
+/// Raw addresses the threads write at disjoint places.
+#[derive(Clone, Copy)]
+struct Shared {
+    g: usize,
+    stats: usize,
+    xy: usize,
+    dw: usize,
+    db: usize,
+}
+
+/// Runs the chunk: `scratch` ([r, n]) receives the logits, then e (`c.g` is not read); dx
+/// ([r, k]) is overwritten, dW accumulated when `accumulate_dw`, db accumulated. Returns Σ of the
+/// rows' loss terms −w·log softmax(row)[y].
+pub(super) fn chunk(
+    c: &ChunkGrads<f32>,
+    scratch: &mut [f32],
+    rows: &StreamRows,
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+    accumulate_dw: bool,
+) -> f64 {
+    let (r, n, k) = (c.r, c.n, c.k);
+    let tiles = tile_count(n);
+    // per (tile, row): (m, s); per row: the biased logit at its label
+    let mut stats = vec![(0f32, 0f32); tiles * r];
+    let mut xy = vec![0f32; r];
+    let sh = Shared {
+        g: scratch[..r * n].as_mut_ptr() as usize,
+        stats: stats.as_mut_ptr() as usize,
+        xy: xy.as_mut_ptr() as usize,
+        dw: dw.as_mut_ptr() as usize,
+        db: db.as_mut_ptr() as usize,
+    };
+    let bias = rows.bias;
+    over_tiles(
+        n,
+        || (),
+        |_, j, j0, cols| {
+            let g = sh.g as *mut f32;
+            // SAFETY: the tile's columns j0..j0 + cols of the chunk (row stride n) belong to this
+            // thread alone; X_c is [r, k], op(W)'s tile columns exist; stats (tile j's r entries)
+            // and xy (the rows whose label is in this tile) are written by this tile only.
+            unsafe {
+                if k > 0 {
+                    let xc = Mat { ptr: c.x.as_ptr(), rs: k as isize, cs: 1 };
+                    let wt = if c.trans_b {
+                        Mat { ptr: c.w.as_ptr().add(j0 * k), rs: 1, cs: k as isize }
+                    } else {
+                        Mat { ptr: c.w.as_ptr().add(j0), rs: n as isize, cs: 1 }
+                    };
+                    gemm_serial(r, cols, k, g.add(j0), n as isize, 1, xc, wt, false);
+                } else {
+                    (0..r).for_each(|i| std::slice::from_raw_parts_mut(g.add(i * n + j0), cols).fill(0.0));
+                }
+                let b = bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
+                for (i, &(y, _, _)) in rows.targets.iter().enumerate() {
+                    let seg = std::slice::from_raw_parts_mut(g.add(i * n + j0), cols);
+                    if (j0..j0 + cols).contains(&y) {
+                        // the same single addition the exp pass makes
+                        *(sh.xy as *mut f32).add(i) = seg[y - j0] + b.get(y - j0).copied().unwrap_or(0.0);
+                    }
+                    *(sh.stats as *mut (f32, f32)).add(j * r + i) = vmath::row_exp_shifted_inplace::call(seg, b);
+                }
+            }
+        },
+    );
+    // per row: log-sum-exp over its tiles, the loss term, and each tile's factor (in place of m)
+    let mut total = 0f64;
+    for (i, &(_, w, g)) in rows.targets.iter().enumerate() {
+        let row = (0..tiles).map(|j| stats[j * r + i]);
+        let top = row.clone().fold(f32::NEG_INFINITY, |a, (m, _)| if m.is_nan() || a.is_nan() { f32::NAN } else { a.max(m) });
+        let lse = if top.is_nan() || top == f32::NEG_INFINITY {
+            f64::NAN
+        } else {
+            let sum: f64 = row.filter(|&(m, _)| m > f32::NEG_INFINITY).map(|(m, s)| s as f64 * ((m - top) as f64).exp()).sum();
+            top as f64 + sum.ln()
+        };
+        total += -w * (xy[i] as f64 - lse);
+        for j in 0..tiles {
+            let (m, _) = stats[j * r + i];
+            let f = if lse.is_nan() {
+                f32::NAN
+            } else if m == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (g * (m as f64 - lse).exp()) as f32
+            };
+            stats[j * r + i].0 = f;
+        }
+    }
+    let sh = Shared { stats: stats.as_ptr() as usize, ..sh };
+    let parts = over_tiles(
+        n,
+        || (vec![0f32; r * k], vec![0f32; r * TILE_COLS]),
+        |(p, buf), j, j0, cols| {
+            let (g, dbp) = (sh.g as *const f32, sh.db as *mut f32);
+            // SAFETY: as above; db's tile entries belong to this tile; buf holds r × cols.
+            unsafe {
+                let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
+                for (i, &(y, _, gi)) in rows.targets.iter().enumerate() {
+                    let f = (*(sh.stats as *const (f32, f32)).add(j * r + i)).0;
+                    let e = std::slice::from_raw_parts(g.add(i * n + j0), cols);
+                    let out = &mut buf[i * cols..(i + 1) * cols];
+                    if f.is_nan() {
+                        out.fill(f32::NAN);
+                        dbt.iter_mut().for_each(|d| *d = f32::NAN);
+                    } else {
+                        vmath::scale_into_and_sum::call(out, e, f, dbt);
+                    }
+                    if (j0..j0 + cols).contains(&y) {
+                        out[y - j0] -= gi as f32;
+                        dbt[y - j0] -= gi as f32;
+                    }
+                }
+                tile_products(c, j0, cols, buf.as_ptr(), cols, sh.dw as *mut f32, p, accumulate_dw);
+            }
+        },
+    );
+    let parts: Vec<Vec<f32>> = parts.into_iter().map(|(p, _)| p).collect();
+    sum_partials(&mut dx[..r * k], &parts);
+    total
+}
