@@ -11,6 +11,10 @@
 //! The whole-row version (a row pass over the chunk between a whole-chunk gemm and the tiled
 //! products) read and wrote the 27 MB chunk once more. G equals g·exp(v + b − max)/Σ up to
 //! rounding (per-tile shifts), as the unfused kernel's softmax gradient.
+//!
+//! The bf16 path (`chunk_from_logits`) must reproduce the unfused kernel's gradient bit for bit
+//! (see linear_cross_entropy.rs `lce_row`), so it keeps a whole-chunk logits gemm and a
+//! whole-row log-sum-exp, and only its gradient half runs by tiles from the logits.
 
 use super::lce_tiles::{over_tiles, sum_partials, tile_count, tile_products, ChunkGrads, TILE_COLS};
 use super::matmul::{gemm_serial, Mat};
@@ -28,8 +32,6 @@ struct Shared {
     g: usize,
     stats: usize,
     xy: usize,
-    dw: usize,
-    db: usize,
 }
 
 /// Runs the chunk: `scratch` ([r, n]) receives the logits, then e (`c.g` is not read); dx
@@ -49,13 +51,7 @@ pub(super) fn chunk(
     // per (tile, row): (m, s); per row: the biased logit at its label
     let mut stats = vec![(0f32, 0f32); tiles * r];
     let mut xy = vec![0f32; r];
-    let sh = Shared {
-        g: scratch[..r * n].as_mut_ptr() as usize,
-        stats: stats.as_mut_ptr() as usize,
-        xy: xy.as_mut_ptr() as usize,
-        dw: dw.as_mut_ptr() as usize,
-        db: db.as_mut_ptr() as usize,
-    };
+    let sh = Shared { g: scratch[..r * n].as_mut_ptr() as usize, stats: stats.as_mut_ptr() as usize, xy: xy.as_mut_ptr() as usize };
     let bias = rows.bias;
     over_tiles(
         n,
@@ -113,35 +109,101 @@ pub(super) fn chunk(
             stats[j * r + i].0 = f;
         }
     }
-    let sh = Shared { stats: stats.as_ptr() as usize, ..sh };
+    let factors = stats.as_ptr() as usize;
+    grads_from_tiles(c, scratch, rows, dx, dw, db, accumulate_dw, |out, e, i, j, j0, dbt| {
+        // SAFETY: stats holds tiles × r entries, only read from here on.
+        let f = unsafe { (*(factors as *const (f32, f32)).add(j * r + i)).0 };
+        if f.is_nan() {
+            out.fill(f32::NAN);
+            dbt.iter_mut().for_each(|d| *d = f32::NAN);
+        } else {
+            vmath::scale_into_and_sum::call(out, e, f, dbt);
+        }
+        let (y, _, gi) = rows.targets[i];
+        if let Some(d) = y.checked_sub(j0).filter(|&d| d < out.len()) {
+            out[d] -= gi as f32;
+            dbt[d] -= gi as f32;
+        }
+    });
+    total
+}
+
+/// The bf16 path's chunk after its logits: `scratch` ([r, n]) holds X_c·op(W) without the bias
+/// (left as it is). Per row (in parallel) lse = log Σ exp(row + b), read-only; then per tile the
+/// unit-seed gradient g·exp(v + b − lse) − g·onehot into a tile buffer, its column sums into db,
+/// and the tile's products through the bf16 kernel (`c.path`). The gradient is bit for bit the
+/// whole-row pass's (bias added in place, `row_lse`, the scaled softmax, the label), which the
+/// bf16 rounding of the products must see unchanged; the chunk is read twice and never
+/// rewritten. Returns Σ of the rows' loss terms.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn chunk_from_logits(
+    c: &ChunkGrads<f32>,
+    scratch: &mut [f32],
+    rows: &StreamRows,
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+    accumulate_dw: bool,
+) -> f64 {
+    use rayon::prelude::*;
+    let n = c.n;
+    let bias = rows.bias;
+    let lse: Vec<(f32, f64)> = scratch[..c.r * n]
+        .par_chunks(n)
+        .zip(rows.targets.par_iter())
+        .map(|(row, &(y, w, _))| {
+            let lse = bias.map_or_else(|| vmath::row_lse(row), |b| vmath::row_lse_biased(row, b));
+            let xy = bias.map_or(row[y], |b| row[y] + b[y]);
+            (lse, -w * (xy as f64 - lse as f64))
+        })
+        .collect();
+    let total = lse.iter().map(|&(_, t)| t).sum();
+    grads_from_tiles(c, scratch, rows, dx, dw, db, accumulate_dw, |out, v, i, _, j0, dbt| {
+        let (y, _, gi) = rows.targets[i];
+        match bias {
+            Some(b) => vmath::row_scaled_softmax_biased::call(out, v, &b[j0..j0 + v.len()], lse[i].0, gi as f32),
+            None => vmath::row_scaled_softmax::call(out, v, lse[i].0, gi as f32),
+        }
+        if let Some(d) = y.checked_sub(j0).filter(|&d| d < out.len()) {
+            out[d] -= gi as f32;
+        }
+        dbt.iter_mut().zip(out.iter()).for_each(|(d, &g)| *d += g);
+    });
+    total
+}
+
+/// The gradient half of a chunk by tiles: per tile (each thread its run), per row i,
+/// `row_grad(out, seg, i, j, j0, db_tile)` writes row i's gradient over the tile's columns
+/// (`seg`: the row's part of `scratch`) into `out` and adds it to the tile's db entries; then
+/// the tile's dW and dX products from the tile buffer. dx ([r, k]) is overwritten.
+#[allow(clippy::too_many_arguments)]
+fn grads_from_tiles(
+    c: &ChunkGrads<f32>,
+    scratch: &[f32],
+    rows: &StreamRows,
+    dx: &mut [f32],
+    dw: &mut [f32],
+    db: &mut [f32],
+    accumulate_dw: bool,
+    row_grad: impl Fn(&mut [f32], &[f32], usize, usize, usize, &mut [f32]) + Sync,
+) {
+    let (r, n, k) = (c.r, c.n, c.k);
+    debug_assert_eq!(rows.targets.len(), r);
+    let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
         || (vec![0f32; r * k], vec![0f32; r * TILE_COLS]),
         |(p, buf), j, j0, cols| {
-            let (g, dbp) = (sh.g as *const f32, sh.db as *mut f32);
-            // SAFETY: as above; db's tile entries belong to this tile; buf holds r × cols.
-            unsafe {
-                let dbt = std::slice::from_raw_parts_mut(dbp.add(j0), cols);
-                for (i, &(y, _, gi)) in rows.targets.iter().enumerate() {
-                    let f = (*(sh.stats as *const (f32, f32)).add(j * r + i)).0;
-                    let e = std::slice::from_raw_parts(g.add(i * n + j0), cols);
-                    let out = &mut buf[i * cols..(i + 1) * cols];
-                    if f.is_nan() {
-                        out.fill(f32::NAN);
-                        dbt.iter_mut().for_each(|d| *d = f32::NAN);
-                    } else {
-                        vmath::scale_into_and_sum::call(out, e, f, dbt);
-                    }
-                    if (j0..j0 + cols).contains(&y) {
-                        out[y - j0] -= gi as f32;
-                        dbt[y - j0] -= gi as f32;
-                    }
-                }
-                tile_products(c, j0, cols, buf.as_ptr(), cols, sh.dw as *mut f32, p, accumulate_dw);
+            // SAFETY: db's entries j0..j0 + cols belong to this tile alone.
+            let dbt = unsafe { std::slice::from_raw_parts_mut((dbp as *mut f32).add(j0), cols) };
+            for i in 0..r {
+                row_grad(&mut buf[i * cols..(i + 1) * cols], &scratch[i * n + j0..i * n + j0 + cols], i, j, j0, dbt);
             }
+            // SAFETY: buf holds the tile's r × cols gradient at row stride cols; this tile's part
+            // of dW is written by this call alone.
+            unsafe { tile_products(c, j0, cols, buf.as_ptr(), cols, dwp as *mut f32, p, accumulate_dw) };
         },
     );
     let parts: Vec<Vec<f32>> = parts.into_iter().map(|(p, _)| p).collect();
     sum_partials(&mut dx[..r * k], &parts);
-    total
 }

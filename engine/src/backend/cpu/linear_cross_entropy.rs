@@ -14,7 +14,6 @@ use super::lce_tiles::{chunk_grads, ChunkGrads};
 use super::loss::{targets, Layout};
 use super::matmul::{crate_path, gemm_call, Mat};
 use super::tensor_view::{In, Out};
-use super::vmath;
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
@@ -58,14 +57,10 @@ impl<'a> Fp32Chunk<'a> {
     }
 }
 
-/// One row of logits (X·op(W), plus `bias` when given: the gemm then left it out): returns its
-/// loss term −w·log softmax(row)[y] and replaces the row by its unit-seed gradient
-/// g·(softmax − onehot(y)) (zeros for an ignored row, w = 0). Adding the bias here rounds as the
-/// gemm's accumulation onto bias rows did (one addition of the same two values). The bf16 path
-/// (f32 rows) keeps the online log-sum-exp and the softmax pass, the same arithmetic as the
-/// unfused loss kernel: its gradient is rounded to bf16 for the gemms, where last-bit
-/// differences flip roundings (that moved bf16 fused-vs-unfused gradients past 1e-3). The fp32
-/// path does not come here (lce_stream.rs).
+/// One row of f64 logits (X·op(W), plus `bias` when given: the gemm then left it out): returns
+/// its loss term −w·log softmax(row)[y] and replaces the row by its unit-seed gradient
+/// g·(softmax − onehot(y)) (zeros for an ignored row, w = 0). f32 chunks go through
+/// lce_stream.rs instead.
 fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, w: f64, g: f64) -> f64 {
     if w == 0.0 {
         row.iter_mut().for_each(|v| *v = T::zero());
@@ -74,19 +69,26 @@ fn lce_row<T: FloatElem + 'static>(row: &mut [T], bias: Option<&[T]>, y: usize, 
     if let Some(b) = bias {
         row.iter_mut().zip(b).for_each(|(v, &b)| *v = *v + b);
     }
-    if let Some(r) = as_f32(row) {
-        let lse = vmath::row_lse(r);
-        let term = -w * (r[y] as f64 - lse as f64);
-        vmath::row_scaled_softmax_inplace::call(r, lse, g as f32);
-        r[y] -= g as f32;
-        return term;
-    }
     let m = row.iter().fold(f64::NEG_INFINITY, |m, v| m.max(v.as_()));
     let lse = m + row.iter().map(|v| (v.as_() - m).exp()).sum::<f64>().ln();
     let term = -w * (row[y].as_() - lse);
     row.iter_mut().for_each(|v| *v = T::from_f64(g * (v.as_() - lse).exp()));
     row[y] = T::from_f64(row[y].as_() - g);
     term
+}
+
+/// g[..r·n] = X_c · op(W), the chunk's logits without the bias (zeros when k is 0).
+fn chunk_logits<T: FloatElem + 'static>(a: &Lce, r: usize, x_rows: &[T], wv: &[T], g: &mut [T]) {
+    let (k, n) = (a.k, a.n);
+    if k == 0 {
+        g[..r * n].iter_mut().for_each(|v| *v = T::zero());
+        return;
+    }
+    let xc = Mat { ptr: x_rows.as_ptr(), rs: k as isize, cs: 1 };
+    let wm = if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
+    // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n] view of
+    // w, the chunk [r, n] at the start of the scratch output (distinct from both).
+    unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
 }
 
 fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: &mut [Out]) -> Result<()> {
@@ -117,8 +119,9 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    // the fp32 gemm-crate path streams each chunk by vocabulary tiles (lce_stream.rs); the bf16
-    // path (and f64) makes the chunk's logits, runs the row pass, then the tiled products
+    // f32 chunks: the fp32 gemm-crate path streams each by vocabulary tiles; the bf16 path makes
+    // the chunk's logits, then its gradient by tiles (both in lce_stream.rs). f64: logits, a row
+    // pass, then the tiled products.
     let fp32 = crate_path::<T>(a.path);
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
@@ -132,45 +135,33 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         } else {
             &xv[c0 * k..(c0 + r) * k]
         };
-        if let (true, Some(f), Some(g32), Some(dw32), Some(db32)) = (fp32, Fp32Chunk::of(x_rows, wv, bv), as_f32(g), as_f32(dw), as_f32(db))
-        {
-            // the fp32 path: the whole chunk by vocabulary tiles (lce_stream.rs)
+        let dx_rows = if compact { &mut dxg[..] } else { &mut dx[c0 * k..(c0 + r) * k] };
+        let f32s = (Fp32Chunk::of(x_rows, wv, bv), as_f32(&mut g[..]), as_f32(dx_rows), as_f32(&mut dw[..]), as_f32(&mut db[..]));
+        if let (Some(f), Some(g32), Some(dx32), Some(dw32), Some(db32)) = f32s {
             let c = ChunkGrads { g: &[], x: f.x, w: f.w, r, n, k, trans_b: a.trans_b, path: a.path };
             let rows = StreamRows { targets: ids.iter().map(|&i| (a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect(), bias: f.b };
-            let dx_rows = if compact { &mut dxg[..] } else { &mut dx[c0 * k..(c0 + r) * k] };
-            if let Some(dx32) = as_f32(dx_rows) {
+            if fp32 {
+                // the fp32 path: the whole chunk by vocabulary tiles
                 total += lce_stream::chunk(&c, g32, &rows, dx32, dw32, db32, c0 > 0);
+            } else {
+                // the bf16 path: whole-chunk logits, then the gradient by tiles
+                chunk_logits(a, r, x_rows, wv, g);
+                let g32 = as_f32(&mut g[..]).unwrap_or_default();
+                total += lce_stream::chunk_from_logits(&c, g32, &rows, dx32, dw32, db32, c0 > 0);
             }
-            if compact {
-                for (src, &i) in dxg.chunks_exact(k.max(1)).zip(ids) {
-                    dx[i * k..(i + 1) * k].copy_from_slice(src);
-                }
-            }
-            c0 += r;
-            continue;
-        }
-        let xc = Mat { ptr: x_rows.as_ptr(), rs: k as isize, cs: 1 };
-        // the chunk's logits X_c · op(W) (the row pass adds the bias)
-        if k == 0 {
-            g.iter_mut().for_each(|v| *v = T::zero());
         } else {
-            let wm =
-                if a.trans_b { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
-            // SAFETY: X_c is [r, k] row-major (x's rows or their compact copy), op(W) a [k, n]
-            // view of w, the chunk [r, n] in the scratch output (distinct from both).
-            unsafe { gemm_call(a.path, r, n, k, g.as_mut_ptr(), xc, wm, T::one(), false) };
+            // f64: logits, a row pass, the tiled products
+            chunk_logits(a, r, x_rows, wv, g);
+            let terms: Vec<f64> =
+                g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
+            total += terms.iter().sum::<f64>();
+            let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b, path: a.path };
+            chunk_grads(&c, dx_rows, dw, db, c0 > 0);
         }
-        let terms: Vec<f64> =
-            g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
-        total += terms.iter().sum::<f64>();
-        let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b, path: a.path };
         if compact {
-            chunk_grads(&c, &mut dxg, dw, db, c0 > 0);
             for (src, &i) in dxg.chunks_exact(k.max(1)).zip(ids) {
                 dx[i * k..(i + 1) * k].copy_from_slice(src);
             }
-        } else {
-            chunk_grads(&c, &mut dx[c0 * k..(c0 + r) * k], dw, db, c0 > 0);
         }
         c0 += r;
     }
@@ -401,7 +392,7 @@ mod bench {
     /// Where LinearCrossEntropy's time goes on the tutorial shape, over all chunks: the three
     /// products as whole-chunk parallel gemms (references), and what the kernel runs: on the
     /// fp32 path the streamed chunk (lce_stream.rs, everything), on the bf16 path (when the CPU
-    /// has one) the logits gemm, the row pass and the tiled products:
+    /// has one) the logits gemm, then the gradient by tiles from the logits:
     /// `cargo test --release -p ortrain-engine lce_phase_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -441,13 +432,10 @@ mod bench {
                 } else {
                     // SAFETY: as above.
                     unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
-                    let tr = std::time::Instant::now();
-                    gs.par_chunks_mut(n).zip(&targets).for_each(|(row, &(y, wt, gi))| {
-                        super::lce_row(row, None, y, wt, gi);
-                    });
-                    t[4] += tr.elapsed().as_secs_f64() * 1e3;
-                    let c = super::ChunkGrads { g: &*gs, x: xr, w: &w, r, n, k, trans_b: true, path };
-                    super::chunk_grads(&c, dxr, &mut dw, &mut db, c0 > 0);
+                    t[4] += t3.elapsed().as_secs_f64() * 1e3;
+                    let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
+                    let rows = super::StreamRows { targets, bias: None };
+                    super::lce_stream::chunk_from_logits(&c, gs, &rows, dxr, &mut dw, &mut db, c0 > 0);
                 }
                 t[3] += t3.elapsed().as_secs_f64() * 1e3;
                 for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
@@ -461,7 +449,7 @@ mod bench {
                 t[1],
                 t[2],
                 t[3],
-                if path == MatmulPath::Fp32 { " (streamed)".to_string() } else { format!(" (of which the row pass {:.1})", t[4]) }
+                if path == MatmulPath::Fp32 { " (streamed)".to_string() } else { format!(" (of which the logits gemm {:.1})", t[4]) }
             );
         }
     }

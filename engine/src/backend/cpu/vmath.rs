@@ -85,25 +85,46 @@ fn tanh_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
 
 const LANES: usize = 16;
 
-/// log Σ exp(x) in one pass (online: each lane keeps a running max and a sum rescaled to it).
+/// One LANES-wide step of `lse_body`: each lane's running max and rescaled sum, and the NaN
+/// poison (v · 0 is NaN for a NaN or an infinity).
 #[inline(always)]
-fn lse_body<const FMA: bool>(x: &[f32]) -> f32 {
+fn lse_lanes<const FMA: bool>(m: &mut [f32; LANES], s: &mut [f32; LANES], poison: &mut [f32; LANES], c: impl Iterator<Item = f32>) {
+    for (((mi, si), p), v) in m.iter_mut().zip(s.iter_mut()).zip(poison.iter_mut()).zip(c) {
+        let hi = mi.max(v);
+        *si = *si * exp_poly::<FMA>(*mi - hi) + exp_poly::<FMA>(v - hi);
+        *mi = hi;
+        *p += v * 0.0;
+    }
+}
+
+/// log Σ exp(x + bias) in one pass (online: each lane keeps a running max and a sum rescaled
+/// to it); bias empty for none, else x's length. The biased values are those of adding the bias
+/// in place first (one f32 addition each), so the result is bit for bit that of `lse_body` on
+/// the biased row.
+#[inline(always)]
+fn lse_body<const FMA: bool>(x: &[f32], bias: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut s = [0f32; LANES];
     let mut poison = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for (((mi, si), p), &v) in m.iter_mut().zip(s.iter_mut()).zip(poison.iter_mut()).zip(c) {
-            let hi = mi.max(v);
-            *si = *si * exp_poly::<FMA>(*mi - hi) + exp_poly::<FMA>(v - hi);
-            *mi = hi;
-            *p += v * 0.0;
+    let tail_x = chunks.remainder();
+    let mut tail = [0f32; LANES];
+    let tail = &mut tail[..tail_x.len()];
+    if bias.len() == x.len() {
+        for (c, b) in chunks.zip(bias.chunks_exact(LANES)) {
+            lse_lanes::<FMA>(&mut m, &mut s, &mut poison, c.iter().zip(b).map(|(&v, &b)| v + b));
         }
+        let bt = &bias[x.len() - tail_x.len()..];
+        tail.iter_mut().zip(tail_x.iter().zip(bt)).for_each(|(t, (&v, &b))| *t = v + b);
+    } else {
+        for c in chunks {
+            lse_lanes::<FMA>(&mut m, &mut s, &mut poison, c.iter().copied());
+        }
+        tail.copy_from_slice(tail_x);
     }
     let mut top = m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let mut bad = poison.iter().sum::<f32>();
-    for &v in tail {
+    for &v in tail.iter() {
         top = top.max(v);
         bad += v * 0.0;
     }
@@ -128,18 +149,19 @@ fn scaled_softmax_body<const FMA: bool>(out: &mut [f32], x: &[f32], lse: f32, g:
     }
 }
 
-/// x[k] = g · exp(x[k] − lse), in place
+/// out[k] = g · exp((x[k] + bias[k]) − lse): bit for bit `scaled_softmax_body` of the row with
+/// the bias added in place first.
 #[inline(always)]
-fn scaled_softmax_inplace_body<const FMA: bool>(x: &mut [f32], lse: f32, g: f32) {
-    for v in x.iter_mut() {
-        *v = g * exp_poly::<FMA>(*v - lse);
+fn scaled_softmax_biased_body<const FMA: bool>(out: &mut [f32], x: &[f32], bias: &[f32], lse: f32, g: f32) {
+    for ((o, &v), &b) in out.iter_mut().zip(x).zip(bias) {
+        *o = g * exp_poly::<FMA>((v + b) - lse);
     }
 }
 
 /// x[k] = exp(x[k] + bias[k] − m) in place, m the largest x + bias (bias: empty for none, else
 /// x's length); returns (m, Σ of the stored values): the softmax of x + bias is the stored
 /// values over the sum, its log-sum-exp m + ln(sum). One exp per element (`lse_body` then
-/// `scaled_softmax_inplace_body` take two). A NaN or an infinity anywhere gives m = NaN (as
+/// `scaled_softmax_body` take two). A NaN or an infinity anywhere gives m = NaN (as
 /// `row_lse` gives NaN) and leaves x with the biased values, not to be used; an empty x gives
 /// (−∞, 0).
 #[inline(always)]
@@ -212,15 +234,20 @@ fn scale_into_and_sum_body<const FMA: bool>(out: &mut [f32], x: &[f32], f: f32, 
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
 
-multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
+multiversion!(row_lse_online, lse_body, (x: &[f32], bias: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
-multiversion!(row_scaled_softmax_inplace, scaled_softmax_inplace_body, (x: &mut [f32], lse: f32, g: f32) -> ());
+multiversion!(row_scaled_softmax_biased, scaled_softmax_biased_body, (out: &mut [f32], x: &[f32], bias: &[f32], lse: f32, g: f32) -> ());
 multiversion!(row_exp_shifted_inplace, exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32]) -> (f32, f32));
 multiversion!(scale_into_and_sum, scale_into_and_sum_body, (out: &mut [f32], x: &[f32], f: f32, sums: &mut [f32]) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
-    row_lse_online::call(x)
+    row_lse_online::call(x, &[])
+}
+
+/// log Σ exp(x + bias), bit for bit `row_lse` of the row with the bias added in place.
+pub fn row_lse_biased(x: &[f32], bias: &[f32]) -> f32 {
+    row_lse_online::call(x, bias)
 }
 
 #[cfg(test)]
@@ -274,8 +301,8 @@ mod tests {
     fn exp_shifted_gives_the_softmax_and_the_log_sum_exp() {
         for n in [1usize, 5, 16, 17, 100, 28782] {
             let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
-            let (lse, mut want) = (row_lse(&x), x.clone());
-            row_scaled_softmax_inplace::call(&mut want, lse, 0.25);
+            let (lse, mut want) = (row_lse(&x), vec![0f32; n]);
+            row_scaled_softmax::call(&mut want, &x, lse, 0.25);
             // with a bias: x − bias plus bias is x again (bias values exact in binary)
             let bias: Vec<f32> = (0..n).map(|i| (i % 8) as f32 * 0.25 - 1.0).collect();
             let shifted: Vec<f32> = x.iter().zip(&bias).map(|(v, b)| v - b).collect();
@@ -295,6 +322,23 @@ mod tests {
             assert!(row_exp_shifted_inplace::call(&mut x, &[]).0.is_nan(), "{bad}");
         }
         assert_eq!(row_exp_shifted_inplace::call(&mut [], &[]), (f32::NEG_INFINITY, 0.0));
+    }
+
+    /// The biased log-sum-exp and softmax equal, bit for bit, the plain ones on the row with the
+    /// bias added in place (the bf16 LM head's gradient must not move by a last bit).
+    #[test]
+    fn biased_lse_and_softmax_are_those_of_the_biased_row() {
+        for n in [1usize, 15, 16, 17, 100, 28782] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| ((i * 104_729) % 1000) as f32 / 3001.0 - 0.17).collect();
+            let biased: Vec<f32> = x.iter().zip(&b).map(|(v, b)| v + b).collect();
+            let lse = row_lse(&biased);
+            assert_eq!(row_lse_biased(&x, &b).to_bits(), lse.to_bits(), "n={n}");
+            let (mut want, mut got) = (vec![0f32; n], vec![0f32; n]);
+            row_scaled_softmax::call(&mut want, &biased, lse, 0.3);
+            row_scaled_softmax_biased::call(&mut got, &x, &b, lse, 0.3);
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n}");
+        }
     }
 
     #[test]
