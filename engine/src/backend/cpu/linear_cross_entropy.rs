@@ -347,8 +347,6 @@ mod tests {
 
 #[cfg(test)]
 mod bench {
-    use rayon::prelude::*;
-
     use super::super::tensor_view::{In, Out};
     use super::{lce_go, Lce};
     use crate::backend::cpu::bf16::MatmulPath;
