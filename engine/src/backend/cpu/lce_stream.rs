@@ -26,6 +26,15 @@ pub(super) struct StreamRows<'a> {
     pub bias: Option<&'a [f32]>,
 }
 
+/// Where a chunk's gradients go: dx ([r, k], overwritten), dW (accumulated when `accumulate_dw`,
+/// else overwritten), db (accumulated).
+pub(super) struct ChunkOut<'a> {
+    pub dx: &'a mut [f32],
+    pub dw: &'a mut [f32],
+    pub db: &'a mut [f32],
+    pub accumulate_dw: bool,
+}
+
 /// Raw addresses the threads write at disjoint places.
 #[derive(Clone, Copy)]
 struct Shared {
@@ -34,18 +43,9 @@ struct Shared {
     xy: usize,
 }
 
-/// Runs the chunk: `scratch` ([r, n]) receives the logits, then e (`c.g` is not read); dx
-/// ([r, k]) is overwritten, dW accumulated when `accumulate_dw`, db accumulated. Returns Σ of the
-/// rows' loss terms −w·log softmax(row)[y].
-pub(super) fn chunk(
-    c: &ChunkGrads<f32>,
-    scratch: &mut [f32],
-    rows: &StreamRows,
-    dx: &mut [f32],
-    dw: &mut [f32],
-    db: &mut [f32],
-    accumulate_dw: bool,
-) -> f64 {
+/// Runs the chunk: `scratch` ([r, n]) receives the logits, then e (`c.g` is not read); the
+/// gradients go to `out`. Returns Σ of the rows' loss terms −w·log softmax(row)[y].
+pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows, out: ChunkOut) -> f64 {
     let (r, n, k) = (c.r, c.n, c.k);
     let tiles = tile_count(n);
     // per (tile, row): (m, s); per row: the biased logit at its label
@@ -110,7 +110,7 @@ pub(super) fn chunk(
         }
     }
     let factors = stats.as_ptr() as usize;
-    grads_from_tiles(c, scratch, rows, dx, dw, db, accumulate_dw, |out, e, i, j, j0, dbt| {
+    grads_from_tiles(c, scratch, rows, out, |out, e, i, j, j0, dbt| {
         // SAFETY: stats holds tiles × r entries, only read from here on.
         let f = unsafe { (*(factors as *const (f32, f32)).add(j * r + i)).0 };
         if f.is_nan() {
@@ -135,20 +135,11 @@ pub(super) fn chunk(
 /// whole-row pass's (bias added in place, `row_lse`, the scaled softmax, the label), which the
 /// bf16 rounding of the products must see unchanged; the chunk is read twice and never
 /// rewritten. Returns Σ of the rows' loss terms.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn chunk_from_logits(
-    c: &ChunkGrads<f32>,
-    scratch: &mut [f32],
-    rows: &StreamRows,
-    dx: &mut [f32],
-    dw: &mut [f32],
-    db: &mut [f32],
-    accumulate_dw: bool,
-) -> f64 {
+pub(super) fn chunk_from_logits(c: &ChunkGrads<f32>, logits: &[f32], rows: &StreamRows, out: ChunkOut) -> f64 {
     use rayon::prelude::*;
     let n = c.n;
     let bias = rows.bias;
-    let lse: Vec<(f32, f64)> = scratch[..c.r * n]
+    let lse: Vec<(f32, f64)> = logits[..c.r * n]
         .par_chunks(n)
         .zip(rows.targets.par_iter())
         .map(|(row, &(y, w, _))| {
@@ -158,7 +149,7 @@ pub(super) fn chunk_from_logits(
         })
         .collect();
     let total = lse.iter().map(|&(_, t)| t).sum();
-    grads_from_tiles(c, scratch, rows, dx, dw, db, accumulate_dw, |out, v, i, _, j0, dbt| {
+    grads_from_tiles(c, logits, rows, out, |out, v, i, _, j0, dbt| {
         let (y, _, gi) = rows.targets[i];
         match bias {
             Some(b) => vmath::row_scaled_softmax_biased::call(out, v, &b[j0..j0 + v.len()], lse[i].0, gi as f32),
@@ -175,18 +166,15 @@ pub(super) fn chunk_from_logits(
 /// The gradient half of a chunk by tiles: per tile (each thread its run), per row i,
 /// `row_grad(out, seg, i, j, j0, db_tile)` writes row i's gradient over the tile's columns
 /// (`seg`: the row's part of `scratch`) into `out` and adds it to the tile's db entries; then
-/// the tile's dW and dX products from the tile buffer. dx ([r, k]) is overwritten.
-#[allow(clippy::too_many_arguments)]
+/// the tile's dW and dX products from the tile buffer.
 fn grads_from_tiles(
     c: &ChunkGrads<f32>,
     scratch: &[f32],
     rows: &StreamRows,
-    dx: &mut [f32],
-    dw: &mut [f32],
-    db: &mut [f32],
-    accumulate_dw: bool,
+    out: ChunkOut,
     row_grad: impl Fn(&mut [f32], &[f32], usize, usize, usize, &mut [f32]) + Sync,
 ) {
+    let ChunkOut { dx, dw, db, accumulate_dw } = out;
     let (r, n, k) = (c.r, c.n, c.k);
     debug_assert_eq!(rows.targets.len(), r);
     let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);

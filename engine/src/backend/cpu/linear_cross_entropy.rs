@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::bf16::MatmulPath;
 use super::elementwise::{first, FloatElem};
-use super::lce_stream::{self, StreamRows};
+use super::lce_stream::{self, ChunkOut, StreamRows};
 use super::lce_tiles::{chunk_grads, ChunkGrads};
 use super::loss::{targets, Layout};
 use super::matmul::{crate_path, gemm_call, Mat};
@@ -140,14 +140,15 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         if let (Some(f), Some(g32), Some(dx32), Some(dw32), Some(db32)) = f32s {
             let c = ChunkGrads { g: &[], x: f.x, w: f.w, r, n, k, trans_b: a.trans_b, path: a.path };
             let rows = StreamRows { targets: ids.iter().map(|&i| (a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect(), bias: f.b };
+            let out = ChunkOut { dx: dx32, dw: dw32, db: db32, accumulate_dw: c0 > 0 };
             if fp32 {
                 // the fp32 path: the whole chunk by vocabulary tiles
-                total += lce_stream::chunk(&c, g32, &rows, dx32, dw32, db32, c0 > 0);
+                total += lce_stream::chunk(&c, g32, &rows, out);
             } else {
                 // the bf16 path: whole-chunk logits, then the gradient by tiles
                 chunk_logits(a, r, x_rows, wv, g);
                 let g32 = as_f32(&mut g[..]).unwrap_or_default();
-                total += lce_stream::chunk_from_logits(&c, g32, &rows, dx32, dw32, db32, c0 > 0);
+                total += lce_stream::chunk_from_logits(&c, g32, &rows, out);
             }
         } else {
             // f64: logits, a row pass, the tiled products
@@ -426,14 +427,19 @@ mod bench {
                 if path == MatmulPath::Fp32 {
                     let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
                     let rows = super::StreamRows { targets, bias: None };
-                    super::lce_stream::chunk(&c, gs, &rows, dxr, &mut dw, &mut db, c0 > 0);
+                    super::lce_stream::chunk(&c, gs, &rows, super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 });
                 } else {
                     // SAFETY: as above.
                     unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
                     t[4] += t3.elapsed().as_secs_f64() * 1e3;
                     let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
                     let rows = super::StreamRows { targets, bias: None };
-                    super::lce_stream::chunk_from_logits(&c, gs, &rows, dxr, &mut dw, &mut db, c0 > 0);
+                    super::lce_stream::chunk_from_logits(
+                        &c,
+                        gs,
+                        &rows,
+                        super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 },
+                    );
                 }
                 t[3] += t3.elapsed().as_secs_f64() * 1e3;
                 for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
