@@ -167,7 +167,9 @@ pub fn run_phase(
     let mut i = range.start;
     while i < range.end {
         let (node, ins, mut outs) = views(i)?;
-        if threads > 1 && i + 1 < range.end {
+        // the next step's views are built only when both steps are products that might pair
+        let next_is_product = || i + 1 < range.end && pairs::is_product(&graph.nodes[plan.steps[i + 1].0].op_type);
+        if threads > 1 && pairs::is_product(&node.op_type) && next_is_product() {
             let (node_b, ins_b, mut outs_b) = views(i + 1)?;
             if pairs::side_by_side((node, &ins, &outs), (node_b, &ins_b, &outs_b)) {
                 // products only: they use no random numbers, so the second one's context

@@ -16,7 +16,7 @@ const MIN_MACS: usize = 1 << 18;
 
 /// Op types whose CPU kernels are one product each and touch nothing but their views (no RNG,
 /// no session state).
-fn is_product(op: &str) -> bool {
+pub(super) fn is_product(op: &str) -> bool {
     matches!(op, "MatMul" | "FusedMatMul" | "Gemm")
 }
 

@@ -16,7 +16,7 @@
 //! (see linear_cross_entropy.rs `lce_row`), so it keeps a whole-chunk logits gemm and a
 //! whole-row log-sum-exp, and only its gradient half runs by tiles from the logits.
 
-use super::lce_tiles::{over_tiles, sum_partials, tile_count, tile_products, ChunkGrads, TILE_COLS};
+use super::lce_tiles::{over_tiles, sum_partials, tile_count, tile_products, ChunkGrads, TILE};
 use super::matmul::{gemm_serial, Mat};
 use super::vmath;
 
@@ -180,7 +180,7 @@ fn grads_from_tiles(
     let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
-        || (vec![0f32; r * k], vec![0f32; r * TILE_COLS]),
+        || (vec![0f32; r * k], vec![0f32; r * TILE]),
         |(p, buf), j, j0, cols| {
             // SAFETY: db's entries j0..j0 + cols belong to this tile alone.
             let dbt = unsafe { std::slice::from_raw_parts_mut((dbp as *mut f32).add(j0), cols) };

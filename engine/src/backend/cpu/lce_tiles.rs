@@ -9,14 +9,14 @@
 
 use rayon::prelude::*;
 
-use super::bf16::{self, MatRef, MatmulPath};
+use super::bf16::MatmulPath;
 use super::elementwise::FloatElem;
-use super::matmul::{gemm_serial, Mat};
+use super::matmul::{gemm_call_ld, on_this_thread, Mat};
 
 /// Columns of G per tile: [chunk rows × 512] is 512 KB at 256 rows, within a core's L2. On the
 /// tutorial's head (chunks of 234 rows, k = 200, Zen 4, 2 threads) tiles of 288 columns were no
 /// faster on either path (`lce_phase_speed`, three interleaved runs each).
-const TILE: usize = 512;
+pub(super) const TILE: usize = 512;
 
 /// One chunk's operands: G [r, n] row-major, X_c [r, k] row-major, W as stored ([n, k] when
 /// trans_b, else [k, n]).
@@ -32,19 +32,11 @@ pub(super) struct ChunkGrads<'a, T> {
     pub path: MatmulPath,
 }
 
-/// Raw addresses shared by the threads: each writes disjoint parts (its own tiles' dW rows or
-/// columns and db entries).
-#[derive(Clone, Copy)]
-struct Dst {
-    dw: usize,
-    db: usize,
-}
-
 /// Runs `body(state, j, j0, cols)` for every tile j (columns j0..j0 + cols of n), each thread
 /// of rayon's pool over its own contiguous run of tiles with its own `init()` state; returns
 /// the states.
 pub(super) fn over_tiles<S: Send>(n: usize, init: impl Fn() -> S + Sync, body: impl Fn(&mut S, usize, usize, usize) + Sync) -> Vec<S> {
-    let tiles = n.div_ceil(TILE);
+    let tiles = tile_count(n);
     let nt = rayon::current_num_threads().clamp(1, tiles.max(1));
     (0..nt)
         .into_par_iter()
@@ -62,9 +54,6 @@ pub(super) fn over_tiles<S: Send>(n: usize, init: impl Fn() -> S + Sync, body: i
 pub(super) fn tile_count(n: usize) -> usize {
     n.div_ceil(TILE)
 }
-
-/// The widest tile.
-pub(super) const TILE_COLS: usize = TILE;
 
 /// One tile's share of the gradient products: dW's rows (or columns) of the tile (+)= their
 /// product (accumulated when `accumulate_dw`), and the dX partial `p` ([r, k]) += G_tile ·
@@ -89,25 +78,26 @@ pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
         return;
     }
     let (x, w) = (c.x.as_ptr(), c.w.as_ptr());
+    // each product on the calling thread (the bf16 kernel on the bf16 path, else the gemm crate)
     // SAFETY: the caller's contract: the tile's columns of G, op(W) and dW exist, and this
     // tile's dW part is written by this call alone.
-    unsafe {
+    on_this_thread(|| unsafe {
         let xc = Mat { ptr: x, rs: k as isize, cs: 1 };
         if c.trans_b {
             // dW[j0.., :] (+)= G_tileᵀ · X_c
             let lhs = Mat { ptr: gt, rs: 1, cs: gs as isize };
-            tile_gemm(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, accumulate_dw);
+            gemm_call_ld(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, T::one(), accumulate_dw);
         } else {
             // dW[:, j0..] (+)= X_cᵀ · G_tile
             let lhs = Mat { ptr: x, rs: 1, cs: k as isize };
             let rhs = Mat { ptr: gt, rs: gs as isize, cs: 1 };
-            tile_gemm(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, accumulate_dw);
+            gemm_call_ld(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, T::one(), accumulate_dw);
         }
         // dX partial += G_tile · op(W)ᵀ_tile ([cols, k] view of w)
         let wt = if c.trans_b { Mat { ptr: w.add(j0 * k), rs: k as isize, cs: 1 } } else { Mat { ptr: w.add(j0), rs: 1, cs: n as isize } };
         let gm = Mat { ptr: gt, rs: gs as isize, cs: 1 };
-        tile_gemm(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, true);
-    }
+        gemm_call_ld(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, T::one(), true);
+    })
 }
 
 /// dx[..r·k] = the sum of the threads' dX partials.
@@ -122,13 +112,12 @@ pub(super) fn sum_partials<T: FloatElem>(dx: &mut [T], parts: &[Vec<T>]) {
 /// `accumulate_dw`), db += column sums of G.
 pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T], dw: &mut [T], db: &mut [T], accumulate_dw: bool) {
     let (r, n, k) = (c.r, c.n, c.k);
-    let dst = Dst { dw: dw.as_mut_ptr() as usize, db: db.as_mut_ptr() as usize };
-    let ga = c.g.as_ptr() as usize;
+    let (ga, dwa, dba) = (c.g.as_ptr() as usize, dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
         || vec![T::zero(); r * k],
         |p, _, j0, cols| {
-            let (g, dwp, dbp) = (ga as *const T, dst.dw as *mut T, dst.db as *mut T);
+            let (g, dwp, dbp) = (ga as *const T, dwa as *mut T, dba as *mut T);
             // SAFETY: the tile's columns of G exist (row stride n); tiles are disjoint between
             // threads, so are their db entries and dW parts.
             unsafe {
@@ -142,32 +131,4 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
         },
     );
     sum_partials(&mut dx[..r * k], &parts);
-}
-
-/// dst[m×n] (row stride ldc) (+)= lhs · rhs on the calling thread: the bf16 kernel for f32
-/// operands on the bf16 path, the `gemm` crate otherwise.
-///
-/// # Safety
-/// As `gemm_serial` with dst row-major at stride ldc.
-#[allow(clippy::too_many_arguments)]
-unsafe fn tile_gemm<T: FloatElem + 'static>(
-    path: MatmulPath,
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut T,
-    ldc: usize,
-    lhs: Mat<T>,
-    rhs: Mat<T>,
-    accumulate: bool,
-) {
-    if let (MatmulPath::Bf16(isa), true) = (path, std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()) {
-        let view = |x: Mat<T>| MatRef { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
-        let beta = if accumulate { 1.0 } else { 0.0 };
-        // SAFETY: T is f32, so the casts are identities; the views and dst are the caller's.
-        unsafe { bf16::gemm(isa, m, n, k, 1.0, view(lhs), view(rhs), beta, dst as *mut f32, ldc, false) };
-        return;
-    }
-    // SAFETY: forwarded from the caller's contract.
-    unsafe { gemm_serial(m, n, k, dst, ldc as isize, 1, lhs, rhs, accumulate) }
 }

@@ -66,17 +66,38 @@ pub(super) unsafe fn gemm_call<T: FloatElem + 'static>(
     alpha: T,
     accumulate: bool,
 ) {
+    // SAFETY: the caller's contract; dst is row-major contiguous (row stride n).
+    unsafe { gemm_call_ld(path, m, n, k, dst, n, lhs, rhs, alpha, accumulate) }
+}
+
+/// As `gemm_call`, with dst's rows `ldc` elements apart (ldc ≥ n).
+///
+/// # Safety
+/// As `gemm_call`, dst covering m rows of n at stride ldc.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn gemm_call_ld<T: FloatElem + 'static>(
+    path: MatmulPath,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut T,
+    ldc: usize,
+    lhs: Mat<T>,
+    rhs: Mat<T>,
+    alpha: T,
+    accumulate: bool,
+) {
     if let (MatmulPath::Bf16(isa), true) = (path, TypeId::of::<T>() == TypeId::of::<f32>()) {
         let f32_view = |x: Mat<T>| MatRef { ptr: x.ptr as *const f32, rs: x.rs, cs: x.cs };
         let beta = if accumulate { 1.0 } else { 0.0 };
         // SAFETY: T is f32, so the pointer casts are identities; the views are the caller's.
-        unsafe { bf16::gemm(isa, m, n, k, alpha.as_() as f32, f32_view(lhs), f32_view(rhs), beta, dst as *mut f32, n, !one_thread()) };
+        unsafe { bf16::gemm(isa, m, n, k, alpha.as_() as f32, f32_view(lhs), f32_view(rhs), beta, dst as *mut f32, ldc, !one_thread()) };
         return;
     }
     let flops = m * n * k;
     let par = if flops >= 1 << 16 && !one_thread() { Parallelism::Rayon(0) } else { Parallelism::None };
-    // SAFETY: forwarded from the caller's contract; dst is row-major contiguous (rs = n, cs = 1).
-    unsafe { crate_gemm(m, n, k, dst, n as isize, 1, lhs, rhs, alpha, accumulate, par) }
+    // SAFETY: forwarded from the caller's contract; dst is row-major (rs = ldc, cs = 1).
+    unsafe { crate_gemm(m, n, k, dst, ldc as isize, 1, lhs, rhs, alpha, accumulate, par) }
 }
 
 /// The most bytes of packed right-hand side one call into the `gemm` crate may allocate. The
