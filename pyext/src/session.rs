@@ -269,21 +269,23 @@ impl PySession {
         let s = self.inner.clone();
         let pending = py
             .detach(move || {
-                let views: Vec<(Sig, &[u8])> = feed
-                    .iter()
-                    // SAFETY: the caller holds each input tensor alive and contiguous with
-                    // exactly `n` bytes at `addr` for the duration of this call.
-                    .map(|(a, n, sig)| {
-                        (sig.clone(), if *n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(a.0 as *const u8, *n) } })
-                    })
-                    .collect();
-                let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
-                let op: Vec<*mut u8> = o.iter().map(|a| a.0 as *mut u8).collect();
-                let gp: Vec<*mut u8> = gr.iter().map(|a| a.0 as *mut u8).collect();
-                // SAFETY: weight addresses are the live torch parameters of the declared shapes;
-                // output and gradient addresses (0: none) are tensors the caller keeps alive
-                // with this step, of the planned types, written only by it.
-                unsafe { s.forward_with_grads(&views, &wp, backward, seed, &op, &gp) }
+                ortrain_engine::exec::on_pool(move || {
+                    let views: Vec<(Sig, &[u8])> = feed
+                        .iter()
+                        // SAFETY: the caller holds each input tensor alive and contiguous with
+                        // exactly `n` bytes at `addr` for the duration of this call.
+                        .map(|(a, n, sig)| {
+                            (sig.clone(), if *n == 0 { &[][..] } else { unsafe { std::slice::from_raw_parts(a.0 as *const u8, *n) } })
+                        })
+                        .collect();
+                    let wp: Vec<*mut u8> = w.iter().map(|a| a.0 as *mut u8).collect();
+                    let op: Vec<*mut u8> = o.iter().map(|a| a.0 as *mut u8).collect();
+                    let gp: Vec<*mut u8> = gr.iter().map(|a| a.0 as *mut u8).collect();
+                    // SAFETY: weight addresses are the live torch parameters of the declared shapes;
+                    // output and gradient addresses (0: none) are tensors the caller keeps alive
+                    // with this step, of the planned types, written only by it.
+                    unsafe { s.forward_with_grads(&views, &wp, backward, seed, &op, &gp) }
+                })
             })
             .map_err(to_py)?;
         Ok(PyPending { inner: Some(pending), session: self.inner.clone() })
@@ -300,10 +302,12 @@ impl PySession {
             (weights.into_iter().map(Addr).collect(), seeds.into_iter().map(Addr).collect(), grads.into_iter().map(Addr).collect());
         let s = self.inner.clone();
         py.detach(move || {
-            let c = |v: &[Addr]| v.iter().map(|a| a.0 as *mut u8).collect::<Vec<_>>();
-            // SAFETY: the caller holds weights, seeds and gradient buffers alive, of the planned
-            // types; gradient buffers are fresh tensors written only here.
-            unsafe { s.backward(p, &c(&w), &c(&sd), &c(&g)) }
+            ortrain_engine::exec::on_pool(move || {
+                let c = |v: &[Addr]| v.iter().map(|a| a.0 as *mut u8).collect::<Vec<_>>();
+                // SAFETY: the caller holds weights, seeds and gradient buffers alive, of the planned
+                // types; gradient buffers are fresh tensors written only here.
+                unsafe { s.backward(p, &c(&w), &c(&sd), &c(&g)) }
+            })
         })
         .map_err(to_py)
     }
