@@ -1,12 +1,12 @@
 //! One chunk of LinearCrossEntropy on the fp32 `gemm`-crate path, by vocabulary tiles from end
 //! to end, so that the chunk's logits are swept through memory twice instead of four times:
-//! 1. each thread, for its run of tiles: the tile's logits (one-thread gemm into the chunk),
-//!    then, while the tile is in cache, per row the bias, the tile's max m and
+//! 1. per tile (`over_tiles`: the threads claim groups of tiles): the tile's logits (one-thread
+//!    gemm into the chunk), then, while the tile is in cache, per row the bias, the tile's max m and
 //!    e = exp(v + b − m) in place with its sum s;
 //! 2. per row (cheap): lse = M + ln Σ s·exp(m − M) over the row's tiles, the loss term and one
 //!    factor per tile, g·exp(m − lse);
-//! 3. each thread, for the same tiles: G_tile = factor · e (minus g at the label) into a
-//!    tile-sized buffer with db's column sums, then dW's and the dX partial's products from it.
+//! 3. per tile again: G_tile = factor · e (minus g at the label) into a tile-sized buffer
+//!    (the thread's) with db's column sums, then dW's and the dX partial's products from it.
 //!
 //! The whole-row version (a row pass over the chunk between a whole-chunk gemm and the tiled
 //! products) read and wrote the 27 MB chunk once more. G equals g·exp(v + b − max)/Σ up to
@@ -56,10 +56,11 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
     over_tiles(
         n,
         || (),
-        |_, j, j0, cols| {
+        || (),
+        |_, _, j, j0, cols| {
             let g = sh.g as *mut f32;
             // SAFETY: the tile's columns j0..j0 + cols of the chunk (row stride n) belong to this
-            // thread alone; X_c is [r, k], op(W)'s tile columns exist; stats (tile j's r entries)
+            // tile's call alone; X_c is [r, k], op(W)'s tile columns exist; stats (tile j's r entries)
             // and xy (the rows whose label is in this tile) are written by this tile only.
             unsafe {
                 if k > 0 {
@@ -163,10 +164,10 @@ pub(super) fn chunk_from_logits(c: &ChunkGrads<f32>, logits: &[f32], rows: &Stre
     total
 }
 
-/// The gradient half of a chunk by tiles: per tile (each thread its run), per row i,
-/// `row_grad(out, seg, i, j, j0, db_tile)` writes row i's gradient over the tile's columns
-/// (`seg`: the row's part of `scratch`) into `out` and adds it to the tile's db entries; then
-/// the tile's dW and dX products from the tile buffer.
+/// The gradient half of a chunk by tiles (groups of tiles claimed by the threads): per tile,
+/// per row i, `row_grad(out, seg, i, j, j0, db_tile)` writes row i's gradient over the tile's
+/// columns (`seg`: the row's part of `scratch`) into `out` and adds it to the tile's db entries;
+/// then the tile's dW and dX products from the tile buffer.
 fn grads_from_tiles(
     c: &ChunkGrads<f32>,
     scratch: &[f32],
@@ -180,8 +181,9 @@ fn grads_from_tiles(
     let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
-        || (vec![0f32; r * k], vec![0f32; r * TILE]),
-        |(p, buf), j, j0, cols| {
+        || vec![0f32; r * k],
+        || vec![0f32; r * TILE],
+        |p, buf, j, j0, cols| {
             // SAFETY: db's entries j0..j0 + cols belong to this tile alone.
             let dbt = unsafe { std::slice::from_raw_parts_mut((dbp as *mut f32).add(j0), cols) };
             for i in 0..r {
@@ -192,6 +194,5 @@ fn grads_from_tiles(
             unsafe { tile_products(c, j0, cols, buf.as_ptr(), cols, dwp as *mut f32, p, accumulate_dw) };
         },
     );
-    let parts: Vec<Vec<f32>> = parts.into_iter().map(|(p, _)| p).collect();
     sum_partials(&mut dx[..r * k], &parts);
 }

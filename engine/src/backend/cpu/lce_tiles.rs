@@ -1,11 +1,14 @@
-//! The gradient half of LinearCrossEntropy's CPU kernel for one chunk, by vocabulary tiles: each
-//! thread walks its own run of column tiles of the chunk's gradient G and, while a tile is in
-//! cache, adds its share to dW (rows of the tile, owned by the thread), db and a private dX
-//! partial; the partials are summed at the end. One-thread gemm calls on cache-sized tiles beat
+//! The gradient half of LinearCrossEntropy's CPU kernel for one chunk, by vocabulary tiles: the
+//! threads claim groups of column tiles of the chunk's gradient G (`over_tiles`) and, while a
+//! tile is in cache, add its share to dW (rows of the tile), db and the group's dX partial; the
+//! partials are summed in tile order at the end. One-thread gemm calls on cache-sized tiles beat
 //! the three whole-chunk parallel gemms (dX, dW, db passes over the 29 MB chunk): the chunk is
 //! read from memory once (by the db sums, row by row, which also brings the tile into L2 before
 //! the gemm packers read it column-wise), and on the bf16 path both bf16 packings of a tile read
 //! it from L2. The bf16 path multiplies each tile with the bf16 kernel on the calling thread.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -32,22 +35,55 @@ pub(super) struct ChunkGrads<'a, T> {
     pub path: MatmulPath,
 }
 
-/// Runs `body(state, j, j0, cols)` for every tile j (columns j0..j0 + cols of n), each thread
-/// of rayon's pool over its own contiguous run of tiles with its own `init()` state; returns
-/// the states.
-pub(super) fn over_tiles<S: Send>(n: usize, init: impl Fn() -> S + Sync, body: impl Fn(&mut S, usize, usize, usize) + Sync) -> Vec<S> {
-    let tiles = tile_count(n);
-    let nt = rayon::current_num_threads().clamp(1, tiles.max(1));
-    (0..nt)
-        .into_par_iter()
-        .map(|ti| {
-            let mut state = init();
-            for j in ti * tiles / nt..(ti + 1) * tiles / nt {
-                body(&mut state, j, j * TILE, TILE.min(n - j * TILE));
+/// Runs `body(group, worker, j, j0, cols)` for every tile j (columns j0..j0 + cols of n). The
+/// tiles are cut into groups of contiguous tiles (`tile_groups`), which the pool's threads claim
+/// one at a time as they become free: a thread slowed by other work on its core (a shared
+/// machine) takes fewer groups instead of holding the others up at the end. Each group's tiles
+/// run in order on one thread, on the group's own `group()` state; `worker()` is scratch a
+/// thread keeps across its groups. Returns the group states in tile order: sums over them in
+/// that order do not depend on which thread ran which group, so results depend on n and the
+/// thread count only.
+pub(super) fn over_tiles<S: Send, W>(
+    n: usize,
+    group: impl Fn() -> S + Sync,
+    worker: impl Fn() -> W + Sync,
+    body: impl Fn(&mut S, &mut W, usize, usize, usize) + Sync,
+) -> Vec<S> {
+    let threads = rayon::current_num_threads().max(1);
+    let groups = tile_groups(tile_count(n), threads);
+    let next = AtomicUsize::new(0);
+    let done: Vec<Mutex<Option<S>>> = groups.iter().map(|_| Mutex::new(None)).collect();
+    (0..threads.min(groups.len())).into_par_iter().for_each(|_| {
+        let mut scratch: Option<W> = None;
+        loop {
+            let gi = next.fetch_add(1, Ordering::Relaxed);
+            let Some(&(t0, t1)) = groups.get(gi) else { break };
+            let w = scratch.get_or_insert_with(&worker);
+            let mut state = group();
+            for j in t0..t1 {
+                body(&mut state, w, j, j * TILE, TILE.min(n - j * TILE));
             }
-            state
-        })
-        .collect()
+            *done[gi].lock().unwrap_or_else(|e| e.into_inner()) = Some(state);
+        }
+    });
+    done.into_iter().filter_map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner())).collect()
+}
+
+/// The tile groups (start, end) of `over_tiles`: all tiles in one group on one thread, else
+/// groups of ⌈remaining / 2·threads⌉ tiles, largest first, so that the last ones claimed are
+/// small (57 tiles on 2 threads: 15, 11, 8, 6, 5, 3, 3, 2, 1, 1, 1, 1).
+fn tile_groups(tiles: usize, threads: usize) -> Vec<(usize, usize)> {
+    if threads <= 1 {
+        return if tiles == 0 { vec![] } else { vec![(0, tiles)] };
+    }
+    let mut groups = Vec::new();
+    let mut t0 = 0;
+    while t0 < tiles {
+        let size = (tiles - t0).div_ceil(2 * threads).max(1);
+        groups.push((t0, t0 + size));
+        t0 += size;
+    }
+    groups
 }
 
 /// The number of tiles `over_tiles` walks for n columns.
@@ -100,7 +136,7 @@ pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
     })
 }
 
-/// dx[..r·k] = the sum of the threads' dX partials.
+/// dx[..r·k] = the sum of the tile groups' dX partials, in tile order.
 pub(super) fn sum_partials<T: FloatElem>(dx: &mut [T], parts: &[Vec<T>]) {
     dx.iter_mut().for_each(|v| *v = T::zero());
     for p in parts {
@@ -116,7 +152,8 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
     let parts = over_tiles(
         n,
         || vec![T::zero(); r * k],
-        |p, _, j0, cols| {
+        || (),
+        |p, _, _, j0, cols| {
             let (g, dwp, dbp) = (ga as *const T, dwa as *mut T, dba as *mut T);
             // SAFETY: the tile's columns of G exist (row stride n); tiles are disjoint between
             // threads, so are their db entries and dW parts.
@@ -131,4 +168,63 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
         },
     );
     sum_partials(&mut dx[..r * k], &parts);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{over_tiles, tile_count, tile_groups, TILE};
+
+    #[test]
+    fn tile_groups_cover_the_tiles_in_order_largest_first() {
+        assert_eq!(tile_groups(57, 2).iter().map(|(a, b)| b - a).collect::<Vec<_>>(), [15, 11, 8, 6, 5, 3, 3, 2, 1, 1, 1, 1]);
+        assert_eq!(tile_groups(57, 1), [(0, 57)]);
+        assert!(tile_groups(0, 1).is_empty() && tile_groups(0, 4).is_empty());
+        for threads in 1..9 {
+            for tiles in 0..200 {
+                let g = tile_groups(tiles, threads);
+                let mut end = 0;
+                for (k, &(a, b)) in g.iter().enumerate() {
+                    assert!(a == end && b > a, "{tiles} tiles, {threads} threads: {g:?}");
+                    assert!(k == 0 || b - a <= g[k - 1].1 - g[k - 1].0, "sizes must not grow: {g:?}");
+                    end = b;
+                }
+                assert_eq!(end, tiles);
+            }
+        }
+    }
+
+    /// Whatever thread claims which group (threads slowed at random), each group's tiles run in
+    /// order on one state and the states come back in tile order: a sum over them is bit for
+    /// bit the same every time.
+    #[test]
+    fn over_tiles_returns_group_states_in_tile_order_whoever_ran_them() {
+        let n = 40 * TILE + 7;
+        let tiles = tile_count(n);
+        let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(3).build() else { panic!("pool") };
+        let run = |seed: u64| {
+            pool.install(|| {
+                over_tiles(
+                    n,
+                    Vec::new,
+                    || seed,
+                    |seen: &mut Vec<(usize, usize, usize, f32)>, s: &mut u64, j, j0, cols| {
+                        *s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                        std::thread::sleep(std::time::Duration::from_micros((*s >> 33) % 300));
+                        seen.push((j, j0, cols, 1.0 / (j as f32 + 3.0)));
+                    },
+                )
+            })
+        };
+        let sums: Vec<Vec<u32>> = (0..4)
+            .map(|seed| {
+                let groups = run(seed);
+                assert_eq!(groups.len(), tile_groups(tiles, 3).len());
+                let flat: Vec<_> = groups.iter().flatten().collect();
+                assert_eq!(flat.iter().map(|t| t.0).collect::<Vec<_>>(), (0..tiles).collect::<Vec<_>>());
+                assert!(flat.iter().all(|&&(j, j0, cols, _)| j0 == j * TILE && cols == TILE.min(n - j0)));
+                groups.iter().map(|g| g.iter().fold(0f32, |a, t| a + t.3).to_bits()).collect()
+            })
+            .collect();
+        assert!(sums.windows(2).all(|w| w[0] == w[1]));
+    }
 }
