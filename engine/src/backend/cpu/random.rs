@@ -46,8 +46,9 @@ fn fmix32(mut h: u32) -> u32 {
     h ^ (h >> 16)
 }
 
-/// 32 random bits for element `i` of the stream `key`.
-#[inline(always)]
+/// 32 random bits for element `i` of the stream `key` (the scalar definition the kernels'
+/// `for_each_bits` follows).
+#[cfg(test)]
 fn bits(key: u64, i: u64) -> u32 {
     let lo = (i as u32).wrapping_mul(0x9E37_79B9) ^ key as u32;
     fmix32(fmix32(lo) ^ (key >> 32) as u32 ^ ((i >> 32) as u32).wrapping_mul(0x27D4_EB2F))
@@ -58,15 +59,76 @@ fn drop_threshold(ratio: f64) -> u32 {
     (ratio * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
 }
 
-/// mask[k] = 1 where element `start + k` of the stream `key` is kept, else 0.
+/// Calls `f(k, bits)` with the 32 random bits of element `start + k` of the stream `key`, for k
+/// in 0..len. Within one 2³²-element block of the stream the element's high half is the same
+/// for all, so the loop runs on 32-bit lanes alone (LLVM vectorises it); the bits are those of
+/// `bits` either way.
 #[inline(always)]
-fn keep_body<const FMA: bool>(mask: &mut [u8], start: u64, key: u64, threshold: u32) {
-    for (k, m) in mask.iter_mut().enumerate() {
-        *m = (bits(key, start + k as u64) >= threshold) as u8;
+fn for_each_bits(len: usize, start: u64, key: u64, mut f: impl FnMut(usize, u32)) {
+    let mut k = 0;
+    while k < len {
+        let i = start + k as u64;
+        // the elements up to the end of i's 2^32 block
+        let run = (len - k).min(((1u64 << 32) - (i & 0xFFFF_FFFF)) as usize);
+        let lo0 = i as u32;
+        let hi = (key >> 32) as u32 ^ ((i >> 32) as u32).wrapping_mul(0x27D4_EB2F);
+        for t in 0..run {
+            let lo = lo0.wrapping_add(t as u32).wrapping_mul(0x9E37_79B9) ^ key as u32;
+            f(k + t, fmix32(fmix32(lo) ^ hi));
+        }
+        k += run;
     }
 }
 
+/// mask[k] = 1 where element `start + k` of the stream `key` is kept, else 0.
+#[inline(always)]
+fn keep_body<const FMA: bool>(mask: &mut [u8], start: u64, key: u64, threshold: u32) {
+    for_each_bits(mask.len(), start, key, |k, b| mask[k] = (b >= threshold) as u8);
+}
+
 multiversion!(keep_mask, keep_body, (mask: &mut [u8], start: u64, key: u64, threshold: u32) -> ());
+
+/// f32 dropout of one chunk in one pass: the mask as `keep_body`, y = x · scale where kept, else
+/// 0.
+#[inline(always)]
+fn dropout_f32_body<const FMA: bool>(y: &mut [f32], mask: &mut [u8], x: &[f32], start: u64, key: u64, threshold: u32, scale: f32) {
+    let n = y.len().min(mask.len()).min(x.len());
+    let (y, mask, x) = (&mut y[..n], &mut mask[..n], &x[..n]);
+    for_each_bits(n, start, key, |k, b| {
+        let keep = b >= threshold;
+        mask[k] = keep as u8;
+        y[k] = if keep { x[k] * scale } else { 0.0 };
+    });
+}
+
+multiversion!(
+    dropout_f32,
+    dropout_f32_body,
+    (y: &mut [f32], mask: &mut [u8], x: &[f32], start: u64, key: u64, threshold: u32, scale: f32) -> ()
+);
+
+/// o = dy · scale where the mask keeps the element, else 0 (f32, same shapes).
+#[inline(always)]
+fn masked_scale_body<const FMA: bool>(o: &mut [f32], dy: &[f32], mask: &[u8], scale: f32) {
+    for ((o, &d), &m) in o.iter_mut().zip(dy).zip(mask) {
+        *o = if m != 0 { d * scale } else { 0.0 };
+    }
+}
+
+multiversion!(masked_scale, masked_scale_body, (o: &mut [f32], dy: &[f32], mask: &[u8], scale: f32) -> ());
+
+/// `v` as f32s when T is f32 (the vectorised paths are f32 only).
+fn as_f32<T: 'static>(v: &[T]) -> Option<&[f32]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        // SAFETY: T is f32, so this is the same slice.
+        .then(|| unsafe { std::slice::from_raw_parts(v.as_ptr() as *const f32, v.len()) })
+}
+
+fn as_f32_mut<T: 'static>(v: &mut [T]) -> Option<&mut [f32]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
+        // SAFETY: T is f32, so this is the same slice, still borrowed exclusively.
+        .then(|| unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut f32, v.len()) })
+}
 
 /// Elements per parallel task of the dropout kernel.
 const DROPOUT_CHUNK: usize = 1 << 14;
@@ -111,7 +173,12 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
         let scale = T::from_f64(1.0 / (1.0 - ratio));
         let threshold = drop_threshold(ratio);
         let chunk = |(c, ((y, m), x)): (usize, ((&mut [T], &mut [u8]), &[T]))| {
-            keep_mask::call(m, (c * DROPOUT_CHUNK) as u64, key, threshold);
+            let start = (c * DROPOUT_CHUNK) as u64;
+            if let (Some(y), Some(x)) = (as_f32_mut(y), as_f32(x)) {
+                dropout_f32::call(y, m, x, start, key, threshold, (1.0 / (1.0 - ratio)) as f32);
+                return;
+            }
+            keep_mask::call(m, start, key, threshold);
             for ((y, &m), &v) in y.iter_mut().zip(m.iter()).zip(x) {
                 *y = if m != 0 { v * scale } else { T::zero() };
             }
@@ -133,6 +200,17 @@ fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     let (ratio, training) = dropout_params(node, inputs, 2)?;
     let scale = if training { 1.0 / (1.0 - ratio) } else { 1.0 };
     fn go<T: FloatElem>(dy: &In, mask: &In, o: &mut Out, scale: f64) -> Result<()> {
+        if dy.dtype == crate::tensor::DType::F32 && dy.shape == o.shape && mask.shape == o.shape {
+            let (d, m, s) = (dy.slice::<f32>()?, mask.slice::<u8>()?, scale as f32);
+            let ov = o.slice::<f32>()?;
+            if ov.len() >= PAR_MIN {
+                let chunks = ov.par_chunks_mut(DROPOUT_CHUNK).zip(d.par_chunks(DROPOUT_CHUNK).zip(m.par_chunks(DROPOUT_CHUNK)));
+                chunks.for_each(|(o, (d, m))| masked_scale::call(o, d, m, s));
+            } else {
+                masked_scale::call(ov, d, m, s);
+            }
+            return Ok(());
+        }
         let s = T::from_f64(scale);
         super::broadcast::map2::<T, u8, T>(dy, mask, o, move |d, m| if m != 0 { d * s } else { T::zero() })
     }
@@ -182,7 +260,73 @@ mod tests {
         let m = mask(1000, key, 0.3);
         let scalar: Vec<u8> = (0..1000).map(|i| (bits(key, i) >= drop_threshold(0.3)) as u8).collect();
         assert_eq!(m, scalar);
+        // a run that crosses a 2^32 block boundary, and one inside a later block
+        for start in [(1u64 << 32) - 5, (3u64 << 32) + 17] {
+            let mut m = vec![0u8; 40];
+            keep_mask::call(&mut m, start, key, drop_threshold(0.3));
+            let scalar: Vec<u8> = (0..40).map(|i| (bits(key, start + i) >= drop_threshold(0.3)) as u8).collect();
+            assert_eq!(m, scalar, "start {start}");
+        }
         // indices past 2^32 do not repeat the first 2^32
         assert_ne!((0..64).map(|i| bits(key, i)).collect::<Vec<_>>(), (0..64).map(|i| bits(key, i + (1 << 32))).collect::<Vec<_>>());
+    }
+
+    /// Dropout and its gradient on f32 (the vectorised one-pass paths) and f64 (the generic
+    /// ones) give y = x · 1/(1 − ratio) where the stream's mask keeps x, else 0, and dx = dy the
+    /// same way; sizes across the parallel chunks and one that runs on a single thread.
+    #[test]
+    fn dropout_and_its_gradient_follow_the_mask_on_every_path() {
+        use super::super::testutil::run;
+        use crate::ir::{Attrs, ValueId};
+        use crate::tensor::{DType, Data, Tensor};
+        for (n, ratio) in [(3 * DROPOUT_CHUNK + 11, 0.2f64), (1000, 0.5)] {
+            let xs: Vec<f64> = (0..n).map(|i| (i % 97) as f64 / 7.0 - 6.0).collect();
+            let ratio_t = Tensor::scalar_f32(ratio as f32);
+            let training = Tensor::new(vec![], Data::Bool(vec![1])).unwrap_or_else(|e| panic!("{e}"));
+            for f64s in [false, true] {
+                let x = if f64s {
+                    Tensor::new(vec![n], Data::F64(xs.clone())).unwrap_or_else(|e| panic!("{e}"))
+                } else {
+                    Tensor::from_f32(vec![n], xs.iter().map(|&v| v as f32).collect())
+                };
+                // the node with its mask output, as the importer makes it
+                let node = Node {
+                    name: "d".into(),
+                    op_type: "Dropout".into(),
+                    inputs: vec![None; 3],
+                    outputs: vec![ValueId(0), ValueId(1)],
+                    attrs: Attrs::default(),
+                };
+                let (mut y_t, mut m_t) = (Tensor::zeros(x.dtype(), vec![n]), Tensor::zeros(DType::Bool, vec![n]));
+                let shape = vec![n];
+                // SAFETY: each tensor holds n elements of its type and is borrowed only here.
+                let mut outs = unsafe {
+                    [
+                        Out::from_raw(x.dtype(), &shape, y_t.as_bytes_mut().as_mut_ptr()),
+                        Out::from_raw(DType::Bool, &shape, m_t.as_bytes_mut().as_mut_ptr()),
+                    ]
+                };
+                let ins = [Some(In::of(&x)), Some(In::of(&ratio_t)), Some(In::of(&training))];
+                dropout(&node, &ins, &mut outs, &mut CpuCtx::new(42)).unwrap_or_else(|e| panic!("{e}"));
+                let key = CpuCtx::new(42).rng.next_key();
+                let mask = mask(n, key, ratio_t.to_f64_vec()[0]);
+                assert_eq!(m_t.as_bytes(), &mask[..], "n {n}, f64 {f64s}: mask");
+                let scale = 1.0 / (1.0 - ratio_t.to_f64_vec()[0]);
+                let y = y_t.to_f64_vec();
+                for (i, (&v, &m)) in xs.iter().zip(&mask).enumerate() {
+                    let want = if m == 0 {
+                        0.0
+                    } else if f64s {
+                        v * scale
+                    } else {
+                        (v as f32 * scale as f32) as f64
+                    };
+                    assert_eq!(y[i], want, "n {n}, f64 {f64s}: element {i}");
+                }
+                let dy = x.clone();
+                let dx = run("DropoutGrad", Attrs::default(), &[&dy, &m_t, &ratio_t, &training]);
+                assert_eq!(dx[0].to_f64_vec(), y, "n {n}, f64 {f64s}: the gradient masks and scales as the forward");
+            }
+        }
     }
 }
