@@ -4,6 +4,7 @@ one run; prints a table per workload and writes the raw per-step times to a JSON
     python -m bench                              # all workloads, all systems, 60 timed steps each
     python -m bench --quick                      # CI: 2 warm-up + 3 timed steps, one round
     python -m bench --workloads tutorial,gpt2 --systems eager,ortrain --steps 100 --threads 2
+    python -m bench --workloads tutorial --busy-core 1:0.5   # another tenant takes half of core 1
 
 Run it from the repository root (ortrain importable, e.g. PYTHONPATH=pyext/python or the wheel
 installed). Details and the last results: bench/README.md.
@@ -11,13 +12,14 @@ installed). Details and the last results: bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import sys
 import time
 
-from bench import machine, report
+from bench import busy_core, machine, report
 from bench.pool import REPO
 from bench.rounds import log_stderr, run_workload
 from bench.systems import SYSTEMS
@@ -56,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the dropout masks (data and weights are fixed)")
     ap.add_argument("--json", default=None, help="where to write the results (default bench/results/<time>.json)")
+    ap.add_argument("--busy-core", type=busy_core.parse, default=None, metavar="CORE:DUTY",
+                    help="for the whole run, a process pinned to CORE spins for DUTY of every 4 ms, like "
+                         "another tenant of a shared machine (bench/busy_core.py)")
     ap.add_argument("--quick", action="store_true", help="short CI mode: few steps, correctness of the output only")
     args = ap.parse_args(argv)
     for key, full in (("steps", 60), ("warmup", 5), ("rounds", 6)):
@@ -76,10 +81,23 @@ def main(argv=None) -> int:
     print(f"bench: {info and machine.describe(info)}")
     print(f"bench: {args.steps} timed steps in {args.rounds} round(s) after {args.warmup} warm-up, "
           f"{args.threads} threads; systems {', '.join(args.systems)}", flush=True)
+    if args.busy_core:
+        print(f"bench: core {args.busy_core[0]} busy {args.busy_core[1]:.0%} of the time with other work "
+              "(--busy-core)", flush=True)
     doc = {"command": [sys.executable, "-m", "bench", *(argv if argv is not None else sys.argv[1:])],
            "started": started.isoformat(timespec="seconds"), "machine": info,
            "config": {k: v for k, v in vars(args).items() if k != "json"}, "workloads": {}}
     t0 = time.perf_counter()
+    with busy_core.busy(*args.busy_core) if args.busy_core else contextlib.nullcontext():
+        _run_workloads(args, doc, info, path, t0)
+    doc["versions"] = _versions(doc)
+    _write(path, doc, time.perf_counter() - t0)
+    print(f"\nbench: {time.perf_counter() - t0:.0f} s; x eager / x compile = their median / this median "
+          f"(> 1: faster); raw per-step times in {path}")
+    return 0
+
+
+def _run_workloads(args, doc: dict, info: dict, path: str, t0: float) -> None:
     for name in args.workloads:
         w = WORKLOADS[name]
         log_stderr(f"bench: {name} ...")
@@ -97,11 +115,6 @@ def main(argv=None) -> int:
         print(f"(load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, "
               f"{info['usable_cores']} cores: above that, other work shared them)", flush=True)
         _write(path, doc, time.perf_counter() - t0)
-    doc["versions"] = _versions(doc)
-    _write(path, doc, time.perf_counter() - t0)
-    print(f"\nbench: {time.perf_counter() - t0:.0f} s; x eager / x compile = their median / this median "
-          f"(> 1: faster); raw per-step times in {path}")
-    return 0
 
 
 def _versions(doc: dict) -> dict:

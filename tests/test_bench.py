@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -81,3 +82,32 @@ def test_ortrain_fallback_to_pytorch_is_a_failure_not_a_measurement():
         prepared.model(torch.randn(2, 3, 3)).sum().backward()
         with pytest.raises(systems.FellBack, match="fell back to PyTorch: .*Det"):
             prepared.check(caught)
+
+
+def test_busy_core_pins_a_spinning_process_for_the_run_and_stops_it():
+    import argparse
+    import time
+
+    from bench import busy_core
+
+    core = sorted(os.sched_getaffinity(0))[-1]
+    assert busy_core.parse(f"{core}:0.5") == (core, 0.5)
+    for bad, says in ((f"{core}", "CORE:DUTY"), (f"{core}:x", "CORE:DUTY"), ("4096:0.5", "core 4096"),
+                      (f"{core}:0", "(0, 1]"), (f"{core}:1.5", "(0, 1]")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(says)):
+            busy_core.parse(bad)
+    with busy_core.busy(core, 0.5) as proc:
+        deadline = time.time() + 20
+        while os.sched_getaffinity(proc.pid) != {core} and time.time() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and os.sched_getaffinity(proc.pid) == {core}
+        used_before = _cpu_seconds(proc.pid)
+        time.sleep(0.5)
+        assert _cpu_seconds(proc.pid) - used_before > 0.1, "it spins"
+    assert proc.poll() is not None, "stopped when the block ends"
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
