@@ -51,7 +51,7 @@ impl OpDef for Reshape {
         let total = numel(x.shape);
         if let Some(i) = infer_at {
             let known: usize = out.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, &d)| d).product();
-            if known == 0 || total % known != 0 {
+            if known == 0 || !total.is_multiple_of(known) {
                 return Err(node.err(format!("cannot reshape {:?} to {spec:?}", x.shape)));
             }
             out[i] = total / known;

@@ -96,7 +96,7 @@ impl Steps<'_> {
     fn private(&self, alias: &[Option<ValueId>], v: ValueId) -> bool {
         let r = self.req;
         alias[v.0].is_none()
-            && !alias.iter().any(|a| *a == Some(v))
+            && !alias.contains(&Some(v))
             && !is_bound(r, v)
             && !r.forward_outputs.contains(&v)
             && !r.backward_outputs.contains(&v)
@@ -137,7 +137,7 @@ impl Steps<'_> {
     /// memory too where `gathered_after` allows.
     fn summed(&self, alias: &[Option<ValueId>], gv: ValueId) -> Option<Summed> {
         let (add_step, node) = self.producer(gv, "Add")?;
-        if add_step < self.split || node.inputs.len() != 2 || alias[gv.0].is_some() || alias.iter().any(|a| *a == Some(gv)) {
+        if add_step < self.split || node.inputs.len() != 2 || alias[gv.0].is_some() || alias.contains(&Some(gv)) {
             return None;
         }
         let (a, b) = (node.inputs[0]?, node.inputs[1]?);
