@@ -136,12 +136,19 @@ pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
     })
 }
 
-/// dx[..r·k] = the sum of the tile groups' dX partials, in tile order.
-pub(super) fn sum_partials<T: FloatElem>(dx: &mut [T], parts: &[Vec<T>]) {
-    dx.iter_mut().for_each(|v| *v = T::zero());
-    for p in parts {
-        dx.iter_mut().zip(p).for_each(|(d, &v)| *d = *d + v);
-    }
+/// Elements of dX per parallel task of `sum_partials`.
+const SUM_CHUNK: usize = 1 << 13;
+
+/// dx[..r·k] = the sum of the tile groups' dX partials, in tile order: each element is
+/// 0 + p₀ + p₁ + … whichever thread sums its part (a machine with many threads has many groups).
+pub(super) fn sum_partials<T: FloatElem + Send + Sync>(dx: &mut [T], parts: &[Vec<T>]) {
+    dx.par_chunks_mut(SUM_CHUNK).enumerate().for_each(|(c, d)| {
+        let at = c * SUM_CHUNK..c * SUM_CHUNK + d.len();
+        d.iter_mut().for_each(|v| *v = T::zero());
+        for p in parts {
+            d.iter_mut().zip(&p[at.clone()]).for_each(|(d, &v)| *d = *d + v);
+        }
+    });
 }
 
 /// dX_c = G · op(W)ᵀ (overwritten), dW (+)= the chunk's G-product (accumulated when
@@ -172,7 +179,19 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
 
 #[cfg(test)]
 mod tests {
-    use super::{over_tiles, tile_count, tile_groups, TILE};
+    use super::{over_tiles, sum_partials, tile_count, tile_groups, SUM_CHUNK, TILE};
+
+    /// The parallel sum is bit for bit the serial one in tile order, across task edges.
+    #[test]
+    fn partials_sum_in_tile_order_on_any_thread() {
+        let len = 3 * SUM_CHUNK + 17;
+        let parts: Vec<Vec<f32>> = (0..7).map(|p| (0..len).map(|i| ((i * 31 + p * 7) % 97) as f32 / 9.0 - 5.0).collect()).collect();
+        let want: Vec<u32> = (0..len).map(|i| parts.iter().fold(0f32, |a, p| a + p[i]).to_bits()).collect();
+        let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(3).build() else { panic!("pool") };
+        let mut dx = vec![f32::NAN; len];
+        pool.install(|| sum_partials(&mut dx, &parts));
+        assert_eq!(dx.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want);
+    }
 
     #[test]
     fn tile_groups_cover_the_tiles_in_order_largest_first() {
