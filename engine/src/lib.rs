@@ -16,6 +16,7 @@ pub mod plan;
 pub mod session;
 pub mod simd;
 pub mod tensor;
+pub mod threads;
 
 pub use error::{Error, Result};
 pub use tensor::{DType, Tensor};

@@ -5,6 +5,8 @@ use ortrain_engine::backend::cpu;
 use ortrain_engine::ops;
 use pyo3::prelude::*;
 
+use crate::session::to_py;
+
 /// [(op_type, has_gradient, has_cpu_kernel, is_internal, has_cuda_kernel)] for every registered
 /// op, sorted.
 #[pyfunction]
@@ -32,14 +34,18 @@ fn cuda_kernel(op: &str) -> bool {
 }
 
 /// Sizes the engine's thread pool (once per process, before the first kernel runs): the caller
-/// passes torch's thread count so that the two pools do not oversubscribe the cores. Returns the
-/// pool's size (unchanged if it was already built, or if RAYON_NUM_THREADS is set).
+/// passes torch's thread count so that the two pools do not oversubscribe the cores; workers
+/// are pinned as ORTRAIN_PIN_THREADS says (engine `threads`). Returns the pool's size
+/// (unchanged if it was already built, or if RAYON_NUM_THREADS is set).
 #[pyfunction]
-fn init_threads(n: usize) -> usize {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() && n > 0 {
-        let _ = rayon::ThreadPoolBuilder::new().num_threads(n).build_global();
-    }
-    rayon::current_num_threads()
+fn init_threads(n: usize) -> PyResult<usize> {
+    ortrain_engine::threads::init_global_pool(n).map_err(to_py)
+}
+
+/// The cores the engine's workers are pinned to, one per worker (empty: they float).
+#[pyfunction]
+fn pinned_cores() -> Vec<usize> {
+    ortrain_engine::threads::pinned_cores()
 }
 
 /// The instruction set bf16 matmuls use on this CPU ("amx", "avx512_bf16"), or None: then
@@ -52,5 +58,6 @@ fn cpu_bf16() -> Option<&'static str> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(op_table, m)?)?;
     m.add_function(wrap_pyfunction!(init_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(pinned_cores, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_bf16, m)?)
 }

@@ -61,7 +61,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 tf32 = "TF32 allowed" if torch.backends.cuda.matmul.allow_tf32 else "TF32 off"
                 lines.append(f"    on {r.device}: matmuls fp32 on cuBLAS ({tf32}); optimizer step {where_step}")
             else:
-                lines.append(f"    matmuls: {r.session.matmul_path}")
+                lines.append(f"    matmuls: {r.session.matmul_path}; {_threads()}")
             if getattr(r, "on_cuda", False):
                 lines.append("    " + describe_graphs(r, state.cuda_graphs))
             if e.dropout_fixes:
@@ -130,3 +130,12 @@ def reset_profile(model) -> None:
         from ortrain._profile import reset
 
         reset(state)
+
+
+def _threads() -> str:
+    from ortrain import _ortrain
+
+    cores = _ortrain.pinned_cores()
+    n = _ortrain.init_threads(0)  # the pool's size (0: builds nothing)
+    where = f"pinned to cores {', '.join(map(str, cores))}" if cores else "not pinned"
+    return f"{n} engine threads, {where} (ORTRAIN_PIN_THREADS)"
