@@ -134,8 +134,9 @@ def reset_profile(model) -> None:
 
 def _threads() -> str:
     from ortrain import _ortrain
+    from ortrain.engine import runner
 
     cores = _ortrain.pinned_cores()
-    n = _ortrain.init_threads(0)  # the pool's size (0: builds nothing)
+    n = runner._THREADS  # the pool's size, set when the first engine graph was built
     where = f"pinned to cores {', '.join(map(str, cores))}" if cores else "not pinned"
     return f"{n} engine threads, {where} (ORTRAIN_PIN_THREADS)"

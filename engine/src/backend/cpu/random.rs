@@ -117,19 +117,6 @@ fn masked_scale_body<const FMA: bool>(o: &mut [f32], dy: &[f32], mask: &[u8], sc
 
 multiversion!(masked_scale, masked_scale_body, (o: &mut [f32], dy: &[f32], mask: &[u8], scale: f32) -> ());
 
-/// `v` as f32s when T is f32 (the vectorised paths are f32 only).
-fn as_f32<T: 'static>(v: &[T]) -> Option<&[f32]> {
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
-        // SAFETY: T is f32, so this is the same slice.
-        .then(|| unsafe { std::slice::from_raw_parts(v.as_ptr() as *const f32, v.len()) })
-}
-
-fn as_f32_mut<T: 'static>(v: &mut [T]) -> Option<&mut [f32]> {
-    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>())
-        // SAFETY: T is f32, so this is the same slice, still borrowed exclusively.
-        .then(|| unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut f32, v.len()) })
-}
-
 /// Elements per parallel task of the dropout kernel.
 const DROPOUT_CHUNK: usize = 1 << 14;
 
@@ -153,7 +140,16 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
     let x = first(node, inputs)?;
     let (ratio, training) = dropout_params(node, inputs, 1)?;
     let key = ctx.rng.next_key();
-    fn go<T: FloatElem>(x: &In, out: &mut [Out], ratio: f64, training: bool, key: u64) -> Result<()> {
+    let threshold = drop_threshold(ratio);
+    /// The kernel around `apply(y, mask, x, start)`, which fills one chunk's output and mask
+    /// from element `start` of the stream on.
+    fn go<T: FloatElem>(
+        x: &In,
+        out: &mut [Out],
+        ratio: f64,
+        training: bool,
+        apply: impl Fn(&mut [T], &mut [u8], &[T], u64) + Sync,
+    ) -> Result<()> {
         let xv = x.slice::<T>()?;
         let (y, rest) = out.split_first_mut().expect("one output at least");
         let yv = y.slice::<T>()?;
@@ -170,19 +166,7 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
             mv.iter_mut().for_each(|m| *m = 1);
             return Ok(());
         }
-        let scale = T::from_f64(1.0 / (1.0 - ratio));
-        let threshold = drop_threshold(ratio);
-        let chunk = |(c, ((y, m), x)): (usize, ((&mut [T], &mut [u8]), &[T]))| {
-            let start = (c * DROPOUT_CHUNK) as u64;
-            if let (Some(y), Some(x)) = (as_f32_mut(y), as_f32(x)) {
-                dropout_f32::call(y, m, x, start, key, threshold, (1.0 / (1.0 - ratio)) as f32);
-                return;
-            }
-            keep_mask::call(m, start, key, threshold);
-            for ((y, &m), &v) in y.iter_mut().zip(m.iter()).zip(x) {
-                *y = if m != 0 { v * scale } else { T::zero() };
-            }
-        };
+        let chunk = |(c, ((y, m), x)): (usize, ((&mut [T], &mut [u8]), &[T]))| apply(y, m, x, (c * DROPOUT_CHUNK) as u64);
         if xv.len() >= PAR_MIN {
             let chunks = yv.par_chunks_mut(DROPOUT_CHUNK).zip(mv.par_chunks_mut(DROPOUT_CHUNK)).zip(xv.par_chunks(DROPOUT_CHUNK));
             chunks.enumerate().for_each(chunk);
@@ -191,7 +175,22 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
         }
         Ok(())
     }
-    crate::dispatch_float!(x.dtype, node, go::<T>(x, out, ratio, training, key))
+    /// Any float type: the mask, then y = x · scale where kept.
+    fn generic<T: FloatElem>(x: &In, out: &mut [Out], ratio: f64, training: bool, key: u64, threshold: u32) -> Result<()> {
+        let scale = T::from_f64(1.0 / (1.0 - ratio));
+        go::<T>(x, out, ratio, training, |y, m, x, start| {
+            keep_mask::call(m, start, key, threshold);
+            for ((y, &m), &v) in y.iter_mut().zip(m.iter()).zip(x) {
+                *y = if m != 0 { v * scale } else { T::zero() };
+            }
+        })
+    }
+    if x.dtype == crate::tensor::DType::F32 {
+        // f32: mask and output in one vectorised pass
+        let scale = (1.0 / (1.0 - ratio)) as f32;
+        return go::<f32>(x, out, ratio, training, |y, m, x, start| dropout_f32::call(y, m, x, start, key, threshold, scale));
+    }
+    crate::dispatch_float!(x.dtype, node, generic::<T>(x, out, ratio, training, key, threshold))
 }
 
 fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
