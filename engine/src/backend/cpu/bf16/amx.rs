@@ -11,10 +11,12 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
+use std::time::Duration;
 
 use super::avx512::store16;
 use super::driver::{Block, Kernel};
 use super::pack::PanelLayout;
+use super::trial;
 
 /// The four accumulator tiles (tmm0..tmm3), loads into tmm4..tmm7, the final store.
 pub(crate) trait TileOps {
@@ -162,11 +164,50 @@ impl Drop for Hw {
     }
 }
 
-/// Whether AMX bf16 can be used: CPU support, tile state enabled by the OS, and (on Linux) the
-/// permission to use tile data granted to this process. Checked once.
+/// Whether this process uses the AMX kernel, and why not when the CPU has AMX.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Status {
+    /// The CPU reports no amx_bf16 + amx_tile.
+    Absent,
+    /// The CPU has AMX, but it is not used (why).
+    Unusable(String),
+    Usable,
+}
+
+static STATUS: OnceLock<Status> = OnceLock::new();
+
+/// Checked once: CPU support, tile state enabled by the OS, (on Linux) the permission to use
+/// tile data granted to this process, then a trial run of the kernel in a child process
+/// (trial.rs): the tile path has never run on the project's own machines, and a fault there
+/// must not end the user's training.
+pub(crate) fn status() -> &'static Status {
+    STATUS.get_or_init(|| {
+        if !cpu_has_amx_bf16() {
+            return Status::Absent;
+        }
+        if !os_enables_tiles() {
+            return Status::Unusable("the OS does not enable AMX tile state".into());
+        }
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")) {
+            return Status::Unusable("the CPU lacks avx512_bf16, which the packers need".into());
+        }
+        if !request_permission() {
+            return Status::Unusable("Linux refused this process the tile data permission".into());
+        }
+        // SAFETY: the CPU has the packers' features (checked above) and AMX with tile state
+        // enabled and permitted, which `Hw` needs.
+        let trial = trial::in_child(|| unsafe { trial::exact_products(&Amx::<Hw>::new()) }, Duration::from_secs(10));
+        trial.failure().map_or(Status::Usable, Status::Unusable)
+    })
+}
+
+/// The status if it has been checked already (explain does not start a trial).
+pub(crate) fn known_status() -> Option<&'static Status> {
+    STATUS.get()
+}
+
 pub(crate) fn available() -> bool {
-    static A: OnceLock<bool> = OnceLock::new();
-    *A.get_or_init(|| cpu_has_amx_bf16() && os_enables_tiles() && request_permission())
+    *status() == Status::Usable
 }
 
 fn cpu_has_amx_bf16() -> bool {

@@ -10,7 +10,9 @@
 //!   session computes exactly as an fp32 one, and says so in `MatmulPath::describe`.
 //!
 //! `ORTRAIN_CPU_BF16=off` runs as if the CPU had no bf16 instructions, `ORTRAIN_CPU_BF16=avx512_bf16`
-//! skips AMX; a path the CPU lacks is never taken.
+//! skips AMX; a path the CPU lacks is never taken. Before its first use in a process the AMX
+//! kernel makes a few exact products in a forked child (trial.rs); a crash, hang or wrong result
+//! there keeps it off (avx512_bf16 runs instead) and `explain` says why.
 //!
 //! Why these kernels: on an AMD EPYC Zen 4 (avx512_bf16, no AMX) the 14 × 32 `vdpbf16ps` kernel
 //! alone runs at 227 GFLOP/s on one thread from L1, 2.2x the 104 of the same shape of f32 FMAs,
@@ -38,6 +40,8 @@ mod driver;
 mod pack;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests;
+#[cfg(target_arch = "x86_64")]
+mod trial;
 
 use std::sync::OnceLock;
 
@@ -109,7 +113,11 @@ impl MatmulPath {
     /// One line for `explain`: what runs, and why when bf16 was asked for and is not used.
     pub fn describe(self, requested: MatmulPrecision) -> String {
         match (self, requested) {
-            (MatmulPath::Bf16(isa), _) => format!("bf16 ({}, f32 accumulation)", isa.name()),
+            (MatmulPath::Bf16(isa), _) => format!(
+                "bf16 ({}, f32 accumulation{})",
+                isa.name(),
+                amx_unused().map_or(String::new(), |why| format!("; AMX not used: {why}"))
+            ),
             (MatmulPath::Fp32, MatmulPrecision::Bf16) => {
                 "fp32 (bf16 requested, but this CPU has neither avx512_bf16 nor AMX, or ORTRAIN_CPU_BF16=off)".into()
             }
@@ -146,6 +154,20 @@ fn detect_cpu(no_amx: bool) -> Option<Bf16Isa> {
 
 #[cfg(not(target_arch = "x86_64"))]
 fn detect_cpu(_: bool) -> Option<Bf16Isa> {
+    None
+}
+
+/// Why the CPU's AMX is not used, when it has AMX and detection has looked at it.
+#[cfg(target_arch = "x86_64")]
+fn amx_unused() -> Option<&'static str> {
+    match amx::known_status() {
+        Some(amx::Status::Unusable(why)) => Some(why),
+        _ => None,
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn amx_unused() -> Option<&'static str> {
     None
 }
 
