@@ -10,6 +10,8 @@
 
 use std::arch::asm;
 use std::arch::x86_64::*;
+use std::marker::PhantomData;
+use std::mem::MaybeUninit;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -21,7 +23,10 @@ use super::trial;
 /// The four accumulator tiles (tmm0..tmm3), loads into tmm4..tmm7, the final store.
 pub(crate) trait TileOps {
     /// Configures the tiles for this thread (all eight: 16 rows × 64 bytes).
-    fn begin() -> Self;
+    ///
+    /// # Safety
+    /// For the real tiles: the CPU has AMX with tile state enabled and permitted (`available`).
+    unsafe fn begin() -> Self;
     /// # Safety
     /// The tile configuration is loaded (`begin`).
     unsafe fn zero(&mut self);
@@ -60,13 +65,14 @@ impl<T: TileOps> Kernel for Amx<T> {
         PanelLayout { si: kp_pad, sp: 1 }
     }
 
-    fn begin(&self) -> T {
-        T::begin()
+    unsafe fn begin(&self) -> T {
+        // SAFETY: the caller's contract (the CPU has what T needs).
+        unsafe { T::begin() }
     }
 
     unsafe fn run(&self, t: &mut T, blk: &Block) {
         debug_assert!(blk.width == 32 && blk.kp.is_multiple_of(16));
-        let mut out = Out([[0.0; 32]; 32]);
+        let mut out = MaybeUninit::<Out>::uninit();
         // SAFETY: the driver's contract: the A panel holds 32 rows × kp pairs at row stride
         // a_rs, the B panel kp pairs × 32 columns (128 bytes per pair); kp is a multiple of 16.
         unsafe {
@@ -75,39 +81,51 @@ impl<T: TileOps> Kernel for Amx<T> {
                 let (a0, b0) = (blk.a.add(p), blk.b.add(p * 32));
                 t.step(a0, a0.add(16 * blk.a_rs), blk.a_rs * 4, b0, b0.add(16), 128);
             }
-            t.store(out.0.as_mut_ptr() as *mut f32);
+            t.store(out.as_mut_ptr() as *mut f32);
+            // SAFETY: `store` wrote all 32 × 32 floats; the AMX path is chosen only on CPUs
+            // that also have avx512f (and avx512bf16 for packing).
+            store_block(out.assume_init_ref(), blk);
         }
-        for (i, row) in out.0.iter().enumerate().take(blk.rows) {
-            for v in 0..2 {
-                // SAFETY: row i < rows of C, columns masked to < cols; the AMX path is chosen
-                // only on CPUs that also have avx512f (and avx512bf16 for packing).
-                unsafe {
-                    let acc = _mm512_loadu_ps(row.as_ptr().add(16 * v));
-                    store16(blk.c.add(i * blk.ldc + 16 * v), acc, blk.cols.saturating_sub(16 * v), blk.alpha, blk.beta);
-                }
+    }
+}
+
+/// C's rows × cols block = alpha · out + beta · C, compiled for avx512f so that the loads and
+/// masked stores inline.
+///
+/// # Safety
+/// The driver's contract on `blk`; the CPU has avx512f.
+#[target_feature(enable = "avx512f")]
+unsafe fn store_block(out: &Out, blk: &Block) {
+    for (i, row) in out.0.iter().enumerate().take(blk.rows) {
+        for v in 0..2 {
+            // SAFETY: row i < rows of C, columns masked to < cols.
+            unsafe {
+                let acc = _mm512_loadu_ps(row.as_ptr().add(16 * v));
+                store16(blk.c.add(i * blk.ldc + 16 * v), acc, blk.cols.saturating_sub(16 * v), blk.alpha, blk.beta);
             }
         }
     }
 }
 
-/// The real tile unit.
-pub(crate) struct Hw;
+/// The real tile unit: the tile configuration is per thread, so Hw stays on the thread that
+/// loaded it (not Send).
+pub(crate) struct Hw(PhantomData<*const ()>);
 
 #[repr(C, align(64))]
 struct TileCfg([u8; 64]);
 
 impl TileOps for Hw {
-    fn begin() -> Self {
+    unsafe fn begin() -> Self {
         let mut cfg = TileCfg([0; 64]);
         cfg.0[0] = 1; // palette 1
         for t in 0..8 {
             cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&64u16.to_le_bytes());
             cfg.0[48 + t] = 16;
         }
-        // SAFETY: Hw is only created after `available()` (CPU support, OS state, permission);
-        // the configuration is a valid palette-1 layout.
+        // SAFETY: the caller's contract (CPU support, OS state, permission); the configuration
+        // is a valid palette-1 layout.
         unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly)) };
-        Hw
+        Hw(PhantomData)
     }
 
     unsafe fn zero(&mut self) {
@@ -169,6 +187,8 @@ impl Drop for Hw {
 pub(crate) enum Status {
     /// The CPU reports no amx_bf16 + amx_tile.
     Absent,
+    /// The CPU has AMX, but the OS does not enable its tile state (XCR0).
+    OsDisabled,
     /// The CPU has AMX, but it is not used (why).
     Unusable(String),
     Usable,
@@ -186,13 +206,13 @@ pub(crate) fn status() -> &'static Status {
             return Status::Absent;
         }
         if !os_enables_tiles() {
-            return Status::Unusable("the OS does not enable AMX tile state".into());
+            return Status::OsDisabled;
         }
         if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")) {
             return Status::Unusable("the CPU lacks avx512_bf16, which the packers need".into());
         }
-        if !request_permission() {
-            return Status::Unusable("Linux refused this process the tile data permission".into());
+        if let Err(why) = request_permission() {
+            return Status::Unusable(why);
         }
         // SAFETY: the CPU has the packers' features (checked above) and AMX with tile state
         // enabled and permitted, which `Hw` needs.
@@ -233,31 +253,27 @@ unsafe fn xcr0() -> u64 {
     _xgetbv(0)
 }
 
+/// Asks Linux for this process's permission to use tile data: Err(why) when refused.
 #[cfg(target_os = "linux")]
-fn request_permission() -> bool {
-    const SYS_ARCH_PRCTL: isize = 158;
-    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-    const XFEATURE_XTILEDATA: usize = 18;
-    let ret: isize;
+fn request_permission() -> Result<(), String> {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) only extends this process's permitted
-    // xsave features; the syscall clobbers rcx and r11, declared here.
-    unsafe {
-        asm!(
-            "syscall",
-            inlateout("rax") SYS_ARCH_PRCTL => ret,
-            in("rdi") ARCH_REQ_XCOMP_PERM,
-            in("rsi") XFEATURE_XTILEDATA,
-            lateout("rcx") _,
-            lateout("r11") _,
-            options(nostack),
-        )
-    };
-    ret == 0
+    // xsave features.
+    if unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0 {
+        return Ok(());
+    }
+    let err = std::io::Error::last_os_error();
+    Err(match err.raw_os_error() {
+        // the kernel refuses while any thread's signal stack is too small for the tile state
+        Some(libc::ENOSPC) => "Linux refused the tile data permission: a thread's signal stack is too small for AMX state (ENOSPC)".into(),
+        _ => format!("Linux refused the tile data permission ({err})"),
+    })
 }
 
 #[cfg(not(target_os = "linux"))]
-fn request_permission() -> bool {
-    false
+fn request_permission() -> Result<(), String> {
+    Err("AMX tile data is requested on Linux only".into())
 }
 
 /// A software model of the tile instructions the kernel uses (tests only): same data layout,
@@ -297,7 +313,7 @@ impl Emu {
 
 #[cfg(test)]
 impl TileOps for Emu {
-    fn begin() -> Self {
+    unsafe fn begin() -> Self {
         Emu { tiles: Box::new([[[0; 16]; 16]; 8]) }
     }
 

@@ -22,7 +22,7 @@ impl Kernel for Avx512Bf16 {
         PanelLayout { si: 1, sp: MR }
     }
 
-    fn begin(&self) {}
+    unsafe fn begin(&self) {}
 
     unsafe fn run(&self, _: &mut (), blk: &Block) {
         // SAFETY: the driver's contract on `blk`; this kernel is only built after avx512bf16

@@ -54,7 +54,10 @@ pub(crate) trait Kernel: Sync {
     /// k-pairs are padded to a multiple of this.
     const KP_ALIGN: usize;
     fn a_layout(kp_pad: usize) -> PanelLayout;
-    fn begin(&self) -> Self::Task;
+    ///
+    /// # Safety
+    /// The CPU has what the kernel needs (AMX: tile state enabled and permitted).
+    unsafe fn begin(&self) -> Self::Task;
     /// # Safety
     /// `blk.a` holds `MR` rows × `kp` pairs in `a_layout`, `blk.b` `width` columns × `kp`
     /// pairs; C covers `rows × cols` (rows ≤ MR, cols ≤ width) at stride `ldc`, written by
@@ -245,7 +248,8 @@ pub(crate) unsafe fn run<K: Kernel>(kern: &K, g: &Problem, par: bool) {
                 let (c, ldc, alpha, beta) = (SharedMut(g.c), g.ldc, g.alpha, g.beta);
                 let task = |t: usize| {
                     let (ti, tj) = (t % tiles_m, t / tiles_m);
-                    let mut state = kern.begin();
+                    // SAFETY: run's contract: the CPU has what `kern` needs.
+                    let mut state = unsafe { kern.begin() };
                     for s in (0..kp).step_by(KC / 2) {
                         let kps = (KC / 2).min(kp - s);
                         for j in tj * tn..((tj + 1) * tn).min(np) {

@@ -162,6 +162,7 @@ fn detect_cpu(_: bool) -> Option<Bf16Isa> {
 fn amx_unused() -> Option<&'static str> {
     match amx::known_status() {
         Some(amx::Status::Unusable(why)) => Some(why),
+        Some(amx::Status::OsDisabled) => Some("the OS does not enable AMX tile state"),
         _ => None,
     }
 }

@@ -277,8 +277,9 @@ mod tests {
     struct Swapped(Emu);
 
     impl TileOps for Swapped {
-        fn begin() -> Self {
-            Swapped(Emu::begin())
+        unsafe fn begin() -> Self {
+            // SAFETY: the model needs nothing of the CPU.
+            Swapped(unsafe { Emu::begin() })
         }
         unsafe fn zero(&mut self) {
             // SAFETY: forwarded contract.
