@@ -335,4 +335,41 @@ mod tests {
         assert!(family_of("gather_grad_bf16").is_none());
         assert_eq!(kernel_name("add", dtype_suffix(crate::tensor::DType::Bool)), "add_u8");
     }
+
+    /// Kernels instantiated for f32 but not for both 16-bit types, each run on widened f32
+    /// copies by its dispatcher (ops/widen.rs) when a 16-bit plan reaches it.
+    const WIDENED: &[(&str, &str)] = &[
+        ("gather_grad", "ops/gather.rs gather_grad"),
+        ("gather_elements_grad", "ops/gather.rs gather_elements_grad"),
+        ("gather_nd_grad", "ops/gather_nd.rs gather_nd_grad"),
+        ("max_pool_grad", "ops/pool.rs max_pool_grad"),
+        ("attention_fwd", "ops/attention.rs attention"),
+        ("attention_bwd_dq", "ops/attention.rs attention_grad"),
+        ("attention_bwd_dkv", "ops/attention.rs attention_grad"),
+        ("attention_mma_fwd_d64", "ops/attention.rs attention (fp16)"),
+        ("attention_mma_fwd_d128", "ops/attention.rs attention (fp16)"),
+        ("attention_mma_bwd_dq_d64", "ops/attention.rs attention_grad (fp16)"),
+        ("attention_mma_bwd_dq_d128", "ops/attention.rs attention_grad (fp16)"),
+        ("attention_mma_bwd_dkv_d64", "ops/attention.rs attention_grad (fp16)"),
+        ("attention_mma_bwd_dkv_d128", "ops/attention.rs attention_grad (fp16)"),
+    ];
+
+    /// 16-bit plans (the autocast pass) reach every float kernel: a kernel made for f32 has bf16
+    /// and f16 instances too, or is one its dispatcher widens (listed above). A 16-bit plan once
+    /// failed at run time on the missing `gather_grad_bf16`.
+    #[test]
+    fn every_f32_kernel_has_sixteen_bit_instances_or_is_widened() {
+        let mut lacking = Vec::new();
+        for f in FAMILIES {
+            for g in f.groups.iter().filter(|g| g.dtypes.contains(&"f32")) {
+                for op in g.ops {
+                    let half = ["bf16", "f16"].iter().all(|t| g.dtypes.contains(t));
+                    if !half && !WIDENED.iter().any(|(k, _)| k == op) {
+                        lacking.push(format!("{op} ({}: {:?})", f.file(), g.dtypes));
+                    }
+                }
+            }
+        }
+        assert!(lacking.is_empty(), "f32 kernels with no 16-bit instances that no dispatcher widens: {lacking:?}");
+    }
 }

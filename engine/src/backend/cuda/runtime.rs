@@ -32,7 +32,8 @@ pub struct CudaRuntime {
     /// `scratch`, which a dispatcher may hold across its gemms. Grown and reused the same way.
     operands: Mutex<Option<super::launch::DeviceBuffer>>,
     /// A vector of ones per float width (4: f32, 8: f64), for sums as matrix products.
-    ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 2]>,
+    /// Per GemmType (f32, f64, bf16, f16): a buffer of ones and its length.
+    ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 4]>,
     /// Set once a CUDA graph has been recorded: graphs keep the scratch and ones addresses they
     /// were recorded with, so from then on a buffer replaced by a larger one is kept (`retired`)
     /// instead of freed. The growth is geometric, so that costs less than the last buffer.
@@ -85,7 +86,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         sms,
         scratch: Mutex::new(None),
         operands: Mutex::new(None),
-        ones: Mutex::new([None, None]),
+        ones: Mutex::new([None, None, None, None]),
         graphs: AtomicBool::new(false),
         retired: Mutex::new(Vec::new()),
         capture: Mutex::new(None),
@@ -128,15 +129,20 @@ impl CudaRuntime {
         }
         Ok(s.as_ref().map_or(0, |b| b.ptr()))
     }
-    /// Device address of at least `n` ones of a float type of `width` bytes (4 or 8). Filled
-    /// on `stream` when (re)allocated, so work queued after on the same stream reads ones.
-    pub fn ones(&self, stream: CUstream, width: usize, n: usize) -> Result<u64> {
-        let slot = if width == 8 { 1 } else { 0 };
+    /// Device address of at least `n` ones of the float type `t`. Filled on `stream` when
+    /// (re)allocated, so work queued after on the same stream reads ones.
+    pub fn ones(&self, stream: CUstream, t: GemmType, n: usize) -> Result<u64> {
+        // 1.0 as each type's bits: f32, f64, bf16 (f32's upper half), f16
+        let (slot, kernel, bits) = match t {
+            GemmType::F32 => (0, "fill_u32", 1f32.to_bits() as u64),
+            GemmType::F64 => (1, "fill_u64", 1f64.to_bits()),
+            GemmType::Bf16 => (2, "fill_u16", 0x3F80),
+            GemmType::F16 => (3, "fill_u16", 0x3C00),
+        };
         let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
         if ones[slot].as_ref().is_none_or(|(_, have)| *have < n) {
             let count = n.next_power_of_two().max(1 << 12);
-            let buf = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, count * width)?;
-            let (kernel, bits) = if width == 8 { ("fill_u64", 1f64.to_bits()) } else { ("fill_u32", 1f32.to_bits() as u64) };
+            let buf = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, count * t.size())?;
             self.launch(stream, kernel, self.elementwise_grid(count), &[KArg::Ptr(buf.ptr()), KArg::I64(count as i64), KArg::U64(bits)])?;
             if let Some((old, _)) = ones[slot].replace((buf, count)) {
                 self.retire(old);

@@ -9,7 +9,9 @@
 //! of 1/8 as well, so every product and partial sum is exact in f32: the kernel must match the
 //! f64 reference bit for bit, whatever its accumulation order.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(target_os = "linux")]
+use std::time::Instant;
 
 use super::driver::{self, Kernel, Problem};
 use super::MatRef;

@@ -26,7 +26,7 @@ fn dispatch(node: &Node, ctx: &mut CudaCtx, kind: Kind, d: &DView, (x, w): (&[us
     }
     let (per, scratch_elems) = g.chunking(kind, t.size(), COL_BUDGET);
     let scratch = if scratch_elems == 0 { 0 } else { ctx.rt.scratch(scratch_elems * t.size())? };
-    let ones = ctx.rt.ones(ctx.stream, t.size(), per.max(g.ohw))?;
+    let ones = ctx.rt.ones(ctx.stream, t, per.max(g.ohw))?;
     for call in calls(&g, kind, t, ctx.f32_mode, per, ops, scratch, ones) {
         match call {
             Call::Rearrange { im2col, src, dst, n } => {

@@ -10,7 +10,7 @@
 //! atomics: f32 and f64 only, and the order of sums over repeated indices varies run to run.
 
 use super::strides::contiguous;
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::{Strides, MAX_DIMS};
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
@@ -81,6 +81,10 @@ fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usi
 /// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x.
 fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    if dy.dtype.is_half() {
+        // float atomics: the scatter kernels exist for f32 and f64 only
+        return widen::widened(node, ins, outs, ctx, gather_grad);
+    }
     int64_indices(node, idx)?;
     let o = &outs[0];
     let sfx = float_suffix(node, dy.dtype)?;
@@ -141,6 +145,10 @@ fn gather_elements(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
 /// shaped like x.
 fn gather_elements_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    if dy.dtype.is_half() {
+        // float atomics: the scatter kernels exist for f32 and f64 only
+        return widen::widened(node, ins, outs, ctx, gather_elements_grad);
+    }
     int64_indices(node, idx)?;
     let o = &outs[0];
     let sfx = float_suffix(node, dy.dtype)?;

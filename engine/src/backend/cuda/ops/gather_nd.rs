@@ -4,7 +4,7 @@
 //! the gradient accumulates with float atomics (f32 and f64).
 
 use super::gather::int64_indices;
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::{Strides, MAX_DIMS};
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
@@ -56,6 +56,10 @@ fn gather_nd(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
 /// GatherNDGrad(dy, indices, x_shape): dy's slices added into zeros shaped like x.
 fn gather_nd_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    if dy.dtype.is_half() {
+        // float atomics: the scatter kernels exist for f32 and f64 only
+        return widen::widened(node, ins, outs, ctx, gather_nd_grad);
+    }
     int64_indices(node, idx)?;
     let o = &outs[0];
     let sfx = float_suffix(node, dy.dtype)?;

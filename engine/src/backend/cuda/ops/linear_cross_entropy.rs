@@ -77,7 +77,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             g.beta = if accumulate { 1.0 } else { 0.0 };
             g
         };
-        let ones = ctx.rt.ones(ctx.stream, t.size(), chunk)?;
+        let ones = ctx.rt.ones(ctx.stream, t, chunk)?;
         let mut r0 = 0;
         while r0 < rows {
             let r = chunk.min(rows - r0);

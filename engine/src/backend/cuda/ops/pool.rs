@@ -5,7 +5,7 @@
 //! count_include_pad). MaxPoolGrad scatters with float atomics (f32, f64); a saved index outside
 //! its (n, c) plane is dropped and sets the step's error flag.
 
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::Win2d;
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
@@ -43,6 +43,10 @@ fn max_pool(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCt
 /// MaxPoolGrad(dy, indices, x_shape): dy added at the saved indices of zeros shaped like x.
 fn max_pool_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    if dy.dtype.is_half() {
+        // float atomics: the scatter kernels exist for f32 and f64 only
+        return widen::widened(node, ins, outs, ctx, max_pool_grad);
+    }
     if idx.dtype != DType::I64 {
         return Err(node.err(format!("the indices must be int64, got {}", idx.dtype.name())));
     }

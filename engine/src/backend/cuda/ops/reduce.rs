@@ -23,7 +23,7 @@ fn sum_by_gemm(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, m: usize, n:
         DType::F64 => GemmType::F64,
         other => return Err(node.err(format!("sums on CUDA take f32 or f64, got {}", other.name()))),
     };
-    let ones = ctx.rt.ones(ctx.stream, t.size(), if over_rows { m } else { n })?;
+    let ones = ctx.rt.ones(ctx.stream, t, if over_rows { m } else { n })?;
     let mut g = if over_rows { Gemm::contiguous(1, 1, n, m, false, false, t) } else { Gemm::contiguous(1, m, 1, n, false, false, t) };
     g.alpha = scale;
     let (a, b) = if over_rows { (ones, x.ptr) } else { (x.ptr, ones) };

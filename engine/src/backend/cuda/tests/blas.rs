@@ -273,3 +273,27 @@ fn gpu_gemm_speed() {
         println!("gemm {n}³ {t:?} {mode:?}: {:.3} ms, {:.0} TFLOP/s (zeros)", s * 1e3, 2.0 * (n as f64).powi(3) / s / 1e12);
     }
 }
+
+/// The runtime's vectors of ones (the sums by gemm: bias gradients, LinearCrossEntropy's db,
+/// Conv's weight and bias gradients) hold 1.0 in every float type. 16-bit ones were f32 ones
+/// before, which a 16-bit gemm reads as 0, 1, 0, 1, ….
+#[test]
+fn gpu_ones_are_one_in_every_float_type() {
+    let Some(g) = gpu("gpu_ones_are_one_in_every_float_type") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let n = 5000;
+    for (t, one) in
+        [(GemmType::F32, 1f32.to_bits() as u64), (GemmType::F64, 1f64.to_bits()), (GemmType::Bf16, 0x3F80), (GemmType::F16, 0x3C00)]
+    {
+        let addr = rt.ones(std::ptr::null_mut(), t, n).unwrap_or_else(|e| panic!("{e}"));
+        g.synchronize().unwrap();
+        let mut bytes = vec![0u8; n * t.size()];
+        // SAFETY: `ones` returned a live buffer of at least n elements of t.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut bytes, addr) }.unwrap_or_else(|e| panic!("{e}"));
+        for (i, c) in bytes.chunks_exact(t.size()).enumerate() {
+            let mut b = [0u8; 8];
+            b[..c.len()].copy_from_slice(c);
+            assert_eq!(u64::from_le_bytes(b), one, "{t:?}: element {i} of the ones");
+        }
+    }
+}

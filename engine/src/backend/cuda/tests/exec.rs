@@ -235,6 +235,52 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
     }
 }
 
+/// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:
+/// - `qkv_select`, the tutorial's q/k/v split: its three GatherGrads get bf16 gradients, which
+///   the CUDA scatter kernels (float atomics: f32 and f64 only) take as widened f32 copies
+///   (ops/widen.rs) instead of failing to find `gather_grad_bf16`;
+/// - `conv_net`: bf16 Convs, whose weight and bias gradients sum by products with the runtime's
+///   ones, which must be bf16 ones (they were f32 ones read as bf16 pairs: 0, 1, 0, 1, …).
+///
+/// Without a GPU: the plans have those 16-bit steps, a kernel for every step, and the CPU's
+/// bf16 step follows the f32 one. On a GPU: the same step within bf16's precision of the CPU
+/// executor's.
+#[test]
+fn sixteen_bit_gathers_and_convs_match_the_cpu_executor() {
+    let mut rng = Rng::new(29);
+    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    for (name, m, op, count) in [("qkv_select", qkv_select(&mut rng), "GatherGrad", 3), ("conv_net", conv_net(&mut rng), "ConvGradW", 1)] {
+        let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
+        let sig = m.sig();
+        let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
+        let bf16 = |n: &&crate::ir::Node| n.op_type == op && n.input(0).is_some_and(|v| plan.dtype(v) == Some(crate::tensor::DType::BF16));
+        let steps = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).filter(bf16).count();
+        assert_eq!(steps, count, "{name}: {op} steps on bf16 tensors");
+        let missing = cexec::missing_kernels(&s.graph, &plan);
+        assert!(missing.is_empty(), "{name}: no CUDA kernel for {missing:?}");
+        let x = m.input_bytes(&mut rng);
+        let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+        let exact = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
+        let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(&m), &mut seeds.clone());
+        for (k, (c, e)) in co.iter().zip(&eo).enumerate() {
+            assert_close_scaled(&format!("{name}: CPU bf16 output {k}"), &f(c), &f(e), 3e-2);
+        }
+        for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
+            assert_close_scaled(&format!("{name}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
+        }
+        let Some(_) = gpu("sixteen_bit_gathers_and_convs_match_the_cpu_executor") else { continue };
+        let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
+        for (k, (g, c)) in go.iter().zip(&co).enumerate() {
+            assert_close_scaled(&format!("{name}: output {k}"), &f(g), &f(c), 3e-2);
+        }
+        for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
+            assert_close_scaled(&format!("{name}: gradient of {wname}"), &f(g), &f(c), 3e-2);
+        }
+        println!("{name}: bf16 outputs and {} gradients within 3e-2 of the largest value", cg.len());
+    }
+}
+
 /// The test models together run every op type of the CUDA kernel table that has no other
 /// train-step coverage here (forward, and backward where the op has a gradient).
 #[test]

@@ -9,7 +9,8 @@
 //! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
-//! GatherND and their gradients). `dropout_mlp` (a training-mode Dropout: its masks differ
+//! GatherND and their gradients), `qkv_select` (the tutorial's q/k/v split by scalar Gathers,
+//! for 16-bit plans). `dropout_mlp` (a training-mode Dropout: its masks differ
 //! between backends by design) is for tests comparing GPU runs with each other.
 
 use std::sync::Arc;
@@ -231,6 +232,32 @@ pub(super) fn embedding(rng: &mut Rng) -> Model {
     let y2 = op(&mut g, "pick", "Gather", &[h, rows], Attrs::default().with("axis", Attr::Int(-2)));
     g.outputs.push(y2);
     Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
+}
+
+/// The tutorial's attention input: one projection to stacked q, k, v, split by three Gathers with
+/// scalar indices (nn.MultiheadAttention's `unflatten(...).transpose(0, -2)...` then `unbind`), as
+/// the TorchScript exporter writes it; then q·k + v and an output projection.
+pub(super) fn qkv_select(rng: &mut Rng) -> Model {
+    let (t, w) = (5, 8);
+    let input = vec![2, t, w];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w_in = weight(&mut g, &mut ws, "w_in", &[w, 3 * w], rng);
+    let h = op(&mut g, "in_proj", "MatMul", &[x, w_in], Attrs::default());
+    let stacked = ints(&mut g, "stacked", &[2, t as i64, 3, w as i64]);
+    let h = op(&mut g, "unflatten", "Reshape", &[h, stacked], Attrs::default());
+    let h = op(&mut g, "qkv_first", "Transpose", &[h], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1, 3])));
+    let mut pick = |name: &str, i: i64| {
+        let at = g.add_const(&format!("{name}_index"), Tensor::from_i64(vec![], vec![i]));
+        op(&mut g, name, "Gather", &[h, at], Attrs::default().with("axis", Attr::Int(0)))
+    };
+    let (q, k, v) = (pick("select_q", 0), pick("select_k", 1), pick("select_v", 2));
+    let qk = op(&mut g, "qk", "Mul", &[q, k], Attrs::default());
+    let y = op(&mut g, "plus_v", "Add", &[qk, v], Attrs::default());
+    let w_out = weight(&mut g, &mut ws, "w_out", &[w, 4], rng);
+    let y = op(&mut g, "out_proj", "MatMul", &[y, w_out], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
 /// LayerNorm, Softmax, Dropout (inference mode: masks of a training-mode Dropout differ
