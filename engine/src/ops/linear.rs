@@ -3,7 +3,7 @@
 //! Transpose + MatMul + Add: the weight is never transposed in memory and the bias lands in the
 //! matmul's output. Its gradient is two FusedMatMuls over the rows and a column sum.
 
-use super::util::input;
+use super::util::{input, same_element_type};
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
@@ -21,6 +21,7 @@ struct Linear;
 impl OpDef for Linear {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (x, w) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        same_element_type(node, inputs, &[0, 1, 2])?;
         let (k, n) = linear_dims(node, w.shape)?;
         if x.shape.last() != Some(&k) {
             return Err(node.err(format!("X {:?} does not end in the weight's K = {k}", x.shape)));

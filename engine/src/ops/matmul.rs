@@ -2,7 +2,7 @@
 //! (transposes, alpha, and an optional target shape that sums broadcast batches away — the
 //! form every matmul gradient takes). Spec: MatMul-13, Gemm-13.
 
-use super::util::{broadcast_shapes, const_ints, input};
+use super::util::{broadcast_shapes, const_ints, input, same_element_type};
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
@@ -35,6 +35,7 @@ struct MatMul;
 impl OpDef for MatMul {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        same_element_type(node, inputs, &[0, 1])?;
         Ok(vec![TypeOut::new(a.dtype, matmul_shape(node, a.shape, b.shape, false, false)?)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
@@ -111,6 +112,7 @@ struct FusedMatMul;
 impl OpDef for FusedMatMul {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        same_element_type(node, inputs, &[0, 1])?;
         let ta = node.attrs.int("transA", 0)? != 0;
         let tb = node.attrs.int("transB", 0)? != 0;
         if inputs.get(2).is_some_and(|x| x.is_some()) {
@@ -137,6 +139,7 @@ impl OpDef for Gemm {
         if a.shape.len() != 2 || b.shape.len() != 2 {
             return Err(node.err(format!("A and B must be 2-D, got {:?} and {:?}", a.shape, b.shape)));
         }
+        same_element_type(node, inputs, &[0, 1, 2])?;
         let ta = node.attrs.int("transA", 0)? != 0;
         let tb = node.attrs.int("transB", 0)? != 0;
         let out = matmul_shape(node, a.shape, b.shape, ta, tb)?;

@@ -87,3 +87,14 @@ pub fn axes_of(node: &Node, from_input: Option<&Tensor>, attr: Option<Vec<i64>>,
 pub fn err_dtype(node: &Node, what: &str, got: crate::tensor::DType) -> Error {
     node.err(format!("{what} has unsupported element type {}", got.name()))
 }
+
+/// The operands `which` (those present) share one element type: a product of mixed types is a
+/// graph bug (a pass that cast some operands only), which the kernels would read as garbage.
+pub fn same_element_type(node: &Node, inputs: &[Option<InferIn>], which: &[usize]) -> Result<()> {
+    let mut typed = which.iter().filter_map(|&i| inputs.get(i).and_then(|x| x.as_ref()).map(|x| (i, x.dtype)));
+    let Some((i0, t0)) = typed.next() else { return Ok(()) };
+    match typed.find(|&(_, t)| t != t0) {
+        Some((i, t)) => Err(node.err(format!("operands have different element types (input {i0} {}, input {i} {})", t0.name(), t.name()))),
+        None => Ok(()),
+    }
+}

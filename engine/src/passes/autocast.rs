@@ -221,6 +221,14 @@ const KEEPS_TYPE: &[&str] = &[
     "Trilu",
     "Sin",
     "Cos",
+    "BatchNormalization",
+    "MaxPool",
+    "AveragePool",
+    "GlobalAveragePool",
+    "HardSigmoid",
+    "HardSwish",
+    "Softplus",
+    "Mod",
 ];
 
 struct Rewrite<'g, 't> {
@@ -290,8 +298,12 @@ impl Rewrite<'_, '_> {
     fn node(&mut self, mut node: Node, keep_f32: bool) -> bool {
         let floats: Vec<usize> = (0..node.inputs.len()).filter(|&i| node.input(i).is_some_and(|v| self.is_f32(v))).collect();
         let in_half = |w: &Self, i: usize| node.input(i).is_some_and(|v| w.is_half_now(v));
+        // an operand of unknown type could not be cast with the others: the op would mix types
+        let untyped =
+            |w: &Self, which: &[usize]| which.iter().any(|&i| node.input(i).is_some_and(|v| w.types.get(v.0).copied().flatten().is_none()));
         let go_half = !keep_f32
             && match rule(&node.op_type) {
+                Rule::Low(which) | Rule::Follow(which) if untyped(self, which) => false,
                 Rule::Low(which) => floats.iter().any(|i| which.contains(i)),
                 Rule::F32 => false,
                 Rule::Follow(which) => {
@@ -370,5 +382,31 @@ mod tests {
         assert_eq!(g.value(read).dtype, Some(DType::BF16), "Shape reads the 16-bit activation as it is");
         let widened = g.nodes.iter().filter(|n| n.op_type == "Cast" && n.attrs.int("to", 0).ok() == Some(1)).count();
         assert_eq!(widened, 1, "only the graph output is cast back to f32: {:?}", g.nodes);
+    }
+
+    /// A 16-bit matmul has 16-bit operands only: after an op whose output type the pass knows
+    /// (BatchNormalization) the activation is cast with the weight; after one it does not know,
+    /// the matmul stays f32 with nothing cast. (An f32 activation beside a bf16 weight was read
+    /// as garbage by the CUDA gemm.)
+    #[test]
+    fn a_matmul_never_mixes_element_types() {
+        for (op, low) in [("BatchNormalization", true), ("MaxPool", true), ("NotAKnownOp", false)] {
+            let mut g = Graph::default();
+            let x = f32_value(&mut g, "x", ValueKind::Input);
+            let w = f32_value(&mut g, "w", ValueKind::Weight);
+            let h = g.add_node("pre", op, vec![Some(x)], Attrs::default(), 1)[0];
+            let y = g.add_node("mm", "MatMul", vec![Some(h), Some(w)], Attrs::default(), 1)[0];
+            // read by a 16-bit op, so that a 16-bit product is worth making
+            let r = g.add_node("relu", "Relu", vec![Some(y)], Attrs::default(), 1)[0];
+            g.outputs = vec![r];
+            run(&mut g, DType::BF16).unwrap();
+            let mm = g.nodes.iter().find(|n| n.name == "mm").expect("mm");
+            let types: Vec<Option<DType>> = mm.inputs.iter().map(|v| g.value(v.expect("operand")).dtype).collect();
+            if low {
+                assert_eq!(types, vec![Some(DType::BF16); 2], "after {op}: {:?}", g.nodes);
+            } else {
+                assert!(!types.contains(&Some(DType::BF16)), "after {op}: the matmul mixes {types:?}");
+            }
+        }
     }
 }

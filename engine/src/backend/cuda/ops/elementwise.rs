@@ -61,12 +61,29 @@ fn binary(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     }
     let s = broadcast_layout(node, o.shape, &[a.shape, b.shape])?;
     let kernel = format!("{stem}_{}", dtype_suffix(a.dtype));
+    let b_ptr = if b.dtype == a.dtype { b.ptr } else { exponent_as(node, b, a.dtype, ctx)? };
     ctx.rt.launch(
         ctx.stream,
         &kernel,
         ctx.rt.elementwise_grid(n),
-        &[KArg::Ptr(a.ptr), KArg::Ptr(b.ptr), KArg::Ptr(o.ptr), KArg::Strides(s), KArg::I64(n as i64)],
+        &[KArg::Ptr(a.ptr), KArg::Ptr(b_ptr), KArg::Ptr(o.ptr), KArg::Strides(s), KArg::I64(n as i64)],
     )
+}
+
+/// Pow's exponent of another type than the base (x ** 2 with an int64 2, as the exporters
+/// write it; the only binary op whose operand types may differ): cast to the base's type in
+/// the runtime's scratch, since `pow_T` reads both operands as T (the CPU kernel converts).
+fn exponent_as(node: &Node, b: &DView, to: DType, ctx: &mut CudaCtx) -> Result<u64> {
+    if node.op_type != "Pow" {
+        return Err(node.err(format!("operands have different element types ({} and {})", to.name(), b.dtype.name())));
+    }
+    let n = b.numel();
+    let at = ctx.rt.scratch((n * to.size()).max(1))?;
+    if n > 0 {
+        let args = [KArg::Ptr(b.ptr), KArg::Ptr(at), KArg::I64(n as i64)];
+        ctx.rt.launch(ctx.stream, &cast_kernel(b.dtype, to), ctx.rt.elementwise_grid(n), &args)?;
+    }
+    Ok(at)
 }
 
 fn unary(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {

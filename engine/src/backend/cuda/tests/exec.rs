@@ -281,6 +281,26 @@ fn sixteen_bit_gathers_and_convs_match_the_cpu_executor() {
     }
 }
 
+/// `pow_mixed`'s exponents reach the CUDA plan with their own types (int64, int32, float64),
+/// which the Pow dispatcher casts to the base's type before `pow_f32` reads them; the GPU half
+/// is `gpu_train_step_matches_the_cpu_executor`.
+#[test]
+fn pow_exponents_keep_their_types_in_the_cuda_plan() {
+    let m = pow_mixed(&mut Rng::new(5));
+    let s = session(&m);
+    let plan = s.plan(&[m.sig()], true).expect("plan");
+    let mut exponents: Vec<_> = plan
+        .steps
+        .iter()
+        .map(|n| &s.graph.nodes[n.0])
+        .filter(|n| n.op_type == "Pow" && ["square", "cube", "square_f64"].contains(&n.name.as_str()))
+        .map(|n| (plan.dtype(n.input(0).expect("base")), plan.dtype(n.input(1).expect("exponent"))))
+        .collect();
+    exponents.sort_by_key(|(_, e)| format!("{e:?}"));
+    use crate::tensor::DType::{F32, F64, I32, I64};
+    assert_eq!(exponents, vec![(Some(F32), Some(F64)), (Some(F32), Some(I32)), (Some(F32), Some(I64))]);
+}
+
 /// The test models together run every op type of the CUDA kernel table that has no other
 /// train-step coverage here (forward, and backward where the op has a gradient).
 #[test]

@@ -10,7 +10,7 @@
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
 //! GatherND and their gradients), `qkv_select` (the tutorial's q/k/v split by scalar Gathers,
-//! for 16-bit plans). `dropout_mlp` (a training-mode Dropout: its masks differ
+//! for 16-bit plans), `pow_mixed` (Pow with int and f64 exponents). `dropout_mlp` (a training-mode Dropout: its masks differ
 //! between backends by design) is for tests comparing GPU runs with each other.
 
 use std::sync::Arc;
@@ -18,7 +18,7 @@ use std::sync::Arc;
 use super::support::*;
 use crate::ir::{Attr, Attrs, Dim, Graph, ValueId, ValueKind};
 use crate::session::Sig;
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Data, Tensor};
 
 /// A test model: a graph with one input (f32, or int64 indices), named f32 weights (with data)
 /// and its f32 outputs.
@@ -256,6 +256,27 @@ pub(super) fn qkv_select(rng: &mut Rng) -> Model {
     let y = op(&mut g, "plus_v", "Add", &[qk, v], Attrs::default());
     let w_out = weight(&mut g, &mut ws, "w_out", &[w, 4], rng);
     let y = op(&mut g, "out_proj", "MatMul", &[y, w_out], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// Pow with exponents of other types than the base (int64, int32 and float64 constants, as the
+/// exporters write `x ** 2`): the CUDA kernel reads both operands as the base's type, so the
+/// dispatcher casts the exponent first.
+pub(super) fn pow_mixed(rng: &mut Rng) -> Model {
+    let input = vec![3, 4];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[4, 4], rng);
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let two = g.add_const("two_i64", Tensor::from_i64(vec![], vec![2]));
+    let three = g.add_const("three_i32", Tensor { shape: vec![1], data: Data::I32(vec![3]) });
+    let half = g.add_const("two_f64", Tensor { shape: vec![], data: Data::F64(vec![2.0]) });
+    let sq = op(&mut g, "square", "Pow", &[h, two], Attrs::default());
+    let cube = op(&mut g, "cube", "Pow", &[h, three], Attrs::default());
+    let sq2 = op(&mut g, "square_f64", "Pow", &[h, half], Attrs::default());
+    let y = op(&mut g, "sum1", "Add", &[sq, cube], Attrs::default());
+    let y = op(&mut g, "sum2", "Add", &[y, sq2], Attrs::default());
     g.outputs.push(y);
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
@@ -505,6 +526,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
         ("reductions", reductions(&mut rng)),
         ("conv_net", conv_net(&mut rng)),
         ("conv1d_scan_gather", conv1d_scan_gather(&mut rng)),
+        ("pow_mixed", pow_mixed(&mut rng)),
     ]
 }
 
