@@ -531,7 +531,8 @@ def test_explain_prints_the_planned_gpu_memory_before_step_one():
     text = ortrain.explain(model, x)
     m = re.search(r"with the loss fused .*GPU memory planned: .* = ([0-9.]+) MiB", text)
     assert m, text
-    assert "ortrain's runtime buffers outside PyTorch's allocator" in text, text
+    # the runtime exists once accelerate() has checked CUDA, with cuBLAS's 32 MiB workspace at least
+    assert re.search(r"ortrain's runtime holds [0-9.]+ MiB more outside PyTorch's allocator", text), text
     planned = float(m.group(1)) * 2**20
 
     def step():

@@ -121,3 +121,22 @@ def test_one_pass_over_groups_follows_torch(kind):
                 else:
                     assert torch.allclose(a, b, rtol=1e-5, atol=atol), (step, i, key, (a - b).abs().max())
             assert float(opt.state[p]["step"]) == float(opt_ref.state[q]["step"])
+
+
+@pytest.mark.parametrize("option", ["amsgrad", "fused"])
+def test_adam_options_the_engine_lacks_keep_the_step_in_pytorch(option):
+    """Adam(amsgrad=True) has a state the engine lacks; Adam(fused=True) (and capturable) is
+    torch's own kernel with its step counts on the device. accelerate() says so by the option's
+    name, and the step stays torch's: the result equals plain PyTorch's."""
+    x = torch.randn(4, 8)
+    model, ref = _model(), _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, **{option: True})
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2, **{option: True})
+    with pytest.warns(UserWarning, match=rf"Adam\({option}=True\) is not supported by the engine; step\(\) stays in PyTorch"):
+        ortrain.accelerate(model, opt)
+    assert not model.__dict__["_ortrain_state"].optimizer_in_engine
+    for _ in range(3):
+        _step(model, opt, x)
+        _step(ref, ref_opt, x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

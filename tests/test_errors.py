@@ -102,3 +102,17 @@ def test_bad_arguments_are_refused():
         ortrain.accelerate(lambda x: x)
     with pytest.raises(ortrain.OrtrainError, match="CUDA backend is not available"):
         ortrain.accelerate(_Atan(), device="cuda")
+
+
+def test_a_model_off_gpu_zero_is_refused_by_name(monkeypatch):
+    """The CUDA engine runs on cuda:0 (its runtime is that device's primary context): another
+    current device, as on a data-parallel rank > 0, is an error naming it. No machine here has
+    two GPUs, so torch's current device is set by monkeypatch; the check itself is the real one."""
+    import importlib
+
+    acc = importlib.import_module("ortrain.accelerate")  # the module, not the function of that name
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    with pytest.raises(ortrain.OrtrainError, match=r"runs on cuda:0 only, but the current CUDA device is cuda:1"):
+        acc._check_gpu_zero(_Atan())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    acc._check_gpu_zero(_Atan())  # CPU tensors and current device 0: nothing to refuse

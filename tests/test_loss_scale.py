@@ -56,6 +56,18 @@ def test_scaler_rules_follow_onnx_runtime():
     assert g[0].tolist() == [1.0, 1.0, 1.0] and s.found_inf.item() == 1.0
 
 
+def test_a_float16_seed_is_scaled_in_float32():
+    """2^16, the starting scale, is inf in float16: a float16 engine output's seed is scaled in
+    float32 and then rounded, so a small gradient stays finite (GradScaler keeps its scale in f32)."""
+    s = DynamicLossScaler("cpu")
+    g = torch.tensor([1e-3, -2e-4, 0.0], dtype=torch.float16)
+    scaled = s.scale_seed(g)
+    assert scaled.dtype == torch.float16
+    assert torch.isfinite(scaled).all(), scaled
+    assert torch.equal(scaled, (g.float() * 65536.0).half())
+    assert s.scale_seed(torch.tensor([1e-3])).item() == pytest.approx(1e-3 * 65536.0)
+
+
 @pytest.mark.parametrize("fuse_loss", [True, False], ids=["fused_loss", "unfused"])
 def test_scaled_training_matches_unscaled_training_exactly(fuse_loss):
     base, data = _model()

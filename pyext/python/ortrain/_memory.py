@@ -92,7 +92,7 @@ def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
     parts, total = _tensor_parts(module, optimizer, arena_bytes, "cuda")
     from ortrain import _ortrain
 
-    own = _ortrain.cuda_runtime_bytes()  # 0 before the first GPU step
+    own = _ortrain.cuda_runtime_bytes()  # 0 only before the CUDA runtime exists (accelerate makes it)
     outside = (f"; ortrain's runtime holds {own * _MIB:.1f} MiB more outside PyTorch's allocator (cuBLAS's "
                "workspace, scratch)" if own else "; plus ortrain's runtime buffers outside PyTorch's allocator "
                "(cuBLAS's 32 MiB workspace, scratch), from the first GPU step")

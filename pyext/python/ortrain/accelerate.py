@@ -372,6 +372,7 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
             raise OrtrainError(unavailable_message("device='cuda'"))
         if not torch.cuda.is_available():
             raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
+        _check_gpu_zero(model)
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     if precision is not None and precision not in _VALID_PRECISIONS:
@@ -456,6 +457,19 @@ def _apply_loss_scale(state) -> None:
         scaler = ls.DynamicLossScaler(device)
     ls.guard(state.optimizer, scaler)
     state.set_loss_scaler(scaler)
+
+
+def _check_gpu_zero(model) -> None:
+    """The CUDA engine runs on GPU 0 (its runtime lives in that device's primary context): a
+    model on another GPU, or another current device (a data-parallel rank > 0), is an error
+    that says so, not kernels launched with another device's addresses."""
+    current = torch.cuda.current_device()
+    elsewhere = sorted({str(t.device) for t in list(model.parameters()) + list(model.buffers())
+                        if t.device.type == "cuda" and t.device.index != 0})
+    if current != 0 or elsewhere:
+        where = f"the current CUDA device is cuda:{current}" if current != 0 else f"the model has tensors on {', '.join(elsewhere)}"
+        raise OrtrainError(f"device='cuda': ortrain's CUDA engine runs on cuda:0 only, but {where}; "
+                           "train on cuda:0 (e.g. CUDA_VISIBLE_DEVICES to pick the GPU), or use device='cpu'")
 
 
 def loss_scale(model) -> dict | None:

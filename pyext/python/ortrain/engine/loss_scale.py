@@ -32,7 +32,8 @@ class DynamicLossScaler:
 
     def scale_seed(self, g: torch.Tensor) -> torch.Tensor:
         """The gradient flowing into an engine output, times the scale."""
-        return g * self.scale.to(g.dtype)
+        # in f32: 2^16 itself is inf in float16 (an fp16 engine output's seed)
+        return (g.float() * self.scale).to(g.dtype)
 
     def unscale_(self, grads: list) -> None:
         """Divides the engine's gradients by the scale in place, noting any inf/NaN."""

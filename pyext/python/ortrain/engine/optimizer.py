@@ -252,8 +252,12 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
         warn(msg)
         return False
     for g in opt.param_groups:
-        if g.get("amsgrad"):
-            msg = "ortrain: Adam(amsgrad=True) is not supported by the engine; step() stays in PyTorch"
+        # amsgrad: a third state the engine lacks; fused/capturable: torch's own kernels, which
+        # expect their step counts on the device (the engine keeps them on the CPU, as torch's
+        # default Adam does), so a later fallback step could not take over the state
+        option = next((o for o in ("amsgrad", "fused", "capturable") if g.get(o)), None)
+        if option is not None:
+            msg = f"ortrain: {type(opt).__name__}({option}=True) is not supported by the engine; step() stays in PyTorch"
             if strict:
                 from ortrain.errors import UnsupportedError
                 raise UnsupportedError(msg)
