@@ -116,3 +116,13 @@ def test_a_model_off_gpu_zero_is_refused_by_name(monkeypatch):
         acc._check_gpu_zero(_Atan())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     acc._check_gpu_zero(_Atan())  # CPU tensors and current device 0: nothing to refuse
+
+
+def test_reaccelerating_on_another_device_is_refused_and_no_device_keeps_the_models():
+    model = _Atan()
+    ortrain.accelerate(model)
+    with pytest.raises(ortrain.OrtrainError, match=r"device='cuda': the model is already accelerated on 'cpu'; call ortrain.deaccelerate"):
+        ortrain.accelerate(model, device="cuda")
+    ortrain.accelerate(model, precision="fp32")  # device left out: the model's own (cpu)
+    assert model.__dict__["_ortrain_state"].device == "cpu"
+    ortrain.deaccelerate(model)

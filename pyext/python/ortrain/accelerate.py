@@ -324,7 +324,7 @@ def _first_line(exc: Exception) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", strict: bool = False,
+def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = None, strict: bool = False,
                exporter: str = "auto", fuse_loss: bool = True, precision: str | None = None,
                dynamic: bool | str | None = None, loss_scale: str | bool | None = None,
                cuda_graphs: bool | None = None):
@@ -341,7 +341,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     fp32); on CUDA each f32 matmul rounds its operands to bf16 and runs on bf16 tensor cores
     with an f32 result. "fp16" (CUDA only): the same at fp16, with the dynamic loss scaler. `explain()` says which matmul path runs.
     None (the default) keeps what an earlier call set ("fp32" at first). `device="cuda"`: the
-    model's parameters on the current CUDA device; the engine runs on PyTorch's current stream.
+    model's parameters on cuda:0; the engine runs on PyTorch's current stream. None (the
+    default) is "cpu" for a model not yet accelerated and the model's device otherwise; another
+    device than the model's is an error (deaccelerate it first).
     `dynamic`: the input sizes the exported graph takes. "auto" exports the first call with its
     sizes fixed (the faster export) and, the first time the sizes change, once more for any
     sizes (as torch.compile's automatic dynamic shapes); True: any sizes from the first call
@@ -363,8 +365,14 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
-    if device not in _VALID_DEVICES:
+    state = getattr(model, "_ortrain_state", None)
+    if device is None:
+        device = state.device if state is not None else "cpu"
+    elif device not in _VALID_DEVICES:
         raise ValueError(f"device={device!r} is not one of {', '.join(_VALID_DEVICES)}")
+    if state is not None and state.device != device:
+        raise OrtrainError(f"device={device!r}: the model is already accelerated on {state.device!r}; "
+                           "call ortrain.deaccelerate(model) first, then accelerate it on the other device")
     if device == "cuda":
         from ortrain.cuda import cuda_available, unavailable_message
 
@@ -385,7 +393,6 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str = "cpu", s
         raise ValueError(f"cuda_graphs={cuda_graphs!r} is not one of True, False, None")
     _check_mixed_precision(model, optimizer, device, precision, loss_scale)
     _watch_registrations()
-    state = getattr(model, "_ortrain_state", None)
     if state is None:
         state = _State(model, optimizer, device, strict, exporter, fuse_loss, "auto" if dynamic is None else dynamic)
         model.__dict__["_ortrain_state"] = state

@@ -99,7 +99,8 @@ class OrtMagics(Magics):
     @magic_arguments()
     @argument("model", nargs="?", help="the module to accelerate (default: the one nn.Module with parameters)")
     @argument("--optimizer", default=None, help="its optimizer (default: the one torch.optim.Optimizer)")
-    @argument("--device", default="cpu", choices=["cpu", "cuda"])
+    @argument("--device", default=None, choices=["cpu", "cuda"],
+              help="default: cpu, or the device the model is already accelerated on")
     @argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
               help="matmul precision: bf16 (CPU with avx512_bf16/AMX, or CUDA), fp16 (CUDA, with the dynamic loss scaler)")
     @argument("--no-cuda-graphs", action="store_true",
@@ -123,11 +124,12 @@ class OrtMagics(Magics):
                               cuda_graphs=False if args.no_cuda_graphs else None)
         except ValueError as exc:
             raise UsageError(f"%ort accelerate: {exc}") from None
-        self.accelerated[name] = (model, opt, args.device)
+        device = model.__dict__["_ortrain_state"].device
+        self.accelerated[name] = (model, opt, device)
         nparams = sum(p.numel() for p in model.parameters())
         explain = (eng["explain"](model) or "").strip().splitlines()
         print(f"ortrain: {name} ({type(model).__name__}, {nparams:,} parameters) runs in the engine on "
-              f"{args.device}" + (f"; {explain[0]}" if explain else ""))
+              f"{device}" + (f"; {explain[0]}" if explain else ""))
 
     def _off(self, line):
         """%ort off: plain PyTorch again (same parameters, same optimizer state)."""
