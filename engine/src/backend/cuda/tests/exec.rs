@@ -212,27 +212,46 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
         let attention = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).find(|n| n.op_type == "Attention").expect("a fused attention");
         let q = attention.input(0).expect("q");
         assert_eq!(plan.dtype(q), Some(crate::tensor::DType::BF16), "heads of {hd}: Q is bf16 in the plan");
-        let missing = cexec::missing_kernels(&s.graph, &plan);
-        assert!(missing.is_empty(), "heads of {hd}: no CUDA kernel for {missing:?}");
-        let x = m.input_bytes(&mut rng);
-        let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-        // the CPU's bf16 plan follows the f32 one within bf16's precision
-        let exact = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
-        let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(&m), &mut seeds.clone());
-        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        assert_close_scaled(&format!("heads of {hd}: CPU bf16 output"), &f(&co[0]), &f(&eo[0]), 3e-2);
-        for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
-            assert_close_scaled(&format!("heads of {hd}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
-        }
-        let Some(_) = gpu("sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor") else { continue };
-        let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
-        assert_close_scaled(&format!("heads of {hd}: output"), &f(&go[0]), &f(&co[0]), 3e-2);
-        for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
-            assert_close_scaled(&format!("heads of {hd}: gradient of {wname}"), &f(g), &f(c), 3e-2);
-        }
-        println!("heads of {hd}: bf16 output and {} gradients within 3e-2 of the largest value", cg.len());
+        bf16_step_matches(
+            &format!("heads of {hd}"),
+            "sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor",
+            &m,
+            &s,
+            &plan,
+            &mut rng,
+        );
     }
+}
+
+/// One train step of the bf16 session `s` of `m` (plan `plan`): a CUDA kernel for every step;
+/// on the CPU, outputs and weight gradients within 3e-2 (of the largest value) of the fp32
+/// session's, as the CPU widens every 16-bit kernel call; on a GPU (`test` names the skip),
+/// the same within 3e-2 of the CPU's.
+fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &crate::plan::Plan, rng: &mut Rng) {
+    let missing = cexec::missing_kernels(&s.graph, plan);
+    assert!(missing.is_empty(), "{label}: no CUDA kernel for {missing:?}");
+    let sig = m.sig();
+    let x = m.input_bytes(rng);
+    let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+    let (co, cg) = cpu_step(s, &x, &sig, weight_data(m), &mut seeds);
+    let exact = session_with(m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
+    let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(m), &mut seeds.clone());
+    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    for (k, (c, e)) in co.iter().zip(&eo).enumerate() {
+        assert_close_scaled(&format!("{label}: CPU bf16 output {k}"), &f(c), &f(e), 3e-2);
+    }
+    for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
+        assert_close_scaled(&format!("{label}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
+    }
+    let Some(_) = gpu(test) else { return };
+    let (go, gg) = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16);
+    for (k, (g, c)) in go.iter().zip(&co).enumerate() {
+        assert_close_scaled(&format!("{label}: output {k}"), &f(g), &f(c), 3e-2);
+    }
+    for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
+        assert_close_scaled(&format!("{label}: gradient of {wname}"), &f(g), &f(c), 3e-2);
+    }
+    println!("{label}: bf16 outputs and {} gradients within 3e-2 of the largest value", cg.len());
 }
 
 /// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:
@@ -248,7 +267,6 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
 #[test]
 fn sixteen_bit_gathers_and_convs_match_the_cpu_executor() {
     let mut rng = Rng::new(29);
-    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     for (name, m, op, count) in [("qkv_select", qkv_select(&mut rng), "GatherGrad", 3), ("conv_net", conv_net(&mut rng), "ConvGradW", 1)] {
         let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
         let sig = m.sig();
@@ -256,28 +274,7 @@ fn sixteen_bit_gathers_and_convs_match_the_cpu_executor() {
         let bf16 = |n: &&crate::ir::Node| n.op_type == op && n.input(0).is_some_and(|v| plan.dtype(v) == Some(crate::tensor::DType::BF16));
         let steps = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).filter(bf16).count();
         assert_eq!(steps, count, "{name}: {op} steps on bf16 tensors");
-        let missing = cexec::missing_kernels(&s.graph, &plan);
-        assert!(missing.is_empty(), "{name}: no CUDA kernel for {missing:?}");
-        let x = m.input_bytes(&mut rng);
-        let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-        let exact = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
-        let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(&m), &mut seeds.clone());
-        for (k, (c, e)) in co.iter().zip(&eo).enumerate() {
-            assert_close_scaled(&format!("{name}: CPU bf16 output {k}"), &f(c), &f(e), 3e-2);
-        }
-        for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
-            assert_close_scaled(&format!("{name}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
-        }
-        let Some(_) = gpu("sixteen_bit_gathers_and_convs_match_the_cpu_executor") else { continue };
-        let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
-        for (k, (g, c)) in go.iter().zip(&co).enumerate() {
-            assert_close_scaled(&format!("{name}: output {k}"), &f(g), &f(c), 3e-2);
-        }
-        for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
-            assert_close_scaled(&format!("{name}: gradient of {wname}"), &f(g), &f(c), 3e-2);
-        }
-        println!("{name}: bf16 outputs and {} gradients within 3e-2 of the largest value", cg.len());
+        bf16_step_matches(name, "sixteen_bit_gathers_and_convs_match_the_cpu_executor", &m, &s, &plan, &mut rng);
     }
 }
 
