@@ -12,6 +12,8 @@
 //         Concat     one launch per input: destination strides of the output, base at the
 //                    input's offset along the axis (Split and ConcatGrad: the reverse)
 //         SliceGrad  fill_W with 0, then copy_W into the sliced positions (they are distinct)
+//   copy_v16(const v16* x, v16* y, Strides s, i64 n)
+//       copy_W over 16-byte elements (the host's vector form of a copy, below)
 //   fill_W(W* y, i64 n, u64 bits)                    y[i] = the low bits of `bits`
 //   trilu_W(const W* x, W* y, i64 n, i64 rows, i64 cols, i32 upper, i64 k)
 //       keeps j - i >= k (upper) or j - i <= k (lower) of each [rows, cols] matrix, else 0
@@ -38,3 +40,15 @@
         }                                                                                     \
     }
 ORT_WIDTHS(COPY, _)
+
+// 16 bytes as one element: the host (ops/movement.rs `vector_copy`) rewrites a copy whose
+// innermost dimension is contiguous on both sides, in whole 16-byte vectors at 16-byte aligned
+// addresses, into a copy of vectors, so each thread makes one 128-bit load and store.
+struct alignas(16) v16 { u32 w[4]; };
+extern "C" __global__ void copy_v16(const v16* x, v16* y, Strides s, i64 n) {
+    ORT_GRID_LOOP(i, n) {
+        i64 o[2];
+        strided_offsets<2>(s, i, o);
+        y[o[1]] = x[o[0]];
+    }
+}

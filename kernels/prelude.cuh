@@ -38,6 +38,11 @@ struct Strides {
     // operand k: element strides over `dims`, and the offset of element (0, ..., 0)
     i64 stride[3][ORT_MAX_DIMS];
     i64 base[3];
+    // filled by the host at launch (abi.rs `Strides::fill_dividers`): with `narrow` set, an index
+    // j < 2^31 divides by dims[d] as (umulhi(j, magic[d]) + j) >> shift[d]
+    u32 magic[ORT_MAX_DIMS];
+    u32 shift[ORT_MAX_DIMS];
+    i32 narrow;
 };
 
 // A sliding window over the two spatial axes of [N, C, H, W] (1-D windows have H = 1): Conv's
@@ -165,13 +170,26 @@ template <typename A> __device__ __forceinline__ A m_zero() { return (A)0; }
 
 // Offsets of output element i in the first K operands: one division per dimension, shared by
 // the operands. Rank 1 (the usual case once the host has collapsed contiguous dimensions)
-// needs none.
+// needs none. Below 2^31 a division is a multiply-high and an add (the host's dividers); a
+// 64-bit division is a long software sequence, which made strided copies compute-bound.
 template <int K> __device__ __forceinline__ void strided_offsets(const Strides& s, i64 i, i64 (&off)[K]) {
 #pragma unroll
     for (int k = 0; k < K; ++k) off[k] = s.base[k];
     if (s.rank <= 1) {
 #pragma unroll
         for (int k = 0; k < K; ++k) off[k] += i * s.stride[k][0];
+        return;
+    }
+    if (s.narrow && (u64)i < 0x80000000ull) {
+        u32 j = (u32)i;
+#pragma unroll 1
+        for (int d = s.rank - 1; d >= 0; --d) {
+            const u32 q = (__umulhi(j, s.magic[d]) + j) >> s.shift[d];
+            const u32 c = j - q * (u32)s.dims[d];
+            j = q;
+#pragma unroll
+            for (int k = 0; k < K; ++k) off[k] += (i64)c * s.stride[k][d];
+        }
         return;
     }
 #pragma unroll 1

@@ -50,7 +50,9 @@ impl ErrorFlags {
                 return Err(cuda("event")(e));
             }
         };
-        Ok(ErrorFlags { dev, host, n, event, published: false, clear_first: false })
+        // cleared again on the first step's own stream (`begin`): that orders the zeros before
+        // its kernels on any stream, a non-blocking one included
+        Ok(ErrorFlags { dev, host, n, event, published: false, clear_first: true })
     }
 
     /// The device address of node `node`'s flag.

@@ -9,7 +9,9 @@
 pub const MAX_DIMS: usize = 8;
 
 /// kernels/prelude.cuh `Strides`: a contiguous index space of `dims` and, per operand, element
-/// strides (0 on broadcast dimensions, negative allowed) and a base offset.
+/// strides (0 on broadcast dimensions, negative allowed) and a base offset. `magic`, `shift`
+/// and `narrow` are filled at launch ([`Strides::fill_dividers`]) from `dims`; left at zero,
+/// the kernels divide in 64 bits.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Strides {
@@ -17,6 +19,87 @@ pub struct Strides {
     pub dims: [i64; MAX_DIMS],
     pub stride: [[i64; MAX_DIMS]; 3],
     pub base: [i64; 3],
+    pub magic: [u32; MAX_DIMS],
+    pub shift: [u32; MAX_DIMS],
+    pub narrow: i32,
+}
+
+/// Largest numerator (and divisor) for which [`divider`]'s multiply-and-shift is exact.
+pub const NARROW_LIMIT: u64 = 1 << 31;
+
+/// (magic, shift) such that ⌊j / d⌋ = (umulhi(j, magic) + j) >> shift for every j < 2³¹, for
+/// 1 ≤ d ≤ 2³¹ (Granlund and Montgomery's division by invariant integers, with the sum kept in
+/// 32 bits because j < 2³¹): shift = ⌈log₂ d⌉, magic = ⌊2³²·(2^shift − d)/d⌋ + 1.
+/// None outside that range. A 64-bit division is a long software sequence on the GPU; this is
+/// a multiply-high and an add, once per dimension and element of every strided kernel.
+pub fn divider(d: u64) -> Option<(u32, u32)> {
+    if d == 0 || d > NARROW_LIMIT {
+        return None;
+    }
+    let shift = 64 - (d - 1).leading_zeros();
+    let magic = ((1u64 << 32) * ((1u64 << shift) - d)) / d + 1;
+    Some((u32::try_from(magic).ok()?, shift))
+}
+
+/// The quotient the kernels' narrow path computes (prelude.cuh `strided_offsets`).
+pub fn narrow_quotient(j: u32, magic: u32, shift: u32) -> u32 {
+    let hi = ((j as u64 * magic as u64) >> 32) as u32;
+    hi.wrapping_add(j) >> shift
+}
+
+impl Strides {
+    /// Fills the per-dimension dividers from `dims` and sets `narrow` when every dimension has
+    /// one (the kernels then divide indices below 2³¹ by multiplying); otherwise clears
+    /// `narrow`, and the kernels divide in 64 bits.
+    pub fn fill_dividers(&mut self) {
+        self.narrow = 0;
+        let rank = (self.rank.max(0) as usize).min(MAX_DIMS);
+        for d in 0..rank {
+            match divider(self.dims[d].max(0) as u64) {
+                Some((m, s)) => (self.magic[d], self.shift[d]) = (m, s),
+                None => return,
+            }
+        }
+        self.narrow = 1;
+    }
+
+    /// Host mirror of prelude.cuh `strided_offsets` on the launched value (dividers filled as a
+    /// launch fills them): the offsets of index-space element `i` in operands 0..3. Dry runs of
+    /// the GPU tests emulate the bit-moving kernels with it.
+    #[cfg(test)]
+    pub fn offsets(&self, i: i64) -> [i64; 3] {
+        let mut s = *self;
+        s.fill_dividers();
+        let mut off = s.base;
+        let rank = s.rank.max(0) as usize;
+        if rank <= 1 {
+            for (k, o) in off.iter_mut().enumerate() {
+                *o += i * s.stride[k][0];
+            }
+            return off;
+        }
+        if s.narrow != 0 && (i as u64) < NARROW_LIMIT {
+            let mut j = i as u32;
+            for d in (0..rank).rev() {
+                let q = narrow_quotient(j, s.magic[d], s.shift[d]);
+                let c = j.wrapping_sub(q.wrapping_mul(s.dims[d] as u32));
+                j = q;
+                for (k, o) in off.iter_mut().enumerate() {
+                    *o += c as i64 * s.stride[k][d];
+                }
+            }
+            return off;
+        }
+        let mut i = i;
+        for d in (0..rank).rev() {
+            let (q, c) = (i / s.dims[d], i % s.dims[d]);
+            i = q;
+            for (k, o) in off.iter_mut().enumerate() {
+                *o += c * s.stride[k][d];
+            }
+        }
+        off
+    }
 }
 
 /// kernels/reduce.cu `Reduce`: kept (output) and reduced dimensions with their input strides.
@@ -185,8 +268,8 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_the_c_layouts() {
-        // i32 + pad + 8 + 24 + 3 i64
-        assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8);
+        // i32 + pad + 8 + 24 + 3 i64, 8 + 8 u32, i32 + pad
+        assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8 + 2 * 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<Reduce>(), 8 + 4 * 8 * 8 + 2 * 8);
         assert_eq!(std::mem::size_of::<AttnShape>(), 26 * 8);
         assert_eq!(std::mem::size_of::<Win2d>(), 15 * 8);
@@ -198,6 +281,51 @@ mod tests {
     #[test]
     fn layout_aligns_each_parameter() {
         use Arg::*;
-        assert_eq!(layout(&[Ptr, I32, I64, F32, Strides]), vec![(0, 8), (8, 4), (16, 8), (24, 4), (32, 288)]);
+        assert_eq!(layout(&[Ptr, I32, I64, F32, Strides]), vec![(0, 8), (8, 4), (16, 8), (24, 4), (32, 360)]);
+    }
+
+    /// The narrow path's quotients are exact: every divisor up to 4096, the powers of two and
+    /// their neighbours, and large divisors, against numerators from 0 up, around multiples of
+    /// the divisor and up to 2³¹ − 1.
+    #[test]
+    fn dividers_give_exact_quotients_below_two_to_the_31() {
+        let mut divisors: Vec<u64> = (1..=4096).collect();
+        for p in 1..=31 {
+            divisors.extend([(1u64 << p) - 1, 1 << p, (1 << p) + 1]);
+        }
+        divisors.extend([3 * 1024 * 1024, 50257, 16 * 1024 * 768, 1_000_000_007, NARROW_LIMIT - 1]);
+        divisors.retain(|&d| d <= NARROW_LIMIT);
+        let top = (NARROW_LIMIT - 1) as u32;
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for &d in &divisors {
+            let (m, s) = divider(d).unwrap_or_else(|| panic!("no divider for {d}"));
+            let mut check = |j: u32| assert_eq!(narrow_quotient(j, m, s) as u64, j as u64 / d, "{j} / {d}");
+            (0..2048).chain(top - 2048..=top).for_each(&mut check);
+            for q in [1u64, 2, 7, 1000, 65_535, 1 << 20] {
+                let at = q * d;
+                if at < NARROW_LIMIT {
+                    (at.saturating_sub(2)..(at + 2).min(NARROW_LIMIT)).for_each(|j| check(j as u32));
+                }
+            }
+            for _ in 0..256 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                check((state % NARROW_LIMIT) as u32);
+            }
+        }
+        assert_eq!(divider(0), None);
+        assert_eq!(divider(NARROW_LIMIT + 1), None);
+    }
+
+    #[test]
+    fn strides_are_narrow_only_when_every_dimension_has_a_divider() {
+        let mut s = Strides { rank: 3, ..Default::default() };
+        s.dims[..3].copy_from_slice(&[16, 12, 1024]);
+        s.fill_dividers();
+        assert_eq!((s.narrow, s.shift[2], s.magic[2]), (1, 10, 1));
+        s.dims[1] = 1 << 40;
+        s.fill_dividers();
+        assert_eq!(s.narrow, 0);
     }
 }

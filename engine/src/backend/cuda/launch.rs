@@ -125,6 +125,9 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
     values[..args.len()].copy_from_slice(args);
     let mut params = [std::ptr::null_mut::<c_void>(); MAX_ARGS];
     for (p, v) in params.iter_mut().zip(values.iter_mut()).take(args.len()) {
+        if let KArg::Strides(s) = v {
+            s.fill_dividers();
+        }
         *p = v.as_param();
     }
     let params = &mut params[..args.len()];
@@ -149,6 +152,14 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
         .map_err(|e| Error::Cuda(format!("launching {kernel} {grid:?}: {e}")))
 }
 
+/// Waits for the legacy default stream of the current context (where cudarc's "synchronous"
+/// memset and copies run).
+fn legacy_stream_done() -> std::result::Result<(), result::DriverError> {
+    // SAFETY: the null handle is the legacy default stream of the context current on this
+    // thread (the callers bound it).
+    unsafe { result::stream::synchronize(std::ptr::null_mut()) }
+}
+
 /// A device allocation of `bytes` bytes in the context's device, freed on drop (synchronous
 /// cuMemAlloc/cuMemFree: for tests and one-off buffers; the executor's memory is one arena).
 pub struct DeviceBuffer {
@@ -158,23 +169,34 @@ pub struct DeviceBuffer {
 }
 
 impl DeviceBuffer {
-    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+    /// A buffer of unspecified contents, for memory that is written before it is read (on the
+    /// stream that reads it).
+    pub fn uninit(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
         // SAFETY: the context is current on this thread; a zero-byte request allocates one byte
         // so every buffer has a distinct, valid address.
         let ptr = unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| Error::Cuda(format!("allocating {bytes} bytes: {e}")))?;
+        Ok(DeviceBuffer { ctx: ctx.clone(), ptr, bytes })
+    }
+    /// A buffer of zeros, complete before any later work on any stream: cuMemsetD8 on device
+    /// memory may return before it is done, on the legacy stream, which PyTorch's non-blocking
+    /// side streams do not wait for; so the legacy stream is synchronised (allocation time only).
+    pub fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
         // owned from here, so a failed memset frees it (drop)
-        let buf = DeviceBuffer { ctx: ctx.clone(), ptr, bytes };
+        let buf = Self::uninit(ctx, bytes)?;
         // SAFETY: `ptr` was just allocated with at least `bytes.max(1)` bytes.
-        unsafe { result::memset_d8_sync(ptr, 0, bytes.max(1)) }.map_err(|e| Error::Cuda(format!("zeroing {bytes} bytes: {e}")))?;
+        unsafe { result::memset_d8_sync(buf.ptr, 0, bytes.max(1)) }.map_err(|e| Error::Cuda(format!("zeroing {bytes} bytes: {e}")))?;
+        legacy_stream_done().map_err(|e| Error::Cuda(format!("zeroing {bytes} bytes: {e}")))?;
         Ok(buf)
     }
-    /// A buffer holding a copy of `data`.
+    /// A buffer holding a copy of `data`, complete before any later work on any stream (a copy
+    /// from pageable memory may return before its DMA is done: as for `zeroed`).
     pub fn from_slice<T: Copy>(ctx: &Arc<CudaContext>, data: &[T]) -> Result<Self> {
-        let b = Self::zeroed(ctx, std::mem::size_of_val(data))?;
+        let b = Self::uninit(ctx, std::mem::size_of_val(data))?;
         if !data.is_empty() {
             // SAFETY: the buffer has exactly `size_of_val(data)` bytes; T is plain data (Copy).
             unsafe { result::memcpy_htod_sync(b.ptr, data) }.map_err(|e| Error::Cuda(format!("copying to the device: {e}")))?;
+            legacy_stream_done().map_err(|e| Error::Cuda(format!("copying to the device: {e}")))?;
         }
         Ok(b)
     }

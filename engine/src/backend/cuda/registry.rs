@@ -14,6 +14,8 @@ pub mod types {
     pub const ARITH: &[&str] = &["f32", "f64", "bf16", "f16", "i64", "i32"];
     /// Element widths for ops that only move bits (`ORT_WIDTHS`).
     pub const WIDTHS: &[&str] = &["u8", "u16", "u32", "u64"];
+    /// 16-byte vectors (`copy_v16`: copies the host rewrote into whole vectors).
+    pub const V16: &[&str] = &["v16"];
     /// Cast destinations: every number type and bool.
     pub const CAST_TO: &[&str] = &["f32", "f64", "bf16", "f16", "i64", "i32", "u8", "i8", "bool"];
     /// Types with a native atomic add (scatter-add gradients).
@@ -195,6 +197,7 @@ pub static FAMILIES: &[Family] = &[
         "movement",
         [
             g(&["copy"], WIDTHS, &[Ptr, Ptr, Strides, AI64]),
+            g(&["copy"], V16, &[Ptr, Ptr, Strides, AI64]),
             g(&["fill"], WIDTHS, &[Ptr, AI64, AU64]),
             g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64]),
         ]

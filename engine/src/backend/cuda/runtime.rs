@@ -122,7 +122,8 @@ impl CudaRuntime {
         let mut s = slot.lock().unwrap_or_else(|p| p.into_inner());
         if s.as_ref().is_none_or(|b| b.bytes() < bytes) {
             // allocated before the old one goes: a failed allocation leaves the runtime as it was
-            let grown = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?;
+            // contents unspecified: scratch and operand copies are written before they are read
+            let grown = super::launch::DeviceBuffer::uninit(&self.loaded.ctx, bytes.next_power_of_two().max(1 << 16))?;
             if let Some(old) = s.replace(grown) {
                 self.retire(old);
             }
@@ -142,7 +143,9 @@ impl CudaRuntime {
         let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
         if ones[slot].as_ref().is_none_or(|(_, have)| *have < n) {
             let count = n.next_power_of_two().max(1 << 12);
-            let buf = super::launch::DeviceBuffer::zeroed(&self.loaded.ctx, count * t.size())?;
+            // the fill below writes all of it, on `stream` (a memset on the legacy stream would
+            // not be ordered with it on a non-blocking PyTorch stream)
+            let buf = super::launch::DeviceBuffer::uninit(&self.loaded.ctx, count * t.size())?;
             self.launch(stream, kernel, self.elementwise_grid(count), &[KArg::Ptr(buf.ptr()), KArg::I64(count as i64), KArg::U64(bits)])?;
             if let Some((old, _)) = ones[slot].replace((buf, count)) {
                 self.retire(old);

@@ -103,14 +103,51 @@ fn check_part(node: &Node, whole: &[usize], axis: usize, before: usize, part: &[
     }
 }
 
+/// Bytes `copy_v16` moves per element.
+const VECTOR: usize = 16;
+
+/// The copy `s` of `n` elements of `elem_size` bytes from `src` to `dst` as a copy of 16-byte
+/// vectors (`copy_v16`: one 128-bit load and store where copy_W makes 16 / elem_size narrow
+/// ones, and as many fewer index computations), with its vector count: when the innermost
+/// dimension is contiguous on both sides and its length, every other stride, both base offsets
+/// and both addresses are whole vectors. None otherwise (the element copy is kept). The
+/// head transposes of attention ([B, S, H, 64] and back) qualify in every float type.
+pub(super) fn vector_copy(s: &Strides, elem_size: usize, src: u64, dst: u64, n: usize) -> Option<(Strides, usize)> {
+    if elem_size == 0 || !VECTOR.is_multiple_of(elem_size) || elem_size == VECTOR || s.rank < 1 {
+        return None;
+    }
+    let per = (VECTOR / elem_size) as i64;
+    let inner = s.rank as usize - 1;
+    let whole = |v: i64| v % per == 0;
+    let aligned = src.is_multiple_of(VECTOR as u64) && dst.is_multiple_of(VECTOR as u64);
+    let contiguous_run = s.stride[0][inner] == 1 && s.stride[1][inner] == 1 && whole(s.dims[inner]);
+    let others = (0..inner).all(|d| whole(s.stride[0][d]) && whole(s.stride[1][d]));
+    if !(aligned && contiguous_run && others && whole(s.base[0]) && whole(s.base[1]) && n.is_multiple_of(per as usize)) {
+        return None;
+    }
+    let mut v = *s;
+    v.dims[inner] /= per;
+    for k in 0..2 {
+        for d in 0..inner {
+            v.stride[k][d] /= per;
+        }
+        v.base[k] /= per;
+    }
+    Some((v, n / per as usize))
+}
+
 // ---- dispatchers --------------------------------------------------------------------------
 
-/// One copy_W launch over `n` elements with layout `s`.
+/// One copy launch over `n` elements with layout `s`: copy_v16 where `vector_copy` allows,
+/// else copy_W.
 pub(super) fn copy(ctx: &mut CudaCtx, elem_size: usize, src: u64, dst: u64, s: Strides, n: usize) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let kernel = format!("copy_{}", width(elem_size));
+    let (kernel, s, n) = match vector_copy(&s, elem_size, src, dst, n) {
+        Some((v, count)) => ("copy_v16".to_string(), v, count),
+        None => (format!("copy_{}", width(elem_size)), s, n),
+    };
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::Strides(s), KArg::I64(n as i64)])
 }
 
@@ -293,14 +330,8 @@ mod tests {
     /// copy_W on the host (the offsets of prelude.cuh's `strided_offsets`): dst[o1] = src[o0].
     fn emulate(s: &Strides, n: usize, src: &[i64], dst: &mut [i64]) {
         for i in 0..n as i64 {
-            let (mut o0, mut o1, mut rest) = (s.base[0], s.base[1], i);
-            for d in (0..s.rank as usize).rev() {
-                let c = rest % s.dims[d];
-                rest /= s.dims[d];
-                o0 += c * s.stride[0][d];
-                o1 += c * s.stride[1][d];
-            }
-            dst[o1 as usize] = src[o0 as usize];
+            let o = s.offsets(i);
+            dst[o[1] as usize] = src[o[0] as usize];
         }
     }
 
@@ -340,6 +371,59 @@ mod tests {
         let mut got = vec![0; 24];
         emulate(&s, 24, &iota(&x).to_i64_vec().unwrap(), &mut got);
         assert_eq!(got, cpu("Transpose", attrs, &[&iota(&x)])[0].to_i64_vec().unwrap());
+    }
+
+    /// The copy `s` over byte buffers, `size` bytes per index-space element (copy_W with W of
+    /// that size, or copy_v16 with 16).
+    fn emulate_bytes(s: &Strides, n: usize, size: usize, src: &[u8], dst: &mut [u8]) {
+        for i in 0..n as i64 {
+            let o = s.offsets(i);
+            let (a, b) = (o[0] as usize * size, o[1] as usize * size);
+            dst[b..b + size].copy_from_slice(&src[a..a + size]);
+        }
+    }
+
+    /// Copies rewritten into 16-byte vectors move the same bytes as the element copies, for
+    /// every element size: attention's head transposes (both ways), a broadcast over rows, a
+    /// Concat part at an offset, a rank-1 copy; and the copies that must stay element copies
+    /// are refused (innermost stride not 1, a run or an offset that is not whole vectors, an
+    /// unaligned address).
+    #[test]
+    fn vector_copies_move_the_same_bytes_as_element_copies() {
+        let heads = |x: [usize; 4]| transpose_layout(&x, &[0, 2, 1, 3], &[x[0], x[2], x[1], x[3]]).unwrap();
+        for size in [1usize, 2, 4, 8] {
+            let per = 16 / size;
+            let parts: [&[usize]; 2] = [&[2, 3, 32], &[2, 5, 32]];
+            let concat_part = make(parts[1], &[contiguous(parts[1]), contiguous(&[2, 8, 32])], &[0, 3 * 32]).unwrap();
+            let cases: Vec<(&str, Strides, usize, usize)> = vec![
+                ("heads [2, 5, 3, 64] to [2, 3, 5, 64]", heads([2, 5, 3, 64]), 2 * 5 * 3 * 64, 2 * 5 * 3 * 64),
+                ("heads back", heads([2, 3, 5, 64]), 2 * 5 * 3 * 64, 2 * 5 * 3 * 64),
+                ("Expand [48] to [3, 48]", expand_layout(&[48], &[3, 48]).unwrap(), 48, 3 * 48),
+                ("Concat part 1 of 2 on axis 1", concat_part, numel(parts[1]), 2 * 8 * 32),
+                ("rank 1", make(&[160], &[vec![1], vec![1]], &[]).unwrap(), 160, 160),
+            ];
+            for (what, s, src_elems, dst_elems) in cases {
+                let n: usize = (0..s.rank as usize).map(|d| s.dims[d] as usize).product();
+                let (v, count) =
+                    vector_copy(&s, size, 4096, 8192, n).unwrap_or_else(|| panic!("{what}, {size}-byte elements: not vectorised"));
+                assert_eq!(count * per, n, "{what}");
+                let src: Vec<u8> = (0..src_elems * size).map(|b| (b * 31 % 251) as u8).collect();
+                let (mut narrow, mut wide) = (vec![0u8; dst_elems * size], vec![0u8; dst_elems * size]);
+                emulate_bytes(&s, n, size, &src, &mut narrow);
+                emulate_bytes(&v, count, 16, &src, &mut wide);
+                assert_eq!(wide, narrow, "{what}, {size}-byte elements");
+            }
+            let refused = |s: &Strides, src: u64, n: usize| vector_copy(s, size, src, 0, n).is_none();
+            let t = transpose_layout(&[4, 6], &[1, 0], &[6, 4]).unwrap();
+            assert!(refused(&t, 0, 24), "a transpose of the innermost dimension");
+            let short = heads([2, 5, 3, 6]);
+            assert!(refused(&short, 0, 2 * 5 * 3 * 6) == (6 % per != 0), "a run of 6 elements");
+            assert!(refused(&heads([2, 5, 3, 64]), 8, 2 * 5 * 3 * 64), "an address off 16 bytes");
+            let off = make(&[2, 32], &[vec![64, 1], vec![32, 1]], &[1, 0]).unwrap();
+            assert!(refused(&off, 0, 64), "a source offset of one element");
+        }
+        // 16-byte elements are already vectors
+        assert!(vector_copy(&heads([2, 5, 3, 64]), 16, 0, 0, 2 * 5 * 3 * 64).is_none());
     }
 
     #[test]

@@ -410,25 +410,11 @@ impl Target {
     }
 }
 
-/// Host mirror of prelude.cuh `strided_offsets`: the offsets of index-space element `i` in
-/// operands 0..3. Dry runs emulate the bit-moving kernels with it, so the `Strides` a test
-/// builds are checked against the CPU reference without a GPU.
-pub fn offsets(s: &Strides, mut i: i64) -> [i64; 3] {
-    let mut off = s.base;
-    if s.rank <= 1 {
-        for (k, o) in off.iter_mut().enumerate() {
-            *o += i * s.stride[k][0];
-        }
-        return off;
-    }
-    for d in (0..s.rank as usize).rev() {
-        let (q, c) = (i / s.dims[d], i % s.dims[d]);
-        i = q;
-        for (k, o) in off.iter_mut().enumerate() {
-            *o += c * s.stride[k][d];
-        }
-    }
-    off
+/// Host mirror of prelude.cuh `strided_offsets` (abi.rs `Strides::offsets`): the offsets of
+/// index-space element `i` in operands 0..3. Dry runs emulate the bit-moving kernels with it,
+/// so the `Strides` a test builds are checked against the CPU reference without a GPU.
+pub fn offsets(s: &Strides, i: i64) -> [i64; 3] {
+    s.offsets(i)
 }
 
 impl Target {
