@@ -76,6 +76,8 @@ def require_cuda() -> None:
     if not ok:
         pytest.fail(f"PyTorch sees a GPU but ortrain's CUDA backend does not load: {why}")
     torch.backends.cuda.matmul.allow_tf32 = False
+    # cuDNN's convolutions default to TF32; ortrain's are exact f32 unless matmul TF32 is on
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def runs_of(client, experiment: str) -> list:

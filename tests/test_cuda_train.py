@@ -313,8 +313,11 @@ def test_engine_adam_on_the_gpu_follows_torch(cls):
     assert "_ortrain_gpu_chunks" in opt.__dict__  # the engine's launch ran, not torch's fallback
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, rtol=2e-6, atol=1e-7)
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(opt.state[b][key], opt_ref.state[a][key], rtol=2e-6, atol=1e-9)
+        # torch's CUDA foreach update is p + s·(m/d), the engine's (as torch's CPU) p + (s·m)/d: a
+        # parameter an ulp apart, which Adam's L2 decay feeds into the next gradient, so exp_avg
+        # near 0 moves by ~1e-8 (an f32 emulation of the 6 steps: at most 0.65 of 1e-7)
+        for key, atol in (("exp_avg", 2e-7), ("exp_avg_sq", 1e-9)):
+            torch.testing.assert_close(opt.state[b][key], opt_ref.state[a][key], rtol=2e-6, atol=atol)
         assert float(opt.state[b]["step"]) == float(opt_ref.state[a]["step"])
     plain = cls([p.detach().clone() for p in ours], **kw)
     plain.load_state_dict(opt.state_dict())

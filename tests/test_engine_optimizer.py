@@ -140,3 +140,51 @@ def test_adam_options_the_engine_lacks_keep_the_step_in_pytorch(option):
         _step(ref, ref_opt, x)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_added_later_with_amsgrad_is_stepped_by_pytorch():
+    """A parameter group added after accelerate() with an option only PyTorch has (amsgrad) is
+    updated by PyTorch's step with that option, not silently as plain Adam: the model ends
+    where a plain PyTorch optimizer with the same two groups takes it."""
+    x = torch.randn(4, 8)
+    model, ref = _model(), _model()
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref[0].parameters(), lr=1e-2)
+    ortrain.accelerate(model, opt)
+    assert model.__dict__["_ortrain_state"].optimizer_in_engine
+    opt.add_param_group({"params": list(model[2].parameters()), "amsgrad": True, "lr": 5e-2})
+    ref_opt.add_param_group({"params": list(ref[2].parameters()), "amsgrad": True, "lr": 5e-2})
+    for _ in range(4):
+        _step(model, opt, x)
+        _step(ref, ref_opt, x)
+    for p, q in zip(model[2].parameters(), ref[2].parameters()):
+        assert "max_exp_avg_sq" in opt.state[p]
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["max_exp_avg_sq"], ref_opt.state[q]["max_exp_avg_sq"], rtol=1e-5, atol=1e-9)
+
+
+def test_loaded_state_the_engine_cannot_address_goes_to_pytorchs_step():
+    """Optimizer state from load_state_dict (or edited) that is not what the engine writes
+    through addresses (here non-contiguous moments, a moment of the wrong shape) goes to
+    PyTorch's own step, never to the engine's kernels: non-contiguous moments step as in plain
+    PyTorch, and a wrong shape is PyTorch's own error, not a crash."""
+    x = torch.randn(4, 8)
+    model, ref = _model(), _model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    ortrain.accelerate(model, opt)
+    for o, m in ((opt, model), (ref_opt, ref)):
+        w = m[0].weight
+        o.state[w] = {"step": torch.tensor(3.0), "exp_avg": torch.full(w.shape[::-1], 0.01).t(),
+                      "exp_avg_sq": torch.full(w.shape[::-1], 1e-4).t()}
+    assert not opt.state[model[0].weight]["exp_avg"].is_contiguous()
+    for _ in range(2):
+        _step(model, opt, x)
+        _step(ref, ref_opt, x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[model[0].weight]["exp_avg"], ref_opt.state[ref[0].weight]["exp_avg"])
+    b = model[2].bias
+    opt.state[b]["exp_avg"] = torch.zeros(b.numel() + 5)
+    with pytest.raises(RuntimeError):
+        _step(model, opt, x)

@@ -44,6 +44,27 @@ def _engine_ok(p: torch.Tensor) -> bool:
             and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
+#: Adam options whose update only PyTorch has: amsgrad (a third state the engine lacks),
+#: fused and capturable (torch's own kernels, which expect their step counts on the device)
+_TORCH_ONLY_OPTIONS = ("amsgrad", "fused", "capturable")
+
+
+def _state_ok(p: torch.Tensor, state: dict, moments: tuple) -> bool:
+    """Whether existing optimizer state is what the engine writes through addresses: each of
+    `moments` a contiguous float32 tensor of p's shape on p's device, and the step (if any) a
+    one-element float32 CPU tensor. State from load_state_dict, edited by hand or left on
+    another device goes to PyTorch's step instead (which checks it and says what is wrong),
+    never to a kernel that would read the wrong memory."""
+    for k in moments:
+        t = state.get(k)
+        if not (isinstance(t, torch.Tensor) and t.device == p.device and t.dtype == torch.float32
+                and t.shape == p.shape and t.is_contiguous() and not t.is_sparse):
+            return False
+    step = state.get("step")
+    return step is None or (isinstance(step, torch.Tensor) and step.device.type == "cpu"
+                            and step.dtype == torch.float32 and step.numel() == 1)
+
+
 def _gpu_ok(p: torch.Tensor) -> bool:
     """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0),
     while the engine's GPU update works in this process."""
@@ -119,6 +140,9 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
             continue
         state = opt.state[p]
         new = len(state) == 0
+        if not new and not _state_ok(p, state, ("exp_avg", "exp_avg_sq")):
+            rest.append(p)
+            continue
         if new:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             if on_cpu:
@@ -167,6 +191,11 @@ def _engine_step(self, closure=None):
                     keep[id(p)] = (p, c)
             _DEFERRED.clear()
             for group in self.param_groups:
+                if any(group.get(o) for o in _TORCH_ONLY_OPTIONS):
+                    # a group added (or changed) after accelerate_optimizer with an option the
+                    # engine lacks: PyTorch steps it
+                    leftovers += [p for p in group["params"] if p.grad is not None]
+                    continue
                 if isinstance(self, torch.optim.SGD):
                     leftovers += _sgd_group(self, group)
                     continue
@@ -215,6 +244,9 @@ def _sgd_group(opt, group) -> list:
         if momentum != 0.0:
             state = opt.state[p]
             buf = state.get("momentum_buffer")
+            if buf is not None and not _state_ok(p, state, ("momentum_buffer",)):
+                rest.append(p)
+                continue
             if buf is None:
                 buf = torch.empty_like(p)
                 state["momentum_buffer"] = buf
@@ -255,7 +287,7 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
         # amsgrad: a third state the engine lacks; fused/capturable: torch's own kernels, which
         # expect their step counts on the device (the engine keeps them on the CPU, as torch's
         # default Adam does), so a later fallback step could not take over the state
-        option = next((o for o in ("amsgrad", "fused", "capturable") if g.get(o)), None)
+        option = next((o for o in _TORCH_ONLY_OPTIONS if g.get(o)), None)
         if option is not None:
             msg = f"ortrain: {type(opt).__name__}({option}=True) is not supported by the engine; step() stays in PyTorch"
             if strict:

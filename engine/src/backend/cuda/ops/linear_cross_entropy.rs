@@ -70,6 +70,9 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
         zero(ctx, dx)?;
         zero(ctx, dw)?;
         zero(ctx, db)?;
+        // no lce_rows: the loss terms are zeros (n = 0 leaves every label invalid: flagged)
+        let acc = if stat == 8 { DType::F64 } else { DType::F32 };
+        zero(ctx, &DView { dtype: acc, shape: &[rows], ptr: loss_s, host: None })?;
     } else {
         let gemm = |m: usize, nn: usize, kk: usize, ta: bool, tb: bool, accumulate: bool, mode: F32Mode| {
             let mut g = Gemm::contiguous(1, m, nn, kk, ta, tb, t);
@@ -77,7 +80,18 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             g.beta = if accumulate { 1.0 } else { 0.0 };
             g
         };
-        let ones = ctx.rt.ones(ctx.stream, t, chunk)?;
+        // G is the gradient of a unit loss seed (≈ softmax/Σweights: about 1e-9 per entry on
+        // GPT-2 124M's 16k rows); the loss scale of an fp16 session only multiplies it later.
+        // Rounded to f16 it would be almost all zeros (smallest subnormal 6e-8), so its two
+        // products run at TF32 there (f16's 10-bit mantissa, f32's range).
+        let g_mode = if ctx.f32_mode == F32Mode::F16 { F32Mode::Tf32 } else { ctx.f32_mode };
+        // db₁ is read only where there is a bias (ops/loss.rs); without one it stays zeros
+        let ones = if bias != 0 {
+            Some(ctx.rt.ones(ctx.stream, t, chunk)?)
+        } else {
+            zero(ctx, db)?;
+            None
+        };
         let mut r0 = 0;
         while r0 < rows {
             let r = chunk.min(rows - r0);
@@ -106,17 +120,19 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             )?;
             if k > 0 {
                 // dX_c = G · op(W)ᵀ
-                ctx.rt.gemm(ctx.stream, &gemm(r, k, n, false, !trans_b, false, ctx.f32_mode), g, w.ptr, dx.ptr + (r0 * k) as u64 * es)?;
+                ctx.rt.gemm(ctx.stream, &gemm(r, k, n, false, !trans_b, false, g_mode), g, w.ptr, dx.ptr + (r0 * k) as u64 * es)?;
                 if trans_b {
                     // dW[n, k] (+)= Gᵀ · X_c
-                    ctx.rt.gemm(ctx.stream, &gemm(n, k, r, true, false, later, ctx.f32_mode), g, xc, dw.ptr)?;
+                    ctx.rt.gemm(ctx.stream, &gemm(n, k, r, true, false, later, g_mode), g, xc, dw.ptr)?;
                 } else {
                     // dW[k, n] (+)= X_cᵀ · G
-                    ctx.rt.gemm(ctx.stream, &gemm(k, n, r, true, false, later, ctx.f32_mode), xc, g, dw.ptr)?;
+                    ctx.rt.gemm(ctx.stream, &gemm(k, n, r, true, false, later, g_mode), xc, g, dw.ptr)?;
                 }
             }
-            // db (+)= 1ᵀ · G, exact as the unfused bias gradient's column sums
-            ctx.rt.gemm(ctx.stream, &gemm(1, n, r, false, false, later, F32Mode::Exact), ones, g, db.ptr)?;
+            if let Some(ones) = ones {
+                // db (+)= 1ᵀ · G, exact as the unfused bias gradient's column sums
+                ctx.rt.gemm(ctx.stream, &gemm(1, n, r, false, false, later, F32Mode::Exact), ones, g, db.ptr)?;
+            }
             r0 += r;
         }
     }

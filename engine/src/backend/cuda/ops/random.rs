@@ -1,6 +1,7 @@
 //! Dropout and DropoutGrad (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
-//! step's seed mixed with the node's output id, so every Dropout node of a step draws its own
-//! stream and a replay with the same seed draws the same masks (they differ from the CPU
+//! step's seed mixed with the node's name (`salt_of`), so every Dropout node of a step draws its
+//! own stream and a replay with the same seed draws the same masks, in the model's own graph as
+//! in the model-and-loss graph that numbers its values differently (they differ from the CPU
 //! backend's masks, as PyTorch's CPU and CUDA masks differ). In a step recorded into a CUDA
 //! graph the seed is read from device memory (`dropout_slot_T`), which computes the same key.
 
@@ -18,10 +19,21 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The Philox key of a Dropout node: the step's seed mixed with the node's salt
-/// (splitmix(output id)); `dropout_slot_T` computes the same on the device.
+/// The Philox key of a Dropout node: the step's seed mixed with the node's salt (`salt_of`);
+/// `dropout_slot_T` computes the same on the device.
 pub fn random_key(seed: u64, salt: u64) -> u64 {
     splitmix(seed ^ salt)
+}
+
+/// A Dropout node's salt: splitmix of the FNV-1a hash of its name. Not its output's value id:
+/// the fused loss's graph (engine/cross_entropy.py) imports extra initializers and an input
+/// before the node outputs, so its ids are shifted from the model's own graph, whose replay of
+/// the logits (engine/lazy.py) must draw the fused step's masks. Node names are unique (the
+/// exporters name every node; the importer names the others `<op>_<index>`), and passes keep
+/// a Dropout's name.
+pub fn salt_of(node: &Node) -> u64 {
+    let fnv = node.name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3));
+    splitmix(fnv)
 }
 
 /// (ratio, training) from the optional constant inputs at `at` and `at + 1` (defaults 0.5 and
@@ -66,7 +78,7 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
         }
         return Ok(());
     }
-    let salt = splitmix(node.outputs[0].0 as u64);
+    let salt = salt_of(node);
     let t = float_suffix(node, x.dtype)?;
     // the Philox key, or the seed's address and the salt the kernel mixes into it
     let (kernel, key, last) = if ctx.seed_slot != 0 {
@@ -103,4 +115,23 @@ fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cu
 pub fn register(t: &mut CudaTable) {
     t.add("Dropout", dropout);
     t.add("DropoutGrad", dropout_grad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::{Attrs, ValueId};
+
+    fn dropout(name: &str, output: usize) -> Node {
+        Node { name: name.into(), op_type: "Dropout".into(), inputs: vec![], outputs: vec![ValueId(output)], attrs: Attrs::default() }
+    }
+
+    /// The same node in graphs that number their values differently (the model's own graph and
+    /// the model-and-loss graph) draws the same masks; two nodes of one graph draw their own.
+    #[test]
+    fn a_dropout_is_keyed_by_its_name_not_its_value_id() {
+        assert_eq!(salt_of(&dropout("node_dropout_1", 5)), salt_of(&dropout("node_dropout_1", 7)));
+        assert_ne!(salt_of(&dropout("node_dropout_1", 5)), salt_of(&dropout("node_dropout_2", 5)));
+        assert_ne!(random_key(1, salt_of(&dropout("a", 0))), random_key(2, salt_of(&dropout("a", 0))));
+    }
 }

@@ -175,6 +175,11 @@ fn reduce(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     }
     let (axes, reduced) = reduced_marks(node, ins, 1, x.shape.len())?;
     let count: usize = axes.iter().map(|&a| x.shape[a]).product();
+    if node.op_type != "ReduceSum" {
+        // as the CPU kernels: only ReduceSum takes int64 (the i64 sum kernel would truncate a
+        // mean's 1/count to 0)
+        float_suffix(node, x.dtype)?;
+    }
     if x.numel() > 0 && !reduces_anything(x.shape, &reduced) {
         return super::movement::view_copy(node, ins, outs, ctx);
     }

@@ -412,6 +412,28 @@ fn lm_head_loss_fuses_for_cuda_in_large_chunks() {
     }
 }
 
+/// An fp16 session's fused LM head over 4096 rows and 8192 classes with the mean: its
+/// unit-seed gradient G is about softmax/4096 ≈ 3e-8 per entry, under f16's smallest
+/// subnormal, and the loss scale multiplies it only afterwards. Its two products must not
+/// round G to f16 (they run at TF32): the weight gradient and the loss within 1e-2 of the CPU
+/// executor's exact f32 (rounded to f16, G's softmax part was all zeros: dW 0.7 off).
+#[test]
+fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
+    let mut rng = Rng::new(19);
+    let m = lm_head_with(&mut rng, vec![4, 1024, 16], 8192, false, "mean");
+    let s = session(&m);
+    assert_eq!(s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "LinearCrossEntropy").count(), 1);
+    let Some(_) = gpu("gpu_fp16_lm_head_keeps_its_small_softmax_gradient") else { return };
+    let x = m.input_bytes(&mut rng);
+    let sig = m.sig();
+    let mut seeds = vec![vec![1.0f32]];
+    let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+    let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::F16);
+    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    assert_close_scaled("fp16 LM head: loss", &f(&go[0]), &f(&co[0]), 1e-2);
+    assert_close_scaled("fp16 LM head: gradient of w", &f(&gg[0]), &f(&cg[0]), 1e-2);
+}
+
 /// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives
 /// every weight a gradient and runs a train step on the CPU executor with finite results.
 /// The CUDA train graphs recompute activations in the backward pass (passes/recompute.rs):

@@ -392,28 +392,34 @@ pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usi
 /// a bias, class weights, ignore_index and the mean; otherwise x [2, 35, 8] (one chunk), W [8, C],
 /// no bias, the sum.
 pub(super) fn lm_head(rng: &mut Rng, big: bool) -> Model {
-    const C: usize = 40;
     let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
+    lm_head_with(rng, input, 40, big, if big { "mean" } else { "sum" })
+}
+
+/// The LM head over `input` ([a, b, K]) and `classes`; `full`: W [C, K] through a Transpose, a
+/// bias, class weights and ignore_index 3 (else W [K, C] alone); `reduction` of the loss.
+pub(super) fn lm_head_with(rng: &mut Rng, input: Vec<usize>, classes: usize, full: bool, reduction: &str) -> Model {
+    let (c, k) = (classes, input[2]);
     let rows: usize = input[..2].iter().product();
     let (mut g, x) = new_model(&input);
     let mut ws = Vec::new();
-    let h = if big {
-        let w = weight(&mut g, &mut ws, "w", &[C, 8], rng);
-        let b = weight(&mut g, &mut ws, "b", &[C], rng);
+    let h = if full {
+        let w = weight(&mut g, &mut ws, "w", &[c, k], rng);
+        let b = weight(&mut g, &mut ws, "b", &[c], rng);
         let wt = op(&mut g, "w_t", "Transpose", &[w], Attrs::default().with("perm", Attr::Ints(vec![1, 0])));
         let h = op(&mut g, "head", "MatMul", &[x, wt], Attrs::default());
         op(&mut g, "head_bias", "Add", &[h, b], Attrs::default())
     } else {
-        let w = weight(&mut g, &mut ws, "w", &[8, C], rng);
+        let w = weight(&mut g, &mut ws, "w", &[k, c], rng);
         op(&mut g, "head", "MatMul", &[x, w], Attrs::default())
     };
-    let shape = ints(&mut g, "rows", &[-1, C as i64]);
+    let shape = ints(&mut g, "rows", &[-1, c as i64]);
     let scores = op(&mut g, "flat", "Reshape", &[h, shape], Attrs::default());
-    let labels = g.add_const("labels", Tensor::from_i64(vec![rows], (0..rows).map(|i| (i * 7 % C) as i64).collect()));
+    let labels = g.add_const("labels", Tensor::from_i64(vec![rows], (0..rows).map(|i| (i * 7 % c) as i64).collect()));
     let mut ins = vec![Some(scores), Some(labels)];
-    let mut attrs = Attrs::default().with("reduction", Attr::String(if big { "mean" } else { "sum" }.into()));
-    if big {
-        let cw = g.add_const("class_weights", Tensor::from_f32(vec![C], (0..C).map(|c| 0.5 + (c % 3) as f32 * 0.25).collect()));
+    let mut attrs = Attrs::default().with("reduction", Attr::String(reduction.into()));
+    if full {
+        let cw = g.add_const("class_weights", Tensor::from_f32(vec![c], (0..c).map(|c| 0.5 + (c % 3) as f32 * 0.25).collect()));
         ins.push(Some(cw));
         attrs.set("ignore_index", Attr::Int(3));
     }
