@@ -198,11 +198,30 @@ impl CudaRuntime {
         };
         let (na, nb, b_off) = (half_gemm::span_a(g), half_gemm::span_b(g), half_gemm::b_offset(g, t));
         let ws = self.grown(&self.operands, b_off + nb * t.size())?;
-        let cast = if t == GemmType::Bf16 { "cast_f32_bf16" } else { "cast_f32_f16" };
         for (src, dst, n) in [(a, ws, na), (b, ws + b_off as u64, nb)] {
-            self.launch(stream, cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])?;
+            self.round_f32(stream, t, src, dst, n)?;
         }
         self.blas.gemm(stream, &Gemm { ab_type: t, f32_mode: F32Mode::Exact, ..*g }, ws, ws + b_off as u64, c)
+    }
+    /// Rounds `n` f32 values at `src` to the 16-bit type `t` (nearest even, as `gemm` rounds a
+    /// mixed-precision session's operands) at `dst`, queued on `stream`.
+    pub fn round_f32(&self, stream: CUstream, t: GemmType, src: u64, dst: u64, n: usize) -> Result<()> {
+        let cast = match t {
+            GemmType::Bf16 => "cast_f32_bf16",
+            GemmType::F16 => "cast_f32_f16",
+            other => return Err(Error::Cuda(format!("no rounding of f32 to {other:?}"))),
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        self.launch(stream, cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])
+    }
+    /// Device address of at least `bytes` bytes of the memory `gemm` rounds operands into, for
+    /// a caller that rounds operands once (`round_f32`) and multiplies them several times as
+    /// 16-bit gemms. Valid until the next call of this or of a rounding `gemm` (an f32 gemm of
+    /// a mixed-precision mode), which write the same memory.
+    pub fn operand_scratch(&self, bytes: usize) -> Result<u64> {
+        self.grown(&self.operands, bytes)
     }
     /// Queues a device-to-device copy of `bytes` bytes on `stream`.
     ///

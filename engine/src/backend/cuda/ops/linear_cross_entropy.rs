@@ -12,7 +12,7 @@ use super::matmul::gemm_type;
 use super::movement::zero;
 use super::softmax::row_grid;
 use super::{float_suffix, input, CudaCtx, CudaTable, DView};
-use crate::backend::cuda::blas::{F32Mode, Gemm};
+use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -92,15 +92,22 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             zero(ctx, db)?;
             None
         };
+        let h = if k > 0 { Halves::new(ctx, t, n, k, chunk)? } else { None };
+        if let Some(h) = &h {
+            ctx.rt.round_f32(ctx.stream, h.t, w.ptr, h.w, n * k)?;
+        }
         let mut r0 = 0;
         while r0 < rows {
             let r = chunk.min(rows - r0);
             let (xc, g) = (x.ptr + (r0 * k) as u64 * es, scratch.ptr);
             let later = r0 > 0;
-            if k > 0 {
-                ctx.rt.gemm(ctx.stream, &gemm(r, n, k, false, trans_b, false, ctx.f32_mode), xc, w.ptr, g)?;
-            } else {
+            if k == 0 {
                 zero(ctx, &DView { shape: &[r * n], ..*scratch })?;
+            } else if let Some(h) = &h {
+                ctx.rt.round_f32(ctx.stream, h.t, xc, h.x, r * k)?;
+                ctx.rt.gemm(ctx.stream, &h.gemm(gemm(r, n, k, false, trans_b, false, F32Mode::Exact)), h.x, h.w, g)?;
+            } else {
+                ctx.rt.gemm(ctx.stream, &gemm(r, n, k, false, trans_b, false, ctx.f32_mode), xc, w.ptr, g)?;
             }
             ctx.rt.launch(
                 ctx.stream,
@@ -119,14 +126,27 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 ],
             )?;
             if k > 0 {
-                // dX_c = G · op(W)ᵀ
-                ctx.rt.gemm(ctx.stream, &gemm(r, k, n, false, !trans_b, false, g_mode), g, w.ptr, dx.ptr + (r0 * k) as u64 * es)?;
+                // dX_c = G · op(W)ᵀ; dW (+)= its product with X_c: from G rounded once where the
+                // session's products are bf16, else from the f32 G (TF32 in fp16 sessions)
+                let dxc = dx.ptr + (r0 * k) as u64 * es;
+                let (dx_g, dw_g) = (
+                    gemm(r, k, n, false, !trans_b, false, g_mode),
+                    if trans_b { gemm(n, k, r, true, false, later, g_mode) } else { gemm(k, n, r, true, false, later, g_mode) },
+                );
+                let (gg, ww, xx, dx_g, dw_g) = match h.as_ref().and_then(|h| h.g.map(|gh| (h, gh))) {
+                    Some((h, gh)) => {
+                        ctx.rt.round_f32(ctx.stream, h.t, g, gh, r * n)?;
+                        (gh, h.w, h.x, h.gemm(dx_g), h.gemm(dw_g))
+                    }
+                    None => (g, w.ptr, xc, dx_g, dw_g),
+                };
+                ctx.rt.gemm(ctx.stream, &dx_g, gg, ww, dxc)?;
                 if trans_b {
                     // dW[n, k] (+)= Gᵀ · X_c
-                    ctx.rt.gemm(ctx.stream, &gemm(n, k, r, true, false, later, g_mode), g, xc, dw.ptr)?;
+                    ctx.rt.gemm(ctx.stream, &dw_g, gg, xx, dw.ptr)?;
                 } else {
                     // dW[k, n] (+)= X_cᵀ · G
-                    ctx.rt.gemm(ctx.stream, &gemm(k, n, r, true, false, later, g_mode), xc, g, dw.ptr)?;
+                    ctx.rt.gemm(ctx.stream, &dw_g, xx, gg, dw.ptr)?;
                 }
             }
             if let Some(ones) = ones {
@@ -143,6 +163,40 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
         Grid::new(1, 1024),
         &[p(loss_s), p(w_s), p(loss.ptr), p(0), KArg::I64(rows as i64), KArg::I32(reduction)],
     )
+}
+
+/// The operands of a mixed-precision session's products, rounded to 16 bits once instead of
+/// by every gemm (`CudaRuntime::gemm` rounds both operands of each f32 product: per chunk, W
+/// twice and G twice, 13 GB of casts a step on GPT-2 124M). In the runtime's operand scratch:
+/// W whole, the chunk's X_c, and (bf16 sessions; fp16 ones multiply G at TF32) the chunk's G.
+/// The same rounding kernel as the gemm's, so the products are bit for bit the same.
+struct Halves {
+    t: GemmType,
+    w: u64,
+    x: u64,
+    g: Option<u64>,
+}
+
+impl Halves {
+    /// None where the products are not rounded: f32 tensors in an f32 or TF32 session, or
+    /// tensors that are not f32.
+    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, k: usize, chunk: usize) -> Result<Option<Halves>> {
+        let half = match (t, ctx.f32_mode) {
+            (GemmType::F32, F32Mode::Bf16) => GemmType::Bf16,
+            (GemmType::F32, F32Mode::F16) => GemmType::F16,
+            _ => return Ok(None),
+        };
+        let bytes = |elems: usize| (elems * half.size()).next_multiple_of(256) as u64;
+        let g_bytes = if half == GemmType::Bf16 { bytes(chunk * n) } else { 0 };
+        let base = ctx.rt.operand_scratch((bytes(n * k) + bytes(chunk * k) + g_bytes) as usize)?;
+        let (w, x) = (base, base + bytes(n * k));
+        let g = (g_bytes > 0).then_some(x + bytes(chunk * k));
+        Ok(Some(Halves { t: half, w, x, g }))
+    }
+    /// `g` on the rounded copies: 16-bit operands, the f32 result, no further rounding.
+    fn gemm(&self, g: Gemm) -> Gemm {
+        Gemm { ab_type: self.t, f32_mode: F32Mode::Exact, ..g }
+    }
 }
 
 pub fn register(t: &mut CudaTable) {

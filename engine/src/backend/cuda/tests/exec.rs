@@ -434,6 +434,33 @@ fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
     assert_close_scaled("fp16 LM head: gradient of w", &f(&gg[0]), &f(&cg[0]), 1e-2);
 }
 
+/// Mixed-precision sessions round the fused LM head's operands once per op (W) and per chunk
+/// (X_c, and G in bf16 sessions) instead of per gemm: both LM heads (two chunks with transB,
+/// bias, class weights and ignore_index; one chunk with W [K, C] and the sum) in bf16 and fp16
+/// sessions within 3e-2 of the largest value of the CPU executor's exact f32.
+#[test]
+fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
+    let Some(_) = gpu("gpu_mixed_precision_lm_heads_match_the_cpu_executor") else { return };
+    let mut rng = Rng::new(23);
+    for big in [true, false] {
+        let m = lm_head(&mut rng, big);
+        let s = session(&m);
+        let x = m.input_bytes(&mut rng);
+        let sig = m.sig();
+        let mut seeds = vec![vec![0.75f32]];
+        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+        for mode in [F32Mode::Bf16, F32Mode::F16] {
+            let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode);
+            let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+            let what = format!("lm_head big={big} {mode:?}");
+            assert_close_scaled(&format!("{what}: loss"), &f(&go[0]), &f(&co[0]), 3e-2);
+            for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
+                assert_close_scaled(&format!("{what}: gradient of {wname}"), &f(g), &f(c), 3e-2);
+            }
+        }
+    }
+}
+
 /// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives
 /// every weight a gradient and runs a train step on the CPU executor with finite results.
 /// The CUDA train graphs recompute activations in the backward pass (passes/recompute.rs):
