@@ -37,7 +37,8 @@ impl ErrorFlags {
     /// Flags for `n` nodes, all clear.
     pub fn new(rt: &CudaRuntime, n: usize) -> Result<Self> {
         let n = n.max(1);
-        let dev = DeviceBuffer::zeroed(&rt.loaded.ctx, n * 4)?;
+        // cleared on the first step's stream (`clear_first`) before any kernel can set a flag
+        let dev = DeviceBuffer::uninit(&rt.loaded.ctx, n * 4)?;
         // SAFETY: a plain allocation of n i32; zeroed below before any read.
         let host = unsafe { result::malloc_host(n * 4, 0) }.map_err(cuda("pinned allocation"))? as *mut i32;
         // SAFETY: `host` holds n i32 (allocated just above).
@@ -50,8 +51,8 @@ impl ErrorFlags {
                 return Err(cuda("event")(e));
             }
         };
-        // cleared again on the first step's own stream (`begin`): that orders the zeros before
-        // its kernels on any stream, a non-blocking one included
+        // `begin` clears on the first step's own stream: ordered before its kernels on any
+        // stream, a non-blocking one included
         Ok(ErrorFlags { dev, host, n, event, published: false, clear_first: true })
     }
 

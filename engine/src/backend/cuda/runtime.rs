@@ -142,6 +142,14 @@ impl CudaRuntime {
         };
         let mut ones = self.ones.lock().unwrap_or_else(|p| p.into_inner());
         if ones[slot].as_ref().is_none_or(|(_, have)| *have < n) {
+            // during a recording the fill below would only be recorded: a recording that then
+            // failed would leave this buffer registered but never filled
+            // SAFETY: `stream` is the caller's live stream (or the null legacy stream).
+            let capturing = unsafe { driver::stream::is_capturing(stream) }
+                .map_err(|e| Error::Cuda(format!("asking whether the stream is recording: {e}")))?;
+            if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                return Err(Error::Cuda("the vector of ones must grow outside a CUDA graph recording".into()));
+            }
             let count = n.next_power_of_two().max(1 << 12);
             // the fill below writes all of it, on `stream` (a memset on the legacy stream would
             // not be ordered with it on a non-blocking PyTorch stream)

@@ -11,7 +11,7 @@
 use super::matmul::gemm_type;
 use super::movement::zero;
 use super::softmax::row_grid;
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
@@ -22,6 +22,8 @@ use crate::tensor::DType;
 /// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁, scratch).
 fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, w, labels) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 3)?);
+    let opt = |i: usize| ins.get(i).and_then(|v| v.as_ref());
+    same_type(node, x, &[("weight", Some(w)), ("bias", opt(2)), ("class weights", opt(4))])?;
     let bias = ins.get(2).and_then(|b| b.as_ref()).map_or(0, |b| b.ptr);
     let class_weights = ins.get(4).and_then(|c| c.as_ref()).map_or(0, |c| c.ptr);
     let [loss, dx, dw, db, scratch] = outs else {

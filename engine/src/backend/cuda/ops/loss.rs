@@ -4,7 +4,7 @@
 //! no forward temporaries), after the weight sum when the reduction is the mean.
 
 use super::softmax::row_grid;
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -113,6 +113,7 @@ fn scratch(ctx: &mut CudaCtx, l: &Layout, dtype: DType) -> Result<(u64, u64, u64
 /// Loss(scores, labels, weights?) -> (loss, log_prob?).
 fn loss(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, labels) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    same_type(node, x, &[("class weights", ins.get(2).and_then(|w| w.as_ref()))])?;
     let weights = ins.get(2).and_then(|w| w.as_ref()).map_or(0, |w| w.ptr);
     let l = layout(node, x, labels)?;
     let (loss_s, w_s, _, _) = scratch(ctx, &l, x.dtype)?;
@@ -126,6 +127,7 @@ fn loss(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -
 /// LossGrad(dy, scores, labels, weights?) -> dscores.
 fn loss_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, labels) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
+    same_type(node, x, &[("class weights", ins.get(3).and_then(|w| w.as_ref()))])?;
     let weights = ins.get(3).and_then(|w| w.as_ref()).map_or(0, |w| w.ptr);
     let l = layout(node, x, labels)?;
     if l.samples == 0 || l.classes == 0 {

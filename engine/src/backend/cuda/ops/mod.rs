@@ -27,7 +27,7 @@ mod gather_nd;
 mod linear_cross_entropy;
 mod loss;
 mod matmul;
-mod movement;
+pub(crate) mod movement;
 mod norm;
 mod pool;
 mod random;
@@ -128,6 +128,23 @@ pub(crate) fn input<'v, 'a>(node: &Node, ins: &'v [Option<DView<'a>>], i: usize)
 }
 
 /// The kernel-name suffix of a float dtype, or an error naming the node.
+/// An error naming the node unless every present operand of `others` (name, view) has `x`'s
+/// element type: for kernels that read companion operands (scale, bias, class weights, the
+/// incoming gradient) as x's type, where a bf16 x with an f32 scale would read the scale as
+/// pairs of bf16 values. The CPU kernels widen every operand, so they take such mixes.
+pub(crate) fn same_type(node: &Node, x: &DView, others: &[(&str, Option<&DView>)]) -> Result<()> {
+    for (what, v) in others {
+        if let Some(v) = v.filter(|v| v.dtype != x.dtype) {
+            return Err(node.err(format!(
+                "the CUDA kernel reads the {what} as {} like its input, but it is {}",
+                x.dtype.name(),
+                v.dtype.name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn float_suffix(node: &Node, d: DType) -> Result<&'static str> {
     match d {
         DType::F32 => Ok("f32"),

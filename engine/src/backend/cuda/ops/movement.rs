@@ -112,7 +112,7 @@ const VECTOR: usize = 16;
 /// dimension is contiguous on both sides and its length, every other stride, both base offsets
 /// and both addresses are whole vectors. None otherwise (the element copy is kept). The
 /// head transposes of attention ([B, S, H, 64] and back) qualify in every float type.
-pub(super) fn vector_copy(s: &Strides, elem_size: usize, src: u64, dst: u64, n: usize) -> Option<(Strides, usize)> {
+pub(crate) fn vector_copy(s: &Strides, elem_size: usize, src: u64, dst: u64, n: usize) -> Option<(Strides, usize)> {
     if elem_size == 0 || !VECTOR.is_multiple_of(elem_size) || elem_size == VECTOR || s.rank < 1 {
         return None;
     }

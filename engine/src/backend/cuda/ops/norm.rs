@@ -3,7 +3,7 @@
 //! gradients in two deterministic passes: per-chunk column partials, then their sum.
 
 use super::softmax::row_grid;
-use super::{float_suffix, input, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -25,6 +25,7 @@ fn align(v: usize) -> usize {
 /// LayerNormalization(X, Scale, B?) -> (Y, Mean?, InvStdDev?).
 fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    same_type(node, x, &[("scale", Some(scale)), ("bias", ins.get(2).and_then(|b| b.as_ref()))])?;
     let bias = ins.get(2).and_then(|b| b.as_ref()).map_or(0, |b| b.ptr);
     let (rows, n) = crate::ops::layer_norm_layout_of(node, x.shape)?;
     if rows == 0 || n == 0 {
@@ -46,6 +47,7 @@ fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cuda
 /// LayerNormGrad(dy, x, scale) -> (dx, dscale, dbias).
 fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
+    same_type(node, x, &[("incoming gradient", Some(dy)), ("scale", Some(scale))])?;
     let (rows, n) = crate::ops::layer_norm_layout_of(node, x.shape)?;
     if rows == 0 || n == 0 {
         return Ok(());

@@ -6,7 +6,7 @@
 
 use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::Reduce;
-use crate::backend::cuda::blas::{Gemm, GemmType};
+use crate::backend::cuda::blas::Gemm;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -18,11 +18,8 @@ use crate::tensor::DType;
 /// 768 columns; a gemm uses every SM (and f32 accumulates like the kernels do).
 #[allow(clippy::too_many_arguments)]
 fn sum_by_gemm(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, m: usize, n: usize, over_rows: bool, scale: f64) -> Result<()> {
-    let t = match x.dtype {
-        DType::F32 => GemmType::F32,
-        DType::F64 => GemmType::F64,
-        other => return Err(node.err(format!("sums on CUDA take f32 or f64, got {}", other.name()))),
-    };
+    // 16-bit sums (autocast's bias gradients) too: 16-bit operands and result, f32 accumulation
+    let t = super::matmul::gemm_type(node, x.dtype)?;
     let ones = ctx.rt.ones(ctx.stream, t, if over_rows { m } else { n })?;
     let mut g = if over_rows { Gemm::contiguous(1, 1, n, m, false, false, t) } else { Gemm::contiguous(1, m, 1, n, false, false, t) };
     g.alpha = scale;
@@ -36,7 +33,7 @@ fn sum_rows(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCt
     if n == 0 {
         return Ok(());
     }
-    if m > 0 && matches!(x.dtype, DType::F32 | DType::F64) {
+    if m > 0 && matches!(x.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
         return sum_by_gemm(node, ctx, x, outs[0].ptr, m, n, true, 1.0);
     }
     let mut l = Reduce { out_rank: 1, red_rank: 1, outputs: n as i64, count: m as i64, ..Default::default() };
@@ -116,7 +113,7 @@ pub(super) fn sum_over(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, redu
     let marks: Vec<bool> = reduced.iter().zip(x.shape).filter(|(_, &n)| n != 1).map(|(&r, _)| r).collect();
     let split = marks.iter().position(|&r| r != marks[0]).unwrap_or(marks.len());
     let two_blocks = !marks.is_empty() && marks[split..].iter().all(|&r| r != marks[0]);
-    if two_blocks && x.numel() > 0 && matches!(x.dtype, DType::F32 | DType::F64) {
+    if two_blocks && x.numel() > 0 && matches!(x.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
         let size = |want: bool| x.shape.iter().zip(reduced).filter(|(_, &r)| r == want).map(|(&n, _)| n).product::<usize>();
         let (red, kept) = (size(true), size(false));
         return if marks[0] {

@@ -295,3 +295,57 @@ fn gpu_copy_u8_above_2_31_elements() {
     // the element after the index space keeps what the reversed copy wrote
     assert_eq!(y[n - 1], pattern(0), "copy_u8 transposed wrote past its index space");
 }
+
+/// copy over byte buffers: `size` bytes per element of `s`'s index space.
+fn emulate_bytes(s: &Strides, n: usize, size: usize, src: &[u8], dst: &mut [u8]) {
+    for i in 0..n as i64 {
+        let o = offsets(s, i);
+        let (a, b) = (o[0] as usize * size, o[1] as usize * size);
+        dst[b..b + size].copy_from_slice(&src[a..a + size]);
+    }
+}
+
+/// Copies the dispatchers make of 16-byte vectors (ops/movement.rs `vector_copy`, `copy_v16`):
+/// attention's head transpose ([2, 5, 3, 64] to [2, 3, 5, 64] and back), a Concat part at an
+/// offset and an Expand, in every element width, write copy_W's bytes; a destination 8 bytes
+/// off 16 stays an element copy.
+#[test]
+fn gpu_vector_copies_write_the_bytes_of_element_copies() {
+    let g = Target::of("gpu_vector_copies_write_the_bytes_of_element_copies");
+    let mut rng = Rng::new(29);
+    let heads = |x: [usize; 4]| {
+        let (out, xs) = ([x[0], x[2], x[1], x[3]], contiguous(&x));
+        (copy_strides(&out, (&[xs[0], xs[2], xs[1], xs[3]], 0), (&contiguous(&out), 0)), numel(&x), numel(&out))
+    };
+    let part = copy_strides(&[2, 3, 32], (&contiguous(&[2, 3, 32]), 0), (&contiguous(&[2, 8, 32]), 3 * 32));
+    let cases = [
+        ("heads [2, 5, 3, 64] to [2, 3, 5, 64]", heads([2, 5, 3, 64])),
+        ("heads back", heads([2, 3, 5, 64])),
+        ("Concat part [2, 3, 32] at 3 of [2, 8, 32]", (part, 2 * 3 * 32, 2 * 8 * 32)),
+        ("Expand [48] to [3, 48]", (copy_strides(&[3, 48], (&[0, 1], 0), (&[48, 1], 0)), 48, 3 * 48)),
+    ];
+    for &w in types::WIDTHS {
+        let es = size_of(w);
+        for (what, (s, src_elems, dst_elems)) in &cases {
+            let n: usize = (0..s.rank as usize).map(|d| s.dims[d] as usize).product();
+            let (_, xb) = random_bits(&mut rng, w, *src_elems);
+            let dx = g.up(&xb);
+            let (element, vector) = (g.zeros(dst_elems * es), g.zeros(dst_elems * es));
+            let (v, count) = crate::backend::cuda::ops::movement::vector_copy(s, es, dx.ptr(), vector.ptr(), n)
+                .unwrap_or_else(|| panic!("{what} in {w}: not a vector copy"));
+            assert!(
+                crate::backend::cuda::ops::movement::vector_copy(s, es, dx.ptr(), vector.ptr() + 8, n).is_none(),
+                "{what} in {w}: a destination 8 bytes off 16 must stay an element copy"
+            );
+            g.run(&registry::kernel_name("copy", w), Grid::elementwise(n as i64, 4), &copy_args(dx.ptr(), element.ptr(), *s, n as i64));
+            g.run("copy_v16", Grid::elementwise(count as i64, 4), &copy_args(dx.ptr(), vector.ptr(), v, count as i64));
+            let mut want = vec![0u8; dst_elems * es];
+            emulate_bytes(s, n, es, &xb, &mut want);
+            let mut wide = vec![0u8; dst_elems * es];
+            emulate_bytes(&v, count, 16, &xb, &mut wide);
+            assert_eq!(wide, want, "{what} in {w}: the host emulation of the vector copy");
+            g.same(&format!("copy_{w} {what}"), "u8", &element, &want);
+            g.same(&format!("copy_v16 {what} ({w} elements)"), "u8", &vector, &want);
+        }
+    }
+}
