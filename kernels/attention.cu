@@ -138,7 +138,7 @@ __device__ __forceinline__ void att_load_cols_t(f32* dst, int ldd, const f32* kt
 
 // Whether every score of a 32 x 32 tile is -inf (att_tile_dead_n).
 __device__ __forceinline__ bool att_tile_dead(const f32* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms) {
-    return att_tile_dead_n(mask, mo, r0, c0, T, S, mt, ms, ATT_TILE, ATT_TILE);
+    return att_tile_dead_n(mask, mo, r0, c0, T, S, mt, ms, ATT_TILE, ATT_TILE, AttNoneSettled{});
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o,

@@ -41,16 +41,43 @@ __device__ __forceinline__ f32 att_warp_sum(f32 v) {
     return v;
 }
 
-// Whether every score of rows r0.. and columns c0.. (a rows x cols tile) is -inf: outside the
-// matrix or masked with -inf (a causal mask's upper triangle). The whole block gets the answer.
-// M: the mask's element type (f32, or bf16 in 16-bit plans).
-template <typename M>
-__device__ __forceinline__ bool att_tile_dead_n(const M* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms, int rows, int cols) {
+// A mask value at or below this is PyTorch's finfo(float32).min (-3.40e38; bf16's -3.39e38), the
+// "minus infinity" of Hugging Face's causal masks (GPT-2 exports Where(causal, 0, finfo.min)).
+#define ATT_MASKED_MIN (-3.0e38f)
+// A row whose running max (forward) or LSE (backward) is above this has a real score: for it,
+// a score at or below ATT_MASKED_MIN is over 2e38 below and its exp is exactly 0.
+#define ATT_SETTLED (-1.0e38f)
+
+// No row is settled (only -inf counts as masked): the SIMT kernels.
+struct AttNoneSettled {
+    __device__ __forceinline__ bool operator()(i64) const { return false; }
+};
+// Every row of the block is settled or not, as one (the forward: running maxima in registers).
+struct AttAllSettled {
+    bool all;
+    __device__ __forceinline__ bool operator()(i64) const { return all; }
+};
+// Row r is settled when its LSE is (the backward kernels; lse at the batch entry's rows).
+struct AttLseSettled {
+    const f32* lse;
+    __device__ __forceinline__ bool operator()(i64 r) const { return lse[r] > ATT_SETTLED; }
+};
+
+// Whether the rows x cols tile at rows r0.., columns c0.. adds nothing: every score is -inf
+// (outside the matrix, or masked with -inf: a causal mask's upper triangle) or masked with
+// finfo.min in a row that is `settled` (has a real score: exp of the difference is exactly 0; a
+// row masked everywhere by finfo.min keeps its tiles and gets PyTorch's uniform weights). The
+// whole block gets the answer. M: the mask's element type (f32, or bf16 in 16-bit plans).
+template <typename M, typename Settled>
+__device__ __forceinline__ bool att_tile_dead_n(const M* mask, i64 mo, i64 r0, i64 c0, i64 T, i64 S, i64 mt, i64 ms, int rows, int cols,
+                                                Settled settled) {
     int live = 0;
     if (mask) {
         for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
             const i64 r = r0 + e / cols, c = c0 + e % cols;
-            if (r < T && c < S && Num<M>::load(mask[mo + r * mt + c * ms]) != -ATT_INF) live = 1;
+            if (r >= T || c >= S) continue;
+            const f32 x = Num<M>::load(mask[mo + r * mt + c * ms]);
+            if (x != -ATT_INF && !(x <= ATT_MASKED_MIN && settled(r))) live = 1;
         }
     } else {
         live = 1;

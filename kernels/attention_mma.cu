@@ -209,7 +209,9 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
         __syncthreads();  // the previous K and V tiles are read
-        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // adds nothing
+        const bool settled = (rows[0] >= T || m[0] > ATT_SETTLED) && (rows[1] >= T || m[1] > ATT_SETTLED);
+        const AttAllSettled all{__syncthreads_and(settled) != 0};
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, all)) continue;  // adds nothing
         am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
         am_stage_rows_t(vt, v + off.v, HD, s0, S, HD);
         __syncthreads();
@@ -313,7 +315,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
         __syncthreads();
-        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // P = 0 there
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
         am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
         am_stage_rows(vs, LD, v + off.v, HD, s0, S, HD);
         am_stage_cols(kd, kt + off.k, S, s0, HD);
@@ -373,7 +375,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
         for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
     for (i64 t0 = 0; t0 < T; t0 += AM_TILE) {
         __syncthreads();
-        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE)) continue;  // P = 0 there
+        if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
         am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
         am_stage_rows(dos, LD, dout + bi * T * HD, HD, t0, T, HD);
         am_stage_rows_t(qt, q + off.q, HD, t0, T, HD);
