@@ -113,7 +113,8 @@ pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Gr
 // the stream is an opaque handle passed to the driver, never dereferenced here
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
-    if grid.blocks == 0 || grid.threads == 0 || grid.threads > 1024 {
+    // gridDim.x is at most 2^31 - 1 blocks, a block at most 1024 threads
+    if grid.blocks == 0 || grid.blocks > i32::MAX as u32 || grid.threads == 0 || grid.threads > 1024 {
         return Err(Error::Cuda(format!("{kernel}: bad launch geometry {grid:?}")));
     }
     // on the stack: a launch allocates nothing (kernels take at most 14 parameters)
