@@ -112,6 +112,7 @@ pub fn value_ptr(graph: &Graph, plan: &Plan, arena: &mut Arena, bind: &Bindings,
 
 /// Runs one phase of `plan`. `inputs` are the user inputs' bytes, copied into the arena at the
 /// start of the forward phase. `timings`, if given, receives each step's duration.
+#[allow(clippy::too_many_arguments)]
 pub fn run_phase(
     graph: &Graph,
     plan: &Plan,

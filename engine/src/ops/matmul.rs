@@ -56,6 +56,9 @@ impl OpDef for MatMul {
     }
 }
 
+/// FusedMatMul's (A shape, B shape, target shape) with MatMul's dropped 1-D dims restored.
+pub type FusedShapes = (Vec<usize>, Vec<usize>, Option<Vec<usize>>);
+
 /// FusedMatMul's operand and target shapes with MatMul's dropped 1-D dims restored.
 ///
 /// With `grad_of` = 0 the node computes dA = dY·Bᵀ (inputs dY, B; target A's shape), with
@@ -63,12 +66,7 @@ impl OpDef for MatMul {
 /// MatMul dropped a dim of Y (M at -2 for a 1-D A, N at -1 for a 1-D B); here dY gets it back,
 /// the 1-D operand becomes [1, K] (A) or [K, 1] (B), and so does the target. Without `grad_of`
 /// (or with 2-D+ operands) the shapes are returned unchanged. Same memory layout either way.
-pub fn fused_shapes(
-    node: &Node,
-    a: &[usize],
-    b: &[usize],
-    target: Option<&[usize]>,
-) -> Result<(Vec<usize>, Vec<usize>, Option<Vec<usize>>)> {
+pub fn fused_shapes(node: &Node, a: &[usize], b: &[usize], target: Option<&[usize]>) -> Result<FusedShapes> {
     let which = node.attrs.int("grad_of", -1)?;
     let (Some(t), 0 | 1) = (target, which) else { return Ok((a.to_vec(), b.to_vec(), target.map(|t| t.to_vec()))) };
     let (ra, rb) = if which == 0 { (t.len(), b.len()) } else { (a.len(), t.len()) };

@@ -181,12 +181,7 @@ pub fn softmax_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize, 
 
 /// FusedMatMul's operand and target shapes with MatMul's dropped 1-D dims restored (shared
 /// with backends).
-pub fn matmul_fused_shapes(
-    node: &Node,
-    a: &[usize],
-    b: &[usize],
-    target: Option<&[usize]>,
-) -> Result<(Vec<usize>, Vec<usize>, Option<Vec<usize>>)> {
+pub fn matmul_fused_shapes(node: &Node, a: &[usize], b: &[usize], target: Option<&[usize]>) -> Result<matmul::FusedShapes> {
     matmul::fused_shapes(node, a, b, target)
 }
 

@@ -329,8 +329,8 @@ mod bench {
     #[ignore]
     fn adam_speed() {
         let sizes = [5_756_400usize, 5_756_400, 28782, 80_000, 40_000, 40_000, 600, 200, 200, 200];
-        let mut bufs: Vec<(Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>)> =
-            sizes.iter().map(|&n| (vec![0.5; n], vec![1e-3; n], vec![1e-4; n], vec![1e-6; n])).collect();
+        type Buffers = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+        let mut bufs: Vec<Buffers> = sizes.iter().map(|&n| (vec![0.5; n], vec![1e-3; n], vec![1e-4; n], vec![1e-6; n])).collect();
         let h = AdamHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, decoupled: false, maximize: false, step: 3 };
         let mut isas = vec![Level::Generic];
         if is_x86_feature_detected!("avx2") {

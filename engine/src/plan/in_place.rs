@@ -8,6 +8,7 @@
 //!   adds b in place (the same floating-point addition: bitwise equal). Where b is the
 //!   embedding's GatherGrad, b lives there too: its rows are added onto the scaled term and the
 //!   Add has nothing left to do (no dense [vocab, hidden] buffer, no zero fill, no Add pass).
+//!
 //! The in-place kernels (backend/cpu/in_place.rs) never view the operand that lives in their
 //! output's memory.
 

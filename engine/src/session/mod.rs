@@ -28,6 +28,9 @@ pub mod cuda_graph;
 /// One input's element type and shape.
 pub type Sig = (DType, Vec<usize>);
 
+/// A plan's key: (input types, backward, outputs bound, gradients bound from the forward on).
+type PlanKey = (Vec<Sig>, bool, Vec<bool>, bool);
+
 /// How a session runs, without changing its graph.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SessionOptions {
@@ -54,7 +57,7 @@ pub struct Session {
     pub target: Target,
     matmul: MatmulPath,
     /// Plans per (input types, backward, outputs bound, gradients bound from the forward on).
-    plans: Mutex<HashMap<(Vec<Sig>, bool, Vec<bool>, bool), Arc<Plan>>>,
+    plans: Mutex<HashMap<PlanKey, Arc<Plan>>>,
     arenas: Mutex<Vec<Arena>>,
     profile: Mutex<Profile>,
     /// What the graph passes rewrote at import.

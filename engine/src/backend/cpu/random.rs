@@ -166,7 +166,8 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
             mv.iter_mut().for_each(|m| *m = 1);
             return Ok(());
         }
-        let chunk = |(c, ((y, m), x)): (usize, ((&mut [T], &mut [u8]), &[T]))| apply(y, m, x, (c * DROPOUT_CHUNK) as u64);
+        type Chunk<'a, T> = (usize, ((&'a mut [T], &'a mut [u8]), &'a [T]));
+        let chunk = |(c, ((y, m), x)): Chunk<T>| apply(y, m, x, (c * DROPOUT_CHUNK) as u64);
         if xv.len() >= PAR_MIN {
             let chunks = yv.par_chunks_mut(DROPOUT_CHUNK).zip(mv.par_chunks_mut(DROPOUT_CHUNK)).zip(xv.par_chunks(DROPOUT_CHUNK));
             chunks.enumerate().for_each(chunk);

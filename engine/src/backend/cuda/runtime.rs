@@ -132,6 +132,8 @@ impl CudaRuntime {
     }
     /// Device address of at least `n` ones of the float type `t`. Filled on `stream` when
     /// (re)allocated, so work queued after on the same stream reads ones.
+    // the stream is an opaque handle passed to the driver, never dereferenced here
+    #[allow(clippy::not_unsafe_ptr_arg_deref)]
     pub fn ones(&self, stream: CUstream, t: GemmType, n: usize) -> Result<u64> {
         // 1.0 as each type's bits: f32, f64, bf16 (f32's upper half), f16
         let (slot, kernel, bits) = match t {
