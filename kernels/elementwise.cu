@@ -8,6 +8,8 @@
 //   is_nan_T(const T* x, u8* y, i64 n), is_inf_T(x, y, n, i32 detect_pos, i32 detect_neg)
 //   not_u8(const u8* x, u8* y, i64 n)
 //   cast_S_D(const S* x, D* y, i64 n)     S: the 8 types; D: the 8 types and bool
+//   cast_rows_f32_D(const f32* x, D* y, i64 rows, i64 cols, i64 ldx, i64 ldy)   D: bf16, f16
+//       rows of x (row stride ldx) rounded into y (row stride ldy >= cols, the rest zeros)
 //   binary, broadcast through Strides (operands 0 and 1), output contiguous:
 //                                              <op>_T(const T* a, const T* b, T* y, Strides s, i64 n)
 //     floats, i64, i32: add sub mul div max min mod fmod; floats and i64: pow
@@ -141,6 +143,19 @@ template <typename S> struct Cast<S, bool> {
     CAST(src, i64) CAST(src, i32) CAST(src, u8) CAST(src, i8) CAST(src, bool)
 #define CAST_FROM_X(op, src) CAST_FROM(src)
 ORT_NUMS(CAST_FROM_X, _)
+
+// Rows of an f32 matrix rounded to a 16-bit float at another row stride, the columns between
+// `cols` and `ldy` zeroed: the fused LM head's gradient rounded once into rows of whole 16-byte
+// vectors (a vocabulary of 50257 is no multiple of 8), which cuBLAS's tensor-core kernels want.
+// A block per row (grid-stride), its threads along the row.
+#define CAST_ROWS(D)                                                                          \
+    extern "C" __global__ void cast_rows_f32_##D(const f32* x, D* y, i64 rows, i64 cols, i64 ldx, i64 ldy) { \
+        for (i64 r = blockIdx.x; r < rows; r += gridDim.x)                                    \
+            for (i64 c = threadIdx.x; c < ldy; c += blockDim.x)                               \
+                y[r * ldy + c] = c < cols ? Cast<f32, D>::f(x[r * ldx + c]) : Num<D>::store(0.f); \
+    }
+CAST_ROWS(bf16)
+CAST_ROWS(f16)
 
 // ---- binary with broadcasting --------------------------------------------------------------
 

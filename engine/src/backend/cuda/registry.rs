@@ -23,6 +23,8 @@ pub mod types {
     /// Gradient types of the fused optimizers (parameters and moments are f32).
     pub const GRADS: &[&str] = &["f32", "bf16", "f16"];
     pub const F32: &[&str] = &["f32"];
+    /// The 16-bit floats.
+    pub const HALVES: &[&str] = &["bf16", "f16"];
     /// f32, and bf16 tensors read as they are (the tensor-core attention).
     pub const F32_BF16: &[&str] = &["f32", "bf16"];
     pub const F64: &[&str] = &["f64"];
@@ -133,6 +135,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["neg", "abs", "sign"], NUMS, UNARY),
             g(&["not"], U8, UNARY),
             g(CAST_OPS, CAST_TO, UNARY),
+            g(&["cast_rows_f32"], HALVES, &[Ptr, Ptr, AI64, AI64, AI64, AI64]),
             g(&["is_inf"], FLOATS, &[Ptr, Ptr, AI64, AI32, AI32]),
             g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], ARITH, BINARY),
             g(&["pow"], FLOATS, BINARY),

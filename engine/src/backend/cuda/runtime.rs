@@ -226,6 +226,35 @@ impl CudaRuntime {
         }
         self.launch(stream, cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])
     }
+    /// Rounds the `rows` × `cols` f32 matrix at `src` (row stride `ld_src`) to the 16-bit type
+    /// `t` at `dst` with row stride `ld_dst` ≥ cols (the columns past `cols` zeroed), on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn round_f32_rows(
+        &self,
+        stream: CUstream,
+        t: GemmType,
+        src: u64,
+        dst: u64,
+        rows: usize,
+        cols: usize,
+        ld_src: usize,
+        ld_dst: usize,
+    ) -> Result<()> {
+        let kernel = match t {
+            GemmType::Bf16 => "cast_rows_f32_bf16",
+            GemmType::F16 => "cast_rows_f32_f16",
+            other => return Err(Error::Cuda(format!("no rounding of f32 to {other:?}"))),
+        };
+        if ld_dst < cols {
+            return Err(Error::Cuda(format!("rounding rows of {cols} into a row stride of {ld_dst}")));
+        }
+        if rows == 0 || ld_dst == 0 {
+            return Ok(());
+        }
+        let i = |v: usize| KArg::I64(v as i64);
+        let grid = Grid::new(rows.min(1 << 20) as u32, 256);
+        self.launch(stream, kernel, grid, &[KArg::Ptr(src), KArg::Ptr(dst), i(rows), i(cols), i(ld_src), i(ld_dst)])
+    }
     /// Device address of at least `bytes` bytes of the memory `gemm` rounds operands into, for
     /// a caller that rounds operands once (`round_f32`) and multiplies them several times as
     /// 16-bit gemms. Valid until the next call of this or of a rounding `gemm` (an f32 gemm of

@@ -137,8 +137,11 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 );
                 let (gg, ww, xx, dx_g, dw_g) = match h.as_ref().and_then(|h| h.g.map(|gh| (h, gh))) {
                     Some((h, gh)) => {
-                        ctx.rt.round_f32(ctx.stream, h.t, g, gh, r * n)?;
-                        (gh, h.w, h.x, h.gemm(dx_g), h.gemm(dw_g))
+                        // G's copy has rows of whole 16-byte vectors (its leading dimension)
+                        let ld = h.g_ld;
+                        ctx.rt.round_f32_rows(ctx.stream, h.t, g, gh, r, n, n, ld)?;
+                        let dw_g = if trans_b { Gemm { lda: ld, ..h.gemm(dw_g) } } else { Gemm { ldb: ld, ..h.gemm(dw_g) } };
+                        (gh, h.w, h.x, Gemm { lda: ld, ..h.gemm(dx_g) }, dw_g)
                     }
                     None => (g, w.ptr, xc, dx_g, dw_g),
                 };
@@ -170,13 +173,17 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
 /// The operands of a mixed-precision session's products, rounded to 16 bits once instead of
 /// by every gemm (`CudaRuntime::gemm` rounds both operands of each f32 product: per chunk, W
 /// twice and G twice, 13 GB of casts a step on GPT-2 124M). In the runtime's operand scratch:
-/// W whole, the chunk's X_c, and (bf16 sessions; fp16 ones multiply G at TF32) the chunk's G.
-/// The same rounding kernel as the gemm's, so the products are bit for bit the same.
+/// W whole, the chunk's X_c, and (bf16 sessions; fp16 ones multiply G at TF32) the chunk's G
+/// at a row stride of whole 16-byte vectors (`g_ld`: GPT-2's 50257 columns would leave every
+/// row of G 2-byte aligned, which cuBLAS's tensor-core kernels do not take at full speed). The
+/// same rounding (nearest even) as the gemm's: the same operands, multiplied by whichever
+/// kernel cuBLAS picks for the aligned layout.
 struct Halves {
     t: GemmType,
     w: u64,
     x: u64,
     g: Option<u64>,
+    g_ld: usize,
 }
 
 impl Halves {
@@ -189,11 +196,12 @@ impl Halves {
             _ => return Ok(None),
         };
         let bytes = |elems: usize| (elems * half.size()).next_multiple_of(256) as u64;
-        let g_bytes = if half == GemmType::Bf16 { bytes(chunk * n) } else { 0 };
+        let g_ld = n.next_multiple_of(16 / half.size());
+        let g_bytes = if half == GemmType::Bf16 { bytes(chunk * g_ld) } else { 0 };
         let base = ctx.rt.operand_scratch((bytes(n * k) + bytes(chunk * k) + g_bytes) as usize)?;
         let (w, x) = (base, base + bytes(n * k));
         let g = (g_bytes > 0).then_some(x + bytes(chunk * k));
-        Ok(Some(Halves { t: half, w, x, g }))
+        Ok(Some(Halves { t: half, w, x, g, g_ld }))
     }
     /// `g` on the rounded copies: 16-bit operands, the f32 result, no further rounding.
     fn gemm(&self, g: Gemm) -> Gemm {

@@ -15,6 +15,10 @@ use crate::ir::{Attr, Attrs};
 
 // ---- argument lists: built here for the GPU tests and for the registry check below ----------
 
+/// cast_rows_f32_D(x, y, rows, cols, ldx, ldy)
+fn cast_rows_args(x: u64, y: u64, rows: i64, cols: i64, ldx: i64, ldy: i64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::I64(rows), KArg::I64(cols), KArg::I64(ldx), KArg::I64(ldy)]
+}
 fn unary_args(x: u64, y: u64, n: i64) -> Vec<KArg> {
     vec![KArg::Ptr(x), KArg::Ptr(y), KArg::I64(n)]
 }
@@ -86,6 +90,7 @@ fn args_of(op: &str) -> Vec<KArg> {
         "mask_select" => mask_select_args(1, 2, 3, s, 4, 1),
         "min_max_grad" => min_max_grad_args(1, 2, 3, 4, s, 5, 1, 0),
         "affine" => affine_args(1, 2, 3, 0.5, 1.0),
+        "cast_rows_f32" => cast_rows_args(1, 2, 3, 4, 5, 6),
         _ if binary => binary_args(1, 2, 3, s, 4),
         _ if unary => unary_args(1, 2, 3),
         _ => panic!("elementwise: no test launches {op}"),
@@ -304,6 +309,37 @@ const CAST_SPECIALS: &[f64] = &[
     16777217.0,
     16777219.0,
 ];
+
+/// cast_rows_f32_{bf16,f16}: 37 rows of 43 columns at a source row stride of 45 rounded into
+/// rows of 48 (the fused LM head's G at a row stride of whole 16-byte vectors): each row the
+/// CPU Cast of its 43 values, the 5 columns after them zeros, the specials (NaN, infinities,
+/// overflow, subnormals, ties) included.
+#[test]
+fn gpu_cast_rows_round_into_a_wider_row_stride() {
+    let g = Target::of("gpu_cast_rows_round_into_a_wider_row_stride");
+    let mut rng = Rng::new(31);
+    let (rows, cols, ldx, ldy) = (37usize, 43usize, 45usize, 48usize);
+    let mut v: Vec<f64> = CAST_SPECIALS.iter().copied().filter(|x| x.is_nan() || (*x as f32) as f64 == *x || x.is_infinite()).collect();
+    while v.len() < rows * ldx {
+        v.push(rng.f32(-300.0, 300.0) as f64);
+    }
+    let xb = encode("f32", &v);
+    let dx = g.up(&xb);
+    for &dst in types::HALVES {
+        let dy = g.zeros(rows * ldy * size_of(dst));
+        let k = format!("cast_rows_f32_{dst}");
+        g.run(&k, Grid::new(rows as u32, 256), &cast_rows_args(dx.ptr(), dy.ptr(), rows as i64, cols as i64, ldx as i64, ldy as i64));
+        let mut want = Vec::with_capacity(rows * ldy * size_of(dst));
+        for r in 0..rows {
+            let row: Vec<f64> = v[r * ldx..r * ldx + cols].to_vec();
+            let x = cpu_tensor("f32", &[cols], &encode("f32", &row));
+            let to = cpu_dtype(dst).onnx_code() as i64;
+            want.extend(cpu_bytes(dst, &cpu("Cast", Attrs::default().with("to", Attr::Int(to)), &[&x])[0]));
+            want.extend(vec![0u8; (ldy - cols) * size_of(dst)]);
+        }
+        g.same(&format!("{k}: rows of {cols} at stride {ldx} into stride {ldy}"), dst, &dy, &want);
+    }
+}
 
 #[test]
 fn gpu_casts_match_cpu() {

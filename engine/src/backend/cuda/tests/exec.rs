@@ -435,15 +435,22 @@ fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
 }
 
 /// Mixed-precision sessions round the fused LM head's operands once per op (W) and per chunk
-/// (X_c, and G in bf16 sessions) instead of per gemm: both LM heads (two chunks with transB,
-/// bias, class weights and ignore_index; one chunk with W [K, C] and the sum) in bf16 and fp16
-/// sessions within 3e-2 of the largest value of the CPU executor's exact f32.
+/// (X_c, and G in bf16 sessions, at a row stride of whole 16-byte vectors) instead of per gemm:
+/// both LM heads (two chunks with transB, bias, class weights and ignore_index; one chunk with W
+/// [K, C] and the sum), with 40 classes and with 43 (G's rows padded), in bf16 and fp16 sessions
+/// within 3e-2 of the largest value of the CPU executor's exact f32.
 #[test]
 fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
     let Some(_) = gpu("gpu_mixed_precision_lm_heads_match_the_cpu_executor") else { return };
     let mut rng = Rng::new(23);
-    for big in [true, false] {
-        let m = lm_head(&mut rng, big);
+    for (big, classes) in [(true, 40), (false, 40), (true, 43), (false, 43)] {
+        let m = if classes == 40 {
+            lm_head(&mut rng, big)
+        } else {
+            // 43 columns: G's 16-bit copy is padded to rows of 48
+            let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
+            lm_head_with(&mut rng, input, classes, big, if big { "mean" } else { "sum" })
+        };
         let s = session(&m);
         let x = m.input_bytes(&mut rng);
         let sig = m.sig();
@@ -452,7 +459,7 @@ fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
         for mode in [F32Mode::Bf16, F32Mode::F16] {
             let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode);
             let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-            let what = format!("lm_head big={big} {mode:?}");
+            let what = format!("lm_head big={big} classes={classes} {mode:?}");
             assert_close_scaled(&format!("{what}: loss"), &f(&go[0]), &f(&co[0]), 3e-2);
             for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
                 assert_close_scaled(&format!("{what}: gradient of {wname}"), &f(g), &f(c), 3e-2);
