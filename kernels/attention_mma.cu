@@ -208,7 +208,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
-        __syncthreads();  // the previous K and V tiles are read
+        // a block-wide barrier too: the previous K and V tiles are read
         const bool settled = (rows[0] >= T || m[0] > ATT_SETTLED) && (rows[1] >= T || m[1] > ATT_SETTLED);
         const AttAllSettled all{__syncthreads_and(settled) != 0};
         if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, all)) continue;  // adds nothing

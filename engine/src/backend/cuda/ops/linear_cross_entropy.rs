@@ -13,6 +13,7 @@ use super::movement::zero;
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
+use crate::backend::cuda::half_gemm;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
@@ -94,7 +95,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             zero(ctx, db)?;
             None
         };
-        let h = if k > 0 { Halves::new(ctx, t, n, k, chunk)? } else { None };
+        let h = if k > 0 { Halves::new(ctx, t, n, k, chunk, g_mode)? } else { None };
         if let Some(h) = &h {
             ctx.rt.round_f32(ctx.stream, h.t, w.ptr, h.w, n * k)?;
         }
@@ -143,7 +144,14 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                         let dw_g = if trans_b { Gemm { lda: ld, ..h.gemm(dw_g) } } else { Gemm { ldb: ld, ..h.gemm(dw_g) } };
                         (gh, h.w, h.x, Gemm { lda: ld, ..h.gemm(dx_g) }, dw_g)
                     }
-                    None => (g, w.ptr, xc, dx_g, dw_g),
+                    None => {
+                        // G multiplied as f32: these products must not round their operands,
+                        // which would write over the rounded W and X_c in the operand memory
+                        if h.is_some() && (half_gemm::half_type(&dx_g).is_some() || half_gemm::half_type(&dw_g).is_some()) {
+                            return Err(node.err("the LM head's f32 G products would round over its rounded W"));
+                        }
+                        (g, w.ptr, xc, dx_g, dw_g)
+                    }
                 };
                 ctx.rt.gemm(ctx.stream, &dx_g, gg, ww, dxc)?;
                 if trans_b {
@@ -188,8 +196,8 @@ struct Halves {
 
 impl Halves {
     /// None where the products are not rounded: f32 tensors in an f32 or TF32 session, or
-    /// tensors that are not f32.
-    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, k: usize, chunk: usize) -> Result<Option<Halves>> {
+    /// tensors that are not f32. G gets a copy where its products (`g_mode`) are rounded.
+    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, k: usize, chunk: usize, g_mode: F32Mode) -> Result<Option<Halves>> {
         let half = match (t, ctx.f32_mode) {
             (GemmType::F32, F32Mode::Bf16) => GemmType::Bf16,
             (GemmType::F32, F32Mode::F16) => GemmType::F16,
@@ -197,7 +205,7 @@ impl Halves {
         };
         let bytes = |elems: usize| (elems * half.size()).next_multiple_of(256) as u64;
         let g_ld = n.next_multiple_of(16 / half.size());
-        let g_bytes = if half == GemmType::Bf16 { bytes(chunk * g_ld) } else { 0 };
+        let g_bytes = if matches!(g_mode, F32Mode::Bf16 | F32Mode::F16) { bytes(chunk * g_ld) } else { 0 };
         let base = ctx.rt.operand_scratch((bytes(n * k) + bytes(chunk * k) + g_bytes) as usize)?;
         let (w, x) = (base, base + bytes(n * k));
         let g = (g_bytes > 0).then_some(x + bytes(chunk * k));
