@@ -412,6 +412,43 @@ fn lm_head_loss_fuses_for_cuda_in_large_chunks() {
     }
 }
 
+/// Hugging Face's causal masks fill with finfo.min (f32::MIN), not -inf. The tensor-core
+/// kernels skip those tiles too in rows that already have a real score, where every exp is
+/// exactly 0: a train step with the finfo.min mask gives the -inf mask's outputs and
+/// gradients bit for bit (heads of 64 and 128, 150 rows: the upper tiles of three 64-row
+/// tiles skipped, the diagonal ones computed with both kinds of masked scores).
+#[test]
+fn gpu_finfo_min_causal_masks_train_bit_for_bit_like_infinite_ones() {
+    let mut runs = Vec::new();
+    for hd in [64, 128] {
+        for fill in [f32::NEG_INFINITY, f32::MIN] {
+            let m = self_attention_masked(&mut Rng::new(37), true, 150, hd, fill);
+            let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
+            let attention = s.graph.nodes.iter().filter(|n| n.op_type == "Attention").collect::<Vec<_>>();
+            assert_eq!(attention.len(), 1, "heads of {hd}, fill {fill}: fused");
+            // the mask stays f32 (rounded to bf16, finfo.min would become -inf)
+            let plan = s.plan(&[m.sig()], true).expect("plan");
+            let mask = attention[0].inputs.get(3).copied().flatten().expect("the causal mask");
+            assert_eq!(plan.dtype(mask), Some(crate::tensor::DType::F32), "heads of {hd}, fill {fill}: the mask's type");
+            runs.push((hd, fill, m, s));
+        }
+    }
+    let Some(_) = gpu("gpu_finfo_min_causal_masks_train_bit_for_bit_like_infinite_ones") else { return };
+    for pair in runs.chunks(2) {
+        let [(hd, _, mi, si), (_, _, mf, sf)] = pair else { unreachable!("pairs") };
+        let x = mi.input_bytes(&mut Rng::new(41));
+        let sig = mi.sig();
+        let plan = si.plan(std::slice::from_ref(&sig), true).expect("plan");
+        let seeds: Vec<Vec<f32>> = si.outputs.iter().map(|&o| Rng::new(43).f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let (oi, gi) = gpu_step_in(si, &x, &sig, &weight_data(mi), &seeds, F32Mode::Bf16);
+        let (of, gf) = gpu_step_in(sf, &x, &mf.sig(), &weight_data(mf), &seeds, F32Mode::Bf16);
+        let bits = |v: &[Vec<f32>]| v.iter().map(|t| t.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>();
+        assert_eq!(bits(&of), bits(&oi), "heads of {hd}: outputs with the finfo.min mask");
+        assert_eq!(bits(&gf), bits(&gi), "heads of {hd}: weight gradients with the finfo.min mask");
+        println!("heads of {hd}: finfo.min and -inf causal masks give the same bits");
+    }
+}
+
 /// An fp16 session's fused LM head over 4096 rows and 8192 classes with the mean: its
 /// unit-seed gradient G is about softmax/4096 ≈ 3e-8 per entry, under f16's smallest
 /// subnormal, and the loss scale multiplies it only afterwards. Its two products must not

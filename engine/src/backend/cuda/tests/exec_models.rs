@@ -324,6 +324,12 @@ pub(super) fn self_attention(rng: &mut Rng, torchlib: bool) -> Model {
 /// The same over x [2, t, 2·hd] with 2 heads of `hd` (the scale 1/√hd; the padding: the first
 /// sample's last 5 positions and the second's last 40).
 pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usize) -> Model {
+    self_attention_masked(rng, torchlib, t, hd, f32::NEG_INFINITY)
+}
+
+/// As `self_attention_of`, the torchlib form's causal mask filled with `masked` above the
+/// diagonal (-inf as torchlib writes it; f32::MIN, finfo.min, as Hugging Face's models do).
+pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd: usize, masked: f32) -> Model {
     #[allow(non_snake_case)]
     let T = t;
     let width = 2 * hd;
@@ -358,7 +364,7 @@ pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usi
         let qs = op(&mut g, "q_scaled", "Mul", &[q, c], Attrs::default());
         let ks = op(&mut g, "k_scaled", "Mul", &[kt, c], Attrs::default());
         let s = op(&mut g, "scores", "MatMul", &[qs, ks], Attrs::default());
-        let causal: Vec<f32> = (0..T * T).map(|i| if i % T > i / T { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let causal: Vec<f32> = (0..T * T).map(|i| if i % T > i / T { masked } else { 0.0 }).collect();
         let mask = g.add_const("causal", Tensor::from_f32(vec![1, 1, T, T], causal));
         let s = op(&mut g, "masked", "Add", &[s, mask], Attrs::default());
         let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
