@@ -216,15 +216,11 @@ impl CudaRuntime {
     /// Rounds `n` f32 values at `src` to the 16-bit type `t` (nearest even, as `gemm` rounds a
     /// mixed-precision session's operands) at `dst`, queued on `stream`.
     pub fn round_f32(&self, stream: CUstream, t: GemmType, src: u64, dst: u64, n: usize) -> Result<()> {
-        let cast = match t {
-            GemmType::Bf16 => "cast_f32_bf16",
-            GemmType::F16 => "cast_f32_f16",
-            other => return Err(Error::Cuda(format!("no rounding of f32 to {other:?}"))),
-        };
+        let cast = format!("cast_f32_{}", half_suffix(t)?);
         if n == 0 {
             return Ok(());
         }
-        self.launch(stream, cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])
+        self.launch(stream, &cast, self.elementwise_grid(n), &[KArg::Ptr(src), KArg::Ptr(dst), KArg::I64(n as i64)])
     }
     /// Rounds the `rows` × `cols` f32 matrix at `src` (row stride `ld_src`) to the 16-bit type
     /// `t` at `dst` with row stride `ld_dst` ≥ cols (the columns past `cols` zeroed), on `stream`.
@@ -240,11 +236,7 @@ impl CudaRuntime {
         ld_src: usize,
         ld_dst: usize,
     ) -> Result<()> {
-        let kernel = match t {
-            GemmType::Bf16 => "cast_rows_f32_bf16",
-            GemmType::F16 => "cast_rows_f32_f16",
-            other => return Err(Error::Cuda(format!("no rounding of f32 to {other:?}"))),
-        };
+        let kernel = format!("cast_rows_f32_{}", half_suffix(t)?);
         if ld_dst < cols {
             return Err(Error::Cuda(format!("rounding rows of {cols} into a row stride of {ld_dst}")));
         }
@@ -253,7 +245,7 @@ impl CudaRuntime {
         }
         let i = |v: usize| KArg::I64(v as i64);
         let grid = Grid::new(rows.min(1 << 20) as u32, 256);
-        self.launch(stream, kernel, grid, &[KArg::Ptr(src), KArg::Ptr(dst), i(rows), i(cols), i(ld_src), i(ld_dst)])
+        self.launch(stream, &kernel, grid, &[KArg::Ptr(src), KArg::Ptr(dst), i(rows), i(cols), i(ld_src), i(ld_dst)])
     }
     /// Device address of at least `bytes` bytes of the memory `gemm` rounds operands into, for
     /// a caller that rounds operands once (`round_f32`) and multiplies them several times as
@@ -278,5 +270,14 @@ impl CudaRuntime {
     /// Makes the runtime's context current on this thread (PyTorch's primary context).
     pub fn bind(&self) -> Result<()> {
         self.loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))
+    }
+}
+
+/// The kernel suffix of a 16-bit float that f32 operands are rounded to.
+fn half_suffix(t: GemmType) -> Result<&'static str> {
+    match t {
+        GemmType::Bf16 => Ok("bf16"),
+        GemmType::F16 => Ok("f16"),
+        other => Err(Error::Cuda(format!("no rounding of f32 to {other:?}"))),
     }
 }

@@ -25,8 +25,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
     let (x, w, labels) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 3)?);
     let opt = |i: usize| ins.get(i).and_then(|v| v.as_ref());
     same_type(node, x, &[("weight", Some(w)), ("bias", opt(2)), ("class weights", opt(4))])?;
-    let bias = ins.get(2).and_then(|b| b.as_ref()).map_or(0, |b| b.ptr);
-    let class_weights = ins.get(4).and_then(|c| c.as_ref()).map_or(0, |c| c.ptr);
+    let (bias, class_weights) = (opt(2).map_or(0, |b| b.ptr), opt(4).map_or(0, |c| c.ptr));
     let [loss, dx, dw, db, scratch] = outs else {
         return Err(node.err("expected 5 outputs (loss, dX, dW, db, scratch)"));
     };

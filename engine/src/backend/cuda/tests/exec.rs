@@ -184,14 +184,10 @@ fn gpu_tensor_core_attention_matches_the_cpu_executor() {
             let sig = m.sig();
             let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
             let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-            let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-            let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
-            let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-            assert_close_scaled(&format!("{name}: output"), &f(&go[0]), &f(&co[0]), 3e-2);
-            for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
-                assert_close_scaled(&format!("{name}: gradient of {wname}"), &f(g), &f(c), 3e-2);
-            }
-            println!("{name}: output and {} gradients within 3e-2 of the largest value", cg.len());
+            let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
+            assert_step_close(&name, &m, &gpu, &cpu, 3e-2);
+            println!("{name}: output and {} gradients within 3e-2 of the largest value", cpu.1.len());
         }
     }
 }
@@ -223,6 +219,20 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
     }
 }
 
+/// Every output and weight gradient of a step (`got`: outputs, gradients) within `rtol` of the
+/// largest value of `want`'s (`assert_close_scaled`), named `{label}: output k` and
+/// `{label}: gradient of <weight>`.
+type Step = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step, rtol: f64) {
+    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
+        assert_close_scaled(&format!("{label}: output {k}"), &f(g), &f(w), rtol);
+    }
+    for ((wname, _), (g, w)) in m.weights.iter().zip(got.1.iter().zip(&want.1)) {
+        assert_close_scaled(&format!("{label}: gradient of {wname}"), &f(g), &f(w), rtol);
+    }
+}
+
 /// One train step of the bf16 session `s` of `m` (plan `plan`): a CUDA kernel for every step;
 /// on the CPU, outputs and weight gradients within 3e-2 (of the largest value) of the fp32
 /// session's, as the CPU widens every 16-bit kernel call; on a GPU (`test` names the skip),
@@ -233,25 +243,14 @@ fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &cra
     let sig = m.sig();
     let x = m.input_bytes(rng);
     let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-    let (co, cg) = cpu_step(s, &x, &sig, weight_data(m), &mut seeds);
+    let cpu = cpu_step(s, &x, &sig, weight_data(m), &mut seeds);
     let exact = session_with(m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
-    let (eo, eg) = cpu_step(&exact, &x, &sig, weight_data(m), &mut seeds.clone());
-    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    for (k, (c, e)) in co.iter().zip(&eo).enumerate() {
-        assert_close_scaled(&format!("{label}: CPU bf16 output {k}"), &f(c), &f(e), 3e-2);
-    }
-    for ((wname, _), (c, e)) in m.weights.iter().zip(cg.iter().zip(&eg)) {
-        assert_close_scaled(&format!("{label}: CPU bf16 gradient of {wname}"), &f(c), &f(e), 3e-2);
-    }
+    let exact = cpu_step(&exact, &x, &sig, weight_data(m), &mut seeds.clone());
+    assert_step_close(&format!("{label}: CPU bf16"), m, &cpu, &exact, 3e-2);
     let Some(_) = gpu(test) else { return };
-    let (go, gg) = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16);
-    for (k, (g, c)) in go.iter().zip(&co).enumerate() {
-        assert_close_scaled(&format!("{label}: output {k}"), &f(g), &f(c), 3e-2);
-    }
-    for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
-        assert_close_scaled(&format!("{label}: gradient of {wname}"), &f(g), &f(c), 3e-2);
-    }
-    println!("{label}: bf16 outputs and {} gradients within 3e-2 of the largest value", cg.len());
+    let gpu = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16);
+    assert_step_close(label, m, &gpu, &cpu, 3e-2);
+    println!("{label}: bf16 outputs and {} gradients within 3e-2 of the largest value", cpu.1.len());
 }
 
 /// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:
@@ -464,11 +463,9 @@ fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
     let x = m.input_bytes(&mut rng);
     let sig = m.sig();
     let mut seeds = vec![vec![1.0f32]];
-    let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-    let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::F16);
-    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    assert_close_scaled("fp16 LM head: loss", &f(&go[0]), &f(&co[0]), 1e-2);
-    assert_close_scaled("fp16 LM head: gradient of w", &f(&gg[0]), &f(&cg[0]), 1e-2);
+    let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+    let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::F16);
+    assert_step_close("fp16 LM head", &m, &gpu, &cpu, 1e-2);
 }
 
 /// Mixed-precision sessions round the fused LM head's operands once per op (W) and per chunk
@@ -481,26 +478,17 @@ fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
     let Some(_) = gpu("gpu_mixed_precision_lm_heads_match_the_cpu_executor") else { return };
     let mut rng = Rng::new(23);
     for (big, classes) in [(true, 40), (false, 40), (true, 43), (false, 43)] {
-        let m = if classes == 40 {
-            lm_head(&mut rng, big)
-        } else {
-            // 43 columns: G's 16-bit copy is padded to rows of 48
-            let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
-            lm_head_with(&mut rng, input, classes, big, if big { "mean" } else { "sum" })
-        };
+        // lm_head's two models; with 43 classes G's 16-bit copy is padded to rows of 48
+        let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
+        let m = lm_head_with(&mut rng, input, classes, big, if big { "mean" } else { "sum" });
         let s = session(&m);
         let x = m.input_bytes(&mut rng);
         let sig = m.sig();
         let mut seeds = vec![vec![0.75f32]];
-        let (co, cg) = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+        let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
         for mode in [F32Mode::Bf16, F32Mode::F16] {
-            let (go, gg) = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode);
-            let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-            let what = format!("lm_head big={big} classes={classes} {mode:?}");
-            assert_close_scaled(&format!("{what}: loss"), &f(&go[0]), &f(&co[0]), 3e-2);
-            for ((wname, _), (c, g)) in m.weights.iter().zip(cg.iter().zip(&gg)) {
-                assert_close_scaled(&format!("{what}: gradient of {wname}"), &f(g), &f(c), 3e-2);
-            }
+            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode);
+            assert_step_close(&format!("lm_head big={big} classes={classes} {mode:?}"), &m, &gpu, &cpu, 3e-2);
         }
     }
 }
