@@ -143,7 +143,7 @@ __device__ __forceinline__ bool att_tile_dead(const f32* mask, i64 mo, i64 r0, i
 
 extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q, const f32* kt, const f32* v, const f32* mask, f32* o,
                                                                     f32* lse, AttnShape a, f32 scale, i32 nan_guard) {
-    extern __shared__ __align__(16) f32 att_smem[];
+    ORT_DYNAMIC_SHARED(f32, att_smem);
     const i64 T = a.T, S = a.S, D = a.D, Dv = a.Dv, mask_t = a.mask_t, mask_s = a.mask_s;
     const int d_ = (int)D, dv_ = (int)Dv;
     f32* qs = att_smem;                                        // [32][D]
@@ -216,7 +216,7 @@ __device__ __forceinline__ void att_delta8(const f32* dout, const f32* o, i64 bi
 extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32* dout, const f32* q, const f32* kt, const f32* v,
                                                                        const f32* mask, const f32* o, const f32* lse, f32* dq,
                                                                        AttnShape a, f32 scale) {
-    extern __shared__ __align__(16) f32 att_smem[];
+    ORT_DYNAMIC_SHARED(f32, att_smem);
     const i64 T = a.T, S = a.S, D = a.D, Dv = a.Dv, mask_t = a.mask_t, mask_s = a.mask_s;
     const int d_ = (int)D, dv_ = (int)Dv;
     f32* qs = att_smem;                                                  // [32][D]
@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
 extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f32* dout, const f32* q, const f32* kt, const f32* v,
                                                                         const f32* mask, const f32* o, const f32* lse, f32* dkt,
                                                                         f32* dv, AttnShape a, f32 scale) {
-    extern __shared__ __align__(16) f32 att_smem[];
+    ORT_DYNAMIC_SHARED(f32, att_smem);
     const i64 T = a.T, S = a.S, D = a.D, Dv = a.Dv, mask_t = a.mask_t, mask_s = a.mask_s;
     const int d_ = (int)D, dv_ = (int)Dv;
     f32* ks = att_smem;                                           // K tile key-major [32][D]

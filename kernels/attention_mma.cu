@@ -30,16 +30,24 @@
 
 // Two f32 as a bf16 pair (round to nearest), lo in the low half.
 __device__ __forceinline__ u32 am_pack(f32 lo, f32 hi) {
+#ifdef ORT_CPU_EMU
+    return (u32)ort_emu_f32_to_bf16(lo) | ((u32)ort_emu_f32_to_bf16(hi) << 16);
+#else
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
+#endif
 }
 
 // c += a · b: 16 x 8 x 16, bf16 operands, f32 accumulators.
 __device__ __forceinline__ void am_mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
+#ifdef ORT_CPU_EMU
+    ort_emu_mma_bf16_m16n8k16(c, a, b0, b1);
+#else
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 __device__ __forceinline__ u32 am_pair(const u16* t, int ld, int r, int k) { return *reinterpret_cast<const u32*>(t + r * ld + k); }
@@ -187,7 +195,7 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
 template <int HD, typename E>
 __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard) {
-    extern __shared__ __align__(16) u16 am_smem[];
+    ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
     u16* qs = am_smem;            // Q [64][HD]
@@ -283,7 +291,7 @@ __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f
 template <int HD, typename E>
 __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                           const f32* lse, E* dq, const AttnShape& a, f32 scale) {
-    extern __shared__ __align__(16) u16 am_smem[];
+    ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
     u16* qs = am_smem;             // Q [64][HD]
@@ -345,7 +353,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
 template <int HD, typename E>
 __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                            const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale) {
-    extern __shared__ __align__(16) u16 am_smem[];
+    ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
     u16* ks = am_smem;             // K key-major [64][HD]

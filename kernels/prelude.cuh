@@ -32,6 +32,11 @@ struct f16 { u16 bits; };
 
 #define ORT_MAX_DIMS 8
 
+// A kernel's dynamic shared memory (the launch's byte count), as an array of T.
+#ifndef ORT_CPU_EMU
+#define ORT_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#endif
+
 struct Strides {
     i32 rank;
     i64 dims[ORT_MAX_DIMS];
@@ -91,19 +96,32 @@ template <typename F> __device__ __forceinline__ void for_each_window_source(con
 // ---- conversions -------------------------------------------------------------------------
 
 __device__ __forceinline__ float bf16_to_f32(bf16 v) { return __uint_as_float(((u32)v.bits) << 16); }
+// (ORT_CPU_EMU: cuda-emu/emu.h, where these sources run on the CPU, has the same conversions.)
 __device__ __forceinline__ bf16 f32_to_bf16(float f) {
     bf16 r;
+#ifdef ORT_CPU_EMU
+    r.bits = ort_emu_f32_to_bf16(f);
+#else
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#endif
     return r;
 }
 __device__ __forceinline__ float f16_to_f32(f16 v) {
+#ifdef ORT_CPU_EMU
+    return ort_emu_f16_to_f32(v.bits);
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
     return f;
+#endif
 }
 __device__ __forceinline__ f16 f32_to_f16(float f) {
     f16 r;
+#ifdef ORT_CPU_EMU
+    r.bits = ort_emu_f32_to_f16(f);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(f));
+#endif
     return r;
 }
 

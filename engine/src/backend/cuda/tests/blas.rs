@@ -231,7 +231,7 @@ fn gpu_runtime_mixed_precision_gemms_multiply_rounded_operands() {
 
 #[test]
 fn gpu_gemm_speed() {
-    let Some(g) = gpu("gpu_gemm_speed") else { return };
+    let Some(g) = gpu_for_timing("gpu_gemm_speed") else { return };
     let n = 8192usize;
     for (t, mode) in
         [(GemmType::Bf16, F32Mode::Exact), (GemmType::F32, F32Mode::Exact), (GemmType::F32, F32Mode::Tf32), (GemmType::F32, F32Mode::Bf16)]

@@ -41,6 +41,23 @@ pub fn gpu(test: &str) -> Option<&'static Loaded> {
     }
 }
 
+/// Whether GPU 0 is cuda-emu (cuda-emu/README.md: the kernels run on the CPU), which names its
+/// device so.
+pub fn emulated() -> bool {
+    gpu_or_reason().is_ok_and(|l| l.ctx.name().is_ok_and(|n| n.contains("cuda-emu")))
+}
+
+/// The GPU for a test that measures speed, or `None` after printing why it is skipped: no GPU,
+/// or the CPU emulator, whose timings say nothing about a GPU.
+pub fn gpu_for_timing(test: &str) -> Option<&'static Loaded> {
+    let g = gpu(test)?;
+    if emulated() {
+        eprintln!("SKIPPED {test}: a timing, and this is cuda-emu (the CPU emulator), not a GPU");
+        return None;
+    }
+    Some(g)
+}
+
 /// Uploads `data`.
 pub fn dev<T: Copy>(g: &Loaded, data: &[T]) -> DeviceBuffer {
     DeviceBuffer::from_slice(&g.ctx, data).unwrap_or_else(|e| panic!("{e}"))

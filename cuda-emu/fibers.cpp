@@ -1,0 +1,561 @@
+// ortrain CUDA emulator: runs a kernel launch on the CPU. Every CUDA thread of a block is a fiber
+// with its own stack; the scheduler runs the ready fibers one at a time, each until it reaches a
+// collective operation (a block barrier, a warp shuffle, an mma.sync) or returns, in an order
+// shuffled at every phase, so that a missing barrier shows up as a wrong result rather than
+// hiding behind a lucky order. A collective completes when every live thread it involves has
+// arrived; if none can complete, the launch fails as a deadlock (threads at different barriers).
+// A fault (a read or write of memory no allocation owns: allocations end at a guard page, see
+// driver.cpp) or an integer division by zero ends the launch with an error naming the kernel.
+#include <signal.h>
+#include <setjmp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "emu.h"
+#include "emu_runtime.h"
+
+dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// Saves the callee-saved registers and the FP control words on the current stack, stores the
+// stack pointer in *save and continues on the stack `next` (System V x86-64).
+extern "C" void ort_emu_switch(void** save, void* next);
+asm(R"(
+    .text
+    .globl ort_emu_switch
+    .type ort_emu_switch, @function
+ort_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size ort_emu_switch, .-ort_emu_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+
+namespace ort_emu {
+namespace {
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kMaxThreads = 1024;
+constexpr size_t kDynamicSharedBytes = 256 * 1024;
+
+enum class State { Ready, AtBarrier, AtWarpOp, Done };
+enum class WarpOp { None, Shuffle, Mma };
+
+struct Fiber {
+    void* sp = nullptr;
+    char* stack = nullptr;  // kStackBytes, with a guard page below
+    State state = State::Done;
+    // block barrier: the predicate for __syncthreads_count, then its result
+    int pred = 0;
+    // warp operations: what this lane brings and what it gets back
+    WarpOp op = WarpOp::None;
+    unsigned mask = 0;
+    int lane_mask = 0;
+    uint64_t value = 0;
+    float c[4];
+    uint32_t a[4], b[2];
+};
+
+struct Scheduler {
+    std::vector<Fiber> fibers;
+    void* scheduler_sp = nullptr;
+    int current = -1;
+    int threads = 0;
+    const Kernel* kernel = nullptr;
+    void** params = nullptr;
+    alignas(16) unsigned char dynamic_shared[kDynamicSharedBytes];
+    uint64_t rng = 0x9E3779B97F4A7C15ull;
+    std::string error;
+    sigjmp_buf fault_jump;
+    volatile sig_atomic_t in_kernel = 0;
+    volatile uintptr_t fault_addr = 0;
+    volatile int fault_signal = 0;
+};
+
+Scheduler* sched() {
+    static Scheduler* s = new Scheduler();
+    return s;
+}
+
+std::mutex& big_lock() {
+    static std::mutex m;
+    return m;
+}
+
+uint64_t next_random(Scheduler& s) {
+    s.rng ^= s.rng << 13;
+    s.rng ^= s.rng >> 7;
+    s.rng ^= s.rng << 17;
+    return s.rng;
+}
+
+bool shuffled_order() {
+    static const bool on = [] {
+        const char* v = getenv("ORT_EMU_ORDER");
+        return !(v && strcmp(v, "forward") == 0);
+    }();
+    return on;
+}
+
+void set_thread_index(int t) {
+    threadIdx.x = t % blockDim.x;
+    threadIdx.y = (t / blockDim.x) % blockDim.y;
+    threadIdx.z = t / (blockDim.x * blockDim.y);
+}
+
+// Back to the scheduler from the running fiber.
+void yield_to_scheduler() {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    ort_emu_switch(&f.sp, s.scheduler_sp);
+}
+
+extern "C" void fiber_entry() {
+    Scheduler& s = *sched();
+    s.kernel->invoke(s.params);
+    s.fibers[s.current].state = State::Done;
+    Fiber& f = s.fibers[s.current];
+    ort_emu_switch(&f.sp, s.scheduler_sp);
+    abort();  // a finished fiber is never resumed
+}
+
+void prepare_fiber(Fiber& f) {
+    if (!f.stack) {
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        void* m = mmap(nullptr, kStackBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (m == MAP_FAILED) {
+            fprintf(stderr, "cuda-emu: out of memory for fiber stacks\n");
+            abort();
+        }
+        mprotect(m, page, PROT_NONE);  // a stack overflow faults instead of corrupting
+        f.stack = static_cast<char*>(m) + page;
+    }
+    uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + kStackBytes) & ~(uintptr_t)15;
+    uint64_t* slot = reinterpret_cast<uint64_t*>(top - 16);  // fiber_entry's return address slot
+    slot[0] = reinterpret_cast<uint64_t>(&fiber_entry);
+    slot[1] = 0;
+    uint64_t* regs = slot - 6;  // r15, r14, r13, r12, rbx, rbp
+    for (int i = 0; i < 6; ++i) regs[i] = 0;
+    uint32_t* control = reinterpret_cast<uint32_t*>(regs - 1);
+    control[0] = 0x1F80;  // MXCSR: round to nearest, exceptions masked
+    control[1] = 0x037F;  // x87 control word
+    f.sp = regs - 1;
+    f.state = State::Ready;
+    f.op = WarpOp::None;
+}
+
+uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN, as cvt.rn.bf16.f32
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+float bf16_value(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
+    uint64_t result[32];
+    for (int l = 0; l < lanes; ++l) {
+        const Fiber& f = s.fibers[warp_base + l];
+        if (f.op != WarpOp::Shuffle) continue;
+        const int src = l ^ f.lane_mask;
+        result[l] = (src < lanes && s.fibers[warp_base + src].op == WarpOp::Shuffle) ? s.fibers[warp_base + src].value : f.value;
+    }
+    for (int l = 0; l < lanes; ++l) {
+        Fiber& f = s.fibers[warp_base + l];
+        if (f.op != WarpOp::Shuffle) continue;
+        f.value = result[l];
+        f.op = WarpOp::None;
+        f.state = State::Ready;
+    }
+}
+
+// mma.m16n8k16.row.col bf16 -> f32, with the PTX ISA's fragment layout (g = lane / 4,
+// q = lane % 4): A rows g and g + 8 at k = 2q, 2q + 1, 2q + 8, 2q + 9; B column g at the same k;
+// C rows g and g + 8 at columns 2q, 2q + 1. Products are summed exactly in double, then rounded
+// once (the hardware's order is unspecified; its error is within a few f32 ulps of this).
+void complete_mma(Scheduler& s, int warp_base) {
+    float A[16][16], B[16][8], C[16][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        const Fiber& f = s.fibers[warp_base + lane];
+        const int g = lane / 4, q = lane % 4;
+        const int rows[4] = {g, g + 8, g, g + 8}, ks[4] = {2 * q, 2 * q, 2 * q + 8, 2 * q + 8};
+        for (int r = 0; r < 4; ++r) {
+            A[rows[r]][ks[r]] = bf16_value((uint16_t)(f.a[r] & 0xffff));
+            A[rows[r]][ks[r] + 1] = bf16_value((uint16_t)(f.a[r] >> 16));
+        }
+        for (int r = 0; r < 2; ++r) {
+            B[2 * q + 8 * r][g] = bf16_value((uint16_t)(f.b[r] & 0xffff));
+            B[2 * q + 8 * r + 1][g] = bf16_value((uint16_t)(f.b[r] >> 16));
+        }
+        C[g][2 * q] = f.c[0];
+        C[g][2 * q + 1] = f.c[1];
+        C[g + 8][2 * q] = f.c[2];
+        C[g + 8][2 * q + 1] = f.c[3];
+    }
+    for (int i = 0; i < 16; ++i)
+        for (int j = 0; j < 8; ++j) {
+            double acc = C[i][j];
+            for (int k = 0; k < 16; ++k) acc += (double)A[i][k] * (double)B[k][j];
+            C[i][j] = (float)acc;
+        }
+    for (int lane = 0; lane < 32; ++lane) {
+        Fiber& f = s.fibers[warp_base + lane];
+        const int g = lane / 4, q = lane % 4;
+        f.c[0] = C[g][2 * q];
+        f.c[1] = C[g][2 * q + 1];
+        f.c[2] = C[g + 8][2 * q];
+        f.c[3] = C[g + 8][2 * q + 1];
+        f.op = WarpOp::None;
+        f.state = State::Ready;
+    }
+}
+
+std::string block_name(const Scheduler& s) {
+    char b[128];
+    snprintf(b, sizeof b, "block (%u, %u, %u) of a (%u, %u, %u) grid of (%u, %u, %u) threads", blockIdx.x, blockIdx.y, blockIdx.z,
+             gridDim.x, gridDim.y, gridDim.z, blockDim.x, blockDim.y, blockDim.z);
+    (void)s;
+    return b;
+}
+
+// Completes whatever collective operations every involved thread has reached. False when
+// nothing could complete although some threads still wait: a deadlock (with s.error set).
+bool complete_collectives(Scheduler& s) {
+    bool released = false;
+    int live = 0, at_barrier = 0, waiting = 0;
+    for (int t = 0; t < s.threads; ++t) {
+        const State st = s.fibers[t].state;
+        if (st != State::Done) ++live;
+        if (st == State::AtBarrier) ++at_barrier;
+        if (st == State::AtBarrier || st == State::AtWarpOp) ++waiting;
+    }
+    // warps: a shuffle or an mma completes when every lane it names has arrived
+    for (int base = 0; base < s.threads; base += 32) {
+        const int lanes = s.threads - base < 32 ? s.threads - base : 32;
+        WarpOp op = WarpOp::None;
+        unsigned mask = 0;
+        int arrived = 0;
+        for (int l = 0; l < lanes; ++l) {
+            const Fiber& f = s.fibers[base + l];
+            if (f.state == State::AtWarpOp) {
+                op = f.op;
+                mask = f.mask;
+                ++arrived;
+            }
+        }
+        if (op == WarpOp::None) continue;
+        bool complete = true;
+        for (int l = 0; l < 32; ++l) {
+            if (!(mask >> l & 1u)) continue;
+            if (l >= lanes) {
+                s.error = "a warp-collective operation names lane " + std::to_string(l) + " of a partial warp (" +
+                          std::to_string(lanes) + " lanes) in " + block_name(s);
+                return false;
+            }
+            const Fiber& f = s.fibers[base + l];
+            if (f.state == State::Done) {
+                s.error = "lane " + std::to_string(l) + " of warp " + std::to_string(base / 32) +
+                          " returned before a warp-collective operation its warp waits at, in " + block_name(s);
+                return false;
+            }
+            if (f.state != State::AtWarpOp) complete = false;
+            else if (f.op != op) {
+                s.error = "lanes of warp " + std::to_string(base / 32) + " wait at different warp operations in " + block_name(s);
+                return false;
+            }
+        }
+        if (!complete) continue;
+        if (op == WarpOp::Shuffle) complete_shuffle(s, base, lanes);
+        else complete_mma(s, base);
+        released = true;
+        (void)arrived;
+    }
+    if (!released && at_barrier > 0 && at_barrier == live) {
+        int count = 0;
+        for (int t = 0; t < s.threads; ++t)
+            if (s.fibers[t].state == State::AtBarrier) count += s.fibers[t].pred;
+        for (int t = 0; t < s.threads; ++t)
+            if (s.fibers[t].state == State::AtBarrier) {
+                s.fibers[t].pred = count;
+                s.fibers[t].state = State::Ready;
+            }
+        released = true;
+    }
+    if (!released && waiting > 0) {
+        s.error = std::to_string(at_barrier) + " threads wait at __syncthreads while " + std::to_string(waiting - at_barrier) +
+                  " wait at a warp operation (of " + std::to_string(live) + " live) in " + block_name(s) +
+                  ": a barrier inside divergent code";
+        return false;
+    }
+    return true;
+}
+
+// Runs one block to its end. False on a deadlock (s.error says which).
+bool run_block(Scheduler& s) {
+    for (int t = 0; t < s.threads; ++t) prepare_fiber(s.fibers[t]);
+    std::vector<int> order(s.threads);
+    for (;;) {
+        int ready = 0;
+        for (int t = 0; t < s.threads; ++t)
+            if (s.fibers[t].state == State::Ready) order[ready++] = t;
+        if (ready == 0) {
+            bool all_done = true;
+            for (int t = 0; t < s.threads; ++t) all_done &= s.fibers[t].state == State::Done;
+            if (all_done) return true;
+            if (!complete_collectives(s)) return false;
+            continue;
+        }
+        if (shuffled_order())
+            for (int i = ready - 1; i > 0; --i) {
+                const int j = (int)(next_random(s) % (uint64_t)(i + 1));
+                std::swap(order[i], order[j]);
+            }
+        for (int i = 0; i < ready; ++i) {
+            const int t = order[i];
+            s.current = t;
+            set_thread_index(t);
+            ort_emu_switch(&s.scheduler_sp, s.fibers[t].sp);
+        }
+        s.current = -1;
+    }
+}
+
+struct sigaction previous_segv, previous_bus, previous_fpe;
+
+void on_fault(int sig, siginfo_t* info, void* ctx) {
+    Scheduler& s = *sched();
+    if (s.in_kernel) {
+        s.fault_addr = reinterpret_cast<uintptr_t>(info->si_addr);
+        s.fault_signal = sig;
+        s.in_kernel = 0;
+        siglongjmp(s.fault_jump, 1);
+    }
+    const struct sigaction& prev = sig == SIGSEGV ? previous_segv : sig == SIGBUS ? previous_bus : previous_fpe;
+    if (prev.sa_flags & SA_SIGINFO) {
+        if (prev.sa_sigaction) {
+            prev.sa_sigaction(sig, info, ctx);
+            return;
+        }
+    } else if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN) {
+        prev.sa_handler(sig);
+        return;
+    }
+    signal(sig, SIG_DFL);  // the fault recurs on return and ends the process as it would have
+}
+
+void install_fault_handlers() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = on_fault;
+        sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGSEGV, &sa, &previous_segv);
+        sigaction(SIGBUS, &sa, &previous_bus);
+        sigaction(SIGFPE, &sa, &previous_fpe);
+    });
+    // the handler must not run on a fiber stack that has just overflowed
+    thread_local bool has_alt_stack = false;
+    if (!has_alt_stack) {
+        stack_t cur;
+        if (sigaltstack(nullptr, &cur) == 0 && (cur.ss_flags & SS_DISABLE)) {
+            stack_t st;
+            st.ss_size = 64 * 1024;
+            st.ss_sp = malloc(st.ss_size);
+            st.ss_flags = 0;
+            sigaltstack(&st, nullptr);
+        }
+        has_alt_stack = true;
+    }
+}
+
+std::string& error_slot() {
+    static std::string e;
+    return e;
+}
+
+}  // namespace
+
+Lock::Lock() { big_lock().lock(); }
+Lock::~Lock() { big_lock().unlock(); }
+
+const std::string& last_error() { return error_slot(); }
+
+std::string describe_address(uintptr_t addr);  // driver.cpp
+
+int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void** params) {
+    Scheduler& s = *sched();
+    const size_t threads = (size_t)block.x * block.y * block.z;
+    auto fail = [&](int code, const std::string& why) {
+        error_slot() = std::string("cuda-emu: kernel ") + k.name + " (" + k.file + "): " + why;
+        fprintf(stderr, "%s\n", error_slot().c_str());
+        return code;
+    };
+    if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
+        return fail(1, "invalid launch configuration (grid " + std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" +
+                           std::to_string(grid.z) + ", block " + std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
+                           std::to_string(block.z) + ")");
+    if (dynamic_shared > kDynamicSharedBytes) return fail(1, "dynamic shared memory " + std::to_string(dynamic_shared) + " bytes");
+    install_fault_handlers();
+    if (s.fibers.size() < threads) s.fibers.resize(threads);
+    s.threads = (int)threads;
+    s.kernel = &k;
+    s.params = params;
+    blockDim = dim3{block.x, block.y, block.z};
+    gridDim = dim3{grid.x, grid.y, grid.z};
+    memset(s.dynamic_shared, 0xff, dynamic_shared);  // shared memory starts as garbage on a GPU
+    if (sigsetjmp(s.fault_jump, 1)) {
+        const uintptr_t addr = s.fault_addr;
+        const int sig = s.fault_signal;
+        s.current = -1;
+        char where[160];
+        snprintf(where, sizeof where, "thread (%u, %u, %u) of block (%u, %u, %u): ", threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x,
+                 blockIdx.y, blockIdx.z);
+        if (sig == SIGFPE) return fail(719, std::string(where) + "integer division by zero (a GPU returns garbage; the CPU traps)");
+        return fail(700, std::string(where) + "illegal address " + describe_address(addr));
+    }
+    s.in_kernel = 1;
+    for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+            for (unsigned bx = 0; bx < grid.x; ++bx) {
+                blockIdx = dim3{bx, by, bz};
+                if (!run_block(s)) {
+                    s.in_kernel = 0;
+                    return fail(719, s.error);
+                }
+            }
+    s.in_kernel = 0;
+    return 0;
+}
+
+}  // namespace ort_emu
+
+using namespace ort_emu;
+
+// ---- what emu.h declares for the kernels ---------------------------------------------------
+
+void ort_emu_syncthreads() { (void)ort_emu_syncthreads_count(0); }
+
+int ort_emu_syncthreads_count(int pred) {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    const dim3 t = threadIdx;
+    f.pred = pred;
+    f.state = State::AtBarrier;
+    yield_to_scheduler();
+    threadIdx = t;
+    return f.pred;
+}
+
+uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask) {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    const dim3 t = threadIdx;
+    f.op = WarpOp::Shuffle;
+    f.mask = mask;
+    f.lane_mask = lane_mask;
+    f.value = bits;
+    f.state = State::AtWarpOp;
+    yield_to_scheduler();
+    threadIdx = t;
+    return f.value;
+}
+
+void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    const dim3 t = threadIdx;
+    f.op = WarpOp::Mma;
+    f.mask = 0xffffffffu;
+    for (int i = 0; i < 4; ++i) {
+        f.c[i] = c[i];
+        f.a[i] = a[i];
+    }
+    f.b[0] = b0;
+    f.b[1] = b1;
+    f.state = State::AtWarpOp;
+    yield_to_scheduler();
+    threadIdx = t;
+    for (int i = 0; i < 4; ++i) c[i] = f.c[i];
+}
+
+void* ort_emu_dynamic_shared() { return sched()->dynamic_shared; }
+
+uint16_t ort_emu_f32_to_bf16(float f) { return bf16_bits(f); }
+
+uint16_t ort_emu_f32_to_f16(float f) {
+    // round to nearest even, as cvt.rn.f16.f32: overflow to inf, subnormals, NaN kept quiet
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    const uint32_t abs = u & 0x7fffffffu;
+    if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7fffu);
+    if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to 65520 or more: inf
+    if (abs < 0x38800000u) {                                      // below f16's smallest normal
+        if (abs < 0x33000000u) return (uint16_t)sign;             // under half the smallest subnormal
+        const int e = (int)(abs >> 23);
+        const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+        const int shift = 126 - e;  // to units of 2^-24
+        uint32_t q = mant >> shift;
+        const uint32_t rem = mant & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1u))) ++q;
+        return (uint16_t)(sign | q);
+    }
+    uint32_t v = abs - 0x38000000u;  // rebias the exponent from 127 to 15
+    const uint32_t rem = v & 0x1fffu;
+    v >>= 13;
+    if (rem > 0x1000u || (rem == 0x1000u && (v & 1u))) ++v;
+    return (uint16_t)(sign | v);
+}
+
+float ort_emu_f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t u;
+    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
+    else if (e != 0) u = sign | ((e + 112) << 23) | (m << 13);
+    else if (m == 0) u = sign;
+    else {
+        float v = (float)m * (1.0f / 16777216.0f);  // m * 2^-24, exact
+        memcpy(&u, &v, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
