@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <map>
 #include <mutex>
 #include <string>
@@ -104,9 +105,17 @@ Scheduler* sched() {
     return s;
 }
 
-std::mutex& big_lock() {
-    static std::mutex m;
-    return m;
+// A first-come, first-served lock: threads calling in at once take turns call by call, as
+// their work can interleave on a GPU, instead of one running ahead (std::mutex is not fair).
+struct TicketLock {
+    std::mutex m;
+    std::condition_variable turn;
+    uint64_t next = 0, serving = 0;
+};
+
+TicketLock& big_lock() {
+    static TicketLock* l = new TicketLock();
+    return *l;
 }
 
 uint64_t next_random(Scheduler& s) {
@@ -411,8 +420,21 @@ std::string& error_slot() {
 
 }  // namespace
 
-Lock::Lock() { big_lock().lock(); }
-Lock::~Lock() { big_lock().unlock(); }
+Lock::Lock() {
+    TicketLock& l = big_lock();
+    std::unique_lock<std::mutex> g(l.m);
+    const uint64_t mine = l.next++;
+    l.turn.wait(g, [&] { return l.serving == mine; });
+}
+
+Lock::~Lock() {
+    TicketLock& l = big_lock();
+    {
+        std::lock_guard<std::mutex> g(l.m);
+        ++l.serving;
+    }
+    l.turn.notify_all();
+}
 
 const std::string& last_error() { return error_slot(); }
 

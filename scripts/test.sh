@@ -12,6 +12,11 @@ cargo test --release -q -p ortrain-engine --features cuda -- --skip every_kernel
 echo "[test] every CUDA kernel file compiled by NVRTC to an sm_90 CUBIN, every kernel symbol checked (no GPU: compiled, not run)"
 cargo test --release -q -p ortrain-engine --features cuda --test cuda_kernels every_kernel_file -- --nocapture
 
+echo "[test] the CUDA backend's GPU tests on cuda-emu: kernels/*.cu compiled by g++ and run on the CPU (emulated, not a GPU)"
+emu="$(bash cuda-emu/build.sh)"
+LD_LIBRARY_PATH="$emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
+LD_LIBRARY_PATH="$emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
+
 echo "[test] cargo check (engine without the cuda feature)"
 cargo check --release -q -p ortrain-engine
 

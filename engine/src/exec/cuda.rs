@@ -156,6 +156,8 @@ pub fn run_phase(
     ctx: &mut CudaCtx,
 ) -> Result<()> {
     ctx.rt.bind()?;
+    let rt = ctx.rt;
+    let _claim = rt.claim(ctx.stream)?;
     let range = match phase {
         Phase::Forward => {
             copy_inputs(graph, plan, base, inputs, ctx)?;

@@ -99,6 +99,7 @@ impl CudaGraph {
     /// the recorded work expects; launches of one graph must not race from several threads.
     pub unsafe fn launch(&self, rt: &CudaRuntime, stream: CUstream) -> Result<()> {
         rt.bind()?;
+        let _claim = rt.claim(stream)?;
         // SAFETY: the executable graph is live (owned); the memory it reads and writes is the
         // caller's contract.
         unsafe { graph::launch(self.exec, stream) }.map_err(driver_err("launching"))

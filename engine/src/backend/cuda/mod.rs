@@ -19,6 +19,7 @@
 pub mod abi;
 pub mod blas;
 pub mod cache;
+pub mod claim;
 pub mod compile;
 pub mod driver;
 pub mod elf;

@@ -11,6 +11,7 @@ use cudarc::driver::{result as driver, sys::CUstream, CudaFunction};
 
 use super::abi::Arg;
 use super::blas::{self, Blas, F32Mode, Gemm, GemmType};
+use super::claim::{Claim, Claims};
 use super::launch::{self, Grid, KArg};
 use super::loader::{self, Loaded};
 use super::{cache, half_gemm, nvrtc};
@@ -24,9 +25,9 @@ pub struct CudaRuntime {
     /// Multiprocessors: the grid-size cap of grid-stride kernels is a few blocks per SM.
     pub sms: u32,
     /// Scratch memory for kernels' temporaries (row statistics, per-sample losses), grown on
-    /// demand. One region, reused by every launch: the engine queues all its work on one stream
-    /// at a time (PyTorch's current stream), so a later launch's use is ordered after an earlier
-    /// one's, and growing frees the old region with a synchronising cuMemFree.
+    /// demand. One region, reused by every launch: work that uses it holds a claim (`claim`,
+    /// claim.rs), which orders it after the previous user's, whatever thread or stream that
+    /// was; growing frees the old region with a synchronising cuMemFree.
     scratch: Mutex<Option<super::launch::DeviceBuffer>>,
     /// The 16-bit copies of a mixed-precision gemm's operands (half_gemm.rs); apart from
     /// `scratch`, which a dispatcher may hold across its gemms. Grown and reused the same way.
@@ -39,6 +40,8 @@ pub struct CudaRuntime {
     /// instead of freed. The growth is geometric, so that costs less than the last buffer.
     graphs: AtomicBool,
     retired: Mutex<Vec<super::launch::DeviceBuffer>>,
+    /// Orders the users of `scratch` and `operands` (claim.rs).
+    claims: Claims,
     /// The stream CUDA graphs are recorded on (made on first use; recording cannot use
     /// PyTorch's default stream, the legacy NULL stream), one recording at a time.
     capture: Mutex<Option<CaptureStream>>,
@@ -89,6 +92,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         ones: Mutex::new([None, None, None, None]),
         graphs: AtomicBool::new(false),
         retired: Mutex::new(Vec::new()),
+        claims: Claims::default(),
         capture: Mutex::new(None),
     }))
 }
@@ -110,6 +114,11 @@ impl CudaRuntime {
         };
         launch::check_against(kernel, sig, args)?;
         launch::launch_unchecked_args(&f, kernel, stream, grid, args)
+    }
+    /// Claims the scratch and operand buffers for work queued on `stream` until the claim is
+    /// dropped (claim.rs): every phase of a step and every graph replay holds one.
+    pub fn claim(&self, stream: CUstream) -> Result<Claim<'_>> {
+        self.claims.claim(stream)
     }
     /// Device address of at least `bytes` bytes of scratch memory (see the field's note), 256-byte
     /// aligned; valid until the next call.

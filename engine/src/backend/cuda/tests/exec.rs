@@ -167,6 +167,44 @@ fn gpu_train_step_matches_the_cpu_executor() {
     }
 }
 
+/// Two threads stepping their own models at once on the same (legacy) stream get bit for bit
+/// what each gets alone: every phase claims the runtime's shared scratch (claim.rs), so their
+/// kernels do not interleave on it. Before the claim, one thread's LM head read the other's
+/// logits chunk (found by cuda-emu, running two of these tests at once).
+#[test]
+fn gpu_two_threads_stepping_at_once_get_what_each_gets_alone() {
+    let Some(_) = gpu("gpu_two_threads_stepping_at_once_get_what_each_gets_alone") else { return };
+    // each thread builds its model and session, then all step together
+    let stepper = |seed: u64, start: Option<&std::sync::Barrier>, steps: usize| {
+        let mut rng = Rng::new(seed);
+        let m = lm_head(&mut rng, true);
+        let s = session(&m);
+        let sig = m.sig();
+        let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
+        let x = m.input_bytes(&mut rng);
+        let seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        if let Some(b) = start {
+            b.wait();
+        }
+        (0..steps).map(|_| gpu_step(&s, &x, &sig, &weight_data(&m), &seeds)).collect::<Vec<Step>>()
+    };
+    let alone = [31, 37].map(|seed| stepper(seed, None, 1).remove(0));
+    let start = std::sync::Barrier::new(2);
+    let together: Vec<Vec<Step>> = std::thread::scope(|scope| {
+        let threads = [31, 37].map(|seed| {
+            let (stepper, start) = (&stepper, &start);
+            scope.spawn(move || stepper(seed, Some(start), 4))
+        });
+        threads.into_iter().map(|t| t.join().expect("a stepping thread panicked")).collect()
+    });
+    let bits = |s: &Step| [&s.0, &s.1].map(|vs| vs.iter().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>());
+    for (k, (one, runs)) in alone.iter().zip(&together).enumerate() {
+        for (r, run) in runs.iter().enumerate() {
+            assert!(bits(run) == bits(one), "thread {k}, step {r}: outputs or gradients differ from the same step run alone");
+        }
+    }
+}
+
 /// At bf16 matmul precision, attention with heads of 64 and 128 runs on the tensor-core kernels
 /// (kernels/attention_mma.cu; 150 rows: three 64-row tiles, the last partial, and the causal
 /// mask's upper tiles skipped): outputs and weight gradients within bf16's precision of the CPU

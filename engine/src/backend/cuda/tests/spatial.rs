@@ -257,7 +257,8 @@ fn gpu_batch_norm_kernels_match_the_cpu_kernels() {
                 .with("momentum", Attr::Float(momentum as f32))
                 .with("training_mode", Attr::Int(training as i64))
                 .with("unbiased_running_var", Attr::Int(1));
-            let eps = eps as f32 as f64; // the attribute is an f32
+            // the attributes are f32s: the CPU kernel computes with their f32 values
+            let (eps, momentum) = (eps as f32 as f64, momentum as f32 as f64);
             let p = |v: &[f64]| t64(&[c], v);
             let want = cpu("BatchNormalization", attrs.clone(), &[&t64(&xs, &x), &p(&scale), &p(&bias), &p(&mean), &p(&var)]);
             let [dx, ds, db, dm, dv] = [&x, &scale, &bias, &mean, &var].map(|v| dev_as(g, t, v));
