@@ -19,8 +19,10 @@ jobs=()
 for cu in "$root"/kernels/*.cu; do
     name=$(basename "$cu" .cu)
     gen="$out/gen/$name.cpp"
-    names=$("$CXX" -E -x c++ -std=c++20 -include "$src/emu.h" -I "$root/kernels" "$cu" |
-        grep -oE 'extern "C" +void +[A-Za-z_][A-Za-z0-9_]* *\(' | sed -E 's/extern "C" +void +([A-Za-z0-9_]+).*/\1/' | sort -u)
+    # "name max_threads" per kernel (0: no __launch_bounds__)
+    names=$("$CXX" -E -x c++ -std=c++20 -DORT_EMU_KEEP_LAUNCH_BOUNDS -include "$src/emu.h" -I "$root/kernels" "$cu" |
+        grep -oE 'extern "C" +void +(__launch_bounds__ *\( *[0-9]+[^)]*\) +)?[A-Za-z_][A-Za-z0-9_]* *\(' |
+        sed -E 's/extern "C" +void +(__launch_bounds__ *\( *([0-9]+)[^)]*\) +)?([A-Za-z0-9_]+).*/\3 \2/' | awk '{print $1, ($2 == "" ? 0 : $2)}' | sort -u)
     if [ -z "$names" ]; then
         echo "cuda-emu: no kernels found in $cu" >&2
         exit 1
@@ -30,7 +32,7 @@ for cu in "$root"/kernels/*.cu; do
         echo "#include \"$name.cu\""
         echo "#include \"emu_runtime.h\""
         echo "static const ort_emu::Kernel kTable[] = {"
-        for n in $names; do echo "    ORT_EMU_KERNEL(\"$name.cu\", $n),"; done
+        while read -r n bound; do echo "    ORT_EMU_KERNEL(\"$name.cu\", $n, $bound),"; done <<< "$names"
         echo "};"
         echo "static ort_emu::Registrar kRegistrar(kTable, sizeof kTable / sizeof kTable[0]);"
     } > "$gen.new"

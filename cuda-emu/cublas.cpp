@@ -103,6 +103,15 @@ EXPORT int cublasGemmStridedBatchedEx(Handle* h, int transa, int transb, int m, 
     const int CUBLAS_STATUS_INVALID_VALUE = 7, CUBLAS_STATUS_NOT_SUPPORTED = 15;
     if (m < 0 || n < 0 || k < 0 || batch < 0) return CUBLAS_STATUS_INVALID_VALUE;
     if (!known_type(a_type) || !known_type(b_type) || !known_type(c_type)) return CUBLAS_STATUS_NOT_SUPPORTED;
+    // the combinations cublasGemmEx supports (of these types): A and B alike; 64F with 64F;
+    // the FAST modes on 32F data; 32F compute on 32F, or 16-bit A/B with C alike or 32F
+    const bool fast = compute == C_FAST_16F || compute == C_FAST_16BF || compute == C_FAST_TF32;
+    const bool legal = a_type == b_type && (compute == C_64F || compute == C_64F_PEDANTIC ? a_type == R_64F && c_type == R_64F
+                                            : fast ? a_type == R_32F && c_type == R_32F
+                                                   : (compute == C_32F || compute == C_32F_PEDANTIC) &&
+                                                         ((a_type == R_32F && c_type == R_32F) ||
+                                                          ((a_type == R_16F || a_type == R_16BF) && (c_type == a_type || c_type == R_32F))));
+    if (!legal) return CUBLAS_STATUS_NOT_SUPPORTED;
     if (lda < ((transa == 0) ? m : k) || ldb < ((transb == 0) ? k : n) || ldc < m || lda < 1 || ldb < 1 || ldc < 1)
         return CUBLAS_STATUS_INVALID_VALUE;
     const bool f64 = compute == C_64F || compute == C_64F_PEDANTIC;

@@ -39,6 +39,7 @@ constexpr int OUT_OF_MEMORY = 2;
 constexpr int NOT_INITIALIZED = 3;
 constexpr int INVALID_DEVICE = 101;
 constexpr int INVALID_HANDLE = 400;
+constexpr int NOT_READY = 600;
 constexpr int NOT_FOUND = 500;
 constexpr int ILLEGAL_ADDRESS = 700;
 constexpr int LAUNCH_OUT_OF_RESOURCES = 701;
@@ -70,13 +71,13 @@ struct Graph {
 
 struct Event {
     double seconds = 0;
+    bool ready = true;  // false after a record until a query or synchronise has seen it
 };
 
 struct State {
     std::mutex mutex;
     std::map<uintptr_t, Allocation> allocations;  // by start address
     std::map<const Kernel*, int> max_dynamic_shared;
-    int pending_error = OK;  // a kernel's fault, reported at the next synchronising call
     bool initialised = false;
 };
 
@@ -113,10 +114,13 @@ int forbidden_during_capture(const char* what) {
     return CAPTURE_UNSUPPORTED;
 }
 
+// A kernel's fault, reported at the next synchronising call of the thread that queued it (the
+// work runs on that thread), so a test running beside it never takes it.
+thread_local int pending_error = OK;
+
 int take_pending_error() {
-    State& s = state();
-    const int e = s.pending_error;
-    s.pending_error = OK;
+    const int e = pending_error;
+    pending_error = OK;
     return e;
 }
 
@@ -491,13 +495,25 @@ EXPORT CUresult cuEventRecord(void* e, CUstream s) {
     Event* ev = static_cast<Event*>(e);
     return enqueue(s, [ev] {
         ev->seconds = now_seconds();
+        ev->ready = false;
         return OK;
     });
 }
 EXPORT CUresult cuEventRecordWithFlags(void* e, CUstream s, unsigned) { return cuEventRecord(e, s); }
-EXPORT CUresult cuEventQuery(void*) { return OK; }
-EXPORT CUresult cuEventSynchronize(void*) {
+// The first query after a record answers "not ready" (work on a GPU takes time), so callers'
+// not-ready paths run too.
+EXPORT CUresult cuEventQuery(void* e) {
     Lock lock;
+    Event* ev = static_cast<Event*>(e);
+    if (!ev->ready) {
+        ev->ready = true;
+        return NOT_READY;
+    }
+    return take_pending_error();
+}
+EXPORT CUresult cuEventSynchronize(void* e) {
+    Lock lock;
+    static_cast<Event*>(e)->ready = true;
     return take_pending_error();
 }
 EXPORT CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
@@ -533,7 +549,7 @@ EXPORT CUresult cuFuncSetAttribute(void* f, int attribute, int value) {
 EXPORT CUresult cuFuncGetAttribute(int* v, int attribute, void* f) {
     Lock lock;
     switch (attribute) {
-        case 0: *v = 1024; break;
+        case 0: *v = static_cast<Kernel*>(f)->max_threads > 0 ? static_cast<Kernel*>(f)->max_threads : 1024; break;
         case 4: *v = 32; break;
         case 8: {
             auto& m = state().max_dynamic_shared;
@@ -558,6 +574,11 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     int limit = 48 * 1024;
     auto it = state().max_dynamic_shared.find(k);
     if (it != state().max_dynamic_shared.end()) limit = it->second;
+    if (k->max_threads > 0 && threads > (size_t)k->max_threads) {
+        fprintf(stderr, "cuda-emu: kernel %s launched with %zu threads a block, over its __launch_bounds__ of %d\n", k->name, threads,
+                k->max_threads);
+        return LAUNCH_OUT_OF_RESOURCES;
+    }
     if ((int)shared > limit) {
         fprintf(stderr, "cuda-emu: kernel %s launched with %u bytes of dynamic shared memory, over its limit of %d\n", k->name, shared, limit);
         return INVALID_VALUE;
@@ -573,7 +594,7 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
         std::vector<void*> ptrs;
         for (auto& c : *copies) ptrs.push_back(c.data());
         const int e = run_kernel(*k, grid, block, shared, ptrs.data());
-        if (e && state().pending_error == OK) state().pending_error = e;
+        if (e && pending_error == OK) pending_error = e;
         return OK;  // a fault shows at the next synchronising call, as on a GPU
     });
 }

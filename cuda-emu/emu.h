@@ -7,6 +7,7 @@
 #pragma once
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -17,7 +18,9 @@
 #define __host__
 #define __forceinline__ inline
 #define __restrict__ __restrict
+#ifndef ORT_EMU_KEEP_LAUNCH_BOUNDS  // build.sh reads them from the preprocessed source
 #define __launch_bounds__(...)
+#endif
 #define __align__(n) alignas(n)
 // one block runs at a time, so a block's shared data can be a static of the kernel function
 #define __shared__ static
@@ -44,7 +47,8 @@ extern dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 // collective operations, implemented by the scheduler
 void ort_emu_syncthreads();
-int ort_emu_syncthreads_count(int pred);
+int ort_emu_syncthreads_count(int pred, int* arrived);
+void ort_emu_fresh_shared(void* p, size_t bytes);
 uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask);
 void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
 void* ort_emu_dynamic_shared();
@@ -53,8 +57,13 @@ uint16_t ort_emu_f32_to_f16(float f);
 float ort_emu_f16_to_f32(uint16_t h);
 
 inline void __syncthreads() { ort_emu_syncthreads(); }
-inline int __syncthreads_and(int p) { return ort_emu_syncthreads_count(p != 0) == (int)(blockDim.x * blockDim.y * blockDim.z) ? 1 : 0; }
-inline int __syncthreads_or(int p) { return ort_emu_syncthreads_count(p != 0) > 0 ? 1 : 0; }
+// over the threads that have not exited, as the barrier itself
+inline int __syncthreads_and(int p) {
+    int arrived = 0;
+    return ort_emu_syncthreads_count(p != 0, &arrived) == arrived ? 1 : 0;
+}
+inline int __syncthreads_or(int p) { return ort_emu_syncthreads_count(p != 0, nullptr) > 0 ? 1 : 0; }
+inline int __syncthreads_count(int p) { return ort_emu_syncthreads_count(p != 0, nullptr); }
 
 template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask) {
     static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
@@ -78,6 +87,11 @@ inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 template <typename T> inline T atomicAdd(T* p, T v) { T old = *p; *p = old + v; return old; }
 
 #define ORT_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(ort_emu_dynamic_shared())
+// a static of the kernel function, filled with 0xff bytes when the first thread of each block
+// reaches its declaration
+#define ORT_SHARED(T, name, dims) \
+    static T name dims;           \
+    ort_emu_fresh_shared(&name, sizeof name)
 
 // CUDA's global min/max overloads
 #define ORT_EMU_MINMAX(T)                                  \

@@ -19,6 +19,7 @@ struct Kernel {
     void (*invoke)(void** params);
     const size_t* param_sizes;
     int param_count;
+    int max_threads;  // __launch_bounds__, or 0
 };
 
 // Adds a file's kernels to the table cuModuleGetFunction looks names up in.
@@ -66,8 +67,8 @@ template <typename... A> struct Launcher<void (*)(A...)> {
 };
 }  // namespace ort_emu
 
-#define ORT_EMU_KERNEL(file, name)                                                                    \
+#define ORT_EMU_KERNEL(file, name, bound)                                                             \
     ort_emu::Kernel {                                                                                 \
         #name, file, &ort_emu::Launcher<decltype(&name)>::template invoke<&name>,                       \
-            ort_emu::Launcher<decltype(&name)>::sizes, ort_emu::Launcher<decltype(&name)>::count        \
+            ort_emu::Launcher<decltype(&name)>::sizes, ort_emu::Launcher<decltype(&name)>::count, bound \
     }

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <condition_variable>
@@ -73,8 +74,10 @@ struct Fiber {
     void* sp = nullptr;
     char* stack = nullptr;  // kStackBytes, with a guard page below
     State state = State::Done;
-    // block barrier: the predicate for __syncthreads_count, then its result
+    // block barrier: this thread's predicate, then the count of arrived threads whose predicate
+    // held (pred) and of arrived threads (arrived), for __syncthreads_and/_or/_count
     int pred = 0;
+    int arrived = 0;
     // warp operations: what this lane brings and what it gets back
     WarpOp op = WarpOp::None;
     unsigned mask = 0;
@@ -92,6 +95,11 @@ struct Scheduler {
     const Kernel* kernel = nullptr;
     void** params = nullptr;
     alignas(16) unsigned char dynamic_shared[kDynamicSharedBytes];
+    size_t dynamic_bytes = 0;
+    // static __shared__ arrays: the block each was last poisoned in (ort_emu_fresh_shared)
+    uint64_t block_epoch = 0;
+    std::map<void*, uint64_t> shared_epoch;
+    pthread_t kernel_thread;
     uint64_t rng = 0x9E3779B97F4A7C15ull;
     std::string error;
     sigjmp_buf fault_jump;
@@ -123,6 +131,16 @@ uint64_t next_random(Scheduler& s) {
     s.rng ^= s.rng >> 7;
     s.rng ^= s.rng << 17;
     return s.rng;
+}
+
+uint64_t gcd(uint64_t a, uint64_t b) { return b == 0 ? a : gcd(b, a % b); }
+
+// A step through 0..n that visits every index once: a random stride coprime with n.
+uint64_t pick_coprime(Scheduler& s, uint64_t n) {
+    for (;;) {
+        const uint64_t c = 1 + next_random(s) % (n - 1 > 0 ? n - 1 : 1);
+        if (gcd(c, n) == 1) return c;
+    }
 }
 
 bool shuffled_order() {
@@ -200,7 +218,7 @@ void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
     for (int l = 0; l < lanes; ++l) {
         const Fiber& f = s.fibers[warp_base + l];
         if (f.op != WarpOp::Shuffle) continue;
-        const int src = l ^ f.lane_mask;
+        const int src = l ^ (f.lane_mask & 31);  // PTX uses the low 5 bits
         result[l] = (src < lanes && s.fibers[warp_base + src].op == WarpOp::Shuffle) ? s.fibers[warp_base + src].value : f.value;
     }
     for (int l = 0; l < lanes; ++l) {
@@ -320,6 +338,7 @@ bool complete_collectives(Scheduler& s) {
         for (int t = 0; t < s.threads; ++t)
             if (s.fibers[t].state == State::AtBarrier) {
                 s.fibers[t].pred = count;
+                s.fibers[t].arrived = at_barrier;
                 s.fibers[t].state = State::Ready;
             }
         released = true;
@@ -335,6 +354,8 @@ bool complete_collectives(Scheduler& s) {
 
 // Runs one block to its end. False on a deadlock (s.error says which).
 bool run_block(Scheduler& s) {
+    memset(s.dynamic_shared, 0xff, s.dynamic_bytes);  // shared memory starts as garbage on a GPU
+    ++s.block_epoch;
     for (int t = 0; t < s.threads; ++t) prepare_fiber(s.fibers[t]);
     std::vector<int> order(s.threads);
     for (;;) {
@@ -367,7 +388,7 @@ struct sigaction previous_segv, previous_bus, previous_fpe;
 
 void on_fault(int sig, siginfo_t* info, void* ctx) {
     Scheduler& s = *sched();
-    if (s.in_kernel) {
+    if (s.in_kernel && pthread_equal(s.kernel_thread, pthread_self())) {
         s.fault_addr = reinterpret_cast<uintptr_t>(info->si_addr);
         s.fault_signal = sig;
         s.in_kernel = 0;
@@ -460,7 +481,7 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
     s.params = params;
     blockDim = dim3{block.x, block.y, block.z};
     gridDim = dim3{grid.x, grid.y, grid.z};
-    memset(s.dynamic_shared, 0xff, dynamic_shared);  // shared memory starts as garbage on a GPU
+    s.dynamic_bytes = dynamic_shared;
     if (sigsetjmp(s.fault_jump, 1)) {
         const uintptr_t addr = s.fault_addr;
         const int sig = s.fault_signal;
@@ -471,16 +492,20 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
         if (sig == SIGFPE) return fail(719, std::string(where) + "integer division by zero (a GPU returns garbage; the CPU traps)");
         return fail(700, std::string(where) + "illegal address " + describe_address(addr));
     }
+    // blocks in a shuffled order too: no kernel may depend on the order blocks run in
+    const uint64_t blocks = (uint64_t)grid.x * grid.y * grid.z;
+    const uint64_t stride = shuffled_order() && blocks > 1 ? pick_coprime(s, blocks) : 1;
+    const uint64_t first = shuffled_order() ? next_random(s) % blocks : 0;
+    s.kernel_thread = pthread_self();
     s.in_kernel = 1;
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-            for (unsigned bx = 0; bx < grid.x; ++bx) {
-                blockIdx = dim3{bx, by, bz};
-                if (!run_block(s)) {
-                    s.in_kernel = 0;
-                    return fail(719, s.error);
-                }
-            }
+    for (uint64_t i = 0; i < blocks; ++i) {
+        const uint64_t b = (first + i * stride) % blocks;
+        blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / ((uint64_t)grid.x * grid.y))};
+        if (!run_block(s)) {
+            s.in_kernel = 0;
+            return fail(719, s.error);
+        }
+    }
     s.in_kernel = 0;
     return 0;
 }
@@ -491,9 +516,9 @@ using namespace ort_emu;
 
 // ---- what emu.h declares for the kernels ---------------------------------------------------
 
-void ort_emu_syncthreads() { (void)ort_emu_syncthreads_count(0); }
+void ort_emu_syncthreads() { (void)ort_emu_syncthreads_count(0, nullptr); }
 
-int ort_emu_syncthreads_count(int pred) {
+int ort_emu_syncthreads_count(int pred, int* arrived) {
     Scheduler& s = *sched();
     Fiber& f = s.fibers[s.current];
     const dim3 t = threadIdx;
@@ -501,6 +526,7 @@ int ort_emu_syncthreads_count(int pred) {
     f.state = State::AtBarrier;
     yield_to_scheduler();
     threadIdx = t;
+    if (arrived) *arrived = f.arrived;
     return f.pred;
 }
 
@@ -538,6 +564,15 @@ void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uin
 
 void* ort_emu_dynamic_shared() { return sched()->dynamic_shared; }
 
+void ort_emu_fresh_shared(void* p, size_t bytes) {
+    Scheduler& s = *sched();
+    uint64_t& e = s.shared_epoch[p];
+    if (e != s.block_epoch) {
+        memset(p, 0xff, bytes);  // garbage at the start of every block, as on a GPU
+        e = s.block_epoch;
+    }
+}
+
 uint16_t ort_emu_f32_to_bf16(float f) { return bf16_bits(f); }
 
 uint16_t ort_emu_f32_to_f16(float f) {
@@ -546,7 +581,7 @@ uint16_t ort_emu_f32_to_f16(float f) {
     memcpy(&u, &f, 4);
     const uint32_t sign = (u >> 16) & 0x8000u;
     const uint32_t abs = u & 0x7fffffffu;
-    if (abs > 0x7f800000u) return (uint16_t)(sign | 0x7fffu);
+    if (abs > 0x7f800000u) return 0x7fffu;  // the canonical NaN, as cvt.rn.f16.f32
     if (abs >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to 65520 or more: inf
     if (abs < 0x38800000u) {                                      // below f16's smallest normal
         if (abs < 0x33000000u) return (uint16_t)sign;             // under half the smallest subnormal

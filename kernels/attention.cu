@@ -285,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
     f32* vs = ks + ATT_A4(ATT_TILE * d_);                         // V tile [32][Dv]
     f32* x = vs + ATT_A4(ATT_TILE * dv_);                         // Qᵀ [D][33] | dOᵀ [Dv][33] | dO [32][Dv] | Q [32][D]
     f32* ps = x + ATT_A4(max(max(d_, dv_) * ATT_LD, ATT_TILE * max(d_, dv_)));  // Pᵀ or dSᵀ [32 keys][36]
-    __shared__ f32 rows_lse[ATT_TILE], rows_delta[ATT_TILE];
+    ORT_SHARED(f32, rows_lse, [ATT_TILE]); ORT_SHARED(f32, rows_delta, [ATT_TILE]);
     const i64 tiles = (S + ATT_TILE - 1) / ATT_TILE;
     const i64 bi = blockIdx.x / tiles, s0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);

@@ -299,7 +299,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     u16* ks = dos + AM_TILE * LD;  // K key-major [64][HD]
     u16* vs = ks + AM_TILE * LD;   // V [64 keys][HD]
     u16* kd = vs + AM_TILE * LD;   // K d-major [HD][64]
-    __shared__ f32 delta[AM_TILE];
+    ORT_SHARED(f32, delta, [AM_TILE]);
     const AmPlace at = am_place(a, T);
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
@@ -362,7 +362,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     u16* dos = qs + AM_TILE * LD;  // dO [64 rows][HD]
     u16* qt = dos + AM_TILE * LD;  // Qᵀ [HD][64 rows]
     u16* dot = qt + HD * AM_LDT;   // dOᵀ [HD][64 rows]
-    __shared__ f32 lse_s[AM_TILE], delta[AM_TILE];
+    ORT_SHARED(f32, lse_s, [AM_TILE]); ORT_SHARED(f32, delta, [AM_TILE]);
     const AmPlace at = am_place(a, S);
     const i64 bi = at.bi, s0 = at.r0, *keys = at.own;
     const AttnOff off = at.off;

@@ -37,7 +37,7 @@ __device__ __forceinline__ f64 channel_sum(const T* x, i64 n, i64 c, i64 plane, 
 
 template <typename T>
 __device__ __forceinline__ void bn_stats(const T* x, const T* mean_in, const T* var_in, f64* stats, i64 n, i64 c, i64 plane, bool training) {
-    __shared__ f64 scratch[32];
+    ORT_SHARED(f64, scratch, [32]);
     if (!training) {
         ORT_GRID_LOOP(k, c) {
             stats[2 * k] = (f64)Num<T>::load(mean_in[k]);
@@ -80,7 +80,7 @@ __device__ __forceinline__ void bn_apply(const T* x, const T* scale, const T* bi
 
 template <typename T>
 __device__ __forceinline__ void bn_grad_sums(const T* dy, const T* x, const f64* stats, f64* sums, i64 n, i64 c, i64 plane, f64 eps) {
-    __shared__ f64 scratch[32];
+    ORT_SHARED(f64, scratch, [32]);
     for (i64 k = blockIdx.x; k < c; k += gridDim.x) {
         const f64 mean = stats[2 * k], rstd = rsqrt(stats[2 * k + 1] + eps);
         const f64 sd = channel_sum(dy, n, c, plane, k, scratch, [&](i64 at) { return (f64)Num<T>::load(dy[at]); });

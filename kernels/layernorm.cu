@@ -44,7 +44,7 @@ template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T
                                                              typename Num<T>::Acc* mean_out, typename Num<T>::Acc* rstd_out,
                                                              i64 rows, i64 n, f32 eps) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
         A mean, rstd;
@@ -66,7 +66,7 @@ template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T
 template <typename T> __device__ __forceinline__ void ln_grad(const T* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
                                                               const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* dr = dy + r * n;
         const T* xr = x + r * n;
@@ -91,8 +91,8 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
                                                                      const typename Num<T>::Acc* rstd, typename Num<T>::Acc* partial,
                                                                      i64 rows, i64 n, i64 rows_per_chunk) {
     typedef typename Num<T>::Acc A;
-    __shared__ A ds[8][33];
-    __shared__ A db[8][33];
+    ORT_SHARED(A, ds, [8][33]);
+    ORT_SHARED(A, db, [8][33]);
     if (n <= 0 || rows_per_chunk <= 0) return;
     // lane tx owns column j; row lane ty strides over the chunk's rows
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, lanes = blockDim.x >> 5;

@@ -78,7 +78,7 @@ template <typename T> __device__ __forceinline__ void sce_loss(const T* x, const
                                                                typename Num<T>::Acc* w_s, T* logp, T* grad, i64 S, i64 C, i64 inner,
                                                                i64 ignore_index, i32 has_ignore, i32 softmax, i32* err) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 s = blockIdx.x; s < S; s += gridDim.x) {
         const Sample p = sample_of(s, C, inner, labels);
         const A w = sample_weight<T>(p.label, weights, C, ignore_index, has_ignore, threadIdx.x == 0 ? err : nullptr);
@@ -110,7 +110,7 @@ template <typename T> __device__ __forceinline__ void sce_loss(const T* x, const
 template <typename T> __device__ __forceinline__ void sce_reduce(const typename Num<T>::Acc* loss_s, const typename Num<T>::Acc* w_s, T* out,
                                                                  typename Num<T>::Acc* wsum, i64 S, i32 reduction) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     if (blockIdx.x != 0) return;
     A l = (A)0, w = (A)0;
     for (i64 s = threadIdx.x; s < S; s += blockDim.x) {
@@ -141,7 +141,7 @@ template <typename T> __device__ __forceinline__ void sce_grad(const T* dy, cons
                                                                const typename Num<T>::Acc* wsum, T* dx, i64 S, i64 C, i64 inner,
                                                                i64 ignore_index, i32 has_ignore, i32 softmax, i32 reduction) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 s = blockIdx.x; s < S; s += gridDim.x) {
         const Sample p = sample_of(s, C, inner, labels);
         const A w = sample_weight<T>(p.label, weights, C, ignore_index, has_ignore, nullptr);
@@ -162,7 +162,7 @@ template <typename T> __device__ __forceinline__ void lce_weights(const i64* lab
                                                                   typename Num<T>::Acc* wsum, i64 rows, i64 C, i64 ignore_index,
                                                                   i32 has_ignore, i32* err) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     if (blockIdx.x != 0) return;
     A total = (A)0;
     for (i64 r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -181,7 +181,7 @@ template <typename T> __device__ __forceinline__ void lce_rows(T* g, const T* bi
                                                                const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R,
                                                                i64 C, i32 mean) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     const A total = mean ? *wsum : (A)1;
     const A f = total == (A)0 ? (A)0 : (A)1 / total;
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {

@@ -104,7 +104,7 @@ template <typename G> __device__ __forceinline__ void sgd(const SgdTensor* ts, c
 
 template <typename G> __device__ __forceinline__ void sum_squares(const GradTensor* ts, const i32* chunk_tensor, const i64* chunk_start,
                                                                   i64 chunks, i64 chunk, f64* partial) {
-    __shared__ f64 scratch[32];
+    ORT_SHARED(f64, scratch, [32]);
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         int t;
         i64 begin, end;
@@ -152,7 +152,7 @@ OPTIM(_, bf16)
 OPTIM(_, f16)
 
 extern "C" __global__ void grad_norm_f64(const f64* partial, i64 chunks, f32 max_norm, f32* norm, f32* coef) {
-    __shared__ f64 scratch[32];
+    ORT_SHARED(f64, scratch, [32]);
     if (blockIdx.x != 0) return;
     f64 s = 0.0;
     for (i64 c = threadIdx.x; c < chunks; c += blockDim.x) s += partial[c];

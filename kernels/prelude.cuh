@@ -32,9 +32,12 @@ struct f16 { u16 bits; };
 
 #define ORT_MAX_DIMS 8
 
-// A kernel's dynamic shared memory (the launch's byte count), as an array of T.
+// A kernel's dynamic shared memory (the launch's byte count), as an array of T; and a static
+// shared array (`dims` like [32] or [8][33]). Macros so that cuda-emu can start each block's
+// shared memory as garbage, as on a GPU.
 #ifndef ORT_CPU_EMU
 #define ORT_DYNAMIC_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#define ORT_SHARED(T, name, dims) __shared__ T name dims
 #endif
 
 struct Strides {

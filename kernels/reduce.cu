@@ -43,7 +43,7 @@ __device__ __forceinline__ i64 red_offset(const Reduce& l, i64 r) {
 
 template <typename T, typename Op> __device__ __forceinline__ void reduce_block(const T* x, T* y, const Reduce& l, f64 scale) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 o = blockIdx.x; o < l.outputs; o += gridDim.x) {
         const i64 base = dims_offset(o, l.out_rank, l.out_dims, l.out_stride);
         A acc = Op::template init<A>();

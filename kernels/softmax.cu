@@ -18,7 +18,7 @@ __device__ __forceinline__ i64 row_base(i64 row, i64 n, i64 inner) {
 
 template <typename T, bool LOG> __device__ __forceinline__ void softmax_fwd(const T* x, T* y, i64 rows, i64 n, i64 inner) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 base = row_base(row, n, inner);
         A m = OpMax::init<A>();
@@ -46,7 +46,7 @@ template <typename T, bool LOG> __device__ __forceinline__ void softmax_fwd(cons
 
 template <typename T, bool LOG> __device__ __forceinline__ void softmax_bwd(const T* dy, const T* y, T* dx, i64 rows, i64 n, i64 inner) {
     typedef typename Num<T>::Acc A;
-    __shared__ A scratch[32];
+    ORT_SHARED(A, scratch, [32]);
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 base = row_base(row, n, inner);
         A s = (A)0;
