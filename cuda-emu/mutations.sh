@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Proves that cuda-emu still catches the kinds of bug it is there for: each mutation below puts
+# one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
+# divider), builds the emulator from the copy and runs the GPU tests that cover it, which must
+# fail. A mutation the tests survive fails this script: the emulator (or the tests) lost the
+# power to see that bug. The engine's test binary is the normal one (its embedded kernels only
+# go to NVRTC); what runs is the emulator built from the mutated copy.
+#
+#   bash cuda-emu/mutations.sh        (CI runs it after the emulated GPU tests; ~3 minutes)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export ORTRAIN_NVRTC_LIB="${ORTRAIN_NVRTC_LIB:-$root/.cuda-wheels/nvidia/cu13/lib}"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+survived=0
+
+# mutate NAME FILE OLD NEW TEST_FILTER: OLD (which must occur) becomes NEW in the copy's FILE
+mutate() {
+    rm -rf "$work/kernels" "$work/cuda-emu" "$work/target"
+    cp -r "$root/kernels" "$root/cuda-emu" "$work/"
+    python3 - "$work/$2" "$3" "$4" <<'PY'
+import sys
+path, old, new = sys.argv[1:4]
+text = open(path).read()
+if old not in text:
+    sys.exit(f"mutations.sh: the text to mutate is no longer in {path}: update the mutation\n{old}")
+open(path, "w").write(text.replace(old, new, 1))
+PY
+    local lib
+    lib="$(bash "$work/cuda-emu/build.sh")"
+    if (cd "$root" && LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        cargo test --release -q -p ortrain-engine --features cuda --lib "$5" > "$work/log" 2>&1); then
+        echo "SURVIVED: $1 (the tests matching $5 passed with it)" >&2
+        survived=$((survived + 1))
+    elif grep -q "^test result: FAILED" "$work/log"; then
+        echo "caught: $1 ($(grep -c "panicked at" "$work/log" || true) failing assertion(s) in $5)"
+    else
+        echo "mutations.sh: the tests for \"$1\" did not run:" >&2
+        tail -20 "$work/log" >&2
+        exit 1
+    fi
+}
+
+mutate "block_reduce without the barrier between writing and reading its scratch" kernels/prelude.cuh \
+    "    if (lane == 0) scratch[warp] = v;
+    __syncthreads();" \
+    "    if (lane == 0) scratch[warp] = v;" \
+    backend::cuda::tests::softmax
+
+mutate "LayerNorm's parameter-gradient partials read before every row has written" kernels/layernorm.cu \
+    "    db[ty][tx] = b;
+    __syncthreads();" \
+    "    db[ty][tx] = b;" \
+    backend::cuda::tests::layernorm
+
+mutate "tensor-core attention with two registers of the mma A fragment swapped" kernels/attention_mma.cu \
+    "    a[1] = am_pair(t, ld, r0 + g + 8, k0 + 2 * q);
+    a[2] = am_pair(t, ld, r0 + g, k0 + 2 * q + 8);" \
+    "    a[2] = am_pair(t, ld, r0 + g + 8, k0 + 2 * q);
+    a[1] = am_pair(t, ld, r0 + g, k0 + 2 * q + 8);" \
+    backend::cuda::tests::exec::gpu_tensor_core_attention
+
+mutate "strided kernels dividing by a dimension without the divider's +j" kernels/prelude.cuh \
+    "const u32 q = (__umulhi(j, s.magic[d]) + j) >> s.shift[d];" \
+    "const u32 q = __umulhi(j, s.magic[d]) >> s.shift[d];" \
+    backend::cuda::tests::movement
+
+if [ "$survived" -gt 0 ]; then
+    echo "cuda-emu/mutations.sh: $survived mutation(s) survived" >&2
+    exit 1
+fi
+echo "cuda-emu/mutations.sh: every mutation was caught"
