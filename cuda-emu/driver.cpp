@@ -78,7 +78,6 @@ struct State {
     std::mutex mutex;
     std::map<uintptr_t, Allocation> allocations;  // by start address
     std::map<const Kernel*, int> max_dynamic_shared;
-    bool initialised = false;
 };
 
 State& state() {
@@ -203,10 +202,7 @@ using namespace ort_emu;
 
 // ---- initialisation, devices, contexts ---------------------------------------------------
 
-EXPORT CUresult cuInit(unsigned) {
-    state().initialised = true;
-    return OK;
-}
+EXPORT CUresult cuInit(unsigned) { return OK; }
 EXPORT CUresult cuDriverGetVersion(int* v) {
     *v = 13000;
     return OK;

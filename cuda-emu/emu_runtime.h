@@ -33,14 +33,14 @@ struct Dim {
     unsigned x, y, z;
 };
 
-// Runs every block of a launch on the calling thread, one block at a time. Returns 0, or a
-// CUDA error code after printing (and keeping, for last_error) what went wrong: a thread that
+// Runs every block of a launch (its configuration already checked) on the calling thread, one
+// block at a time. Returns 0, or a CUDA error code after printing what went wrong: a thread that
 // touched memory no allocation owns, threads waiting at different barriers, a warp-collective
 // operation with lanes missing.
 int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void** params);
 
-// What the last failed launch printed.
-const std::string& last_error();
+// Where a faulting address lies relative to the device allocations (driver.cpp).
+std::string describe_address(uintptr_t addr);
 
 // Runs `work` now, or, while `stream` is being captured, records it into the capture; the driver's
 // launches, copies and memsets and cuBLAS's products all go through here.

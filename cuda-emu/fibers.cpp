@@ -64,7 +64,6 @@ namespace ort_emu {
 namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;
-constexpr size_t kMaxThreads = 1024;
 constexpr size_t kDynamicSharedBytes = 256 * 1024;
 
 enum class State { Ready, AtBarrier, AtWarpOp, Done };
@@ -271,11 +270,10 @@ void complete_mma(Scheduler& s, int warp_base) {
     }
 }
 
-std::string block_name(const Scheduler& s) {
+std::string block_name() {
     char b[128];
     snprintf(b, sizeof b, "block (%u, %u, %u) of a (%u, %u, %u) grid of (%u, %u, %u) threads", blockIdx.x, blockIdx.y, blockIdx.z,
              gridDim.x, gridDim.y, gridDim.z, blockDim.x, blockDim.y, blockDim.z);
-    (void)s;
     return b;
 }
 
@@ -295,13 +293,11 @@ bool complete_collectives(Scheduler& s) {
         const int lanes = s.threads - base < 32 ? s.threads - base : 32;
         WarpOp op = WarpOp::None;
         unsigned mask = 0;
-        int arrived = 0;
         for (int l = 0; l < lanes; ++l) {
             const Fiber& f = s.fibers[base + l];
             if (f.state == State::AtWarpOp) {
                 op = f.op;
                 mask = f.mask;
-                ++arrived;
             }
         }
         if (op == WarpOp::None) continue;
@@ -310,18 +306,18 @@ bool complete_collectives(Scheduler& s) {
             if (!(mask >> l & 1u)) continue;
             if (l >= lanes) {
                 s.error = "a warp-collective operation names lane " + std::to_string(l) + " of a partial warp (" +
-                          std::to_string(lanes) + " lanes) in " + block_name(s);
+                          std::to_string(lanes) + " lanes) in " + block_name();
                 return false;
             }
             const Fiber& f = s.fibers[base + l];
             if (f.state == State::Done) {
                 s.error = "lane " + std::to_string(l) + " of warp " + std::to_string(base / 32) +
-                          " returned before a warp-collective operation its warp waits at, in " + block_name(s);
+                          " returned before a warp-collective operation its warp waits at, in " + block_name();
                 return false;
             }
             if (f.state != State::AtWarpOp) complete = false;
             else if (f.op != op) {
-                s.error = "lanes of warp " + std::to_string(base / 32) + " wait at different warp operations in " + block_name(s);
+                s.error = "lanes of warp " + std::to_string(base / 32) + " wait at different warp operations in " + block_name();
                 return false;
             }
         }
@@ -329,7 +325,6 @@ bool complete_collectives(Scheduler& s) {
         if (op == WarpOp::Shuffle) complete_shuffle(s, base, lanes);
         else complete_mma(s, base);
         released = true;
-        (void)arrived;
     }
     if (!released && at_barrier > 0 && at_barrier == live) {
         int count = 0;
@@ -345,7 +340,7 @@ bool complete_collectives(Scheduler& s) {
     }
     if (!released && waiting > 0) {
         s.error = std::to_string(at_barrier) + " threads wait at __syncthreads while " + std::to_string(waiting - at_barrier) +
-                  " wait at a warp operation (of " + std::to_string(live) + " live) in " + block_name(s) +
+                  " wait at a warp operation (of " + std::to_string(live) + " live) in " + block_name() +
                   ": a barrier inside divergent code";
         return false;
     }
@@ -434,11 +429,6 @@ void install_fault_handlers() {
     }
 }
 
-std::string& error_slot() {
-    static std::string e;
-    return e;
-}
-
 }  // namespace
 
 Lock::Lock() {
@@ -457,22 +447,14 @@ Lock::~Lock() {
     l.turn.notify_all();
 }
 
-const std::string& last_error() { return error_slot(); }
-
-std::string describe_address(uintptr_t addr);  // driver.cpp
-
 int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void** params) {
     Scheduler& s = *sched();
     const size_t threads = (size_t)block.x * block.y * block.z;
     auto fail = [&](int code, const std::string& why) {
-        error_slot() = std::string("cuda-emu: kernel ") + k.name + " (" + k.file + "): " + why;
-        fprintf(stderr, "%s\n", error_slot().c_str());
+        fprintf(stderr, "cuda-emu: kernel %s (%s): %s\n", k.name, k.file, why.c_str());
         return code;
     };
-    if (threads == 0 || threads > kMaxThreads || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535)
-        return fail(1, "invalid launch configuration (grid " + std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" +
-                           std::to_string(grid.z) + ", block " + std::to_string(block.x) + "x" + std::to_string(block.y) + "x" +
-                           std::to_string(block.z) + ")");
+    // the launch configuration was checked by cuLaunchKernel; this is the emulator's own buffer
     if (dynamic_shared > kDynamicSharedBytes) return fail(1, "dynamic shared memory " + std::to_string(dynamic_shared) + " bytes");
     install_fault_handlers();
     if (s.fibers.size() < threads) s.fibers.resize(threads);
@@ -521,11 +503,9 @@ void ort_emu_syncthreads() { (void)ort_emu_syncthreads_count(0, nullptr); }
 int ort_emu_syncthreads_count(int pred, int* arrived) {
     Scheduler& s = *sched();
     Fiber& f = s.fibers[s.current];
-    const dim3 t = threadIdx;
     f.pred = pred;
     f.state = State::AtBarrier;
     yield_to_scheduler();
-    threadIdx = t;
     if (arrived) *arrived = f.arrived;
     return f.pred;
 }
@@ -533,21 +513,18 @@ int ort_emu_syncthreads_count(int pred, int* arrived) {
 uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask) {
     Scheduler& s = *sched();
     Fiber& f = s.fibers[s.current];
-    const dim3 t = threadIdx;
     f.op = WarpOp::Shuffle;
     f.mask = mask;
     f.lane_mask = lane_mask;
     f.value = bits;
     f.state = State::AtWarpOp;
     yield_to_scheduler();
-    threadIdx = t;
     return f.value;
 }
 
 void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     Scheduler& s = *sched();
     Fiber& f = s.fibers[s.current];
-    const dim3 t = threadIdx;
     f.op = WarpOp::Mma;
     f.mask = 0xffffffffu;
     for (int i = 0; i < 4; ++i) {
@@ -558,7 +535,6 @@ void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uin
     f.b[1] = b1;
     f.state = State::AtWarpOp;
     yield_to_scheduler();
-    threadIdx = t;
     for (int i = 0; i < 4; ++i) c[i] = f.c[i];
 }
 

@@ -13,9 +13,9 @@ echo "[test] every CUDA kernel file compiled by NVRTC to an sm_90 CUBIN, every k
 cargo test --release -q -p ortrain-engine --features cuda --test cuda_kernels every_kernel_file -- --nocapture
 
 echo "[test] the CUDA backend's GPU tests on cuda-emu: kernels/*.cu compiled by g++ and run on the CPU (emulated, not a GPU)"
-emu="$(bash cuda-emu/build.sh)"
-LD_LIBRARY_PATH="$emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
-LD_LIBRARY_PATH="$emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
+emu_path="$(bash cuda-emu/build.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
+LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
 echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment and a wrong divider (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 

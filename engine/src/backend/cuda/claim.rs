@@ -53,12 +53,15 @@ impl Claims {
             return Ok(Claim { _last: last });
         }
         if let Some(prev) = last.stream.filter(|&p| p != on as usize) {
-            if last.event.is_none() {
-                let e = event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                    .map_err(|e| Error::Cuda(format!("creating the event that orders streams: {e}")))?;
-                last.event = Some(Handle(e));
-            }
-            let e = last.event.as_ref().map_or(std::ptr::null_mut(), |h| h.0);
+            let e = match &last.event {
+                Some(h) => h.0,
+                None => {
+                    let e = event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(|e| Error::Cuda(format!("creating the event that orders streams: {e}")))?;
+                    last.event = Some(Handle(e));
+                    e
+                }
+            };
             // SAFETY: `e` is our live event; `prev` was a live stream when it last claimed. A
             // stream destroyed since has nothing left to wait for: its record fails and is skipped.
             if unsafe { event::record(e, prev as CUstream) }.is_ok() {
