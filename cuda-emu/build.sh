@@ -41,6 +41,19 @@ for cu in "$root"/kernels/*.cu; do
 done
 for f in fibers driver registry cublas; do jobs+=("$src/$f.cpp"); done
 
+# The kernel files only, so they fail where a GPU would: a load or store through a pointer not
+# aligned to its type (a `float4` at 8 bytes, a u32 pair of u16s at an odd index) traps (ud2,
+# SIGILL: fibers.cpp reports CUDA_ERROR_MISALIGNED_ADDRESS), and `a * b + c` is contracted into
+# an FMA where the CPU has one, as NVRTC's --fmad=true does on the GPU.
+kernel_flags=(-fsanitize=alignment -fsanitize-undefined-trap-on-error)
+if grep -qw fma /proc/cpuinfo 2>/dev/null; then kernel_flags+=(-mfma -ffp-contract=fast); fi
+# a change of flags (another CPU, this script) rebuilds everything
+stamp="$out/obj/flags"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$CXX ${flags[*]} ${kernel_flags[*]}" ]; then
+    rm -f "$out"/obj/*.o
+    echo "$CXX ${flags[*]} ${kernel_flags[*]}" > "$stamp"
+fi
+
 # compile what is older than its inputs (the kernel sources, the emulator's headers)
 deps=("$src/emu.h" "$src/emu_runtime.h" "$root"/kernels/*.cuh)
 objs=()
@@ -55,10 +68,11 @@ for j in "${jobs[@]}"; do
     [ "$stale" = 1 ] && todo+=("$j")
 done
 if [ "${#todo[@]}" -gt 0 ]; then
-    include="-include $src/emu.h"
     printf '%s\n' "${todo[@]}" | xargs -P "$(nproc)" -I{} sh -c \
-        "$CXX ${flags[*]} -include '$src/emu.h' -c '{}' -o '$out/obj/'\$(basename '{}' .cpp).o || exit 255"
+        'case "$1" in */gen/*) extra="$2" ;; *) extra="" ;; esac
+         '"$CXX ${flags[*]}"' $extra -include "'"$src/emu.h"'" -c "$1" -o "'"$out/obj/"'$(basename "$1" .cpp).o" || exit 255' \
+        sh {} "${kernel_flags[*]}"
 fi
-"$CXX" -shared -o "$out/libortemu.so" "${objs[@]}" -Wl,-soname,libortemu.so -lpthread
+"$CXX" -shared -o "$out/libortemu.so" "${objs[@]}" -Wl,-soname,libortemu.so -lpthread -ldl
 for link in libcuda.so.1 libcublas.so.13 libcublasLt.so.13; do ln -sf libortemu.so "$out/$link"; done
 echo "$out"

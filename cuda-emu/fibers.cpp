@@ -6,6 +6,7 @@
 // arrived; if none can complete, the launch fails as a deadlock (threads at different barriers).
 // A fault (a read or write of memory no allocation owns: allocations end at a guard page, see
 // driver.cpp) or an integer division by zero ends the launch with an error naming the kernel.
+#include <dlfcn.h>
 #include <signal.h>
 #include <setjmp.h>
 #include <stdio.h>
@@ -93,7 +94,10 @@ struct Scheduler {
     int threads = 0;
     const Kernel* kernel = nullptr;
     void** params = nullptr;
-    alignas(16) unsigned char dynamic_shared[kDynamicSharedBytes];
+    // the launch's dynamic shared memory ends at an inaccessible page (shared_end), so a block
+    // that reads or writes past the bytes its launch asked for faults as on a GPU
+    unsigned char* dynamic_shared = nullptr;
+    unsigned char* shared_end = nullptr;
     size_t dynamic_bytes = 0;
     // static __shared__ arrays: the block each was last poisoned in (ort_emu_fresh_shared)
     uint64_t block_epoch = 0;
@@ -349,7 +353,7 @@ bool complete_collectives(Scheduler& s) {
 
 // Runs one block to its end. False on a deadlock (s.error says which).
 bool run_block(Scheduler& s) {
-    memset(s.dynamic_shared, 0xff, s.dynamic_bytes);  // shared memory starts as garbage on a GPU
+    memset(s.dynamic_shared, 0xff, s.shared_end - s.dynamic_shared);  // shared memory starts as garbage on a GPU
     ++s.block_epoch;
     for (int t = 0; t < s.threads; ++t) prepare_fiber(s.fibers[t]);
     std::vector<int> order(s.threads);
@@ -379,7 +383,19 @@ bool run_block(Scheduler& s) {
     }
 }
 
-struct sigaction previous_segv, previous_bus, previous_fpe;
+// where a trapping instruction is, for `addr2line -e target/cuda-emu/libortemu.so <offset>`
+std::string code_address(uintptr_t pc) {
+    Dl_info info;
+    char text[256];
+    if (dladdr(reinterpret_cast<void*>(pc), &info) && info.dli_fname) {
+        snprintf(text, sizeof text, "%s+0x%lx", info.dli_fname, (unsigned long)(pc - reinterpret_cast<uintptr_t>(info.dli_fbase)));
+    } else {
+        snprintf(text, sizeof text, "code address 0x%lx", (unsigned long)pc);
+    }
+    return text;
+}
+
+struct sigaction previous_segv, previous_bus, previous_fpe, previous_ill;
 
 void on_fault(int sig, siginfo_t* info, void* ctx) {
     Scheduler& s = *sched();
@@ -389,7 +405,10 @@ void on_fault(int sig, siginfo_t* info, void* ctx) {
         s.in_kernel = 0;
         siglongjmp(s.fault_jump, 1);
     }
-    const struct sigaction& prev = sig == SIGSEGV ? previous_segv : sig == SIGBUS ? previous_bus : previous_fpe;
+    const struct sigaction& prev = sig == SIGSEGV ? previous_segv
+                                   : sig == SIGBUS ? previous_bus
+                                   : sig == SIGILL ? previous_ill
+                                                   : previous_fpe;
     if (prev.sa_flags & SA_SIGINFO) {
         if (prev.sa_sigaction) {
             prev.sa_sigaction(sig, info, ctx);
@@ -413,6 +432,8 @@ void install_fault_handlers() {
         sigaction(SIGSEGV, &sa, &previous_segv);
         sigaction(SIGBUS, &sa, &previous_bus);
         sigaction(SIGFPE, &sa, &previous_fpe);
+        // build.sh compiles the kernels with alignment checks that trap (ud2) on a misaligned access
+        sigaction(SIGILL, &sa, &previous_ill);
     });
     // the handler must not run on a fiber stack that has just overflowed
     thread_local bool has_alt_stack = false;
@@ -464,6 +485,14 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
     blockDim = dim3{block.x, block.y, block.z};
     gridDim = dim3{grid.x, grid.y, grid.z};
     s.dynamic_bytes = dynamic_shared;
+    if (!s.shared_end) {
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+        void* m = mmap(nullptr, kDynamicSharedBytes + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (m == MAP_FAILED) return fail(2, "no memory for the emulated shared memory");
+        s.shared_end = static_cast<unsigned char*>(m) + kDynamicSharedBytes;
+        mprotect(s.shared_end, page, PROT_NONE);
+    }
+    s.dynamic_shared = s.shared_end - ((dynamic_shared + 15) & ~(size_t)15);  // 16-byte aligned, as on a GPU
     if (sigsetjmp(s.fault_jump, 1)) {
         const uintptr_t addr = s.fault_addr;
         const int sig = s.fault_signal;
@@ -472,6 +501,10 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
         snprintf(where, sizeof where, "thread (%u, %u, %u) of block (%u, %u, %u): ", threadIdx.x, threadIdx.y, threadIdx.z, blockIdx.x,
                  blockIdx.y, blockIdx.z);
         if (sig == SIGFPE) return fail(719, std::string(where) + "integer division by zero (a GPU returns garbage; the CPU traps)");
+        if (sig == SIGILL) return fail(716, std::string(where) + "misaligned address: a load or store through a pointer not aligned to its type, at " + code_address(addr));
+        if (addr >= (uintptr_t)s.shared_end && addr < (uintptr_t)s.shared_end + (uintptr_t)sysconf(_SC_PAGESIZE))
+            return fail(700, std::string(where) + "illegal address: " + std::to_string(addr - (uintptr_t)s.shared_end) +
+                                 " bytes past the end of the launch's " + std::to_string(s.dynamic_bytes) + " bytes of dynamic shared memory");
         return fail(700, std::string(where) + "illegal address " + describe_address(addr));
     }
     // blocks in a shuffled order too: no kernel may depend on the order blocks run in

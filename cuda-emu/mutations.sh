@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Proves that cuda-emu still catches the kinds of bug it is there for: each mutation below puts
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
-# divider), builds the emulator from the copy and runs the GPU tests that cover it, which must
-# fail. A mutation the tests survive fails this script: the emulator (or the tests) lost the
-# power to see that bug. The engine's test binary is the normal one (its embedded kernels only
-# go to NVRTC); what runs is the emulator built from the mutated copy.
+# divider, a misaligned tile, a tile past the end of shared memory), builds the emulator from
+# the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
+# fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
+# test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
+# emulator built from the mutated copy.
 #
 #   bash cuda-emu/mutations.sh        (CI runs it after the emulated GPU tests; ~3 minutes)
 set -euo pipefail
@@ -14,7 +15,8 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 survived=0
 
-# mutate NAME FILE OLD NEW TEST_FILTER: OLD (which must occur) becomes NEW in the copy's FILE
+# mutate NAME FILE OLD NEW TEST_FILTER [EXPECT]: OLD (which must occur) becomes NEW in the copy's
+# FILE; with EXPECT, the failing tests' output must also contain it (the check that caught it)
 mutate() {
     rm -rf "$work/kernels" "$work/cuda-emu" "$work/target"
     cp -r "$root/kernels" "$root/cuda-emu" "$work/"
@@ -31,6 +33,10 @@ PY
     if (cd "$root" && LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         cargo test --release -q -p ortrain-engine --features cuda --lib "$5" > "$work/log" 2>&1); then
         echo "SURVIVED: $1 (the tests matching $5 passed with it)" >&2
+        survived=$((survived + 1))
+    elif [ -n "${6:-}" ] && ! grep -qF "$6" "$work/log"; then
+        echo "CAUGHT FOR ANOTHER REASON: $1 (the tests failed, but without \"$6\"):" >&2
+        grep -m3 "cuda-emu:\|panicked" "$work/log" >&2 || true
         survived=$((survived + 1))
     elif grep -q "^test result: FAILED" "$work/log"; then
         echo "caught: $1 ($(grep -c "panicked at" "$work/log" || true) failing assertion(s) in $5)"
@@ -64,6 +70,19 @@ mutate "strided kernels dividing by a dimension without the divider's +j" kernel
     "const u32 q = (__umulhi(j, s.magic[d]) + j) >> s.shift[d];" \
     "const u32 q = __umulhi(j, s.magic[d]) >> s.shift[d];" \
     backend::cuda::tests::movement
+
+# the next two leave every value as it was: only the emulator's alignment trap and the guard
+# page after dynamic shared memory can see them (as a GPU's misaligned-address and
+# out-of-range-shared faults would)
+mutate "tensor-core attention's Vᵀ tile one bf16 off its alignment (u32 fragment loads at odd addresses)" kernels/attention_mma.cu \
+    "    u16* vt = ks + AM_TILE * LD;  // Vᵀ [HD][64]" \
+    "    u16* vt = ks + AM_TILE * LD - 1;  // Vᵀ [HD][64]" \
+    backend::cuda::tests::exec::gpu_tensor_core_attention "misaligned address"
+
+mutate "tensor-core attention's Vᵀ tile placed one row past the shared memory its launch asks for" kernels/attention_mma.cu \
+    "    u16* vt = ks + AM_TILE * LD;  // Vᵀ [HD][64]" \
+    "    u16* vt = ks + AM_TILE * LD + AM_LDT;  // Vᵀ [HD][64]" \
+    backend::cuda::tests::exec::gpu_tensor_core_attention "bytes of dynamic shared memory"
 
 if [ "$survived" -gt 0 ]; then
     echo "cuda-emu/mutations.sh: $survived mutation(s) survived" >&2
