@@ -118,7 +118,8 @@ EXPORT int cublasGemmStridedBatchedEx(Handle* h, int transa, int transb, int m, 
     const double al = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
     const double be = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
     ort_emu::Lock lock;
-    return ort_emu::enqueue(h->stream, [=] {
+    const int CUBLAS_STATUS_EXECUTION_FAILED = 13;  // the handle's stream was destroyed
+    const int queued = ort_emu::enqueue(h->stream, [=] {
         // op(A) as m rows of k and op(B) as n columns of k, rounded once, so each output is a
         // dot product of two contiguous rows
         std::vector<double> a((size_t)m * k), b((size_t)n * k);
@@ -144,4 +145,5 @@ EXPORT int cublasGemmStridedBatchedEx(Handle* h, int transa, int transb, int m, 
         }
         return 0;
     });
+    return queued ? CUBLAS_STATUS_EXECUTION_FAILED : 0;
 }

@@ -1,7 +1,8 @@
 // ortrain CUDA emulator: the part of the CUDA driver API (libcuda.so.1) the engine and cudarc
 // call, on the CPU. One device (reported as an sm_90 GPU with 132 SMs, named as an emulator),
-// device memory is host memory, every stream runs its work at once, in order (so stream order is
-// program order), stream capture records that work into a graph replayed by cuGraphLaunch.
+// device memory is host memory, streams are queues of deferred work (queues.cpp: it runs when
+// the host waits for it, in an order a GPU could choose), stream capture records that work into
+// a graph replayed by cuGraphLaunch.
 //
 // What it checks as a GPU would, so CI catches it: launch configurations (block size, grid,
 // dynamic shared memory against the function's limit), the calls a stream capture forbids on
@@ -24,6 +25,7 @@
 #include <vector>
 
 #include "emu_runtime.h"
+#include "queues.h"
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -55,28 +57,13 @@ struct Allocation {
     size_t bytes;
 };
 
-struct Capture {
-    std::vector<std::function<int()>> work;
-    bool invalidated = false;
-    const void* thread = nullptr;
-};
-
-struct Stream {
-    std::unique_ptr<Capture> capture;
-};
-
 struct Graph {
     std::vector<std::function<int()>> work;
 };
 
-struct Event {
-    double seconds = 0;
-    bool ready = true;  // false after a record until a query or synchronise has seen it
-};
-
 struct State {
-    std::mutex mutex;
     std::map<uintptr_t, Allocation> allocations;  // by start address
+    std::map<uintptr_t, size_t> pinned;           // host memory from cuMemAllocHost, by start
     std::map<const Kernel*, int> max_dynamic_shared;
 };
 
@@ -87,20 +74,9 @@ State& state() {
 
 // the streams this thread is capturing
 thread_local std::vector<Stream*> captures_on_this_thread;
-const void* this_thread() {
-    thread_local char marker;
-    return &marker;
-}
 
 int context_marker;
 int module_marker;
-
-// the legacy default stream and the per-thread one, as handles
-Stream* stream_of(CUstream h) {
-    static Stream legacy;
-    if (h == nullptr || h == reinterpret_cast<CUstream>(1) || h == reinterpret_cast<CUstream>(2)) return &legacy;
-    return static_cast<Stream*>(h);
-}
 
 bool is_legacy(CUstream h) { return h == nullptr || h == reinterpret_cast<CUstream>(1); }
 
@@ -113,20 +89,21 @@ int forbidden_during_capture(const char* what) {
     return CAPTURE_UNSUPPORTED;
 }
 
-// A kernel's fault, reported at the next synchronising call of the thread that queued it (the
-// work runs on that thread), so a test running beside it never takes it.
-thread_local int pending_error = OK;
-
-int take_pending_error() {
-    const int e = pending_error;
-    pending_error = OK;
-    return e;
+// Host memory a copy may read or write after the call returns (cuMemAllocHost's): copies with
+// other (pageable) host memory are done with it when the call returns, as the driver's are.
+bool is_pinned(const void* p, size_t bytes) {
+    auto& pinned = state().pinned;
+    auto it = pinned.upper_bound(reinterpret_cast<uintptr_t>(p));
+    if (it == pinned.begin()) return false;
+    --it;
+    return reinterpret_cast<uintptr_t>(p) + bytes <= it->first + it->second;
 }
 
-double now_seconds() {
-    timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+// Queues `work` on the legacy stream and runs the queues until it has run: a synchronous copy
+// or memset (ordered with the legacy stream and the blocking ones, not with non-blocking ones).
+int run_on_legacy_now(std::function<int()> work) {
+    run_until(defer(nullptr, std::move(work)));
+    return take_pending_error();
 }
 
 int device_attribute(int a) {
@@ -183,15 +160,6 @@ std::string describe_address(uintptr_t addr) {
     }
     snprintf(b, sizeof b, "0x%lx: in no allocation", (unsigned long)addr);
     return b;
-}
-
-int enqueue(void* stream, std::function<int()> work) {
-    Stream* st = stream_of(stream);
-    if (st->capture) {
-        st->capture->work.push_back(std::move(work));
-        return OK;
-    }
-    return work();
 }
 
 }  // namespace ort_emu
@@ -255,6 +223,7 @@ EXPORT CUresult cuCtxGetDevice(CUdevice* d) {
 EXPORT CUresult cuCtxSynchronize() {
     Lock lock;
     if (int e = forbidden_during_capture("cuCtxSynchronize")) return e;
+    run_all();
     return take_pending_error();
 }
 EXPORT CUresult cuCtxGetStreamPriorityRange(int* least, int* greatest) {
@@ -306,6 +275,7 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     Lock lock;
     if (p == 0) return OK;
     if (int e = forbidden_during_capture("cuMemFree")) return e;
+    run_all();  // cuMemFree waits for the work queued on the device, as the driver's does
     auto& allocs = state().allocations;
     auto it = allocs.find((uintptr_t)p);
     if (it == allocs.end()) return INVALID_VALUE;
@@ -315,11 +285,17 @@ EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
 }
 
 EXPORT CUresult cuMemAllocHost_v2(void** p, size_t bytes) {
+    Lock lock;
     *p = aligned_alloc(4096, (bytes + 4095) & ~(size_t)4095);
-    return *p ? OK : OUT_OF_MEMORY;
+    if (!*p) return OUT_OF_MEMORY;
+    state().pinned[reinterpret_cast<uintptr_t>(*p)] = bytes;
+    return OK;
 }
 EXPORT CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) { return cuMemAllocHost_v2(p, bytes); }
 EXPORT CUresult cuMemFreeHost(void* p) {
+    Lock lock;
+    run_all();  // a queued copy may still use it
+    state().pinned.erase(reinterpret_cast<uintptr_t>(p));
     free(p);
     return OK;
 }
@@ -329,42 +305,57 @@ static CUresult copy_now(void* dst, const void* src, size_t bytes) {
     return OK;
 }
 
+// The synchronous copies and memsets run on the legacy stream: after the work queued before on
+// it and on the blocking streams (not on non-blocking ones), and are done when they return.
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyHtoD (synchronous)")) return e;
-    return copy_now(reinterpret_cast<void*>(dst), src, bytes);
+    return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyDtoH (synchronous)")) return e;
-    if (int e = take_pending_error()) return e;
-    return copy_now(dst, reinterpret_cast<const void*>(src), bytes);
+    return run_on_legacy_now([=] { return copy_now(dst, reinterpret_cast<const void*>(src), bytes); });
 }
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyDtoD (synchronous)")) return e;
-    return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes);
+    return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
 }
+// From pageable host memory the driver takes the bytes before returning; from pinned memory it
+// reads them when the copy runs.
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream s) {
     Lock lock;
-    return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
+    if (!stream_of(s)) return INVALID_HANDLE;
+    if (is_pinned(src, bytes)) return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
+    auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
+    return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), staged->data(), bytes); });
 }
+// Into pageable host memory the call returns when the copy is done; into pinned memory the
+// bytes arrive when the copy runs (after a synchronisation).
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, CUstream s) {
     Lock lock;
-    return enqueue(s, [=] { return copy_now(dst, reinterpret_cast<const void*>(src), bytes); });
+    if (!stream_of(s)) return INVALID_HANDLE;
+    auto done = defer(s, [=] { return copy_now(dst, reinterpret_cast<const void*>(src), bytes); });
+    if (!is_pinned(dst, bytes) && !stream_of(s)->capture) run_until(done);
+    return OK;
 }
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
     Lock lock;
+    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
 }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemsetD8 (synchronous)")) return e;
-    memset(reinterpret_cast<void*>(dst), v, n);
-    return OK;
+    return run_on_legacy_now([=] {
+        memset(reinterpret_cast<void*>(dst), v, n);
+        return OK;
+    });
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
     Lock lock;
+    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] {
         memset(reinterpret_cast<void*>(dst), v, n);
         return OK;
@@ -372,6 +363,7 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUst
 }
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream s) {
     Lock lock;
+    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] {
         unsigned* p = reinterpret_cast<unsigned*>(dst);
         for (size_t i = 0; i < n; ++i) p[i] = v;
@@ -381,37 +373,61 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned v, size_t n) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemsetD32 (synchronous)")) return e;
-    unsigned* p = reinterpret_cast<unsigned*>(dst);
-    for (size_t i = 0; i < n; ++i) p[i] = v;
-    return OK;
+    return run_on_legacy_now([=] {
+        unsigned* p = reinterpret_cast<unsigned*>(dst);
+        for (size_t i = 0; i < n; ++i) p[i] = v;
+        return OK;
+    });
 }
 
 // ---- streams and events ------------------------------------------------------------------
 
-EXPORT CUresult cuStreamCreate(CUstream* s, unsigned) {
-    *s = new Stream();
+EXPORT CUresult cuStreamCreate(CUstream* s, unsigned flags) {
+    Lock lock;
+    *s = new_stream(flags);
     return OK;
 }
 EXPORT CUresult cuStreamCreateWithPriority(CUstream* s, unsigned flags, int) { return cuStreamCreate(s, flags); }
 EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
-    if (!is_legacy(s) && s != reinterpret_cast<CUstream>(2)) delete static_cast<Stream*>(s);
+    Lock lock;
+    if (is_legacy(s) || s == reinterpret_cast<CUstream>(2)) return OK;
+    Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
+    destroy_stream(st);
     return OK;
 }
 EXPORT CUresult cuStreamSynchronize(CUstream s) {
     Lock lock;
+    if (!stream_of(s)) return INVALID_HANDLE;
     if (stream_of(s)->capture) {
         stream_of(s)->capture->invalidated = true;
         fprintf(stderr, "cuda-emu: cuStreamSynchronize on a stream being captured: not permitted (the capture is invalidated)\n");
         return CAPTURE_UNSUPPORTED;
     }
     if (int e = forbidden_during_capture("cuStreamSynchronize")) return e;
+    run_stream(stream_of(s));
     return take_pending_error();
 }
-EXPORT CUresult cuStreamQuery(CUstream) { return OK; }
-EXPORT CUresult cuStreamWaitEvent(CUstream, void*, unsigned) { return OK; }
+EXPORT CUresult cuStreamQuery(CUstream s) {
+    Lock lock;
+    Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
+    if (!st->queue.empty()) {
+        run_stream(st);  // as if the device had been at it meanwhile; the caller asks again
+        return NOT_READY;
+    }
+    return take_pending_error();
+}
+EXPORT CUresult cuStreamWaitEvent(CUstream s, void* e, unsigned) {
+    Lock lock;
+    if (!stream_of(s) || !e) return INVALID_HANDLE;
+    defer_wait(s, static_cast<Event*>(e));
+    return OK;
+}
 EXPORT CUresult cuStreamIsCapturing(CUstream s, int* status) {
     Lock lock;
     Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
     *status = st->capture ? (st->capture->invalidated ? 2 : 1) : 0;
     return OK;
 }
@@ -420,6 +436,7 @@ EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int /*mode*/) {
     Lock lock;
     if (is_legacy(s)) return CAPTURE_UNSUPPORTED;  // the legacy stream cannot be captured
     Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
     if (st->capture) return CAPTURE_UNSUPPORTED;
     st->capture.reset(new Capture());
     st->capture->thread = this_thread();
@@ -430,6 +447,7 @@ EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int /*mode*/) {
 EXPORT CUresult cuStreamEndCapture(CUstream s, void** graph) {
     Lock lock;
     Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
     if (!st->capture) return INVALID_VALUE;
     if (st->capture->thread != this_thread()) return CAPTURE_WRONG_THREAD;
     std::unique_ptr<Capture> c = std::move(st->capture);
@@ -463,6 +481,7 @@ EXPORT CUresult cuGraphLaunch(void* exec, CUstream s) {
     Lock lock;
     Graph* g = static_cast<Graph*>(exec);
     if (!g) return INVALID_VALUE;
+    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [g] {
         for (auto& w : g->work)
             if (int e = w()) return e;
@@ -483,37 +502,44 @@ EXPORT CUresult cuEventCreate(void** e, unsigned) {
     return OK;
 }
 EXPORT CUresult cuEventDestroy_v2(void* e) {
+    Lock lock;
+    // a record or a wait still queued holds the record's completion, not the event
     delete static_cast<Event*>(e);
     return OK;
 }
 EXPORT CUresult cuEventRecord(void* e, CUstream s) {
     Lock lock;
-    Event* ev = static_cast<Event*>(e);
-    return enqueue(s, [ev] {
-        ev->seconds = now_seconds();
-        ev->ready = false;
-        return OK;
-    });
+    if (!stream_of(s) || !e) return INVALID_HANDLE;
+    defer_record(s, static_cast<Event*>(e));
+    return OK;
 }
 EXPORT CUresult cuEventRecordWithFlags(void* e, CUstream s, unsigned) { return cuEventRecord(e, s); }
-// The first query after a record answers "not ready" (work on a GPU takes time), so callers'
-// not-ready paths run too.
+// The first query of a record that has not run answers "not ready" without running anything
+// (work on a GPU takes time), so callers' not-ready paths run too; the next runs the queues
+// up to it.
 EXPORT CUresult cuEventQuery(void* e) {
     Lock lock;
     Event* ev = static_cast<Event*>(e);
-    if (!ev->ready) {
-        ev->ready = true;
-        return NOT_READY;
+    if (ev->last && !ev->last->done) {
+        if (!ev->answered_not_ready) {
+            ev->answered_not_ready = true;
+            return NOT_READY;
+        }
+        run_until(ev->last);
     }
     return take_pending_error();
 }
 EXPORT CUresult cuEventSynchronize(void* e) {
     Lock lock;
-    static_cast<Event*>(e)->ready = true;
+    run_until(static_cast<Event*>(e)->last);
     return take_pending_error();
 }
 EXPORT CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
-    *ms = (float)((static_cast<Event*>(end)->seconds - static_cast<Event*>(start)->seconds) * 1e3);
+    Lock lock;
+    Event *a = static_cast<Event*>(start), *b = static_cast<Event*>(end);
+    if (!a->last || !b->last) return INVALID_HANDLE;
+    if (!a->last->done || !b->last->done) return NOT_READY;
+    *ms = (float)((b->last->seconds - a->last->seconds) * 1e3);
     return OK;
 }
 EXPORT CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) { return cuEventElapsedTime(ms, start, end); }
@@ -563,6 +589,7 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     Lock lock;
     const Kernel* k = static_cast<const Kernel*>(f);
     if (!k || extra) return INVALID_VALUE;
+    if (!stream_of(s)) return INVALID_HANDLE;
     const size_t threads = (size_t)bx * by * bz;
     if (threads == 0 || threads > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 ||
         gx > 2147483647u)
@@ -589,9 +616,8 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     return enqueue(s, [k, grid, block, shared, copies] {
         std::vector<void*> ptrs;
         for (auto& c : *copies) ptrs.push_back(c.data());
-        const int e = run_kernel(*k, grid, block, shared, ptrs.data());
-        if (e && pending_error == OK) pending_error = e;
-        return OK;  // a fault shows at the next synchronising call, as on a GPU
+        // a fault shows at the next synchronising call of the thread that queued it
+        return run_kernel(*k, grid, block, shared, ptrs.data());
     });
 }
 

@@ -42,14 +42,20 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
 // Where a faulting address lies relative to the device allocations (driver.cpp).
 std::string describe_address(uintptr_t addr);
 
-// Runs `work` now, or, while `stream` is being captured, records it into the capture; the driver's
-// launches, copies and memsets and cuBLAS's products all go through here.
+// Queues `work` on `stream` (queues.cpp: it runs when the host waits for it), or, while the
+// stream is being captured, records it into the capture; the driver's launches, copies and
+// memsets and cuBLAS's products all go through here. 0, or CUDA_ERROR_INVALID_HANDLE for a
+// destroyed stream.
 int enqueue(void* stream, std::function<int()> work);
 
 // Serialises the emulator: one launch, copy or product at a time in the whole process.
 struct Lock {
     Lock();
     ~Lock();
+    // Called with the lock held: lets the calls waiting for it go first (each in turn), then
+    // takes it back. The queues' runner calls it between two operations, so other threads
+    // queue work while the device is "running" this one's, as they can on a GPU.
+    static void let_others_in();
 };
 
 }  // namespace ort_emu

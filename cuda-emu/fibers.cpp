@@ -468,6 +468,16 @@ Lock::~Lock() {
     l.turn.notify_all();
 }
 
+void Lock::let_others_in() {
+    TicketLock& l = big_lock();
+    std::unique_lock<std::mutex> g(l.m);
+    if (l.next == l.serving + 1) return;  // nobody is waiting
+    const uint64_t mine = l.next++;
+    ++l.serving;
+    l.turn.notify_all();
+    l.turn.wait(g, [&] { return l.serving == mine; });
+}
+
 int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void** params) {
     Scheduler& s = *sched();
     const size_t threads = (size_t)block.x * block.y * block.z;

@@ -90,6 +90,19 @@ fn gpu_step_in(
     seeds: &[Vec<f32>],
     mode: F32Mode,
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    gpu_step_on(s, x, sig, weights, seeds, mode, std::ptr::null_mut())
+}
+
+/// As `gpu_step_in`, with the phases queued on `stream` (null: the legacy stream).
+fn gpu_step_on(
+    s: &Session,
+    x: &[u8],
+    sig: &Sig,
+    weights: &[Vec<f32>],
+    seeds: &[Vec<f32>],
+    mode: F32Mode,
+    stream: cudarc::driver::sys::CUstream,
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let g = gpu_or_reason().expect("under gpu()");
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let plan = s.plan(std::slice::from_ref(sig), true).expect("plan");
@@ -113,7 +126,7 @@ fn gpu_step_in(
             bind.bind(gv.expect("has a gradient"), b.ptr());
         }
     }
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let mut ctx = CudaCtx { rt, stream, seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
     let feed = [(s.inputs[0], InputSrc::Host(x))];
     cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
     let outs: Vec<Vec<f32>> = s
@@ -174,6 +187,21 @@ fn gpu_train_step_matches_the_cpu_executor() {
 #[test]
 fn gpu_two_threads_stepping_at_once_get_what_each_gets_alone() {
     let Some(_) = gpu("gpu_two_threads_stepping_at_once_get_what_each_gets_alone") else { return };
+    two_threads_step_as_alone(false);
+}
+
+/// The same with each thread on a stream of its own (as two PyTorch streams), which the GPU may
+/// run at the same time: a claim on another stream than the last one makes the new stream wait
+/// for the previous one (claim.rs), so the shared scratch is still used by one phase at a time.
+/// cuda-emu runs the work of two streams in a random order where nothing orders them.
+#[test]
+fn gpu_two_threads_on_their_own_streams_get_what_each_gets_alone() {
+    let Some(_) = gpu("gpu_two_threads_on_their_own_streams_get_what_each_gets_alone") else { return };
+    two_threads_step_as_alone(true);
+}
+
+fn two_threads_step_as_alone(own_streams: bool) {
+    use cudarc::driver::result::stream;
     // each thread builds its model and session, then all step together
     let stepper = |seed: u64, start: Option<&std::sync::Barrier>, steps: usize| {
         let mut rng = Rng::new(seed);
@@ -183,17 +211,28 @@ fn gpu_two_threads_stepping_at_once_get_what_each_gets_alone() {
         let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
         let x = m.input_bytes(&mut rng);
         let seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let on = if own_streams {
+            runtime_or_reason().unwrap_or_else(|e| panic!("{e}")).bind().expect("bind");
+            stream::create(stream::StreamKind::NonBlocking).expect("stream")
+        } else {
+            std::ptr::null_mut()
+        };
         if let Some(b) = start {
             b.wait();
         }
-        (0..steps).map(|_| gpu_step(&s, &x, &sig, &weight_data(&m), &seeds)).collect::<Vec<Step>>()
+        let steps = (0..steps).map(|_| gpu_step_on(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Exact, on)).collect::<Vec<Step>>();
+        if own_streams {
+            // SAFETY: made above; its work has been waited for (each step downloads its results).
+            unsafe { stream::destroy(on) }.expect("stream destroy");
+        }
+        steps
     };
     let alone = [31, 37].map(|seed| stepper(seed, None, 1).remove(0));
     let start = std::sync::Barrier::new(2);
     let together: Vec<Vec<Step>> = std::thread::scope(|scope| {
         let threads = [31, 37].map(|seed| {
             let (stepper, start) = (&stepper, &start);
-            scope.spawn(move || stepper(seed, Some(start), 4))
+            scope.spawn(move || stepper(seed, Some(start), 8))
         });
         threads.into_iter().map(|t| t.join().expect("a stepping thread panicked")).collect()
     });
