@@ -5,7 +5,8 @@
 // a graph replayed by cuGraphLaunch.
 //
 // What it checks as a GPU would, so CI catches it: launch configurations (block size, grid,
-// dynamic shared memory against the function's limit), the calls a stream capture forbids on
+// dynamic shared memory against the function's limit, the registers and static shared memory
+// the kernel's CUBIN says it needs: cubin.cpp), the calls a stream capture forbids on
 // the capturing thread (allocation, synchronous copies, synchronising the captured stream),
 // memory faults (each allocation ends at an inaccessible page; freed memory is unmapped) and
 // uninitialised memory (fresh allocations are filled with 0xff bytes: NaN as floats, -1 as
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "emu_runtime.h"
+#include "cubin.h"
 #include "queues.h"
 
 typedef int CUresult;
@@ -57,8 +59,10 @@ struct Allocation {
     size_t bytes;
 };
 
+// A graph's work is shared with its launches still queued: the driver lets a graph be
+// destroyed while a launch of it runs.
 struct Graph {
-    std::vector<std::function<int()>> work;
+    std::shared_ptr<const std::vector<std::function<int()>>> work;
 };
 
 struct State {
@@ -305,12 +309,17 @@ static CUresult copy_now(void* dst, const void* src, size_t bytes) {
     return OK;
 }
 
-// The synchronous copies and memsets run on the legacy stream: after the work queued before on
-// it and on the blocking streams (not on non-blocking ones), and are done when they return.
+// The "synchronous" copies and memsets go on the legacy stream: after the work queued before on
+// it and on the blocking streams, not on non-blocking ones. What they leave running when they
+// return is what the driver's may leave (its "API synchronization behavior" page): a copy from
+// pageable host memory returns once the bytes are staged, a device-to-device copy and a memset
+// of device memory do not wait at all; a copy to the host returns when it is done.
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyHtoD (synchronous)")) return e;
-    return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
+    if (is_pinned(src, bytes)) return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
+    auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
+    return enqueue(nullptr, [=] { return copy_now(reinterpret_cast<void*>(dst), staged->data(), bytes); });
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
     Lock lock;
@@ -320,7 +329,7 @@ EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
 EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyDtoD (synchronous)")) return e;
-    return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
+    return enqueue(nullptr, [=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
 }
 // From pageable host memory the driver takes the bytes before returning; from pinned memory it
 // reads them when the copy runs.
@@ -348,7 +357,7 @@ EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t by
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemsetD8 (synchronous)")) return e;
-    return run_on_legacy_now([=] {
+    return enqueue(nullptr, [=] {
         memset(reinterpret_cast<void*>(dst), v, n);
         return OK;
     });
@@ -373,7 +382,7 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream
 EXPORT CUresult cuMemsetD32_v2(CUdeviceptr dst, unsigned v, size_t n) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemsetD32 (synchronous)")) return e;
-    return run_on_legacy_now([=] {
+    return enqueue(nullptr, [=] {
         unsigned* p = reinterpret_cast<unsigned*>(dst);
         for (size_t i = 0; i < n; ++i) p[i] = v;
         return OK;
@@ -457,7 +466,7 @@ EXPORT CUresult cuStreamEndCapture(CUstream s, void** graph) {
         return CAPTURE_INVALIDATED;
     }
     Graph* g = new Graph();
-    g->work = std::move(c->work);
+    g->work = std::make_shared<const std::vector<std::function<int()>>>(std::move(c->work));
     *graph = g;
     return OK;
 }
@@ -466,8 +475,8 @@ EXPORT CUresult cuGraphGetNodes(void* graph, void** nodes, size_t* count) {
     Graph* g = static_cast<Graph*>(graph);
     if (!g) return INVALID_VALUE;
     if (nodes)
-        for (size_t i = 0; i < *count && i < g->work.size(); ++i) nodes[i] = &g->work[i];
-    *count = g->work.size();
+        for (size_t i = 0; i < *count && i < g->work->size(); ++i) nodes[i] = const_cast<std::function<int()>*>(&(*g->work)[i]);
+    *count = g->work->size();
     return OK;
 }
 EXPORT CUresult cuGraphInstantiateWithFlags(void** exec, void* graph, unsigned long long) {
@@ -482,8 +491,8 @@ EXPORT CUresult cuGraphLaunch(void* exec, CUstream s) {
     Graph* g = static_cast<Graph*>(exec);
     if (!g) return INVALID_VALUE;
     if (!stream_of(s)) return INVALID_HANDLE;
-    return enqueue(s, [g] {
-        for (auto& w : g->work)
+    return enqueue(s, [work = g->work] {
+        for (auto& w : *work)
             if (int e = w()) return e;
         return OK;
     });
@@ -497,8 +506,10 @@ EXPORT CUresult cuGraphDestroy(void* graph) {
     return OK;
 }
 
-EXPORT CUresult cuEventCreate(void** e, unsigned) {
-    *e = new Event();
+EXPORT CUresult cuEventCreate(void** e, unsigned flags) {
+    Event* ev = new Event();
+    ev->timing = (flags & 2) == 0;  // CU_EVENT_DISABLE_TIMING
+    *e = ev;
     return OK;
 }
 EXPORT CUresult cuEventDestroy_v2(void* e) {
@@ -525,7 +536,7 @@ EXPORT CUresult cuEventQuery(void* e) {
             ev->answered_not_ready = true;
             return NOT_READY;
         }
-        run_until(ev->last);
+        run_until(ev->last);  // a copy: the event may be recorded again or destroyed meanwhile
     }
     return take_pending_error();
 }
@@ -537,7 +548,7 @@ EXPORT CUresult cuEventSynchronize(void* e) {
 EXPORT CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
     Lock lock;
     Event *a = static_cast<Event*>(start), *b = static_cast<Event*>(end);
-    if (!a->last || !b->last) return INVALID_HANDLE;
+    if (!a->timing || !b->timing || !a->last || !b->last) return INVALID_HANDLE;
     if (!a->last->done || !b->last->done) return NOT_READY;
     *ms = (float)((b->last->seconds - a->last->seconds) * 1e3);
     return OK;
@@ -547,8 +558,10 @@ EXPORT CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) { retur
 // ---- modules and launches ----------------------------------------------------------------
 
 EXPORT CUresult cuModuleLoadData(void** module, const void* image) {
+    Lock lock;
     if (!image) return INVALID_VALUE;
-    *module = &module_marker;  // the kernels are the ones compiled into this library
+    read_cubin(image);  // what the GPU would take from it: registers, static shared memory
+    *module = &module_marker;  // the kernels that run are the ones compiled into this library
     return OK;
 }
 EXPORT CUresult cuModuleLoadDataEx(void** module, const void* image, unsigned, void*, void*) { return cuModuleLoadData(module, image); }
@@ -570,9 +583,17 @@ EXPORT CUresult cuFuncSetAttribute(void* f, int attribute, int value) {
 }
 EXPORT CUresult cuFuncGetAttribute(int* v, int attribute, void* f) {
     Lock lock;
+    const Kernel* k = static_cast<const Kernel*>(f);
+    const CompiledKernel* c = compiled_kernel(k->name);
     switch (attribute) {
-        case 0: *v = static_cast<Kernel*>(f)->max_threads > 0 ? static_cast<Kernel*>(f)->max_threads : 1024; break;
-        case 4: *v = 32; break;
+        case 0: {  // max threads per block: the launch bounds, and what the register file holds
+            int most = k->max_threads > 0 ? k->max_threads : 1024;
+            while (c && c->registers > 0 && most > 32 && registers_for_block(c->registers, (size_t)most) > device_attribute(12)) most -= 32;
+            *v = most;
+            break;
+        }
+        case 1: *v = c ? (int)c->static_shared : 0; break;
+        case 4: *v = c && c->registers > 0 ? c->registers : 32; break;
         case 8: {
             auto& m = state().max_dynamic_shared;
             auto it = m.find(static_cast<Kernel*>(f));
@@ -605,6 +626,23 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     if ((int)shared > limit) {
         fprintf(stderr, "cuda-emu: kernel %s launched with %u bytes of dynamic shared memory, over its limit of %d\n", k->name, shared, limit);
         return INVALID_VALUE;
+    }
+    // what NVRTC's CUBIN of the kernel says: its registers for the whole block must fit the
+    // register file, its static shared memory beside the dynamic one in a block's maximum
+    if (const CompiledKernel* c = compiled_kernel(k->name)) {
+        const int need = c->registers > 0 ? registers_for_block(c->registers, threads) : 0;
+        if (need > device_attribute(12)) {
+            fprintf(stderr, "cuda-emu: kernel %s launched with %zu threads a block at %d registers each (its CUBIN): %d registers, over the %d a block has\n",
+                    k->name, threads, c->registers, need, device_attribute(12));
+            return LAUNCH_OUT_OF_RESOURCES;
+        }
+        // 48 KiB in all unless cuFuncSetAttribute opted the kernel into more
+        const size_t most = it != state().max_dynamic_shared.end() ? (size_t)device_attribute(97) : 48 * 1024;
+        if (c->static_shared + shared > most) {
+            fprintf(stderr, "cuda-emu: kernel %s: %zu bytes of static and %u of dynamic shared memory, over the %zu a block may have\n",
+                    k->name, c->static_shared, shared, most);
+            return INVALID_VALUE;
+        }
     }
     // the parameters are copied now (the caller's may be gone when a captured graph runs)
     auto copies = std::make_shared<std::vector<std::vector<unsigned char>>>();

@@ -114,6 +114,7 @@ std::shared_ptr<Done> push(Stream* st, std::function<int()> work, std::shared_pt
     op.owner = this_thread();
     op.waits_for = std::move(waits_for);
     st->queue.push_back(std::move(op));
+    st->last = done;
     return done;
 }
 
@@ -126,9 +127,17 @@ const void* this_thread() {
 
 Stream* stream_of(void* h) {
     Queues& q = queues();
-    if (h == nullptr || h == reinterpret_cast<void*>(1) || h == reinterpret_cast<void*>(2)) return &q.legacy;
+    if (h == nullptr || h == reinterpret_cast<void*>(1)) return &q.legacy;
+    if (h == reinterpret_cast<void*>(2)) {
+        thread_local Stream* per_thread = new_stream(0);
+        return per_thread;
+    }
     Stream* st = static_cast<Stream*>(h);
-    return st->destroyed ? nullptr : st;
+    if (st->destroyed) {
+        fprintf(stderr, "cuda-emu: a destroyed stream was used (undefined behaviour on a GPU: the handle may name another stream by then)\n");
+        return nullptr;
+    }
+    return st;
 }
 
 Stream* new_stream(unsigned flags) {
@@ -140,9 +149,11 @@ Stream* new_stream(unsigned flags) {
 
 void destroy_stream(Stream* st) {
     // the driver lets queued work finish after cuStreamDestroy returns; running it now is one
-    // such order
+    // such order. The Stream stays allocated, so its address is never reused for another.
     run_stream(st);
     st->destroyed = true;
+    auto& streams = queues().streams;
+    std::erase(streams, st);
 }
 
 std::shared_ptr<Done> defer(void* stream, std::function<int()> work) {
@@ -169,16 +180,17 @@ void defer_record(void* stream, Event* event) {
 
 // Between two operations other threads may queue work (or run some themselves), so work of two
 // streams interleaves while the host waits, as on a GPU.
-void run_until(const std::shared_ptr<Done>& done) {
+void run_until(std::shared_ptr<Done> done) {
     while (done && !done->done && step()) Lock::let_others_in();
 }
 
-void run_stream(Stream* st) {
-    while (!st->queue.empty() && step()) Lock::let_others_in();
-}
+void run_stream(Stream* st) { run_until(st->last); }
 
 void run_all() {
-    while (step()) Lock::let_others_in();
+    Queues& q = queues();
+    std::vector<std::shared_ptr<Done>> targets{q.legacy.last};
+    for (Stream* st : q.streams) targets.push_back(st->last);
+    for (auto& t : targets) run_until(t);
 }
 
 int take_pending_error() {

@@ -39,7 +39,8 @@ struct Op {
 struct Stream {
     std::unique_ptr<Capture> capture;
     std::deque<Op> queue;
-    bool legacy = false;     // the legacy default stream (handle 0, or 1 / 2)
+    std::shared_ptr<Done> last;  // the completion of the last operation queued
+    bool legacy = false;     // the legacy default stream (handle 0 or 1)
     bool blocking = true;    // ordered with the legacy stream (created without CU_STREAM_NON_BLOCKING)
     bool destroyed = false;  // kept, so a handle used after cuStreamDestroy is refused, not reused
 };
@@ -47,9 +48,12 @@ struct Stream {
 struct Event {
     std::shared_ptr<Done> last;    // the latest record's completion (none: never recorded)
     bool answered_not_ready = false;
+    bool timing = true;            // not created with CU_EVENT_DISABLE_TIMING
 };
 
-// The stream a handle names (null for a destroyed one); the legacy stream for 0, 1 and 2.
+// The stream a handle names: the legacy stream for 0 and 1, the calling thread's own
+// (blocking) stream for 2 (CU_STREAM_PER_THREAD); null, with a message, for a destroyed one
+// (undefined behaviour on a GPU, where the handle may already name another stream).
 Stream* stream_of(void* handle);
 // Registers a created stream with its flags.
 Stream* new_stream(unsigned flags);
@@ -67,9 +71,10 @@ void defer_wait(void* stream, Event* event);
 // Queues a record of `event` on `stream`.
 void defer_record(void* stream, Event* event);
 
-// Runs queued work, in an order a GPU could choose, until `done` has run / `st` is empty /
-// every queue is empty.
-void run_until(const std::shared_ptr<Done>& done);
+// Runs queued work, in an order a GPU could choose, until `done` has run / what `st` had
+// queued has run / what every stream had queued has run (work queued meanwhile by other
+// threads may run too, but is not waited for).
+void run_until(std::shared_ptr<Done> done);
 void run_stream(Stream* st);
 void run_all();
 

@@ -129,8 +129,12 @@ pub fn copy_inputs(graph: &Graph, plan: &Plan, base: u64, inputs: &[(ValueId, In
                             msg: format!("got {} bytes, the plan expects {want}", bytes.len()),
                         });
                     }
+                    // on `ctx.stream`, so the phase's kernels see it: a synchronous copy goes on
+                    // the legacy stream and may return before its DMA is done, which a
+                    // non-blocking stream does not wait for; from pageable memory the driver
+                    // takes the bytes before it returns.
                     // SAFETY: `bytes` holds exactly `want` bytes (checked above), the slot too.
-                    unsafe { result::memcpy_htod_sync(dst, bytes) }
+                    unsafe { result::memcpy_htod_async(dst, bytes, ctx.stream) }
                 }
                 // SAFETY: the caller's contract: `p` holds the input's `want` bytes.
                 InputSrc::Device(p) => unsafe { result::memcpy_dtod_async(dst, *p, want, ctx.stream) },

@@ -62,8 +62,9 @@ impl Claims {
                     e
                 }
             };
-            // SAFETY: `e` is our live event; `prev` was a live stream when it last claimed. A
-            // stream destroyed since has nothing left to wait for: its record fails and is skipped.
+            // SAFETY: `e` is our live event; `prev` is live: streams that claim outlive the
+            // runtime (PyTorch never destroys its streams; tests keep theirs), since a record
+            // on a destroyed stream's handle is undefined behaviour. A failed record is skipped.
             if unsafe { event::record(e, prev as CUstream) }.is_ok() {
                 // SAFETY: `on` and `e` are live; the wait is queued on `on`.
                 unsafe { stream::wait_event(on, e, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
