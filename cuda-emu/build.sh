@@ -75,4 +75,8 @@ if [ "${#todo[@]}" -gt 0 ]; then
 fi
 "$CXX" -shared -o "$out/libortemu.so" "${objs[@]}" -Wl,-soname,libortemu.so -lpthread -ldl
 for link in libcuda.so.1 libcublas.so.13 libcublasLt.so.13; do ln -sf libortemu.so "$out/$link"; done
+# the emulator's own checks (selftest.cpp; scripts/test.sh runs it)
+if [ "$src/selftest.cpp" -nt "$out/selftest" ] || [ "$out/libortemu.so" -nt "$out/selftest" ]; then
+    "$CXX" -std=c++20 -O2 -Wall -o "$out/selftest" "$src/selftest.cpp" -L"$out" -lortemu -Wl,-rpath,'$ORIGIN'
+fi
 echo "$out"
