@@ -30,9 +30,9 @@ template <typename T> T at(const unsigned char* b, uint64_t off) {
 }
 
 struct Section {
-    std::string name;
-    uint32_t type, link;
+    uint32_t name_offset, type, link;
     uint64_t offset, size;
+    std::string name;
 };
 
 }  // namespace
@@ -46,11 +46,10 @@ void read_cubin(const void* image) {
     std::vector<Section> secs(shnum);
     for (uint16_t i = 0; i < shnum; ++i) {
         const uint64_t h = shoff + (uint64_t)i * shentsize;
-        secs[i] = Section{std::to_string(at<uint32_t>(b, h)), at<uint32_t>(b, h + 4), at<uint32_t>(b, h + 40), at<uint64_t>(b, h + 24),
-                          at<uint64_t>(b, h + 32)};
+        secs[i] = Section{at<uint32_t>(b, h), at<uint32_t>(b, h + 4), at<uint32_t>(b, h + 40), at<uint64_t>(b, h + 24), at<uint64_t>(b, h + 32), {}};
     }
     const uint64_t names = secs[shstrndx].offset;
-    for (Section& s : secs) s.name = reinterpret_cast<const char*>(b + names + std::stoul(s.name));
+    for (Section& s : secs) s.name = reinterpret_cast<const char*>(b + names + s.name_offset);
     // symbol names by index, for the attributes that name a kernel by its symbol
     std::vector<std::string> symbols;
     for (const Section& s : secs) {

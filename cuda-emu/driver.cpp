@@ -93,6 +93,11 @@ int forbidden_during_capture(const char* what) {
     return CAPTURE_UNSUPPORTED;
 }
 
+int copy_now(void* dst, const void* src, size_t bytes) {
+    memmove(dst, src, bytes);
+    return OK;
+}
+
 // Host memory a copy may read or write after the call returns (cuMemAllocHost's): copies with
 // other (pageable) host memory are done with it when the call returns, as the driver's are.
 bool is_pinned(const void* p, size_t bytes) {
@@ -101,6 +106,16 @@ bool is_pinned(const void* p, size_t bytes) {
     if (it == pinned.begin()) return false;
     --it;
     return reinterpret_cast<uintptr_t>(p) + bytes <= it->first + it->second;
+}
+
+// The work of a host-to-device copy: from pinned memory it reads the source when it runs; from
+// pageable memory the driver takes the bytes before the call returns, so they are staged now.
+std::function<int()> host_to_device(CUdeviceptr dst, const void* src, size_t bytes) {
+    void* d = reinterpret_cast<void*>(dst);
+    if (is_pinned(src, bytes)) return [=] { return copy_now(d, src, bytes); };
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    auto staged = std::make_shared<std::vector<unsigned char>>(s, s + bytes);
+    return [=] { return copy_now(d, staged->data(), bytes); };
 }
 
 // Queues `work` on the legacy stream and runs the queues until it has run: a synchronous copy
@@ -304,11 +319,6 @@ EXPORT CUresult cuMemFreeHost(void* p) {
     return OK;
 }
 
-static CUresult copy_now(void* dst, const void* src, size_t bytes) {
-    memmove(dst, src, bytes);
-    return OK;
-}
-
 // The "synchronous" copies and memsets go on the legacy stream: after the work queued before on
 // it and on the blocking streams, not on non-blocking ones. What they leave running when they
 // return is what the driver's may leave (its "API synchronization behavior" page): a copy from
@@ -317,9 +327,8 @@ static CUresult copy_now(void* dst, const void* src, size_t bytes) {
 EXPORT CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t bytes) {
     Lock lock;
     if (int e = forbidden_during_capture("cuMemcpyHtoD (synchronous)")) return e;
-    if (is_pinned(src, bytes)) return run_on_legacy_now([=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
-    auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
-    return enqueue(nullptr, [=] { return copy_now(reinterpret_cast<void*>(dst), staged->data(), bytes); });
+    if (is_pinned(src, bytes)) return run_on_legacy_now(host_to_device(dst, src, bytes));
+    return enqueue(nullptr, host_to_device(dst, src, bytes));
 }
 EXPORT CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t bytes) {
     Lock lock;
@@ -331,14 +340,9 @@ EXPORT CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes) 
     if (int e = forbidden_during_capture("cuMemcpyDtoD (synchronous)")) return e;
     return enqueue(nullptr, [=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
 }
-// From pageable host memory the driver takes the bytes before returning; from pinned memory it
-// reads them when the copy runs.
 EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void* src, size_t bytes, CUstream s) {
     Lock lock;
-    if (!stream_of(s)) return INVALID_HANDLE;
-    if (is_pinned(src, bytes)) return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), src, bytes); });
-    auto staged = std::make_shared<std::vector<unsigned char>>(static_cast<const unsigned char*>(src), static_cast<const unsigned char*>(src) + bytes);
-    return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), staged->data(), bytes); });
+    return enqueue(s, host_to_device(dst, src, bytes));
 }
 // Into pageable host memory the call returns when the copy is done; into pinned memory the
 // bytes arrive when the copy runs (after a synchronisation).
@@ -351,7 +355,6 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void* dst, CUdeviceptr src, size_t bytes, C
 }
 EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s) {
     Lock lock;
-    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] { return copy_now(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), bytes); });
 }
 EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
@@ -364,7 +367,6 @@ EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUstream s) {
     Lock lock;
-    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] {
         memset(reinterpret_cast<void*>(dst), v, n);
         return OK;
@@ -372,7 +374,6 @@ EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, CUst
 }
 EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, CUstream s) {
     Lock lock;
-    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [=] {
         unsigned* p = reinterpret_cast<unsigned*>(dst);
         for (size_t i = 0; i < n; ++i) p[i] = v;
@@ -407,14 +408,15 @@ EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
 }
 EXPORT CUresult cuStreamSynchronize(CUstream s) {
     Lock lock;
-    if (!stream_of(s)) return INVALID_HANDLE;
-    if (stream_of(s)->capture) {
-        stream_of(s)->capture->invalidated = true;
+    Stream* st = stream_of(s);
+    if (!st) return INVALID_HANDLE;
+    if (st->capture) {
+        st->capture->invalidated = true;
         fprintf(stderr, "cuda-emu: cuStreamSynchronize on a stream being captured: not permitted (the capture is invalidated)\n");
         return CAPTURE_UNSUPPORTED;
     }
     if (int e = forbidden_during_capture("cuStreamSynchronize")) return e;
-    run_stream(stream_of(s));
+    run_stream(st);
     return take_pending_error();
 }
 EXPORT CUresult cuStreamQuery(CUstream s) {
@@ -490,7 +492,6 @@ EXPORT CUresult cuGraphLaunch(void* exec, CUstream s) {
     Lock lock;
     Graph* g = static_cast<Graph*>(exec);
     if (!g) return INVALID_VALUE;
-    if (!stream_of(s)) return INVALID_HANDLE;
     return enqueue(s, [work = g->work] {
         for (auto& w : *work)
             if (int e = w()) return e;
@@ -610,7 +611,6 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     Lock lock;
     const Kernel* k = static_cast<const Kernel*>(f);
     if (!k || extra) return INVALID_VALUE;
-    if (!stream_of(s)) return INVALID_HANDLE;
     const size_t threads = (size_t)bx * by * bz;
     if (threads == 0 || threads > 1024 || bx > 1024 || by > 1024 || bz > 64 || gx == 0 || gy == 0 || gz == 0 || gy > 65535 || gz > 65535 ||
         gx > 2147483647u)

@@ -48,6 +48,18 @@ std::string describe_address(uintptr_t addr);
 // destroyed stream.
 int enqueue(void* stream, std::function<int()> work);
 
+// Whether the emulator shuffles what a GPU may run in any order (threads between barriers,
+// blocks, streams): true unless ORT_EMU_ORDER=forward (fibers.cpp).
+bool shuffled_order();
+
+// The next value of a xorshift64 generator (the emulator's shuffles).
+inline uint64_t xorshift(uint64_t& state) {
+    state ^= state << 13;
+    state ^= state >> 7;
+    state ^= state << 17;
+    return state;
+}
+
 // Serialises the emulator: one launch, copy or product at a time in the whole process.
 struct Lock {
     Lock();

@@ -129,12 +129,7 @@ TicketLock& big_lock() {
     return *l;
 }
 
-uint64_t next_random(Scheduler& s) {
-    s.rng ^= s.rng << 13;
-    s.rng ^= s.rng >> 7;
-    s.rng ^= s.rng << 17;
-    return s.rng;
-}
+uint64_t next_random(Scheduler& s) { return xorshift(s.rng); }
 
 uint64_t gcd(uint64_t a, uint64_t b) { return b == 0 ? a : gcd(b, a % b); }
 
@@ -144,14 +139,6 @@ uint64_t pick_coprime(Scheduler& s, uint64_t n) {
         const uint64_t c = 1 + next_random(s) % (n - 1 > 0 ? n - 1 : 1);
         if (gcd(c, n) == 1) return c;
     }
-}
-
-bool shuffled_order() {
-    static const bool on = [] {
-        const char* v = getenv("ORT_EMU_ORDER");
-        return !(v && strcmp(v, "forward") == 0);
-    }();
-    return on;
 }
 
 void set_thread_index(int t) {
@@ -451,6 +438,14 @@ void install_fault_handlers() {
 }
 
 }  // namespace
+
+bool shuffled_order() {
+    static const bool on = [] {
+        const char* v = getenv("ORT_EMU_ORDER");
+        return !(v && strcmp(v, "forward") == 0);
+    }();
+    return on;
+}
 
 Lock::Lock() {
     TicketLock& l = big_lock();

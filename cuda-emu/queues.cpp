@@ -23,7 +23,7 @@ namespace {
 
 struct Queues {
     Stream legacy;
-    std::vector<Stream*> streams;  // every created stream, destroyed ones included
+    std::vector<Stream*> streams;  // every live created stream (and each thread's own)
     uint64_t next_seq = 0;
     uint64_t rng = 0xD1B54A32D192ED03ull;
     std::map<const void*, int> errors;  // per queuing thread: its first unreported error
@@ -36,14 +36,6 @@ Queues& queues() {
         return q;
     }();
     return *q;
-}
-
-bool forward_order() {
-    static const bool forward = [] {
-        const char* v = getenv("ORT_EMU_ORDER");
-        return v && strcmp(v, "forward") == 0;
-    }();
-    return forward;
 }
 
 // Whether the operation at the head of `st` may run now.
@@ -81,14 +73,11 @@ bool step() {
         return false;
     }
     Stream* st = candidates[0];
-    if (forward_order()) {
+    if (shuffled_order()) {
+        st = candidates[xorshift(q.rng) % candidates.size()];
+    } else {
         for (Stream* c : candidates)
             if (c->queue.front().seq < st->queue.front().seq) st = c;
-    } else {
-        q.rng ^= q.rng << 13;
-        q.rng ^= q.rng >> 7;
-        q.rng ^= q.rng << 17;
-        st = candidates[q.rng % candidates.size()];
     }
     Op op = std::move(st->queue.front());
     st->queue.pop_front();

@@ -78,23 +78,13 @@ pub(super) fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, 
 
 /// (outputs, gradients) of one step on the GPU, through the CUDA executor.
 fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    gpu_step_in(s, x, sig, weights, seeds, F32Mode::Exact)
+    gpu_step_in(s, x, sig, weights, seeds, F32Mode::Exact, LEGACY)
 }
 
-/// As `gpu_step`, with the session's f32 matmuls in `mode`.
+const LEGACY: cudarc::driver::sys::CUstream = std::ptr::null_mut(); // the legacy default stream
+
+/// As `gpu_step`, with the session's f32 matmuls in `mode` and the phases queued on `stream`.
 fn gpu_step_in(
-    s: &Session,
-    x: &[u8],
-    sig: &Sig,
-    weights: &[Vec<f32>],
-    seeds: &[Vec<f32>],
-    mode: F32Mode,
-) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    gpu_step_on(s, x, sig, weights, seeds, mode, std::ptr::null_mut())
-}
-
-/// As `gpu_step_in`, with the phases queued on `stream` (null: the legacy stream).
-fn gpu_step_on(
     s: &Session,
     x: &[u8],
     sig: &Sig,
@@ -215,13 +205,13 @@ fn two_threads_step_as_alone(own_streams: bool) {
             runtime_or_reason().unwrap_or_else(|e| panic!("{e}")).bind().expect("bind");
             stream::create(stream::StreamKind::NonBlocking).expect("stream")
         } else {
-            std::ptr::null_mut()
+            LEGACY
         };
         if let Some(b) = start {
             b.wait();
         }
         // the streams are not destroyed: the runtime's claims may still name them (claim.rs)
-        (0..steps).map(|_| gpu_step_on(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Exact, on)).collect::<Vec<Step>>()
+        (0..steps).map(|_| gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Exact, on)).collect::<Vec<Step>>()
     };
     let alone = [31, 37].map(|seed| stepper(seed, None, 1).remove(0));
     let start = std::sync::Barrier::new(2);
@@ -258,7 +248,7 @@ fn gpu_tensor_core_attention_matches_the_cpu_executor() {
             let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
             let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
             let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16);
+            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16, LEGACY);
             assert_step_close(&name, &m, &gpu, &cpu, 3e-2);
             println!("{name}: output and {} gradients within 3e-2 of the largest value", cpu.1.len());
         }
@@ -321,7 +311,7 @@ fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &cra
     let exact = cpu_step(&exact, &x, &sig, weight_data(m), &mut seeds.clone());
     assert_step_close(&format!("{label}: CPU bf16"), m, &cpu, &exact, 3e-2);
     let Some(_) = gpu(test) else { return };
-    let gpu = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16);
+    let gpu = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16, LEGACY);
     assert_step_close(label, m, &gpu, &cpu, 3e-2);
     println!("{label}: bf16 outputs and {} gradients within 3e-2 of the largest value", cpu.1.len());
 }
@@ -512,8 +502,8 @@ fn gpu_finfo_min_causal_masks_train_bit_for_bit_like_infinite_ones() {
         let sig = mi.sig();
         let plan = si.plan(std::slice::from_ref(&sig), true).expect("plan");
         let seeds: Vec<Vec<f32>> = si.outputs.iter().map(|&o| Rng::new(43).f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-        let (oi, gi) = gpu_step_in(si, &x, &sig, &weight_data(mi), &seeds, F32Mode::Bf16);
-        let (of, gf) = gpu_step_in(sf, &x, &mf.sig(), &weight_data(mf), &seeds, F32Mode::Bf16);
+        let (oi, gi) = gpu_step_in(si, &x, &sig, &weight_data(mi), &seeds, F32Mode::Bf16, LEGACY);
+        let (of, gf) = gpu_step_in(sf, &x, &mf.sig(), &weight_data(mf), &seeds, F32Mode::Bf16, LEGACY);
         let bits = |v: &[Vec<f32>]| v.iter().map(|t| t.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>();
         assert_eq!(bits(&of), bits(&oi), "heads of {hd}: outputs with the finfo.min mask");
         assert_eq!(bits(&gf), bits(&gi), "heads of {hd}: weight gradients with the finfo.min mask");
@@ -537,7 +527,7 @@ fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
     let sig = m.sig();
     let mut seeds = vec![vec![1.0f32]];
     let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-    let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::F16);
+    let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::F16, LEGACY);
     assert_step_close("fp16 LM head", &m, &gpu, &cpu, 1e-2);
 }
 
@@ -560,7 +550,7 @@ fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
         let mut seeds = vec![vec![0.75f32]];
         let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
         for mode in [F32Mode::Bf16, F32Mode::F16] {
-            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode);
+            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode, LEGACY);
             assert_step_close(&format!("lm_head big={big} classes={classes} {mode:?}"), &m, &gpu, &cpu, 3e-2);
         }
     }
