@@ -3,7 +3,7 @@ ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
 
     python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain[,ortrain-nographs]]
                         [--steps 50] [--warmup 10] [--gpt2-batch 16] [--gpt2-precision bf16|fp16]
-                        [--json PATH]
+                        [--worker-timeout 900] [--json PATH]
 
 Each (workload, system) runs in its own process, one after another, so peak memory
 (torch.cuda.max_memory_allocated, plus for ortrain the buffers its CUDA runtime holds outside
@@ -16,6 +16,10 @@ for the precision (tensor-core bf16 or fp16, or plain fp32 since TF32 is off). G
 mixed precision: eager and torch.compile under torch.autocast (fp16 with a GradScaler), ortrain
 with `precision=` the same (fp16 with the engine's dynamic loss scaler). `ortrain-nographs` is
 ortrain with `cuda_graphs=False` (every kernel launched): what the CUDA graphs bring, in one run.
+An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attention+autocast`): that
+row's process runs with exactly those in ORTRAIN_ENABLE_PASSES, so pass variants compare in one run.
+A worker that gives no answer within --worker-timeout seconds is killed and its row reads failed;
+the JSON file is rewritten after every row, so a run cut short keeps the rows it finished.
 """
 from __future__ import annotations
 
@@ -30,6 +34,12 @@ import traceback
 
 SYSTEMS = ("eager", "compile", "ortrain")
 OPTIONAL_SYSTEMS = ("ortrain-nographs",)
+
+
+def split_system(name: str) -> tuple[str, list[str]]:
+    """`ortrain+fuse_attention+autocast` -> ("ortrain", ["fuse_attention", "autocast"])."""
+    base, *passes = name.split("+")
+    return base, [p for p in passes if p]
 # dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
 PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"): 66.9e12,
          ("H200", "bf16"): 989.4e12, ("H200", "fp16"): 989.4e12, ("H200", "fp32"): 66.9e12,
@@ -92,7 +102,10 @@ def _worker(cfg: dict) -> dict:
     torch.manual_seed(0)
     model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(
         cfg["workload"], cfg["gpt2_batch"], cfg.get("gpt2_precision", "bf16"))
-    system = cfg["system"]
+    system, passes = split_system(cfg["system"])
+    if passes:
+        # read when the engine builds a session, so set before accelerate
+        os.environ["ORTRAIN_ENABLE_PASSES"] = ",".join(passes)
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else contextlib.nullcontext
     # PyTorch's fp16 recipe scales the loss; ortrain's engine does it inside (accelerate's loss_scale)
@@ -176,25 +189,41 @@ def _q(xs, q):
 
 def _table(results: dict, workloads: list, systems: list) -> str:
     lines = []
+    wd = max([16] + [len(s) for s in systems])
     for w in workloads:
         rows = results[w]
         eager = rows.get("eager", {}).get("median_ms") if rows.get("eager", {}).get("status") == "ok" else None
         comp = rows.get("compile", {}).get("median_ms") if rows.get("compile", {}).get("status") == "ok" else None
         lines.append(f"\n{w}")
-        lines.append(f"{'system':<16} {'ms/step':>9} {'p10':>8} {'p90':>8} {'tok/s':>10} {'MFU':>6} "
+        lines.append(f"{'system':<{wd}} {'ms/step':>9} {'p10':>8} {'p90':>8} {'tok/s':>10} {'MFU':>6} "
                      f"{'peak MiB':>9} {'first s':>8} {'vs eager':>9} {'vs compile':>10} {'loss':>8}")
         for s in systems:
             r = rows.get(s, {})
             if r.get("status") != "ok":
-                lines.append(f"{s:<16} {r.get('status', 'missing')}: {r.get('error', '')}")
+                lines.append(f"{s:<{wd}} {r.get('status', 'missing')}: {r.get('error', '')}")
                 continue
             m = r["median_ms"]
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
             ve = f"{eager / m:.2f}x" if eager else "-"
             vc = f"{comp / m:.2f}x" if comp else "-"
-            lines.append(f"{s:<16} {m:>9.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
+            lines.append(f"{s:<{wd}} {m:>9.2f} {r['p10_ms']:>8.2f} {r['p90_ms']:>8.2f} {r['tokens_per_s']:>10.0f} "
                          f"{mfu:>6} {r['peak_mib']:>9.0f} {r['first_s']:>8.2f} {ve:>9} {vc:>10} {r['final_loss']:>8.4f}")
     return "\n".join(lines)
+
+
+def _run_worker(cfg: dict, env: dict, cwd: str, timeout: float) -> dict:
+    """One (workload, system) in its own process: its result, or a failed row saying why."""
+    try:
+        p = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", json.dumps(cfg)], env=env,
+                           capture_output=True, text=True, cwd=cwd, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"status": "failed", "error": f"no answer in {timeout:.0f} s (--worker-timeout): {tail}"}
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("@@RESULT ")), None)
+    if line:
+        return json.loads(line[len("@@RESULT "):])
+    return {"status": "failed", "error": f"worker exited {p.returncode}: {p.stderr[-2000:]}"}
 
 
 def main(argv=None) -> int:
@@ -205,7 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--gpt2-batch", type=int, default=16)
     ap.add_argument("--gpt2-precision", choices=("bf16", "fp16"), default="bf16")
-    ap.add_argument("--json", default=None, help="where to write the raw results")
+    ap.add_argument("--worker-timeout", type=float, default=900.0,
+                    help="seconds a (workload, system) process may take before its row reads failed")
+    ap.add_argument("--json", default=None, help="where to write the raw results (rewritten after every row)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
@@ -217,9 +248,11 @@ def main(argv=None) -> int:
         return 0
     workloads = a.workloads.split(",")
     systems = a.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS + OPTIONAL_SYSTEMS]
+    unknown = [s for s in systems if split_system(s)[0] not in SYSTEMS + OPTIONAL_SYSTEMS
+               or (split_system(s)[1] and not s.startswith("ortrain"))]
     if unknown:
-        ap.error(f"--systems: {', '.join(unknown)} not among {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}")
+        ap.error(f"--systems: {', '.join(unknown)} not among {', '.join(SYSTEMS + OPTIONAL_SYSTEMS)}"
+                 " (ortrain systems may add opt-in passes after '+', e.g. ortrain+fuse_attention)")
     results: dict = {w: {} for w in workloads}
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), os.path.join(os.path.dirname(here), "tests"),
@@ -229,19 +262,15 @@ def main(argv=None) -> int:
             cfg = {"workload": w, "system": s, "steps": a.steps, "warmup": a.warmup, "gpt2_batch": a.gpt2_batch,
                    "gpt2_precision": a.gpt2_precision}
             t0 = time.time()
-            p = subprocess.run([sys.executable, "-m", "bench.gpu", "--worker", json.dumps(cfg)], env=env,
-                               capture_output=True, text=True, cwd=os.path.dirname(here))
-            line = next((ln for ln in p.stdout.splitlines() if ln.startswith("@@RESULT ")), None)
-            r = json.loads(line[len("@@RESULT "):]) if line else {
-                "status": "failed", "error": f"worker exited {p.returncode}: {p.stderr[-2000:]}"}
+            r = _run_worker(cfg, env, os.path.dirname(here), a.worker_timeout)
             if r.get("trace"):
                 print(r["trace"], file=sys.stderr)
             results[w][s] = r
             print(f"{w}/{s}: {r.get('status')} {r.get('median_ms', '')} ({time.time() - t0:.0f} s)", flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(results, f)
     print(_table(results, workloads, systems))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f)
     # "unsupported" is an answer (ortrain without a CUDA executor); "failed" is a broken row
     return 1 if any(r.get("status") == "failed" for rows in results.values() for r in rows.values()) else 0
 

@@ -3,21 +3,77 @@
 # (the lent device machine): the CUDA test binaries and the abi3 wheel are built elsewhere
 # (scripts/gpu_prepare.sh) into .gpu/, and this script runs them here.
 #
-#   bash scripts/gpu_checks.sh [OUT_DIR]      (what: $GPU_CHECKS, default "env,kernels,pytest,bench")
+#   bash scripts/gpu_checks.sh [OUT_DIR]      (what: $GPU_CHECKS, default "session")
 #
-# Every section prints its own header and keeps going when one fails; the exit status is the
-# number of failed sections. Logs and the bench JSON go to OUT_DIR (default /tmp/gpu-out).
+# GPU_CHECKS is a comma list of sections, run in this order whatever the list's order:
+#   env        the GPU, driver, torch and the NVRTC/cuBLAS folder
+#   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
+#              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
+#   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
+#   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
+#   gpt2       bench.gpu on GPT-2 124M (bf16): eager, compile, ortrain and its opt-in pass
+#              variants (ortrain+fuse_attention, ortrain+fuse_attention+autocast)
+#   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
+#   session    env,kernels,pytest,tutorial,gpt2 under a deadline: one call of a 15-minute lease
+#
+# GPU_DEADLINE (seconds from the start; "session" defaults to 420, else none) caps the whole
+# run: each section gets at most its own cap and what is left before the deadline, and a
+# section that would start with under 20 s left is skipped and says so. Every section prints
+# its own header and keeps going when one fails; the exit status is the number of failed or
+# cut sections. Logs, the bench JSON files and summary.txt (a line per section) go to OUT_DIR
+# (default /tmp/gpu-out); they are written as the run goes, so a run killed from outside keeps
+# what it finished.
 set -u
 OUT_DIR=${1:-/tmp/gpu-out}
 mkdir -p "$OUT_DIR"
-WHAT=${GPU_CHECKS:-env,kernels,pytest,bench}
+WHAT=${GPU_CHECKS:-session}
+if [[ ",$WHAT," == *",session,"* ]]; then
+    WHAT="$WHAT,env,kernels,pytest,tutorial,gpt2"
+    DEADLINE=${GPU_DEADLINE:-420}
+else
+    DEADLINE=${GPU_DEADLINE:-0}
+fi
 PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+START=$(date +%s)
 failed=0
+: >"$OUT_DIR/summary.txt"
 has() { [[ ",$WHAT," == *",$1,"* ]]; }
-section() { echo; echo "==== $1 ($(date +%T))"; }
+section() { echo; echo "==== $1 ($(date +%T), $(($(date +%s) - START)) s in)"; }
+note() { echo "$1" | tee -a "$OUT_DIR/summary.txt"; }
 
-# NVRTC and cuBLAS from the CUDA 13 wheels beside torch (nvidia/cu13/lib)
-NV_LIB=$($PY - <<'EOF'
+# capped CAP NAME LOG CMD...: runs CMD (output to LOG) within CAP seconds and the deadline, and
+# records NAME's outcome. Never in a pipeline: it counts failures in this shell.
+capped() {
+    local cap=$1 name=$2 log=$3 limit t0 rc
+    shift 3
+    rm -f "$log"
+    limit=$cap
+    if [ "$DEADLINE" -gt 0 ]; then
+        local left=$((DEADLINE - ($(date +%s) - START)))
+        [ "$left" -lt "$limit" ] && limit=$left
+        if [ "$limit" -lt 20 ]; then
+            note "$name: SKIPPED, ${left} s left before the ${DEADLINE} s deadline"
+            failed=$((failed + 1))
+            return 124
+        fi
+    fi
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+        note "$name: CUT at ${limit} s (its cap ${cap} s, the deadline ${DEADLINE} s)"
+    else
+        note "$name: exit ${rc} in $(($(date +%s) - t0)) s"
+    fi
+    [ "$rc" = 0 ] || failed=$((failed + 1))
+    return "$rc"
+}
+
+# NVRTC and cuBLAS from the CUDA 13 wheels beside torch (nvidia/cu13/lib); NV_LIB names another
+# folder (cuda-emu's target/cuda-emu, to try this script without a GPU)
+NV_LIB=${NV_LIB:-}
+[ -n "$NV_LIB" ] || NV_LIB=$($PY - <<'EOF'
 import glob, os, site
 for d in site.getsitepackages():
     for hit in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so*"))):
@@ -26,6 +82,8 @@ EOF
 )
 export ORTRAIN_NVRTC_LIB=${ORTRAIN_NVRTC_LIB:-$NV_LIB}
 export LD_LIBRARY_PATH=${NV_LIB}:${LD_LIBRARY_PATH:-}
+# one NVRTC disk cache for the whole run: the cold compile below fills it for every later process
+export ORTRAIN_CACHE_DIR=${ORTRAIN_CACHE_DIR:-/tmp/ortrain-gpu-cache}
 
 if has env; then
     section "environment"
@@ -37,36 +95,68 @@ fi
 if has kernels; then
     # the loader test twice: a cold NVRTC compile of every kernel file, then the disk cache
     if [ -x .gpu/cuda_gpu ]; then
-        rm -rf /tmp/ortrain-cold && export ORTRAIN_CACHE_DIR=/tmp/ortrain-cold
+        rm -rf "$ORTRAIN_CACHE_DIR"
         section "cuda_gpu, cold kernel cache"
-        /usr/bin/time -f "cuda_gpu cold: %e s wall, %U s user" .gpu/cuda_gpu --nocapture 2>&1 | tee "$OUT_DIR/cuda_gpu.log" || failed=$((failed + 1))
+        capped 150 "kernels cold (cuda_gpu)" "$OUT_DIR/cuda_gpu.log" .gpu/cuda_gpu --nocapture
+        tail -30 "$OUT_DIR/cuda_gpu.log"
         section "cuda_gpu, warm kernel cache"
-        /usr/bin/time -f "cuda_gpu warm: %e s wall, %U s user" .gpu/cuda_gpu --nocapture 2>&1 | tail -4 || failed=$((failed + 1))
+        capped 30 "kernels warm (cuda_gpu)" "$OUT_DIR/cuda_gpu-warm.log" .gpu/cuda_gpu --nocapture
+        tail -4 "$OUT_DIR/cuda_gpu-warm.log"
+    else
+        note "kernels: .gpu/cuda_gpu missing (run scripts/gpu_prepare.sh before the call)"; failed=$((failed + 1))
     fi
     # the engine's CUDA unit tests: kernel parity, cuBLAS, the executor (warm cache)
     if [ -x .gpu/cuda_lib ]; then
         section "engine CUDA unit tests"
-        set -o pipefail
-        /usr/bin/time -f "cuda_lib: %e s wall" .gpu/cuda_lib backend::cuda:: --test-threads 4 ${LIB_TEST_ARGS:-} 2>&1 | tee "$OUT_DIR/cuda_lib.log" | grep -vE "^test .* ok$" | tail -80 || failed=$((failed + 1))
-        set +o pipefail
-        grep -c "SKIPPED" "$OUT_DIR/cuda_lib.log" | sed 's/^/SKIPPED lines (must be 0 on a GPU): /'
+        capped 150 "engine CUDA unit tests (cuda_lib)" "$OUT_DIR/cuda_lib.log" \
+            .gpu/cuda_lib backend::cuda:: --test-threads 4 ${LIB_TEST_ARGS:-}
+        if [ -f "$OUT_DIR/cuda_lib.log" ]; then
+            grep -vE "^test .* ok$" "$OUT_DIR/cuda_lib.log" | tail -80
+            note "engine CUDA unit tests: $(grep -E '^test result' "$OUT_DIR/cuda_lib.log" | tail -1) $(grep -c ' \.\.\. ok$' "$OUT_DIR/cuda_lib.log") ok, $(grep -c ' \.\.\. FAILED$' "$OUT_DIR/cuda_lib.log") FAILED so far"
+            note "engine CUDA unit tests: $(grep -c SKIPPED "$OUT_DIR/cuda_lib.log") SKIPPED lines (must be 0 on a GPU)"
+        fi
+    else
+        note "engine CUDA unit tests: .gpu/cuda_lib missing"; failed=$((failed + 1))
     fi
 fi
 
-if has pytest || has bench; then
+if has pytest || has bench || has tutorial || has gpt2; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
 
 if has pytest; then
     section "pytest -m gpu"
-    $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/pytest-gpu.log" | tail -30
-    [ "${PIPESTATUS[0]}" = 0 ] || failed=$((failed + 1))
+    capped 180 "pytest -m gpu" "$OUT_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-}
+    if [ -f "$OUT_DIR/pytest-gpu.log" ]; then
+        tail -40 "$OUT_DIR/pytest-gpu.log"
+        note "pytest -m gpu: $(tail -1 "$OUT_DIR/pytest-gpu.log")"
+    fi
 fi
 
-if has bench; then
-    section "bench.gpu"
-    PYTHONUNBUFFERED=1 $PY -m bench.gpu ${BENCH_ARGS:-} --json "$OUT_DIR/bench-gpu.json" || failed=$((failed + 1))
+# bench.gpu rows, each its own process; WORKER_TIMEOUT bounds one row so a hang costs one row
+bench() {
+    local cap=$1 name=$2 json=$3
+    shift 3
+    section "bench.gpu: $name"
+    capped "$cap" "bench $name" "$OUT_DIR/${json%.json}.log" \
+        $PY -m bench.gpu --worker-timeout "${WORKER_TIMEOUT:-240}" --json "$OUT_DIR/$json" "$@"
+    [ -f "$OUT_DIR/${json%.json}.log" ] && tail -25 "$OUT_DIR/${json%.json}.log"
+}
+if has tutorial; then
+    bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
+        --steps 30 --warmup 6
 fi
-echo "failed sections: $failed"
+if has gpt2; then
+    # the engine's intended GPT-2 path first: its row is the one the targets need
+    bench 600 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast,compile,eager,ortrain+fuse_attention,ortrain
+fi
+if has bench; then
+    bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}
+fi
+echo
+echo "==== summary ($(($(date +%s) - START)) s)"
+cat "$OUT_DIR/summary.txt"
+echo "failed or cut sections: $failed"
 exit "$failed"
