@@ -35,9 +35,10 @@ VARIANTS = {
 DEFAULTS = {"gpt2": (16, 1024, 50257, "bf16", 21.3), "tutorial": (20, 35, 28782, "fp32", 0.44)}
 
 
-def _plan(cfg: dict) -> dict:
-    """In this process: export the model at a small size with any sizes, build the fused loss
-    graph's session for CUDA, and plan it at the configured size."""
+def cuda_session(cfg: dict):
+    """In this process: export the model at a small size with any sizes and build the fused loss
+    graph's session for CUDA. Returns (session, the input signatures at the configured size,
+    the model)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import torch
     from torch import nn
@@ -68,6 +69,14 @@ def _plan(cfg: dict) -> dict:
     onnx_bytes, buffers = _with_buffer_outputs(runner.exported)
     session = _ortrain.Session(onnx_bytes, list(runner.exported.param_map), runner.trainable, [True] * (1 + len(buffers)),
                                matmul_precision=cfg["precision"], device="cuda")
+    return session, sigs, model
+
+
+def _plan(cfg: dict) -> dict:
+    """The planned arena of cuda_session(cfg)'s train step, the parameters' bytes and the passes."""
+    from ortrain import _ortrain
+
+    session, sigs, model = cuda_session(cfg)
     arena = _ortrain.cuda_arena_bytes(session, sigs, True, None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return {"arena": arena, "params": params, "passes": {k: v for k, v in session.passes if v}}

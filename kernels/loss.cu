@@ -37,6 +37,10 @@
 //       g[r] (plus bias, when not null) become their unit-seed gradient w f (softmax - onehot),
 //       f = 1 / *wsum for the mean (0 when it is 0) or 1 for the sum, and loss_s[r] = -w log
 //       softmax[label]; sce_reduce_T then reduces loss_s and w_s as for the unfused loss.
+//   lce_rows_round_D(f32* x, D* g, labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R,
+//                    i64 C, i64 ldg, i32 mean)                                   D: bf16, f16
+//       the same without a bias, G written rounded to D into rows of ldg >= C (the columns past
+//       C zeros) instead of over x: lce_rows_f32 then cast_rows_f32_D in one pass over x
 
 #include "prelude.cuh"
 
@@ -174,21 +178,41 @@ template <typename T> __device__ __forceinline__ void lce_weights(const i64* lab
     if (threadIdx.x == 0) *wsum = total;
 }
 
-// A chunk's logits into their unit-seed gradient, in place. Each thread reads back only the
-// elements it wrote (the same k stride in every pass), so no barrier is needed between them; the
-// label's logit is read by the thread that owns it, in the last pass.
-template <typename T> __device__ __forceinline__ void lce_rows(T* g, const T* bias, const i64* labels, const typename Num<T>::Acc* w_s,
-                                                               const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R,
-                                                               i64 C, i32 mean) {
+// Where the row pass writes G: over the logits (in place), or rounded to a 16-bit copy.
+template <typename T> struct GInPlace {
+    T* g;
+    i64 C;
+    __device__ __forceinline__ void put(i64 r, i64 k, typename Num<T>::Acc v) const { g[r * C + k] = Num<T>::store(v); }
+    __device__ __forceinline__ void pad(i64) const {}
+};
+template <typename D> struct GRounded {
+    D* g;
+    i64 C, ld;
+    __device__ __forceinline__ void put(i64 r, i64 k, f32 v) const { g[r * ld + k] = Num<D>::store(v); }
+    // the columns past C, which the products never read, as zeros
+    __device__ __forceinline__ void pad(i64 r) const {
+        for (i64 k = C + threadIdx.x; k < ld; k += blockDim.x) g[r * ld + k] = Num<D>::store(0.f);
+    }
+};
+
+// A chunk's logits x into their unit-seed gradient, written through `out` (which may be x
+// itself). Each thread reads back only the elements it wrote (the same k stride in every pass),
+// so no barrier is needed between them; the label's logit is read by the thread that owns it,
+// in the last pass.
+template <typename T, typename Out>
+__device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels, const typename Num<T>::Acc* w_s,
+                                         const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R, i64 C,
+                                         i32 mean, Out out) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
     const A total = mean ? *wsum : (A)1;
     const A f = total == (A)0 ? (A)0 : (A)1 / total;
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
-        T* row = g + r * C;
+        T* row = x + r * C;
         const A w = w_s[r];
+        out.pad(r);
         if (w == (A)0) {  // the same for the whole block: no thread skips a barrier the others reach
-            for (i64 k = threadIdx.x; k < C; k += blockDim.x) row[k] = Num<T>::store((A)0);
+            for (i64 k = threadIdx.x; k < C; k += blockDim.x) out.put(r, k, (A)0);
             if (threadIdx.x == 0) loss_s[r] = (A)0;
             continue;
         }
@@ -215,7 +239,7 @@ template <typename T> __device__ __forceinline__ void lce_rows(T* g, const T* bi
                 loss_s[r] = -w * (v - lse);
                 p -= (A)1;
             }
-            row[k] = Num<T>::store(gw * p);
+            out.put(r, k, gw * p);
         }
         __syncthreads();
     }
@@ -250,6 +274,14 @@ template <typename T> __device__ __forceinline__ void lce_rows(T* g, const T* bi
     }                                                                                         \
     extern "C" __global__ void lce_rows_##T(T* g, const T* bias, const i64* labels, const Num<T>::Acc* w_s, \
                                             const Num<T>::Acc* wsum, Num<T>::Acc* loss_s, i64 R, i64 C, i32 mean) { \
-        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, mean);                            \
+        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, mean, GInPlace<T>{g, C});         \
     }
 ORT_FLOATS(LOSS, _)
+
+#define LCE_ROWS_ROUND(D)                                                                     \
+    extern "C" __global__ void lce_rows_round_##D(f32* x, D* g, const i64* labels, const f32* w_s, const f32* wsum, \
+                                                  f32* loss_s, i64 R, i64 C, i64 ldg, i32 mean) { \
+        lce_rows<f32>(x, (const f32*)nullptr, labels, w_s, wsum, loss_s, R, C, mean, GRounded<D>{g, C, ldg}); \
+    }
+LCE_ROWS_ROUND(bf16)
+LCE_ROWS_ROUND(f16)

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use ortrain_engine::backend::cpu::bf16::MatmulPrecision;
+use ortrain_engine::plan::Storage;
 use ortrain_engine::session::{Pending, Session, SessionOptions, Sig, Target};
 use ortrain_engine::{DType, Error};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -15,6 +16,8 @@ pyo3::create_exception!(_ortrain, EngineError, pyo3::exceptions::PyRuntimeError)
 
 /// One plan step for Python: (op type, node name, [(output name, dtype, shape)]).
 type PlanStep = (String, String, Vec<(String, String, Vec<usize>)>);
+/// A step's inputs as (dtype, shape), None for an absent optional one, and whether it is a view.
+type StepInputs = (Vec<Option<(String, Vec<usize>)>>, bool);
 
 pub fn to_py(e: Error) -> PyErr {
     EngineError::new_err(e.to_string())
@@ -204,6 +207,23 @@ impl PySession {
             })
             .collect();
         d.set_item("steps", steps)?;
+        // per step: its inputs (None for an absent optional one) and whether it is a view that
+        // shares its input's memory instead of running (bench/gpu_roofline.py's traffic model)
+        let step_io: Vec<StepInputs> = plan
+            .steps
+            .iter()
+            .map(|n| {
+                let node = &g.nodes[n.0];
+                let ins = node
+                    .inputs
+                    .iter()
+                    .map(|v| v.map(|v| (plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default(), plan.shape(v).to_vec())))
+                    .collect();
+                let view = node.outputs.iter().all(|o| matches!(plan.storage[o.0], Storage::Alias(_) | Storage::Unused));
+                (ins, view)
+            })
+            .collect();
+        d.set_item("step_inputs", step_io)?;
         let (step, live, values) = plan.peak();
         let at_peak: Vec<(String, String, String, Vec<usize>, usize)> = values
             .iter()

@@ -149,7 +149,7 @@ impl PyClient {
     fn get_metric_history(&self, py: Python<'_>, run_id: &str, key: &str) -> PyResult<Vec<(i64, f64, i64)>> {
         let h = py.detach(|| self.inner.get_metric_history(run_id, key)).map_err(to_py)?;
         let mut v: Vec<(i64, f64, i64)> = h.into_iter().map(|m| (m.step, m.value.0, m.timestamp)).collect();
-        v.sort_by(|a, b| (a.0, a.2).cmp(&(b.0, b.2)));
+        v.sort_by_key(|m| (m.0, m.2));
         Ok(v)
     }
 

@@ -283,7 +283,7 @@ impl CudaRuntime {
 }
 
 /// The kernel suffix of a 16-bit float that f32 operands are rounded to.
-fn half_suffix(t: GemmType) -> Result<&'static str> {
+pub(crate) fn half_suffix(t: GemmType) -> Result<&'static str> {
     match t {
         GemmType::Bf16 => Ok("bf16"),
         GemmType::F16 => Ok("f16"),

@@ -1,0 +1,248 @@
+"""A roofline model of a workload's CUDA train step, on any machine (no GPU needed): the step
+list of the engine's plan (the same CUDA session bench.gpu_plan builds, with the passes named
+in --passes), each step costed as the larger of its bytes over the GPU's memory bandwidth and its
+FLOPs over its tensor-core (or CUDA-core) rate, each at an efficiency a good kernel reaches, plus
+a launch cost per kernel. It prints the modelled time per op type, the step's total and the MFU
+it would give, so that the next optimisation can be chosen before a GPU is lent; the lent GPU's
+profile (bench.gpu_profile) then says how far the real kernels are from the model.
+
+    python -m bench.gpu_roofline [--workload gpt2|tutorial] [--passes fuse_attention,autocast]
+                                 [--gpu h100|h200] [--gemm-eff 0.65] [--attention-eff 0.35]
+                                 [--bw-eff 0.8] [--launch-us 1.5] [--compile-ms 61.39] [--top 12]
+                                 [--batch B] [--seq S] [--layers 12] [--embd 768] [--heads 12]
+                                 [--vocab V] [--precision bf16] [--json PATH]
+
+What the model counts (a lower bound on what the plan's kernels must move and compute):
+- every step reads each input and writes each output once (views move nothing); a Gather reads
+  the rows it gathers, not its whole table;
+- matmuls (MatMul, FusedMatMul, Gemm, Linear) do 2·M·N·K FLOPs at the tensor-core rate where
+  their operands are 16-bit or the session multiplies f32 as bf16/fp16 (then the rounding of f32
+  operands into 16-bit copies costs 6 bytes an element, as half_gemm.rs does), else at the
+  plain f32 rate (TF32 is off by default);
+- the fused attention does 4·B·H·T·S·D FLOPs forward and 2.5 times that backward, at
+  --attention-eff, over the key tiles a causal mask leaves live (n(n+1)/2 of n² 64-wide tiles;
+  --dense-masks counts all); its mask is read for those tiles only;
+- the fused LM head (LinearCrossEntropy) is its kernels: the logits product, the row pass over
+  the logits chunk (read f32, write G: 16-bit where only the bf16 products read it), and the
+  dX and dW products reading G.
+Not modelled: cache reuse between kernels, overlap of kernels, occupancy, the optimizer step
+(PyTorch's, outside the plan) and the host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+
+from bench.gpu_plan import DEFAULTS
+
+BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
+         "uint8": 1, "bool": 1}
+# (dense 16-bit tensor-core FLOP/s, plain f32 FLOP/s, memory bytes/s): the SXM parts' data sheets
+GPUS = {"h100": (989.4e12, 66.9e12, 3.35e12), "h200": (989.4e12, 66.9e12, 4.8e12)}
+MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear")
+HALF = ("bfloat16", "float16")
+TILE = 64
+
+
+def _bytes(dtype: str, shape) -> int:
+    return BYTES.get(dtype, 4) * math.prod(shape)
+
+
+def _live_tiles(t: int, s: int, causal: bool) -> float:
+    """The fraction of 64 × 64 score tiles a causal mask leaves live (all of them otherwise)."""
+    if not causal:
+        return 1.0
+    n = math.ceil(max(t, s) / TILE)
+    return (n * (n + 1) / 2) / (n * n)
+
+
+def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
+    """Per step: (op type, node name, bytes, FLOPs, rate) where rate is "tc", "f32", "attn" or
+    None (memory only); the fused LM head is split into its kernels (one row each)."""
+    rows = []
+    for (op, name, outs), (ins, view) in zip(steps, step_inputs):
+        if view:
+            continue
+        in_b = [(_bytes(*t) if t else 0) for t in ins]
+        out_b = [_bytes(dt, sh) for _, dt, sh in outs]
+        if op in MATMULS:
+            (a_dt, a), (b_dt, b) = ins[0], ins[1]
+            o = outs[0][2]
+            if op == "Linear":
+                k = a[-1]
+            else:
+                m = o[-2] if len(o) >= 2 else 1
+                k = a[-1] if len(a) < 2 or a[-2] == m else a[-2]
+            flops = 2 * math.prod(o) * k
+            extra = 0
+            if a_dt in HALF and b_dt in HALF:
+                rate = "tc"
+            elif precision in ("bf16", "fp16") and a_dt == "float32":
+                # both operands rounded into 16-bit copies first (read f32, write 16-bit), then
+                # the gemm reads those instead of the f32 ones
+                rate, extra = "tc", (in_b[0] + in_b[1]) * 6 // 4 - (in_b[0] + in_b[1]) // 2
+            else:
+                rate = "f32"
+            rows.append((op, name, sum(in_b) + sum(out_b) + extra, flops, rate))
+        elif op in ("Attention", "AttentionGrad"):
+            # Attention(Q, Kt, V, M?) and AttentionGrad(dO, Q, Kt, V, M?, O, LSE): Kt is [B, H, D, S]
+            qi = 0 if op == "Attention" else 1
+            b, h, t, d = ins[qi][1]
+            s = ins[qi + 1][1][-1]
+            live = _live_tiles(t, s, causal)
+            flops = 4 * b * h * t * s * d * (1.0 if op == "Attention" else 2.5) * live
+            mask_at = 3 if op == "Attention" else 4
+            moved = sum(in_b) + sum(out_b)
+            if len(in_b) > mask_at and in_b[mask_at]:
+                moved -= in_b[mask_at] * (1 - live)
+            rows.append((op, name, int(moved), flops, "attn"))
+        elif op == "LinearCrossEntropy":
+            rows.extend(_lm_head(name, ins, outs, precision))
+        elif op == "Gather":
+            rows.append((op, name, sum(in_b[1:]) + 2 * sum(out_b), 0, None))
+        else:
+            rows.append((op, name, sum(in_b) + sum(out_b), 0, None))
+    return rows
+
+
+def _lm_head(name: str, ins, outs, precision: str):
+    """LinearCrossEntropy's kernels (backend/cuda/ops/linear_cross_entropy.rs), chunk by chunk
+    of the rows its scratch output holds: each chunk's logits product, row pass (which writes
+    the 16-bit G itself in a bf16 session without a bias, else a rounding pass follows where the
+    products are bf16), and dX and dW products (dW read and written again from the second chunk
+    on)."""
+    x_dt, x = ins[0]
+    w = ins[1][1]
+    k = x[-1]
+    r = ins[3][1][0]
+    n = math.prod(w) // k
+    chunk = outs[4][2][0] if len(outs) > 4 and outs[4][2] else r
+    half = precision in ("bf16", "fp16") or x_dt in HALF
+    es = 2 if half else 4  # bytes of an operand element as the products read it
+    g_es = 2 if half and precision != "fp16" else 4  # fp16 sessions multiply G at TF32
+    rate = "tc" if half else "f32"
+    out = []
+    if half and x_dt == "float32":
+        out.append(("LinearCrossEntropy round X, W", name, 6 * (r * k + n * k), 0, None))
+    for c0 in range(0, r, chunk):
+        rc = min(chunk, r - c0)
+        e = rc * n
+        out.append(("LinearCrossEntropy logits", name, es * (rc * k + n * k) + 4 * e, 2 * rc * k * n, rate))
+        if g_es == 2 and ins[2] is None:
+            # lce_rows_round: the f32 logits read, G written as its 16-bit copy
+            out.append(("LinearCrossEntropy rows", name, 6 * e + 8 * rc, 0, None))
+        else:
+            out.append(("LinearCrossEntropy rows", name, 8 * e + 8 * rc, 0, None))
+            if g_es == 2:
+                out.append(("LinearCrossEntropy round G", name, 6 * e, 0, None))
+        out.append(("LinearCrossEntropy dX", name, g_es * e + es * n * k + 4 * rc * k, 2 * rc * k * n, rate))
+        out.append(("LinearCrossEntropy dW", name, g_es * e + es * rc * k + (8 if c0 else 4) * n * k, 2 * rc * k * n, rate))
+    return out
+
+
+def model_time(rows, gpu: str, gemm_eff: float, attention_eff: float, bw_eff: float, launch_us: float):
+    """Adds each row's modelled seconds: max(bytes / bandwidth, FLOPs / rate) + a launch."""
+    tc, f32, bw = GPUS[gpu]
+    rate = {"tc": tc * gemm_eff, "f32": f32 * gemm_eff, "attn": tc * attention_eff}
+    out = []
+    for op, name, moved, flops, kind in rows:
+        mem_s = moved / (bw * bw_eff)
+        flop_s = flops / rate[kind] if kind else 0.0
+        out.append((op, name, moved, flops, kind, mem_s, flop_s, max(mem_s, flop_s) + launch_us * 1e-6))
+    return out
+
+
+def model_flops(cfg: dict, params: int, wpe: int) -> float:
+    """bench.gpu's FLOPs of a step (6 per weight per token plus 12·L·H·Q·T), for the MFU."""
+    tokens = cfg["batch"] * cfg["seq"]
+    if cfg["workload"] == "tutorial":
+        return 6 * params * tokens + 12 * 2 * 200 * cfg["seq"] * tokens
+    return 6 * (params - wpe) * tokens + 12 * cfg["layers"] * cfg["embd"] * cfg["seq"] * tokens
+
+
+def _table(timed, total_flops: float, gpu: str, compile_ms: float | None, top: int) -> str:
+    by = defaultdict(lambda: [0, 0, 0.0, 0.0, 0.0, 0.0])
+    for op, _, moved, flops, _, mem_s, flop_s, t in timed:
+        r = by[op]
+        r[0] += 1
+        r[1] += moved
+        r[2] += flops
+        r[3] += mem_s
+        r[4] += flop_s
+        r[5] += t
+    total = sum(r[5] for r in by.values())
+    lines = [f"{'op':28s} {'kernels':>7s} {'GB':>8s} {'TFLOP':>7s} {'ms mem':>7s} {'ms math':>8s} {'ms':>7s} {'share':>6s}"]
+    for op, r in sorted(by.items(), key=lambda kv: -kv[1][5]):
+        lines.append(f"{op:28s} {r[0]:7d} {r[1] / 1e9:8.2f} {r[2] / 1e12:7.3f} {r[3] * 1e3:7.2f} {r[4] * 1e3:8.2f} "
+                     f"{r[5] * 1e3:7.2f} {100 * r[5] / total:5.1f}%")
+    mem_bound = sum(t for *_, mem_s, flop_s, t in timed if mem_s >= flop_s)
+    lines.append(f"modelled step: {total * 1e3:.1f} ms over {len(timed)} kernels; memory-bound kernels "
+                 f"{mem_bound * 1e3:.1f} ms ({100 * mem_bound / total:.0f}%); "
+                 f"MFU at that time {100 * total_flops / total / GPUS[gpu][0]:.1f}% ({total_flops / 1e12:.2f} TFLOP a step)")
+    if compile_ms:
+        lines.append(f"torch.compile's measured {compile_ms:.2f} ms: 1.2x it is {compile_ms / 1.2:.1f} ms; "
+                     f"the model is {compile_ms / (total * 1e3):.2f}x it")
+    if top:
+        lines.append(f"the {top} heaviest kernels:")
+        for op, name, moved, flops, kind, mem_s, flop_s, t in sorted(timed, key=lambda r: -r[7])[:top]:
+            lines.append(f"  {t * 1e3:6.3f} ms  {op:22s} {name[:60]:60s} {moved / 1e6:8.1f} MB {flops / 1e9:8.1f} GFLOP")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_roofline", description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="gpt2", choices=tuple(DEFAULTS))
+    ap.add_argument("--passes", default=None,
+                    help="opt-in engine passes (ORTRAIN_ENABLE_PASSES) for the plan; default: the environment's")
+    ap.add_argument("--gpu", default="h100", choices=tuple(GPUS))
+    ap.add_argument("--gemm-eff", type=float, default=0.65, help="share of the peak a matmul reaches")
+    ap.add_argument("--attention-eff", type=float, default=0.35, help="share of the 16-bit peak the fused attention reaches")
+    ap.add_argument("--bw-eff", type=float, default=0.8, help="share of the memory bandwidth a kernel reaches")
+    ap.add_argument("--launch-us", type=float, default=1.5, help="cost of a kernel in a CUDA graph replay")
+    ap.add_argument("--dense-masks", action="store_true", help="count every score tile (no causal skipping)")
+    ap.add_argument("--compile-ms", type=float, default=None, help="torch.compile's measured ms/step, to compare")
+    ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--embd", type=int, default=768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=None)
+    ap.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"))
+    ap.add_argument("--json", help="write every kernel's row here")
+    a = ap.parse_args(argv)
+    for name, value in zip(("batch", "seq", "vocab", "precision"), DEFAULTS[a.workload]):
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    if a.passes is not None:
+        # read when the session is built, so set before it is
+        os.environ["ORTRAIN_ENABLE_PASSES"] = a.passes
+    cfg = {k: getattr(a, k) for k in ("workload", "batch", "seq", "layers", "embd", "heads", "vocab", "precision")}
+    from bench.gpu_plan import cuda_session
+
+    session, sigs, model = cuda_session(cfg)
+    info = session.plan_info(sigs, True)
+    rows = cost_steps(info["steps"], info["step_inputs"], a.precision, causal=not a.dense_masks)
+    timed = model_time(rows, a.gpu, a.gemm_eff, a.attention_eff, a.bw_eff, a.launch_us)
+    params = sum(p.numel() for p in model.parameters())
+    wpe = model.transformer.wpe.weight.numel() if hasattr(model, "transformer") else 0
+    flops = model_flops(cfg, params, wpe)
+    passes = ", ".join(f"{k} x{v}" for k, v in session.passes if v)
+    print(f"{a.workload}: batch {a.batch} x seq {a.seq}, vocab {a.vocab}, {a.precision}; passes: {passes}")
+    print(f"{a.gpu.upper()} model: matmuls at {a.gemm_eff:.0%} and the fused attention at {a.attention_eff:.0%} of "
+          f"the peak, memory at {a.bw_eff:.0%} of {GPUS[a.gpu][2] / 1e12:.2f} TB/s, {a.launch_us} us a kernel")
+    print(_table(timed, flops, a.gpu, a.compile_ms, a.top))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": cfg, "gpu": a.gpu, "passes": passes, "model_flops": flops,
+                       "kernels": [dict(zip(("op", "node", "bytes", "flops", "rate", "mem_s", "math_s", "s"), r))
+                                   for r in timed]}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
