@@ -13,8 +13,11 @@
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
 #   gpt2       bench.gpu on GPT-2 124M (bf16): eager, compile, ortrain and its opt-in pass
 #              variants (ortrain+fuse_attention, ortrain+fuse_attention+autocast)
+#   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
+#              kernels' GPU time, to set against bench.gpu_roofline's model of the same plan
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
-#   session    env,kernels,pytest,tutorial,gpt2 under a deadline: one call of a 15-minute lease
+#   session    env,kernels,pytest,tutorial,gpt2,profile under a deadline: one call of a 15-minute
+#              lease (profile runs only if time is left)
 #
 # GPU_DEADLINE (seconds from the start; "session" defaults to 420, else none) caps the whole
 # run: each section gets at most its own cap and what is left before the deadline, and a
@@ -28,7 +31,7 @@ OUT_DIR=${1:-/tmp/gpu-out}
 mkdir -p "$OUT_DIR"
 WHAT=${GPU_CHECKS:-session}
 if [[ ",$WHAT," == *",session,"* ]]; then
-    WHAT="$WHAT,env,kernels,pytest,tutorial,gpt2"
+    WHAT="$WHAT,env,kernels,pytest,tutorial,gpt2,profile"
     DEADLINE=${GPU_DEADLINE:-420}
 else
     DEADLINE=${GPU_DEADLINE:-0}
@@ -120,7 +123,7 @@ if has kernels; then
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2; then
+if has pytest || has bench || has tutorial || has gpt2 || has profile; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
@@ -151,6 +154,12 @@ if has gpt2; then
     # the engine's intended GPT-2 path first: its row is the one the targets need
     bench 600 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
         --systems ortrain+fuse_attention+autocast,compile,eager,ortrain+fuse_attention,ortrain
+fi
+if has profile; then
+    section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"
+    PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" ORTRAIN_ENABLE_PASSES=fuse_attention,autocast capped 240 "profile GPT-2 124M" "$OUT_DIR/profile-gpt2.log" \
+        $PY -m bench.gpu_profile --workload gpt2-124m --system ortrain --steps 3 --top 25
+    [ -f "$OUT_DIR/profile-gpt2.log" ] && tail -40 "$OUT_DIR/profile-gpt2.log"
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}
