@@ -3,7 +3,7 @@ precision="fp16"): ONNX Runtime's rules (start 2^16, halve and skip the step on 
 gradient, double after 2000 finite steps), training that matches the unscaled run exactly (the
 scale is a power of two), an overflow that skips the optimizer step and leaves the parameters as
 they were, and the options' errors. The scaler itself is device-agnostic, so these run on the
-CPU; fp16 itself is CUDA-only (tests/test_cuda_train.py)."""
+CPU; fp16 itself is CUDA-only (tests/test_cuda_mixed_precision.py)."""
 import copy
 
 import pytest
