@@ -1,6 +1,8 @@
 //! LayerNormalization (opset 17; normalises over axes [axis, rank)) and its fused internal
-//! gradient LayerNormGrad(dy, x, scale) -> (dx, dscale, dbias), which recomputes mean and
-//! inverse std-dev from x rather than keeping them alive from the forward pass.
+//! gradient LayerNormGrad(dy, x, scale, mean?, inv_std_dev?) -> (dx, dscale, dbias). Where the
+//! forward node gives its Mean and InvStdDev (ONNX's optional outputs; CUDA sessions add them,
+//! passes/layer_norm_stats.rs), the gradient reads them; the CPU kernel recomputes them from x
+//! whatever it is given.
 
 use super::util::{input, norm_axis};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -42,7 +44,11 @@ impl OpDef for LayerNorm {
             let (x, scale) = (g.x(0)?, g.x(1)?);
             let mut attrs = node.attrs.clone();
             attrs.0.retain(|(k, _)| k == "axis" || k == "epsilon");
-            let outs = g.op_n("LayerNormGrad", vec![Some(dy), Some(x), Some(scale)], attrs, 3);
+            let mut ins = vec![Some(dy), Some(x), Some(scale)];
+            if node.outputs.len() >= 3 {
+                ins.extend([Some(g.y(1)), Some(g.y(2))]);
+            }
+            let outs = g.op_n("LayerNormGrad", ins, attrs, 3);
             g.set(0, outs[0]);
             g.set(1, outs[1]);
             g.set(2, outs[2]);

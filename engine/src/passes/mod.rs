@@ -11,6 +11,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod layer_norm_stats;
 mod recompute;
 mod slice_before_linear;
 
@@ -70,6 +71,8 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
     // to f32 (backend/cpu/widen.rs): a reference, not a fast path.
     ("autocast", |g, c| c.half.map_or(Ok(0), |h| autocast::run(g, h)), Runs::OptIn),
+    // last: LayerNorm's statistics kept for its gradient (the GPU's recomputation reads x again)
+    ("layer_norm_stats", |g, _| Ok(layer_norm_stats::run(g)), Runs::CudaOnly),
 ];
 
 /// Passes over the train graph, after autodiff (forward nodes first, `n_fwd` of them).

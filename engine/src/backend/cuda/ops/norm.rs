@@ -1,6 +1,7 @@
-//! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op recomputes the
-//! row statistics (layer_norm_stats into scratch), then dx per row, and the parameter
-//! gradients in two deterministic passes: per-chunk column partials, then their sum.
+//! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op reads the row
+//! statistics the forward kernel saved (passes/layer_norm_stats.rs) or else recomputes them
+//! (layer_norm_stats into scratch), then dx per row, and the parameter gradients in two
+//! deterministic passes: per-block (or per-chunk) column partials, then their sum.
 
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
@@ -17,6 +18,9 @@ fn stat_size(d: DType) -> usize {
         4
     }
 }
+
+/// Columns a thread of layer_norm_grad_acc sums at most (LN_ACC_COLS in kernels/layernorm.cu).
+const ACC_COLS: usize = 8;
 
 fn align(v: usize) -> usize {
     v.div_ceil(256) * 256
@@ -44,7 +48,19 @@ fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cuda
     )
 }
 
-/// LayerNormGrad(dy, x, scale) -> (dx, dscale, dbias).
+/// The forward's saved Mean and InvStdDev (LayerNormGrad's inputs 3 and 4): one statistic a
+/// row, in the statistics type of `x`; None where the gradient recomputes them.
+fn saved_stats(node: &Node, ins: &[Option<DView>], x: &DView, rows: usize) -> Result<Option<(u64, u64)>> {
+    let stat = if x.dtype == DType::F64 { DType::F64 } else { DType::F32 };
+    let fits = |v: &DView| v.dtype == stat && v.shape.iter().product::<usize>() == rows;
+    match (ins.get(3).and_then(|v| v.as_ref()), ins.get(4).and_then(|v| v.as_ref())) {
+        (None, None) => Ok(None),
+        (Some(m), Some(r)) if fits(m) && fits(r) => Ok(Some((m.ptr, r.ptr))),
+        _ => Err(node.err(format!("the saved mean and inverse std-dev must both be {rows} {} values, one a row", stat.name()))),
+    }
+}
+
+/// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?) -> (dx, dscale, dbias).
 fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
     same_type(node, x, &[("incoming gradient", Some(dy)), ("scale", Some(scale))])?;
@@ -55,34 +71,52 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let eps = node.attrs.float("epsilon", 1e-5)?;
     let sfx = float_suffix(node, x.dtype)?;
     let a = stat_size(x.dtype);
-    // 8 row lanes per block, chunks of rows small enough to fill the GPU with blocks
-    let col_blocks = n.div_ceil(32);
-    let rows_per_chunk = (rows.div_ceil((4 * ctx.rt.sms as usize).div_ceil(col_blocks).max(1))).max(8);
-    let chunks = rows.div_ceil(rows_per_chunk);
-    let (stats_bytes, partial_bytes) = (align(rows * a), align(chunks * 2 * n * a));
-    let base = ctx.rt.scratch(2 * stats_bytes + partial_bytes)?;
-    let (mean, rstd, partial) = (base, base + stats_bytes as u64, base + 2 * stats_bytes as u64);
-    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
-    let grid = row_grid(rows, n.min(1024));
-    ctx.rt.launch(ctx.stream, &format!("layer_norm_stats_{sfx}"), grid, &[p(x.ptr), p(mean), p(rstd), i(rows), i(n), KArg::F32(eps)])?;
-    ctx.rt.launch(
-        ctx.stream,
-        &format!("layer_norm_grad_{sfx}"),
-        grid,
-        &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
-    )?;
+    let saved = saved_stats(node, ins, x, rows)?;
     let dscale = outs.get(1).map_or(0, |o| o.ptr);
     let dbias = outs.get(2).map_or(0, |o| o.ptr);
-    if dscale == 0 && dbias == 0 {
-        return Ok(());
+    let params = dscale != 0 || dbias != 0;
+    let grid = row_grid(rows, n.min(1024));
+    // The parameter gradients: summed by the dx kernel itself where each thread's columns fit
+    // its registers (layer_norm_grad_acc: one partial per block, a few blocks per SM, no second
+    // read of dy and x), else by layer_norm_grad_params over chunks of rows (8 row lanes per
+    // block, chunks small enough to fill the GPU with blocks).
+    let fused = params && n <= ACC_COLS * grid.threads as usize;
+    let col_blocks = n.div_ceil(32);
+    let rows_per_chunk = (rows.div_ceil((4 * ctx.rt.sms as usize).div_ceil(col_blocks).max(1))).max(8);
+    let chunks = if fused { rows.min(4 * ctx.rt.sms as usize).max(1) } else { rows.div_ceil(rows_per_chunk) };
+    let stats_bytes = if saved.is_some() { 0 } else { align(rows * a) };
+    let base = ctx.rt.scratch(2 * stats_bytes + if params { align(chunks * 2 * n * a) } else { 0 })?;
+    let partial = base + 2 * stats_bytes as u64;
+    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    let (mean, rstd) = match saved {
+        Some(stats) => stats,
+        None => {
+            let (mean, rstd) = (base, base + stats_bytes as u64);
+            let args = [p(x.ptr), p(mean), p(rstd), i(rows), i(n), KArg::F32(eps)];
+            ctx.rt.launch(ctx.stream, &format!("layer_norm_stats_{sfx}"), grid, &args)?;
+            (mean, rstd)
+        }
+    };
+    let (dx, rows_n) = (p(outs[0].ptr), [i(rows), i(n)]);
+    if fused {
+        let mut args = vec![p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), dx, p(partial)];
+        args.extend(rows_n);
+        ctx.rt.launch(ctx.stream, &format!("layer_norm_grad_acc_{sfx}"), Grid { blocks: chunks as u32, ..grid }, &args)?;
+    } else {
+        let mut args = vec![p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), dx];
+        args.extend(rows_n);
+        ctx.rt.launch(ctx.stream, &format!("layer_norm_grad_{sfx}"), grid, &args)?;
+        if !params {
+            return Ok(());
+        }
+        let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
+        ctx.rt.launch(
+            ctx.stream,
+            &format!("layer_norm_grad_params_{sfx}"),
+            Grid::new(blocks, 256),
+            &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
+        )?;
     }
-    let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
-    ctx.rt.launch(
-        ctx.stream,
-        &format!("layer_norm_grad_params_{sfx}"),
-        Grid::new(blocks, 256),
-        &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
-    )?;
     ctx.rt.launch(
         ctx.stream,
         &format!("layer_norm_grad_params_reduce_{sfx}"),

@@ -22,7 +22,7 @@ pub(super) fn session(m: &Model) -> Session {
     session_for(m, crate::session::Target::Cuda)
 }
 
-fn session_for(m: &Model, target: crate::session::Target) -> Session {
+pub(super) fn session_for(m: &Model, target: crate::session::Target) -> Session {
     session_with(m, target, MatmulPrecision::Fp32)
 }
 

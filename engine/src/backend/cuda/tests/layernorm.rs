@@ -1,6 +1,7 @@
 //! layernorm.cu: LayerNormalization forward (with and without bias, with and without the saved
 //! statistics), layer_norm_stats, the input gradient and the deterministic parameter gradients
-//! (per-chunk partial sums, then their reduction), for rows of 1, 200, 1023 and 4096 elements
+//! (per-chunk partial sums, or per-block ones summed by the input gradient's kernel, then their
+//! reduction), for rows of 1, 200, 1023 and 4096 elements
 //! and every float dtype, against the CPU kernels (engine/src/backend/cpu/norm.rs, in f64 on the
 //! rounded inputs). The CPU backend has no op for the statistics alone nor for the per-chunk
 //! partials: those references are computed here in f64, mirroring cpu::norm's `stats` and the
@@ -31,6 +32,13 @@ fn stats_args(x: u64, mean: u64, rstd: u64, rows: usize, n: usize) -> Vec<KArg> 
 fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, rows: usize, n: usize) -> Vec<KArg> {
     let p = KArg::Ptr;
     vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), KArg::I64(rows as i64), KArg::I64(n as i64)]
+}
+
+/// `layer_norm_grad_acc_T(dy, x, scale, mean, rstd, dx, partial, i64 rows, i64 n)`
+#[allow(clippy::too_many_arguments)]
+fn acc_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, partial: u64, rows: usize, n: usize) -> Vec<KArg> {
+    let p = KArg::Ptr;
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64)]
 }
 
 /// `layer_norm_grad_params_T(dy, x, mean, rstd, partial, i64 rows, i64 n, i64 rows_per_chunk)`
@@ -86,6 +94,7 @@ fn layernorm_argument_lists_match_the_registry() {
                 ("layer_norm", ln_args(1, 1, 0, 1, 0, 0, ROWS, n)),
                 ("layer_norm_stats", stats_args(1, 1, 1, ROWS, n)),
                 ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, ROWS, n)),
+                ("layer_norm_grad_acc", acc_args(1, 1, 1, 1, 1, 1, 1, ROWS, n)),
                 ("layer_norm_grad_params", params_args(1, 1, 1, 1, 1, ROWS, n, RPC)),
                 ("layer_norm_grad_params_reduce", reduce_args(1, 1, 1, chunks, n)),
                 ("layer_norm_grad_params_reduce", reduce_args(1, 1, 0, chunks, n)),
@@ -148,8 +157,10 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
             let ks = format!("layer_norm_stats_{t}");
             let (mean2, rstd2) = (zeros_as(g, a, ROWS), zeros_as(g, a, ROWS));
             run(g, &ks, row_grid, &stats_args(dxb.ptr(), mean2.ptr(), rstd2.ptr(), ROWS, n));
-            assert_close(&format!("{ks} mean vs {k}'s, {case}"), &host_as(&mean2, a), &gmean, rtol(a), rtol(a) * xmax);
-            assert_close(&format!("{ks} rstd vs {k}'s, {case}"), &host_as(&rstd2, a), &grstd, rtol(a), 0.0);
+            // bit for bit: a CUDA LayerNormGrad reads the forward's (passes/layer_norm_stats.rs)
+            // where it used to recompute them with this kernel
+            assert_eq!(host_as(&mean2, a), gmean, "{ks} mean vs {k}'s, {case}");
+            assert_eq!(host_as(&rstd2, a), grstd, "{ks} rstd vs {k}'s, {case}");
             assert_close(&format!("{ks} mean, {case}"), &host_as(&mean2, a), &rounded(a, &wmean), rtol(a), rtol(a) * xmax);
 
             // backward: dx from the forward's statistics; dscale and dbias through the partials
@@ -209,6 +220,37 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
             let ds2 = zeros_as(g, t, n);
             run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds2.ptr(), 0, chunks, n));
             assert_eq!(host_as(&ds2, t), gds, "{kr} with dbias null: dscale differs, {pcase}");
+
+            // dx and the per-block partials in one kernel (16 blocks over the 37 rows): dx is
+            // layer_norm_grad's bit for bit, the partials summed are the CPU's gradients
+            let ka = format!("layer_norm_grad_acc_{t}");
+            let (dx2, part2) = (zeros_as(g, t, len), dev_as(g, a, &vec![f64::NAN; ROW_BLOCKS as usize * 2 * n]));
+            run(g, &ka, row_grid, &acc_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx2.ptr(), part2.ptr(), ROWS, n));
+            assert_eq!(host_as(&dx2, t), host_as(&dx, t), "{ka} dx vs {kg}'s, {case}");
+            let (ds3, db3) = (zeros_as(g, t, n), zeros_as(g, t, n));
+            run(g, &kr, rgrid, &reduce_args(part2.ptr(), ds3.ptr(), db3.ptr(), ROW_BLOCKS as usize, n));
+            let what = format!("{ka} + {kr} dscale vs LayerNormGrad, {case}");
+            assert_close(&what, &host_as(&ds3, t), &rounded(t, &wds), rtol(t), rtol(t) * max_abs(&abs_ds));
+            let what = format!("{ka} + {kr} dbias vs LayerNormGrad, {case}");
+            assert_close(&what, &host_as(&db3, t), &rounded(t, &wdb), rtol(t), rtol(t) * max_abs(&abs_db));
+        }
+    }
+}
+
+/// CUDA sessions keep LayerNorm's statistics for its gradient (passes/layer_norm_stats.rs): in
+/// the CUDA train graph LayerNormGrad reads the forward node's Mean and InvStdDev, so the
+/// gradient launches no layer_norm_stats; the CPU's recomputes them (three inputs).
+#[test]
+fn cuda_layer_norm_gradients_read_the_forward_statistics() {
+    let m = super::exec_models::attention_bits(&mut Rng::new(5));
+    for (target, kept) in [(crate::session::Target::Cuda, true), (crate::session::Target::Cpu, false)] {
+        let s = super::exec::session_for(&m, target);
+        let find = |op: &str| s.graph.nodes.iter().find(|n| n.op_type == op).unwrap_or_else(|| panic!("{op} in {target:?}"));
+        let (ln, grad) = (find("LayerNormalization"), find("LayerNormGrad"));
+        if kept {
+            assert_eq!(grad.inputs[3..], [Some(ln.outputs[1]), Some(ln.outputs[2])], "{target:?}: {grad:?}");
+        } else {
+            assert_eq!(grad.inputs.len(), 3, "{target:?}: {grad:?}");
         }
     }
 }
