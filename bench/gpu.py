@@ -16,8 +16,10 @@ for the precision (tensor-core bf16 or fp16, or plain fp32 since TF32 is off). G
 mixed precision: eager and torch.compile under torch.autocast (fp16 with a GradScaler), ortrain
 with `precision=` the same (fp16 with the engine's dynamic loss scaler). `ortrain-nographs` is
 ortrain with `cuda_graphs=False` (every kernel launched): what the CUDA graphs bring, in one run.
-An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attention+autocast`): that
-row's process runs with exactly those in ORTRAIN_ENABLE_PASSES, so pass variants compare in one run.
+An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attention+autocast`), and
+passes to turn off as `+no_<pass>` (`ortrain+fuse_attention+autocast+no_recompute`): that row's
+process runs with exactly those in ORTRAIN_ENABLE_PASSES and ORTRAIN_DISABLE_PASSES, so pass
+variants compare in one run.
 A worker that gives no answer within --worker-timeout seconds is killed and its row reads failed;
 the JSON file is rewritten after every row, so a run cut short keeps the rows it finished.
 """
@@ -37,9 +39,17 @@ OPTIONAL_SYSTEMS = ("ortrain-nographs",)
 
 
 def split_system(name: str) -> tuple[str, list[str]]:
-    """`ortrain+fuse_attention+autocast` -> ("ortrain", ["fuse_attention", "autocast"])."""
+    """`ortrain+fuse_attention+autocast` -> ("ortrain", ["fuse_attention", "autocast"]); a pass
+    written `no_recompute` is one to turn off."""
     base, *passes = name.split("+")
     return base, [p for p in passes if p]
+
+
+def pass_environment(passes: list[str]) -> dict:
+    """ORTRAIN_ENABLE_PASSES / ORTRAIN_DISABLE_PASSES for a system's `+pass` and `+no_pass` parts."""
+    on = [p for p in passes if not p.startswith("no_")]
+    off = [p[len("no_"):] for p in passes if p.startswith("no_")]
+    return {"ORTRAIN_ENABLE_PASSES": ",".join(on), "ORTRAIN_DISABLE_PASSES": ",".join(off)}
 # dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
 PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"): 66.9e12,
          ("H200", "bf16"): 989.4e12, ("H200", "fp16"): 989.4e12, ("H200", "fp32"): 66.9e12,
@@ -105,7 +115,7 @@ def _worker(cfg: dict) -> dict:
     system, passes = split_system(cfg["system"])
     if passes:
         # read when the engine builds a session, so set before accelerate
-        os.environ["ORTRAIN_ENABLE_PASSES"] = ",".join(passes)
+        os.environ.update(pass_environment(passes))
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (lambda: torch.autocast("cuda", dtype=half)) if half is not None else contextlib.nullcontext
     # PyTorch's fp16 recipe scales the loss; ortrain's engine does it inside (accelerate's loss_scale)

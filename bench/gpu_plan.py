@@ -82,8 +82,8 @@ def _plan(cfg: dict) -> dict:
     return {"arena": arena, "params": params, "passes": {k: v for k, v in session.passes if v}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.gpu_plan", description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser, precisions=("fp32", "bf16")) -> None:
+    """The workload and its sizes (None: the workload's DEFAULTS, set by model_config)."""
     ap.add_argument("--workload", default="gpt2", choices=tuple(DEFAULTS))
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
@@ -91,17 +91,27 @@ def main(argv=None) -> int:
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=None)
-    ap.add_argument("--precision", default=None, choices=("fp32", "bf16"))
+    ap.add_argument("--precision", default=None, choices=precisions)
+
+
+def model_config(args) -> dict:
+    """Fills the sizes left out from the workload's DEFAULTS; returns cuda_session's config."""
+    for name, value in zip(("batch", "seq", "vocab", "precision", "eager_peak_gib"), DEFAULTS[args.workload]):
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    return {k: getattr(args, k) for k in ("workload", "batch", "seq", "layers", "embd", "heads", "vocab", "precision")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu_plan", description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--eager-peak-gib", type=float, default=None,
                     help="PyTorch eager's measured peak at this size (bench.gpu, H100: 21.3 GiB for GPT-2 124M at "
                          "batch 16, 0.44 GiB for the tutorial)")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    for name, value in zip(("batch", "seq", "vocab", "precision", "eager_peak_gib"), DEFAULTS[args.workload]):
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    cfg = {k: getattr(args, k) for k in ("workload", "batch", "seq", "layers", "embd", "heads", "vocab", "precision")}
+    cfg = model_config(args)
     if args.worker:
         print(json.dumps(_plan(json.loads(args.worker))))
         return 0

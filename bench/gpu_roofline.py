@@ -40,7 +40,7 @@ import os
 import sys
 from collections import defaultdict
 
-from bench.gpu_plan import DEFAULTS
+from bench.gpu_plan import add_model_args, model_config
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
          "uint8": 1, "bool": 1}
@@ -213,7 +213,7 @@ def _table(timed, total_flops: float, gpu: str, compile_ms: float | None, top: i
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu_roofline", description=__doc__.splitlines()[0])
-    ap.add_argument("--workload", default="gpt2", choices=tuple(DEFAULTS))
+    add_model_args(ap, ("fp32", "bf16", "fp16"))
     ap.add_argument("--passes", default=None,
                     help="opt-in engine passes (ORTRAIN_ENABLE_PASSES) for the plan; default: the environment's")
     ap.add_argument("--gpu", default="h100", choices=tuple(GPUS))
@@ -224,22 +224,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-masks", action="store_true", help="count every score tile (no causal skipping)")
     ap.add_argument("--compile-ms", type=float, default=None, help="torch.compile's measured ms/step, to compare")
     ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=768)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=None)
-    ap.add_argument("--precision", default=None, choices=("fp32", "bf16", "fp16"))
     ap.add_argument("--json", help="write every kernel's row here")
     a = ap.parse_args(argv)
-    for name, value in zip(("batch", "seq", "vocab", "precision"), DEFAULTS[a.workload]):
-        if getattr(a, name) is None:
-            setattr(a, name, value)
+    cfg = model_config(a)
     if a.passes is not None:
         # read when the session is built, so set before it is
         os.environ["ORTRAIN_ENABLE_PASSES"] = a.passes
-    cfg = {k: getattr(a, k) for k in ("workload", "batch", "seq", "layers", "embd", "heads", "vocab", "precision")}
     from bench.gpu_plan import cuda_session
 
     session, sigs, model = cuda_session(cfg)

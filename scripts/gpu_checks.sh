@@ -11,8 +11,9 @@
 #              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
-#   gpt2       bench.gpu on GPT-2 124M (bf16): eager, compile, ortrain and its opt-in pass
-#              variants (ortrain+fuse_attention, ortrain+fuse_attention+autocast)
+#   gpt2       bench.gpu on GPT-2 124M (bf16): eager, compile, ortrain and its pass variants
+#              (ortrain+fuse_attention, ortrain+fuse_attention+autocast, the latter without
+#              the GELU recomputation: +no_recompute)
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
 #              kernels' GPU time, to set against bench.gpu_roofline's model of the same plan
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
@@ -153,7 +154,7 @@ fi
 if has gpt2; then
     # the engine's intended GPT-2 path first: its row is the one the targets need
     bench 600 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast,compile,eager,ortrain+fuse_attention,ortrain
+        --systems ortrain+fuse_attention+autocast,compile,eager,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from bench.gpu import split_system
+from bench.gpu import pass_environment, split_system
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,6 +23,8 @@ def _bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def test_ortrain_systems_name_their_passes():
     assert split_system("ortrain+fuse_attention+autocast") == ("ortrain", ["fuse_attention", "autocast"])
     assert split_system("ortrain-nographs") == ("ortrain-nographs", [])
+    assert pass_environment(["fuse_attention", "autocast", "no_recompute"]) == {
+        "ORTRAIN_ENABLE_PASSES": "fuse_attention,autocast", "ORTRAIN_DISABLE_PASSES": "recompute"}
 
 
 def test_unknown_systems_are_refused_by_name():
