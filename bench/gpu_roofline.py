@@ -23,8 +23,7 @@ What the model counts (a lower bound on what the plan's kernels must move and co
   --attention-eff, over the key tiles a causal mask leaves live (n(n+1)/2 of n² 64-wide tiles;
   --dense-masks counts all); its mask is read for those tiles only;
 - LayerNormGrad is its kernels: the row statistics (recomputed from x where the forward's are
-  not inputs), dx, and the parameter gradients (summed by the dx kernel for rows of at most
-  8 × its threads, else by a kernel reading dy and x again);
+  not inputs), dx, and the parameter gradients, which read dy and x again;
 - the fused LM head (LinearCrossEntropy) is its kernels: the logits product, the row pass over
   the logits chunk (read f32, write G: 16-bit where only the bf16 products read it), and the
   dX and dW products reading G.
@@ -107,18 +106,13 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
             rows.extend(_lm_head(name, ins, outs, precision))
         elif op == "LayerNormGrad":
             # backend/cuda/ops/norm.rs: the statistics (recomputed from x unless the forward's
-            # are inputs 3 and 4), dx from dy and x, summing dscale and dbias on the way where a
-            # thread's columns fit its registers (n <= 8 threads), else from dy and x again
+            # are inputs 3 and 4), dx from dy and x, then dscale and dbias from dy and x again
+            # (per-chunk partials, then their sum)
             dy_b, x_b = in_b[0], in_b[1]
-            n = math.prod(outs[1][2]) if len(outs) > 1 else 1
-            threads = min(1024, max(32, -(-min(n, 1024) // 32) * 32))
             if len(in_b) < 5 or not in_b[3]:
                 rows.append((op + " stats", name, x_b, 0, None))
-            if n <= 8 * threads:
-                rows.append((op, name, sum(in_b) + sum(out_b), 0, None))
-            else:
-                rows.append((op, name, sum(in_b) + out_b[0], 0, None))
-                rows.append((op + " params", name, dy_b + x_b + sum(out_b[1:]), 0, None))
+            rows.append((op, name, sum(in_b) + out_b[0], 0, None))
+            rows.append((op + " params", name, dy_b + x_b, 0, None))
             rows.append((op + " params reduce", name, sum(out_b[1:]), 0, None))
         elif op == "Gather":
             rows.append((op, name, sum(in_b[1:]) + 2 * sum(out_b), 0, None))

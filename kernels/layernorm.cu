@@ -14,11 +14,6 @@
 //                     T* dx, i64 rows, i64 n)              dx = rstd (g - mean(g) - h mean(g h)),
 //                                                          g = dy scale, h = (x - mean) rstd
 // dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic):
-//   layer_norm_grad_acc_T(const T* dy, const T* x, const T* scale, const A* mean, const A* rstd,
-//                         T* dx, A* partial, i64 rows, i64 n)       n <= 8 blockDim.x
-//       layer_norm_grad's dx, and each block's sums of dy h and dy over its rows (grid-stride)
-//       as partial[block][2][n]: the parameter gradients without reading dy and x again
-//       (layer_norm_grad_params_reduce with chunks = gridDim.x)
 //   layer_norm_grad_params_T(const T* dy, const T* x, const A* mean, const A* rstd, A* partial,
 //                            i64 rows, i64 n, i64 rows_per_chunk)
 //       a 1-D launch (the launcher's Grid is 1-D): blockDim.x = 32 k, k <= 8 (256 is the usual:
@@ -68,20 +63,6 @@ template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T
     }
 }
 
-// mean(g) and mean(g h) of one row, on every thread of the block (g = dy scale, h = (x - mean) rstd).
-template <typename T, typename A>
-__device__ __forceinline__ void grad_row_means(const T* dr, const T* xr, const T* scale, A mu, A rs, i64 n, A* scratch, A& a, A& b) {
-    a = (A)0;
-    b = (A)0;
-    for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-        const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
-        a += g;
-        b += g * (Num<T>::load(xr[j]) - mu) * rs;
-    }
-    a = block_reduce<OpSum>(a, scratch) / (A)n;
-    b = block_reduce<OpSum>(b, scratch) / (A)n;
-}
-
 template <typename T> __device__ __forceinline__ void ln_grad(const T* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
                                                               const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) {
     typedef typename Num<T>::Acc A;
@@ -90,54 +71,18 @@ template <typename T> __device__ __forceinline__ void ln_grad(const T* dy, const
         const T* dr = dy + r * n;
         const T* xr = x + r * n;
         const A mu = mean[r], rs = rstd[r];
-        A a, b;
-        grad_row_means<T, A>(dr, xr, scale, mu, rs, n, scratch, a, b);
+        A a = (A)0, b = (A)0;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
+            a += g;
+            b += g * (Num<T>::load(xr[j]) - mu) * rs;
+        }
+        a = block_reduce<OpSum>(a, scratch) / (A)n;
+        b = block_reduce<OpSum>(b, scratch) / (A)n;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
             const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
             const A h = (Num<T>::load(xr[j]) - mu) * rs;
             dx[r * n + j] = Num<T>::store(rs * (g - a - h * b));
-        }
-    }
-}
-
-// ln_grad that also sums the parameter gradients while it has dy and x in hand: each thread
-// keeps its columns' (at most LN_ACC_COLS: n <= LN_ACC_COLS blockDim.x) sums of dy h and dy
-// over the block's rows, and the block writes them as its partial, partial[block][2][n], for
-// layer_norm_grad_params_reduce (chunks = gridDim.x). dx is ln_grad's, bit for bit.
-#define LN_ACC_COLS 8
-template <typename T> __device__ __forceinline__ void ln_grad_acc(const T* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
-                                                                  const typename Num<T>::Acc* rstd, T* dx, typename Num<T>::Acc* partial,
-                                                                  i64 rows, i64 n) {
-    typedef typename Num<T>::Acc A;
-    ORT_SHARED(A, scratch, [32]);
-    A ds[LN_ACC_COLS], db[LN_ACC_COLS];
-#pragma unroll
-    for (int k = 0; k < LN_ACC_COLS; ++k) ds[k] = db[k] = (A)0;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* dr = dy + r * n;
-        const T* xr = x + r * n;
-        const A mu = mean[r], rs = rstd[r];
-        A a, b;
-        grad_row_means<T, A>(dr, xr, scale, mu, rs, n, scratch, a, b);
-#pragma unroll
-        for (int k = 0; k < LN_ACC_COLS; ++k) {
-            const i64 j = threadIdx.x + (i64)k * blockDim.x;
-            if (j < n) {
-                const A d = Num<T>::load(dr[j]);
-                const A g = d * Num<T>::load(scale[j]);
-                const A h = (Num<T>::load(xr[j]) - mu) * rs;
-                dx[r * n + j] = Num<T>::store(rs * (g - a - h * b));
-                ds[k] += d * h;
-                db[k] += d;
-            }
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < LN_ACC_COLS; ++k) {
-        const i64 j = threadIdx.x + (i64)k * blockDim.x;
-        if (j < n) {
-            partial[((i64)blockIdx.x * 2) * n + j] = ds[k];
-            partial[((i64)blockIdx.x * 2 + 1) * n + j] = db[k];
         }
     }
 }
@@ -189,11 +134,6 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
     extern "C" __global__ void layer_norm_grad_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
                                                    const Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) { \
         ln_grad<T>(dy, x, scale, mean, rstd, dx, rows, n);                                    \
-    }                                                                                         \
-    /* up to 1024 threads a block (row_grid): the column sums must fit 64 registers a thread */ \
-    extern "C" __global__ void __launch_bounds__(1024) layer_norm_grad_acc_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
-                                                       const Num<T>::Acc* rstd, T* dx, Num<T>::Acc* partial, i64 rows, i64 n) { \
-        ln_grad_acc<T>(dy, x, scale, mean, rstd, dx, partial, rows, n);                      \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_params_##T(const T* dy, const T* x, const Num<T>::Acc* mean, \
                                                           const Num<T>::Acc* rstd, Num<T>::Acc* partial, \

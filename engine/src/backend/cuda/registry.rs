@@ -183,7 +183,6 @@ pub static FAMILIES: &[Family] = &[
             g(&["layer_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
             g(&["layer_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32]),
             g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
-            g(&["layer_norm_grad_acc"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
             g(&["layer_norm_grad_params"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
             g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64]),
         ]

@@ -1,7 +1,7 @@
 //! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op reads the row
 //! statistics the forward kernel saved (passes/layer_norm_stats.rs) or else recomputes them
 //! (layer_norm_stats into scratch), then dx per row, and the parameter gradients in two
-//! deterministic passes: per-block (or per-chunk) column partials, then their sum.
+//! deterministic passes: per-chunk column partials, then their sum.
 
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
@@ -18,9 +18,6 @@ fn stat_size(d: DType) -> usize {
         4
     }
 }
-
-/// Columns a thread of layer_norm_grad_acc sums at most (LN_ACC_COLS in kernels/layernorm.cu).
-const ACC_COLS: usize = 8;
 
 fn align(v: usize) -> usize {
     v.div_ceil(256) * 256
@@ -72,22 +69,15 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let sfx = float_suffix(node, x.dtype)?;
     let a = stat_size(x.dtype);
     let saved = saved_stats(node, ins, x, rows)?;
-    let dscale = outs.get(1).map_or(0, |o| o.ptr);
-    let dbias = outs.get(2).map_or(0, |o| o.ptr);
-    let params = dscale != 0 || dbias != 0;
-    let grid = row_grid(rows, n.min(1024));
-    // The parameter gradients: summed by the dx kernel itself where each thread's columns fit
-    // its registers (layer_norm_grad_acc: one partial per block, a few blocks per SM, no second
-    // read of dy and x), else by layer_norm_grad_params over chunks of rows (8 row lanes per
-    // block, chunks small enough to fill the GPU with blocks).
-    let fused = params && n <= ACC_COLS * grid.threads as usize;
+    // 8 row lanes per block, chunks of rows small enough to fill the GPU with blocks
     let col_blocks = n.div_ceil(32);
     let rows_per_chunk = (rows.div_ceil((4 * ctx.rt.sms as usize).div_ceil(col_blocks).max(1))).max(8);
-    let chunks = if fused { rows.min(4 * ctx.rt.sms as usize).max(1) } else { rows.div_ceil(rows_per_chunk) };
+    let chunks = rows.div_ceil(rows_per_chunk);
     let stats_bytes = if saved.is_some() { 0 } else { align(rows * a) };
-    let base = ctx.rt.scratch(2 * stats_bytes + if params { align(chunks * 2 * n * a) } else { 0 })?;
+    let base = ctx.rt.scratch(2 * stats_bytes + align(chunks * 2 * n * a))?;
     let partial = base + 2 * stats_bytes as u64;
     let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    let grid = row_grid(rows, n.min(1024));
     let (mean, rstd) = match saved {
         Some(stats) => stats,
         None => {
@@ -97,26 +87,24 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
             (mean, rstd)
         }
     };
-    let (dx, rows_n) = (p(outs[0].ptr), [i(rows), i(n)]);
-    if fused {
-        let mut args = vec![p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), dx, p(partial)];
-        args.extend(rows_n);
-        ctx.rt.launch(ctx.stream, &format!("layer_norm_grad_acc_{sfx}"), Grid { blocks: chunks as u32, ..grid }, &args)?;
-    } else {
-        let mut args = vec![p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), dx];
-        args.extend(rows_n);
-        ctx.rt.launch(ctx.stream, &format!("layer_norm_grad_{sfx}"), grid, &args)?;
-        if !params {
-            return Ok(());
-        }
-        let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
-        ctx.rt.launch(
-            ctx.stream,
-            &format!("layer_norm_grad_params_{sfx}"),
-            Grid::new(blocks, 256),
-            &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
-        )?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("layer_norm_grad_{sfx}"),
+        grid,
+        &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
+    )?;
+    let dscale = outs.get(1).map_or(0, |o| o.ptr);
+    let dbias = outs.get(2).map_or(0, |o| o.ptr);
+    if dscale == 0 && dbias == 0 {
+        return Ok(());
     }
+    let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("layer_norm_grad_params_{sfx}"),
+        Grid::new(blocks, 256),
+        &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
+    )?;
     ctx.rt.launch(
         ctx.stream,
         &format!("layer_norm_grad_params_reduce_{sfx}"),

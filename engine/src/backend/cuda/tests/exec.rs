@@ -533,17 +533,17 @@ fn gpu_fp16_lm_head_keeps_its_small_softmax_gradient() {
 
 /// Mixed-precision sessions round the fused LM head's operands once per op (W) and per chunk
 /// (X_c, and G in bf16 sessions, at a row stride of whole 16-byte vectors) instead of per gemm:
-/// both LM heads (two chunks with transB, bias, class weights and ignore_index; one chunk with W
-/// [K, C] and the sum), with 40 classes and with 43 (G's rows padded), in bf16 and fp16 sessions
-/// within 3e-2 of the largest value of the CPU executor's exact f32.
+/// both LM heads (two chunks with transB, bias, class weights and ignore_index; W [K, C] with no
+/// bias, one chunk and two), 40 classes and 43 (G's rows padded), bf16 and fp16 sessions within
+/// 3e-2 of the largest value of the CPU executor's exact f32.
 #[test]
 fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
     let Some(_) = gpu("gpu_mixed_precision_lm_heads_match_the_cpu_executor") else { return };
     let mut rng = Rng::new(23);
-    for (big, classes) in [(true, 40), (false, 40), (true, 43), (false, 43)] {
+    for (big, full, classes) in [(true, true, 40), (false, false, 40), (true, true, 43), (false, false, 43), (true, false, 43)] {
         // lm_head's two models; with 43 classes G's 16-bit copy is padded to rows of 48
         let input = if big { vec![3, 3000, 8] } else { vec![2, 35, 8] };
-        let m = lm_head_with(&mut rng, input, classes, big, if big { "mean" } else { "sum" });
+        let m = lm_head_with(&mut rng, input, classes, full, if big { "mean" } else { "sum" });
         let s = session(&m);
         let x = m.input_bytes(&mut rng);
         let sig = m.sig();
