@@ -9,30 +9,35 @@
 #   env        the GPU, driver, torch and the NVRTC/cuBLAS folder
 #   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
 #              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
+#   gpt2       bench.gpu on GPT-2 124M (bf16): ortrain+fuse_attention+autocast (the engine's
+#              intended path), torch.compile and eager: issue 6's target rows
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
-#   gpt2       bench.gpu on GPT-2 124M (bf16): eager, compile, ortrain and its pass variants
-#              (ortrain+fuse_attention, ortrain+fuse_attention+autocast, the latter without
-#              the GELU recomputation: +no_recompute)
+#   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention, ortrain, and
+#              ortrain+fuse_attention+autocast without the GELU recomputation (+no_recompute)
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
 #              kernels' GPU time, to set against bench.gpu_roofline's model of the same plan
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
-#   session    env,kernels,pytest,tutorial,gpt2,profile under a deadline: one call of a 15-minute
-#              lease (profile runs only if time is left)
+#   session    env,kernels,gpt2,pytest,tutorial,variants,profile under a deadline: one call of a
+#              15-minute lease (the later sections run only as far as time is left)
 #
 # GPU_DEADLINE (seconds from the start; "session" defaults to 420, else none) caps the whole
 # run: each section gets at most its own cap and what is left before the deadline, and a
 # section that would start with under 20 s left is skipped and says so. Every section prints
 # its own header and keeps going when one fails; the exit status is the number of failed or
-# cut sections. Logs, the bench JSON files and summary.txt (a line per section) go to OUT_DIR
-# (default /tmp/gpu-out); they are written as the run goes, so a run killed from outside keeps
-# what it finished.
+# cut sections. Logs, the bench JSON files and summary.txt (a line per section) are written to
+# GPU_LOG_DIR (default /tmp/gpu-logs) as the run goes, and after every section packed into
+# OUT_DIR/gpu-checks.tar.gz beside a copy of summary.txt (default OUT_DIR /tmp/gpu-out): two
+# files, since the device tool brings back at most 8, and a run killed from outside keeps what
+# it had finished.
 set -u
 OUT_DIR=${1:-/tmp/gpu-out}
-mkdir -p "$OUT_DIR"
+LOG_DIR=${GPU_LOG_DIR:-/tmp/gpu-logs}
+rm -rf "$LOG_DIR"
+mkdir -p "$OUT_DIR" "$LOG_DIR"
 WHAT=${GPU_CHECKS:-session}
 if [[ ",$WHAT," == *",session,"* ]]; then
-    WHAT="$WHAT,env,kernels,pytest,tutorial,gpt2,profile"
+    WHAT="$WHAT,env,kernels,gpt2,pytest,tutorial,variants,profile"
     DEADLINE=${GPU_DEADLINE:-420}
 else
     DEADLINE=${GPU_DEADLINE:-0}
@@ -41,10 +46,11 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 START=$(date +%s)
 failed=0
-: >"$OUT_DIR/summary.txt"
+: >"$LOG_DIR/summary.txt"
 has() { [[ ",$WHAT," == *",$1,"* ]]; }
 section() { echo; echo "==== $1 ($(date +%T), $(($(date +%s) - START)) s in)"; }
-note() { echo "$1" | tee -a "$OUT_DIR/summary.txt"; }
+note() { echo "$1" | tee -a "$LOG_DIR/summary.txt"; }
+pack() { tar -czf "$OUT_DIR/gpu-checks.tar.gz" -C "$LOG_DIR" . && cp "$LOG_DIR/summary.txt" "$OUT_DIR/summary.txt"; }
 
 # capped CAP NAME LOG CMD...: runs CMD (output to LOG) within CAP seconds and the deadline, and
 # records NAME's outcome. Never in a pipeline: it counts failures in this shell.
@@ -71,6 +77,7 @@ capped() {
         note "$name: exit ${rc} in $(($(date +%s) - t0)) s"
     fi
     [ "$rc" = 0 ] || failed=$((failed + 1))
+    pack
     return "$rc"
 }
 
@@ -101,41 +108,32 @@ if has kernels; then
     if [ -x .gpu/cuda_gpu ]; then
         rm -rf "$ORTRAIN_CACHE_DIR"
         section "cuda_gpu, cold kernel cache"
-        capped 150 "kernels cold (cuda_gpu)" "$OUT_DIR/cuda_gpu.log" .gpu/cuda_gpu --nocapture
-        tail -30 "$OUT_DIR/cuda_gpu.log"
+        capped 150 "kernels cold (cuda_gpu)" "$LOG_DIR/cuda_gpu.log" .gpu/cuda_gpu --nocapture
+        tail -30 "$LOG_DIR/cuda_gpu.log"
         section "cuda_gpu, warm kernel cache"
-        capped 30 "kernels warm (cuda_gpu)" "$OUT_DIR/cuda_gpu-warm.log" .gpu/cuda_gpu --nocapture
-        tail -4 "$OUT_DIR/cuda_gpu-warm.log"
+        capped 30 "kernels warm (cuda_gpu)" "$LOG_DIR/cuda_gpu-warm.log" .gpu/cuda_gpu --nocapture
+        tail -4 "$LOG_DIR/cuda_gpu-warm.log"
     else
         note "kernels: .gpu/cuda_gpu missing (run scripts/gpu_prepare.sh before the call)"; failed=$((failed + 1))
     fi
     # the engine's CUDA unit tests: kernel parity, cuBLAS, the executor (warm cache)
     if [ -x .gpu/cuda_lib ]; then
         section "engine CUDA unit tests"
-        capped 150 "engine CUDA unit tests (cuda_lib)" "$OUT_DIR/cuda_lib.log" \
+        capped 150 "engine CUDA unit tests (cuda_lib)" "$LOG_DIR/cuda_lib.log" \
             .gpu/cuda_lib backend::cuda:: --test-threads 4 ${LIB_TEST_ARGS:-}
-        if [ -f "$OUT_DIR/cuda_lib.log" ]; then
-            grep -vE "^test .* ok$" "$OUT_DIR/cuda_lib.log" | tail -80
-            note "engine CUDA unit tests: $(grep -E '^test result' "$OUT_DIR/cuda_lib.log" | tail -1) $(grep -c ' \.\.\. ok$' "$OUT_DIR/cuda_lib.log") ok, $(grep -c ' \.\.\. FAILED$' "$OUT_DIR/cuda_lib.log") FAILED so far"
-            note "engine CUDA unit tests: $(grep -c SKIPPED "$OUT_DIR/cuda_lib.log") SKIPPED lines (must be 0 on a GPU)"
+        if [ -f "$LOG_DIR/cuda_lib.log" ]; then
+            grep -vE "^test .* ok$" "$LOG_DIR/cuda_lib.log" | tail -80
+            note "engine CUDA unit tests: $(grep -E '^test result' "$LOG_DIR/cuda_lib.log" | tail -1) $(grep -c ' \.\.\. ok$' "$LOG_DIR/cuda_lib.log") ok, $(grep -c ' \.\.\. FAILED$' "$LOG_DIR/cuda_lib.log") FAILED so far"
+            note "engine CUDA unit tests: $(grep -c SKIPPED "$LOG_DIR/cuda_lib.log") SKIPPED lines (must be 0 on a GPU)"
         fi
     else
         note "engine CUDA unit tests: .gpu/cuda_lib missing"; failed=$((failed + 1))
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2 || has profile; then
+if has pytest || has bench || has tutorial || has gpt2 || has variants || has profile; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
-fi
-
-if has pytest; then
-    section "pytest -m gpu"
-    capped 180 "pytest -m gpu" "$OUT_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-}
-    if [ -f "$OUT_DIR/pytest-gpu.log" ]; then
-        tail -40 "$OUT_DIR/pytest-gpu.log"
-        note "pytest -m gpu: $(tail -1 "$OUT_DIR/pytest-gpu.log")"
-    fi
 fi
 
 # bench.gpu rows, each its own process; WORKER_TIMEOUT bounds one row so a hang costs one row
@@ -143,30 +141,43 @@ bench() {
     local cap=$1 name=$2 json=$3
     shift 3
     section "bench.gpu: $name"
-    capped "$cap" "bench $name" "$OUT_DIR/${json%.json}.log" \
-        $PY -m bench.gpu --worker-timeout "${WORKER_TIMEOUT:-240}" --json "$OUT_DIR/$json" "$@"
-    [ -f "$OUT_DIR/${json%.json}.log" ] && tail -25 "$OUT_DIR/${json%.json}.log"
+    capped "$cap" "bench $name" "$LOG_DIR/${json%.json}.log" \
+        $PY -m bench.gpu --worker-timeout "${WORKER_TIMEOUT:-240}" --json "$LOG_DIR/$json" "$@"
+    [ -f "$LOG_DIR/${json%.json}.log" ] && tail -25 "$LOG_DIR/${json%.json}.log"
 }
+if has gpt2; then
+    # the engine's intended GPT-2 path first: its row is the one the targets need
+    bench 300 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast,compile,eager
+fi
+if has pytest; then
+    section "pytest -m gpu"
+    capped 180 "pytest -m gpu" "$LOG_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-}
+    if [ -f "$LOG_DIR/pytest-gpu.log" ]; then
+        tail -40 "$LOG_DIR/pytest-gpu.log"
+        note "pytest -m gpu: $(tail -1 "$LOG_DIR/pytest-gpu.log")"
+    fi
+fi
 if has tutorial; then
     bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
         --steps 30 --warmup 6
 fi
-if has gpt2; then
-    # the engine's intended GPT-2 path first: its row is the one the targets need
-    bench 600 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast,compile,eager,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+if has variants; then
+    bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"
-    PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" ORTRAIN_ENABLE_PASSES=fuse_attention,autocast capped 240 "profile GPT-2 124M" "$OUT_DIR/profile-gpt2.log" \
+    PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" ORTRAIN_ENABLE_PASSES=fuse_attention,autocast capped 240 "profile GPT-2 124M" "$LOG_DIR/profile-gpt2.log" \
         $PY -m bench.gpu_profile --workload gpt2-124m --system ortrain --steps 3 --top 25
-    [ -f "$OUT_DIR/profile-gpt2.log" ] && tail -40 "$OUT_DIR/profile-gpt2.log"
+    [ -f "$LOG_DIR/profile-gpt2.log" ] && tail -40 "$LOG_DIR/profile-gpt2.log"
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}
 fi
 echo
 echo "==== summary ($(($(date +%s) - START)) s)"
-cat "$OUT_DIR/summary.txt"
+cat "$LOG_DIR/summary.txt"
 echo "failed or cut sections: $failed"
+pack
 exit "$failed"
