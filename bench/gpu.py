@@ -56,6 +56,17 @@ PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"
          ("A100", "bf16"): 312e12, ("A100", "fp16"): 312e12, ("A100", "fp32"): 19.5e12}
 
 
+# the tutorial model's depth and width (tests/models.py: 2 layers, emsize 200)
+TUTORIAL_LAYERS, TUTORIAL_WIDTH = 2, 200
+
+
+def train_flops(model, lookup, layers: int, width: int, seq: int, tokens: int) -> float:
+    """Model FLOPs of a training step (nanoGPT/PaLM): 6 per matmul weight per token, the
+    `lookup` tables (embeddings that are only gathered) left out, plus 12·L·H·Q·T for attention."""
+    n = sum(p.numel() for p in model.parameters()) - sum(t.numel() for t in lookup)
+    return 6 * n * tokens + 12 * layers * width * seq * tokens
+
+
 def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
     """(model, optimizer, batch(step), forward_loss(model, batch), clip, precision, tokens/step,
     FLOPs/step) on cuda."""
@@ -70,11 +81,10 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
         model = job.model.to(dev)
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         batches = [tuple(t.to(dev) for t in job.batch(s)) for s in range(64)]
-        emb = model.encoder.weight.numel() if hasattr(model, "encoder") else 0
-        n = sum(p.numel() for p in model.parameters()) - emb
-        seq, bsz, layers, width = 35, 20, 2, 200
+        seq, bsz = 35, 20
         tokens = seq * bsz
-        flops = 6 * n * tokens + 12 * layers * width * seq * tokens
+        lookup = [model.encoder.weight] if hasattr(model, "encoder") else []
+        flops = train_flops(model, lookup, TUTORIAL_LAYERS, TUTORIAL_WIDTH, seq, tokens)
         return model, optimizer, lambda s: batches[s % len(batches)], job.forward_loss, job.clip, "fp32", tokens, flops
     if workload == "gpt2-124m":
         import models
@@ -94,10 +104,9 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
             logits = m(ids).logits
             return criterion(logits[:, :-1].reshape(-1, workloads.GPT2_VOCAB), ids[:, 1:].reshape(-1))
 
-        wpe = model.transformer.wpe.weight.numel()
-        n = sum(p.numel() for p in model.parameters()) - wpe  # wte counts: it is the tied LM head
         tokens = seq * bsz
-        flops = 6 * n * tokens + 12 * 12 * 768 * seq * tokens
+        # wte counts: it is the tied LM head
+        flops = train_flops(model, [model.transformer.wpe.weight], 12, 768, seq, tokens)
         return model, optimizer, lambda s: (batches[s % len(batches)],), forward_loss, None, gpt2_precision, tokens, flops
     raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m")
 

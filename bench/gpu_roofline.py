@@ -39,6 +39,7 @@ import os
 import sys
 from collections import defaultdict
 
+from bench.gpu import TUTORIAL_LAYERS, TUTORIAL_WIDTH, train_flops
 from bench.gpu_plan import add_model_args, model_config
 
 BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "int16": 2, "int8": 1,
@@ -84,9 +85,9 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
             if a_dt in HALF and b_dt in HALF:
                 rate = "tc"
             elif precision in ("bf16", "fp16") and a_dt == "float32":
-                # both operands rounded into 16-bit copies first (read f32, write 16-bit), then
-                # the gemm reads those instead of the f32 ones
-                rate, extra = "tc", (in_b[0] + in_b[1]) * 6 // 4 - (in_b[0] + in_b[1]) // 2
+                # both operands rounded into 16-bit copies first (read f32, write 16-bit: 1.5x
+                # their bytes), then the gemm reads those (0.5x) instead of the f32 ones (1x)
+                rate, extra = "tc", in_b[0] + in_b[1]
             else:
                 rate = "f32"
             rows.append((op, name, sum(in_b) + sum(out_b) + extra, flops, rate))
@@ -168,12 +169,12 @@ def model_time(rows, gpu: str, gemm_eff: float, attention_eff: float, bw_eff: fl
     return out
 
 
-def model_flops(cfg: dict, params: int, wpe: int) -> float:
-    """bench.gpu's FLOPs of a step (6 per weight per token plus 12·L·H·Q·T), for the MFU."""
+def model_flops(cfg: dict, model) -> float:
+    """bench.gpu's FLOPs of the workload's step (train_flops), for the MFU."""
     tokens = cfg["batch"] * cfg["seq"]
     if cfg["workload"] == "tutorial":
-        return 6 * params * tokens + 12 * 2 * 200 * cfg["seq"] * tokens
-    return 6 * (params - wpe) * tokens + 12 * cfg["layers"] * cfg["embd"] * cfg["seq"] * tokens
+        return train_flops(model, [model.encoder.weight], TUTORIAL_LAYERS, TUTORIAL_WIDTH, cfg["seq"], tokens)
+    return train_flops(model, [model.transformer.wpe.weight], cfg["layers"], cfg["embd"], cfg["seq"], tokens)
 
 
 def _table(timed, total_flops: float, gpu: str, compile_ms: float | None, top: int) -> str:
@@ -230,9 +231,7 @@ def main(argv=None) -> int:
     info = session.plan_info(sigs, True)
     rows = cost_steps(info["steps"], info["step_inputs"], a.precision, causal=not a.dense_masks)
     timed = model_time(rows, a.gpu, a.gemm_eff, a.attention_eff, a.bw_eff, a.launch_us)
-    params = sum(p.numel() for p in model.parameters())
-    wpe = model.transformer.wpe.weight.numel() if hasattr(model, "transformer") else 0
-    flops = model_flops(cfg, params, wpe)
+    flops = model_flops(cfg, model)
     passes = ", ".join(f"{k} x{v}" for k, v in session.passes if v)
     print(f"{a.workload}: batch {a.batch} x seq {a.seq}, vocab {a.vocab}, {a.precision}; passes: {passes}")
     print(f"{a.gpu.upper()} model: matmuls at {a.gemm_eff:.0%} and the fused attention at {a.attention_eff:.0%} of "

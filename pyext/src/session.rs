@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use ortrain_engine::backend::cpu::bf16::MatmulPrecision;
+use ortrain_engine::ir::ValueId;
 use ortrain_engine::plan::Storage;
 use ortrain_engine::session::{Pending, Session, SessionOptions, Sig, Target};
 use ortrain_engine::{DType, Error};
@@ -190,47 +191,28 @@ impl PySession {
         d.set_item("ops", plan.op_histogram(&self.inner.graph))?;
         d.set_item("text", plan.describe(&self.inner.graph))?;
         let g = &self.inner.graph;
-        let steps: Vec<PlanStep> = plan
+        let dtype_of = |v: ValueId| plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default();
+        // per step also its inputs (None for an absent optional one) and whether it is a view
+        // that shares its input's memory instead of running (bench/gpu_roofline.py's traffic model)
+        let (steps, step_io): (Vec<PlanStep>, Vec<StepInputs>) = plan
             .steps
             .iter()
             .map(|n| {
                 let node = &g.nodes[n.0];
-                let outs = node
-                    .outputs
-                    .iter()
-                    .map(|&v| {
-                        let dtype = plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default();
-                        (g.values[v.0].name.clone(), dtype, plan.shape(v).to_vec())
-                    })
-                    .collect();
-                (node.op_type.clone(), node.name.clone(), outs)
-            })
-            .collect();
-        d.set_item("steps", steps)?;
-        // per step: its inputs (None for an absent optional one) and whether it is a view that
-        // shares its input's memory instead of running (bench/gpu_roofline.py's traffic model)
-        let step_io: Vec<StepInputs> = plan
-            .steps
-            .iter()
-            .map(|n| {
-                let node = &g.nodes[n.0];
-                let ins = node
-                    .inputs
-                    .iter()
-                    .map(|v| v.map(|v| (plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default(), plan.shape(v).to_vec())))
-                    .collect();
+                let outs = node.outputs.iter().map(|&v| (g.values[v.0].name.clone(), dtype_of(v), plan.shape(v).to_vec())).collect();
+                let ins = node.inputs.iter().map(|v| v.map(|v| (dtype_of(v), plan.shape(v).to_vec()))).collect();
                 let view = node.outputs.iter().all(|o| matches!(plan.storage[o.0], Storage::Alias(_) | Storage::Unused));
-                (ins, view)
+                ((node.op_type.clone(), node.name.clone(), outs), (ins, view))
             })
-            .collect();
+            .unzip();
+        d.set_item("steps", steps)?;
         d.set_item("step_inputs", step_io)?;
         let (step, live, values) = plan.peak();
         let at_peak: Vec<(String, String, String, Vec<usize>, usize)> = values
             .iter()
             .map(|&(v, bytes)| {
                 let op = g.values[v.0].producer.map(|p| g.nodes[p.0].op_type.clone()).unwrap_or_else(|| "input".into());
-                let dtype = plan.dtype(v).map(|d| d.name().to_string()).unwrap_or_default();
-                (g.values[v.0].name.clone(), op, dtype, plan.shape(v).to_vec(), bytes)
+                (g.values[v.0].name.clone(), op, dtype_of(v), plan.shape(v).to_vec(), bytes)
             })
             .collect();
         d.set_item("peak_step", (step, if step < plan.split { "forward" } else { "backward" }))?;

@@ -4,8 +4,8 @@
 //! `lce_rows` (kernels/loss.cu) turns them in place into the unit-seed gradient G (bias added,
 //! softmax − one-hot, times the row weight and 1/Σweights for the mean) and writes the rows'
 //! loss terms (`lce_rows_round` writes G's 16-bit copy instead where the products read only
-//! that: a bf16 session's head without a bias), then three more products accumulate dX_c = G·op(W)ᵀ, dW (+)= G's product with
-//! X_c and db (+)= 1ᵀ·G. Row weights and their sum come first (`lce_weights`, from the labels
+//! that: a bf16 session's head without a bias), then three more products accumulate
+//! dX_c = G·op(W)ᵀ, dW (+)= G's product with X_c and db (+)= 1ᵀ·G. Row weights and their sum come first (`lce_weights`, from the labels
 //! alone), the loss is reduced last (`sce_reduce`, as for the unfused loss). Rows of weight 0
 //! (ignore_index) are computed and come out as zeros: unlike the CPU kernel, no compaction.
 
