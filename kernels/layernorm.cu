@@ -23,6 +23,12 @@
 //   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, i64 chunks, i64 n)
 //       one thread per column (grid-stride); dscale or dbias may be null
 // T: f32 f64 bf16 f16.
+// Mixed precision (passes/layer_norm_half.rs), x f32 and y / dy 16-bit (H: bf16 f16), the same
+// arithmetic (the f32 y rounded once on store; dy widened exactly on load):
+//   layer_norm_f32_y_H(const f32* x, const f32* scale, const f32* bias, H* y, f32* mean, f32* rstd,
+//                      i64 rows, i64 n, f32 eps)
+//   layer_norm_grad_f32_dy_H(const H* dy, ...)             as layer_norm_grad_f32
+//   layer_norm_grad_params_f32_dy_H(const H* dy, ...)      as layer_norm_grad_params_f32
 
 #include "prelude.cuh"
 
@@ -40,7 +46,7 @@ template <typename T, typename A> __device__ __forceinline__ void row_stats(cons
     rstd = (A)1 / m_sqrt(var + eps);
 }
 
-template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T* scale, const T* bias, T* y,
+template <typename T, typename Y = T> __device__ __forceinline__ void ln_fwd(const T* x, const T* scale, const T* bias, Y* y,
                                                              typename Num<T>::Acc* mean_out, typename Num<T>::Acc* rstd_out,
                                                              i64 rows, i64 n, f32 eps) {
     typedef typename Num<T>::Acc A;
@@ -57,37 +63,37 @@ template <typename T> __device__ __forceinline__ void ln_fwd(const T* x, const T
             for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
                 A v = (Num<T>::load(xr[j]) - mean) * rstd * Num<T>::load(scale[j]);
                 if (bias) v += Num<T>::load(bias[j]);
-                y[r * n + j] = Num<T>::store(v);
+                y[r * n + j] = Num<Y>::store(v);
             }
         }
     }
 }
 
-template <typename T> __device__ __forceinline__ void ln_grad(const T* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
+template <typename T, typename D = T> __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
                                                               const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* dr = dy + r * n;
+        const D* dr = dy + r * n;
         const T* xr = x + r * n;
         const A mu = mean[r], rs = rstd[r];
         A a = (A)0, b = (A)0;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
+            const A g = Num<D>::load(dr[j]) * Num<T>::load(scale[j]);
             a += g;
             b += g * (Num<T>::load(xr[j]) - mu) * rs;
         }
         a = block_reduce<OpSum>(a, scratch) / (A)n;
         b = block_reduce<OpSum>(b, scratch) / (A)n;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            const A g = Num<T>::load(dr[j]) * Num<T>::load(scale[j]);
+            const A g = Num<D>::load(dr[j]) * Num<T>::load(scale[j]);
             const A h = (Num<T>::load(xr[j]) - mu) * rs;
             dx[r * n + j] = Num<T>::store(rs * (g - a - h * b));
         }
     }
 }
 
-template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy, const T* x, const typename Num<T>::Acc* mean,
+template <typename T, typename D = T> __device__ __forceinline__ void ln_grad_params(const D* dy, const T* x, const typename Num<T>::Acc* mean,
                                                                      const typename Num<T>::Acc* rstd, typename Num<T>::Acc* partial,
                                                                      i64 rows, i64 n, i64 rows_per_chunk) {
     typedef typename Num<T>::Acc A;
@@ -105,7 +111,7 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
     A s = (A)0, b = (A)0;
     if (j < n) {
         for (i64 r = r0 + ty; r < r1; r += lanes) {
-            const A d = Num<T>::load(dy[r * n + j]);
+            const A d = Num<D>::load(dy[r * n + j]);
             s += d * (Num<T>::load(x[r * n + j]) - mean[r]) * rstd[r];
             b += d;
         }
@@ -129,7 +135,7 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
         ln_fwd<T>(x, scale, bias, y, mean, rstd, rows, n, eps);                               \
     }                                                                                         \
     extern "C" __global__ void layer_norm_stats_##T(const T* x, Num<T>::Acc* mean, Num<T>::Acc* rstd, i64 rows, i64 n, f32 eps) { \
-        ln_fwd<T>(x, nullptr, nullptr, nullptr, mean, rstd, rows, n, eps);                    \
+        ln_fwd<T, T>(x, nullptr, nullptr, nullptr, mean, rstd, rows, n, eps);                 \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
                                                    const Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) { \
@@ -153,3 +159,20 @@ template <typename T> __device__ __forceinline__ void ln_grad_params(const T* dy
         }                                                                                     \
     }
 ORT_FLOATS(LAYER_NORM, _)
+
+#define LAYER_NORM_HALF_IO(H)                                                                  \
+    extern "C" __global__ void layer_norm_f32_y_##H(const f32* x, const f32* scale, const f32* bias, H* y, f32* mean, \
+                                                    f32* rstd, i64 rows, i64 n, f32 eps) {          \
+        ln_fwd<f32, H>(x, scale, bias, y, mean, rstd, rows, n, eps);                              \
+    }                                                                                              \
+    extern "C" __global__ void layer_norm_grad_f32_dy_##H(const H* dy, const f32* x, const f32* scale, const f32* mean, \
+                                                          const f32* rstd, f32* dx, i64 rows, i64 n) { \
+        ln_grad<f32, H>(dy, x, scale, mean, rstd, dx, rows, n);                                   \
+    }                                                                                              \
+    extern "C" __global__ void layer_norm_grad_params_f32_dy_##H(const H* dy, const f32* x, const f32* mean, \
+                                                                 const f32* rstd, f32* partial, i64 rows, i64 n, \
+                                                                 i64 rows_per_chunk) {             \
+        ln_grad_params<f32, H>(dy, x, mean, rstd, partial, rows, n, rows_per_chunk);              \
+    }
+LAYER_NORM_HALF_IO(bf16)
+LAYER_NORM_HALF_IO(f16)

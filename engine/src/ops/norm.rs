@@ -2,7 +2,9 @@
 //! gradient LayerNormGrad(dy, x, scale, mean?, inv_std_dev?) -> (dx, dscale, dbias). Where the
 //! forward node gives its Mean and InvStdDev (ONNX's optional outputs; CUDA sessions add them,
 //! passes/layer_norm_stats.rs), the gradient reads them; the CPU kernel recomputes them from x
-//! whatever it is given.
+//! whatever it is given. `y_type` (an ONNX type code, internal; passes/layer_norm_half.rs) makes
+//! Y a 16-bit tensor computed in the input's precision and rounded once; its gradient's dy is
+//! then 16-bit too.
 
 use super::util::{input, norm_axis};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -15,6 +17,18 @@ use crate::tensor::DType;
 pub fn layer_norm_layout(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
     let axis = norm_axis(node, node.attrs.int("axis", -1)?, shape.len())?;
     Ok((shape[..axis].iter().product(), shape[axis..].iter().product()))
+}
+
+/// The element type of a LayerNormalization's Y: `y_type` if given (a 16-bit float, from f32
+/// X), else X's.
+pub fn y_type(node: &Node, x: DType) -> Result<DType> {
+    match node.attrs.int("y_type", 0)? {
+        0 => Ok(x),
+        code => match DType::from_onnx(code as i32) {
+            Some(d) if d.is_half() && x == DType::F32 => Ok(d),
+            _ => Err(node.err(format!("y_type {code} on a {} input: only bf16 (16) or fp16 (10) from f32", x.name()))),
+        },
+    }
 }
 
 struct LayerNorm;
@@ -32,7 +46,7 @@ impl OpDef for LayerNorm {
             *d = 1;
         }
         let _ = rows;
-        let mut outs = vec![TypeOut::like(x)];
+        let mut outs = vec![TypeOut::new(y_type(node, x.dtype)?, x.shape.to_vec())];
         for _ in 1..node.outputs.len() {
             outs.push(TypeOut::new(if x.dtype == DType::F64 { DType::F64 } else { DType::F32 }, stat.clone()));
         }

@@ -122,7 +122,7 @@ pub fn run(graph: &mut Graph, half: DType) -> Result<usize> {
 /// The element type of each value, from the declared types of inputs, weights and constants
 /// (a shape-free walk: most ops give their first typed input's type; the ones that do not are
 /// listed). None where a type is not known.
-fn forward_types(graph: &Graph) -> Vec<Option<DType>> {
+pub(super) fn forward_types(graph: &Graph) -> Vec<Option<DType>> {
     let mut t: Vec<Option<DType>> = graph
         .values
         .iter()

@@ -11,6 +11,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod layer_norm_half;
 mod layer_norm_stats;
 mod recompute;
 mod slice_before_linear;
@@ -71,6 +72,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
     // to f32 (backend/cpu/widen.rs): a reference, not a fast path.
     ("autocast", |g, c| c.half.map_or(Ok(0), |h| autocast::run(g, h)), Runs::OptIn),
+    // after autocast (a no-op without its casts): LayerNorm writes the 16-bit copy its matmul
+    // reads, and its gradient reads the 16-bit dy
+    ("layer_norm_half", |g, _| Ok(layer_norm_half::run(g)), Runs::CudaOnly),
     // last: LayerNorm's statistics kept for its gradient (the GPU's recomputation reads x again)
     ("layer_norm_stats", |g, _| Ok(layer_norm_stats::run(g)), Runs::CudaOnly),
 ];

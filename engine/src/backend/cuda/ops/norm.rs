@@ -1,7 +1,8 @@
 //! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op reads the row
 //! statistics the forward kernel saved (passes/layer_norm_stats.rs) or else recomputes them
 //! (layer_norm_stats into scratch), then dx per row, and the parameter gradients in two
-//! deterministic passes: per-chunk column partials, then their sum.
+//! deterministic passes: per-chunk column partials, then their sum. A LayerNormalization with a
+//! 16-bit `y_type` (passes/layer_norm_half.rs) runs the mixed kernels: f32 x, 16-bit y and dy.
 
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
@@ -23,6 +24,20 @@ fn align(v: usize) -> usize {
     v.div_ceil(256) * 256
 }
 
+/// The kernel suffix for x of type `x` and y (or dy: `what`) of type `io`: `f32`, ..., or
+/// `f32_y_bf16` / `f32_dy_f16` for f32 x and 16-bit y or dy.
+fn io_suffix(node: &Node, x: DType, io: DType, what: &str) -> Result<String> {
+    match (x, io) {
+        (x, io) if x == io => Ok(float_suffix(node, x)?.to_string()),
+        (DType::F32, io) if io.is_half() => Ok(format!("f32_{what}_{}", float_suffix(node, io)?)),
+        _ => Err(node.err(format!(
+            "{what} is {} and x {}: the kernels take {what} of x's type, or 16-bit {what} with f32 x",
+            io.name(),
+            x.name()
+        ))),
+    }
+}
+
 /// LayerNormalization(X, Scale, B?) -> (Y, Mean?, InvStdDev?).
 fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?);
@@ -35,7 +50,7 @@ fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cuda
     let eps = node.attrs.float("epsilon", 1e-5)?;
     let mean = outs.get(1).map_or(0, |o| o.ptr);
     let rstd = outs.get(2).map_or(0, |o| o.ptr);
-    let kernel = format!("layer_norm_{}", float_suffix(node, x.dtype)?);
+    let kernel = format!("layer_norm_{}", io_suffix(node, x.dtype, outs[0].dtype, "y")?);
     let p = KArg::Ptr;
     ctx.rt.launch(
         ctx.stream,
@@ -60,13 +75,15 @@ fn saved_stats(node: &Node, ins: &[Option<DView>], x: &DView, rows: usize) -> Re
 /// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?) -> (dx, dscale, dbias).
 fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
-    same_type(node, x, &[("incoming gradient", Some(dy)), ("scale", Some(scale))])?;
+    same_type(node, x, &[("scale", Some(scale))])?;
     let (rows, n) = crate::ops::layer_norm_layout_of(node, x.shape)?;
     if rows == 0 || n == 0 {
         return Ok(());
     }
     let eps = node.attrs.float("epsilon", 1e-5)?;
     let sfx = float_suffix(node, x.dtype)?;
+    // the dx and partial kernels read dy (16-bit beside f32 x after layer_norm_half)
+    let dy_sfx = io_suffix(node, x.dtype, dy.dtype, "dy")?;
     let a = stat_size(x.dtype);
     let saved = saved_stats(node, ins, x, rows)?;
     // 8 row lanes per block, chunks of rows small enough to fill the GPU with blocks
@@ -89,7 +106,7 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     };
     ctx.rt.launch(
         ctx.stream,
-        &format!("layer_norm_grad_{sfx}"),
+        &format!("layer_norm_grad_{dy_sfx}"),
         grid,
         &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
     )?;
@@ -101,7 +118,7 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
     ctx.rt.launch(
         ctx.stream,
-        &format!("layer_norm_grad_params_{sfx}"),
+        &format!("layer_norm_grad_params_{dy_sfx}"),
         Grid::new(blocks, 256),
         &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
     )?;

@@ -26,7 +26,7 @@ pub(super) fn session_for(m: &Model, target: crate::session::Target) -> Session 
     session_with(m, target, MatmulPrecision::Fp32)
 }
 
-fn session_with(m: &Model, target: crate::session::Target, precision: MatmulPrecision) -> Session {
+pub(super) fn session_with(m: &Model, target: crate::session::Target, precision: MatmulPrecision) -> Session {
     // the attention fusion and the autocast pass are opt-in; every test here wants them (no
     // test reads the variable expecting it unset; autocast changes bf16/fp16 sessions only)
     std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention,autocast");
@@ -300,7 +300,7 @@ fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step, rtol: f64)
 /// on the CPU, outputs and weight gradients within 3e-2 (of the largest value) of the fp32
 /// session's, as the CPU widens every 16-bit kernel call; on a GPU (`test` names the skip),
 /// the same within 3e-2 of the CPU's.
-fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &crate::plan::Plan, rng: &mut Rng) {
+pub(super) fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &crate::plan::Plan, rng: &mut Rng) {
     let missing = cexec::missing_kernels(&s.graph, plan);
     assert!(missing.is_empty(), "{label}: no CUDA kernel for {missing:?}");
     let sig = m.sig();

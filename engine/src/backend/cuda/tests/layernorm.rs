@@ -9,7 +9,7 @@
 use super::support::*;
 use crate::backend::cpu::testutil;
 use crate::backend::cuda::launch::{Grid, KArg};
-use crate::backend::cuda::registry::types::FLOATS;
+use crate::backend::cuda::registry::types::{FLOATS, HALVES};
 use crate::ir::{Attr, Attrs};
 
 const EPS: f32 = 1e-5;
@@ -94,6 +94,18 @@ fn layernorm_argument_lists_match_the_registry() {
                 check(&format!("{op}_{t}"), &args);
                 checked.push(format!("{op}_{t}"));
             }
+        }
+    }
+    for h in HALVES {
+        let n = CASES[0].0;
+        let ks = [
+            (format!("layer_norm_f32_y_{h}"), ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
+            (format!("layer_norm_grad_f32_dy_{h}"), grad_args(1, 1, 1, 1, 1, 1, ROWS, n)),
+            (format!("layer_norm_grad_params_f32_dy_{h}"), params_args(1, 1, 1, 1, 1, ROWS, n, RPC)),
+        ];
+        for (k, args) in ks {
+            check(&k, &args);
+            checked.push(k);
         }
     }
     assert_covers("layernorm", &checked);
@@ -231,4 +243,81 @@ fn cuda_layer_norm_gradients_read_the_forward_statistics() {
             assert_eq!(grad.inputs.len(), 3, "{target:?}: {grad:?}");
         }
     }
+}
+
+/// The mixed kernels of passes/layer_norm_half.rs (f32 x, 16-bit y or dy) compute what the f32
+/// kernels compute around a cast, bit for bit: y is the f32 kernel's y rounded to 16 bits (where
+/// the plan had LayerNorm then Cast), dx and the dscale/dbias partials from a 16-bit dy are the
+/// f32 kernels' from that dy widened (where the plan had CastLike then LayerNormGrad).
+#[test]
+fn gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast() {
+    let Some(g) = gpu("gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast") else { return };
+    let mut rng = Rng::new(37);
+    for &(n, threads, pthreads) in CASES {
+        let (len, row_grid) = (ROWS * n, Grid::new(ROW_BLOCKS, threads));
+        let x = rand_as(&mut rng, "f32", len, -1.3, 2.7);
+        let (scale, bias) = (rand_as(&mut rng, "f32", n, 0.5, 1.5), rand_as(&mut rng, "f32", n, -0.5, 0.5));
+        let (dx_in, dsc, dbi) = (dev_as(g, "f32", &x), dev_as(g, "f32", &scale), dev_as(g, "f32", &bias));
+        let (y, mean, rstd) = (zeros_as(g, "f32", len), zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
+        run(g, "layer_norm_f32", row_grid, &ln_args(dx_in.ptr(), dsc.ptr(), dbi.ptr(), y.ptr(), mean.ptr(), rstd.ptr(), ROWS, n));
+        let (chunks, pgrid) = params_grid(ROWS, n, RPC, pthreads);
+        for h in HALVES {
+            let case = format!("{ROWS} rows of {n}, {threads} threads, {h}");
+            let k = format!("layer_norm_f32_y_{h}");
+            let (yh, mean_h, rstd_h) = (zeros_as(g, h, len), zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
+            run(g, &k, row_grid, &ln_args(dx_in.ptr(), dsc.ptr(), dbi.ptr(), yh.ptr(), mean_h.ptr(), rstd_h.ptr(), ROWS, n));
+            assert_eq!(host_as(&yh, h), rounded(h, &host_as(&y, "f32")), "{k} y vs layer_norm_f32's rounded, {case}");
+            assert_eq!(host_as(&mean_h, "f32"), host_as(&mean, "f32"), "{k} mean, {case}");
+            assert_eq!(host_as(&rstd_h, "f32"), host_as(&rstd, "f32"), "{k} rstd, {case}");
+
+            // dy representable in 16 bits, given as 16 bits and as its f32 widening
+            let dy = rand_as(&mut rng, h, len, -1.0, 1.0);
+            let (dy_h, dy_f) = (dev_as(g, h, &dy), dev_as(g, "f32", &dy));
+            let (dx_h, dx_f) = (zeros_as(g, "f32", len), zeros_as(g, "f32", len));
+            let kg = format!("layer_norm_grad_f32_dy_{h}");
+            run(g, &kg, row_grid, &grad_args(dy_h.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx_h.ptr(), ROWS, n));
+            run(
+                g,
+                "layer_norm_grad_f32",
+                row_grid,
+                &grad_args(dy_f.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx_f.ptr(), ROWS, n),
+            );
+            assert_eq!(host_as(&dx_h, "f32"), host_as(&dx_f, "f32"), "{kg} dx vs layer_norm_grad_f32's, {case}");
+            let kp = format!("layer_norm_grad_params_f32_dy_{h}");
+            let (part_h, part_f) = (dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]), dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]));
+            run(g, &kp, pgrid, &params_args(dy_h.ptr(), dx_in.ptr(), mean.ptr(), rstd.ptr(), part_h.ptr(), ROWS, n, RPC));
+            run(
+                g,
+                "layer_norm_grad_params_f32",
+                pgrid,
+                &params_args(dy_f.ptr(), dx_in.ptr(), mean.ptr(), rstd.ptr(), part_f.ptr(), ROWS, n, RPC),
+            );
+            let (ph, pf) = (host_as(&part_h, "f32"), host_as(&part_f, "f32"));
+            assert!(ph.iter().all(|v| v.is_finite()), "{kp}: a partial was not written, {case}");
+            assert_eq!(ph, pf, "{kp} partials vs layer_norm_grad_params_f32's, {case}");
+        }
+    }
+}
+
+/// In a bf16 CUDA session (autocast), the LayerNorm before a matmul writes bf16 itself
+/// (passes/layer_norm_half.rs): no Cast reads its output, and its LayerNormGrad reads the bf16
+/// gradient. Without a GPU: a kernel for every step, and the CPU executor's step within bf16's
+/// precision of the fp32 session's; on a GPU, the GPU's within that of the CPU's.
+#[test]
+fn sixteen_bit_layer_norm_outputs_need_no_cast() {
+    use crate::backend::cpu::bf16::MatmulPrecision;
+    use crate::tensor::DType;
+    let mut rng = Rng::new(41);
+    let m = super::exec_models::attention_bits(&mut rng);
+    let s = super::exec::session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
+    let plan = s.plan(&[m.sig()], true).expect("plan");
+    let steps: Vec<&crate::ir::Node> = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).collect();
+    let ln = steps.iter().find(|n| n.op_type == "LayerNormalization").expect("a LayerNorm step");
+    let y = ln.outputs[0];
+    assert_eq!(plan.dtype(y), Some(DType::BF16), "the LayerNorm writes bf16");
+    assert!(!steps.iter().any(|n| n.op_type == "Cast" && n.input(0) == Some(y)), "no Cast reads the LayerNorm's output");
+    let grad = steps.iter().find(|n| n.op_type == "LayerNormGrad").expect("a LayerNormGrad step");
+    let (dy, dx) = (grad.input(0).expect("dy"), grad.outputs[0]);
+    assert_eq!((plan.dtype(dy), plan.dtype(dx)), (Some(DType::BF16), Some(DType::F32)), "LayerNormGrad: bf16 dy, f32 dx");
+    super::exec::bf16_step_matches("attention_bits", "sixteen_bit_layer_norm_outputs_need_no_cast", &m, &s, &plan, &mut rng);
 }

@@ -461,13 +461,16 @@ pub fn acc_of(dtype: &str) -> &'static str {
     }
 }
 
-/// `v` rounded (to nearest even) to the storage type `dtype`, as f64.
+/// `v` rounded (to nearest even) to the storage type `dtype`, as f64. The 16-bit types round
+/// through f32, as the kernels do (f32 arithmetic, one rounding on store): half 2.7's `from_f64`
+/// drops the low 32 mantissa bits before rounding, so an f32 value just above a 16-bit tie
+/// (0.76757842 = 0.767578125 + 5 ulps) is taken for the tie and rounded down to even.
 pub fn round_to(dtype: &str, v: f64) -> f64 {
     match dtype {
         "f64" => v,
         "f32" => v as f32 as f64,
-        "bf16" => half::bf16::from_f64(v).to_f64(),
-        "f16" => half::f16::from_f64(v).to_f64(),
+        "bf16" => half::bf16::from_f32(v as f32).to_f64(),
+        "f16" => half::f16::from_f32(v as f32).to_f64(),
         _ => panic!("{dtype} is not a float kernel dtype"),
     }
 }
