@@ -92,10 +92,15 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
                 rate = "f32"
             rows.append((op, name, sum(in_b) + sum(out_b) + extra, flops, rate))
         elif op in ("Attention", "AttentionGrad"):
-            # Attention(Q, Kt, V, M?) and AttentionGrad(dO, Q, Kt, V, M?, O, LSE): Kt is [B, H, D, S]
+            # Attention(Q, Kt, V, M?) and AttentionGrad(dO, Q, Kt, V, M?, O, LSE), LSE [B, H, T]:
+            # layout BHSD (Q [B, H, T, D], Kt [B, H, D, S]) or BSHD (Q [B, T, H, D], K [B, S, H, D])
             qi = 0 if op == "Attention" else 1
-            b, h, t, d = ins[qi][1]
-            s = ins[qi + 1][1][-1]
+            lse = outs[1][2] if op == "Attention" else ins[6][1]
+            q, k = ins[qi][1], ins[qi + 1][1]
+            if list(q[:3]) == list(lse):
+                (b, h, t, d), s = q, k[-1]
+            else:
+                (b, t, h, d), s = q, k[1]
             live = _live_tiles(t, s, causal)
             flops = 4 * b * h * t * s * d * (1.0 if op == "Attention" else 2.5) * live
             mask_at = 3 if op == "Attention" else 4

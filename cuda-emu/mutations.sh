@@ -71,6 +71,11 @@ mutate "strided kernels dividing by a dimension without the divider's +j" kernel
     "const u32 q = __umulhi(j, s.magic[d]) >> s.shift[d];" \
     backend::cuda::tests::movement
 
+mutate "tensor-core attention's dK written with its S and D strides swapped" kernels/attention_mma.cu \
+    "dkt[off.gk + d * a.k_d + key * a.k_s]" \
+    "dkt[off.gk + d * a.k_s + key * a.k_d]" \
+    backend::cuda::tests::attention_layout
+
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and
 # out-of-range-shared faults would)

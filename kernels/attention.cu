@@ -11,11 +11,13 @@
 //                      const T* o, const f32* lse, T* dq, AttnShape a, f32 scale)
 //   attention_bwd_dkv_T(the same, with T* dkt, T* dv in place of dq)
 //
-// q is [.., T, D], kt [.., D, S] (K transposed, as the exporters write Q·Kᵀ), v [.., S, Dv], the
-// optional additive mask broadcast to [.., T, S] with element strides mask_t, mask_s (0 where
-// broadcast). Batch dims are padded to 4; each input has its own batch strides in `a` (0 on
-// broadcast dims). o, lse, dq, dkt, dv are contiguous in the full batch (gradients of broadcast
-// inputs are summed afterwards by the graph). A row whose scores are all -inf gives 0 when
+// Layout BHSD: q is [.., T, D], kt [.., D, S] (K transposed, as the exporters write Q·Kᵀ), v
+// [.., S, Dv], the optional additive mask broadcast to [.., T, S] with element strides mask_t,
+// mask_s (0 where broadcast). Batch dims are padded to 4; each input has its own batch strides in
+// `a` (0 on broadcast dims). o, lse, dq, dkt, dv are contiguous in the full batch (gradients of
+// broadcast inputs are summed afterwards by the graph). Layout BSHD: the same matrices with the
+// heads inside the rows (q [B, T, H, D], k [B, S, H, D], ...): `a` carries every tensor's batch
+// strides and the strides inside its matrices (attention.cuh), which the loads and stores use. A row whose scores are all -inf gives 0 when
 // nan_guard (the exporters' `Where(IsNaN(softmax), 0, softmax)`), else NaN as softmax does,
 // and LSE = -inf; its gradient is 0.
 // Launch: 128 threads (4 warps of 8 rows or keys), a 1-D grid of batch · ceil(T / 32) blocks
@@ -120,20 +122,24 @@ __device__ __forceinline__ void att_load_rows_t(f32* dst, const f32* src, i64 ld
     }
 }
 
-// Columns c0.. of kt ([D][S]) as a d-major tile: dst[d·ATT_LD + c] = kt[d·S + c0 + c].
-__device__ __forceinline__ void att_load_cols(f32* dst, const f32* kt, i64 S, i64 c0, int D) {
+// Keys c0.. of Kt (element (d, key) at kt[d·k_d + key·k_s]) into dst[d·ld_d + c·ld_c], zero past
+// S: walked along whichever of the two is contiguous in memory (keys in BHSD, d in BSHD).
+__device__ __forceinline__ void att_load_k(f32* dst, int ld_d, int ld_c, const f32* kt, const AttnShape& a, i64 c0, int D) {
+    const bool keys_inner = a.k_s == 1;
     for (int e = threadIdx.x; e < ATT_TILE * D; e += blockDim.x) {
-        const int d = e / ATT_TILE, c = e % ATT_TILE;
-        dst[d * ATT_LD + c] = (c0 + c < S) ? kt[d * S + c0 + c] : 0.f;
+        const int d = keys_inner ? e / ATT_TILE : e % D, c = keys_inner ? e % ATT_TILE : e / D;
+        dst[d * ld_d + c * ld_c] = (c0 + c < a.S) ? kt[d * a.k_d + (c0 + c) * a.k_s] : 0.f;
     }
 }
 
-// The same columns key-major: dst[c·ldd + d] = kt[d·S + c0 + c].
-__device__ __forceinline__ void att_load_cols_t(f32* dst, int ldd, const f32* kt, i64 S, i64 c0, int D) {
-    for (int e = threadIdx.x; e < ATT_TILE * D; e += blockDim.x) {
-        const int d = e / ATT_TILE, c = e % ATT_TILE;
-        dst[c * ldd + d] = (c0 + c < S) ? kt[d * S + c0 + c] : 0.f;
-    }
+// Columns c0.. of Kt as a d-major tile: dst[d·ATT_LD + c].
+__device__ __forceinline__ void att_load_cols(f32* dst, const f32* kt, const AttnShape& a, i64 c0, int D) {
+    att_load_k(dst, ATT_LD, 1, kt, a, c0, D);
+}
+
+// The same columns key-major: dst[c·ldd + d].
+__device__ __forceinline__ void att_load_cols_t(f32* dst, int ldd, const f32* kt, const AttnShape& a, i64 c0, int D) {
+    att_load_k(dst, 1, ldd, kt, a, c0, D);
 }
 
 // Whether every score of a 32 x 32 tile is -inf (att_tile_dead_n).
@@ -153,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
     const i64 bi = blockIdx.x / tiles, t0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    att_load_rows(qs, d_, q + off.q, D, t0, T, d_);
+    att_load_rows(qs, d_, q + off.q, a.q_t, t0, T, d_);
     f32 m[8], l[8], acc[8][4];
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
@@ -165,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
     for (i64 s0 = 0; s0 < S; s0 += ATT_TILE) {
         __syncthreads();  // the previous V tile is read
         if (att_tile_dead(mask, off.m, t0, s0, T, S, mask_t, mask_s)) continue;  // adds nothing
-        att_load_cols(kv, kt + off.k, S, s0, d_);
+        att_load_cols(kv, kt + off.k, a, s0, d_);
         __syncthreads();
         f32 s[8];
         att_dot8(qs, d_, kv, d_, w, lane, s);
@@ -182,7 +188,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
             ps[(w * 8 + r) * ATT_PLD + lane] = p;
         }
         __syncthreads();  // the K tile is read
-        att_load_rows(kv, dv_, v + off.v, Dv, s0, S, dv_);
+        att_load_rows(kv, dv_, v + off.v, a.v_s, s0, S, dv_);
         __syncthreads();
         att_acc8(ps, kv, dv_, (int)min((i64)ATT_TILE, S - s0), dv_, w, lane, acc);
     }
@@ -195,20 +201,21 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = lane + 32 * i;
-            if (d < dv_) o[(bi * T + row) * Dv + d] = empty && nan_guard ? 0.f : acc[r][i] * inv;
+            if (d < dv_) o[off.o + row * a.o_t + d] = empty && nan_guard ? 0.f : acc[r][i] * inv;
         }
         if (lane == 0) lse[bi * T + row] = empty ? -ATT_INF : m[r] + logf(l[r]);
     }
 }
 
-// Σ_d dO·O of 8 rows of a warp (the softmax gradient's row term).
-__device__ __forceinline__ void att_delta8(const f32* dout, const f32* o, i64 bi, i64 T, i64 Dv, i64 t0, int w, int lane, f32 delta[8]) {
+// Σ_d dO·O of 8 rows of a warp (the softmax gradient's row term); dout, o at the batch entry,
+// rows o_t apart.
+__device__ __forceinline__ void att_delta8(const f32* dout, const f32* o, i64 o_t, i64 T, i64 Dv, i64 t0, int w, int lane, f32 delta[8]) {
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
         const i64 row = t0 + w * 8 + r;
         f32 s = 0.f;
         if (row < T)
-            for (i64 d = lane; d < Dv; d += 32) s += dout[(bi * T + row) * Dv + d] * o[(bi * T + row) * Dv + d];
+            for (i64 d = lane; d < Dv; d += 32) s += dout[row * o_t + d] * o[row * o_t + d];
         delta[r] = att_warp_sum(s);
     }
 }
@@ -227,10 +234,10 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
     const i64 bi = blockIdx.x / tiles, t0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    att_load_rows(qs, d_, q + off.q, D, t0, T, d_);
-    att_load_rows(dos, dv_, dout + bi * T * Dv, Dv, t0, T, dv_);
+    att_load_rows(qs, d_, q + off.q, a.q_t, t0, T, d_);
+    att_load_rows(dos, dv_, dout + off.o, a.o_t, t0, T, dv_);
     f32 delta[8], lrow[8], acc[8][4];
-    att_delta8(dout, o, bi, T, Dv, t0, w, lane, delta);
+    att_delta8(dout + off.o, o + off.o, a.o_t, T, Dv, t0, w, lane, delta);
 #pragma unroll
     for (int r = 0; r < 8; ++r) {
         const i64 row = t0 + w * 8 + r;
@@ -241,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
     for (i64 s0 = 0; s0 < S; s0 += ATT_TILE) {
         __syncthreads();
         if (att_tile_dead(mask, off.m, t0, s0, T, S, mask_t, mask_s)) continue;  // P = 0 there
-        att_load_cols(kv, kt + off.k, S, s0, d_);
+        att_load_cols(kv, kt + off.k, a, s0, d_);
         __syncthreads();
         f32 p[8];
         att_dot8(qs, d_, kv, d_, w, lane, p);
@@ -251,14 +258,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
             p[r] = (lrow[r] == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lrow[r]);
         }
         __syncthreads();
-        att_load_rows_t(kv, v + off.v, Dv, s0, S, dv_);  // Vᵀ: [Dv][33]
+        att_load_rows_t(kv, v + off.v, a.v_s, s0, S, dv_);  // Vᵀ: [Dv][33]
         __syncthreads();
         f32 dp[8];
         att_dot8(dos, dv_, kv, dv_, w, lane, dp);
 #pragma unroll
         for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (dp[r] - delta[r]);
         __syncthreads();
-        att_load_cols_t(kv, d_ + 1, kt + off.k, S, s0, d_);  // K: [32][D+1]
+        att_load_cols_t(kv, d_ + 1, kt + off.k, a, s0, d_);  // K: [32][D+1]
         __syncthreads();
         att_acc8(ps, kv, d_ + 1, (int)min((i64)ATT_TILE, S - s0), d_, w, lane, acc);
     }
@@ -269,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = lane + 32 * i;
-            if (d < d_) dq[(bi * T + row) * D + d] = acc[r][i] * scale;
+            if (d < d_) dq[off.gq + row * a.q_t + d] = acc[r][i] * scale;
         }
     }
 }
@@ -290,8 +297,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
     const i64 bi = blockIdx.x / tiles, s0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    att_load_cols_t(ks, d_, kt + off.k, S, s0, d_);
-    att_load_rows(vs, dv_, v + off.v, Dv, s0, S, dv_);
+    att_load_cols_t(ks, d_, kt + off.k, a, s0, d_);
+    att_load_rows(vs, dv_, v + off.v, a.v_s, s0, S, dv_);
     f32 acc_k[8][4], acc_v[8][4];
 #pragma unroll
     for (int r = 0; r < 8; ++r)
@@ -303,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
         // per-row LSE and Δ = Σ dO·O of this row tile (warp w: rows w·8..+8)
         {
             f32 delta[8];
-            att_delta8(dout, o, bi, T, Dv, t0, w, lane, delta);
+            att_delta8(dout + off.o, o + off.o, a.o_t, T, Dv, t0, w, lane, delta);
             if (lane < 8) {
                 const i64 row = t0 + w * 8 + lane;
                 rows_lse[w * 8 + lane] = row < T ? lse[bi * T + row] : -ATT_INF;
@@ -312,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
             for (int r = 0; r < 8; ++r)
                 if (lane == r) rows_delta[w * 8 + r] = delta[r];
         }
-        att_load_rows_t(x, q + off.q, D, t0, T, d_);  // Qᵀ: [D][33]
+        att_load_rows_t(x, q + off.q, a.q_t, t0, T, d_);  // Qᵀ: [D][33]
         __syncthreads();
         f32 p[8];
         att_dot8(ks, d_, x, d_, w, lane, p);  // p[r] = K[key w·8 + r] · Q[row lane]
@@ -325,12 +332,12 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
             ps[(w * 8 + r) * ATT_PLD + lane] = p[r];
         }
         __syncthreads();
-        att_load_rows(x, dv_, dout + bi * T * Dv, Dv, t0, T, dv_);  // dO: [32][Dv]
+        att_load_rows(x, dv_, dout + off.o, a.o_t, t0, T, dv_);  // dO: [32][Dv]
         __syncthreads();
         const int n = (int)min((i64)ATT_TILE, T - t0);
         att_acc8(ps, x, dv_, n, dv_, w, lane, acc_v);  // dV[key] += Σ_row P · dO[row]
         __syncthreads();
-        att_load_rows_t(x, dout + bi * T * Dv, Dv, t0, T, dv_);  // dOᵀ: [Dv][33]
+        att_load_rows_t(x, dout + off.o, a.o_t, t0, T, dv_);  // dOᵀ: [Dv][33]
         __syncthreads();
         f32 dp[8];
         att_dot8(vs, dv_, x, dv_, w, lane, dp);  // dP[row lane][key] = V[key] · dO[row]
@@ -338,7 +345,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
 #pragma unroll
         for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (dp[r] - dl);
         __syncthreads();
-        att_load_rows(x, d_, q + off.q, D, t0, T, d_);  // Q: [32][D]
+        att_load_rows(x, d_, q + off.q, a.q_t, t0, T, d_);  // Q: [32][D]
         __syncthreads();
         att_acc8(ps, x, d_, n, d_, w, lane, acc_k);  // dK[key] += Σ_row dS · Q[row]
     }
@@ -349,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int d = lane + 32 * i;
-            if (d < d_) dkt[bi * D * S + d * S + key] = acc_k[r][i] * scale;
-            if (d < dv_) dv[(bi * S + key) * Dv + d] = acc_v[r][i];
+            if (d < d_) dkt[off.gk + d * a.k_d + key * a.k_s] = acc_k[r][i] * scale;
+            if (d < dv_) dv[off.gv + key * a.v_s + d] = acc_v[r][i];
         }
     }
 }

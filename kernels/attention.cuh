@@ -11,16 +11,23 @@ struct AttnShape {
     i64 k[4];
     i64 v[4];
     i64 m[4];
+    i64 o[4];  // batch strides of O and dO, then of dQ, dKt, dV
+    i64 gq[4];
+    i64 gk[4];
+    i64 gv[4];
     i64 T, S, D, Dv;
     i64 mask_t, mask_s;  // the mask's strides along T and S
+    // strides inside the matrices (columns of Q, V, O contiguous): Q and dQ along T; Kt and dKt
+    // along S and D (1 and S in layout BHSD, H·D and 1 in BSHD); V and dV along S; O and dO along T
+    i64 q_t, k_s, k_d, v_s, o_t;
 };
 
 struct AttnOff {
-    i64 q, k, v, m;
+    i64 q, k, v, m, o, gq, gk, gv;
 };
 
 __device__ __forceinline__ AttnOff attn_offsets(const AttnShape& b, i64 bi) {
-    AttnOff o = {0, 0, 0, 0};
+    AttnOff o = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int d = 3; d >= 0; --d) {
         const i64 i = bi % b.dims[d];
         bi /= b.dims[d];
@@ -28,6 +35,10 @@ __device__ __forceinline__ AttnOff attn_offsets(const AttnShape& b, i64 bi) {
         o.k += i * b.k[d];
         o.v += i * b.v[d];
         o.m += i * b.m[d];
+        o.o += i * b.o[d];
+        o.gq += i * b.gq[d];
+        o.gk += i * b.gk[d];
+        o.gv += i * b.gv[d];
     }
     return o;
 }

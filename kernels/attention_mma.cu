@@ -1,7 +1,8 @@
 // Fused attention on tensor cores (engine/src/ops/attention.rs; the SIMT f32 kernels in
 // kernels/attention.cu compute the same, and the CPU kernel is the reference of both): the same
-// arguments, outputs and semantics (additive mask with strides, nan_guard, LSE saved, the
-// backward as one kernel for dQ and one for dKt and dV, no atomics), for sessions whose f32
+// arguments, outputs and semantics (layouts BHSD and BSHD through AttnShape's strides, additive
+// mask with strides, nan_guard, LSE saved, the backward as one kernel for dQ and one for dKt and
+// dV, no atomics), for sessions whose f32
 // matmuls run at bf16 precision (`precision="bf16"`): Q·Kᵀ, P·V and the backward's four products
 // are mma.sync m16n8k16 with bf16 operands (rounded to nearest from the f32 tensors, and P / dS
 // from their f32 values) and f32 accumulation; softmax statistics, LSE, Δ and the outputs are f32.
@@ -94,22 +95,28 @@ __device__ __forceinline__ void am_stage_rows_t(u16* dst, const E* src, i64 ld_s
     }
 }
 
-// Columns c0.. of kt ([D][S]) d-major: dst[d·AM_LDT + c] = kt[d·S + c0 + c].
+// Keys c0.. of Kt (element (d, key) at kt[d·k_d + key·k_s]) into dst[d·ld_d + c·ld_c] as bf16,
+// zero past S: walked along whichever of the two is contiguous in memory (keys in layout BHSD,
+// d in BSHD).
 template <typename E>
-__device__ __forceinline__ void am_stage_cols(u16* dst, const E* kt, i64 S, i64 c0, int D) {
+__device__ __forceinline__ void am_stage_k(u16* dst, int ld_d, int ld_c, const E* kt, const AttnShape& a, i64 c0, int D) {
+    const bool keys_inner = a.k_s == 1;
     for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
-        const int d = e / AM_TILE, c = e % AM_TILE;
-        dst[d * AM_LDT + c] = am_bf16(c0 + c < S ? Num<E>::load(kt[d * S + c0 + c]) : 0.f);
+        const int d = keys_inner ? e / AM_TILE : e % D, c = keys_inner ? e % AM_TILE : e / D;
+        dst[d * ld_d + c * ld_c] = am_bf16(c0 + c < a.S ? Num<E>::load(kt[d * a.k_d + (c0 + c) * a.k_s]) : 0.f);
     }
 }
 
-// The same columns key-major: dst[c·ld + d] = kt[d·S + c0 + c].
+// Columns c0.. of Kt d-major: dst[d·AM_LDT + c].
 template <typename E>
-__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, i64 S, i64 c0, int D) {
-    for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
-        const int d = e / AM_TILE, c = e % AM_TILE;
-        dst[c * ld + d] = am_bf16(c0 + c < S ? Num<E>::load(kt[d * S + c0 + c]) : 0.f);
-    }
+__device__ __forceinline__ void am_stage_cols(u16* dst, const E* kt, const AttnShape& a, i64 c0, int D) {
+    am_stage_k(dst, AM_LDT, 1, kt, a, c0, D);
+}
+
+// The same columns key-major: dst[c·ld + d].
+template <typename E>
+__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, const AttnShape& a, i64 c0, int D) {
+    am_stage_k(dst, 1, ld, kt, a, c0, D);
 }
 
 // Σ over the row of the quad's 4 threads (the lanes holding one accumulator row).
@@ -154,14 +161,15 @@ template <int HD> __device__ __forceinline__ void am_accumulate(f32 acc[HD / 8][
     }
 }
 
-// Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...).
+// Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...); dout, o at
+// the batch entry, rows o_t apart.
 template <typename E>
-__device__ __forceinline__ void am_delta(f32* delta, const E* dout, const E* o, i64 bi, i64 T, int Dv, i64 t0, int w, int lane) {
+__device__ __forceinline__ void am_delta(f32* delta, const E* dout, const E* o, i64 o_t, i64 T, int Dv, i64 t0, int w, int lane) {
     for (int r = w; r < AM_TILE; r += 4) {
         const i64 row = t0 + r;
         f32 s = 0.f;
         if (row < T)
-            for (int d = lane; d < Dv; d += 32) s += Num<E>::load(dout[(bi * T + row) * Dv + d]) * Num<E>::load(o[(bi * T + row) * Dv + d]);
+            for (int d = lane; d < Dv; d += 32) s += Num<E>::load(dout[row * o_t + d]) * Num<E>::load(o[row * o_t + d]);
         s = att_warp_sum(s);
         if (lane == 0) delta[r] = s;
     }
@@ -205,7 +213,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
     const int w = at.w, g = at.g, qd = at.qd;
-    am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
+    am_stage_rows(qs, LD, q + off.q, a.q_t, t0, T, HD);
     __syncthreads();
     u32 qa[HD / 16][4];
 #pragma unroll
@@ -220,8 +228,8 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         const bool settled = (rows[0] >= T || m[0] > ATT_SETTLED) && (rows[1] >= T || m[1] > ATT_SETTLED);
         const AttAllSettled all{__syncthreads_and(settled) != 0};
         if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, all)) continue;  // adds nothing
-        am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
-        am_stage_rows_t(vt, v + off.v, HD, s0, S, HD);
+        am_stage_cols_t(ks, LD, kt + off.k, a, s0, HD);
+        am_stage_rows_t(vt, v + off.v, a.v_s, s0, S, HD);
         __syncthreads();
         f32 s[8][4];
         am_scores<HD>(s, qa, ks, g, qd);
@@ -269,7 +277,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) o[(bi * T + row) * HD + 8 * n + 2 * qd + c] = Num<E>::store(empty && nan_guard ? 0.f : acc[n][2 * h + c] * inv);
+            for (int c = 0; c < 2; ++c) o[off.o + row * a.o_t + 8 * n + 2 * qd + c] = Num<E>::store(empty && nan_guard ? 0.f : acc[n][2 * h + c] * inv);
         if (qd == 0) lse[bi * T + row] = empty ? -ATT_INF : m[h] + logf(l[h]);
     }
 }
@@ -304,9 +312,9 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
-    am_stage_rows(dos, LD, dout + bi * T * HD, HD, t0, T, HD);
-    am_delta(delta, dout, o, bi, T, HD, t0, w, lane);
+    am_stage_rows(qs, LD, q + off.q, a.q_t, t0, T, HD);
+    am_stage_rows(dos, LD, dout + off.o, a.o_t, t0, T, HD);
+    am_delta(delta, dout + off.o, o + off.o, a.o_t, T, HD, t0, w, lane);
     __syncthreads();
     u32 qa[HD / 16][4], doa[HD / 16][4];
 #pragma unroll
@@ -324,9 +332,9 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
         __syncthreads();
         if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
-        am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
-        am_stage_rows(vs, LD, v + off.v, HD, s0, S, HD);
-        am_stage_cols(kd, kt + off.k, S, s0, HD);
+        am_stage_cols_t(ks, LD, kt + off.k, a, s0, HD);
+        am_stage_rows(vs, LD, v + off.v, a.v_s, s0, S, HD);
+        am_stage_cols(kd, kt + off.k, a, s0, HD);
         __syncthreads();
         f32 p[8][4], dp[8][4];
         am_scores<HD>(p, qa, ks, g, qd);
@@ -344,7 +352,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) dq[(bi * T + rows[h]) * HD + 8 * n + 2 * qd + c] = Num<E>::store(acc[n][2 * h + c] * scale);
+            for (int c = 0; c < 2; ++c) dq[off.gq + rows[h] * a.q_t + 8 * n + 2 * qd + c] = Num<E>::store(acc[n][2 * h + c] * scale);
     }
 }
 
@@ -367,8 +375,8 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     const i64 bi = at.bi, s0 = at.r0, *keys = at.own;
     const AttnOff off = at.off;
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    am_stage_cols_t(ks, LD, kt + off.k, S, s0, HD);
-    am_stage_rows(vs, LD, v + off.v, HD, s0, S, HD);
+    am_stage_cols_t(ks, LD, kt + off.k, a, s0, HD);
+    am_stage_rows(vs, LD, v + off.v, a.v_s, s0, S, HD);
     __syncthreads();
     u32 ka[HD / 16][4], va[HD / 16][4];
 #pragma unroll
@@ -384,11 +392,11 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     for (i64 t0 = 0; t0 < T; t0 += AM_TILE) {
         __syncthreads();
         if (att_tile_dead_n(mask, off.m, t0, s0, T, S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
-        am_stage_rows(qs, LD, q + off.q, HD, t0, T, HD);
-        am_stage_rows(dos, LD, dout + bi * T * HD, HD, t0, T, HD);
-        am_stage_rows_t(qt, q + off.q, HD, t0, T, HD);
-        am_stage_rows_t(dot, dout + bi * T * HD, HD, t0, T, HD);
-        am_delta(delta, dout, o, bi, T, HD, t0, w, lane);
+        am_stage_rows(qs, LD, q + off.q, a.q_t, t0, T, HD);
+        am_stage_rows(dos, LD, dout + off.o, a.o_t, t0, T, HD);
+        am_stage_rows_t(qt, q + off.q, a.q_t, t0, T, HD);
+        am_stage_rows_t(dot, dout + off.o, a.o_t, t0, T, HD);
+        am_delta(delta, dout + off.o, o + off.o, a.o_t, T, HD, t0, w, lane);
         for (int r = threadIdx.x; r < AM_TILE; r += blockDim.x) lse_s[r] = t0 + r < T ? lse[bi * T + t0 + r] : -ATT_INF;
         __syncthreads();
         f32 p[8][4], dp[8][4];
@@ -416,8 +424,8 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int d = 8 * n + 2 * qd + c;
-                dkt[bi * HD * S + d * S + key] = Num<E>::store(acc_k[n][2 * h + c] * scale);
-                dv[(bi * S + key) * HD + d] = Num<E>::store(acc_v[n][2 * h + c]);
+                dkt[off.gk + d * a.k_d + key * a.k_s] = Num<E>::store(acc_k[n][2 * h + c] * scale);
+                dv[off.gv + key * a.v_s + d] = Num<E>::store(acc_v[n][2 * h + c]);
             }
     }
 }

@@ -98,6 +98,7 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         let list: Vec<String> = unknown.iter().map(|(op, n)| format!("{op} (node '{n}')")).collect();
         return Err(Error::UnknownOps { op_types: types.join(", "), nodes: list.join(", ") });
     }
+    keep_declared_shapes(&mut graph, &g.value_info);
     for (i, vi) in g.output.iter().enumerate() {
         let v = graph
             .find(&vi.name)
@@ -145,6 +146,22 @@ fn value_type(vi: &ValueInfoProto, field: &str) -> Result<(DType, Vec<Dim>)> {
             .collect(),
     };
     Ok((dtype, dims))
+}
+
+/// The shapes value_info declares for computed values, symbols included, kept on the values
+/// (`Value::shape`) for passes that must prove what a Reshape does (passes/sym_shape.rs); plans
+/// infer every shape themselves. An entry without a usable type or shape is left out.
+fn keep_declared_shapes(graph: &mut Graph, value_info: &[ValueInfoProto]) {
+    for vi in value_info {
+        let Some(v) = graph.find(&vi.name) else { continue };
+        let value = &graph.values[v.0];
+        if value.kind != ValueKind::Computed || value.shape.is_some() {
+            continue;
+        }
+        if let Ok((_, dims)) = value_type(vi, "value_info") {
+            graph.values[v.0].shape = Some(dims);
+        }
+    }
 }
 
 /// The sizes value_info declares for intermediate values, by name (None: symbolic or absent).

@@ -9,6 +9,12 @@
 //! AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV) in the full batch; the gradient rule
 //! sums them over broadcast batch dims. The mask gets no gradient (the pass fuses only masks
 //! that depend on no weight).
+//!
+//! `layout = "BSHD"` (passes/attention_layout.rs; default "BHSD", the above): Q [B, T, H, D],
+//! K [B, S, H, D] (not transposed), V [B, S, H, Dv] and O [B, T, H, Dv] with the heads inside
+//! each row, as the projections write them: the head at (b, h) is Q[b, :, h, :] and so on; the
+//! batch is [B, H], the mask broadcasts to [B, H, T, S] and LSE is [B, H, T] as before. dQ, dK, dV
+//! come in the layouts of Q, K, V. No batch broadcasting (B and H are the same in all three).
 
 use super::util::{broadcast_shapes, input};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -32,6 +38,35 @@ pub struct AttnLayout {
     pub v: Vec<usize>,
     /// The mask's strides per full batch dim, then along T and S.
     pub m: Option<(Vec<usize>, usize, usize)>,
+    /// Element strides per full batch dim of O (and dO), dQ, dKt (dK), dV.
+    pub o: Vec<usize>,
+    pub gq: Vec<usize>,
+    pub gk: Vec<usize>,
+    pub gv: Vec<usize>,
+    /// Element strides inside each matrix (the columns of Q, V, O are contiguous).
+    pub rows: RowStrides,
+    /// The "BSHD" layout.
+    pub heads_inside: bool,
+}
+
+/// Strides inside the matrices: Q and dQ along T; Kt and dKt along S and along D; V and dV along
+/// S; O and dO along T.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowStrides {
+    pub q_t: usize,
+    pub k_s: usize,
+    pub k_d: usize,
+    pub v_s: usize,
+    pub o_t: usize,
+}
+
+/// The attention node's `layout`: whether Q, K, V and O have the heads inside each row ("BSHD").
+pub fn heads_inside(node: &Node) -> Result<bool> {
+    match node.attrs.string("layout", "BHSD")?.as_str() {
+        "BHSD" => Ok(false),
+        "BSHD" => Ok(true),
+        other => Err(node.err(format!("layout '{other}': expected BHSD (the default) or BSHD"))),
+    }
 }
 
 impl AttnLayout {
@@ -66,8 +101,24 @@ fn broadcast_strides(shape: &[usize], full: &[usize]) -> Vec<usize> {
     strides
 }
 
-/// Checks the shapes of an Attention node's inputs and lays them out.
+/// The strides of the full-batch mask broadcast to [batch.., T, S].
+fn mask_strides(node: &Node, batch: &[usize], t: usize, s: usize, mask: Option<&[usize]>) -> Result<Option<(Vec<usize>, usize, usize)>> {
+    let Some(ms) = mask else { return Ok(None) };
+    let mut want = batch.to_vec();
+    want.extend([t, s]);
+    if broadcast_shapes(node, &[ms, &want])? != want {
+        return Err(node.err(format!("the mask {ms:?} does not broadcast to the scores {want:?}")));
+    }
+    let st = broadcast_strides(ms, &want);
+    let n = st.len();
+    Ok(Some((st[..n - 2].to_vec(), st[n - 2], st[n - 1])))
+}
+
+/// Checks the shapes of an Attention node's inputs (Q, Kt or K, V, the mask) and lays them out.
 pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mask: Option<&[usize]>) -> Result<AttnLayout> {
+    if heads_inside(node)? {
+        return heads_inside_layout(node, q, kt, v, mask);
+    }
     if q.len() < 2 || kt.len() < 2 || v.len() < 2 {
         return Err(node.err(format!("Q, Kt and V must have rank >= 2, got {q:?}, {kt:?}, {v:?}")));
     }
@@ -82,20 +133,65 @@ pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mas
         s.iter_mut().for_each(|x| *x *= rows * cols);
         s
     };
-    let m = match mask {
-        None => None,
-        Some(ms) => {
-            let mut want = batch.clone();
-            want.extend([t, s]);
-            if broadcast_shapes(node, &[ms, &want])? != want {
-                return Err(node.err(format!("the mask {ms:?} does not broadcast to the scores {want:?}")));
-            }
-            let st = broadcast_strides(ms, &want);
-            let n = st.len();
-            Some((st[..n - 2].to_vec(), st[n - 2], st[n - 1]))
-        }
+    let m = mask_strides(node, &batch, t, s, mask)?;
+    // outputs and gradients: contiguous in the full batch
+    let out = |rows: usize, cols: usize| full(&batch, rows, cols);
+    let rows = RowStrides { q_t: d, k_s: 1, k_d: s, v_s: dv, o_t: dv };
+    let (o, gq, gk, gv) = (out(t, dv), out(t, d), out(d, s), out(s, dv));
+    Ok(AttnLayout {
+        q: full(&bq, t, d),
+        k: full(&bk, d, s),
+        v: full(&bv, s, dv),
+        batch,
+        t,
+        s,
+        d,
+        dv,
+        m,
+        o,
+        gq,
+        gk,
+        gv,
+        rows,
+        heads_inside: false,
+    })
+}
+
+/// The "BSHD" layout: Q [B, T, H, D], K [B, S, H, D], V [B, S, H, Dv]; O [B, T, H, Dv].
+fn heads_inside_layout(node: &Node, q: &[usize], k: &[usize], v: &[usize], mask: Option<&[usize]>) -> Result<AttnLayout> {
+    let (Some([b, t, h, d]), Some([bk, s, hk, dk]), Some([bv, sv, hv, dv])) = (rank4(q), rank4(k), rank4(v)) else {
+        return Err(node.err(format!("layout BSHD takes Q, K, V of rank 4 ([B, T, H, D]), got {q:?}, {k:?}, {v:?}")));
     };
-    Ok(AttnLayout { q: full(&bq, t, d), k: full(&bk, d, s), v: full(&bv, s, dv), batch, t, s, d, dv, m })
+    if (bk, hk, dk) != (b, h, d) || (bv, hv, sv) != (b, h, s) {
+        return Err(
+            node.err(format!("Q {q:?}, K {k:?} and V {v:?} do not match: layout BSHD needs [B, T, H, D], [B, S, H, D], [B, S, H, Dv]"))
+        );
+    }
+    let batch = vec![b, h];
+    let m = mask_strides(node, &batch, t, s, mask)?;
+    let (q_b, k_b, v_b, o_b) = (vec![t * h * d, d], vec![s * h * d, d], vec![s * h * dv, dv], vec![t * h * dv, dv]);
+    let rows = RowStrides { q_t: h * d, k_s: h * d, k_d: 1, v_s: h * dv, o_t: h * dv };
+    Ok(AttnLayout {
+        q: q_b.clone(),
+        k: k_b.clone(),
+        v: v_b.clone(),
+        batch,
+        t,
+        s,
+        d,
+        dv,
+        m,
+        o: o_b,
+        gq: q_b,
+        gk: k_b,
+        gv: v_b,
+        rows,
+        heads_inside: true,
+    })
+}
+
+fn rank4(x: &[usize]) -> Option<[usize; 4]> {
+    x.try_into().ok()
 }
 
 fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(AttnLayout, DType)> {
@@ -127,8 +223,13 @@ struct Attention;
 impl OpDef for Attention {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (l, dt) = layout_of(node, inputs, 0)?;
-        let mut o = l.batch.clone();
-        o.extend([l.t, l.dv]);
+        let o = if l.heads_inside {
+            vec![l.batch[0], l.t, l.batch[1], l.dv]
+        } else {
+            let mut o = l.batch.clone();
+            o.extend([l.t, l.dv]);
+            o
+        };
         let mut lse = l.batch.clone();
         lse.push(l.t);
         Ok(vec![TypeOut::new(dt, o), TypeOut::new(DType::F32, lse)])
@@ -160,6 +261,11 @@ struct AttentionGrad;
 impl OpDef for AttentionGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (l, dt) = layout_of(node, inputs, 1)?;
+        if l.heads_inside {
+            // the inputs' own layouts (no batch broadcasting)
+            let like = |i: usize| input(node, inputs, i).map(|x| TypeOut::new(dt, x.shape.to_vec()));
+            return Ok(vec![like(1)?, like(2)?, like(3)?]);
+        }
         let with = |rows: usize, cols: usize| {
             let mut s = l.batch.clone();
             s.extend([rows, cols]);

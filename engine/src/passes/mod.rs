@@ -5,6 +5,7 @@
 //! `ORTRAIN_ENABLE_PASSES` turns on the opt-in ones. A pass whose fused op has kernels on some
 //! backends only runs for sessions built for those (`Target`).
 
+mod attention_layout;
 mod autocast;
 mod cse;
 mod fuse_attention;
@@ -15,6 +16,7 @@ mod layer_norm_half;
 mod layer_norm_stats;
 mod recompute;
 mod slice_before_linear;
+mod sym_shape;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, NodeId, ValueId, ValueKind};
@@ -60,6 +62,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
     ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CudaOptIn),
+    // after it: the fused attention reads Q, K, V and writes O with the heads inside the rows,
+    // where the graph transposed them out and back
+    ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::CudaOnly),
     ("fuse_gelu_tanh", |g, _| fuse_gelu_tanh::run(g), Runs::Both),
     ("fuse_linear", |g, _| fuse_linear::run(g), Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the

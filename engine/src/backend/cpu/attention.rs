@@ -1,6 +1,8 @@
 //! CPU kernels of ops/attention.rs: the reference the CUDA attention kernels are checked
 //! against. One score row at a time in f64 (two-pass softmax), parallel over batch matrices;
 //! the backward recomputes each row's probabilities from the saved LSE, as the GPU does.
+//! Layout BSHD runs the same kernels on copies permuted to BHSD (and back): a reference that
+//! shares nothing with the GPU kernels' strided reads.
 
 use rayon::prelude::*;
 
@@ -10,7 +12,8 @@ use super::CpuCtx;
 use super::KernelTable;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, AttnLayout};
+use crate::ops::attention::{attention_layout, heads_inside, AttnLayout};
+use crate::tensor::Tensor;
 
 fn req<'v, 'a>(node: &Node, inputs: &'v [Option<In<'a>>], i: usize) -> Result<&'v In<'a>> {
     inputs.get(i).and_then(|v| v.as_ref()).ok_or_else(|| node.err(format!("input {i} missing")))
@@ -38,7 +41,98 @@ fn scores<T: FloatElem>(l: &AttnLayout, off: &[usize; 4], q: &[T], kt: &[T], mas
         .collect()
 }
 
-fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+/// `x` [a0, a1, a2, a3] with its axes permuted: axis j of the result is axis `perm[j]` of `x`.
+fn permute4(x: &In, perm: [usize; 4]) -> Result<Tensor> {
+    let shape: [usize; 4] = x.shape.try_into().map_err(|_| crate::error::Error::other("attention: a BSHD operand is not of rank 4"))?;
+    let elem = x.dtype.size();
+    let mut strides = [0usize; 4];
+    let mut step = 1;
+    for a in (0..4).rev() {
+        strides[a] = step;
+        step *= shape[a];
+    }
+    let (out_shape, out_strides) = (perm.map(|a| shape[a]), perm.map(|a| strides[a]));
+    let src = x.bytes();
+    let mut dst = Vec::with_capacity(src.len());
+    for i in 0..out_shape[0] {
+        for j in 0..out_shape[1] {
+            for k in 0..out_shape[2] {
+                for m in 0..out_shape[3] {
+                    let at = (i * out_strides[0] + j * out_strides[1] + k * out_strides[2] + m * out_strides[3]) * elem;
+                    dst.extend_from_slice(&src[at..at + elem]);
+                }
+            }
+        }
+    }
+    Tensor::from_bytes(x.dtype, out_shape.to_vec(), &dst)
+}
+
+/// Runs `kernel` (this file's BHSD kernels) for a BSHD node: each input `i` permuted by
+/// `ins_perm[i]` (None: as it is), each output computed into a BHSD tensor of shape
+/// `bhsd_out[k]` (None: written in place) and permuted into `out[k]` by `outs_perm[k]`.
+type CpuKernel = fn(&Node, &[Option<In>], &mut [Out], &mut CpuCtx) -> Result<()>;
+fn via_bhsd(
+    node: &Node,
+    inputs: &[Option<In>],
+    out: &mut [Out],
+    ctx: &mut CpuCtx,
+    kernel: CpuKernel,
+    ins_perm: &[Option<[usize; 4]>],
+    outs: &[Option<([usize; 4], [usize; 4])>],
+) -> Result<()> {
+    let mut plain = node.clone();
+    plain.attrs.0.retain(|(k, _)| k != "layout");
+    let permuted: Vec<Option<Tensor>> = inputs
+        .iter()
+        .zip(ins_perm.iter().chain(std::iter::repeat(&None)))
+        .map(|(x, p)| match (x, p) {
+            (Some(x), Some(p)) => permute4(x, *p).map(Some),
+            _ => Ok(None),
+        })
+        .collect::<Result<_>>()?;
+    let views: Vec<Option<In>> = inputs.iter().zip(&permuted).map(|(x, p)| p.as_ref().map(In::of).or(*x)).collect();
+    // BHSD outputs: (the bhsd shape, the permutation back) per permuted output
+    let mut temps: Vec<Option<(Tensor, Vec<usize>)>> = Vec::new();
+    for (o, spec) in out.iter().zip(outs.iter().chain(std::iter::repeat(&None))) {
+        temps.push(spec.map(|(bhsd, _)| (Tensor::zeros(o.dtype, bhsd.to_vec()), bhsd.to_vec())));
+    }
+    {
+        let mut views_out: Vec<Out> = Vec::with_capacity(out.len());
+        for (o, t) in out.iter_mut().zip(temps.iter_mut()) {
+            views_out.push(match t {
+                // SAFETY: the tensor holds numel(shape) elements of o's dtype and is borrowed
+                // uniquely by this view until the kernel returns.
+                Some((t, shape)) => unsafe { Out::from_raw(o.dtype, shape, t.as_bytes_mut().as_mut_ptr()) },
+                None => o.reborrow(),
+            });
+        }
+        kernel(&plain, &views, &mut views_out, ctx)?;
+    }
+    for ((o, t), spec) in out.iter_mut().zip(&temps).zip(outs.iter().chain(std::iter::repeat(&None))) {
+        if let (Some((t, _)), Some((_, back))) = (t, spec) {
+            let p = permute4(&In::of(t), *back)?;
+            o.bytes().copy_from_slice(p.as_bytes());
+        }
+    }
+    Ok(())
+}
+
+/// [B, T, H, X] -> [B, H, T, X] and back; K [B, S, H, D] -> Kt [B, H, D, S]; dKt back to dK.
+const TO_BHSD: [usize; 4] = [0, 2, 1, 3];
+const K_TO_KT: [usize; 4] = [0, 2, 3, 1];
+const KT_TO_K: [usize; 4] = [0, 3, 1, 2];
+
+/// The BHSD shape of a BSHD tensor of shape `x` permuted by `perm`.
+fn permuted_shape(x: &[usize], perm: [usize; 4]) -> [usize; 4] {
+    perm.map(|a| x.get(a).copied().unwrap_or(0))
+}
+
+fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    if heads_inside(node)? {
+        let o = permuted_shape(out[0].shape, TO_BHSD);
+        let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
+        return via_bhsd(node, inputs, out, ctx, attention, &ins, &[Some((o, TO_BHSD))]);
+    }
     let (l, scale, guard) = setup(node, inputs, 0)?;
     fn go<T: FloatElem>(node: &Node, l: &AttnLayout, inputs: &[Option<In>], out: &mut [Out], scale: f64, guard: bool) -> Result<()> {
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
@@ -80,7 +174,16 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx
 }
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
-fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    if heads_inside(node)? {
+        let outs = [
+            Some((permuted_shape(out[0].shape, TO_BHSD), TO_BHSD)),
+            Some((permuted_shape(out[1].shape, K_TO_KT), KT_TO_K)),
+            Some((permuted_shape(out[2].shape, TO_BHSD), TO_BHSD)),
+        ];
+        let ins = [Some(TO_BHSD), Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD), None, Some(TO_BHSD)];
+        return via_bhsd(node, inputs, out, ctx, attention_grad, &ins, &outs);
+    }
     let (l, scale, _) = setup(node, inputs, 1)?;
     fn go<T: FloatElem>(node: &Node, l: &AttnLayout, inputs: &[Option<In>], out: &mut [Out], scale: f64) -> Result<()> {
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());

@@ -116,8 +116,10 @@ pub struct Reduce {
     pub count: i64,
 }
 
-/// kernels/attention.cu `AttnShape`: the full batch (padded to 4 dims with leading 1s), each
-/// input's batch strides (0 where broadcast), the matrix sizes and the mask's row/column strides.
+/// kernels/attention.cuh `AttnShape`: the full batch (padded to 4 dims with leading 1s), each
+/// input's batch strides (0 where broadcast), those of O/dO and of the three gradients, the
+/// matrix sizes, the mask's row/column strides and the strides inside the matrices
+/// (`ops::attention::RowStrides`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AttnShape {
@@ -126,12 +128,21 @@ pub struct AttnShape {
     pub k: [i64; 4],
     pub v: [i64; 4],
     pub m: [i64; 4],
+    pub o: [i64; 4],
+    pub gq: [i64; 4],
+    pub gk: [i64; 4],
+    pub gv: [i64; 4],
     pub t: i64,
     pub s: i64,
     pub d: i64,
     pub dv: i64,
     pub mask_t: i64,
     pub mask_s: i64,
+    pub q_t: i64,
+    pub k_s: i64,
+    pub k_d: i64,
+    pub v_s: i64,
+    pub o_t: i64,
 }
 
 /// kernels/prelude.cuh `Win2d`: a sliding window over two spatial axes (Conv's im2col, the
@@ -271,7 +282,7 @@ mod tests {
         // i32 + pad + 8 + 24 + 3 i64, 8 + 8 u32, i32 + pad
         assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8 + 2 * 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<Reduce>(), 8 + 4 * 8 * 8 + 2 * 8);
-        assert_eq!(std::mem::size_of::<AttnShape>(), 26 * 8);
+        assert_eq!(std::mem::size_of::<AttnShape>(), (9 * 4 + 11) * 8);
         assert_eq!(std::mem::size_of::<Win2d>(), 15 * 8);
         assert_eq!(std::mem::size_of::<AdamTensor>(), 40);
         assert_eq!(std::mem::size_of::<SgdTensor>(), 32);

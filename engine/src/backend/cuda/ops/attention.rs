@@ -51,18 +51,28 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
         a
     };
     let (mb, mt, ms) = l.m.clone().unwrap_or((vec![0; l.batch.len()], 0, 0));
+    let r = l.rows;
     let shape = AttnShape {
         dims: four(&l.batch, 1),
         q: four(&l.q, 0),
         k: four(&l.k, 0),
         v: four(&l.v, 0),
         m: four(&mb, 0),
+        o: four(&l.o, 0),
+        gq: four(&l.gq, 0),
+        gk: four(&l.gk, 0),
+        gv: four(&l.gv, 0),
         t: l.t as i64,
         s: l.s as i64,
         d: l.d as i64,
         dv: l.dv as i64,
         mask_t: mt as i64,
         mask_s: ms as i64,
+        q_t: r.q_t as i64,
+        k_s: r.k_s as i64,
+        k_d: r.k_d as i64,
+        v_s: r.v_s as i64,
+        o_t: r.o_t as i64,
     };
     Ok((l, shape, mask.map_or(0, |m| m.ptr)))
 }

@@ -9,6 +9,7 @@
 //! built elsewhere (scripts/gpu_prepare.sh) and run by scripts/gpu_checks.sh.
 
 mod activation;
+mod attention_layout;
 mod blas;
 mod dropout;
 mod elementwise;

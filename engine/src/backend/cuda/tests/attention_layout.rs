@@ -1,0 +1,128 @@
+//! The fused attention in layout BSHD (passes/attention_layout.rs): CUDA sessions of the test
+//! models read Q, K, V and write O with the heads inside the rows (no Transpose left in their
+//! plans), and on a GPU the kernels in that layout give exactly what they give on the same
+//! tensors transposed to BHSD: the same arithmetic, only the addressing differs.
+
+use super::exec::session;
+use super::exec_models::self_attention_of;
+use super::support::*;
+use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::ops::{kernel, CudaCtx, DView};
+use crate::ir::{Attr, Attrs, Node};
+use crate::tensor::DType;
+
+/// CUDA sessions of the self-attention models (both exporter forms, heads of 4 and 64) fuse
+/// into one BSHD Attention whose train plan has no Transpose at all: Q, K, V come from the
+/// projections' reshapes, O goes to the output's reshape, and so do their gradients.
+#[test]
+fn cuda_attention_reads_the_projections_layout() {
+    let mut rng = Rng::new(43);
+    for (torchlib, hd) in [(true, 4), (false, 4), (true, 64), (false, 64)] {
+        let m = self_attention_of(&mut rng, torchlib, 70, hd);
+        let s = session(&m);
+        let case = format!("torchlib={torchlib}, heads of {hd}");
+        let attention = s.graph.nodes.iter().find(|n| n.op_type == "Attention").unwrap_or_else(|| panic!("{case}: no Attention"));
+        assert_eq!(attention.attrs.string("layout", "").expect("layout"), "BSHD", "{case}");
+        let plan = s.plan(&[m.sig()], true).expect("plan");
+        let ops: Vec<&str> = plan.steps.iter().map(|n| s.graph.nodes[n.0].op_type.as_str()).collect();
+        assert!(!ops.contains(&"Transpose"), "{case}: {ops:?}");
+        assert!(ops.contains(&"AttentionGrad"), "{case}: {ops:?}");
+    }
+}
+
+/// `x` of shape `shape` with its axes permuted (axis j of the result is axis perm[j] of x).
+fn permute(x: &[f64], shape: [usize; 4], perm: [usize; 4]) -> Vec<f64> {
+    let mut strides = [0usize; 4];
+    let mut step = 1;
+    for a in (0..4).rev() {
+        strides[a] = step;
+        step *= shape[a];
+    }
+    let (n, st) = (perm.map(|a| shape[a]), perm.map(|a| strides[a]));
+    let mut out = Vec::with_capacity(x.len());
+    for i in 0..n[0] {
+        for j in 0..n[1] {
+            for k in 0..n[2] {
+                for l in 0..n[3] {
+                    out.push(x[i * st[0] + j * st[1] + k * st[2] + l * st[3]]);
+                }
+            }
+        }
+    }
+    out
+}
+
+fn node(op: &str, layout: Option<&str>) -> Node {
+    let mut attrs = Attrs::default().with("scale", Attr::Float(0.125)).with("nan_guard", Attr::Int(1));
+    if let Some(l) = layout {
+        attrs = attrs.with("layout", Attr::String(l.into()));
+    }
+    Node { name: format!("{op}_{}", layout.unwrap_or("BHSD")), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
+}
+
+/// Attention and AttentionGrad on B = 2, H = 3, T = S = 70 (a partial last tile), a causal mask:
+/// in layout BSHD, and on the same tensors transposed to BHSD; outputs and gradients equal bit
+/// for bit once transposed back. The SIMT kernels (f32, heads of 24) and the tensor-core ones
+/// (heads of 64: f32 tensors with bf16 products, and bf16 tensors).
+#[test]
+fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
+    let Some(g) = gpu("gpu_attention_in_layout_bshd_is_bhsd_transposed") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(47);
+    let (b, h, t) = (2usize, 3usize, 70usize);
+    let causal: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 }).collect();
+    let mask_shape = [1, 1, t, t];
+    let dmask = dev_as(g, "f32", &causal);
+    for (dt, d, mode) in [("f32", 24, F32Mode::Exact), ("f32", 64, F32Mode::Bf16), ("bf16", 64, F32Mode::Bf16)] {
+        let case = format!("{dt}, heads of {d}, {mode:?}");
+        let dtype = if dt == "bf16" { DType::BF16 } else { DType::F32 };
+        let bshd = [b, t, h, d];
+        let (q, k, v, dout) = (
+            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
+            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
+            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
+            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
+        );
+        let to_bhsd = |x: &[f64]| permute(x, bshd, [0, 2, 1, 3]);
+        let (qb, ktb, vb, doutb) = (to_bhsd(&q), permute(&k, bshd, [0, 2, 3, 1]), to_bhsd(&v), to_bhsd(&dout));
+        let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+        // (layout, Q, Kt or K, V, dO, and their shapes)
+        let bhsd = [b, h, t, d];
+        let kt_shape = [b, h, d, t];
+        let mut results = Vec::new();
+        for (layout, ins, shapes) in
+            [(Some("BSHD"), [&q, &k, &v, &dout], [bshd, bshd, bshd, bshd]), (None, [&qb, &ktb, &vb, &doutb], [bhsd, kt_shape, bhsd, bhsd])]
+        {
+            let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
+            let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
+            let mask = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: None });
+            let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
+            let lse_shape = [b, h, t];
+            let outs = [
+                DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None },
+                DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None },
+            ];
+            let fwd = kernel("Attention").expect("Attention");
+            fwd(&node("Attention", layout), &[view(0), view(1), view(2), mask], &outs, &mut ctx).unwrap_or_else(|e| panic!("{case}: {e}"));
+            let grads: Vec<_> = (0..3).map(|_| zeros_as(g, dt, b * t * h * d)).collect();
+            let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
+            let o_in = Some(DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None });
+            let lse_in = Some(DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None });
+            let bwd = kernel("AttentionGrad").expect("AttentionGrad");
+            bwd(&node("AttentionGrad", layout), &[view(3), view(0), view(1), view(2), mask, o_in, lse_in], &gouts, &mut ctx)
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            g.synchronize().expect("sync");
+            let mut got = vec![host_as(&o, dt), host_as(&lse, "f32")];
+            got.extend(grads.iter().map(|x| host_as(x, dt)));
+            results.push(got);
+        }
+        let (s, p) = (&results[0], &results[1]);
+        let back = |x: &[f64]| permute(x, bhsd, [0, 2, 1, 3]);
+        assert_eq!(s[0], back(&p[0]), "{case}: O");
+        assert_eq!(s[1], p[1], "{case}: LSE");
+        assert_eq!(s[2], back(&p[2]), "{case}: dQ");
+        assert_eq!(s[3], permute(&p[3], kt_shape, [0, 3, 1, 2]), "{case}: dK");
+        assert_eq!(s[4], back(&p[4]), "{case}: dV");
+        assert!(s[2].iter().any(|&x| x != 0.0) && s[0].iter().all(|x| x.is_finite()), "{case}: gradients computed");
+    }
+}
