@@ -57,6 +57,20 @@ fn key_source(graph: &Graph, kt: ValueId) -> Option<ValueId> {
     (merged && reshapes_to(&split, &[b, h, d, s])).then(|| transposed(graph, k, &HEADS_OUT)).flatten()
 }
 
+/// The symbolic shape of `v`: declared, or the target of the Reshape making it (without a -1).
+fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
+    declared(graph, v).or_else(|| reshaped(graph, v).map(|(_, t)| t).filter(|t| !t.contains(&SymDim::Known(-1))))
+}
+
+/// Whether Xq [B, T, H, D], Xk [B, S, H, D] and Xv [B, S, H, Dv] are known to share B, H and
+/// S (and D for Q and K), as layout BSHD needs: a batch or heads broadcast (multi-query
+/// attention's one K and V head) stay in the BHSD layout, whose strides broadcast.
+fn same_heads(graph: &Graph, xq: ValueId, xk: ValueId, xv: ValueId) -> bool {
+    let (Some(q), Some(k), Some(v)) = (shape_of(graph, xq), shape_of(graph, xk), shape_of(graph, xv)) else { return false };
+    let ranks = q.len() == 4 && k.len() == 4 && v.len() == 4;
+    ranks && q[0] == k[0] && q[0] == v[0] && q[2] == k[2] && q[2] == v[2] && q[3] == k[3] && k[1] == v[1]
+}
+
 /// The value of Transpose(O, [0, 2, 1, 3]) when that (after an identity Reshape) is O's only
 /// reader, and the nodes on the way.
 fn merged_output(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], o: ValueId) -> Option<(ValueId, Vec<NodeId>)> {
@@ -90,6 +104,9 @@ pub fn run(graph: &mut Graph) -> usize {
         let (Some(q), Some(kt), Some(v), Some(&o)) = (node.input(0), node.input(1), node.input(2), node.outputs.first()) else { continue };
         let sources = (transposed(graph, q, &HEADS_OUT), key_source(graph, kt), transposed(graph, v, &HEADS_OUT));
         let (Some(xq), Some(xk), Some(xv)) = sources else { continue };
+        if !same_heads(graph, xq, xk, xv) {
+            continue;
+        }
         let Some((y, way)) = merged_output(graph, &consumers, o) else { continue };
         let node = &mut graph.nodes[n];
         node.inputs[0] = Some(xq);
@@ -132,20 +149,22 @@ mod tests {
 
     /// torchlib's attention over xq, xk, xv [b, t, 4, 8]: Kᵀ through Reshape(Transpose(Reshape(K,
     /// [-1, K[-2], K[-1]]), [0, 2, 1]), [K[:-2], K[-1], K[-2]]) (`swap`: the merge's last two
-    /// dims the wrong way round), O transposed back; `o_read`: O is also a graph output.
-    fn torchlib(swap: bool, o_read: bool) -> Graph {
+    /// dims the wrong way round), O transposed back; `o_read`: O is also a graph output;
+    /// `kv_heads`: the heads of xk and xv ("1": multi-query attention, K and V broadcast).
+    fn torchlib(swap: bool, o_read: bool, kv_heads: &str) -> Graph {
         let mut g = Graph::default();
         let bthd = sym(&["b", "t", "4", "8"]);
-        let mut input = |name: &str| {
-            let v = g.add_value(name, ValueKind::Input, Some(DType::F32), bthd.clone());
+        let kv = sym(&["b", "t", kv_heads, "8"]);
+        let mut input = |name: &str, shape: &Option<Vec<Dim>>| {
+            let v = g.add_value(name, ValueKind::Input, Some(DType::F32), shape.clone());
             g.inputs.push(v);
             v
         };
-        let (xq, xk, xv) = (input("xq"), input("xk"), input("xv"));
-        let heads = sym(&["b", "4", "t", "8"]);
+        let (xq, xk, xv) = (input("xq", &bthd), input("xk", &kv), input("xv", &kv));
+        let (heads, kv_out) = (sym(&["b", "4", "t", "8"]), sym(&["b", kv_heads, "t", "8"]));
         let q = node_out(&mut g, "q", "Transpose", &[xq], perm(&[0, 2, 1, 3]), heads.clone());
-        let k = node_out(&mut g, "k", "Transpose", &[xk], perm(&[0, 2, 1, 3]), heads.clone());
-        let v = node_out(&mut g, "v", "Transpose", &[xv], perm(&[0, 2, 1, 3]), heads.clone());
+        let k = node_out(&mut g, "k", "Transpose", &[xk], perm(&[0, 2, 1, 3]), kv_out.clone());
+        let v = node_out(&mut g, "v", "Transpose", &[xv], perm(&[0, 2, 1, 3]), kv_out);
         let c = |g: &mut Graph, name: &str, x: i64| g.add_const(name, Tensor::from_i64(vec![1], vec![x]));
         let (minus1, minus2, lo, hi) = (c(&mut g, "m1", -1), c(&mut g, "m2", -2), c(&mut g, "lo", i64::MIN), c(&mut g, "hi", i64::MAX));
         let shape = node_out(&mut g, "shape", "Shape", &[k], Attrs::default(), None);
@@ -170,7 +189,7 @@ mod tests {
 
     #[test]
     fn torchlib_attention_reads_and_writes_the_heads_inside_the_rows() {
-        let mut g = torchlib(false, false);
+        let mut g = torchlib(false, false, "4");
         assert_eq!(run(&mut g), 1);
         super::super::remove_dead_nodes(&mut g);
         let ops: Vec<&str> = g.nodes.iter().map(|n| n.op_type.as_str()).collect();
@@ -183,10 +202,12 @@ mod tests {
     }
 
     #[test]
-    fn an_unproven_reshape_or_a_read_output_keeps_the_layout() {
-        let mut g = torchlib(true, false);
+    fn an_unproven_reshape_a_read_output_or_broadcast_heads_keep_the_layout() {
+        let mut g = torchlib(true, false, "4");
         assert_eq!(run(&mut g), 0, "a merge of [S, D] as [D, S] is not Kᵀ");
-        let mut g = torchlib(false, true);
+        let mut g = torchlib(false, true, "4");
         assert_eq!(run(&mut g), 0, "O in the heads-out layout is read elsewhere");
+        let mut g = torchlib(false, false, "1");
+        assert_eq!(run(&mut g), 0, "one K and V head for 4 query heads broadcasts");
     }
 }

@@ -25,8 +25,9 @@ fn cast_after(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], y: ValueId) -> 
             return None;
         }
         if node.op_type == "Cast" {
+            // a graph output keeps its name (and its gradient seed's)
             let to = node.attrs.int("to", 0).ok().and_then(|c| DType::from_onnx(c as i32))?;
-            return to.is_half().then_some((views, reader, to));
+            return (to.is_half() && !graph.outputs.contains(&node.outputs[0])).then_some((views, reader, to));
         }
         if !VIEWS.contains(&node.op_type.as_str()) || node.outputs.len() != 1 {
             return None;
@@ -85,8 +86,8 @@ mod tests {
     use crate::tensor::Tensor;
 
     /// x [4, 8] f32 -> LayerNormalization -> Reshape [2, 16] -> Cast(to) -> MatMul with a bf16
-    /// weight; `extra`: the LayerNorm output is also a graph output.
-    fn ln_cast(to: DType, extra: bool) -> (Graph, ValueId) {
+    /// weight; `extra`: the LayerNorm output (`cast_out`: the cast's) is also a graph output.
+    fn ln_cast(to: DType, extra: bool, cast_out: bool) -> (Graph, ValueId) {
         let mut g = Graph::default();
         let x = g.add_value("x", ValueKind::Input, Some(DType::F32), None);
         g.inputs.push(x);
@@ -103,13 +104,16 @@ mod tests {
         if extra {
             g.outputs.push(y);
         }
+        if cast_out {
+            g.outputs.push(c);
+        }
         (g, out)
     }
 
     #[test]
     fn a_layer_norm_cast_to_16_bits_writes_16_bits_and_the_cast_goes() {
         for half in [DType::BF16, DType::F16] {
-            let (mut g, _) = ln_cast(half, false);
+            let (mut g, _) = ln_cast(half, false, false);
             assert_eq!(run(&mut g), 1);
             super::super::remove_dead_nodes(&mut g);
             let ops: Vec<&str> = g.nodes.iter().map(|n| n.op_type.as_str()).collect();
@@ -121,10 +125,12 @@ mod tests {
     }
 
     #[test]
-    fn a_layer_norm_read_elsewhere_or_cast_to_f64_stays() {
-        let (mut g, _) = ln_cast(DType::BF16, true);
+    fn a_layer_norm_read_elsewhere_cast_to_an_output_or_to_f64_stays() {
+        let (mut g, _) = ln_cast(DType::BF16, true, false);
         assert_eq!(run(&mut g), 0, "the f32 output is a graph output");
-        let (mut g, _) = ln_cast(DType::F64, false);
+        let (mut g, _) = ln_cast(DType::BF16, false, true);
+        assert_eq!(run(&mut g), 0, "the cast's output is a graph output");
+        let (mut g, _) = ln_cast(DType::F64, false, false);
         assert_eq!(run(&mut g), 0, "a cast to f64");
         assert!(g.nodes.iter().any(|n| n.op_type == "Cast"));
     }

@@ -60,69 +60,70 @@ fn node(op: &str, layout: Option<&str>) -> Node {
     Node { name: format!("{op}_{}", layout.unwrap_or("BHSD")), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
 }
 
-/// Attention and AttentionGrad on B = 2, H = 3, T = S = 70 (a partial last tile), a causal mask:
-/// in layout BSHD, and on the same tensors transposed to BHSD; outputs and gradients equal bit
-/// for bit once transposed back. The SIMT kernels (f32, heads of 24) and the tensor-core ones
-/// (heads of 64: f32 tensors with bf16 products, and bf16 tensors).
+/// Attention and AttentionGrad on B = 2, H = 3, T = 70 queries (a partial last tile) over S = 70
+/// keys (self-attention) and S = 45 (cross-attention), a mask hiding keys past each query's
+/// index: in layout BSHD, and on the same tensors transposed to BHSD; outputs and gradients
+/// equal bit for bit once transposed back. The SIMT kernels (f32, heads of 24) and the
+/// tensor-core ones (heads of 64: f32 tensors with bf16 products, and bf16 tensors).
 #[test]
 fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
     let Some(g) = gpu("gpu_attention_in_layout_bshd_is_bhsd_transposed") else { return };
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(47);
     let (b, h, t) = (2usize, 3usize, 70usize);
-    let causal: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 }).collect();
-    let mask_shape = [1, 1, t, t];
-    let dmask = dev_as(g, "f32", &causal);
-    for (dt, d, mode) in [("f32", 24, F32Mode::Exact), ("f32", 64, F32Mode::Bf16), ("bf16", 64, F32Mode::Bf16)] {
-        let case = format!("{dt}, heads of {d}, {mode:?}");
-        let dtype = if dt == "bf16" { DType::BF16 } else { DType::F32 };
-        let bshd = [b, t, h, d];
-        let (q, k, v, dout) = (
-            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
-            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
-            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
-            rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0),
-        );
-        let to_bhsd = |x: &[f64]| permute(x, bshd, [0, 2, 1, 3]);
-        let (qb, ktb, vb, doutb) = (to_bhsd(&q), permute(&k, bshd, [0, 2, 3, 1]), to_bhsd(&v), to_bhsd(&dout));
-        let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
-        // (layout, Q, Kt or K, V, dO, and their shapes)
-        let bhsd = [b, h, t, d];
-        let kt_shape = [b, h, d, t];
-        let mut results = Vec::new();
-        for (layout, ins, shapes) in
-            [(Some("BSHD"), [&q, &k, &v, &dout], [bshd, bshd, bshd, bshd]), (None, [&qb, &ktb, &vb, &doutb], [bhsd, kt_shape, bhsd, bhsd])]
-        {
-            let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
-            let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
-            let mask = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: None });
-            let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
-            let lse_shape = [b, h, t];
-            let outs = [
-                DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None },
-                DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None },
-            ];
-            let fwd = kernel("Attention").expect("Attention");
-            fwd(&node("Attention", layout), &[view(0), view(1), view(2), mask], &outs, &mut ctx).unwrap_or_else(|e| panic!("{case}: {e}"));
-            let grads: Vec<_> = (0..3).map(|_| zeros_as(g, dt, b * t * h * d)).collect();
-            let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
-            let o_in = Some(DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None });
-            let lse_in = Some(DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None });
-            let bwd = kernel("AttentionGrad").expect("AttentionGrad");
-            bwd(&node("AttentionGrad", layout), &[view(3), view(0), view(1), view(2), mask, o_in, lse_in], &gouts, &mut ctx)
-                .unwrap_or_else(|e| panic!("{case}: {e}"));
-            g.synchronize().expect("sync");
-            let mut got = vec![host_as(&o, dt), host_as(&lse, "f32")];
-            got.extend(grads.iter().map(|x| host_as(x, dt)));
-            results.push(got);
+    for s_len in [70usize, 45] {
+        let mask: Vec<f64> = (0..t * s_len).map(|i| if i % s_len > i / s_len { f64::NEG_INFINITY } else { 0.0 }).collect();
+        let mask_shape = [1, 1, t, s_len];
+        let dmask = dev_as(g, "f32", &mask);
+        for (dt, d, mode) in [("f32", 24, F32Mode::Exact), ("f32", 64, F32Mode::Bf16), ("bf16", 64, F32Mode::Bf16)] {
+            let case = format!("{dt}, heads of {d}, {mode:?}, {t} queries over {s_len} keys");
+            let dtype = if dt == "bf16" { DType::BF16 } else { DType::F32 };
+            let (rows, keys) = ([b, t, h, d], [b, s_len, h, d]);
+            let mut rand = |n: usize| rand_as(&mut rng, dt, n, -1.0, 1.0);
+            let (q, k, v, dout) = (rand(b * t * h * d), rand(b * s_len * h * d), rand(b * s_len * h * d), rand(b * t * h * d));
+            let (bhtd, kt_shape, bhsd) = ([b, h, t, d], [b, h, d, s_len], [b, h, s_len, d]);
+            let heads_out = [0, 2, 1, 3];
+            let (qb, ktb, vb, doutb) = (
+                permute(&q, rows, heads_out),
+                permute(&k, keys, [0, 2, 3, 1]),
+                permute(&v, keys, heads_out),
+                permute(&dout, rows, heads_out),
+            );
+            let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+            let mut results = Vec::new();
+            // (layout, Q, Kt or K, V, dO, and their shapes)
+            for (layout, ins, shapes) in [
+                (Some("BSHD"), [&q, &k, &v, &dout], [rows, keys, keys, rows]),
+                (None, [&qb, &ktb, &vb, &doutb], [bhtd, kt_shape, bhsd, bhtd]),
+            ] {
+                let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
+                let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
+                let m = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: None });
+                let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
+                let lse_shape = [b, h, t];
+                let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };
+                let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
+                let fwd = kernel("Attention").expect("Attention");
+                fwd(&node("Attention", layout), &[view(0), view(1), view(2), m], &[o_view, lse_view], &mut ctx)
+                    .unwrap_or_else(|e| panic!("{case}: {e}"));
+                let grads: Vec<_> = (0..3).map(|i| zeros_as(g, dt, ins[i].len())).collect();
+                let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
+                let bwd = kernel("AttentionGrad").expect("AttentionGrad");
+                let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view)];
+                bwd(&node("AttentionGrad", layout), &bins, &gouts, &mut ctx).unwrap_or_else(|e| panic!("{case}: {e}"));
+                g.synchronize().expect("sync");
+                let mut got = vec![host_as(&o, dt), host_as(&lse, "f32")];
+                got.extend(grads.iter().map(|x| host_as(x, dt)));
+                results.push(got);
+            }
+            let (s, p) = (&results[0], &results[1]);
+            assert_eq!(s[0], permute(&p[0], bhtd, heads_out), "{case}: O");
+            assert_eq!(s[1], p[1], "{case}: LSE");
+            assert_eq!(s[2], permute(&p[2], bhtd, heads_out), "{case}: dQ");
+            assert_eq!(s[3], permute(&p[3], kt_shape, [0, 3, 1, 2]), "{case}: dK");
+            assert_eq!(s[4], permute(&p[4], bhsd, heads_out), "{case}: dV");
+            assert!(s[2].iter().any(|&x| x != 0.0) && s[4].iter().any(|&x| x != 0.0), "{case}: gradients computed");
+            assert!(s[0].iter().all(|x| x.is_finite()), "{case}: O finite");
         }
-        let (s, p) = (&results[0], &results[1]);
-        let back = |x: &[f64]| permute(x, bhsd, [0, 2, 1, 3]);
-        assert_eq!(s[0], back(&p[0]), "{case}: O");
-        assert_eq!(s[1], p[1], "{case}: LSE");
-        assert_eq!(s[2], back(&p[2]), "{case}: dQ");
-        assert_eq!(s[3], permute(&p[3], kt_shape, [0, 3, 1, 2]), "{case}: dK");
-        assert_eq!(s[4], back(&p[4]), "{case}: dV");
-        assert!(s[2].iter().any(|&x| x != 0.0) && s[0].iter().all(|x| x.is_finite()), "{case}: gradients computed");
     }
 }
