@@ -17,7 +17,7 @@ emu_path="$(bash cuda-emu/build.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 target/cuda-emu/selftest
 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
-echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
+echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 
 echo "[test] cargo check (engine without the cuda feature)"

@@ -190,6 +190,28 @@ fn heads_inside_layout(node: &Node, q: &[usize], k: &[usize], v: &[usize], mask:
     })
 }
 
+/// The element offsets, in `x`, of the elements of `x` (shape `shape`) with its axes permuted
+/// (axis j of the result is axis `perm[j]` of `x`), in the result's order: the BSHD ↔ BHSD
+/// copies of the CPU kernel and of the tests.
+pub fn permuted_offsets(shape: [usize; 4], perm: [usize; 4]) -> Vec<usize> {
+    let mut strides = [0usize; 4];
+    let mut step = 1;
+    for a in (0..4).rev() {
+        strides[a] = step;
+        step *= shape[a];
+    }
+    let (n, st) = (perm.map(|a| shape[a]), perm.map(|a| strides[a]));
+    let mut out = Vec::with_capacity(step);
+    for i in 0..n[0] {
+        for j in 0..n[1] {
+            for k in 0..n[2] {
+                out.extend((0..n[3]).map(|l| i * st[0] + j * st[1] + k * st[2] + l * st[3]));
+            }
+        }
+    }
+    out
+}
+
 fn rank4(x: &[usize]) -> Option<[usize; 4]> {
     x.try_into().ok()
 }

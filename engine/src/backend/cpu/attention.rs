@@ -12,7 +12,7 @@ use super::CpuCtx;
 use super::KernelTable;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, heads_inside, AttnLayout};
+use crate::ops::attention::{attention_layout, heads_inside, permuted_offsets, AttnLayout};
 use crate::tensor::Tensor;
 
 fn req<'v, 'a>(node: &Node, inputs: &'v [Option<In<'a>>], i: usize) -> Result<&'v In<'a>> {
@@ -45,26 +45,12 @@ fn scores<T: FloatElem>(l: &AttnLayout, off: &[usize; 4], q: &[T], kt: &[T], mas
 fn permute4(x: &In, perm: [usize; 4]) -> Result<Tensor> {
     let shape: [usize; 4] = x.shape.try_into().map_err(|_| crate::error::Error::other("attention: a BSHD operand is not of rank 4"))?;
     let elem = x.dtype.size();
-    let mut strides = [0usize; 4];
-    let mut step = 1;
-    for a in (0..4).rev() {
-        strides[a] = step;
-        step *= shape[a];
-    }
-    let (out_shape, out_strides) = (perm.map(|a| shape[a]), perm.map(|a| strides[a]));
     let src = x.bytes();
     let mut dst = Vec::with_capacity(src.len());
-    for i in 0..out_shape[0] {
-        for j in 0..out_shape[1] {
-            for k in 0..out_shape[2] {
-                for m in 0..out_shape[3] {
-                    let at = (i * out_strides[0] + j * out_strides[1] + k * out_strides[2] + m * out_strides[3]) * elem;
-                    dst.extend_from_slice(&src[at..at + elem]);
-                }
-            }
-        }
+    for at in permuted_offsets(shape, perm) {
+        dst.extend_from_slice(&src[at * elem..(at + 1) * elem]);
     }
-    Tensor::from_bytes(x.dtype, out_shape.to_vec(), &dst)
+    Tensor::from_bytes(x.dtype, perm.map(|a| shape[a]).to_vec(), &dst)
 }
 
 /// Runs `kernel` (this file's BHSD kernels) for a BSHD node: each input `i` permuted by

@@ -9,6 +9,7 @@ use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::ops::{kernel, CudaCtx, DView};
 use crate::ir::{Attr, Attrs, Node};
+use crate::ops::attention::permuted_offsets;
 use crate::tensor::DType;
 
 /// CUDA sessions of the self-attention models (both exporter forms, heads of 4 and 64) fuse
@@ -32,24 +33,7 @@ fn cuda_attention_reads_the_projections_layout() {
 
 /// `x` of shape `shape` with its axes permuted (axis j of the result is axis perm[j] of x).
 fn permute(x: &[f64], shape: [usize; 4], perm: [usize; 4]) -> Vec<f64> {
-    let mut strides = [0usize; 4];
-    let mut step = 1;
-    for a in (0..4).rev() {
-        strides[a] = step;
-        step *= shape[a];
-    }
-    let (n, st) = (perm.map(|a| shape[a]), perm.map(|a| strides[a]));
-    let mut out = Vec::with_capacity(x.len());
-    for i in 0..n[0] {
-        for j in 0..n[1] {
-            for k in 0..n[2] {
-                for l in 0..n[3] {
-                    out.push(x[i * st[0] + j * st[1] + k * st[2] + l * st[3]]);
-                }
-            }
-        }
-    }
-    out
+    permuted_offsets(shape, perm).into_iter().map(|at| x[at]).collect()
 }
 
 fn node(op: &str, layout: Option<&str>) -> Node {
