@@ -45,8 +45,6 @@ pub struct AttnLayout {
     pub gv: Vec<usize>,
     /// Element strides inside each matrix (the columns of Q, V, O are contiguous).
     pub rows: RowStrides,
-    /// The "BSHD" layout.
-    pub heads_inside: bool,
 }
 
 /// Strides inside the matrices: Q and dQ along T; Kt and dKt along S and along D; V and dV along
@@ -138,23 +136,7 @@ pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mas
     let out = |rows: usize, cols: usize| full(&batch, rows, cols);
     let rows = RowStrides { q_t: d, k_s: 1, k_d: s, v_s: dv, o_t: dv };
     let (o, gq, gk, gv) = (out(t, dv), out(t, d), out(d, s), out(s, dv));
-    Ok(AttnLayout {
-        q: full(&bq, t, d),
-        k: full(&bk, d, s),
-        v: full(&bv, s, dv),
-        batch,
-        t,
-        s,
-        d,
-        dv,
-        m,
-        o,
-        gq,
-        gk,
-        gv,
-        rows,
-        heads_inside: false,
-    })
+    Ok(AttnLayout { q: full(&bq, t, d), k: full(&bk, d, s), v: full(&bv, s, dv), batch, t, s, d, dv, m, o, gq, gk, gv, rows })
 }
 
 /// The "BSHD" layout: Q [B, T, H, D], K [B, S, H, D], V [B, S, H, Dv]; O [B, T, H, Dv].
@@ -171,23 +153,7 @@ fn heads_inside_layout(node: &Node, q: &[usize], k: &[usize], v: &[usize], mask:
     let m = mask_strides(node, &batch, t, s, mask)?;
     let (q_b, k_b, v_b, o_b) = (vec![t * h * d, d], vec![s * h * d, d], vec![s * h * dv, dv], vec![t * h * dv, dv]);
     let rows = RowStrides { q_t: h * d, k_s: h * d, k_d: 1, v_s: h * dv, o_t: h * dv };
-    Ok(AttnLayout {
-        q: q_b.clone(),
-        k: k_b.clone(),
-        v: v_b.clone(),
-        batch,
-        t,
-        s,
-        d,
-        dv,
-        m,
-        o: o_b,
-        gq: q_b,
-        gk: k_b,
-        gv: v_b,
-        rows,
-        heads_inside: true,
-    })
+    Ok(AttnLayout { q: q_b.clone(), k: k_b.clone(), v: v_b.clone(), batch, t, s, d, dv, m, o: o_b, gq: q_b, gk: k_b, gv: v_b, rows })
 }
 
 /// The element offsets, in `x`, of the elements of `x` (shape `shape`) with its axes permuted
@@ -245,7 +211,7 @@ struct Attention;
 impl OpDef for Attention {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (l, dt) = layout_of(node, inputs, 0)?;
-        let o = if l.heads_inside {
+        let o = if heads_inside(node)? {
             vec![l.batch[0], l.t, l.batch[1], l.dv]
         } else {
             let mut o = l.batch.clone();
@@ -283,7 +249,7 @@ struct AttentionGrad;
 impl OpDef for AttentionGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (l, dt) = layout_of(node, inputs, 1)?;
-        if l.heads_inside {
+        if heads_inside(node)? {
             // the inputs' own layouts (no batch broadcasting)
             let like = |i: usize| input(node, inputs, i).map(|x| TypeOut::new(dt, x.shape.to_vec()));
             return Ok(vec![like(1)?, like(2)?, like(3)?]);

@@ -190,11 +190,6 @@ pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usiz
     norm::layer_norm_layout(node, shape)
 }
 
-/// LayerNormalization's Y type for an X of type `x` (its `y_type`; shared with backends).
-pub fn layer_norm_y_type(node: &Node, x: DType) -> Result<DType> {
-    norm::y_type(node, x)
-}
-
 /// Conv's (group, window) for input and weight shapes (shared with backends).
 pub fn conv_geometry_of(node: &Node, x: &[usize], w: &[usize]) -> Result<(usize, window::Window)> {
     conv::conv_geometry(node, x, w)

@@ -21,7 +21,7 @@ pub fn layer_norm_layout(node: &Node, shape: &[usize]) -> Result<(usize, usize)>
 
 /// The element type of a LayerNormalization's Y: `y_type` if given (a 16-bit float, from f32
 /// X), else X's.
-pub fn y_type(node: &Node, x: DType) -> Result<DType> {
+fn y_type(node: &Node, x: DType) -> Result<DType> {
     match node.attrs.int("y_type", 0)? {
         0 => Ok(x),
         code => match DType::from_onnx(code as i32) {

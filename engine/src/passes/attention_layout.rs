@@ -1,14 +1,15 @@
 //! attention_layout (CUDA sessions, after fuse_attention): the fused Attention reads Q, K, V in
 //! the layout the projections write them, [B, T, H, D] with the heads inside each row, and writes
 //! O in it (`layout = "BSHD"`, ops/attention.rs), where the graph moved the heads out with
-//! Transposes: Q = Transpose(Xq, [0, 2, 1, 3]), the same for V, Kᵀ = Transpose(Xk, [0, 2, 3, 1])
-//! or from K = Transpose(Xk, [0, 2, 1, 3]) by Transpose(K, [0, 1, 3, 2]) or torchlib's Reshape(Transpose(Reshape(K,
-//! [-1, S, D]), [0, 2, 1]), [B, H, D, S]), and O's only reader Transpose(O, [0, 2, 1, 3]) (after
-//! an identity Reshape, as torchlib writes it). Those transposes and their gradients, ten
-//! [B, T, H, D] copies a layer in a step, are not made; the kernels read with strides. The
-//! Reshapes are proved from the exporter's symbolic shapes (sym_shape.rs).
+//! Transposes: Q = Transpose(Xq, [0, 2, 1, 3]), the same for V; Kᵀ = Transpose(Xk, [0, 2, 3, 1]),
+//! or made from K = Transpose(Xk, [0, 2, 1, 3]) by Transpose(K, [0, 1, 3, 2]) or by torchlib's
+//! Reshape(Transpose(Reshape(K, [-1, S, D]), [0, 2, 1]), [B, H, D, S]); and O's only reader
+//! Transpose(O, [0, 2, 1, 3]) (after an identity Reshape, as torchlib writes it). Those
+//! transposes and their gradients, ten [B, T, H, D] copies a layer in a step, are not made; the
+//! kernels read with strides. The Reshapes are proved from the exporter's symbolic shapes
+//! (sym_shape.rs).
 
-use super::sym_shape::{declared, reshapes_to, values, SymDim};
+use super::sym_shape::{reshapes_to, shape_of, values, SymDim};
 use crate::ir::{Attr, Graph, NodeId, ValueId, ValueKind};
 
 const HEADS_OUT: [i64; 4] = [0, 2, 1, 3];
@@ -30,16 +31,6 @@ fn reshaped(graph: &Graph, v: ValueId) -> Option<(ValueId, Vec<SymDim>)> {
     (!target.contains(&SymDim::Known(0))).then_some((node.input(0)?, target))
 }
 
-/// The symbolic shape of a [B, H, S, D] value: declared, or that of the Transpose's input permuted.
-fn shape4(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
-    if let Some(s) = declared(graph, v).filter(|s| s.len() == 4) {
-        return Some(s);
-    }
-    let x = transposed(graph, v, &HEADS_OUT)?;
-    let s = declared(graph, x).filter(|s| s.len() == 4)?;
-    Some(HEADS_OUT.iter().map(|&a| s[a as usize].clone()).collect())
-}
-
 /// Xk of an operand Kᵀ [B, H, D, S] made from K = Transpose(Xk, [0, 2, 1, 3]).
 fn key_source(graph: &Graph, kt: ValueId) -> Option<ValueId> {
     if let Some(xk) = transposed(graph, kt, &[0, 2, 3, 1]) {
@@ -52,14 +43,9 @@ fn key_source(graph: &Graph, kt: ValueId) -> Option<ValueId> {
     let (flat_t, split) = reshaped(graph, kt)?;
     let flat = transposed(graph, flat_t, &[0, 2, 1])?;
     let (k, merge) = reshaped(graph, flat)?;
-    let [b, h, s, d] = <[SymDim; 4]>::try_from(shape4(graph, k)?).ok()?;
+    let [b, h, s, d] = <[SymDim; 4]>::try_from(shape_of(graph, k)?).ok()?;
     let merged = reshapes_to(&merge, &[SymDim::Known(-1), s.clone(), d.clone()]);
     (merged && reshapes_to(&split, &[b, h, d, s])).then(|| transposed(graph, k, &HEADS_OUT)).flatten()
-}
-
-/// The symbolic shape of `v`: declared, or the target of the Reshape making it (without a -1).
-fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
-    declared(graph, v).or_else(|| reshaped(graph, v).map(|(_, t)| t).filter(|t| !t.contains(&SymDim::Known(-1))))
 }
 
 /// Whether Xq [B, T, H, D], Xk [B, S, H, D] and Xv [B, S, H, Dv] are known to share B, H and
@@ -82,7 +68,7 @@ fn merged_output(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], o: ValueId) 
     let mut way = vec![n];
     if graph.nodes[n.0].op_type == "Reshape" {
         let (_, target) = reshaped(graph, graph.nodes[n.0].outputs[0])?;
-        if !reshapes_to(&target, &shape4(graph, o)?) {
+        if !reshapes_to(&target, &shape_of(graph, o)?) {
             return None;
         }
         n = only(graph.nodes[n.0].outputs[0])?;

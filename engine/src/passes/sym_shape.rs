@@ -93,6 +93,24 @@ pub fn values(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
     eval(graph, v, 12)
 }
 
+/// The symbolic shape of `v`: declared, or that of a Reshape's target (without -1 or 0) or of
+/// a Transpose of a value whose shape is known.
+pub fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
+    if let Some(s) = declared(graph, v) {
+        return Some(s);
+    }
+    let node = &graph.nodes[graph.value(v).producer?.0];
+    match node.op_type.as_str() {
+        "Reshape" => values(graph, node.input(1)?).filter(|t| !t.iter().any(|d| matches!(d, SymDim::Known(-1 | 0)))),
+        "Transpose" => {
+            let x = shape_of(graph, node.input(0)?)?;
+            let perm = node.attrs.ints("perm").ok()??;
+            (perm.len() == x.len()).then(|| perm.iter().map(|&a| x.get(a as usize).cloned()).collect()).flatten()
+        }
+        _ => None,
+    }
+}
+
 /// Whether a Reshape to `target` of a tensor of shape `from` gives `want`: `target` equals
 /// `want` where each is known, with at most one -1 (then the sizes left decide it).
 pub fn reshapes_to(target: &[SymDim], want: &[SymDim]) -> bool {

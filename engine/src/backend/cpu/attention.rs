@@ -53,9 +53,10 @@ fn permute4(x: &In, perm: [usize; 4]) -> Result<Tensor> {
     Tensor::from_bytes(x.dtype, perm.map(|a| shape[a]).to_vec(), &dst)
 }
 
-/// Runs `kernel` (this file's BHSD kernels) for a BSHD node: each input `i` permuted by
-/// `ins_perm[i]` (None: as it is), each output computed into a BHSD tensor of shape
-/// `bhsd_out[k]` (None: written in place) and permuted into `out[k]` by `outs_perm[k]`.
+/// Runs `kernel` (this file's BHSD kernels) for a BSHD node: input `i` permuted by `ins_perm[i]`
+/// (None, or past the list: as it is); output `k`, where `outs[k]` is (its BHSD shape, the
+/// permutation back), computed into a BHSD tensor and permuted into `out[k]`, else written in
+/// place.
 type CpuKernel = fn(&Node, &[Option<In>], &mut [Out], &mut CpuCtx) -> Result<()>;
 fn via_bhsd(
     node: &Node,
@@ -77,25 +78,26 @@ fn via_bhsd(
         })
         .collect::<Result<_>>()?;
     let views: Vec<Option<In>> = inputs.iter().zip(&permuted).map(|(x, p)| p.as_ref().map(In::of).or(*x)).collect();
-    // BHSD outputs: (the bhsd shape, the permutation back) per permuted output
-    let mut temps: Vec<Option<(Tensor, Vec<usize>)>> = Vec::new();
-    for (o, spec) in out.iter().zip(outs.iter().chain(std::iter::repeat(&None))) {
-        temps.push(spec.map(|(bhsd, _)| (Tensor::zeros(o.dtype, bhsd.to_vec()), bhsd.to_vec())));
-    }
+    let specs = || outs.iter().chain(std::iter::repeat(&None));
+    let mut temps: Vec<Option<Tensor>> =
+        out.iter().zip(specs()).map(|(o, spec)| spec.map(|(bhsd, _)| Tensor::zeros(o.dtype, bhsd.to_vec()))).collect();
     {
         let mut views_out: Vec<Out> = Vec::with_capacity(out.len());
         for (o, t) in out.iter_mut().zip(temps.iter_mut()) {
             views_out.push(match t {
-                // SAFETY: the tensor holds numel(shape) elements of o's dtype and is borrowed
-                // uniquely by this view until the kernel returns.
-                Some((t, shape)) => unsafe { Out::from_raw(o.dtype, shape, t.as_bytes_mut().as_mut_ptr()) },
+                Some(t) => {
+                    let ptr = t.as_bytes_mut().as_mut_ptr();
+                    // SAFETY: the tensor holds numel(shape) elements of o's dtype; this view is
+                    // the only access to them until the kernel returns.
+                    unsafe { Out::from_raw(o.dtype, &t.shape, ptr) }
+                }
                 None => o.reborrow(),
             });
         }
         kernel(&plain, &views, &mut views_out, ctx)?;
     }
-    for ((o, t), spec) in out.iter_mut().zip(&temps).zip(outs.iter().chain(std::iter::repeat(&None))) {
-        if let (Some((t, _)), Some((_, back))) = (t, spec) {
+    for ((o, t), spec) in out.iter_mut().zip(&temps).zip(specs()) {
+        if let (Some(t), Some((_, back))) = (t, spec) {
             let p = permute4(&In::of(t), *back)?;
             o.bytes().copy_from_slice(p.as_bytes());
         }
