@@ -113,13 +113,15 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
         elif op == "LayerNormGrad":
             # backend/cuda/ops/norm.rs: the statistics (recomputed from x unless the forward's
             # are inputs 3 and 4), dx from dy and x, then dscale and dbias from dy and x again
-            # (per-chunk partials, then their sum)
+            # (per-chunk partials, then their sum); the dx kernel also reads the residual
+            # gradient (input 5) and writes dx's 16-bit copy (output 3) where
+            # passes/layer_norm_grad_sum.rs put them there
             dy_b, x_b = in_b[0], in_b[1]
             if len(in_b) < 5 or not in_b[3]:
                 rows.append((op + " stats", name, x_b, 0, None))
-            rows.append((op, name, sum(in_b) + out_b[0], 0, None))
+            rows.append((op, name, sum(in_b) + out_b[0] + sum(out_b[3:]), 0, None))
             rows.append((op + " params", name, dy_b + x_b, 0, None))
-            rows.append((op + " params reduce", name, sum(out_b[1:]), 0, None))
+            rows.append((op + " params reduce", name, sum(out_b[1:3]), 0, None))
         elif op == "Gather":
             rows.append((op, name, sum(in_b[1:]) + 2 * sum(out_b), 0, None))
         else:

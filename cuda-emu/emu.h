@@ -81,6 +81,9 @@ inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return
 inline int __float_as_int(float f) { int u; memcpy(&u, &f, 4); return u; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+// CUDA's adds that are never contracted into an FMA: the empty asm hides where `a` came from
+inline float __fadd_rn(float a, float b) { __asm__("" : "+x"(a)); return a + b; }
+inline double __dadd_rn(double a, double b) { __asm__("" : "+x"(a)); return a + b; }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 
 // one OS thread runs every fiber, so a plain read-modify-write is atomic

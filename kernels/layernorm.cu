@@ -29,6 +29,11 @@
 //                      i64 rows, i64 n, f32 eps)
 //   layer_norm_grad_f32_dy_H(const H* dy, ...)             as layer_norm_grad_f32
 //   layer_norm_grad_params_f32_dy_H(const H* dy, ...)      as layer_norm_grad_params_f32
+// The residual stream's gradient summed in (passes/layer_norm_grad_sum.rs), dy D: f32 bf16 f16:
+//   layer_norm_grad_acc_f32_dy_D_H(const D* dy, const f32* x, const f32* scale, const f32* mean,
+//                                  const f32* rstd, const f32* dres, f32* dx, H* dxh, i64 rows, i64 n)
+//       dx = layer_norm_grad_f32's dx + dres (one f32 add, as the Add kernel), dxh = dx rounded
+//       to H (as the cast kernel); dres and dxh may be null
 
 #include "prelude.cuh"
 
@@ -69,8 +74,18 @@ template <typename T, typename Y = T> __device__ __forceinline__ void ln_fwd(con
     }
 }
 
-template <typename T, typename D = T> __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
-                                                              const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) {
+// a + b rounded once, never fused with a product into an FMA (the Add kernel's sum of two
+// stored values)
+__device__ __forceinline__ f32 add_unfused(f32 a, f32 b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ f64 add_unfused(f64 a, f64 b) { return __dadd_rn(a, b); }
+template <typename T> __device__ __forceinline__ T add_unfused(T a, T b) { return Num<T>::store(Num<T>::load(a) + Num<T>::load(b)); }
+
+// dres (the residual stream's gradient, added to dx) and dxh (a 16-bit copy of the result) may be
+// null; only the accumulating kernels pass them (T = f32).
+template <typename T, typename D = T, typename H = T>
+__device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
+                                        const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres = nullptr,
+                                        H* dxh = nullptr) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -88,7 +103,12 @@ template <typename T, typename D = T> __device__ __forceinline__ void ln_grad(co
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
             const A g = Num<D>::load(dr[j]) * Num<T>::load(scale[j]);
             const A h = (Num<T>::load(xr[j]) - mu) * rs;
-            dx[r * n + j] = Num<T>::store(rs * (g - a - h * b));
+            T d = Num<T>::store(rs * (g - a - h * b));
+            // the sum the separate Add kernel computes: rounded dx plus dres, never an FMA with
+            // the product above
+            if (dres) d = add_unfused(d, dres[r * n + j]);
+            dx[r * n + j] = d;
+            if (dxh) dxh[r * n + j] = Num<H>::store(Num<T>::load(d));
         }
     }
 }
@@ -176,3 +196,18 @@ ORT_FLOATS(LAYER_NORM, _)
     }
 LAYER_NORM_HALF_IO(bf16)
 LAYER_NORM_HALF_IO(f16)
+
+// LayerNormGrad summing the residual stream's gradient and rounding a 16-bit copy
+// (passes/layer_norm_grad_sum.rs): dy D (f32, bf16, f16), dxh H (bf16, f16).
+#define LAYER_NORM_GRAD_ACC(D, H)                                                                 \
+    extern "C" __global__ void layer_norm_grad_acc_f32_dy_##D##_##H(const D* dy, const f32* x, const f32* scale, \
+                                                                   const f32* mean, const f32* rstd, const f32* dres, \
+                                                                   f32* dx, H* dxh, i64 rows, i64 n) { \
+        ln_grad<f32, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh);                       \
+    }
+LAYER_NORM_GRAD_ACC(f32, bf16)
+LAYER_NORM_GRAD_ACC(f32, f16)
+LAYER_NORM_GRAD_ACC(bf16, bf16)
+LAYER_NORM_GRAD_ACC(bf16, f16)
+LAYER_NORM_GRAD_ACC(f16, bf16)
+LAYER_NORM_GRAD_ACC(f16, f16)

@@ -4,7 +4,9 @@
 //! passes/layer_norm_stats.rs), the gradient reads them; the CPU kernel recomputes them from x
 //! whatever it is given. `y_type` (an ONNX type code, internal; passes/layer_norm_half.rs) makes
 //! Y a 16-bit tensor computed in the input's precision and rounded once; its gradient's dy is
-//! then 16-bit too.
+//! then 16-bit too. Two more internal parts of LayerNormGrad (passes/layer_norm_grad_sum.rs):
+//! input 5, `dres`, the rest of the input's gradient (the residual stream's), of x's type and
+//! shape, added to dx; and output 3, dx (with dres) rounded to the 16-bit `dx_half_type`.
 
 use super::util::{input, norm_axis};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -19,16 +21,21 @@ pub fn layer_norm_layout(node: &Node, shape: &[usize]) -> Result<(usize, usize)>
     Ok((shape[..axis].iter().product(), shape[axis..].iter().product()))
 }
 
-/// The element type of a LayerNormalization's Y: `y_type` if given (a 16-bit float, from f32
-/// X), else X's.
-fn y_type(node: &Node, x: DType) -> Result<DType> {
-    match node.attrs.int("y_type", 0)? {
-        0 => Ok(x),
+/// The element type `attr` asks for (an ONNX code: a 16-bit float, from f32 X), or None where
+/// the node has no such attribute.
+fn half_type(node: &Node, attr: &str, x: DType) -> Result<Option<DType>> {
+    match node.attrs.int(attr, 0)? {
+        0 => Ok(None),
         code => match DType::from_onnx(code as i32) {
-            Some(d) if d.is_half() && x == DType::F32 => Ok(d),
-            _ => Err(node.err(format!("y_type {code} on a {} input: only bf16 (16) or fp16 (10) from f32", x.name()))),
+            Some(d) if d.is_half() && x == DType::F32 => Ok(Some(d)),
+            _ => Err(node.err(format!("{attr} {code} on a {} input: only bf16 (16) or fp16 (10) from f32", x.name()))),
         },
     }
+}
+
+/// The element type of a LayerNormalization's Y: `y_type` if given, else X's.
+fn y_type(node: &Node, x: DType) -> Result<DType> {
+    Ok(half_type(node, "y_type", x)?.unwrap_or(x))
 }
 
 struct LayerNorm;
@@ -76,7 +83,23 @@ impl OpDef for LayerNormGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 1)?;
         let s = input(node, inputs, 2)?;
-        Ok(vec![TypeOut::like(x), TypeOut::like(s), TypeOut::like(s)])
+        if let Some(Some(dres)) = inputs.get(5) {
+            if dres.dtype != x.dtype || dres.shape != x.shape {
+                return Err(node.err(format!(
+                    "the residual gradient (input 5) is {} {:?}; it must be x's type and shape, {} {:?}",
+                    dres.dtype.name(),
+                    dres.shape,
+                    x.dtype.name(),
+                    x.shape
+                )));
+            }
+        }
+        let mut outs = vec![TypeOut::like(x), TypeOut::like(s), TypeOut::like(s)];
+        if node.outputs.len() > 3 {
+            let half = half_type(node, "dx_half_type", x.dtype)?.ok_or_else(|| node.err("a fourth output needs dx_half_type"))?;
+            outs.push(TypeOut::new(half, x.shape.to_vec()));
+        }
+        Ok(outs)
     }
 }
 

@@ -12,6 +12,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod layer_norm_grad_sum;
 mod layer_norm_half;
 mod layer_norm_stats;
 mod recompute;
@@ -90,6 +91,9 @@ const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
     // CUDA only: on the CPU, memory is not where the targets are short, and the recomputation
     // would cost step time
     ("recompute", recompute::run, Runs::CudaOnly),
+    // CUDA only: the residual stream's gradient summed, and rounded to 16 bits, in
+    // LayerNormGrad's dx kernel instead of an Add and a cast after it
+    ("layer_norm_grad_sum", layer_norm_grad_sum::run, Runs::CudaOnly),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";

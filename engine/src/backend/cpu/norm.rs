@@ -64,8 +64,9 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
     let x = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("x missing"))?;
     let scale = inputs.get(2).and_then(|v| v.as_ref()).ok_or_else(|| node.err("scale missing"))?;
     let eps = node.attrs.float("epsilon", 1e-5)? as f64;
+    let dres = inputs.get(5).and_then(|v| v.as_ref());
     let (_, n) = layer_norm_layout_of(node, x.shape)?;
-    fn go<T: FloatElem>(dy: &In, x: &In, scale: &In, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+    fn go<T: FloatElem>(dy: &In, x: &In, scale: &In, dres: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
         let (dv, xv, sv) = (dy.slice::<T>()?, x.slice::<T>()?, scale.slice::<T>()?);
         let (dx, rest) = out.split_first_mut().expect("three outputs");
         let dxv = dx.slice::<T>()?;
@@ -102,6 +103,10 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
                 (ds, dbias)
             })
             .collect();
+        // the residual stream's gradient, summed as the Add it replaces does: rounded dx + dres
+        if let Some(dres) = dres {
+            dxv.iter_mut().zip(dres.slice::<T>()?).for_each(|(d, r)| *d = *d + *r);
+        }
         let (ds_out, db_out) = rest.split_at_mut(1);
         let dsv = ds_out[0].slice::<T>()?;
         let dbv = db_out[0].slice::<T>()?;
@@ -109,9 +114,13 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
             dsv[j] = T::from_f64(partial.iter().map(|p| p.0[j]).sum());
             dbv[j] = T::from_f64(partial.iter().map(|p| p.1[j]).sum());
         }
+        // dx_half_type's copy (widen.rs rounds it to 16 bits)
+        if let Some(copy) = db_out.get_mut(1) {
+            copy.slice::<T>()?.copy_from_slice(dxv);
+        }
         Ok(())
     }
-    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, out, n, eps))
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, dres, out, n, eps))
 }
 
 pub fn register(t: &mut KernelTable) {

@@ -3,6 +3,8 @@
 //! (layer_norm_stats into scratch), then dx per row, and the parameter gradients in two
 //! deterministic passes: per-chunk column partials, then their sum. A LayerNormalization with a
 //! 16-bit `y_type` (passes/layer_norm_half.rs) runs the mixed kernels: f32 x, 16-bit y and dy.
+//! A LayerNormGrad given the residual stream's gradient or asked for a 16-bit dx
+//! (passes/layer_norm_grad_sum.rs) runs the accumulating dx kernel.
 
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
@@ -72,7 +74,25 @@ fn saved_stats(node: &Node, ins: &[Option<DView>], x: &DView, rows: usize) -> Re
     }
 }
 
-/// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?) -> (dx, dscale, dbias).
+/// `layer_norm_grad_acc_f32_dy_D_H`, the dx kernel that adds `dres` and writes the 16-bit copy
+/// `dx_half` (either may be absent; H is then either type): f32 x only.
+fn accumulating_kernel(node: &Node, x: &DView, dy: &DView, dres: Option<&DView>, dx_half: Option<&DView>) -> Result<String> {
+    if x.dtype != DType::F32 || dres.is_some_and(|r| r.dtype != DType::F32 || r.shape != x.shape) {
+        return Err(node.err(format!(
+            "a LayerNormGrad summing the residual gradient takes f32 x and an f32 residual gradient of x's shape, got x {} {:?}",
+            x.dtype.name(),
+            x.shape
+        )));
+    }
+    let half = match dx_half.map(|v| v.dtype) {
+        None => DType::BF16,
+        Some(h) if h.is_half() => h,
+        Some(other) => return Err(node.err(format!("dx's 16-bit copy is {}, not bf16 or f16", other.name()))),
+    };
+    Ok(format!("layer_norm_grad_acc_f32_dy_{}_{}", float_suffix(node, dy.dtype)?, float_suffix(node, half)?))
+}
+
+/// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?, dres?) -> (dx, dscale, dbias, dx_half?).
 fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
     same_type(node, x, &[("scale", Some(scale))])?;
@@ -104,12 +124,22 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
             (mean, rstd)
         }
     };
-    ctx.rt.launch(
-        ctx.stream,
-        &format!("layer_norm_grad_{dy_sfx}"),
-        grid,
-        &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
-    )?;
+    let dres = ins.get(5).and_then(|v| v.as_ref());
+    let dx_half = outs.get(3);
+    if dres.is_some() || dx_half.is_some() {
+        // passes/layer_norm_grad_sum.rs: the residual gradient summed in, a 16-bit copy written
+        let kernel = accumulating_kernel(node, x, dy, dres, dx_half)?;
+        let (dres, dxh) = (dres.map_or(0, |v| v.ptr), dx_half.map_or(0, |v| v.ptr));
+        let args = [p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(dres), p(outs[0].ptr), p(dxh), i(rows), i(n)];
+        ctx.rt.launch(ctx.stream, &kernel, grid, &args)?;
+    } else {
+        ctx.rt.launch(
+            ctx.stream,
+            &format!("layer_norm_grad_{dy_sfx}"),
+            grid,
+            &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
+        )?;
+    }
     let dscale = outs.get(1).map_or(0, |o| o.ptr);
     let dbias = outs.get(2).map_or(0, |o| o.ptr);
     if dscale == 0 && dbias == 0 {

@@ -48,7 +48,13 @@ pub(super) fn weight_data(m: &Model) -> Vec<Vec<f32>> {
 }
 
 /// (outputs, gradients) of one step on the CPU.
-fn cpu_step(s: &Session, x: &[u8], sig: &Sig, mut weights: Vec<Vec<f32>>, seeds: &mut [Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+pub(super) fn cpu_step(
+    s: &Session,
+    x: &[u8],
+    sig: &Sig,
+    mut weights: Vec<Vec<f32>>,
+    seeds: &mut [Vec<f32>],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     let wptrs: Vec<*mut u8> = weights.iter_mut().map(|w| w.as_mut_ptr() as *mut u8).collect();
     // SAFETY: every pointer holds its value's planned f32 data and outlives the calls.
     let mut pending = unsafe { s.forward(&[(sig.clone(), x)], &wptrs, true, 1, &[]) }.expect("cpu forward");
@@ -285,7 +291,7 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
 /// Every output and weight gradient of a step (`got`: outputs, gradients) within `rtol` of the
 /// largest value of `want`'s (`assert_close_scaled`), named `{label}: output k` and
 /// `{label}: gradient of <weight>`.
-type Step = (Vec<Vec<f32>>, Vec<Vec<f32>>);
+pub(super) type Step = (Vec<Vec<f32>>, Vec<Vec<f32>>);
 fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step, rtol: f64) {
     let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {

@@ -281,6 +281,32 @@ pub(super) fn pow_mixed(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
+/// Two pre-norm residual blocks, h = h + LayerNorm(h)·W, on an f32 stream that starts as x plus
+/// a learned position term (as GPT-2's embeddings) and ends in a final LayerNorm and head: the
+/// stream's gradient is the sum of each LayerNormGrad's dx and the stream's own
+/// (passes/layer_norm_grad_sum.rs), cast to 16 bits for the matmul before it in bf16 sessions.
+pub(super) fn pre_norm_residual(rng: &mut Rng) -> Model {
+    let input = vec![2, 5, 24];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let pos = weight(&mut g, &mut ws, "pos", &[5, 24], rng);
+    let mut h = op(&mut g, "positions", "Add", &[x, pos], Attrs::default());
+    for (i, width) in [(0, 24), (1, 24), (2, 6)] {
+        let scale = weight(&mut g, &mut ws, &format!("ln{i}_scale"), &[24], rng);
+        let bias = weight(&mut g, &mut ws, &format!("ln{i}_bias"), &[24], rng);
+        let w = weight(&mut g, &mut ws, &format!("w{i}"), &[24, width], rng);
+        let n = op(&mut g, &format!("ln{i}"), "LayerNormalization", &[h, scale, bias], Attrs::default().with("axis", Attr::Int(-1)));
+        let y = op(&mut g, &format!("mm{i}"), "MatMul", &[n, w], Attrs::default());
+        // Hugging Face's view of the projection's output (autocast keeps a matmul in f32 when only
+        // a cast back reads its 16-bit result)
+        let shape = ints(&mut g, &format!("view{i}_shape"), &[2, 5, width as i64]);
+        let y = op(&mut g, &format!("view{i}"), "Reshape", &[y, shape], Attrs::default());
+        h = if i < 2 { op(&mut g, &format!("residual{i}"), "Add", &[h, y], Attrs::default()) } else { y };
+    }
+    g.outputs.push(h);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 /// LayerNorm, Softmax, Dropout (inference mode: masks of a training-mode Dropout differ
 /// between backends by design), LogSoftmax and a softmax cross-entropy with ignore_index.
 pub(super) fn attention_bits(rng: &mut Rng) -> Model {
@@ -531,6 +557,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
         ("masks", masks(&mut rng)),
         ("embedding", embedding(&mut rng)),
         ("attention_bits", attention_bits(&mut rng)),
+        ("pre_norm_residual", pre_norm_residual(&mut rng)),
         ("sdpa_causal", self_attention(&mut rng, true)),
         ("eager_attention_padding", self_attention(&mut rng, false)),
         ("lm_head_chunked", lm_head(&mut rng, true)),

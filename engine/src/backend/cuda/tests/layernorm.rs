@@ -33,6 +33,13 @@ fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, rows: u
     vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), KArg::I64(rows as i64), KArg::I64(n as i64)]
 }
 
+/// `layer_norm_grad_acc_f32_dy_D_H(dy, x, scale, mean, rstd, dres, dx, dxh, i64 rows, i64 n)`
+#[allow(clippy::too_many_arguments)]
+fn acc_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dres: u64, dx: u64, dxh: u64, rows: usize, n: usize) -> Vec<KArg> {
+    let p = KArg::Ptr;
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dres), p(dx), p(dxh), KArg::I64(rows as i64), KArg::I64(n as i64)]
+}
+
 /// `layer_norm_grad_params_T(dy, x, mean, rstd, partial, i64 rows, i64 n, i64 rows_per_chunk)`
 #[allow(clippy::too_many_arguments)]
 fn params_args(dy: u64, x: u64, mean: u64, rstd: u64, partial: u64, rows: usize, n: usize, rpc: usize) -> Vec<KArg> {
@@ -105,6 +112,11 @@ fn layernorm_argument_lists_match_the_registry() {
         ];
         for (k, args) in ks {
             check(&k, &args);
+            checked.push(k);
+        }
+        for d in ["f32", "bf16", "f16"] {
+            let k = format!("layer_norm_grad_acc_f32_dy_{d}_{h}");
+            check(&k, &acc_args(1, 1, 1, 1, 1, 1, 1, 1, ROWS, n));
             checked.push(k);
         }
     }
@@ -320,4 +332,95 @@ fn sixteen_bit_layer_norm_outputs_need_no_cast() {
     let (dy, dx) = (grad.input(0).expect("dy"), grad.outputs[0]);
     assert_eq!((plan.dtype(dy), plan.dtype(dx)), (Some(DType::BF16), Some(DType::F32)), "LayerNormGrad: bf16 dy, f32 dx");
     super::exec::bf16_step_matches("attention_bits", "sixteen_bit_layer_norm_outputs_need_no_cast", &m, &s, &plan, &mut rng);
+}
+
+/// The accumulating dx kernels of passes/layer_norm_grad_sum.rs compute what they replace, bit
+/// for bit: the plain dx kernel's dx (f32 or 16-bit dy), plus the residual gradient in one f32
+/// add (the Add kernel's), and that sum rounded to 16 bits (the cast kernel's); with dres or the
+/// copy absent, the same without them.
+#[test]
+fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
+    let Some(g) = gpu("gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast") else { return };
+    let mut rng = Rng::new(43);
+    for &(n, threads, _) in CASES {
+        let (len, row_grid) = (ROWS * n, Grid::new(ROW_BLOCKS, threads));
+        let x = dev_as(g, "f32", &rand_as(&mut rng, "f32", len, -1.3, 2.7));
+        let scale = dev_as(g, "f32", &rand_as(&mut rng, "f32", n, 0.5, 1.5));
+        let (mean, rstd) = (zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
+        run(g, "layer_norm_stats_f32", row_grid, &stats_args(x.ptr(), mean.ptr(), rstd.ptr(), ROWS, n));
+        let dres_v = rand_as(&mut rng, "f32", len, -2.0, 2.0);
+        let dres = dev_as(g, "f32", &dres_v);
+        for d in ["f32", "bf16", "f16"] {
+            let dy = dev_as(g, d, &rand_as(&mut rng, d, len, -1.0, 1.0));
+            let plain = zeros_as(g, "f32", len);
+            let k = if d == "f32" { "layer_norm_grad_f32".to_string() } else { format!("layer_norm_grad_f32_dy_{d}") };
+            run(g, &k, row_grid, &grad_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), plain.ptr(), ROWS, n));
+            let plain = host_as(&plain, "f32");
+            let summed: Vec<f64> = plain.iter().zip(&dres_v).map(|(&a, &b)| (a as f32 + b as f32) as f64).collect();
+            for h in HALVES {
+                let case = format!("{ROWS} rows of {n}, {threads} threads, dy {d}, copy {h}");
+                let acc = format!("layer_norm_grad_acc_f32_dy_{d}_{h}");
+                for (with_dres, with_copy) in [(true, true), (true, false), (false, true)] {
+                    let (dx, dxh) = (dev_as(g, "f32", &vec![f64::NAN; len]), dev_as(g, h, &vec![f64::NAN; len]));
+                    let (r, c) = (if with_dres { dres.ptr() } else { 0 }, if with_copy { dxh.ptr() } else { 0 });
+                    run(g, &acc, row_grid, &acc_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), r, dx.ptr(), c, ROWS, n));
+                    let want = if with_dres { &summed } else { &plain };
+                    let got = host_as(&dx, "f32");
+                    assert_eq!(&got, want, "{acc} dx (dres {with_dres}), {case}");
+                    let copy = host_as(&dxh, h);
+                    if with_copy {
+                        assert_eq!(copy, rounded(h, want), "{acc} 16-bit copy (dres {with_dres}), {case}");
+                    } else {
+                        assert!(copy.iter().all(|v| v.is_nan()), "{acc} wrote a copy it was not given, {case}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The LayerNormGrads of a pre-norm residual stack sum the residual stream's gradient
+/// themselves (input 5) and, in bf16 sessions, write the 16-bit copy the matmul before them
+/// reads (output 3): no Add or cast step reads their dx. fp32: the two blocks' sums; bf16: those
+/// and two copies (the first block's sum flows on in f32, to the position term), the step within bf16's precision of the fp32 one (on a GPU, the GPU's of
+/// the CPU's). The fp32 step's parity is gpu_train_step_matches_the_cpu_executor's and
+/// recomputed_activations_give_the_same_train_step's (the model is one of exec_models::models).
+#[test]
+fn residual_gradients_sum_in_the_layer_norm_gradient() {
+    use crate::backend::cpu::bf16::MatmulPrecision;
+    use crate::tensor::DType;
+    let mut rng = Rng::new(47);
+    let m = super::exec_models::pre_norm_residual(&mut rng);
+    for (precision, copies) in [(MatmulPrecision::Fp32, 0), (MatmulPrecision::Bf16, 2)] {
+        let s = super::exec::session_with(&m, crate::session::Target::Cuda, precision);
+        let plan = s.plan(&[m.sig()], true).expect("plan");
+        let steps: Vec<&crate::ir::Node> = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).collect();
+        let grads: Vec<&&crate::ir::Node> = steps.iter().filter(|n| n.op_type == "LayerNormGrad").collect();
+        assert_eq!(grads.len(), 3, "{precision:?}: LayerNormGrad steps");
+        let summing = grads.iter().filter(|n| n.input(5).is_some()).count();
+        assert_eq!(summing, 2, "{precision:?}: LayerNormGrads summing the residual gradient");
+        let with_copy: Vec<_> = grads.iter().filter(|n| n.outputs.len() == 4).collect();
+        assert_eq!(with_copy.len(), copies, "{precision:?}: LayerNormGrads writing a 16-bit dx");
+        for n in &with_copy {
+            assert_eq!(plan.dtype(n.outputs[3]), Some(DType::BF16), "{precision:?}: {}'s copy", n.name);
+        }
+        for n in &grads {
+            let dx = n.outputs[0];
+            let reader = steps.iter().find(|r| {
+                matches!(r.op_type.as_str(), "Add" | "Cast" | "CastLike") && r.input(0) == Some(dx)
+                    || r.input(1) == Some(dx) && r.op_type == "Add"
+            });
+            assert!(reader.is_none(), "{precision:?}: {} reads {}'s dx", reader.map_or("", |r| r.name.as_str()), n.name);
+        }
+        if precision == MatmulPrecision::Bf16 {
+            super::exec::bf16_step_matches(
+                "pre_norm_residual",
+                "residual_gradients_sum_in_the_layer_norm_gradient",
+                &m,
+                &s,
+                &plan,
+                &mut rng,
+            );
+        }
+    }
 }
