@@ -39,7 +39,7 @@ for cu in "$root"/kernels/*.cu; do
     if ! cmp -s "$gen.new" "$gen"; then mv "$gen.new" "$gen"; else rm "$gen.new"; fi
     jobs+=("$gen")
 done
-for f in fibers driver queues cubin registry cublas; do jobs+=("$src/$f.cpp"); done
+for f in fibers driver queues cubin registry cublas cublaslt; do jobs+=("$src/$f.cpp"); done
 
 # The kernel files only, so they fail where a GPU would: a load or store through a pointer not
 # aligned to its type (a `float4` at 8 bytes, a u32 pair of u16s at an odd index) traps (ud2,

@@ -135,6 +135,9 @@ pub struct Blas {
     /// (PyTorch sets its handles' workspaces for the same reason). Set again after every
     /// `cublasSetStream`, which resets it to the pool.
     workspace: super::launch::DeviceBuffer,
+    /// cuBLASLt, for the products with an epilogue (blas_lt.rs); None where it could not be
+    /// opened (they then take the cuBLAS path).
+    lt: Option<super::blas_lt::LtBlas>,
 }
 
 /// 32 MiB: what cuBLAS itself uses per handle on Hopper, and PyTorch's `CUBLAS_WORKSPACE_CONFIG`
@@ -204,7 +207,17 @@ impl Blas {
         let handle = std::panic::catch_unwind(cublas::create_handle)
             .map_err(|_| Error::Cuda(format!("cudarc could not open {CUBLAS_LIB} by name although it is loaded")))?
             .map_err(blas_err("creating a handle"))?;
-        Ok(Blas { handle: Mutex::new(handle), workspace })
+        Ok(Blas { handle: Mutex::new(handle), workspace, lt: super::blas_lt::LtBlas::new() })
+    }
+
+    /// Enqueues `D = alpha · op(A) · op(B) + beta · C + bias` through cuBLASLt (blas_lt.rs) with
+    /// the handle's workspace; false, having queued nothing, where cuBLASLt cannot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64) -> Result<bool> {
+        let Some(lt) = &self.lt else { return Ok(false) };
+        // the cuBLAS handle's lock: its calls and these share the workspace
+        let _serial = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        lt.matmul(stream, g, a, b, c, d, bias, (self.workspace.ptr(), self.workspace.bytes()))
     }
 
     /// Enqueues `g` on `stream` with device addresses `a`, `b`, `c`.

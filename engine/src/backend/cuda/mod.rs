@@ -18,6 +18,7 @@
 
 pub mod abi;
 pub mod blas;
+pub mod blas_lt;
 pub mod cache;
 pub mod claim;
 pub mod compile;

@@ -222,6 +222,13 @@ impl CudaRuntime {
         }
         self.blas.gemm(stream, &Gemm { ab_type: t, f32_mode: F32Mode::Exact, ..*g }, ws, ws + b_off as u64, c)
     }
+    /// Queues `D = alpha · op(A) · op(B) + beta · C + bias` as one cuBLASLt product
+    /// (blas_lt.rs); false, having queued nothing, where cuBLASLt cannot (the caller then runs
+    /// the product and the additions apart).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64) -> Result<bool> {
+        self.blas.gemm_epilogue(stream, g, a, b, c, d, bias)
+    }
     /// Rounds `n` f32 values at `src` to the 16-bit type `t` (nearest even, as `gemm` rounds a
     /// mixed-precision session's operands) at `dst`, queued on `stream`.
     pub fn round_f32(&self, stream: CUstream, t: GemmType, src: u64, dst: u64, n: usize) -> Result<()> {

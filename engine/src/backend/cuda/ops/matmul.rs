@@ -1,5 +1,6 @@
 //! MatMul, Gemm, FusedMatMul (the gradient matmuls, possibly summed over broadcast batches)
-//! and Linear on cuBLAS. Batches become one strided-batched call where the operands' batch
+//! and Linear on cuBLAS; a Gemm's or a Linear's bias through cuBLASLt's epilogue where it can
+//! (blas_lt.rs), else copied into the output for the product to add to. Batches become one strided-batched call where the operands' batch
 //! layouts allow (same batch, or one operand repeated with stride 0, or a batch folded into M
 //! or K as the CPU kernel does); other broadcast patterns run one call per batch.
 
@@ -117,6 +118,36 @@ fn scale(node: &Node, ctx: &mut CudaCtx, o: &DView, beta: f64) -> Result<()> {
     )
 }
 
+/// out = alpha · op(a) · op(b) + bias in one cuBLASLt product, the bias added as the product is
+/// written (blas_lt.rs) instead of copied into `out` first for a gemm with beta = 1 to add to:
+/// 2-D a and b of out's type, `bias` n values of that type. False where that does not apply or
+/// cuBLASLt has no kernel for it; nothing is queued then.
+#[allow(clippy::too_many_arguments)]
+fn with_bias_epilogue(
+    node: &Node,
+    ctx: &mut CudaCtx,
+    a: &DView,
+    b: &DView,
+    o: &DView,
+    bias: &DView,
+    ta: bool,
+    tb: bool,
+    alpha: f64,
+) -> Result<bool> {
+    if a.shape.len() != 2 || b.shape.len() != 2 || o.shape.len() != 2 || a.dtype != o.dtype || b.dtype != o.dtype || bias.dtype != o.dtype {
+        return Ok(false);
+    }
+    let (m, k) = if ta { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
+    let n = if tb { b.shape[0] } else { b.shape[1] };
+    if bias.numel() != n || bias.shape.iter().rev().skip(1).any(|&d| d != 1) || o.shape != [m, n] || k == 0 {
+        return Ok(false);
+    }
+    let mut g = Gemm::contiguous(1, m, n, k, ta, tb, gemm_type(node, a.dtype)?);
+    g.f32_mode = ctx.f32_mode;
+    g.alpha = alpha;
+    ctx.rt.gemm_epilogue(ctx.stream, &g, a.ptr, b.ptr, 0, o.ptr, bias.ptr)
+}
+
 fn matmul(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (a, b) = (input(node, ins, 0)?, input(node, ins, 1)?);
     batched(node, ctx, a, b, &outs[0], false, false, 1.0, 0.0)
@@ -141,6 +172,11 @@ fn gemm_op(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
     let alpha = node.attrs.float("alpha", 1.0)? as f64;
     let beta = node.attrs.float("beta", 1.0)? as f64;
     let o = &outs[0];
+    if let Some(c) = ins.get(2).and_then(|c| c.as_ref()).filter(|_| beta == 1.0) {
+        if with_bias_epilogue(node, ctx, a, b, o, c, ta, tb, alpha)? {
+            return Ok(());
+        }
+    }
     let beta = match ins.get(2).and_then(|c| c.as_ref()) {
         Some(c) if beta != 0.0 => {
             broadcast_copy(node, ctx, c, o.ptr, o.shape)?;
@@ -160,6 +196,15 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     if rows == 0 || n == 0 {
         return Ok(());
     }
+    let shape_x = [rows, k];
+    let shape_o = [rows, n];
+    let x2 = DView { shape: &shape_x, ..*x };
+    let o2 = DView { shape: &shape_o, ..*o };
+    if let Some(bias) = ins.get(2).and_then(|b| b.as_ref()) {
+        if with_bias_epilogue(node, ctx, &x2, w, &o2, bias, false, tb, 1.0)? {
+            return Ok(());
+        }
+    }
     let beta = match ins.get(2).and_then(|b| b.as_ref()) {
         Some(bias) => {
             broadcast_copy(node, ctx, bias, o.ptr, &[rows, n])?;
@@ -167,10 +212,6 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
         }
         None => 0.0,
     };
-    let shape_x = [rows, k];
-    let shape_o = [rows, n];
-    let x2 = DView { shape: &shape_x, ..*x };
-    let o2 = DView { shape: &shape_o, ..*o };
     batched(node, ctx, &x2, w, &o2, false, tb, 1.0, beta)
 }
 

@@ -11,6 +11,7 @@
 mod activation;
 mod attention_layout;
 mod blas;
+mod blas_lt;
 mod dropout;
 mod elementwise;
 mod exec;

@@ -1,0 +1,167 @@
+//! Matrix products with a fused epilogue through cuBLASLt (`cublasLtMatmul`):
+//! `D = alpha · op(A) · op(B) + beta · C + bias`, the bias (one value per output column, of D's
+//! type) added as the product is written and C a buffer of its own, so that a Gemm's or a
+//! Linear's bias needs no broadcast copy into the output first, and a projection can add the
+//! residual stream it is summed into (C, f32) while it writes D in f32 from 16-bit operands.
+//!
+//! Row-major as [`Gemm`] describes it, batch 1. cuBLASLt picks the kernel
+//! (`cublasLtMatmulAlgoGetHeuristic`, the runtime's workspace); where it has none for a
+//! combination, [`LtBlas::matmul`] says so (`Ok(false)`) and the caller runs the cuBLAS path.
+
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::sys::CUstream;
+
+use super::blas::{F32Mode, Gemm, GemmType};
+use crate::error::{Error, Result};
+
+/// A cuBLASLt handle. Calls are serialised, as for the cuBLAS handle.
+pub struct LtBlas {
+    handle: Mutex<sys::cublasLtHandle_t>,
+}
+
+// SAFETY: the handle is only used under the mutex, one call at a time.
+unsafe impl Send for LtBlas {}
+// SAFETY: as above.
+unsafe impl Sync for LtBlas {}
+
+fn lt_err(what: &'static str) -> impl Fn(lt::CublasError) -> Error {
+    move |e| Error::Cuda(format!("cuBLASLt {what}: {e:?}"))
+}
+
+fn data_type(t: GemmType) -> sys::cudaDataType {
+    match t {
+        GemmType::F32 => sys::cudaDataType::CUDA_R_32F,
+        GemmType::F64 => sys::cudaDataType::CUDA_R_64F,
+        GemmType::Bf16 => sys::cudaDataType::CUDA_R_16BF,
+        GemmType::F16 => sys::cudaDataType::CUDA_R_16F,
+    }
+}
+
+/// A descriptor destroyed when it goes out of scope.
+struct Owned<T: Copy>(T, unsafe fn(T) -> std::result::Result<(), lt::CublasError>);
+impl<T: Copy> Drop for Owned<T> {
+    fn drop(&mut self) {
+        // SAFETY: the descriptor was created by cuBLASLt and is destroyed once, here.
+        let _ = unsafe { (self.1)(self.0) };
+    }
+}
+
+/// A column-major layout of `rows` × `cols` with leading dimension `ld`.
+fn layout(t: GemmType, rows: usize, cols: usize, ld: usize) -> Result<Owned<sys::cublasLtMatrixLayout_t>> {
+    let l = lt::create_matrix_layout(data_type(t), rows as u64, cols as u64, ld as i64).map_err(lt_err("creating a layout"))?;
+    Ok(Owned(l, lt::destroy_matrix_layout))
+}
+
+/// Sets a matmul descriptor attribute from a plain value.
+fn set<V>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &V) -> Result<()> {
+    // SAFETY: `v` is a live value of the attribute's type and size, read during the call only.
+    unsafe { lt::set_matmul_desc_attribute(desc, attr, v as *const V as *const c_void, std::mem::size_of::<V>()) }
+        .map_err(lt_err("setting a matmul attribute"))
+}
+
+impl LtBlas {
+    /// A handle (cuBLASLt must be loaded: blas::load opens it beside cuBLAS). None where it
+    /// cannot be created: every product then takes the cuBLAS path.
+    pub fn new() -> Option<LtBlas> {
+        let handle = std::panic::catch_unwind(lt::create_handle).ok()?.ok()?;
+        Some(LtBlas { handle: Mutex::new(handle) })
+    }
+
+    /// Enqueues `D = alpha · op(A) · op(B) + beta · C (+ bias)` on `stream`: `g` describes A, B
+    /// and D (its `c_type` is D's and C's type, `ldc` both row strides); `c` is read only when
+    /// `g.beta` is not 0; `bias` (0: none) holds `g.n` values of D's type. Returns false, having
+    /// queued nothing, where cuBLASLt has no kernel for it (batches, f64, operands rounded to
+    /// 16 bits by half_gemm.rs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64, workspace: (u64, usize)) -> Result<bool> {
+        let compute = match (g.ab_type, g.f32_mode) {
+            (GemmType::F64, _) | (GemmType::F32, F32Mode::Bf16 | F32Mode::F16) => return Ok(false),
+            (GemmType::F32, F32Mode::Tf32) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            _ => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        if g.batch != 1 || g.c_type == GemmType::F64 {
+            return Ok(false);
+        }
+        if g.m == 0 || g.n == 0 {
+            return Ok(true);
+        }
+        // Row-major D = op(A)·op(B) is column-major Dᵀ = op(B)ᵀ·op(A)ᵀ, as in blas.rs: cuBLASLt's
+        // A is our B (n × k after its op), its B our A (k × m), D column-major n × m; the bias
+        // runs along D's column-major rows, our columns.
+        use cudarc::cublas::sys::cublasOperation_t as Op;
+        let op = |t: bool| if t { Op::CUBLAS_OP_T } else { Op::CUBLAS_OP_N };
+        let (rows_a, cols_a) = if g.trans_b { (g.k, g.n) } else { (g.n, g.k) };
+        let (rows_b, cols_b) = if g.trans_a { (g.m, g.k) } else { (g.k, g.m) };
+        let (la, lb) = (layout(g.ab_type, rows_a, cols_a, g.ldb)?, layout(g.ab_type, rows_b, cols_b, g.lda)?);
+        let lc = layout(g.c_type, g.n, g.m, g.ldc)?;
+        let desc = lt::create_matmul_desc(compute, sys::cudaDataType::CUDA_R_32F).map_err(lt_err("creating a matmul"))?;
+        let desc = Owned(desc, lt::destroy_matmul_desc);
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.trans_b))?;
+        set(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.trans_a))?;
+        if bias != 0 {
+            set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS)?;
+            set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
+        }
+        let pref = Owned(lt::create_matmul_pref().map_err(lt_err("creating a preference"))?, lt::destroy_matmul_pref);
+        let ws_bytes = workspace.1 as u64;
+        // SAFETY: a u64 of the attribute's size, read during the call only.
+        unsafe {
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws_bytes as *const u64 as *const c_void,
+                8,
+            )
+        }
+        .map_err(lt_err("setting the workspace"))?;
+        let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: live handle and descriptors; the heuristic reads them only.
+        let found = unsafe { lt::get_matmul_algo_heuristic(*handle, desc.0, la.0, lb.0, lc.0, lc.0, pref.0) };
+        let heuristic = match found {
+            Ok(h) => h,
+            Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => return Ok(false),
+            Err(e) => return Err(lt_err("choosing a kernel")(e)),
+        };
+        let (alpha, beta) = (g.alpha as f32, g.beta as f32);
+        let c = if g.beta == 0.0 { d } else { c };
+        // SAFETY: the handle and descriptors are live; alpha/beta are host f32 values (the
+        // default pointer mode) that outlive the call; the device addresses and the layouts
+        // describing them are the caller's contract, as for a kernel launch; the workspace is
+        // the runtime's, of the size the preference allowed.
+        unsafe {
+            lt::matmul(
+                *handle,
+                desc.0,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b as *const c_void,
+                la.0,
+                a as *const c_void,
+                lb.0,
+                c as *const c_void,
+                lc.0,
+                d as *mut c_void,
+                lc.0,
+                &heuristic.algo,
+                workspace.0 as *mut c_void,
+                workspace.1,
+                stream as sys::cudaStream_t,
+            )
+        }
+        .map_err(|e| Error::Cuda(format!("cuBLASLt matmul {g:?}: {e:?}")))?;
+        Ok(true)
+    }
+}
+
+impl Drop for LtBlas {
+    fn drop(&mut self) {
+        let h = *self.handle.get_mut().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the handle was created by `new` and is destroyed once, here.
+        let _ = unsafe { lt::destroy_handle(h) };
+    }
+}

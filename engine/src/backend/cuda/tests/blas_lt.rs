@@ -1,0 +1,122 @@
+//! cuBLASLt products with an epilogue (blas_lt.rs) against an f64 host reference:
+//! D = alpha·op(A)·op(B) + beta·C + bias, for f32, bf16 and f16 operands (16-bit results, and
+//! f32 results with C a separate f32 buffer: the residual fusion's form), every transpose
+//! combination, with and without the bias and C. Each call must be taken by cuBLASLt (on a GPU:
+//! the combinations the engine relies on have a kernel), and a separate C is left as it was.
+
+use super::support::*;
+use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
+use crate::backend::cuda::loader::Loaded;
+
+fn round(t: GemmType, v: f64) -> f64 {
+    match t {
+        GemmType::Bf16 => bf16_value(bf16_bits(v as f32)) as f64,
+        GemmType::F16 => f16_value(f16_bits(v as f32)) as f64,
+        GemmType::F32 => v as f32 as f64,
+        GemmType::F64 => v,
+    }
+}
+
+fn upload(g: &Loaded, t: GemmType, v: &[f64]) -> crate::backend::cuda::launch::DeviceBuffer {
+    match t {
+        GemmType::F64 => dev(g, v),
+        GemmType::F32 => dev(g, &v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        GemmType::Bf16 => dev(g, &v.iter().map(|&x| bf16_bits(x as f32)).collect::<Vec<_>>()),
+        GemmType::F16 => dev(g, &v.iter().map(|&x| f16_bits(x as f32)).collect::<Vec<_>>()),
+    }
+}
+
+fn download(t: GemmType, b: &crate::backend::cuda::launch::DeviceBuffer) -> Vec<f64> {
+    match t {
+        GemmType::F64 => host::<f64>(b),
+        GemmType::F32 => host::<f32>(b).into_iter().map(f64::from).collect(),
+        GemmType::Bf16 => host::<u16>(b).into_iter().map(|x| bf16_value(x) as f64).collect(),
+        GemmType::F16 => host::<u16>(b).into_iter().map(|x| f16_value(x) as f64).collect(),
+    }
+}
+
+#[test]
+fn gpu_epilogue_products_add_the_bias_and_a_separate_c() {
+    let Some(gpu_) = gpu("gpu_epilogue_products_add_the_bias_and_a_separate_c") else { return };
+    let mut rng = Rng::new(53);
+    let (m, n, k) = (37, 24, 48);
+    // (operands, result and C, tolerance relative to the sum of |terms|)
+    let types = [
+        (GemmType::F32, GemmType::F32, 2e-6),
+        (GemmType::Bf16, GemmType::Bf16, 8e-3),
+        (GemmType::F16, GemmType::F16, 1e-3),
+        (GemmType::Bf16, GemmType::F32, 2e-6),
+        (GemmType::F16, GemmType::F32, 2e-6),
+    ];
+    for (ab, cd, rtol) in types {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for (with_bias, with_c) in [(true, false), (true, true), (false, true)] {
+                let name = format!("{ab:?} -> {cd:?}, trans_a {ta}, trans_b {tb}, bias {with_bias}, C {with_c}");
+                let mut g = Gemm::contiguous(1, m, n, k, ta, tb, ab);
+                g.c_type = cd;
+                g.f32_mode = F32Mode::Exact;
+                g.alpha = 0.75;
+                g.beta = if with_c { 1.0 } else { 0.0 };
+                let vals = |rng: &mut Rng, t: GemmType, len: usize| -> Vec<f64> {
+                    rng.f32s(len, -1.0, 1.0).into_iter().map(|v| round(t, v as f64)).collect()
+                };
+                let (a, b, c, bias) =
+                    (vals(&mut rng, ab, m * k), vals(&mut rng, ab, k * n), vals(&mut rng, cd, m * n), vals(&mut rng, cd, n));
+                let (da, db, dc, dbias) = (upload(gpu_, ab, &a), upload(gpu_, ab, &b), upload(gpu_, cd, &c), upload(gpu_, cd, &bias));
+                let dd = upload(gpu_, cd, &vec![f64::NAN; m * n]);
+                let bias_ptr = if with_bias { dbias.ptr() } else { 0 };
+                let taken = blas(gpu_)
+                    .gemm_epilogue(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), dc.ptr(), dd.ptr(), bias_ptr)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(taken, "{name}: cuBLASLt has no kernel for it");
+                gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
+                let got = download(cd, &dd);
+                assert_eq!(download(cd, &dc), c, "{name}: C changed");
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut s, mut scale) = (0.0, 0.0);
+                        for l in 0..k {
+                            let av = if ta { a[l * m + i] } else { a[i * k + l] };
+                            let bv = if tb { b[j * k + l] } else { b[l * n + j] };
+                            s += av * bv;
+                            scale += (av * bv).abs();
+                        }
+                        let mut want = g.alpha * s;
+                        scale *= g.alpha;
+                        if with_c {
+                            want += c[i * n + j];
+                            scale += c[i * n + j].abs();
+                        }
+                        if with_bias {
+                            want += bias[j];
+                            scale += bias[j].abs();
+                        }
+                        let v = got[i * n + j];
+                        assert!((v - want).abs() <= rtol * scale.max(1e-30), "{name}: [{i}, {j}] got {v}, expected {want}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Where cuBLASLt has no kernel (f64, batches, operands half_gemm.rs rounds), the call says
+/// so and queues nothing.
+#[test]
+fn gpu_epilogue_products_decline_what_cublaslt_cannot_do() {
+    let Some(gpu_) = gpu("gpu_epilogue_products_decline_what_cublaslt_cannot_do") else { return };
+    let out = upload(gpu_, GemmType::F64, &[1.0; 16]);
+    let mut declined = Vec::new();
+    let f64_gemm = Gemm::contiguous(1, 4, 4, 4, false, false, GemmType::F64);
+    let batched = Gemm::contiguous(2, 2, 2, 2, false, false, GemmType::F32);
+    let rounded = Gemm { f32_mode: F32Mode::Bf16, ..Gemm::contiguous(1, 4, 4, 4, false, false, GemmType::F32) };
+    for (what, g) in [("f64", f64_gemm), ("a batch of 2", batched), ("f32 rounded to bf16", rounded)] {
+        let taken = blas(gpu_).gemm_epilogue(std::ptr::null_mut(), &g, out.ptr(), out.ptr(), 0, out.ptr(), 0).expect("no error");
+        if !taken {
+            declined.push(what);
+        }
+    }
+    gpu_.synchronize().expect("sync");
+    assert_eq!(declined, ["f64", "a batch of 2", "f32 rounded to bf16"]);
+    assert_eq!(host::<f64>(&out), vec![1.0; 16], "nothing was queued");
+}
