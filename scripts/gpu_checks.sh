@@ -14,7 +14,8 @@
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast without stops 30-31's
-#              passes (+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum),
+#              passes (+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum
+#              +no_fuse_residual_linear),
 #              ortrain+fuse_attention, ortrain,
 #              and ortrain+fuse_attention+autocast without the GELU recomputation (+no_recompute)
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
@@ -166,7 +167,7 @@ if has tutorial; then
 fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+        --systems ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"

@@ -2,6 +2,11 @@
 //! 2-D ([N, K] when `transB` = 1, else [K, N]) and an optional bias b[N]. One op instead of
 //! Transpose + MatMul + Add: the weight is never transposed in memory and the bias lands in the
 //! matmul's output. Its gradient is two FusedMatMuls over the rows and a column sum.
+//!
+//! Input 3, `residual` (internal, passes/fuse_residual_linear.rs): Y = residual + X · op(W) + b,
+//! of the residual's type and shape (f32 from 16-bit X and W: the bias is then the residual's
+//! type too), its rows the product's rows (the residual's last dim is N). Its gradient is dY
+//! itself; X's and W's come from dY cast to their type, the bias's from dY.
 
 use super::util::{input, same_element_type};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -21,7 +26,8 @@ struct Linear;
 impl OpDef for Linear {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (x, w) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
-        same_element_type(node, inputs, &[0, 1, 2])?;
+        let residual = inputs.get(3).and_then(|r| r.as_ref());
+        same_element_type(node, inputs, if residual.is_some() { &[0, 1] } else { &[0, 1, 2] })?;
         let (k, n) = linear_dims(node, w.shape)?;
         if x.shape.last() != Some(&k) {
             return Err(node.err(format!("X {:?} does not end in the weight's K = {k}", x.shape)));
@@ -30,10 +36,22 @@ impl OpDef for Linear {
             if b.shape != [n] {
                 return Err(node.err(format!("the bias must be [{n}], got {:?}", b.shape)));
             }
+            if let Some(r) = residual.filter(|r| r.dtype != b.dtype) {
+                return Err(node.err(format!("the bias is {} and the residual {}: they must be alike", b.dtype.name(), r.dtype.name())));
+            }
         }
         let mut out = x.shape[..x.shape.len() - 1].to_vec();
         out.push(n);
-        Ok(vec![TypeOut::new(x.dtype, out)])
+        match residual {
+            None => Ok(vec![TypeOut::new(x.dtype, out)]),
+            Some(r) => {
+                let rows: usize = out[..out.len() - 1].iter().product();
+                if r.shape.last() != Some(&n) || r.shape.iter().product::<usize>() != rows * n {
+                    return Err(node.err(format!("the residual {:?} must hold the product's {rows} rows of {n}", r.shape)));
+                }
+                Ok(vec![TypeOut::like(r)])
+            }
+        }
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
@@ -41,13 +59,30 @@ impl OpDef for Linear {
             let (x, w) = (g.x(0)?, g.x(1)?);
             let tb = node.attrs.int("transB", 0)? != 0;
             let mm = |ta: bool, tb: bool| Attrs::default().with("transA", Attr::Int(ta as i64)).with("transB", Attr::Int(tb as i64));
+            let residual = node.input(3).is_some();
+            // with a residual, dY is the residual's (f32, its shape): the products take it as
+            // rows of N cast to X's type, the bias's gradient as those rows
+            let dy_rows = residual.then(|| g.op("FlattenRows", &[dy], Attrs::default()));
+            let dy_x = match dy_rows {
+                Some(rows) => {
+                    g.set(3, dy);
+                    g.op("CastLike", &[rows, x], Attrs::default())
+                }
+                None => dy,
+            };
             if g.wants(0) {
-                let d = g.op("FusedMatMul", &[dy, w], mm(false, !tb));
+                let d = g.op("FusedMatMul", &[dy_x, w], mm(false, !tb));
+                let d = if residual {
+                    let shape = g.shape_of(x);
+                    g.op("Reshape", &[d, shape], Attrs::default())
+                } else {
+                    d
+                };
                 g.set(0, d);
             }
             if g.wants(1) || g.wants(2) {
                 // rows flattened: [-1, N] and [-1, K] views (free: Reshape shares memory)
-                let dy2 = g.op("FlattenRows", &[dy], Attrs::default());
+                let dy2 = if residual { dy_x } else { g.op("FlattenRows", &[dy], Attrs::default()) };
                 if g.wants(1) {
                     let x2 = g.op("FlattenRows", &[x], Attrs::default());
                     let d = if tb {
@@ -58,7 +93,7 @@ impl OpDef for Linear {
                     g.set(1, d);
                 }
                 if g.wants(2) {
-                    let d = g.op("SumRows", &[dy2], Attrs::default());
+                    let d = g.op("SumRows", &[dy_rows.unwrap_or(dy2)], Attrs::default());
                     g.set(2, d);
                 }
             }

@@ -94,8 +94,9 @@ fn absorb_sums(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usiz
 }
 
 /// Views of the gradient between a LayerNormGrad and the cast: the Add's gradient rule reads
-/// the sum through ReduceSumTo (a view unless the Add broadcast), HF models through Reshape.
-const VIEWS: &[&str] = &["ReduceSumTo", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
+/// the sum through ReduceSumTo (a view unless the Add broadcast), HF models through Reshape, a
+/// Linear adding the residual (passes/fuse_residual_linear.rs) through FlattenRows.
+const VIEWS: &[&str] = &["ReduceSumTo", "FlattenRows", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
 /// A cast of `v` (or of a chain of views of it) to a 16-bit float: (the views, the cast, its type).
 fn half_cast(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], types: &[Option<DType>], v: ValueId) -> Option<(Vec<usize>, usize, DType)> {

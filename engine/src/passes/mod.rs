@@ -12,6 +12,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod fuse_residual_linear;
 mod layer_norm_grad_sum;
 mod layer_norm_half;
 mod layer_norm_stats;
@@ -81,6 +82,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after autocast (a no-op without its casts): LayerNorm writes the 16-bit copy its matmul
     // reads, and its gradient reads the 16-bit dy
     ("layer_norm_half", |g, _| Ok(layer_norm_half::run(g)), Runs::CudaOnly),
+    // after autocast (a no-op without its casts): a 16-bit projection added to the f32
+    // residual stream writes the f32 sum itself (cuBLASLt's epilogue adds the residual)
+    ("fuse_residual_linear", |g, _| Ok(fuse_residual_linear::run(g)), Runs::CudaOnly),
     // last: LayerNorm's statistics kept for its gradient (the GPU's recomputation reads x again)
     ("layer_norm_stats", |g, _| Ok(layer_norm_stats::run(g)), Runs::CudaOnly),
 ];

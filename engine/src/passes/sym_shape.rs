@@ -93,14 +93,34 @@ pub fn values(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
     eval(graph, v, 12)
 }
 
-/// The symbolic shape of `v`: declared, or that of a Reshape's target (without -1 or 0) or of
-/// a Transpose of a value whose shape is known.
+/// The numpy broadcast of two symbolic shapes, where it is certain (equal dims, or a known 1).
+fn broadcast(a: &[SymDim], b: &[SymDim]) -> Option<Vec<SymDim>> {
+    let rank = a.len().max(b.len());
+    let one = SymDim::Known(1);
+    let dim = |s: &[SymDim], i: usize| if i + s.len() >= rank { s[i + s.len() - rank].clone() } else { one.clone() };
+    (0..rank)
+        .map(|i| match (dim(a, i), dim(b, i)) {
+            (x, y) if x == y => Some(x),
+            (x, y) if x == one => Some(y),
+            (x, y) if y == one => Some(x),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The symbolic shape of `v`: declared, or that of a Reshape's target (without -1 or 0), of
+/// a Transpose, a Cast or an Identity of a value whose shape is known, or of the broadcast of
+/// an Add, Sub, Mul or Div of two such values.
 pub fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
     if let Some(s) = declared(graph, v) {
         return Some(s);
     }
     let node = &graph.nodes[graph.value(v).producer?.0];
     match node.op_type.as_str() {
+        "Cast" | "Identity" => shape_of(graph, node.input(0)?),
+        "Add" | "Sub" | "Mul" | "Div" if node.inputs.len() == 2 => {
+            broadcast(&shape_of(graph, node.input(0)?)?, &shape_of(graph, node.input(1)?)?)
+        }
         "Reshape" => values(graph, node.input(1)?).filter(|t| !t.iter().any(|d| matches!(d, SymDim::Known(-1 | 0)))),
         "Transpose" => {
             let x = shape_of(graph, node.input(0)?)?;

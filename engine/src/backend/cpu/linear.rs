@@ -1,5 +1,5 @@
-//! CPU kernels of ops/linear.rs: Linear (bias rows written first, then one gemm accumulating
-//! into them), FlattenRows (a copy, for when the plan could not make it a view) and SumRows
+//! CPU kernels of ops/linear.rs: Linear (bias rows, or the residual plus the bias, written
+//! first, then one gemm accumulating into them), FlattenRows (a copy, for when the plan could not make it a view) and SumRows
 //! (column sums, split across threads by column blocks).
 
 use rayon::prelude::*;
@@ -17,6 +17,7 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx)
     let x = first(node, inputs)?;
     let w = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 (weight) missing"))?;
     let b = inputs.get(2).and_then(|v| v.as_ref());
+    let r = inputs.get(3).and_then(|v| v.as_ref());
     let tb = node.attrs.int("transB", 0)? != 0;
     let (k, n) = linear_dims(node, w.shape)?;
     #[allow(clippy::too_many_arguments)]
@@ -25,6 +26,7 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx)
         x: &In,
         w: &In,
         b: Option<&In>,
+        r: Option<&In>,
         o: &mut Out,
         k: usize,
         n: usize,
@@ -35,17 +37,25 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx)
             return Ok(());
         }
         let rows = ov.len() / n;
+        // the rows the product is added to: the residual (plus the bias), or the bias
+        if let Some(r) = r {
+            ov.copy_from_slice(r.slice::<T>()?);
+        }
         if let Some(b) = b {
             let bv = b.slice::<T>()?;
-            let fill = |row: &mut [T]| row.copy_from_slice(bv);
+            let fill = |row: &mut [T]| match r {
+                Some(_) => row.iter_mut().zip(bv).for_each(|(o, &b)| *o = *o + b),
+                None => row.copy_from_slice(bv),
+            };
             if ov.len() >= PAR_MIN {
                 ov.par_chunks_mut(n).for_each(fill);
             } else {
                 ov.chunks_mut(n).for_each(fill);
             }
         }
+        let accumulate = b.is_some() || r.is_some();
         if k == 0 {
-            if b.is_none() {
+            if !accumulate {
                 ov.iter_mut().for_each(|v| *v = T::zero());
             }
             return Ok(());
@@ -54,10 +64,10 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx)
         let rhs = if tb { Mat { ptr: wv.as_ptr(), rs: 1, cs: k as isize } } else { Mat { ptr: wv.as_ptr(), rs: n as isize, cs: 1 } };
         // SAFETY: x is [rows, k] row-major, w is [n, k] (tb) or [k, n] row-major, out is [rows, n]
         // and distinct from both (the plan never places an output over a live input).
-        unsafe { gemm_call(path, rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), b.is_some()) };
+        unsafe { gemm_call(path, rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), accumulate) };
         Ok(())
     }
-    crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, &mut out[0], k, n, tb))
+    crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, r, &mut out[0], k, n, tb))
 }
 
 fn flatten_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

@@ -118,6 +118,16 @@ fn scale(node: &Node, ctx: &mut CudaCtx, o: &DView, beta: f64) -> Result<()> {
     )
 }
 
+/// `ORTRAIN_CUBLASLT=0` turns the cuBLASLt epilogue products off (the bias copied into the
+/// output, the residual summed by a gemm with beta = 1): for comparing the two on a GPU, and for
+/// the tests of the cuBLAS path. Read at each call (plans replayed from a CUDA graph keep what
+/// they were recorded with).
+pub const ENV_CUBLASLT: &str = "ORTRAIN_CUBLASLT";
+
+fn epilogues_on() -> bool {
+    std::env::var(ENV_CUBLASLT).map_or(true, |v| v.trim() != "0")
+}
+
 /// out = alpha · op(a) · op(b) + bias in one cuBLASLt product, the bias added as the product is
 /// written (blas_lt.rs) instead of copied into `out` first for a gemm with beta = 1 to add to:
 /// 2-D a and b of out's type, `bias` n values of that type. False where that does not apply or
@@ -134,7 +144,8 @@ fn with_bias_epilogue(
     tb: bool,
     alpha: f64,
 ) -> Result<bool> {
-    if a.shape.len() != 2 || b.shape.len() != 2 || o.shape.len() != 2 || a.dtype != o.dtype || b.dtype != o.dtype || bias.dtype != o.dtype {
+    let same_type = a.dtype == o.dtype && b.dtype == o.dtype && bias.dtype == o.dtype;
+    if a.shape.len() != 2 || b.shape.len() != 2 || o.shape.len() != 2 || !same_type || !epilogues_on() {
         return Ok(false);
     }
     let (m, k) = if ta { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
@@ -200,6 +211,9 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     let shape_o = [rows, n];
     let x2 = DView { shape: &shape_x, ..*x };
     let o2 = DView { shape: &shape_o, ..*o };
+    if let Some(residual) = ins.get(3).and_then(|r| r.as_ref()) {
+        return linear_residual(node, ctx, &x2, w, ins.get(2).and_then(|b| b.as_ref()), residual, &o2, tb);
+    }
     if let Some(bias) = ins.get(2).and_then(|b| b.as_ref()) {
         if with_bias_epilogue(node, ctx, &x2, w, &o2, bias, false, tb, 1.0)? {
             return Ok(());
@@ -213,6 +227,53 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
         None => 0.0,
     };
     batched(node, ctx, &x2, w, &o2, false, tb, 1.0, beta)
+}
+
+/// Linear's input 3 (passes/fuse_residual_linear.rs): out = residual + x · op(w) (+ bias), out
+/// and residual (and the bias) of their own type, f32 from 16-bit x and w. One cuBLASLt product
+/// adding both in its epilogue where it can; else the residual copied into out, the product
+/// added by a gemm with beta = 1, and the bias by a product of a ones column and the bias row.
+#[allow(clippy::too_many_arguments)]
+fn linear_residual(
+    node: &Node,
+    ctx: &mut CudaCtx,
+    x: &DView,
+    w: &DView,
+    bias: Option<&DView>,
+    r: &DView,
+    o: &DView,
+    tb: bool,
+) -> Result<()> {
+    let (rows, k, n) = (x.shape[0], x.shape[1], o.shape[1]);
+    if r.dtype != o.dtype || r.numel() != o.numel() || bias.is_some_and(|b| b.dtype != o.dtype || b.numel() != n) {
+        return Err(node.err(format!(
+            "the residual ({} {:?}) and the bias must be of the output's type ({}) and size",
+            r.dtype.name(),
+            r.shape,
+            o.dtype.name()
+        )));
+    }
+    let (ab, cd) = (gemm_type(node, x.dtype)?, gemm_type(node, o.dtype)?);
+    let mut g = Gemm::contiguous(1, rows, n, k, false, tb, ab);
+    g.c_type = cd;
+    g.f32_mode = ctx.f32_mode;
+    g.beta = 1.0;
+    if k > 0 && epilogues_on() && ctx.rt.gemm_epilogue(ctx.stream, &g, x.ptr, w.ptr, r.ptr, o.ptr, bias.map_or(0, |b| b.ptr))? {
+        return Ok(());
+    }
+    let numel = [o.numel()];
+    let flat = expand_layout(&numel, &numel).map_err(|e| node.err(e.to_string()))?;
+    copy(ctx, o.dtype.size(), r.ptr, o.ptr, flat, o.numel())?;
+    if k > 0 {
+        ctx.rt.gemm(ctx.stream, &g, x.ptr, w.ptr, o.ptr)?;
+    }
+    if let Some(b) = bias {
+        let ones = ctx.rt.ones(ctx.stream, cd, rows)?;
+        let mut add = Gemm::contiguous(1, rows, n, 1, false, false, cd);
+        add.beta = 1.0;
+        ctx.rt.gemm(ctx.stream, &add, ones, b.ptr, o.ptr)?;
+    }
+    Ok(())
 }
 
 pub fn register(t: &mut CudaTable) {

@@ -36,6 +36,7 @@ mod softmax;
 pub mod strides;
 mod widen;
 
+pub use matmul::ENV_CUBLASLT;
 pub use random::random_key;
 
 /// A value on the device: its type, shape and address (contiguous, row-major), and for

@@ -87,10 +87,10 @@ fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec
     gpu_step_in(s, x, sig, weights, seeds, F32Mode::Exact, LEGACY)
 }
 
-const LEGACY: cudarc::driver::sys::CUstream = std::ptr::null_mut(); // the legacy default stream
+pub(super) const LEGACY: cudarc::driver::sys::CUstream = std::ptr::null_mut(); // the legacy default stream
 
 /// As `gpu_step`, with the session's f32 matmuls in `mode` and the phases queued on `stream`.
-fn gpu_step_in(
+pub(super) fn gpu_step_in(
     s: &Session,
     x: &[u8],
     sig: &Sig,
@@ -292,7 +292,7 @@ fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
 /// largest value of `want`'s (`assert_close_scaled`), named `{label}: output k` and
 /// `{label}: gradient of <weight>`.
 pub(super) type Step = (Vec<Vec<f32>>, Vec<Vec<f32>>);
-fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step, rtol: f64) {
+pub(super) fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step, rtol: f64) {
     let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
     for (k, (g, w)) in got.0.iter().zip(&want.0).enumerate() {
         assert_close_scaled(&format!("{label}: output {k}"), &f(g), &f(w), rtol);

@@ -281,7 +281,8 @@ pub(super) fn pow_mixed(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
-/// Two pre-norm residual blocks, h = h + LayerNorm(h)·W, on an f32 stream that starts as x plus
+/// Two pre-norm residual blocks, h = h + LayerNorm(h)·W (the first a Gemm with a bias over
+/// flattened rows, as GPT-2's Conv1D; the second a MatMul), on an f32 stream that starts as x plus
 /// a learned position term (as GPT-2's embeddings) and ends in a final LayerNorm and head: the
 /// stream's gradient is the sum of each LayerNormGrad's dx and the stream's own
 /// (passes/layer_norm_grad_sum.rs), cast to 16 bits for the matmul before it in bf16 sessions.
@@ -296,7 +297,15 @@ pub(super) fn pre_norm_residual(rng: &mut Rng) -> Model {
         let bias = weight(&mut g, &mut ws, &format!("ln{i}_bias"), &[24], rng);
         let w = weight(&mut g, &mut ws, &format!("w{i}"), &[24, width], rng);
         let n = op(&mut g, &format!("ln{i}"), "LayerNormalization", &[h, scale, bias], Attrs::default().with("axis", Attr::Int(-1)));
-        let y = op(&mut g, &format!("mm{i}"), "MatMul", &[n, w], Attrs::default());
+        let y = if i == 0 {
+            // Hugging Face GPT-2's Conv1D: rows flattened, addmm (a Gemm with its bias)
+            let rows = ints(&mut g, "rows_shape", &[10, 24]);
+            let flat = op(&mut g, "rows", "Reshape", &[n, rows], Attrs::default());
+            let b = weight(&mut g, &mut ws, "b0", &[width], rng);
+            op(&mut g, "mm0", "Gemm", &[flat, w, b], Attrs::default())
+        } else {
+            op(&mut g, &format!("mm{i}"), "MatMul", &[n, w], Attrs::default())
+        };
         // Hugging Face's view of the projection's output (autocast keeps a matmul in f32 when only
         // a cast back reads its 16-bit result)
         let shape = ints(&mut g, &format!("view{i}_shape"), &[2, 5, width as i64]);

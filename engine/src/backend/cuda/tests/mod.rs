@@ -24,6 +24,7 @@ mod loss;
 mod movement;
 mod optim;
 mod reduce;
+mod residual;
 mod smoke;
 mod softmax;
 mod spatial;
