@@ -2,7 +2,12 @@
 // the CPU, with the arithmetic of blas_math.h. Descriptors keep what their attributes set, and
 // setting one checks its size as cuBLASLt does (a wrong size is INVALID_VALUE); the heuristic
 // answers one algorithm for the combinations blas_math.h's `legal` allows with the DEFAULT or
-// BIAS epilogue and a bias of D's type, else NOT_SUPPORTED with none.
+// BIAS epilogue and a bias of D's type, else NOT_SUPPORTED with none. The algorithm carries the
+// alignments the preference allowed (256 bytes unless set, as cuBLASLt assumes), and the
+// matmul fails, naming the operand, where an address is less aligned than its algorithm
+// assumes (on a GPU: a misaligned-address fault), or a bias less than 16-byte aligned.
+#include <stdio.h>
+
 #include "blas_math.h"
 
 using namespace ort_blas;
@@ -12,7 +17,7 @@ namespace {
 enum DescAttr { D_COMPUTE = 0, D_SCALE = 1, D_POINTER_MODE = 2, D_TRANSA = 3, D_TRANSB = 4, D_EPILOGUE = 7, D_BIAS_POINTER = 8, D_BIAS_TYPE = 26 };
 enum Epilogue { E_DEFAULT = 1, E_BIAS = 4 };
 enum LayoutAttr { L_TYPE = 0, L_ORDER = 1, L_ROWS = 2, L_COLS = 3, L_LD = 4, L_BATCH = 5, L_STRIDE = 6 };
-enum PrefAttr { P_MAX_WORKSPACE = 1 };
+enum PrefAttr { P_MAX_WORKSPACE = 1, P_ALIGN_A = 5, P_ALIGN_D = 8 };
 
 struct Desc {
     int compute, scale;
@@ -30,6 +35,7 @@ struct Layout {
 };
 struct Pref {
     uint64_t workspace = 0;
+    uint32_t align[4] = {256, 256, 256, 256};  // A, B, C, D
 };
 struct LtHandle {};
 
@@ -126,10 +132,11 @@ EXPORT int cublasLtMatmulPreferenceDestroy(Pref* p) {
 }
 EXPORT int cublasLtMatmulPreferenceSetAttribute(Pref* p, int attr, const void* buf, size_t size) {
     if (attr == P_MAX_WORKSPACE) return set(p->workspace, buf, size);
+    if (attr >= P_ALIGN_A && attr <= P_ALIGN_D) return set(p->align[attr - P_ALIGN_A], buf, size);
     return INVALID_VALUE;
 }
 
-EXPORT int cublasLtMatmulAlgoGetHeuristic(LtHandle*, Desc* d, Layout* a, Layout* b, Layout* c, Layout* dl, Pref*, int requested,
+EXPORT int cublasLtMatmulAlgoGetHeuristic(LtHandle*, Desc* d, Layout* a, Layout* b, Layout* c, Layout* dl, Pref* pref, int requested,
                                           HeuristicResult* results, int* returned) {
     int m, n, k;
     if (requested < 1 || !dims(d, a, b, c, m, n, k) || dl->rows != c->rows || dl->cols != c->cols) return INVALID_VALUE;
@@ -138,6 +145,7 @@ EXPORT int cublasLtMatmulAlgoGetHeuristic(LtHandle*, Desc* d, Layout* a, Layout*
         return NOT_SUPPORTED;
     }
     memset(&results[0], 0, sizeof(HeuristicResult));
+    for (int i = 0; i < 4; ++i) results[0].algo[i] = pref->align[i];
     results[0].waves = 1.0f;
     *returned = 1;
     return OK;
@@ -148,6 +156,19 @@ EXPORT int cublasLtMatmul(LtHandle*, Desc* d, const void* alpha, const void* A, 
     int m, n, k;
     if (!algo || !dims(d, a, b, c, m, n, k) || dl->rows != c->rows || dl->cols != c->cols) return INVALID_VALUE;
     if (!supported(d, a, b, c, dl)) return NOT_SUPPORTED;
+    const uint64_t* assumed = static_cast<const uint64_t*>(algo);
+    const void* ptrs[4] = {A, B, C, D};
+    for (int i = 0; i < 4; ++i) {
+        if (assumed[i] && (uintptr_t)ptrs[i] % assumed[i]) {
+            fprintf(stderr, "cuda-emu: cublasLtMatmul: %c at %p is not aligned to the %llu bytes its algorithm assumes\n", "ABCD"[i], ptrs[i],
+                    (unsigned long long)assumed[i]);
+            return INVALID_VALUE;
+        }
+    }
+    if (d->epilogue == E_BIAS && (uintptr_t)d->bias % 16) {
+        fprintf(stderr, "cuda-emu: cublasLtMatmul: the bias at %p is not 16-byte aligned\n", d->bias);
+        return INVALID_VALUE;
+    }
     const double al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
     const Product p{m, n, k, d->transa != 0, d->transb != 0, A, B, a->type, a->ld, b->ld, C, c->ld, D, dl->ld, dl->type,
                     d->epilogue == E_BIAS ? d->bias : nullptr, d->compute, al, be};

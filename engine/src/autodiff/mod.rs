@@ -156,6 +156,12 @@ pub fn build(graph: &mut Graph, outputs: &[ValueId], seeds: &[Option<ValueId>], 
     Ok(Gradients { grads, first_backward_node: n_fwd })
 }
 
+/// Whether `node` is one of the Adds that sum a value's gradient contributions (below): both
+/// operands have that value's shape and type, by every gradient rule's contract.
+pub fn is_gradient_sum(node: &Node) -> bool {
+    node.op_type == "Add" && node.name.rsplit_once("/grad_sum").is_some_and(|(_, k)| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+}
+
 fn sum_contributions(graph: &mut Graph, contrib: &mut Vec<Vec<ValueId>>, v: ValueId) -> Option<ValueId> {
     contrib.resize(graph.values.len(), Vec::new());
     let parts = std::mem::take(&mut contrib[v.0]);

@@ -9,18 +9,18 @@
 //! projection (bench/gpu_roofline.py).
 //!
 //! Only where the Add does not broadcast (the shapes of R and the product's view are proven
-//! equal, passes/sym_shape.rs), the bias is a cast of an f32 vector, and the Gemm is a plain
-//! `A · op(B) + C` (transA 0, alpha and beta 1).
+//! equal, passes/sym_shape.rs) and R's last dim is the product's N, the bias is a cast of an
+//! f32 vector of N, and the Gemm is a plain `A · op(B) + C` (transA 0, alpha and beta 1).
 
-use super::sym_shape::shape_of;
+use super::sym_shape::{shape_of, SymDim};
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId};
 use crate::tensor::DType;
 
 const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
-/// Where the projection, its bias's f32 source and its transB are, if `mm` is a Gemm or
-/// Linear that can take the residual.
-fn projection(graph: &Graph, types: &[Option<DType>], mm: &Node) -> Option<(Option<ValueId>, bool)> {
+/// The f32 source of the projection's bias (if it has one), its transB and its N (the weight's
+/// output dim, symbolically), if `mm` is a Gemm or Linear that can take the residual.
+fn projection(graph: &Graph, types: &[Option<DType>], mm: &Node) -> Option<(Option<ValueId>, bool, SymDim)> {
     let int = |k: &str, d: i64| mm.attrs.int(k, d).ok();
     let float = |k: &str| mm.attrs.float(k, 1.0).ok();
     let plain = match mm.op_type.as_str() {
@@ -32,20 +32,25 @@ fn projection(graph: &Graph, types: &[Option<DType>], mm: &Node) -> Option<(Opti
     if !plain || !half || mm.outputs.len() != 1 || mm.input(0).is_none() || mm.input(1).is_none() {
         return None;
     }
+    let trans_b = int("transB", 0)? != 0;
+    let w = shape_of(graph, mm.input(1)?)?;
+    let n = match w.as_slice() {
+        [k_n, n_k] => if trans_b { k_n } else { n_k }.clone(),
+        _ => return None,
+    };
     let bias = match mm.input(2) {
         None => None,
         Some(b) => {
-            // the f32 vector autocast cast to 16 bits
+            // the f32 vector of N autocast cast to 16 bits
             let cast = &graph.nodes[graph.value(b).producer?.0];
             let source = cast.input(0).filter(|_| cast.op_type == "Cast")?;
-            let vector = graph.value(source).shape.as_ref().is_some_and(|s| s.len() == 1);
-            if types[source.0] != Some(DType::F32) || !vector {
+            if types[source.0] != Some(DType::F32) || shape_of(graph, source)? != [n.clone()] {
                 return None;
             }
             Some(source)
         }
     };
-    Some((bias, int("transB", 0)? != 0))
+    Some((bias, trans_b, n))
 }
 
 /// Rewrites the graph; returns how many projections now add the residual themselves.
@@ -60,7 +65,7 @@ pub fn run(graph: &mut Graph) -> usize {
     // (the Add's index, the Linear that replaces it)
     let mut fused: Vec<(usize, Node)> = Vec::new();
     for mm in &graph.nodes {
-        let Some((bias, trans_b)) = projection(graph, &types, mm) else { continue };
+        let Some((bias, trans_b, n)) = projection(graph, &types, mm) else { continue };
         // the views, then the cast to f32, each the only reader of what it reads
         let mut v = mm.outputs[0];
         let mut next = only_reader(v, false);
@@ -72,11 +77,12 @@ pub fn run(graph: &mut Graph) -> usize {
         let to_f32 = cast.op_type == "Cast" && cast.attrs.int("to", 0).ok() == Some(DType::F32.onnx_code() as i64);
         let Some(add) = only_reader(cast.outputs[0], true).filter(|_| to_f32) else { continue };
         let (widened, add_node) = (cast.outputs[0], &graph.nodes[add.0]);
-        if add_node.op_type != "Add" || add_node.inputs.len() != 2 || add_node.outputs.len() != 1 {
+        if add_node.op_type != "Add" || add_node.inputs.len() != 2 || add_node.outputs.len() != 1 || fused.iter().any(|f| f.0 == add.0) {
             continue;
         }
         let Some(residual) = add_node.inputs.iter().flatten().copied().find(|&r| r != widened) else { continue };
-        let same = shape_of(graph, residual).is_some_and(|r| Some(r) == shape_of(graph, widened));
+        // no broadcast, and rows of N (the gradient flattens dY to them)
+        let same = shape_of(graph, residual).is_some_and(|r| r.last() == Some(&n) && Some(&r) == shape_of(graph, widened).as_ref());
         if types[residual.0] != Some(DType::F32) || !same {
             continue;
         }
@@ -163,5 +169,18 @@ mod tests {
         let gemm = g.nodes.iter_mut().find(|n| n.op_type == "Gemm").expect("gemm");
         gemm.inputs[2] = Some(b16);
         assert_eq!(run(&mut g), 0);
+    }
+
+    #[test]
+    fn a_bias_of_another_length_or_rows_of_another_width_stay() {
+        let mut g = projection_block(&[2, 3, 4], false);
+        let b = g.find("b").expect("b");
+        g.values[b.0].shape = Some(vec![Dim::Known(1)]);
+        assert_eq!(run(&mut g), 0, "a bias of 1 broadcast over N");
+        // the product [6, 4] viewed as [2, 12]: rows of 12, not of N = 4
+        let mut g = projection_block(&[2, 12], false);
+        let shape = g.find("shape").expect("shape");
+        g.values[shape.0].kind = ValueKind::Const(std::sync::Arc::new(Tensor::from_i64(vec![2], vec![2, 12])));
+        assert_eq!(run(&mut g), 0, "the residual's rows are not the product's");
     }
 }

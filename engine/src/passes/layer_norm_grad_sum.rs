@@ -3,8 +3,8 @@
 //! into its dx kernel (ops/norm.rs, kernels/layernorm.cu `layer_norm_grad_acc_*`).
 //!
 //! - The Add summing LayerNormGrad's dx with the rest of x's gradient (autodiff's sum of the
-//!   contributions, the residual branch's) becomes LayerNormGrad's input 5, `dres`, added to dx
-//!   as it is stored. LayerNormGrad then writes the Add's output.
+//!   contributions, the residual branch's: of x's shape and type) becomes LayerNormGrad's input
+//!   5, `dres`, added to dx as it is stored. LayerNormGrad then writes the Add's output.
 //! - A cast of that sum to 16 bits (autocast's CastLike, the gradient of the cast to f32 after
 //!   the block's output projection, read through the residual Add's ReduceSumTo) becomes
 //!   LayerNormGrad's output 3 (`dx_half_type`), rounded as the cast kernel rounds.
@@ -14,6 +14,7 @@
 //! LayerNorm (bench/gpu_roofline.py).
 
 use super::autocast::forward_types;
+use super::sym_shape::{shape_of, values, SymDim};
 use crate::ir::{Attr, Graph, Node, NodeId, ValueId, ValueKind};
 use crate::tensor::DType;
 
@@ -40,7 +41,7 @@ fn absorb_sums(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usiz
     let mut fused: Vec<(usize, usize, ValueId, bool)> = Vec::new();
     for a in n_fwd..graph.nodes.len() {
         let add = &graph.nodes[a];
-        if add.op_type != "Add" || add.inputs.len() != 2 || add.outputs.len() != 1 {
+        if !crate::autodiff::is_gradient_sum(add) || add.inputs.len() != 2 || add.outputs.len() != 1 {
             continue;
         }
         for side in 0..2 {
@@ -93,13 +94,23 @@ fn absorb_sums(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usiz
     count
 }
 
-/// Views of the gradient between a LayerNormGrad and the cast: the Add's gradient rule reads
-/// the sum through ReduceSumTo (a view unless the Add broadcast), HF models through Reshape, a
-/// Linear adding the residual (passes/fuse_residual_linear.rs) through FlattenRows.
-const VIEWS: &[&str] = &["ReduceSumTo", "FlattenRows", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
+/// Views of the gradient between a LayerNormGrad and the cast: HF models read it through
+/// Reshape, a Linear adding the residual (passes/fuse_residual_linear.rs) through FlattenRows;
+/// the residual Add's gradient rule through ReduceSumTo (a view where the Add did not
+/// broadcast, taken only where that is proven: `half_cast`).
+const VIEWS: &[&str] = &["FlattenRows", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
-/// A cast of `v` (or of a chain of views of it) to a 16-bit float: (the views, the cast, its type).
-fn half_cast(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], types: &[Option<DType>], v: ValueId) -> Option<(Vec<usize>, usize, DType)> {
+/// A cast of `v` (or of a chain of views of it) to a 16-bit float: (the views, the cast, its
+/// type). `shape`: v's symbolic shape where known; a ReduceSumTo is taken as a view only to that
+/// very shape (where it sums, the cast of the f32 sum must stay: summing rounded values could
+/// lose what cancels).
+fn half_cast(
+    graph: &Graph,
+    consumers: &[Vec<(NodeId, usize)>],
+    types: &[Option<DType>],
+    v: ValueId,
+    shape: Option<&[SymDim]>,
+) -> Option<(Vec<usize>, usize, DType)> {
     for &(c, slot) in &consumers[v.0] {
         let node = &graph.nodes[c.0];
         let Some(&out) = node.outputs.first() else { continue };
@@ -109,8 +120,13 @@ fn half_cast(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], types: &[Option<
         let to = match node.op_type.as_str() {
             "Cast" => node.attrs.int("to", 0).ok().and_then(|t| DType::from_onnx(t as i32)),
             "CastLike" => node.input(1).and_then(|like| types[like.0]),
+            "ReduceSumTo" if shape.is_some() && node.input(1).and_then(|t| values(graph, t)).as_deref() == shape => {
+                let (mut views, cast, half) = half_cast(graph, consumers, types, out, shape)?;
+                views.insert(0, c.0);
+                return Some((views, cast, half));
+            }
             op if VIEWS.contains(&op) && node.outputs.len() == 1 => {
-                if let Some((mut views, cast, half)) = half_cast(graph, consumers, types, out) {
+                if let Some((mut views, cast, half)) = half_cast(graph, consumers, types, out, None) {
                     views.insert(0, c.0);
                     return Some((views, cast, half));
                 }
@@ -127,8 +143,7 @@ fn half_cast(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], types: &[Option<
 
 /// The casts of a LayerNormGrad's dx to a 16-bit float: the LayerNormGrad writes the 16-bit
 /// copy, and the views between (if any) are taken again of that copy where the cast was. A view
-/// is the same bytes, so this is exact; a ReduceSumTo that does sum (an Add that broadcast) then
-/// sums the rounded values, within 16-bit precision of the cast of the f32 sum.
+/// is the same bytes, so this is exact.
 fn absorb_casts(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usize {
     let consumers = graph.consumers();
     // the cast's node index -> the nodes that take its place
@@ -139,7 +154,9 @@ fn absorb_casts(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usi
             continue;
         }
         let dx = graph.nodes[l].outputs[0];
-        let Some((views, c, half)) = half_cast(graph, &consumers, types, dx) else { continue };
+        // dx has x's shape
+        let shape = graph.nodes[l].input(1).and_then(|x| shape_of(graph, x));
+        let Some((views, c, half)) = half_cast(graph, &consumers, types, dx, shape.as_deref()) else { continue };
         let name = format!("{}:{}", graph.value(dx).name, half.name());
         let mut copy = graph.add_value(&name, ValueKind::Computed, Some(half), None);
         let node = &mut graph.nodes[l];
@@ -297,6 +314,33 @@ mod tests {
         assert_eq!(view.op_type, "Reshape");
         let user = g.nodes.iter().find(|n| n.name == "user").expect("user");
         assert_eq!(user.input(0), Some(view.outputs[0]), "the cast's reader reads the view of the copy");
+        assert_ordered(&g);
+    }
+
+    /// x's gradient sum read through ReduceSumTo(·, `target`) and cast to bf16, x declared [4, 8].
+    fn reduced_cast(target: &[i64]) -> (Graph, usize) {
+        let (mut g, n_fwd) = block(None);
+        let x = grad_node(&g).1.input(1).expect("x");
+        g.values[x.0].shape = Some(vec![Dim::Known(4), Dim::Known(8)]);
+        let sum = g.nodes.iter().find(|n| n.op_type == "Add" && n.name.contains("grad_sum")).expect("the sum").outputs[0];
+        let target = g.add_const("target", crate::tensor::Tensor::from_i64(vec![target.len()], target.to_vec()));
+        let reduced = g.add_node("reduce", "ReduceSumTo", vec![Some(sum), Some(target)], Attrs::default(), 1)[0];
+        let to = Attrs::default().with("to", Attr::Int(DType::BF16.onnx_code() as i64));
+        let half = g.add_node("to_bf16", "Cast", vec![Some(reduced)], to, 1)[0];
+        let user = g.add_node("user", "Neg", vec![Some(half)], Attrs::default(), 1)[0];
+        g.outputs.push(user);
+        (g, n_fwd)
+    }
+
+    #[test]
+    fn a_cast_after_a_reduce_sum_goes_only_where_it_sums_nothing() {
+        let (mut g, n_fwd) = reduced_cast(&[1, 8]);
+        assert_eq!(run(&mut g, n_fwd), 1, "the sum only");
+        assert!(g.nodes.iter().any(|n| n.op_type == "Cast"), "the cast of the f32 column sums stays");
+        assert_eq!(grad_node(&g).1.outputs.len(), 3);
+        let (mut g, n_fwd) = reduced_cast(&[4, 8]);
+        assert_eq!(run(&mut g, n_fwd), 2, "the sum and the cast");
+        assert!(!g.nodes.iter().any(|n| n.op_type == "Cast"), "x's own shape: a view");
         assert_ordered(&g);
     }
 }

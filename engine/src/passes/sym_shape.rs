@@ -109,21 +109,27 @@ fn broadcast(a: &[SymDim], b: &[SymDim]) -> Option<Vec<SymDim>> {
 }
 
 /// The symbolic shape of `v`: declared, or that of a Reshape's target (without -1 or 0), of
-/// a Transpose, a Cast or an Identity of a value whose shape is known, or of the broadcast of
-/// an Add, Sub, Mul or Div of two such values.
+/// a Transpose, a Cast or an Identity of a value whose shape is known, of the broadcast of an
+/// Add, Sub, Mul or Div of two such values, or of a Linear's residual; up to 16 producers back.
 pub fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
+    shape_within(graph, v, 16)
+}
+
+/// `shape_of`, looking at most `depth` producers back.
+fn shape_within(graph: &Graph, v: ValueId, depth: usize) -> Option<Vec<SymDim>> {
     if let Some(s) = declared(graph, v) {
         return Some(s);
     }
     let node = &graph.nodes[graph.value(v).producer?.0];
+    let up = |i: usize| depth.checked_sub(1).and_then(|d| shape_within(graph, node.input(i)?, d));
     match node.op_type.as_str() {
-        "Cast" | "Identity" => shape_of(graph, node.input(0)?),
-        "Add" | "Sub" | "Mul" | "Div" if node.inputs.len() == 2 => {
-            broadcast(&shape_of(graph, node.input(0)?)?, &shape_of(graph, node.input(1)?)?)
-        }
+        "Cast" | "Identity" => up(0),
+        // a Linear adding a residual (passes/fuse_residual_linear.rs) has the residual's shape
+        "Linear" if node.input(3).is_some() => up(3),
+        "Add" | "Sub" | "Mul" | "Div" if node.inputs.len() == 2 => broadcast(&up(0)?, &up(1)?),
         "Reshape" => values(graph, node.input(1)?).filter(|t| !t.iter().any(|d| matches!(d, SymDim::Known(-1 | 0)))),
         "Transpose" => {
-            let x = shape_of(graph, node.input(0)?)?;
+            let x = up(0)?;
             let perm = node.attrs.ints("perm").ok()??;
             (perm.len() == x.len()).then(|| perm.iter().map(|&a| x.get(a as usize).cloned()).collect()).flatten()
         }

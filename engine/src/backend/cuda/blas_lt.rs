@@ -5,8 +5,9 @@
 //! residual stream it is summed into (C, f32) while it writes D in f32 from 16-bit operands.
 //!
 //! Row-major as [`Gemm`] describes it, batch 1. cuBLASLt picks the kernel
-//! (`cublasLtMatmulAlgoGetHeuristic`, the runtime's workspace); where it has none for a
-//! combination, [`LtBlas::matmul`] says so (`Ok(false)`) and the caller runs the cuBLAS path.
+//! (`cublasLtMatmulAlgoGetHeuristic`, the runtime's workspace, each operand's real alignment);
+//! where it has none for a combination (or the bias is not 16-byte aligned), [`LtBlas::matmul`]
+//! says so (`Ok(false)`) and the caller runs the cuBLAS path.
 
 use std::ffi::c_void;
 use std::sync::Mutex;
@@ -56,6 +57,17 @@ fn layout(t: GemmType, rows: usize, cols: usize, ld: usize) -> Result<Owned<sys:
     Ok(Owned(l, lt::destroy_matrix_layout))
 }
 
+/// The alignment cuBLASLt may assume of a device address: the largest power of two dividing it,
+/// at most 256 (its default assumption, which a 64-byte-aligned arena buffer or a PyTorch view
+/// with a storage offset breaks: a kernel relying on it would fault).
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        1u32 << ptr.trailing_zeros().min(8)
+    }
+}
+
 /// Sets a matmul descriptor attribute from a plain value.
 fn set<V>(desc: sys::cublasLtMatmulDesc_t, attr: sys::cublasLtMatmulDescAttributes_t, v: &V) -> Result<()> {
     // SAFETY: `v` is a live value of the attribute's type and size, read during the call only.
@@ -89,6 +101,11 @@ impl LtBlas {
         if g.m == 0 || g.n == 0 {
             return Ok(true);
         }
+        // the bias vector is read in 16-byte pieces by cuBLASLt's epilogues (PyTorch declines
+        // less aligned ones too)
+        if !bias.is_multiple_of(16) {
+            return Ok(false);
+        }
         // Row-major D = op(A)·op(B) is column-major Dᵀ = op(B)ᵀ·op(A)ᵀ, as in blas.rs: cuBLASLt's
         // A is our B (n × k after its op), its B our A (k × m), D column-major n × m; the bias
         // runs along D's column-major rows, our columns.
@@ -119,6 +136,20 @@ impl LtBlas {
             )
         }
         .map_err(lt_err("setting the workspace"))?;
+        let c = if g.beta == 0.0 { d } else { c };
+        // cuBLASLt's A is our B, its B our A
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        for (attr, ptr) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, d),
+        ] {
+            let bytes = alignment(ptr);
+            // SAFETY: a u32 of the attribute's size, read during the call only.
+            unsafe { lt::set_matmul_pref_attribute(pref.0, attr, &bytes as *const u32 as *const c_void, 4) }
+                .map_err(lt_err("setting an alignment"))?;
+        }
         let handle = self.handle.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: live handle and descriptors; the heuristic reads them only.
         let found = unsafe { lt::get_matmul_algo_heuristic(*handle, desc.0, la.0, lb.0, lc.0, lc.0, pref.0) };
@@ -128,12 +159,11 @@ impl LtBlas {
             Err(e) => return Err(lt_err("choosing a kernel")(e)),
         };
         let (alpha, beta) = (g.alpha as f32, g.beta as f32);
-        let c = if g.beta == 0.0 { d } else { c };
         // SAFETY: the handle and descriptors are live; alpha/beta are host f32 values (the
         // default pointer mode) that outlive the call; the device addresses and the layouts
         // describing them are the caller's contract, as for a kernel launch; the workspace is
         // the runtime's, of the size the preference allowed.
-        unsafe {
+        let launched = unsafe {
             lt::matmul(
                 *handle,
                 desc.0,
@@ -152,9 +182,12 @@ impl LtBlas {
                 workspace.1,
                 stream as sys::cudaStream_t,
             )
+        };
+        match launched {
+            Ok(()) => Ok(true),
+            Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => Ok(false),
+            Err(e) => Err(Error::Cuda(format!("cuBLASLt matmul {g:?}: {e:?}"))),
         }
-        .map_err(|e| Error::Cuda(format!("cuBLASLt matmul {g:?}: {e:?}")))?;
-        Ok(true)
     }
 }
 

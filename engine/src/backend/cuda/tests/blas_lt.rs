@@ -120,3 +120,47 @@ fn gpu_epilogue_products_decline_what_cublaslt_cannot_do() {
     assert_eq!(declined, ["f64", "a batch of 2", "f32 rounded to bf16"]);
     assert_eq!(host::<f64>(&out), vec![1.0; 16], "nothing was queued");
 }
+
+/// Operands at addresses less aligned than the 256 bytes cuBLASLt assumes unless told (a
+/// PyTorch view with a storage offset, a 64-byte-aligned arena buffer): blas_lt.rs tells it each
+/// address's real alignment, so the product either runs and is right, or is declined with
+/// nothing queued. A bias that is not 16-byte aligned is always declined.
+#[test]
+fn gpu_epilogue_products_take_operands_at_any_alignment() {
+    let Some(gpu_) = gpu("gpu_epilogue_products_take_operands_at_any_alignment") else { return };
+    let mut rng = Rng::new(67);
+    let (m, n, k, t) = (16, 8, 24, GemmType::Bf16);
+    let vals = |rng: &mut Rng, len: usize| -> Vec<f64> { rng.f32s(len, -1.0, 1.0).into_iter().map(|v| round(t, v as f64)).collect() };
+    for (offset, bias_offset) in [(1usize, 0usize), (4, 0), (8, 0), (32, 0), (0, 1)] {
+        let name = format!("operands {offset} bf16 elements past an allocation, the bias {bias_offset}");
+        let (a, b, bias) = (vals(&mut rng, offset + m * k), vals(&mut rng, offset + k * n), vals(&mut rng, bias_offset + n));
+        let (da, db, dbias) = (upload(gpu_, t, &a), upload(gpu_, t, &b), upload(gpu_, t, &bias));
+        let dd = upload(gpu_, t, &vec![f64::NAN; offset + m * n]);
+        let at = |buf: &crate::backend::cuda::launch::DeviceBuffer, elems: usize| buf.ptr() + 2 * elems as u64;
+        let g = Gemm::contiguous(1, m, n, k, false, false, t);
+        let taken = blas(gpu_)
+            .gemm_epilogue(std::ptr::null_mut(), &g, at(&da, offset), at(&db, offset), 0, at(&dd, offset), at(&dbias, bias_offset))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let got = download(t, &dd);
+        if bias_offset % 8 != 0 {
+            assert!(!taken, "{name}: a bias off 16 bytes must be declined");
+        }
+        if !taken {
+            assert!(got.iter().all(|v| v.is_nan()), "{name}: declined, yet D was written");
+            continue;
+        }
+        for i in 0..m {
+            for j in 0..n {
+                let (mut s, mut scale) = (bias[bias_offset + j], bias[bias_offset + j].abs());
+                for l in 0..k {
+                    let p = a[offset + i * k + l] * b[offset + l * n + j];
+                    s += p;
+                    scale += p.abs();
+                }
+                let v = got[offset + i * n + j];
+                assert!((v - s).abs() <= 8e-3 * scale, "{name}: [{i}, {j}] got {v}, expected {s}");
+            }
+        }
+    }
+}
