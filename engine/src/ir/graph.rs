@@ -133,6 +133,18 @@ impl Graph {
         Ok(id)
     }
     /// Consumers of every value: value index -> list of (node, input slot).
+    /// Sets every value's producer from the node order (a value no node writes has none), after
+    /// a pass moved, replaced or dropped nodes.
+    pub fn renumber_producers(&mut self) {
+        for v in self.values.iter_mut() {
+            v.producer = None;
+        }
+        for (i, node) in self.nodes.iter().enumerate() {
+            for o in &node.outputs {
+                self.values[o.0].producer = Some(NodeId(i));
+            }
+        }
+    }
     pub fn consumers(&self) -> Vec<Vec<(NodeId, usize)>> {
         let mut c = vec![Vec::new(); self.values.len()];
         for (n, node) in self.nodes.iter().enumerate() {

@@ -13,7 +13,7 @@
 //! f32 vector of N, and the Gemm is a plain `A · op(B) + C` (transA 0, alpha and beta 1).
 
 use super::sym_shape::{shape_of, SymDim};
-use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId};
+use crate::ir::{Attr, Attrs, Graph, Node, ValueId};
 use crate::tensor::DType;
 
 const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
@@ -97,11 +97,7 @@ pub fn run(graph: &mut Graph) -> usize {
         graph.nodes[at] = node;
     }
     if count > 0 {
-        for (i, node) in graph.nodes.iter().enumerate() {
-            for o in &node.outputs {
-                graph.values[o.0].producer = Some(NodeId(i));
-            }
-        }
+        graph.renumber_producers();
     }
     count
 }

@@ -90,7 +90,7 @@ fn absorb_sums(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usiz
         }
     }
     graph.nodes = order;
-    renumber(graph);
+    graph.renumber_producers();
     count
 }
 
@@ -189,20 +189,8 @@ fn absorb_casts(graph: &mut Graph, n_fwd: usize, types: &[Option<DType>]) -> usi
             None => graph.nodes.push(node),
         }
     }
-    renumber(graph);
+    graph.renumber_producers();
     replaced.len()
-}
-
-/// Producers from the node order (values of dropped nodes have none).
-fn renumber(graph: &mut Graph) {
-    for v in graph.values.iter_mut() {
-        v.producer = None;
-    }
-    for (i, node) in graph.nodes.iter().enumerate() {
-        for o in &node.outputs {
-            graph.values[o.0].producer = Some(NodeId(i));
-        }
-    }
 }
 
 #[cfg(test)]

@@ -185,18 +185,8 @@ fn remove_dead_nodes(graph: &mut Graph) {
         }
     }
     let nodes = std::mem::take(&mut graph.nodes);
-    for v in graph.values.iter_mut() {
-        v.producer = None;
-    }
-    for (node, k) in nodes.into_iter().zip(keep) {
-        if k {
-            let id = NodeId(graph.nodes.len());
-            for o in &node.outputs {
-                graph.values[o.0].producer = Some(id);
-            }
-            graph.nodes.push(node);
-        }
-    }
+    graph.nodes = nodes.into_iter().zip(keep).filter_map(|(node, k)| k.then_some(node)).collect();
+    graph.renumber_producers();
 }
 
 /// The node producing `v` if it is of type `op`, `v` has exactly one reader and is no graph

@@ -95,11 +95,7 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
         }
         graph.nodes.push(node);
     }
-    for (i, node) in graph.nodes.iter().enumerate() {
-        for o in &node.outputs {
-            graph.values[o.0].producer = Some(NodeId(i));
-        }
-    }
+    graph.renumber_producers();
     count
 }
 
