@@ -8,6 +8,13 @@
 //! 3. per tile again: G_tile = factor · e (minus g at the label) into a tile-sized buffer
 //!    (the thread's) with db's column sums, then dW's and the dX partial's products from it.
 //!
+//! Each tile's block of the chunk, and G_tile, are stored column by column (rows contiguous).
+//! The `gemm` crate runs a product with the destination's contiguous side as its m and packs its
+//! left operand with vector copies only when that operand is contiguous along m: with row-major
+//! tiles the logits' left operand was W's tile, gathered one element at a time on every tile
+//! (4% of the tutorial's step in `perf`); by columns it is X_c's transpose (`transposed`, once
+//! per chunk) and W is read in place. The passes over a block vectorise along its rows.
+//!
 //! The whole-row version (a row pass over the chunk between a whole-chunk gemm and the tiled
 //! products) read and wrote the 27 MB chunk once more. G equals g·exp(v + b − max)/Σ up to
 //! rounding (per-tile shifts), as the unfused kernel's softmax gradient.
@@ -43,46 +50,54 @@ struct Shared {
     xy: usize,
 }
 
-/// Runs the chunk: `scratch` ([r, n]) receives the logits, then e (`c.g` is not read); the
-/// gradients go to `out`. Returns Σ of the rows' loss terms −w·log softmax(row)[y].
+/// Runs the chunk: `scratch` ([r, n] elements) receives the logits, then e, tile by tile, each
+/// tile's block [cols, r] stored column by column at r·j0 (`c.g` is not read); the gradients go
+/// to `out`. Returns Σ of the rows' loss terms −w·log softmax(row)[y].
 pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows, out: ChunkOut) -> f64 {
     let (r, n, k) = (c.r, c.n, c.k);
     let tiles = tile_count(n);
-    // per (tile, row): (m, s); per row: the biased logit at its label
+    // per (tile, row): m and s, then the tile's factor in place of m; per row: the biased logit
+    // at its label
     let mut stats = vec![(0f32, 0f32); tiles * r];
     let mut xy = vec![0f32; r];
+    let xt = transposed(c.x, r, k);
     let sh = Shared { g: scratch[..r * n].as_mut_ptr() as usize, stats: stats.as_mut_ptr() as usize, xy: xy.as_mut_ptr() as usize };
     let bias = rows.bias;
     over_tiles(
         n,
         || (),
-        || (),
-        |_, _, j, j0, cols| {
-            let g = sh.g as *mut f32;
-            // SAFETY: the tile's columns j0..j0 + cols of the chunk (row stride n) belong to this
-            // tile's call alone; X_c is [r, k], op(W)'s tile columns exist; stats (tile j's r entries)
-            // and xy (the rows whose label is in this tile) are written by this tile only.
+        || (vec![0f32; r], vec![0f32; r], vec![0f64; r]),
+        |_, (m, s, acc), j, j0, cols| {
+            // SAFETY: the tile's block (r·j0.. r·(j0 + cols)) of the chunk belongs to this tile's
+            // call alone; xt is X_c's [k, r] transpose, op(W)'s tile columns exist; stats (tile
+            // j's r entries) and xy (the rows whose label is in this tile) are written by this
+            // tile only.
             unsafe {
+                let blk = (sh.g as *mut f32).add(r * j0);
                 if k > 0 {
-                    let xc = Mat { ptr: c.x.as_ptr(), rs: k as isize, cs: 1 };
+                    // the tile's logits by columns: the crate then packs X_c's transpose with
+                    // vector copies and reads op(W)'s columns in place
+                    let lhs = Mat { ptr: xt.as_ptr(), rs: 1, cs: r as isize };
                     let wt = if c.trans_b {
                         Mat { ptr: c.w.as_ptr().add(j0 * k), rs: 1, cs: k as isize }
                     } else {
                         Mat { ptr: c.w.as_ptr().add(j0), rs: n as isize, cs: 1 }
                     };
-                    gemm_serial(r, cols, k, g.add(j0), n as isize, 1, xc, wt, false);
+                    gemm_serial(r, cols, k, blk, 1, r as isize, lhs, wt, false);
                 } else {
-                    (0..r).for_each(|i| std::slice::from_raw_parts_mut(g.add(i * n + j0), cols).fill(0.0));
+                    std::slice::from_raw_parts_mut(blk, r * cols).fill(0.0);
                 }
+                let block = std::slice::from_raw_parts_mut(blk, r * cols);
                 let b = bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
                 for (i, &(y, _, _)) in rows.targets.iter().enumerate() {
-                    let seg = std::slice::from_raw_parts_mut(g.add(i * n + j0), cols);
-                    if (j0..j0 + cols).contains(&y) {
+                    if let Some(d) = y.checked_sub(j0).filter(|&d| d < cols) {
                         // the same single addition the exp pass makes
-                        *(sh.xy as *mut f32).add(i) = seg[y - j0] + b.get(y - j0).copied().unwrap_or(0.0);
+                        *(sh.xy as *mut f32).add(i) = block[d * r + i] + b.get(d).copied().unwrap_or(0.0);
                     }
-                    *(sh.stats as *mut (f32, f32)).add(j * r + i) = vmath::row_exp_shifted_inplace::call(seg, b);
                 }
+                vmath::cols_exp_shifted_inplace::call(block, b, m, s, acc);
+                let st = std::slice::from_raw_parts_mut((sh.stats as *mut (f32, f32)).add(j * r), r);
+                st.iter_mut().zip(m.iter().zip(s.iter())).for_each(|(t, (&m, &s))| *t = (m, s));
             }
         },
     );
@@ -110,23 +125,43 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
             stats[j * r + i].0 = f;
         }
     }
-    let factors = stats.as_ptr() as usize;
-    grads_from_tiles(c, scratch, rows, out, |out, e, i, j, j0, dbt| {
-        // SAFETY: stats holds tiles × r entries, only read from here on.
-        let f = unsafe { (*(factors as *const (f32, f32)).add(j * r + i)).0 };
-        if f.is_nan() {
-            out.fill(f32::NAN);
-            dbt.iter_mut().for_each(|d| *d = f32::NAN);
-        } else {
-            vmath::scale_into_and_sum::call(out, e, f, dbt);
+    let (factors, e) = (stats.as_ptr() as usize, sh.g);
+    grads_from_tiles(c, out, |buf, f, j, j0, cols, dbt| {
+        // SAFETY: stats holds tiles × r entries, only read from here on; the tile's block of e
+        // (r·cols at r·j0) was written by the first pass and is only read now.
+        let (st, block) = unsafe {
+            (
+                std::slice::from_raw_parts((factors as *const (f32, f32)).add(j * r), r),
+                std::slice::from_raw_parts((e as *const f32).add(r * j0), r * cols),
+            )
+        };
+        f.iter_mut().zip(st).for_each(|(f, &(v, _))| *f = v);
+        let out = &mut buf[..r * cols];
+        vmath::cols_scale_and_sum::call(out, block, f, dbt);
+        for (i, &(y, _, gi)) in rows.targets.iter().enumerate() {
+            if let Some(d) = y.checked_sub(j0).filter(|&d| d < cols) {
+                out[d * r + i] -= gi as f32;
+                dbt[d] -= gi as f32;
+            }
         }
-        let (y, _, gi) = rows.targets[i];
-        if let Some(d) = y.checked_sub(j0).filter(|&d| d < out.len()) {
-            out[d] -= gi as f32;
-            dbt[d] -= gi as f32;
-        }
+        // G_tile by columns
+        Mat { ptr: out.as_ptr(), rs: 1, cs: r as isize }
     });
     total
+}
+
+/// X_c [r, k] row-major as [k, r] row-major (X_c column-major), the layout the `gemm` crate packs
+/// a left operand from with vector copies. From X_c's own layout it gathers the panel one element
+/// at a time, and it packs the left operand on every tile's call: `perf record` of the tutorial
+/// step put that gather at 4% of the step.
+fn transposed(x: &[f32], r: usize, k: usize) -> Vec<f32> {
+    let mut t = vec![0f32; r * k];
+    for (i, row) in x[..r * k].chunks_exact(k.max(1)).enumerate() {
+        for (kk, &v) in row.iter().enumerate() {
+            t[kk * r + i] = v;
+        }
+    }
+    t
 }
 
 /// The bf16 path's chunk after its logits: `scratch` ([r, n]) holds X_c·op(W) without the bias
@@ -150,48 +185,47 @@ pub(super) fn chunk_from_logits(c: &ChunkGrads<f32>, logits: &[f32], rows: &Stre
         })
         .collect();
     let total = lse.iter().map(|&(_, t)| t).sum();
-    grads_from_tiles(c, logits, rows, out, |out, v, i, _, j0, dbt| {
-        let (y, _, gi) = rows.targets[i];
-        match bias {
-            Some(b) => vmath::row_scaled_softmax_biased::call(out, v, &b[j0..j0 + v.len()], lse[i].0, gi as f32),
-            None => vmath::row_scaled_softmax::call(out, v, lse[i].0, gi as f32),
+    grads_from_tiles(c, out, |buf, _, _, j0, cols, dbt| {
+        for (i, &(y, _, gi)) in rows.targets.iter().enumerate() {
+            let (out, v) = (&mut buf[i * cols..(i + 1) * cols], &logits[i * n + j0..i * n + j0 + cols]);
+            match bias {
+                Some(b) => vmath::row_scaled_softmax_biased::call(out, v, &b[j0..j0 + cols], lse[i].0, gi as f32),
+                None => vmath::row_scaled_softmax::call(out, v, lse[i].0, gi as f32),
+            }
+            if let Some(d) = y.checked_sub(j0).filter(|&d| d < cols) {
+                out[d] -= gi as f32;
+            }
+            dbt.iter_mut().zip(out.iter()).for_each(|(d, &g)| *d += g);
         }
-        if let Some(d) = y.checked_sub(j0).filter(|&d| d < out.len()) {
-            out[d] -= gi as f32;
-        }
-        dbt.iter_mut().zip(out.iter()).for_each(|(d, &g)| *d += g);
+        // G_tile by rows
+        Mat { ptr: buf.as_ptr(), rs: cols as isize, cs: 1 }
     });
     total
 }
 
 /// The gradient half of a chunk by tiles (groups of tiles claimed by the threads): per tile,
-/// per row i, `row_grad(out, seg, i, j, j0, db_tile)` writes row i's gradient over the tile's
-/// columns (`seg`: the row's part of `scratch`) into `out` and adds it to the tile's db entries;
-/// then the tile's dW and dX products from the tile buffer.
+/// `tile_grad(buf, f, j, j0, cols, db_tile)` writes the tile's gradient G_tile (r × cols) into
+/// `buf`, adds its column sums to the tile's db entries and returns how it laid G_tile out (`f`:
+/// r floats of scratch); then the tile's dW and dX products from it.
 fn grads_from_tiles(
     c: &ChunkGrads<f32>,
-    scratch: &[f32],
-    rows: &StreamRows,
     out: ChunkOut,
-    row_grad: impl Fn(&mut [f32], &[f32], usize, usize, usize, &mut [f32]) + Sync,
+    tile_grad: impl Fn(&mut [f32], &mut [f32], usize, usize, usize, &mut [f32]) -> Mat<f32> + Sync,
 ) {
     let ChunkOut { dx, dw, db, accumulate_dw } = out;
     let (r, n, k) = (c.r, c.n, c.k);
-    debug_assert_eq!(rows.targets.len(), r);
     let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
         || vec![0f32; r * k],
-        || vec![0f32; r * TILE],
-        |p, buf, j, j0, cols| {
+        || (vec![0f32; r * TILE], vec![0f32; r]),
+        |p, (buf, f), j, j0, cols| {
             // SAFETY: db's entries j0..j0 + cols belong to this tile alone.
             let dbt = unsafe { std::slice::from_raw_parts_mut((dbp as *mut f32).add(j0), cols) };
-            for i in 0..r {
-                row_grad(&mut buf[i * cols..(i + 1) * cols], &scratch[i * n + j0..i * n + j0 + cols], i, j, j0, dbt);
-            }
-            // SAFETY: buf holds the tile's r × cols gradient at row stride cols; this tile's part
-            // of dW is written by this call alone.
-            unsafe { tile_products(c, j0, cols, buf.as_ptr(), cols, dwp as *mut f32, p, accumulate_dw) };
+            let gm = tile_grad(buf, f, j, j0, cols, dbt);
+            // SAFETY: gm views the tile's r × cols gradient in buf; this tile's part of dW is
+            // written by this call alone.
+            unsafe { tile_products(c, j0, cols, gm, dwp as *mut f32, p, accumulate_dw) };
         },
     );
     sum_partials(&mut dx[..r * k], &parts);

@@ -93,18 +93,18 @@ pub(super) fn tile_count(n: usize) -> usize {
 
 /// One tile's share of the gradient products: dW's rows (or columns) of the tile (+)= their
 /// product (accumulated when `accumulate_dw`), and the dX partial `p` ([r, k]) += G_tile ·
-/// op(W)ᵀ_tile. G_tile is [r, cols] at `gt` with row stride `gs`.
+/// op(W)ᵀ_tile. `gm` is G_tile seen as [r, cols]: stored by rows (rs = the row stride, cs = 1)
+/// or, as the fp32 path writes it, by columns (rs = 1, cs = r).
 ///
 /// # Safety
-/// `gt` covers r rows of `cols` at stride gs; j0 + cols ≤ n; no other thread writes this
+/// `gm` covers r × cols elements at its strides; j0 + cols ≤ n; no other thread writes this
 /// tile's part of dW (at `dwp`, dW's start) while the call runs.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
     c: &ChunkGrads<T>,
     j0: usize,
     cols: usize,
-    gt: *const T,
-    gs: usize,
+    gm: Mat<T>,
     dwp: *mut T,
     p: &mut [T],
     accumulate_dw: bool,
@@ -121,17 +121,16 @@ pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
         let xc = Mat { ptr: x, rs: k as isize, cs: 1 };
         if c.trans_b {
             // dW[j0.., :] (+)= G_tileᵀ · X_c
-            let lhs = Mat { ptr: gt, rs: 1, cs: gs as isize };
+            let lhs = Mat { ptr: gm.ptr, rs: gm.cs, cs: gm.rs };
             gemm_call_ld(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, T::one(), accumulate_dw);
         } else {
             // dW[:, j0..] (+)= X_cᵀ · G_tile
             let lhs = Mat { ptr: x, rs: 1, cs: k as isize };
-            let rhs = Mat { ptr: gt, rs: gs as isize, cs: 1 };
+            let rhs = Mat { ptr: gm.ptr, rs: gm.rs, cs: gm.cs };
             gemm_call_ld(c.path, k, cols, r, dwp.add(j0), n, lhs, rhs, T::one(), accumulate_dw);
         }
         // dX partial += G_tile · op(W)ᵀ_tile ([cols, k] view of w)
         let wt = if c.trans_b { Mat { ptr: w.add(j0 * k), rs: k as isize, cs: 1 } } else { Mat { ptr: w.add(j0), rs: 1, cs: n as isize } };
-        let gm = Mat { ptr: gt, rs: gs as isize, cs: 1 };
         gemm_call_ld(c.path, r, k, cols, p.as_mut_ptr(), k, gm, wt, T::one(), true);
     })
 }
@@ -170,7 +169,7 @@ pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T
                     let row = std::slice::from_raw_parts(g.add(j0 + i * n), cols);
                     dbt.iter_mut().zip(row).for_each(|(d, &v)| *d = *d + v);
                 }
-                tile_products(c, j0, cols, g.add(j0), n, dwp, p, accumulate_dw);
+                tile_products(c, j0, cols, Mat { ptr: g.add(j0), rs: n as isize, cs: 1 }, dwp, p, accumulate_dw);
             }
         },
     );

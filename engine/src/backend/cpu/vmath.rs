@@ -1,5 +1,7 @@
 //! Vectorised f32 primitives: tanh (`tanh_slice`, for the Tanh op), and rows of softmax-style kernels: log-Σ-exp in one pass (online
-//! max) and the scaled softmax row of the cross-entropy gradient. `exp` is a branch-free
+//! max) and the scaled softmax row of the cross-entropy gradient, and the same for blocks stored
+//! column by column (the fp32 LM head's tiles): each row's shifted exps and sum, the scaled
+//! gradient with its column sums. `exp` is a branch-free
 //! polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
 //! (the libm exp it replaces is scalar: ~20 M calls per LM-head step).
@@ -158,77 +160,75 @@ fn scaled_softmax_biased_body<const FMA: bool>(out: &mut [f32], x: &[f32], bias:
     }
 }
 
-/// x[k] = exp(x[k] + bias[k] − m) in place, m the largest x + bias (bias: empty for none, else
-/// x's length); returns (m, Σ of the stored values): the softmax of x + bias is the stored
-/// values over the sum, its log-sum-exp m + ln(sum). One exp per element (`lse_body` then
-/// `scaled_softmax_body` take two). A NaN or an infinity anywhere gives m = NaN (as
-/// `row_lse` gives NaN) and leaves x with the biased values, not to be used; an empty x gives
+/// A block of rows × columns stored column by column (`x[c·rows + i]`: the logits of one
+/// vocabulary tile, rows contiguous, as the LM head's tiled gemm writes them): per row i,
+/// x[·, i] = exp(x[·, i] + bias − m[i]) in place, m[i] the row's largest x + bias (bias: empty
+/// for none, else one per column), s[i] the sum of its stored values, accumulated in f64 (`acc`,
+/// one per row: a row's sum runs along its columns one term at a time, which in f32 lost up to
+/// 4 times the accuracy of the 16-lane row sums it replaced). The loops run along the rows, so
+/// each step is one vector of rows. A NaN or an infinity in a row gives m[i] = s[i] = NaN (as
+/// `row_lse` gives NaN) and leaves that row's values not to be used; rows of an empty block get
 /// (−∞, 0).
 #[inline(always)]
-fn exp_shifted_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32]) -> (f32, f32) {
-    let mut m = [f32::NEG_INFINITY; LANES];
-    let mut poison = [0f32; LANES];
-    let mut top = f32::NEG_INFINITY;
-    let mut bad = 0f32;
-    let mut lanes = |c: &[f32]| {
-        for ((mi, p), &v) in m.iter_mut().zip(poison.iter_mut()).zip(c) {
+fn cols_exp_shifted_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], m: &mut [f32], s: &mut [f32], acc: &mut [f64]) {
+    let rows = m.len();
+    m.fill(f32::NEG_INFINITY);
+    s.fill(0.0);
+    if rows == 0 || x.len() < rows {
+        return;
+    }
+    let acc = &mut acc[..rows];
+    // s holds each row's poison until the exp sweep: v·0 is NaN for an infinity or a NaN
+    for (c, col) in x.chunks_exact_mut(rows).enumerate() {
+        if let Some(&b) = bias.get(c) {
+            col.iter_mut().for_each(|v| *v += b);
+        }
+        for ((&v, mi), pi) in col.iter().zip(m.iter_mut()).zip(s.iter_mut()) {
             *mi = if v > *mi { v } else { *mi };
-            *p += v * 0.0;
+            *pi += v * 0.0;
         }
-    };
-    if bias.len() == x.len() {
-        let mut chunks = x.chunks_exact_mut(LANES);
-        let mut bc = bias.chunks_exact(LANES);
-        for (c, b) in (&mut chunks).zip(&mut bc) {
-            c.iter_mut().zip(b).for_each(|(v, &b)| *v += b);
-            lanes(c);
-        }
-        for (v, &b) in chunks.into_remainder().iter_mut().zip(bc.remainder()) {
-            *v += b;
-            top = top.max(*v);
-            bad += *v * 0.0;
-        }
-    } else {
-        let chunks = x.chunks_exact(LANES);
-        for &v in chunks.remainder() {
-            top = top.max(v);
-            bad += v * 0.0;
-        }
-        chunks.for_each(lanes);
     }
-    top = m.iter().fold(top, |a, &b| a.max(b));
-    bad += poison.iter().sum::<f32>();
-    if bad.is_nan() {
-        return (f32::NAN, f32::NAN);
+    for (mi, &si) in m.iter_mut().zip(s.iter()) {
+        if si.is_nan() {
+            *mi = f32::NAN;
+        }
     }
-    if top == f32::NEG_INFINITY {
-        x.iter_mut().for_each(|v| *v = 0.0);
-        return (top, 0.0);
-    }
-    let mut s = [0f32; LANES];
-    let mut chunks = x.chunks_exact_mut(LANES);
-    for c in &mut chunks {
-        for (v, si) in c.iter_mut().zip(s.iter_mut()) {
-            let e = exp_poly::<FMA>(*v - top);
+    acc.fill(0.0);
+    // a NaN row's exps, hence its sum, are NaN
+    for col in x.chunks_exact_mut(rows) {
+        for ((v, &mi), ai) in col.iter_mut().zip(m.iter()).zip(acc.iter_mut()) {
+            let e = exp_poly::<FMA>(*v - mi);
             *v = e;
-            *si += e;
+            *ai += e as f64;
         }
     }
-    let mut total = 0f32;
-    for v in chunks.into_remainder() {
-        let e = exp_poly::<FMA>(*v - top);
-        *v = e;
-        total += e;
-    }
-    (top, total + s.iter().sum::<f32>())
+    s.iter_mut().zip(acc.iter()).for_each(|(si, &a)| *si = a as f32);
 }
 
-/// out[k] = f · x[k], and sums[k] += out[k].
+/// For a block stored column by column as above: out[c·rows + i] = f[i] · e[c·rows + i], and
+/// sums[c] += the column's Σ of out (the gradient's column sums: the LM head's db).
 #[inline(always)]
-fn scale_into_and_sum_body<const FMA: bool>(out: &mut [f32], x: &[f32], f: f32, sums: &mut [f32]) {
-    for ((o, &v), s) in out.iter_mut().zip(x).zip(sums.iter_mut()) {
-        *o = v * f;
-        *s += *o;
+fn cols_scale_and_sum_body<const FMA: bool>(out: &mut [f32], e: &[f32], f: &[f32], sums: &mut [f32]) {
+    let rows = f.len();
+    if rows == 0 {
+        return;
+    }
+    for ((oc, ec), sc) in out.chunks_exact_mut(rows).zip(e.chunks_exact(rows)).zip(sums.iter_mut()) {
+        let mut acc = [0f32; LANES];
+        let mut blocks = oc.chunks_exact_mut(LANES).zip(ec.chunks_exact(LANES)).zip(f.chunks_exact(LANES));
+        for ((o, e), f) in &mut blocks {
+            for (((o, &e), &f), a) in o.iter_mut().zip(e).zip(f).zip(acc.iter_mut()) {
+                *o = f * e;
+                *a += *o;
+            }
+        }
+        let done = rows - rows % LANES;
+        let mut tail = 0f32;
+        for ((o, &e), &f) in oc[done..].iter_mut().zip(&ec[done..]).zip(&f[done..]) {
+            *o = f * e;
+            tail += *o;
+        }
+        *sc += acc.iter().sum::<f32>() + tail;
     }
 }
 
@@ -237,8 +237,8 @@ multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
 multiversion!(row_lse_online, lse_body, (x: &[f32], bias: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 multiversion!(row_scaled_softmax_biased, scaled_softmax_biased_body, (out: &mut [f32], x: &[f32], bias: &[f32], lse: f32, g: f32) -> ());
-multiversion!(row_exp_shifted_inplace, exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32]) -> (f32, f32));
-multiversion!(scale_into_and_sum, scale_into_and_sum_body, (out: &mut [f32], x: &[f32], f: f32, sums: &mut [f32]) -> ());
+multiversion!(cols_exp_shifted_inplace, cols_exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32], m: &mut [f32], s: &mut [f32], acc: &mut [f64]) -> ());
+multiversion!(cols_scale_and_sum, cols_scale_and_sum_body, (out: &mut [f32], e: &[f32], f: &[f32], sums: &mut [f32]) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
@@ -297,31 +297,50 @@ mod tests {
         assert!(nan[0].is_nan() && nan[1] == 1.0 && nan[2] == -1.0);
     }
 
+    /// A block stored column by column, as the LM head's tiles are: per row, the shifted exps
+    /// are its softmax times the sum, m + ln(sum) its log-sum-exp, with and without a bias.
     #[test]
-    fn exp_shifted_gives_the_softmax_and_the_log_sum_exp() {
-        for n in [1usize, 5, 16, 17, 100, 28782] {
-            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
-            let (lse, mut want) = (row_lse(&x), vec![0f32; n]);
-            row_scaled_softmax::call(&mut want, &x, lse, 0.25);
-            // with a bias: x − bias plus bias is x again (bias values exact in binary)
-            let bias: Vec<f32> = (0..n).map(|i| (i % 8) as f32 * 0.25 - 1.0).collect();
-            let shifted: Vec<f32> = x.iter().zip(&bias).map(|(v, b)| v - b).collect();
-            for (mut got, b) in [(x.clone(), &[][..]), (shifted, &bias[..])] {
-                let (m, sum) = row_exp_shifted_inplace::call(&mut got, b);
-                let got_lse = m + sum.ln();
-                assert!((got_lse - lse).abs() <= 2e-6 * lse.abs().max(1.0), "n={n}: lse {got_lse} vs {lse}");
-                for (a, b) in got.iter().zip(&want) {
-                    let a = a * (0.25 / sum);
-                    assert!((a - b).abs() <= 4e-6 * b.abs() + 1e-30, "n={n}: {a} vs {b}");
+    fn column_block_exp_gives_each_rows_softmax_and_log_sum_exp() {
+        for (rows, cols) in [(1usize, 1usize), (5, 3), (16, 40), (17, 33), (234, 512), (3, 28782)] {
+            let row = |i: usize| -> Vec<f32> { (0..cols).map(|c| (((i * 31 + c) * 7919) % 1000) as f32 / 37.0 - 10.0).collect() };
+            let bias: Vec<f32> = (0..cols).map(|c| (c % 8) as f32 * 0.25 - 1.0).collect();
+            for biased in [false, true] {
+                // column c, row i at c·rows + i; with a bias the block holds x − bias (exact)
+                let mut block = vec![0f32; rows * cols];
+                for i in 0..rows {
+                    for (c, v) in row(i).into_iter().enumerate() {
+                        block[c * rows + i] = if biased { v - bias[c] } else { v };
+                    }
+                }
+                let (mut m, mut sum, mut acc) = (vec![0f32; rows], vec![0f32; rows], vec![0f64; rows]);
+                cols_exp_shifted_inplace::call(&mut block, if biased { &bias } else { &[] }, &mut m, &mut sum, &mut acc);
+                for i in 0..rows {
+                    let x = row(i);
+                    let (lse, mut want) = (row_lse(&x), vec![0f32; cols]);
+                    row_scaled_softmax::call(&mut want, &x, lse, 0.25);
+                    let got_lse = m[i] + sum[i].ln();
+                    assert!((got_lse - lse).abs() <= 2e-6 * lse.abs().max(1.0), "{rows}x{cols} row {i}: lse {got_lse} vs {lse}");
+                    for (c, w) in want.iter().enumerate() {
+                        let a = block[c * rows + i] * (0.25 / sum[i]);
+                        assert!((a - w).abs() <= 4e-6 * w.abs() + 1e-30, "{rows}x{cols} row {i} col {c}: {a} vs {w}");
+                    }
                 }
             }
         }
+        // a NaN or an infinity poisons its row only
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let mut x: Vec<f32> = (0..40).map(|i| i as f32 * 0.1).collect();
-            x[21] = bad;
-            assert!(row_exp_shifted_inplace::call(&mut x, &[]).0.is_nan(), "{bad}");
+            let (rows, cols) = (20usize, 40usize);
+            let mut block: Vec<f32> = (0..rows * cols).map(|i| (i % 13) as f32 * 0.1).collect();
+            block[21 * rows + 7] = bad;
+            let (mut m, mut sum, mut acc) = (vec![0f32; rows], vec![0f32; rows], vec![0f64; rows]);
+            cols_exp_shifted_inplace::call(&mut block, &[], &mut m, &mut sum, &mut acc);
+            for i in 0..rows {
+                assert_eq!(m[i].is_nan() && sum[i].is_nan(), i == 7, "{bad} row {i}: {} {}", m[i], sum[i]);
+            }
         }
-        assert_eq!(row_exp_shifted_inplace::call(&mut [], &[]), (f32::NEG_INFINITY, 0.0));
+        let (mut m, mut sum, mut acc) = (vec![1f32; 4], vec![1f32; 4], vec![0f64; 4]);
+        cols_exp_shifted_inplace::call(&mut [], &[], &mut m, &mut sum, &mut acc);
+        assert!(m.iter().all(|&v| v == f32::NEG_INFINITY) && sum.iter().all(|&v| v == 0.0));
     }
 
     /// The biased log-sum-exp and softmax equal, bit for bit, the plain ones on the row with the
@@ -342,13 +361,20 @@ mod tests {
     }
 
     #[test]
-    fn scale_into_and_sum_scales_and_adds() {
-        let x: Vec<f32> = (0..37).map(|i| i as f32 - 3.5).collect();
-        let (mut out, mut sums) = (vec![0f32; 37], vec![1f32; 37]);
-        scale_into_and_sum::call(&mut out, &x, 0.5, &mut sums);
-        for i in 0..37 {
-            assert_eq!(out[i], x[i] * 0.5);
-            assert_eq!(sums[i], 1.0 + x[i] * 0.5);
+    fn column_block_scale_and_sum_scales_rows_and_sums_columns() {
+        for (rows, cols) in [(1usize, 3usize), (16, 5), (37, 9), (234, 40)] {
+            let e: Vec<f32> = (0..rows * cols).map(|i| (i % 23) as f32 * 0.125 - 1.0).collect();
+            let f: Vec<f32> = (0..rows).map(|i| (i % 5) as f32 * 0.5 + 0.25).collect();
+            let (mut out, mut sums) = (vec![0f32; rows * cols], vec![1f32; cols]);
+            cols_scale_and_sum::call(&mut out, &e, &f, &mut sums);
+            for c in 0..cols {
+                let mut want = 0f64;
+                for i in 0..rows {
+                    assert_eq!(out[c * rows + i], f[i] * e[c * rows + i]);
+                    want += out[c * rows + i] as f64;
+                }
+                assert!((sums[c] as f64 - 1.0 - want).abs() <= 1e-5 * want.abs().max(1.0), "{rows}x{cols} col {c}");
+            }
         }
     }
 }
@@ -376,14 +402,17 @@ mod bench {
             }
             let t2 = t.elapsed();
             out.copy_from_slice(&x);
+            // as the LM head's tiles: blocks of 512 columns × 100 rows, stored column by column
+            let (mut m, mut sums, mut acc) = (vec![0f32; 100], vec![0f32; 100], vec![0f64; 100]);
             let t = std::time::Instant::now();
-            for row in out.chunks_mut(28782) {
-                s += row_exp_shifted_inplace::call(row, &[]).1;
+            for block in out.chunks_mut(512 * 100) {
+                cols_exp_shifted_inplace::call(block, &[], &mut m[..], &mut sums[..], &mut acc[..]);
+                s += sums[0];
             }
             let t3 = t.elapsed();
             let ns = |d: std::time::Duration| d.as_nanos() as f64 / x.len() as f64;
             println!(
-                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem, one-exp shifted exp {:.2} ns/elem ({s})",
+                "{:?}: lse {:.2} ns/elem, softmax {:.2} ns/elem, one-exp shifted exp (column blocks) {:.2} ns/elem ({s})",
                 level_name(),
                 ns(t1),
                 ns(t2),
