@@ -84,10 +84,11 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
                         Mat { ptr: c.w.as_ptr().add(j0), rs: n as isize, cs: 1 }
                     };
                     gemm_serial(r, cols, k, blk, 1, r as isize, lhs, wt, false);
-                } else {
-                    std::slice::from_raw_parts_mut(blk, r * cols).fill(0.0);
                 }
                 let block = std::slice::from_raw_parts_mut(blk, r * cols);
+                if k == 0 {
+                    block.fill(0.0);
+                }
                 let b = bias.map_or(&[][..], |b| &b[j0..j0 + cols]);
                 for (i, &(y, _, _)) in rows.targets.iter().enumerate() {
                     if let Some(d) = y.checked_sub(j0).filter(|&d| d < cols) {
