@@ -51,20 +51,29 @@ def test_first_step_loss_and_every_gradient_match():
 def test_fifty_adam_steps_follow_pytorch():
     ref, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
     acc = copy.deepcopy(ref)
+    exact = copy.deepcopy(ref).double()
     opt_r = torch.optim.Adam(ref.parameters(), lr=1e-3)
     opt_a = torch.optim.Adam(acc.parameters(), lr=1e-3)
+    opt_e = torch.optim.Adam(exact.parameters(), lr=1e-3)
     ortrain.accelerate(acc, opt_a)
     batches = _batches(50)
     lr = _train(ref, opt_r, batches)
     la = _train(acc, opt_a, batches)
+    _train(exact, opt_e, batches)
     worst = max(abs(a - b) / abs(b) for a, b in zip(la, lr))
     print(f"50 Adam steps: worst relative loss difference {worst:.2e}; last {la[-1]:.5f} vs {lr[-1]:.5f}")
     assert worst <= 1e-4
     assert la[-1] < la[0] - 0.2, "the model did not learn"
     # Adam turns rounding noise in ~zero gradients (the attention key bias has an exactly zero
-    # gradient in exact arithmetic) into full-size steps, so parameters get a looser bound
-    for (n, pa), (_, pb) in zip(acc.named_parameters(), ref.named_parameters()):
-        assert float((pa.detach() - pb.detach()).norm() / pb.detach().norm()) < 1e-2, n
+    # gradient in exact arithmetic) into full-size steps: after 50 steps PyTorch's own fp32 run is
+    # up to ~0.8% from the same run in fp64 on some parameters, so two fp32 runs that differ only
+    # in summation order (PyTorch's and the engine's) differ by up to ~1%. Each parameter is held
+    # to the fp64 run instead: no further from it than twice PyTorch's fp32 run is, plus 0.2%.
+    for (n, pa), (_, pb), (_, pe) in zip(acc.named_parameters(), ref.named_parameters(), exact.named_parameters()):
+        pe = pe.detach().float()
+        d_acc = float((pa.detach() - pe).norm() / pe.norm())
+        d_ref = float((pb.detach() - pe).norm() / pe.norm())
+        assert d_acc <= 2 * d_ref + 2e-3, f"{n}: {d_acc:.4f} from the fp64 run, PyTorch's fp32 run {d_ref:.4f}"
 
 
 def test_dropout_trains_like_pytorch_and_drops_at_the_rate():

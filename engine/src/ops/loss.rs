@@ -83,14 +83,17 @@ pub struct LceBudget {
 
 impl LceBudget {
     /// The per-chunk dW gemm (inner dimension = chunk rows) reads and writes all of dW once per
-    /// chunk, so chunks must be large: on the tutorial head (700 × 200 · 200 × 28782, 2 threads)
-    /// 256 rows took 0.8x the time of 128 in 5 of 6 interleaved runs (`lce_chunk_speed` in
-    /// backend/cpu/linear_cross_entropy.rs), while its logits (256 × 28782 f32 = 29 MB) are still a
-    /// third of the unfused 80 MB. A vocabulary wider than 40 MiB / 256 rows (GPT-2's 50257 f32
-    /// columns: 51 MB at 256 rows) gets fewer rows: on GPT-2's head (508 × 256 · 256 × 50257, 2
-    /// threads) three chunks of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on
-    /// that shape) for 17 MB less peak.
-    pub const CPU: LceBudget = LceBudget { max_rows: 256, min_rows: 128, scratch_bytes: 40 << 20 };
+    /// chunk, and each chunk reads all of W twice, so chunks must be large: on the tutorial head
+    /// (700 × 200 · 200 × 28782, 2 threads) 256 rows took 0.8x the time of 128 in 5 of 6
+    /// interleaved runs, and two chunks of 350 took 0.975x the time of three of 234 on the fp32
+    /// path (medians of 8 rounds, three runs: 102.0/100.1/101.7 ms against 106.0/102.4/104.0) and
+    /// 0.94x on the bf16 path (90.5 against 96.4), for 13 MB more scratch (`lce_chunk_speed` in
+    /// backend/cpu/linear_cross_entropy.rs, `LCE_CHUNKS=234,350`). The scratch bytes bound the
+    /// rest: a vocabulary wider than 40 MiB / 364 rows (GPT-2's 50257 f32 columns: 51 MB at 256
+    /// rows) gets fewer rows: on GPT-2's head (508 × 256 · 256 × 50257, 2 threads) three chunks
+    /// of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on that shape) for 17 MB
+    /// less peak.
+    pub const CPU: LceBudget = LceBudget { max_rows: 384, min_rows: 128, scratch_bytes: 40 << 20 };
     /// A GPU wants thousands of rows per gemm, and each chunk's dW products re-read and re-write
     /// dW (GPT-2 124M's: 154 MB) at memory bandwidth: 512 MiB of logits is 7 chunks of 2339 rows
     /// for GPT-2 124M's 16368 rows (the unfused logits and their gradient: 3.3 GB each), one
@@ -109,7 +112,7 @@ impl LceBudget {
 
 /// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most the
 /// budget's rows and what fits its scratch bytes (never under its `min_rows`), then evened out
-/// over the chunks that takes (700 rows on the CPU: 3 × 234, not 256 + 256 + 188), so that the
+/// over the chunks that takes (700 rows on the CPU: 2 × 350, not 364 + 336), so that the
 /// scratch is no larger than the chunks need.
 pub fn lce_chunk_rows(rows: usize, n: usize, elem_bytes: usize, budget: LceBudget) -> usize {
     let fits = budget.scratch_bytes / (n * elem_bytes).max(1);
@@ -188,8 +191,9 @@ mod tests {
     #[test]
     fn lce_chunks_are_even_and_within_the_scratch_budget() {
         let cpu = |rows, n, elem| lce_chunk_rows(rows, n, elem, LceBudget::CPU);
-        // the tutorial's head (700 rows, 28782 f32 columns): 3 chunks of 234, not 256 + 256 + 188
-        assert_eq!(cpu(700, 28782, 4), 234);
+        // the tutorial's head (700 rows, 28782 f32 columns): 364 rows fit 40 MiB; 2 chunks of 350,
+        // not 364 + 336
+        assert_eq!(cpu(700, 28782, 4), 350);
         // GPT-2's (508 rows, 50257 columns): 256 rows would be 51 MB; 3 chunks of 170 fit 40 MiB
         assert_eq!(cpu(508, 50257, 4), 170);
         // f64 logits take twice the bytes per row: 182 rows fit, 4 chunks of 175

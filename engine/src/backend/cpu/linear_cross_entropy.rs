@@ -355,7 +355,8 @@ mod bench {
 
     /// The tutorial's LM head (700 rows, K 200, N 28782) through LinearCrossEntropy with several
     /// chunk sizes (`LCE_CHUNKS=128,256`), on the fp32 path and on the bf16 path when the CPU has
-    /// one: `cargo test --release -p ortrain-engine lce_chunk_speed -- --ignored --nocapture`
+    /// one (`LCE_PATHS=fp32` or `bf16` for one of them), four rounds (`LCE_ROUNDS`):
+    /// `cargo test --release -p ortrain-engine lce_chunk_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
     fn lce_chunk_speed() {
@@ -363,13 +364,18 @@ mod bench {
         let x = Tensor::from_f32(vec![rows, k], (0..rows * k).map(|i| ((i * 7919) % 1000) as f32 / 5000.0 - 0.1).collect());
         let w = Tensor::from_f32(vec![n, k], (0..n * k).map(|i| ((i * 104_729) % 1000) as f32 / 5000.0 - 0.1).collect());
         let t: Vec<(usize, f64)> = (0..rows).map(|r| (r * 37 % n, 1.0)).collect();
-        let paths = [Some(MatmulPath::Fp32), crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16)];
+        let only = std::env::var("LCE_PATHS").unwrap_or_default();
+        let paths = [
+            Some(MatmulPath::Fp32).filter(|_| only != "bf16"),
+            crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16).filter(|_| only != "fp32"),
+        ];
+        let rounds: usize = std::env::var("LCE_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(4);
         let mut outs: Vec<Vec<f32>> = vec![vec![0.0; 1], vec![0.0; rows * k], vec![0.0; n * k], vec![0.0; n], vec![0.0; 700 * n]];
         let chunks: Vec<usize> = std::env::var("LCE_CHUNKS")
             .ok()
             .map(|v| v.split(',').filter_map(|c| c.parse().ok()).collect())
             .unwrap_or_else(|| vec![128, 256, 234, 350]);
-        for round in 0..4 {
+        for round in 0..rounds {
             for path in paths.into_iter().flatten() {
                 let a = Lce { path, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true };
                 for &chunk in &chunks {
