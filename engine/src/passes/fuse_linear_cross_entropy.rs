@@ -5,7 +5,7 @@
 //! reads the logits (not a graph output, no other consumer of the Linear or the Reshape): were
 //! they computed anyway, the fused op would add a fourth LM-head gemm to the three unfused ones.
 //! The node's `target` attribute sizes its chunks for the backend (`ops::LceBudget`): a few
-//! hundred rows on the CPU, thousands on a GPU.
+//! hundred rows on the CPU (fewer in a bf16/fp16 session: `cpu_half`), thousands on a GPU.
 
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
@@ -38,9 +38,9 @@ fn linear_under(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], scores: Value
     flattens.then_some(lin.0)
 }
 
-/// The fusion for sessions on the CPU.
-pub fn run_cpu(graph: &mut Graph) -> Result<usize> {
-    fuse(graph, "cpu")
+/// The fusion for sessions on the CPU; `half`: a mixed-precision (bf16/fp16 matmul) session.
+pub fn run_cpu(graph: &mut Graph, half: bool) -> Result<usize> {
+    fuse(graph, if half { "cpu_half" } else { "cpu" })
 }
 
 /// The fusion for sessions on CUDA.

@@ -73,7 +73,7 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // LM head's input, so that the Linear feeds the loss's reshape directly
     ("slice_before_linear", |g, _| slice_before_linear::run(g), Runs::Both),
     // after fuse_linear: it matches the Linear that pass made; one name, chunks sized per backend
-    ("fuse_linear_cross_entropy", |g, _| fuse_linear_cross_entropy::run_cpu(g), Runs::CpuOnly),
+    ("fuse_linear_cross_entropy", |g, c| fuse_linear_cross_entropy::run_cpu(g, c.half.is_some()), Runs::CpuOnly),
     ("fuse_linear_cross_entropy", |g, _| fuse_linear_cross_entropy::run_cuda(g), Runs::CudaOnly),
     // last, on the fused graph; opt-in until it has run on a GPU: 16-bit activations in
     // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
