@@ -37,8 +37,13 @@ fn transpose_typed<T: Elem + Default>(x: &In, o: &mut Out, perm: &[usize]) -> Re
             off += (rr % oshape[d]) * src_strides[d];
             rr /= oshape[d];
         }
-        for (j, v) in row.iter_mut().enumerate() {
-            *v = src[off + j * in_stride_inner];
+        if in_stride_inner == 1 {
+            // the last axis stays last (the attention heads' (1, 0, 2) moves): whole rows
+            row.copy_from_slice(&src[off..off + row.len()]);
+        } else {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = src[off + j * in_stride_inner];
+            }
         }
     };
     if inner == 0 {
