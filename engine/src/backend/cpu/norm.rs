@@ -10,10 +10,29 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::layer_norm_layout_of;
 
+/// Independent f64 partial sums per row reduction: one running sum is a chain of dependent
+/// additions (4 cycles each), which held the tutorial's LayerNorm (rows of 200) at ~1.4 ns an
+/// element forward and ~2.3 backward.
+const LANES: usize = 8;
+
+/// Σ f(v, j) over the row in f64, in `LANES` partial sums.
+#[inline(always)]
+fn row_sum<T: FloatElem>(row: &[T], f: impl Fn(f64, usize) -> f64) -> f64 {
+    let mut acc = [0f64; LANES];
+    let whole = row.len() - row.len() % LANES;
+    for (c, chunk) in row[..whole].chunks_exact(LANES).enumerate() {
+        for (l, (a, &v)) in acc.iter_mut().zip(chunk).enumerate() {
+            *a += f(v.as_(), c * LANES + l);
+        }
+    }
+    let tail: f64 = row[whole..].iter().enumerate().map(|(l, &v)| f(v.as_(), whole + l)).sum();
+    acc.iter().sum::<f64>() + tail
+}
+
 fn stats<T: FloatElem>(row: &[T], eps: f64) -> (f64, f64) {
     let n = row.len() as f64;
-    let mean = row.iter().map(|&v| v.as_()).sum::<f64>() / n;
-    let var = row.iter().map(|&v| (v.as_() - mean).powi(2)).sum::<f64>() / n;
+    let mean = row_sum(row, |v, _| v) / n;
+    let var = row_sum(row, |v, _| (v - mean).powi(2)) / n;
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -83,16 +102,14 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
                 let mut dbias = vec![0f64; n];
                 for ((dr, xr), or) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)) {
                     let (mean, rstd) = stats(xr, eps);
-                    let (mut a, mut b) = (0f64, 0f64);
                     for j in 0..n {
                         let h = (xr[j].as_() - mean) * rstd;
                         let d = dr[j].as_();
-                        let dg = d * sv[j].as_();
-                        a += dg;
-                        b += dg * h;
                         ds[j] += d * h;
                         dbias[j] += d;
                     }
+                    let a = row_sum(dr, |d, j| d * sv[j].as_());
+                    let b = row_sum(dr, |d, j| d * sv[j].as_() * ((xr[j].as_() - mean) * rstd));
                     let (a, b) = (a / n as f64, b / n as f64);
                     for j in 0..n {
                         let h = (xr[j].as_() - mean) * rstd;
