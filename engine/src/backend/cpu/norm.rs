@@ -15,24 +15,26 @@ use crate::ops::layer_norm_layout_of;
 /// element forward and ~2.3 backward.
 const LANES: usize = 8;
 
-/// Σ f(v, j) over the row in f64, in `LANES` partial sums.
+/// Σ f(v, j) over the row in f64, for N sums at once, each in `LANES` partial sums.
 #[inline(always)]
-fn row_sum<T: FloatElem>(row: &[T], f: impl Fn(f64, usize) -> f64) -> f64 {
-    let mut acc = [0f64; LANES];
+fn row_sums<T: FloatElem, const N: usize>(row: &[T], f: impl Fn(f64, usize) -> [f64; N]) -> [f64; N] {
+    let mut acc = [[0f64; N]; LANES];
     let whole = row.len() - row.len() % LANES;
     for (c, chunk) in row[..whole].chunks_exact(LANES).enumerate() {
         for (l, (a, &v)) in acc.iter_mut().zip(chunk).enumerate() {
-            *a += f(v.as_(), c * LANES + l);
+            a.iter_mut().zip(f(v.as_(), c * LANES + l)).for_each(|(a, t)| *a += t);
         }
     }
-    let tail: f64 = row[whole..].iter().enumerate().map(|(l, &v)| f(v.as_(), whole + l)).sum();
-    acc.iter().sum::<f64>() + tail
+    std::array::from_fn(|s| {
+        let tail: f64 = row[whole..].iter().enumerate().map(|(l, &v)| f(v.as_(), whole + l)[s]).sum();
+        acc.iter().map(|a| a[s]).sum::<f64>() + tail
+    })
 }
 
 fn stats<T: FloatElem>(row: &[T], eps: f64) -> (f64, f64) {
     let n = row.len() as f64;
-    let mean = row_sum(row, |v, _| v) / n;
-    let var = row_sum(row, |v, _| (v - mean).powi(2)) / n;
+    let [mean] = row_sums(row, |v, _| [v]).map(|s| s / n);
+    let [var] = row_sums(row, |v, _| [(v - mean).powi(2)]).map(|s| s / n);
     (mean, 1.0 / (var + eps).sqrt())
 }
 
@@ -108,9 +110,11 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
                         ds[j] += d * h;
                         dbias[j] += d;
                     }
-                    let a = row_sum(dr, |d, j| d * sv[j].as_());
-                    let b = row_sum(dr, |d, j| d * sv[j].as_() * ((xr[j].as_() - mean) * rstd));
-                    let (a, b) = (a / n as f64, b / n as f64);
+                    let [a, b] = row_sums(dr, |d, j| {
+                        let dg = d * sv[j].as_();
+                        [dg, dg * ((xr[j].as_() - mean) * rstd)]
+                    })
+                    .map(|s| s / n as f64);
                     for j in 0..n {
                         let h = (xr[j].as_() - mean) * rstd;
                         let dg = dr[j].as_() * sv[j].as_();

@@ -1,8 +1,7 @@
 //! Vectorised f32 primitives: tanh (`tanh_slice`, for the Tanh op), and rows of softmax-style kernels: log-Σ-exp in one pass (online
 //! max) and the scaled softmax row of the cross-entropy gradient, and the same for blocks stored
 //! column by column (the fp32 LM head's tiles): each row's shifted exps and sum, the scaled
-//! gradient with its column sums. `exp` is a branch-free
-//! polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
+//! gradient with its column sums. `exp` is a branch-free polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
 //! each primitive is compiled for AVX-512 and AVX2+FMA and picked at run time from CPU features
 //! (the libm exp it replaces is scalar: ~20 M calls per LM-head step).
 
@@ -171,10 +170,9 @@ const EXP_SUM_GROUP: usize = 8;
 /// for none, else one per column), s[i] the sum of its stored values, accumulated in f64 (`acc`,
 /// one per row) over f32 sums of `EXP_SUM_GROUP` columns: a row's sum runs along its columns one
 /// term at a time, which all in f32 lost up to 4 times the accuracy of the 16-lane row sums it
-/// replaced. The loops run along the rows, so
-/// each step is one vector of rows. A NaN or an infinity in a row gives m[i] = s[i] = NaN (as
-/// `row_lse` gives NaN) and leaves that row's values not to be used; rows of an empty block get
-/// (−∞, 0).
+/// replaced. The loops run along the rows, so each step is one vector of rows. A NaN or an
+/// infinity in a row gives m[i] = s[i] = NaN (as `row_lse` gives NaN) and leaves that row's
+/// values not to be used; rows of an empty block get (−∞, 0).
 #[inline(always)]
 fn cols_exp_shifted_inplace_body<const FMA: bool>(x: &mut [f32], bias: &[f32], m: &mut [f32], s: &mut [f32], acc: &mut [f64]) {
     let rows = m.len();
