@@ -67,9 +67,11 @@ def train_flops(model, lookup, layers: int, width: int, seq: int, tokens: int) -
     return 6 * n * tokens + 12 * layers * width * seq * tokens
 
 
-def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
+def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16", for_ortrain: bool = False):
     """(model, optimizer, batch(step), forward_loss(model, batch), clip, precision, tokens/step,
-    FLOPs/step) on cuda."""
+    FLOPs/step) on cuda. GPT-2's AdamW is PyTorch's fused one for eager and compile (their fastest
+    step); for ortrain (`for_ortrain`) it is the plain AdamW, whose step the engine takes over with
+    its own multi-tensor kernel (accelerate keeps a fused=True optimizer in PyTorch)."""
     import torch
     from torch import nn
 
@@ -94,7 +96,7 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16"):
                                         n_positions=seq, dropout=0.0, batch=bsz, seq=seq, seed=0,
                                         attn_implementation="sdpa")
         model = model.to(dev)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=not for_ortrain)
         g = torch.Generator().manual_seed(1)
         batches = [torch.randint(0, workloads.GPT2_VOCAB, (bsz, seq), generator=g).to(dev) for _ in range(8)]
         criterion = nn.CrossEntropyLoss()
@@ -119,9 +121,9 @@ def _worker(cfg: dict) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(
-        cfg["workload"], cfg["gpt2_batch"], cfg.get("gpt2_precision", "bf16"))
     system, passes = split_system(cfg["system"])
+    model, optimizer, batch, forward_loss, clip, precision, tokens, flops = _build(
+        cfg["workload"], cfg["gpt2_batch"], cfg.get("gpt2_precision", "bf16"), for_ortrain=system.startswith("ortrain"))
     if passes:
         # read when the engine builds a session, so set before accelerate
         os.environ.update(pass_environment(passes))

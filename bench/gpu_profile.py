@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     from bench.gpu import _build
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model, opt, batch, forward_loss, clip, precision, tokens, flops = _build(a.workload, a.gpt2_batch)
+    model, opt, batch, forward_loss, clip, precision, tokens, flops = _build(a.workload, a.gpt2_batch, for_ortrain=a.system == "ortrain")
     import contextlib
 
     autocast = contextlib.nullcontext

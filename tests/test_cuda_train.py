@@ -446,11 +446,19 @@ def test_tf32_follows_pytorchs_flag():
 def test_explain_prints_the_planned_gpu_memory_before_step_one():
     """explain(model, x) before the first step prints the planned GPU memory (parameters,
     gradients, Adam's state, the fused loss graph's arena); torch.cuda's peak during the second
-    step (all four alive) is within 10% of it."""
+    and third steps (all four alive; the second records the CUDA graphs, the third replays
+    them), over what this process held before the model was made, is within 10% of it."""
+    import gc
     import re
 
     import models
 
+    # earlier tests of this process may still hold memory: in a whole `pytest -m gpu` run on an
+    # H200 the plain peak read 106.9 MiB against 41.4 planned, where the same steps in a fresh
+    # process peaked 41.5 MiB over what it held before
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     vocab, seq, batch = 2000, 35, 20
     model, _, _ = models.tutorial_transformer(vocab, dropout=0.0, seed=0)
     model = model.cuda()
@@ -474,9 +482,10 @@ def test_explain_prints_the_planned_gpu_memory_before_step_one():
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     step()
+    step()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    print(f"planned {planned / 2**20:.1f} MiB, torch.cuda peak during step 2 {peak / 2**20:.1f} MiB")
+    peak = torch.cuda.max_memory_allocated() - before
+    print(f"planned {planned / 2**20:.1f} MiB, torch.cuda peak during steps 2-3 {peak / 2**20:.1f} MiB")
     assert abs(peak - planned) <= 0.1 * planned, (peak, planned, text)
 
 

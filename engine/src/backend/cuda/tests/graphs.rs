@@ -65,7 +65,7 @@ fn sums_with_atomics(g: &Graph) -> bool {
 
 #[test]
 fn gpu_graphed_steps_match_launched_steps_bit_for_bit() {
-    let Some(g) = gpu("gpu_graphed_steps_match_launched_steps_bit_for_bit") else { return };
+    let Some(g) = gpu_alone("gpu_graphed_steps_match_launched_steps_bit_for_bit") else { return };
     let mut rng = Rng::new(23);
     let mut all = models();
     all.push(("dropout_mlp", dropout_mlp(&mut rng)));
