@@ -70,9 +70,10 @@ impl OpDef for LossGrad {
     }
 }
 
-/// How large LinearCrossEntropy's chunks may be on one backend: at most `max_rows` rows and
-/// `scratch_bytes` of chunk logits, never under `min_rows` rows whatever the vocabulary (below it
-/// the per-chunk dW gemm's re-reads of dW dominate). The node's `target` attribute ("cpu", the
+/// How large LinearCrossEntropy's chunks may be on one backend: at most `max_rows` rows,
+/// `scratch_bytes` of chunk logits and (where `weight_multiple` is not 0) that many times the
+/// weight's bytes of them, never under `min_rows` rows whatever the vocabulary (below it the
+/// per-chunk dW gemm's re-reads of dW dominate). The node's `target` attribute ("cpu", the
 /// default, "cpu_half" in a bf16/fp16 CPU session, or "cuda", set by
 /// passes/fuse_linear_cross_entropy.rs) picks one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +81,7 @@ pub struct LceBudget {
     pub max_rows: usize,
     pub min_rows: usize,
     pub scratch_bytes: usize,
+    pub weight_multiple: usize,
 }
 
 impl LceBudget {
@@ -94,17 +96,21 @@ impl LceBudget {
     /// rows) gets fewer rows: on GPT-2's head (508 × 256 · 256 × 50257, 2 threads) three chunks
     /// of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on that shape) for 17 MB
     /// less peak.
-    pub const CPU: LceBudget = LceBudget { max_rows: 384, min_rows: 128, scratch_bytes: 40 << 20 };
+    pub const CPU: LceBudget = LceBudget { max_rows: 384, min_rows: 128, scratch_bytes: 40 << 20, weight_multiple: 0 };
     /// A bf16/fp16 CPU session's: at most 256 rows. PyTorch's autocast keeps the logits and
     /// their gradient in bf16, so eager's own memory is lower there, and the 13 MB that two
     /// chunks of 350 add on the tutorial's head took ortrain's growth to 0.615x autocast eager's
     /// (`python -m bench`, 275 against 447 MiB; target 0.6x) for a 6% faster LinearCrossEntropy.
     pub const CPU_HALF: LceBudget = LceBudget { max_rows: 256, ..LceBudget::CPU };
     /// A GPU wants thousands of rows per gemm, and each chunk's dW products re-read and re-write
-    /// dW (GPT-2 124M's: 154 MB) at memory bandwidth: 512 MiB of logits is 7 chunks of 2339 rows
-    /// for GPT-2 124M's 16368 rows (the unfused logits and their gradient: 3.3 GB each), one
-    /// chunk for the tutorial's 700.
-    pub const CUDA: LceBudget = LceBudget { max_rows: 8192, min_rows: 512, scratch_bytes: 512 << 20 };
+    /// dW (GPT-2 124M's: 154 MB) at memory bandwidth, about 4 times the weight's bytes of
+    /// traffic a chunk. A chunk's logits of at most 3 times the weight keep that under the
+    /// logits' own traffic (written, read by the row pass, G written and read by two products):
+    /// GPT-2 124M's 16368 rows in 8 chunks of 2046 (2304 rows are 3 times its 768-wide weight;
+    /// 512 MiB alone would allow 2670: 7 chunks), the tutorial's 700 in 2 of 350. With its 700
+    /// in one chunk the tutorial's peak GPU memory was 0.74x eager's on an H200 (333 against
+    /// 451 MiB; target 0.7x), 80 MB of it that chunk's logits.
+    pub const CUDA: LceBudget = LceBudget { max_rows: 8192, min_rows: 512, scratch_bytes: 512 << 20, weight_multiple: 3 };
 
     /// The budget a LinearCrossEntropy node names in its `target` attribute.
     pub fn of(node: &Node) -> Result<LceBudget> {
@@ -117,12 +123,16 @@ impl LceBudget {
     }
 }
 
-/// Rows per chunk for `rows` rows of an `n`-column head of `elem_bytes`-byte logits: at most the
-/// budget's rows and what fits its scratch bytes (never under its `min_rows`), then evened out
-/// over the chunks that takes (700 rows on the CPU: 2 × 350, not 364 + 336), so that the
-/// scratch is no larger than the chunks need.
-pub fn lce_chunk_rows(rows: usize, n: usize, elem_bytes: usize, budget: LceBudget) -> usize {
-    let fits = budget.scratch_bytes / (n * elem_bytes).max(1);
+/// Rows per chunk for `rows` rows of an `n`-column head over `k` features, of `elem_bytes`-byte
+/// logits: at most the budget's rows and what fits its scratch bytes and weight multiple (never
+/// under its `min_rows`), then evened out over the chunks that takes (700 rows on the CPU:
+/// 2 × 350, not 364 + 336), so that the scratch is no larger than the chunks need.
+pub fn lce_chunk_rows(rows: usize, n: usize, k: usize, elem_bytes: usize, budget: LceBudget) -> usize {
+    let mut fits = budget.scratch_bytes / (n * elem_bytes).max(1);
+    if budget.weight_multiple > 0 {
+        // rows · n ≤ multiple · n · k
+        fits = fits.min(budget.weight_multiple * k);
+    }
     let most = fits.clamp(budget.min_rows, budget.max_rows);
     let chunks = rows.div_ceil(most).max(1);
     rows.div_ceil(chunks)
@@ -162,7 +172,7 @@ impl OpDef for LinearCrossEntropy {
             TypeOut::like(x),
             TypeOut::like(w),
             TypeOut::new(x.dtype, vec![n]),
-            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, x.dtype.size(), LceBudget::of(node)?), n]),
+            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, k, x.dtype.size(), LceBudget::of(node)?), n]),
         ])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
@@ -197,9 +207,10 @@ mod tests {
 
     #[test]
     fn lce_chunks_are_even_and_within_the_scratch_budget() {
-        let cpu = |rows, n, elem| lce_chunk_rows(rows, n, elem, LceBudget::CPU);
+        // the CPU budgets have no weight multiple: k does not matter
+        let cpu = |rows, n, elem| lce_chunk_rows(rows, n, 1, elem, LceBudget::CPU);
         // a bf16 session's: 3 chunks of 234 (less memory, as autocast eager's is less)
-        assert_eq!(lce_chunk_rows(700, 28782, 4, LceBudget::CPU_HALF), 234);
+        assert_eq!(lce_chunk_rows(700, 28782, 200, 4, LceBudget::CPU_HALF), 234);
         // the tutorial's head (700 rows, 28782 f32 columns): 364 rows fit 40 MiB; 2 chunks of 350,
         // not 364 + 336
         assert_eq!(cpu(700, 28782, 4), 350);
@@ -215,13 +226,16 @@ mod tests {
 
     #[test]
     fn gpu_chunks_are_thousands_of_rows() {
-        let cuda = |rows, n, elem| lce_chunk_rows(rows, n, elem, LceBudget::CUDA);
-        // GPT-2 124M (16 × 1023 shifted rows, 50257 columns): 2670 rows fit 512 MiB; 7 × 2339
-        assert_eq!(cuda(16 * 1023, 50257, 4), 2339);
-        // the tutorial's 700 rows: one chunk
-        assert_eq!(cuda(700, 28782, 4), 700);
-        // a huge vocabulary keeps 512-row chunks; many rows of a small one stop at 8192
-        assert_eq!(cuda(4096, 1 << 20, 4), 512);
-        assert_eq!(cuda(20000, 1000, 4), 6667);
+        let cuda = |rows, n, k, elem| lce_chunk_rows(rows, n, k, elem, LceBudget::CUDA);
+        // GPT-2 124M (16 × 1023 shifted rows, 50257 columns, 768 features): 2670 rows fit
+        // 512 MiB, 2304 are 3 times the weight; 8 × 2046
+        assert_eq!(cuda(16 * 1023, 50257, 768, 4), 2046);
+        // the tutorial's 700 rows over 200 features: at most 600, so 2 × 350
+        assert_eq!(cuda(700, 28782, 200, 4), 350);
+        // a narrow weight still gets 512-row chunks; a huge vocabulary keeps 512-row chunks;
+        // many rows of a small one stop at 8192
+        assert_eq!(cuda(2000, 1000, 16, 4), 500);
+        assert_eq!(cuda(4096, 1 << 20, 4096, 4), 512);
+        assert_eq!(cuda(20000, 1000, 4096, 4), 6667);
     }
 }

@@ -301,7 +301,7 @@ mod tests {
         let (k, n) = (9, 1100);
         let (d0, d1) = (16, LceBudget::CPU.max_rows / 8 + 2);
         let rows = d0 * d1;
-        let chunk = lce_chunk_rows(rows, n, 4, LceBudget::CPU);
+        let chunk = lce_chunk_rows(rows, n, k, 4, LceBudget::CPU);
         assert!(rows > 2 * chunk && rows % chunk != 0);
         let cases = [
             (true, true, false, true, false),
@@ -340,7 +340,7 @@ mod tests {
                 close(&what("dW"), &out[2].to_f64_vec(), &dw, tol);
                 close(&what("db"), &out[3].to_f64_vec(), &db, tol);
                 let elem = if f64s { 8 } else { 4 };
-                assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, elem, LceBudget::CPU), n], "case {case}: scratch");
+                assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, k, elem, LceBudget::CPU), n], "case {case}: scratch");
             }
         }
     }
