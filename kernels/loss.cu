@@ -32,13 +32,14 @@
 //                 i64 ignore_index, i32 has_ignore, i32* err)
 //       ONE block, before the chunks: w_s[r] = row r's weight (0 ignored or invalid), *wsum = Σ w_s
 //   lce_rows_T(T* g, const T* bias, const i64* labels, const A* w_s, const A* wsum, A* loss_s,
-//              i64 R, i64 C, i32 mean)
+//              i64 R, i64 C, i64 ldx, i32 mean)
 //       one block per row of a chunk (labels, w_s and loss_s at its first row): the row's logits
-//       g[r] (plus bias, when not null) become their unit-seed gradient w f (softmax - onehot),
+//       g[r] (C of them, rows ldx >= C apart; the columns past C are not touched) (plus bias,
+//       when not null) become their unit-seed gradient w f (softmax - onehot),
 //       f = 1 / *wsum for the mean (0 when it is 0) or 1 for the sum, and loss_s[r] = -w log
 //       softmax[label]; sce_reduce_T then reduces loss_s and w_s as for the unfused loss.
 //   lce_rows_round_D(f32* x, D* g, labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R,
-//                    i64 C, i64 ldg, i32 mean)                                   D: bf16, f16
+//                    i64 C, i64 ldx, i64 ldg, i32 mean)                          D: bf16, f16
 //       the same without a bias, G written rounded to D into rows of ldg >= C (the columns past
 //       C zeros) instead of over x: lce_rows_f32 then cast_rows_f32_D in one pass over x
 
@@ -181,8 +182,8 @@ template <typename T> __device__ __forceinline__ void lce_weights(const i64* lab
 // Where the row pass writes G: over the logits (in place), or rounded to a 16-bit copy.
 template <typename T> struct GInPlace {
     T* g;
-    i64 C;
-    __device__ __forceinline__ void put(i64 r, i64 k, typename Num<T>::Acc v) const { g[r * C + k] = Num<T>::store(v); }
+    i64 ld;
+    __device__ __forceinline__ void put(i64 r, i64 k, typename Num<T>::Acc v) const { g[r * ld + k] = Num<T>::store(v); }
     __device__ __forceinline__ void pad(i64) const {}
 };
 template <typename D> struct GRounded {
@@ -202,13 +203,13 @@ template <typename D> struct GRounded {
 template <typename T, typename Out>
 __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels, const typename Num<T>::Acc* w_s,
                                          const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R, i64 C,
-                                         i32 mean, Out out) {
+                                         i64 ldx, i32 mean, Out out) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
     const A total = mean ? *wsum : (A)1;
     const A f = total == (A)0 ? (A)0 : (A)1 / total;
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
-        T* row = x + r * C;
+        T* row = x + r * ldx;
         const A w = w_s[r];
         out.pad(r);
         if (w == (A)0) {  // the same for the whole block: no thread skips a barrier the others reach
@@ -273,15 +274,15 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
         lce_weights<T>(labels, weights, w_s, wsum, rows, C, ignore_index, has_ignore, err);   \
     }                                                                                         \
     extern "C" __global__ void lce_rows_##T(T* g, const T* bias, const i64* labels, const Num<T>::Acc* w_s, \
-                                            const Num<T>::Acc* wsum, Num<T>::Acc* loss_s, i64 R, i64 C, i32 mean) { \
-        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, mean, GInPlace<T>{g, C});         \
+                                            const Num<T>::Acc* wsum, Num<T>::Acc* loss_s, i64 R, i64 C, i64 ldx, i32 mean) { \
+        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, ldx, mean, GInPlace<T>{g, ldx});  \
     }
 ORT_FLOATS(LOSS, _)
 
 #define LCE_ROWS_ROUND(D)                                                                     \
     extern "C" __global__ void lce_rows_round_##D(f32* x, D* g, const i64* labels, const f32* w_s, const f32* wsum, \
-                                                  f32* loss_s, i64 R, i64 C, i64 ldg, i32 mean) { \
-        lce_rows<f32>(x, (const f32*)nullptr, labels, w_s, wsum, loss_s, R, C, mean, GRounded<D>{g, C, ldg}); \
+                                                  f32* loss_s, i64 R, i64 C, i64 ldx, i64 ldg, i32 mean) { \
+        lce_rows<f32>(x, (const f32*)nullptr, labels, w_s, wsum, loss_s, R, C, ldx, mean, GRounded<D>{g, C, ldg}); \
     }
 LCE_ROWS_ROUND(bf16)
 LCE_ROWS_ROUND(f16)

@@ -73,7 +73,8 @@ impl OpDef for LossGrad {
 /// How large LinearCrossEntropy's chunks may be on one backend: at most `max_rows` rows,
 /// `scratch_bytes` of chunk logits and (where `weight_multiple` is not 0) that many times the
 /// weight's bytes of them, never under `min_rows` rows whatever the vocabulary (below it the
-/// per-chunk dW gemm's re-reads of dW dominate). The node's `target` attribute ("cpu", the
+/// per-chunk dW gemm's re-reads of dW dominate); each chunk row padded to whole `row_align`
+/// classes (the scratch output's row length). The node's `target` attribute ("cpu", the
 /// default, "cpu_half" in a bf16/fp16 CPU session, or "cuda", set by
 /// passes/fuse_linear_cross_entropy.rs) picks one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,6 +83,7 @@ pub struct LceBudget {
     pub min_rows: usize,
     pub scratch_bytes: usize,
     pub weight_multiple: usize,
+    pub row_align: usize,
 }
 
 impl LceBudget {
@@ -96,7 +98,7 @@ impl LceBudget {
     /// rows) gets fewer rows: on GPT-2's head (508 × 256 · 256 × 50257, 2 threads) three chunks
     /// of 170 rows took ~3% more time than two of 254 (`lce_chunk_speed` on that shape) for 17 MB
     /// less peak.
-    pub const CPU: LceBudget = LceBudget { max_rows: 384, min_rows: 128, scratch_bytes: 40 << 20, weight_multiple: 0 };
+    pub const CPU: LceBudget = LceBudget { max_rows: 384, min_rows: 128, scratch_bytes: 40 << 20, weight_multiple: 0, row_align: 1 };
     /// A bf16/fp16 CPU session's: at most 256 rows. PyTorch's autocast keeps the logits and
     /// their gradient in bf16, so eager's own memory is lower there, and the 13 MB that two
     /// chunks of 350 add on the tutorial's head took ortrain's growth to 0.615x autocast eager's
@@ -109,8 +111,10 @@ impl LceBudget {
     /// GPT-2 124M's 16368 rows in 8 chunks of 2046 (2304 rows are 3 times its 768-wide weight;
     /// 512 MiB alone would allow 2670: 7 chunks), the tutorial's 700 in 2 of 350. With its 700
     /// in one chunk the tutorial's peak GPU memory was 0.74x eager's on an H200 (333 against
-    /// 451 MiB; target 0.7x), 80 MB of it that chunk's logits.
-    pub const CUDA: LceBudget = LceBudget { max_rows: 8192, min_rows: 512, scratch_bytes: 512 << 20, weight_multiple: 3 };
+    /// 451 MiB; target 0.7x), 80 MB of it that chunk's logits. Rows of whole 64 classes
+    /// (backend/cuda/ops/linear_cross_entropy.rs: GPT-2's 50257 left the logits and dX
+    /// products on Turing's cutlass_75 kernels on an H200).
+    pub const CUDA: LceBudget = LceBudget { max_rows: 8192, min_rows: 512, scratch_bytes: 512 << 20, weight_multiple: 3, row_align: 64 };
 
     /// The budget a LinearCrossEntropy node names in its `target` attribute.
     pub fn of(node: &Node) -> Result<LceBudget> {
@@ -167,13 +171,11 @@ impl OpDef for LinearCrossEntropy {
         if reduction != "mean" && reduction != "sum" {
             return Err(node.err(format!("reduction '{reduction}' is not one of sum, mean")));
         }
-        Ok(vec![
-            TypeOut::new(x.dtype, vec![]),
-            TypeOut::like(x),
-            TypeOut::like(w),
-            TypeOut::new(x.dtype, vec![n]),
-            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, n, k, x.dtype.size(), LceBudget::of(node)?), n]),
-        ])
+        Ok(vec![TypeOut::new(x.dtype, vec![]), TypeOut::like(x), TypeOut::like(w), TypeOut::new(x.dtype, vec![n]), {
+            let budget = LceBudget::of(node)?;
+            let cols = n.next_multiple_of(budget.row_align.max(1));
+            TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, cols, k, x.dtype.size(), budget), cols])
+        }])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {

@@ -70,6 +70,12 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
     )?;
 
     let chunk = scratch.shape.first().copied().unwrap_or(0);
+    // the logits' row stride: the scratch's rows, which CUDA plans pad to whole 64 columns
+    // (ops/loss.rs LceBudget::row_align)
+    let ld = scratch.shape.get(1).copied().unwrap_or(n);
+    if ld < n {
+        return Err(node.err(format!("the scratch's rows of {ld} are shorter than the {n} classes")));
+    }
     if rows == 0 || n == 0 || chunk == 0 {
         zero(ctx, dx)?;
         zero(ctx, dw)?;
@@ -96,9 +102,18 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             zero(ctx, db)?;
             None
         };
-        let h = if k > 0 { Halves::new(ctx, t, n, k, chunk, g_mode)? } else { None };
+        let h = if k > 0 { Halves::new(ctx, t, n, ld, k, chunk, g_mode)? } else { None };
         if let Some(h) = &h {
-            ctx.rt.round_f32(ctx.stream, h.t, w.ptr, h.w, n * k)?;
+            // W's copy has `ld` classes, zeros past n: the products then run over whole 64-class
+            // tiles (the logits' padding comes out 0, and dX's inner dimension is ld)
+            if trans_b {
+                ctx.rt.round_f32(ctx.stream, h.t, w.ptr, h.w, n * k)?;
+                let dtype = if h.t == GemmType::F16 { DType::F16 } else { DType::BF16 };
+                let pad = DView { dtype, shape: &[(ld - n) * k], ptr: h.w + (n * k * h.t.size()) as u64, host: None };
+                zero(ctx, &pad)?;
+            } else {
+                ctx.rt.round_f32_rows(ctx.stream, h.t, w.ptr, h.w, k, n, n, ld)?;
+            }
         }
         let mut r0 = 0;
         while r0 < rows {
@@ -106,12 +121,12 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             let (xc, g) = (x.ptr + (r0 * k) as u64 * es, scratch.ptr);
             let later = r0 > 0;
             if k == 0 {
-                zero(ctx, &DView { shape: &[r * n], ..*scratch })?;
+                zero(ctx, &DView { shape: &[r * ld], ..*scratch })?;
             } else if let Some(h) = &h {
                 ctx.rt.round_f32(ctx.stream, h.t, xc, h.x, r * k)?;
-                ctx.rt.gemm(ctx.stream, &h.gemm(gemm(r, n, k, false, trans_b, false, F32Mode::Exact)), h.x, h.w, g)?;
+                ctx.rt.gemm(ctx.stream, &h.gemm(gemm(r, ld, k, false, trans_b, false, F32Mode::Exact)), h.x, h.w, g)?;
             } else {
-                ctx.rt.gemm(ctx.stream, &gemm(r, n, k, false, trans_b, false, ctx.f32_mode), xc, w.ptr, g)?;
+                ctx.rt.gemm(ctx.stream, &Gemm { ldc: ld, ..gemm(r, n, k, false, trans_b, false, ctx.f32_mode) }, xc, w.ptr, g)?;
             }
             let rows_at = [p(labels.ptr + r0 as u64 * 8), p(w_s + r0 as u64 * stat), p(wsum), p(loss_s + r0 as u64 * stat)];
             // Where only G's 16-bit copy is read afterwards (no bias: no f32 column sums), the
@@ -125,33 +140,44 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             if let Some((h, gh)) = rounded_by_rows {
                 let mut args = vec![p(g), p(gh)];
                 args.extend(rows_at);
-                args.extend([KArg::I64(r as i64), KArg::I64(n as i64), KArg::I64(h.g_ld as i64), KArg::I32(mean as i32)]);
+                args.extend([
+                    KArg::I64(r as i64),
+                    KArg::I64(n as i64),
+                    KArg::I64(ld as i64),
+                    KArg::I64(h.g_ld as i64),
+                    KArg::I32(mean as i32),
+                ]);
                 ctx.rt.launch(ctx.stream, &format!("lce_rows_round_{}", half_suffix(h.t)?), row_grid(r, n), &args)?;
             } else {
                 let mut args = vec![p(g), p(bias)];
                 args.extend(rows_at);
-                args.extend([KArg::I64(r as i64), KArg::I64(n as i64), KArg::I32(mean as i32)]);
+                args.extend([KArg::I64(r as i64), KArg::I64(n as i64), KArg::I64(ld as i64), KArg::I32(mean as i32)]);
                 ctx.rt.launch(ctx.stream, &format!("lce_rows_{sfx}"), row_grid(r, n), &args)?;
             }
             if k > 0 {
                 // dX_c = G · op(W)ᵀ; dW (+)= its product with X_c: from G rounded once where the
                 // session's products are bf16, else from the f32 G (TF32 in fp16 sessions)
                 let dxc = dx.ptr + (r0 * k) as u64 * es;
-                let (dx_g, dw_g) = (
-                    gemm(r, k, n, false, !trans_b, false, g_mode),
-                    if trans_b { gemm(n, k, r, true, false, later, g_mode) } else { gemm(k, n, r, true, false, later, g_mode) },
-                );
+                // G's rows are `g_ld` apart (its 16-bit copy) or `ld` (the logits' scratch)
+                let dw_with = |g_ld: usize| {
+                    let d = if trans_b { gemm(n, k, r, true, false, later, g_mode) } else { gemm(k, n, r, true, false, later, g_mode) };
+                    if trans_b {
+                        Gemm { lda: g_ld, ..d }
+                    } else {
+                        Gemm { ldb: g_ld, ..d }
+                    }
+                };
                 let (gg, ww, xx, dx_g, dw_g) = match h.as_ref().and_then(|h| h.g.map(|gh| (h, gh))) {
                     Some((h, gh)) => {
-                        // G's copy has rows of whole 16-byte vectors (its leading dimension)
-                        let ld = h.g_ld;
                         if rounded_by_rows.is_none() {
-                            ctx.rt.round_f32_rows(ctx.stream, h.t, g, gh, r, n, n, ld)?;
+                            ctx.rt.round_f32_rows(ctx.stream, h.t, g, gh, r, n, ld, h.g_ld)?;
                         }
-                        let dw_g = if trans_b { Gemm { lda: ld, ..h.gemm(dw_g) } } else { Gemm { ldb: ld, ..h.gemm(dw_g) } };
-                        (gh, h.w, h.x, Gemm { lda: ld, ..h.gemm(dx_g) }, dw_g)
+                        // over all `ld` classes: G's copy and W's are zeros past n
+                        let dx_g = Gemm { lda: h.g_ld, ..gemm(r, k, ld, false, !trans_b, false, g_mode) };
+                        (gh, h.w, h.x, h.gemm(dx_g), h.gemm(dw_with(h.g_ld)))
                     }
                     None => {
+                        let (dx_g, dw_g) = (Gemm { lda: ld, ..gemm(r, k, n, false, !trans_b, false, g_mode) }, dw_with(ld));
                         // G multiplied as f32: these products must not round their operands,
                         // which would write over the rounded W and X_c in the operand memory
                         if h.is_some() && (half_gemm::half_type(&dx_g).is_some() || half_gemm::half_type(&dw_g).is_some()) {
@@ -171,7 +197,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             }
             if let Some(ones) = ones {
                 // db (+)= 1ᵀ · G, exact as the unfused bias gradient's column sums
-                ctx.rt.gemm(ctx.stream, &gemm(1, n, r, false, false, later, F32Mode::Exact), ones, g, db.ptr)?;
+                ctx.rt.gemm(ctx.stream, &Gemm { ldb: ld, ..gemm(1, n, r, false, false, later, F32Mode::Exact) }, ones, g, db.ptr)?;
             }
             r0 += r;
         }
@@ -188,11 +214,13 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
 /// The operands of a mixed-precision session's products, rounded to 16 bits once instead of
 /// by every gemm (`CudaRuntime::gemm` rounds both operands of each f32 product: per chunk, W
 /// twice and G twice, 13 GB of casts a step on GPT-2 124M). In the runtime's operand scratch:
-/// W whole, the chunk's X_c, and (bf16 sessions; fp16 ones multiply G at TF32) the chunk's G
-/// at a row stride of whole 16-byte vectors (`g_ld`: GPT-2's 50257 columns would leave every
-/// row of G 2-byte aligned, which cuBLAS's tensor-core kernels do not take at full speed). The
-/// same rounding (nearest even) as the gemm's: the same operands, multiplied by whichever
-/// kernel cuBLAS picks for the aligned layout.
+/// W whole with `ld` classes (zeros past n), the chunk's X_c, and (bf16 sessions; fp16 ones
+/// multiply G at TF32) the chunk's G at a row stride of whole 16-byte vectors (`g_ld`). GPT-2's
+/// 50257 classes would leave every row of G 2-byte aligned and every product's class dimension
+/// odd; cuBLAS then ran the logits and dX products on Turing's cutlass_75 kernels on an H200
+/// (24 of the step's 239 ms; nanoGPT pads its vocabulary to 50304 for the same reason). The same
+/// rounding (nearest even) as the gemm's: the same operands, multiplied by whichever kernel
+/// cuBLAS picks for the aligned layout.
 struct Halves {
     t: GemmType,
     w: u64,
@@ -204,17 +232,17 @@ struct Halves {
 impl Halves {
     /// None where the products are not rounded: f32 tensors in an f32 or TF32 session, or
     /// tensors that are not f32. G gets a copy where its products (`g_mode`) are rounded.
-    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, k: usize, chunk: usize, g_mode: F32Mode) -> Result<Option<Halves>> {
+    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, ld: usize, k: usize, chunk: usize, g_mode: F32Mode) -> Result<Option<Halves>> {
         let half = match (t, ctx.f32_mode) {
             (GemmType::F32, F32Mode::Bf16) => GemmType::Bf16,
             (GemmType::F32, F32Mode::F16) => GemmType::F16,
             _ => return Ok(None),
         };
         let bytes = |elems: usize| (elems * half.size()).next_multiple_of(256) as u64;
-        let g_ld = n.next_multiple_of(16 / half.size());
+        let g_ld = ld.max(n).next_multiple_of(16 / half.size());
         let g_bytes = if matches!(g_mode, F32Mode::Bf16 | F32Mode::F16) { bytes(chunk * g_ld) } else { 0 };
-        let base = ctx.rt.operand_scratch((bytes(n * k) + bytes(chunk * k) + g_bytes) as usize)?;
-        let (w, x) = (base, base + bytes(n * k));
+        let base = ctx.rt.operand_scratch((bytes(ld * k) + bytes(chunk * k) + g_bytes) as usize)?;
+        let (w, x) = (base, base + bytes(ld * k));
         let g = (g_bytes > 0).then_some(x + bytes(chunk * k));
         Ok(Some(Halves { t: half, w, x, g, g_ld }))
     }

@@ -429,7 +429,7 @@ pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd:
 
 /// An LM head and its loss, which CUDA sessions fuse into one LinearCrossEntropy:
 /// Reshape(x·op(W) [+ b], [-1, C]) into SoftmaxCrossEntropyLoss. `big`: x [3, 3000, 8] (9000
-/// rows: two chunks of 4500 under the CUDA budget), W [C, 8] read through a Transpose (transB),
+/// rows: 18 chunks of 500 under the CUDA budget), W [C, 8] read through a Transpose (transB),
 /// a bias, class weights, ignore_index and the mean; otherwise x [2, 35, 8] (one chunk), W [8, C],
 /// no bias, the sum.
 pub(super) fn lm_head(rng: &mut Rng, big: bool) -> Model {

@@ -29,20 +29,21 @@ fn weights_args(labels: u64, weights: u64, w_s: u64, wsum: u64, rows: usize, c: 
 }
 
 /// `lce_rows_T(T* g, const T* bias, labels, const A* w_s, const A* wsum, A* loss_s, i64 R,
-/// i64 C, i32 mean)`
+/// i64 C, i64 ldx, i32 mean)`, the rows contiguous (ldx = C)
 #[allow(clippy::too_many_arguments)]
 fn rows_args(g: u64, bias: u64, labels: u64, w_s: u64, wsum: u64, loss_s: u64, r: usize, c: usize, mean: bool) -> Vec<KArg> {
     let p = KArg::Ptr;
-    vec![p(g), p(bias), p(labels), p(w_s), p(wsum), p(loss_s), KArg::I64(r as i64), KArg::I64(c as i64), KArg::I32(mean as i32)]
+    let i = |v: usize| KArg::I64(v as i64);
+    vec![p(g), p(bias), p(labels), p(w_s), p(wsum), p(loss_s), i(r), i(c), i(c), KArg::I32(mean as i32)]
 }
 
 /// `lce_rows_round_D(f32* x, D* g, labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R,
-/// i64 C, i64 ldg, i32 mean)`
+/// i64 C, i64 ldx, i64 ldg, i32 mean)`, x's rows contiguous (ldx = C)
 #[allow(clippy::too_many_arguments)]
 fn round_args(x: u64, g: u64, labels: u64, w_s: u64, wsum: u64, loss_s: u64, r: usize, c: usize, ldg: usize, mean: bool) -> Vec<KArg> {
     let p = KArg::Ptr;
     let i = |v: usize| KArg::I64(v as i64);
-    vec![p(x), p(g), p(labels), p(w_s), p(wsum), p(loss_s), i(r), i(c), i(ldg), KArg::I32(mean as i32)]
+    vec![p(x), p(g), p(labels), p(w_s), p(wsum), p(loss_s), i(r), i(c), i(c), i(ldg), KArg::I32(mean as i32)]
 }
 
 /// The kernels whose argument lists are checked here (for loss.rs's coverage of loss.cu).
