@@ -76,6 +76,11 @@ mutate "tensor-core attention's dK written with its S and D strides swapped" ker
     "dkt[off.gk + d * a.k_s + key * a.k_d]" \
     backend::cuda::tests::attention_layout
 
+mutate "tensor-core attention's computed causal mask hiding each query's own key" kernels/attention_mma.cu \
+    "if (causal) return (row >= a.T || col >= a.S || col > row) ? -ATT_INF : dot * scale;" \
+    "if (causal) return (row >= a.T || col >= a.S || col >= row) ? -ATT_INF : dot * scale;" \
+    backend::cuda::tests::causal_attention
+
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and
 # out-of-range-shared faults would)

@@ -7,9 +7,15 @@
 // are mma.sync m16n8k16 with bf16 operands (rounded to nearest from the f32 tensors, and P / dS
 // from their f32 values) and f32 accumulation; softmax statistics, LSE, Δ and the outputs are f32.
 //
-//   attention_mma_fwd_dHD_f32(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard)
-//   attention_mma_bwd_dq_dHD_f32(dout, q, kt, v, mask, o, lse, dq, a, scale)
-//   attention_mma_bwd_dkv_dHD_f32(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale)
+//   attention_mma_fwd_dHD_f32(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard, i32 causal)
+//   attention_mma_bwd_dq_dHD_f32(dout, q, kt, v, mask, o, lse, dq, a, scale, causal)
+//   attention_mma_bwd_dkv_dHD_f32(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal)
+//
+// `causal` (T = S): the mask is computed, not read (mask is then null): a key past its query is
+// -inf, every other score unmasked. The dispatcher sets it where the mask is a constant whose
+// every entry is 0 up to the diagonal and -inf or finfo.min past it, for which this gives the
+// same outputs bit for bit (finfo.min's exp is exactly 0 in a row that has a real score, and
+// every row has its diagonal).
 //
 // HD = D = Dv, 64 or 128. Launch: 128 threads (4 warps, 16 rows each), a 1-D grid of
 // batch · ceil(T / 64) blocks (fwd, dq) or batch · ceil(S / 64) (dkv), dynamic shared memory
@@ -119,9 +125,9 @@ __device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, c
     am_stage_k(dst, 1, ld, kt, a, c0, D);
 }
 
-// ---- 16-byte staging: the common case, rows 16-byte aligned (Q, K, V, dO, O and the mask of
-// GPT-2 124M ran at 14 TFLOP/s on an H200 with the scalar loops above alone: each thread waited
-// for its 2-byte loads one after another, 32 a 64 x 64 tile) ----
+// ---- 16-byte staging: the common case, rows 16-byte aligned. With the scalar loops above
+// alone GPT-2 124M's attention ran at 14 TFLOP/s on an H200: each thread waited for its 2-byte
+// loads one after another, 32 a 64 x 64 tile ----
 
 // Whether rows of p, ld elements apart, all start 16-byte aligned.
 template <typename E>
@@ -306,7 +312,8 @@ __device__ __forceinline__ void am_delta_rows(f32* delta, const E* dout, const E
 // are 16-byte aligned with contiguous columns, thread t reads row t % 64 as 8 float4 loads issued
 // at once and asks `settled` once; else the scalar scan.
 template <typename Settled>
-__device__ __forceinline__ bool am_tile_dead(const f32* mask, i64 mo, i64 r0, i64 c0, const AttnShape& a, Settled settled) {
+__device__ __forceinline__ bool am_tile_dead(const f32* mask, i64 mo, i64 r0, i64 c0, const AttnShape& a, Settled settled, i32 causal) {
+    if (causal) return c0 > r0 + AM_TILE - 1;  // every key past every query: the same for the whole block
     if (!mask || a.mask_s != 1 || r0 + AM_TILE > a.T || c0 + AM_TILE > a.S || !am_aligned16(mask + mo + c0, a.mask_t))
         return att_tile_dead_n(mask, mo, r0, c0, a.T, a.S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, settled);
     const int r = threadIdx.x & (AM_TILE - 1), first = threadIdx.x >> 6;
@@ -329,6 +336,12 @@ __device__ __forceinline__ bool am_tile_dead(const f32* mask, i64 mo, i64 r0, i6
     }
     if (!live && at_min && !settled(r0 + r)) live = true;
     return __syncthreads_or(live) == 0;
+}
+
+// The score of (row, col) as att_score gives it, with the causal mask computed where `causal`.
+__device__ __forceinline__ f32 am_score(f32 dot, f32 scale, const f32* mask, i64 mo, i64 row, i64 col, const AttnShape& a, i32 causal) {
+    if (causal) return (row >= a.T || col >= a.S || col > row) ? -ATT_INF : dot * scale;
+    return att_score(dot, scale, mask, mo, row, col, a.T, a.S, a.mask_t, a.mask_s);
 }
 
 // Where a block and a thread are: the batch matrix bi, the block's first row (or key) r0, the
@@ -358,7 +371,7 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
 
 template <int HD, typename E>
 __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
-                                       i32 nan_guard) {
+                                       i32 nan_guard, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
@@ -383,7 +396,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         // a block-wide barrier too: the previous K and V tiles are read
         const bool settled = (rows[0] >= T || m[0] > ATT_SETTLED) && (rows[1] >= T || m[1] > ATT_SETTLED);
         const AttAllSettled all{__syncthreads_and(settled) != 0};
-        if (am_tile_dead(mask, off.m, t0, s0, a, all)) continue;  // adds nothing
+        if (am_tile_dead(mask, off.m, t0, s0, a, all, causal)) continue;  // adds nothing
         am_stage_keys<HD>(ks, nullptr, kt + off.k, a, s0);
         am_stage<HD>(nullptr, vt, v + off.v, a.v_s, s0, S);
         __syncthreads();
@@ -394,7 +407,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const f32 x = att_score(s[j][e], scale, mask, off.m, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), T, S, a.mask_t, a.mask_s);
+                const f32 x = am_score(s[j][e], scale, mask, off.m, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), a, causal);
                 s[j][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -441,12 +454,12 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
 // P of one warp's 16 rows against the 64 keys of tile s0 (s: the scores' dot products, in place),
 // from the rows' LSE: 0 where masked, outside the matrix or in an empty row.
 __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f32 lrow[2], i64 s0, int qd, f32 scale, const f32* mask, i64 mo,
-                                         const AttnShape& a) {
+                                         const AttnShape& a, i32 causal) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const f32 x = att_score(s[j][e], scale, mask, mo, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), a.T, a.S, a.mask_t, a.mask_s);
+            const f32 x = am_score(s[j][e], scale, mask, mo, rows[e >> 1], s0 + 8 * j + 2 * qd + (e & 1), a, causal);
             const f32 lr = lrow[e >> 1];
             s[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
         }
@@ -454,7 +467,7 @@ __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f
 
 template <int HD, typename E>
 __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
-                                          const f32* lse, E* dq, const AttnShape& a, f32 scale) {
+                                          const f32* lse, E* dq, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
@@ -487,13 +500,13 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
         for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
         __syncthreads();
-        if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
+        if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T}, causal)) continue;  // P = 0 there
         am_stage_keys<HD>(ks, kd, kt + off.k, a, s0);
         am_stage<HD>(vs, nullptr, v + off.v, a.v_s, s0, S);
         __syncthreads();
         f32 p[8][4], dp[8][4];
         am_scores<HD>(p, qa, ks, g, qd);
-        am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a);
+        am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a, causal);
         am_scores<HD>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -515,7 +528,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
 // rows in tiles of 64: Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
 template <int HD, typename E>
 __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
-                                           const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale) {
+                                           const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
     constexpr int LD = HD + AM_PAD;
     const i64 T = a.T, S = a.S;
@@ -546,7 +559,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
         for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
     for (i64 t0 = 0; t0 < T; t0 += AM_TILE) {
         __syncthreads();
-        if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T})) continue;  // P = 0 there
+        if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T}, causal)) continue;  // P = 0 there
         am_stage<HD>(qs, qt, q + off.q, a.q_t, t0, T);
         am_stage<HD>(dos, dot, dout + off.o, a.o_t, t0, T);
         am_delta_rows<HD>(delta, dout + off.o, o + off.o, a.o_t, T, t0, w, lane);
@@ -560,7 +573,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = 8 * j + 2 * qd + (e & 1);
-                const f32 x = att_score(p[j][e], scale, mask, off.m, t0 + r, keys[e >> 1], T, S, a.mask_t, a.mask_s);
+                const f32 x = am_score(p[j][e], scale, mask, off.m, t0 + r, keys[e >> 1], a, causal);
                 const f32 lr = lse_s[r];
                 p[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
                 dp[j][e] = p[j][e] * (dp[j][e] - delta[r]);  // dSᵀ
@@ -589,19 +602,19 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
 #define AM_KERNELS(HD, T)                                                                                                          \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_##T(const T* q, const T* kt, const T* v,            \
                                                                                    const f32* mask, T* o, f32* lse, AttnShape a,     \
-                                                                                   f32 scale, i32 nan_guard) {                     \
-        am_fwd<HD, T>(q, kt, v, mask, o, lse, a, scale, nan_guard);                                                                \
+                                                                                   f32 scale, i32 nan_guard, i32 causal) {         \
+        am_fwd<HD, T>(q, kt, v, mask, o, lse, a, scale, nan_guard, causal);                                                        \
     }                                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_##T(const T* dout, const T* q, const T* kt,      \
                                                                                       const T* v, const f32* mask, const T* o,       \
                                                                                       const f32* lse, T* dq, AttnShape a,          \
-                                                                                      f32 scale) {                                 \
-        am_bwd_dq<HD, T>(dout, q, kt, v, mask, o, lse, dq, a, scale);                                                              \
+                                                                                      f32 scale, i32 causal) {                     \
+        am_bwd_dq<HD, T>(dout, q, kt, v, mask, o, lse, dq, a, scale, causal);                                                      \
     }                                                                                                                              \
     extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_##T(                                          \
         const T* dout, const T* q, const T* kt, const T* v, const f32* mask, const T* o, const f32* lse, T* dkt, T* dv, AttnShape a, \
-        f32 scale) {                                                                                                               \
-        am_bwd_dkv<HD, T>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale);                                                        \
+        f32 scale, i32 causal) {                                                                                                   \
+        am_bwd_dkv<HD, T>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal);                                                \
     }
 AM_KERNELS(64, f32)
 AM_KERNELS(128, f32)

@@ -183,7 +183,7 @@ pub fn run_phase(
                     shape: plan.shape(*v),
                     ptr: address(graph, plan, base, bind, consts, *v)?,
                     host: match &plan.storage[v.0] {
-                        Storage::Const(t) => Some(t.as_ref()),
+                        Storage::Const(t) => Some(t),
                         _ => None,
                     },
                 }),

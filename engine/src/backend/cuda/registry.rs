@@ -274,16 +274,16 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_mma",
         [
-            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32_BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
+            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32_BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, AI32]),
             g(
                 &["attention_mma_bwd_dq_d64", "attention_mma_bwd_dq_d128"],
                 F32_BF16,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32]
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
             ),
             g(
                 &["attention_mma_bwd_dkv_d64", "attention_mma_bwd_dkv_d128"],
                 F32_BF16,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32],
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
             ),
         ]
     ),

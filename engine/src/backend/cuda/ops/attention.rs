@@ -6,7 +6,7 @@
 //! (kernels/attention.cu: 32-row tiles), exact as the CPU's; other 16-bit tensors (fp16, other
 //! head sizes) those kernels on f32 copies (widen.rs).
 
-use super::{input, widen, CudaCtx, CudaTable, DView};
+use super::{causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
@@ -107,6 +107,13 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
     }
 }
 
+/// Whether the mask at input `i` is a constant causal mask (ops/causal_mask.rs) of this
+/// self-attention, which the tensor-core kernels compute instead of reading.
+fn causal(ins: &[Option<DView>], i: usize, l: &AttnLayout) -> bool {
+    let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
+    l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t))
+}
+
 /// The element type of the mask at input `i`, if there is one.
 fn mask_type(ins: &[Option<DView>], i: usize) -> Option<DType> {
     ins.get(i).and_then(|m| m.as_ref()).map(|m| m.dtype)
@@ -122,6 +129,8 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
+    let causal = mma.is_some() && causal(ins, 3, &l);
+    let mask = if causal { 0 } else { mask };
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
@@ -136,22 +145,21 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let p = |i: usize| KArg::Ptr(ins[i].as_ref().map_or(0, |x| x.ptr));
     let scale = node.attrs.float("scale", 1.0)?;
     let guard = node.attrs.int("nan_guard", 0)? as i32;
-    ctx.rt.launch(
-        ctx.stream,
-        &kernel,
-        g,
-        &[
-            p(0),
-            p(1),
-            p(2),
-            KArg::Ptr(mask),
-            KArg::Ptr(outs[0].ptr),
-            KArg::Ptr(outs[1].ptr),
-            KArg::AttnShape(shape),
-            KArg::F32(scale),
-            KArg::I32(guard),
-        ],
-    )
+    let mut args = vec![
+        p(0),
+        p(1),
+        p(2),
+        KArg::Ptr(mask),
+        KArg::Ptr(outs[0].ptr),
+        KArg::Ptr(outs[1].ptr),
+        KArg::AttnShape(shape),
+        KArg::F32(scale),
+        KArg::I32(guard),
+    ];
+    if mma.is_some() {
+        args.push(KArg::I32(causal as i32));
+    }
+    ctx.rt.launch(ctx.stream, &kernel, g, &args)
 }
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
@@ -159,6 +167,10 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
+    let causal = mma.is_some() && causal(ins, 4, &l);
+    let mask = if causal { 0 } else { mask };
+    // the tensor-core kernels' last argument
+    let causal_arg = mma.map(|_| KArg::I32(causal as i32));
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }
@@ -180,6 +192,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[0].ptr), KArg::AttnShape(shape), scale]);
+        args.extend(causal_arg);
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     if l.s > 0 {
@@ -192,6 +205,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[1].ptr), KArg::Ptr(outs[2].ptr), KArg::AttnShape(shape), scale]);
+        args.extend(causal_arg);
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     Ok(())

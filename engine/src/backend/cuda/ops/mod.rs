@@ -5,7 +5,7 @@
 //! backend through `crate::ops` helpers, so both backends read a node the same way.
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::sys::CUstream;
 
@@ -18,6 +18,7 @@ use crate::tensor::{DType, Tensor};
 mod activation;
 mod attention;
 mod batchnorm;
+mod causal_mask;
 mod conv;
 mod conv_plan;
 mod cumsum;
@@ -40,13 +41,14 @@ pub use matmul::ENV_CUBLASLT;
 pub use random::random_key;
 
 /// A value on the device: its type, shape and address (contiguous, row-major), and for
-/// constants (folded at plan time: shapes, axes, slice bounds) the host copy too.
+/// constants (folded at plan time: shapes, axes, slice bounds, masks) the host copy too, shared
+/// with the plan (ops/attention.rs remembers what it found in a constant by its allocation).
 #[derive(Clone, Copy, Debug)]
 pub struct DView<'a> {
     pub dtype: DType,
     pub shape: &'a [usize],
     pub ptr: u64,
-    pub host: Option<&'a Tensor>,
+    pub host: Option<&'a Arc<Tensor>>,
 }
 
 impl DView<'_> {
@@ -180,7 +182,7 @@ pub(crate) fn infer_ins<'a>(
         .map(|i| match ins.get(i).and_then(|x| x.as_ref()) {
             None => Ok(None),
             Some(x) => match x.host {
-                Some(t) => Ok(Some(crate::ops::InferIn { dtype: x.dtype, shape: x.shape, value: Some(t) })),
+                Some(t) => Ok(Some(crate::ops::InferIn { dtype: x.dtype, shape: x.shape, value: Some(t.as_ref()) })),
                 None => Err(node.err(format!(
                     "the CUDA backend needs the {what} (input {i}) to be a constant known when the plan is built; here it is computed"
                 ))),

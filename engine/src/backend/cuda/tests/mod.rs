@@ -12,6 +12,7 @@ mod activation;
 mod attention_layout;
 mod blas;
 mod blas_lt;
+mod causal_attention;
 mod dropout;
 mod elementwise;
 mod exec;

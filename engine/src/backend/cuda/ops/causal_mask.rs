@@ -1,0 +1,91 @@
+//! Whether an attention mask constant is causal: every [T, T] matrix of it 0 up to and on the
+//! diagonal and masked past it (-inf, or at most `MASKED_MIN`: Hugging Face's finfo.min). The
+//! tensor-core attention kernels then compute the mask instead of reading it
+//! (kernels/attention_mma.cu `causal`): GPT-2 124M's mask is such a constant, folded by the
+//! planner into [B, 1, T, T] f32 (64 MB at batch 16), which the kernels otherwise scanned for
+//! every 64 x 64 tile and read again for every score.
+//!
+//! The answer is remembered per constant, keyed by its allocation: the memo holds a `Weak` to
+//! it, which keeps that address from being given to another constant while the entry lives, so
+//! the scan (one pass over the mask) runs once per plan rather than once per launch.
+
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::tensor::{Data, Tensor};
+
+/// A mask value at or below this counts as masked (kernels/attention.cuh ATT_MASKED_MIN):
+/// added to a real score it leaves exp(score - max) exactly 0 in a row that has a real score,
+/// and a causal row always has its diagonal.
+const MASKED_MIN: f32 = -3.0e38;
+
+/// (constant, side, answer)
+static MEMO: Mutex<Vec<(Weak<Tensor>, usize, bool)>> = Mutex::new(Vec::new());
+
+/// Whether `mask` (the constant's host copy) is a causal mask for T = S = `side`.
+pub fn is_causal(mask: &Arc<Tensor>, side: usize) -> bool {
+    let mut memo = MEMO.lock().unwrap_or_else(|p| p.into_inner());
+    memo.retain(|(w, _, _)| w.strong_count() > 0);
+    if let Some((_, _, found)) = memo.iter().find(|(w, s, _)| *s == side && std::ptr::eq(w.as_ptr(), Arc::as_ptr(mask))) {
+        return *found;
+    }
+    let found = scan(mask, side);
+    memo.push((Arc::downgrade(mask), side, found));
+    found
+}
+
+fn scan(mask: &Tensor, side: usize) -> bool {
+    let Data::F32(v) = &mask.data else { return false };
+    let n = mask.shape.len();
+    if side == 0 || n < 2 || mask.shape[n - 2] != side || mask.shape[n - 1] != side {
+        return false;
+    }
+    v.chunks_exact(side).enumerate().all(|(i, row)| {
+        let r = i % side;
+        row[..=r].iter().all(|&x| x == 0.0) && row[r + 1..].iter().all(|&x| x == f32::NEG_INFINITY || x <= MASKED_MIN)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mask(shape: Vec<usize>, f: impl Fn(usize, usize) -> f32) -> Arc<Tensor> {
+        let side = shape[shape.len() - 1];
+        let n: usize = shape.iter().product();
+        let data = (0..n).map(|i| f((i / side) % shape[shape.len() - 2], i % side)).collect();
+        Arc::new(Tensor::new(shape, Data::F32(data)).expect("tensor"))
+    }
+
+    #[test]
+    fn causal_masks_are_found_and_others_are_not() {
+        let causal = |fill: f32| move |r: usize, c: usize| if c > r { fill } else { 0.0 };
+        assert!(is_causal(&mask(vec![2, 1, 5, 5], causal(f32::NEG_INFINITY)), 5));
+        assert!(is_causal(&mask(vec![5, 5], causal(f32::MIN)), 5));
+        // the wrong side, a key hidden on the diagonal, a visible one past it, a small
+        // negative value past it, a padding mask, a bf16 or non-square one
+        assert!(!is_causal(&mask(vec![5, 5], causal(f32::MIN)), 4));
+        assert!(!is_causal(&mask(vec![5, 5], |r, c| if c >= r { f32::NEG_INFINITY } else { 0.0 }), 5));
+        assert!(!is_causal(&mask(vec![5, 5], |r, c| if c > r + 1 { f32::NEG_INFINITY } else { 0.0 }), 5));
+        assert!(!is_causal(&mask(vec![5, 5], causal(-1e9)), 5));
+        assert!(!is_causal(&mask(vec![1, 5], |_, c| if c == 4 { f32::NEG_INFINITY } else { 0.0 }), 5));
+        assert!(!is_causal(&mask(vec![4, 5], causal(f32::NEG_INFINITY)), 5));
+        let mut one_off = (*mask(vec![3, 5, 5], causal(f32::NEG_INFINITY))).clone();
+        if let Data::F32(v) = &mut one_off.data {
+            v[2 * 25 + 3 * 5 + 1] = 0.5;
+        }
+        assert!(!is_causal(&Arc::new(one_off), 5), "the third matrix differs");
+    }
+
+    #[test]
+    fn the_answer_is_remembered_per_constant_not_per_address_reused() {
+        let m = mask(vec![4, 4], |r, c| if c > r { f32::NEG_INFINITY } else { 0.0 });
+        assert!(is_causal(&m, 4));
+        assert!(is_causal(&m, 4), "from the memo");
+        assert!(!is_causal(&m, 2), "asked for another side");
+        drop(m);
+        // a new constant is scanned for itself (the memo's Weak keeps the old allocation, so
+        // the new one cannot have its address)
+        let other = mask(vec![4, 4], |_, _| 0.0);
+        assert!(!is_causal(&other, 4));
+    }
+}
