@@ -76,8 +76,9 @@ State& state() {
     return *s;
 }
 
-// the streams this thread is capturing
+// the streams this thread is capturing, and every thread's (under the Lock)
 thread_local std::vector<Stream*> captures_on_this_thread;
+std::vector<Stream*> captures_anywhere;
 
 int context_marker;
 int module_marker;
@@ -242,6 +243,13 @@ EXPORT CUresult cuCtxGetDevice(CUdevice* d) {
 EXPORT CUresult cuCtxSynchronize() {
     Lock lock;
     if (int e = forbidden_during_capture("cuCtxSynchronize")) return e;
+    // a context-wide wait while another thread captures a stream fails and invalidates that
+    // capture too, whatever its capture mode (seen on an H200, 2026-11-28)
+    if (!captures_anywhere.empty()) {
+        fprintf(stderr, "cuda-emu: cuCtxSynchronize while another thread captures a stream: not permitted (that capture is invalidated)\n");
+        for (Stream* st : captures_anywhere) st->capture->invalidated = true;
+        return CAPTURE_UNSUPPORTED;
+    }
     run_all();
     return take_pending_error();
 }
@@ -403,6 +411,8 @@ EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
     if (is_legacy(s) || s == reinterpret_cast<CUstream>(2)) return OK;
     Stream* st = stream_of(s);
     if (!st) return INVALID_HANDLE;
+    std::erase(captures_on_this_thread, st);
+    std::erase(captures_anywhere, st);
     destroy_stream(st);
     return OK;
 }
@@ -452,6 +462,7 @@ EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, int /*mode*/) {
     st->capture.reset(new Capture());
     st->capture->thread = this_thread();
     captures_on_this_thread.push_back(st);
+    captures_anywhere.push_back(st);
     return OK;
 }
 
@@ -463,6 +474,7 @@ EXPORT CUresult cuStreamEndCapture(CUstream s, void** graph) {
     if (st->capture->thread != this_thread()) return CAPTURE_WRONG_THREAD;
     std::unique_ptr<Capture> c = std::move(st->capture);
     std::erase(captures_on_this_thread, st);
+    std::erase(captures_anywhere, st);
     if (c->invalidated) {
         *graph = nullptr;
         return CAPTURE_INVALIDATED;

@@ -2,12 +2,17 @@
 // calls it (build.sh builds it, scripts/test.sh runs it): that work on two non-blocking
 // streams with nothing ordering them can run in either order, that an event wait orders
 // them, that the legacy stream orders itself with blocking streams, that the pageable
-// "synchronous" copies and memsets leave their work queued, and that a misaligned store traps.
+// "synchronous" copies and memsets leave their work queued, that a misaligned store traps, and
+// that a context-wide synchronize while another thread captures a stream fails and invalidates
+// that capture.
 // Exits 0 when every check holds, else prints what did not and exits 1.
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <atomic>
+#include <thread>
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -26,6 +31,8 @@ CUresult cuEventRecord(void*, void*);
 CUresult cuStreamWaitEvent(void*, void*, unsigned);
 CUresult cuModuleLoadData(void**, const void*);
 CUresult cuModuleGetFunction(void**, void*, const char*);
+CUresult cuStreamBeginCapture_v2(void*, int);
+CUresult cuStreamEndCapture(void*, void**);
 CUresult cuLaunchKernel(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**, void**);
 }
 
@@ -130,8 +137,31 @@ int main() {
     check(fill(a, x + 2, 7) == 0, "the misaligned launch was refused at launch (it should fail when it runs)");
     check(cuStreamSynchronize(a) == 716, "a misaligned u32 store was not reported as CUDA_ERROR_MISALIGNED_ADDRESS");
 
+    // cuCtxSynchronize while another thread captures a stream (thread-local mode, as the
+    // engine's): 900 (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED), and that capture ends with 901
+    // (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED), as on an H200
+    void* captured;
+    cuStreamCreate(&captured, 1);
+    std::atomic<int> phase{0};
+    int began = -1, ended = -1;
+    std::thread capturer([&] {
+        began = cuStreamBeginCapture_v2(captured, 1);
+        phase = 1;
+        while (phase != 2) std::this_thread::yield();
+        void* graph = nullptr;
+        ended = cuStreamEndCapture(captured, &graph);
+    });
+    while (phase != 1) std::this_thread::yield();
+    fprintf(stderr, "cuda-emu selftest: a synchronize during another thread's capture (the error it prints next is expected):\n");
+    const int synced = cuCtxSynchronize();
+    phase = 2;
+    capturer.join();
+    check(began == 0, "the stream capture did not begin");
+    check(synced == 900, "cuCtxSynchronize during another thread's capture was not CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED");
+    check(ended == 901, "the capture a synchronize interrupted did not end as CUDA_ERROR_STREAM_CAPTURE_INVALIDATED");
+
     if (failures) return 1;
     printf("cuda-emu selftest: %d of 200 unordered copies and %d of 200 copies after a pageable cuMemcpyHtoD read the old value; ", stale, missed);
-    printf("streams, the legacy stream, pageable copies and misaligned stores behave as on a GPU\n");
+    printf("streams, the legacy stream, pageable copies, misaligned stores and a synchronize during a capture behave as on a GPU\n");
     return 0;
 }
