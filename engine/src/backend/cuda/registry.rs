@@ -100,8 +100,13 @@ use super::abi::Arg;
 pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kernels/prelude.cuh"));
 
 /// Every header a kernel file may include, served to NVRTC from memory (and part of the cache
-/// key): the prelude and what the two attention families share.
-pub const HEADERS: &[(&str, &str)] = &[PRELUDE, ("attention.cuh", include_str!("../../../../kernels/attention.cuh"))];
+/// key): the prelude, what the two attention families share, and the tensor-core family's
+/// tile staging.
+pub const HEADERS: &[(&str, &str)] = &[
+    PRELUDE,
+    ("attention.cuh", include_str!("../../../../kernels/attention.cuh")),
+    ("attention_mma_stage.cuh", include_str!("../../../../kernels/attention_mma_stage.cuh")),
+];
 
 use types::*;
 

@@ -107,11 +107,14 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
     }
 }
 
-/// Whether the mask at input `i` is a constant causal mask (ops/causal_mask.rs) of this
-/// self-attention, which the tensor-core kernels compute instead of reading.
-fn causal(ins: &[Option<DView>], i: usize, l: &AttnLayout) -> bool {
+/// The mask address the kernels get and, for the tensor-core kernels (`mma`), their last
+/// argument `causal`: 1 with no mask where the mask at input `i` is a constant causal mask
+/// (ops/causal_mask.rs) of this self-attention, which they compute instead of reading.
+fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&str>, mask: u64) -> (u64, Option<KArg>) {
+    let Some(_) = mma else { return (mask, None) };
     let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
-    l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t))
+    let causal = l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
+    (if causal { 0 } else { mask }, Some(KArg::I32(causal as i32)))
 }
 
 /// The element type of the mask at input `i`, if there is one.
@@ -129,8 +132,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
-    let causal = mma.is_some() && causal(ins, 3, &l);
-    let mask = if causal { 0 } else { mask };
+    let (mask, causal_arg) = mask_or_causal(ins, 3, &l, mma, mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
@@ -156,9 +158,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
         KArg::F32(scale),
         KArg::I32(guard),
     ];
-    if mma.is_some() {
-        args.push(KArg::I32(causal as i32));
-    }
+    args.extend(causal_arg);
     ctx.rt.launch(ctx.stream, &kernel, g, &args)
 }
 
@@ -167,10 +167,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
-    let causal = mma.is_some() && causal(ins, 4, &l);
-    let mask = if causal { 0 } else { mask };
-    // the tensor-core kernels' last argument
-    let causal_arg = mma.map(|_| KArg::I32(causal as i32));
+    let (mask, causal_arg) = mask_or_causal(ins, 4, &l, mma, mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }

@@ -102,7 +102,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             zero(ctx, db)?;
             None
         };
-        let h = if k > 0 { Halves::new(ctx, t, n, ld, k, chunk, g_mode)? } else { None };
+        let h = if k > 0 { Halves::new(ctx, t, ld, k, chunk, g_mode)? } else { None };
         if let Some(h) = &h {
             // W's copy has `ld` classes, zeros past n: the products then run over whole 64-class
             // tiles (the logits' padding comes out 0, and dX's inner dimension is ld)
@@ -160,11 +160,10 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 let dxc = dx.ptr + (r0 * k) as u64 * es;
                 // G's rows are `g_ld` apart (its 16-bit copy) or `ld` (the logits' scratch)
                 let dw_with = |g_ld: usize| {
-                    let d = if trans_b { gemm(n, k, r, true, false, later, g_mode) } else { gemm(k, n, r, true, false, later, g_mode) };
                     if trans_b {
-                        Gemm { lda: g_ld, ..d }
+                        Gemm { lda: g_ld, ..gemm(n, k, r, true, false, later, g_mode) }
                     } else {
-                        Gemm { ldb: g_ld, ..d }
+                        Gemm { ldb: g_ld, ..gemm(k, n, r, true, false, later, g_mode) }
                     }
                 };
                 let (gg, ww, xx, dx_g, dw_g) = match h.as_ref().and_then(|h| h.g.map(|gh| (h, gh))) {
@@ -231,15 +230,16 @@ struct Halves {
 
 impl Halves {
     /// None where the products are not rounded: f32 tensors in an f32 or TF32 session, or
-    /// tensors that are not f32. G gets a copy where its products (`g_mode`) are rounded.
-    fn new(ctx: &mut CudaCtx, t: GemmType, n: usize, ld: usize, k: usize, chunk: usize, g_mode: F32Mode) -> Result<Option<Halves>> {
+    /// tensors that are not f32. G gets a copy where its products (`g_mode`) are rounded. `ld`:
+    /// the classes of W's copy, the logits' row stride (n or more).
+    fn new(ctx: &mut CudaCtx, t: GemmType, ld: usize, k: usize, chunk: usize, g_mode: F32Mode) -> Result<Option<Halves>> {
         let half = match (t, ctx.f32_mode) {
             (GemmType::F32, F32Mode::Bf16) => GemmType::Bf16,
             (GemmType::F32, F32Mode::F16) => GemmType::F16,
             _ => return Ok(None),
         };
         let bytes = |elems: usize| (elems * half.size()).next_multiple_of(256) as u64;
-        let g_ld = ld.max(n).next_multiple_of(16 / half.size());
+        let g_ld = ld.next_multiple_of(16 / half.size());
         let g_bytes = if matches!(g_mode, F32Mode::Bf16 | F32Mode::F16) { bytes(chunk * g_ld) } else { 0 };
         let base = ctx.rt.operand_scratch((bytes(ld * k) + bytes(chunk * k) + g_bytes) as usize)?;
         let (w, x) = (base, base + bytes(ld * k));

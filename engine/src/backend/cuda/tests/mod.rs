@@ -18,6 +18,7 @@ mod elementwise;
 mod exec;
 mod exec_models;
 mod gather;
+mod gpu_lock;
 mod graphs;
 mod layernorm;
 mod lce;

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use super::gpu_lock;
 use crate::backend::cuda::launch::{DeviceBuffer, Grid, KArg};
 use crate::backend::cuda::loader::Loaded;
 use crate::backend::cuda::probe;
@@ -26,45 +27,9 @@ pub fn gpu_or_reason() -> Result<&'static Loaded, String> {
     runtime_or_reason().map(|rt| &rt.loaded)
 }
 
-/// Held by every GPU test for as long as its thread lives: shared by most, exclusive by a test
-/// that records a CUDA graph. While a stream of the context is capturing, a context-wide
-/// synchronize on another thread (`DeviceBuffer::to_vec`, `Loaded::synchronize`) fails with
-/// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture (first seen on an H200).
-static GPU_TESTS: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-/// This test thread's hold on GPU_TESTS (libtest runs each test on a thread of its own, so the
-/// hold ends with the test).
-enum Hold {
-    Shared(#[allow(dead_code)] std::sync::RwLockReadGuard<'static, ()>),
-    Exclusive(#[allow(dead_code)] std::sync::RwLockWriteGuard<'static, ()>),
-}
-
-thread_local! {
-    static HOLD: std::cell::RefCell<Option<Hold>> = const { std::cell::RefCell::new(None) };
-}
-
-fn hold(exclusive: bool) {
-    HOLD.with(|h| {
-        let mut h = h.borrow_mut();
-        match (&*h, exclusive) {
-            (Some(Hold::Exclusive(_)), _) | (Some(Hold::Shared(_)), false) => {}
-            _ => {
-                // a shared hold is let go before waiting for the exclusive one
-                *h = None;
-                // a test that panicked while holding the lock poisons it; the device is still usable
-                *h = Some(if exclusive {
-                    Hold::Exclusive(GPU_TESTS.write().unwrap_or_else(|e| e.into_inner()))
-                } else {
-                    Hold::Shared(GPU_TESTS.read().unwrap_or_else(|e| e.into_inner()))
-                });
-            }
-        }
-    });
-}
-
 /// As `gpu`, for a test that records CUDA graphs: no other GPU test runs beside it.
 pub fn gpu_alone(test: &str) -> Option<&'static Loaded> {
-    hold(true);
+    gpu_lock::hold(true);
     gpu(test)
 }
 
@@ -74,7 +39,7 @@ pub fn gpu_alone(test: &str) -> Option<&'static Loaded> {
 /// runtime calls without a launch first (`CudaRuntime::ones`) fail with
 /// CUDA_ERROR_INVALID_CONTEXT on a thread that never had it (first seen on an H200).
 pub fn gpu(test: &str) -> Option<&'static Loaded> {
-    hold(false);
+    gpu_lock::hold(false);
     match gpu_or_reason() {
         Ok(l) => {
             runtime_or_reason().and_then(|rt| rt.bind().map_err(|e| e.to_string())).unwrap_or_else(|e| panic!("{test}: {e}"));

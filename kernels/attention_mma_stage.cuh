@@ -1,0 +1,235 @@
+// How the tensor-core attention kernels (kernels/attention_mma.cu) fill their shared bf16 tiles
+// and per-row scratch: the tile constants and the f32 -> bf16 pair conversion, Q/K/V/dO tiles
+// staged row-major and/or transposed (16-byte loads where rows are 16-byte aligned, scalar loops
+// otherwise), Δ = Σ dO·O per row, and whether a 64 x 64 tile of the mask adds nothing. Included
+// after prelude.cuh and attention.cuh; served from memory like them (registry.rs HEADERS).
+
+#define AM_TILE 64  // rows (fwd, dq) or keys (dkv) per block, and the loop's tile
+#define AM_PAD 8    // bf16 elements of padding per shared row (16 bytes)
+#define AM_LDT (AM_TILE + AM_PAD)  // row of a tile whose rows are 64 long
+
+// Two f32 as a bf16 pair (round to nearest), lo in the low half.
+__device__ __forceinline__ u32 am_pack(f32 lo, f32 hi) {
+#ifdef ORT_CPU_EMU
+    return (u32)ort_emu_f32_to_bf16(lo) | ((u32)ort_emu_f32_to_bf16(hi) << 16);
+#else
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#endif
+}
+
+__device__ __forceinline__ u16 am_bf16(f32 x) { return f32_to_bf16(x).bits; }
+
+// dst[r·ld + c] = src[(r0 + r)·ld_src + c] as bf16 for 64 rows and `width` columns; zeros past `rows`.
+template <typename E>
+__device__ __forceinline__ void am_stage_rows(u16* dst, int ld, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
+    for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
+        const int r = e / width, c = e % width;
+        dst[r * ld + c] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
+    }
+}
+
+// The transpose: dst[c·AM_LDT + r] = src[(r0 + r)·ld_src + c].
+template <typename E>
+__device__ __forceinline__ void am_stage_rows_t(u16* dst, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
+    for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
+        const int r = e / width, c = e % width;
+        dst[c * AM_LDT + r] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
+    }
+}
+
+// Keys c0.. of Kt (element (d, key) at kt[d·k_d + key·k_s]) into dst[d·ld_d + c·ld_c] as bf16,
+// zero past S: walked along whichever of the two is contiguous in memory (keys in layout BHSD,
+// d in BSHD).
+template <typename E>
+__device__ __forceinline__ void am_stage_k(u16* dst, int ld_d, int ld_c, const E* kt, const AttnShape& a, i64 c0, int D) {
+    const bool keys_inner = a.k_s == 1;
+    for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
+        const int d = keys_inner ? e / AM_TILE : e % D, c = keys_inner ? e % AM_TILE : e / D;
+        dst[d * ld_d + c * ld_c] = am_bf16(c0 + c < a.S ? Num<E>::load(kt[d * a.k_d + (c0 + c) * a.k_s]) : 0.f);
+    }
+}
+
+// Columns c0.. of Kt d-major: dst[d·AM_LDT + c].
+template <typename E>
+__device__ __forceinline__ void am_stage_cols(u16* dst, const E* kt, const AttnShape& a, i64 c0, int D) {
+    am_stage_k(dst, AM_LDT, 1, kt, a, c0, D);
+}
+
+// The same columns key-major: dst[c·ld + d].
+template <typename E>
+__device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, const AttnShape& a, i64 c0, int D) {
+    am_stage_k(dst, 1, ld, kt, a, c0, D);
+}
+
+// ---- 16-byte staging: the common case, rows 16-byte aligned. With the scalar loops above
+// alone GPT-2 124M's attention ran at 14 TFLOP/s on an H200: each thread waited for its 2-byte
+// loads one after another, 32 a 64 x 64 tile ----
+
+// Whether rows of p, ld elements apart, all start 16-byte aligned.
+template <typename E>
+__device__ __forceinline__ bool am_aligned16(const E* p, i64 ld) {
+    return ((reinterpret_cast<unsigned long long>(p) | (unsigned long long)(ld * (i64)sizeof(E))) & 15ull) == 0;
+}
+
+// 16 bytes of E: V elements; as bf16 pairs (W words, rounded to nearest from f32); as f32s; and
+// the W words stored at a 16-bit tile's row.
+template <typename E> struct AmChunk;
+template <> struct AmChunk<bf16> {
+    static constexpr int V = 8, W = 4;
+    static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
+        w[0] = v.x;
+        w[1] = v.y;
+        w[2] = v.z;
+        w[3] = v.w;
+    }
+    static __device__ __forceinline__ void floats(const uint4& v, f32 f[V]) {
+        const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            f[2 * k] = __uint_as_float(w[k] << 16);
+            f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+        }
+    }
+    static __device__ __forceinline__ void store(u16* dst, const u32 w[W]) { *reinterpret_cast<uint4*>(dst) = uint4{w[0], w[1], w[2], w[3]}; }
+};
+template <> struct AmChunk<f32> {
+    static constexpr int V = 4, W = 2;
+    static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
+        w[0] = am_pack(__uint_as_float(v.x), __uint_as_float(v.y));
+        w[1] = am_pack(__uint_as_float(v.z), __uint_as_float(v.w));
+    }
+    static __device__ __forceinline__ void floats(const uint4& v, f32 f[V]) {
+        f[0] = __uint_as_float(v.x);
+        f[1] = __uint_as_float(v.y);
+        f[2] = __uint_as_float(v.z);
+        f[3] = __uint_as_float(v.w);
+    }
+    static __device__ __forceinline__ void store(u16* dst, const u32 w[W]) { *reinterpret_cast<uint2*>(dst) = uint2{w[0], w[1]}; }
+};
+
+// Rows r0..r0 + 63 of the matrix at src (rows ld elements apart, HD contiguous columns; zeros
+// from row `rows` on) as bf16 into dst (row-major, rows HD + AM_PAD apart) and/or dst_t (the
+// transpose: element (r, c) at c·AM_LDT + r); a null destination is skipped. Thread t owns row
+// t % 64 and every other 16-byte chunk of it, and issues all its loads before its first store.
+// Rows that are not 16-byte aligned take the scalar loops.
+template <int HD, typename E>
+__device__ __forceinline__ void am_stage(u16* dst, u16* dst_t, const E* src, i64 ld, i64 r0, i64 rows) {
+    if (!am_aligned16(src, ld)) {
+        if (dst) am_stage_rows(dst, HD + AM_PAD, src, ld, r0, rows, HD);
+        if (dst_t) am_stage_rows_t(dst_t, src, ld, r0, rows, HD);
+        return;
+    }
+    constexpr int V = AmChunk<E>::V, W = AmChunk<E>::W, PER = AM_TILE * HD / V / 128;
+    static_assert(PER * 128 * V == AM_TILE * HD, "a 64-row tile is whole chunks for 128 threads");
+    const int r = threadIdx.x & (AM_TILE - 1), first = threadIdx.x >> 6;
+    const bool in = r0 + r < rows;
+    const E* row = src + (in ? (r0 + r) * ld : 0);
+    uint4 buf[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) buf[i] = in ? *reinterpret_cast<const uint4*>(row + (first + 2 * i) * V) : uint4{0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+        const int c = (first + 2 * i) * V;
+        u32 w[W];
+        AmChunk<E>::words(buf[i], w);
+        if (dst) AmChunk<E>::store(dst + r * (HD + AM_PAD) + c, w);
+        if (dst_t)
+#pragma unroll
+            for (int k = 0; k < W; ++k) {
+                dst_t[(c + 2 * k) * AM_LDT + r] = (u16)(w[k] & 0xffffu);
+                dst_t[(c + 2 * k + 1) * AM_LDT + r] = (u16)(w[k] >> 16);
+            }
+    }
+}
+
+// Keys c0..c0 + 63 of Kᵀ (zeros from key S on) into ks (key-major [64][HD + AM_PAD]) and/or kd
+// (d-major [HD][AM_LDT]): in layout BSHD (d contiguous) the keys are rows for am_stage.
+template <int HD, typename E>
+__device__ __forceinline__ void am_stage_keys(u16* ks, u16* kd, const E* kt, const AttnShape& a, i64 c0) {
+    if (a.k_d == 1) {
+        am_stage<HD>(ks, kd, kt, a.k_s, c0, a.S);
+        return;
+    }
+    if (ks) am_stage_cols_t(ks, HD + AM_PAD, kt, a, c0, HD);
+    if (kd) am_stage_cols(kd, kt, a, c0, HD);
+}
+
+// Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...); dout, o at
+// the batch entry, rows o_t apart.
+template <typename E>
+__device__ __forceinline__ void am_delta(f32* delta, const E* dout, const E* o, i64 o_t, i64 T, int Dv, i64 t0, int w, int lane) {
+    for (int r = w; r < AM_TILE; r += 4) {
+        const i64 row = t0 + r;
+        f32 s = 0.f;
+        if (row < T)
+            for (int d = lane; d < Dv; d += 32) s += Num<E>::load(dout[row * o_t + d]) * Num<E>::load(o[row * o_t + d]);
+        s = att_warp_sum(s);
+        if (lane == 0) delta[r] = s;
+    }
+}
+
+// am_delta with 16-byte loads where the rows allow: thread t sums half of row t / 2 (all its
+// loads issued first), the neighbouring lane the other half.
+template <int HD, typename E>
+__device__ __forceinline__ void am_delta_rows(f32* delta, const E* dout, const E* o, i64 o_t, i64 T, i64 t0, int w, int lane) {
+    if (!am_aligned16(dout, o_t) || !am_aligned16(o, o_t)) {
+        am_delta(delta, dout, o, o_t, T, HD, t0, w, lane);
+        return;
+    }
+    constexpr int V = AmChunk<E>::V, PER = HD / 2 / V;
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const i64 row = t0 + r;
+    f32 sum = 0.f;
+    if (row < T) {
+        const E* pd = dout + row * o_t + half * (HD / 2);
+        const E* po = o + row * o_t + half * (HD / 2);
+        uint4 bd[PER], bo[PER];
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            bd[i] = *reinterpret_cast<const uint4*>(pd + i * V);
+            bo[i] = *reinterpret_cast<const uint4*>(po + i * V);
+        }
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            f32 fd[V], fo[V];
+            AmChunk<E>::floats(bd[i], fd);
+            AmChunk<E>::floats(bo[i], fo);
+#pragma unroll
+            for (int j = 0; j < V; ++j) sum += fd[j] * fo[j];
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (half == 0) delta[r] = sum;
+}
+
+// att_tile_dead_n for a 64 x 64 tile: where the tile lies inside the matrix and the mask's rows
+// are 16-byte aligned with contiguous columns, thread t reads row t % 64 as 8 float4 loads issued
+// at once and asks `settled` once; else the scalar scan.
+template <typename Settled>
+__device__ __forceinline__ bool am_tile_dead(const f32* mask, i64 mo, i64 r0, i64 c0, const AttnShape& a, Settled settled, i32 causal) {
+    if (causal) return c0 > r0 + AM_TILE - 1;  // every key past every query: the same for the whole block
+    if (!mask || a.mask_s != 1 || r0 + AM_TILE > a.T || c0 + AM_TILE > a.S || !am_aligned16(mask + mo + c0, a.mask_t))
+        return att_tile_dead_n(mask, mo, r0, c0, a.T, a.S, a.mask_t, a.mask_s, AM_TILE, AM_TILE, settled);
+    const int r = threadIdx.x & (AM_TILE - 1), first = threadIdx.x >> 6;
+    const f32* row = mask + mo + (r0 + r) * a.mask_t + c0;
+    float4 m[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) m[i] = *reinterpret_cast<const float4*>(row + (first + 2 * i) * 4);
+    bool live = false, at_min = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const f32 x[4] = {m[i].x, m[i].y, m[i].z, m[i].w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (x[k] == -ATT_INF) continue;
+            if (x[k] <= ATT_MASKED_MIN)
+                at_min = true;
+            else
+                live = true;  // NaN too
+        }
+    }
+    if (!live && at_min && !settled(r0 + r)) live = true;
+    return __syncthreads_or(live) == 0;
+}
