@@ -165,26 +165,26 @@ def _worker(cfg: dict) -> dict:
 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    losses = []  # every step's loss, read after the timed steps (no sync inside them)
     t0 = time.perf_counter()
     if system.startswith("ortrain"):
         from ortrain.errors import OrtrainError
 
         try:
-            step(0)
+            losses.append(step(0).detach())
         except OrtrainError as exc:
             return {"status": "unsupported", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     else:
-        step(0)
+        losses.append(step(0).detach())
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
     for s in range(1, cfg["warmup"]):
-        step(s)
+        losses.append(step(s).detach())
     times = []
-    loss = None
     for s in range(cfg["warmup"], cfg["warmup"] + cfg["steps"]):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = step(s)
+        losses.append(step(s).detach())
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     name = torch.cuda.get_device_name()
@@ -200,7 +200,7 @@ def _worker(cfg: dict) -> dict:
             "median_ms": med * 1e3, "p10_ms": _q(times, 0.1) * 1e3, "p90_ms": _q(times, 0.9) * 1e3,
             "first_s": first, "tokens_per_s": tokens / med, "mfu": (flops / med / peak) if peak else None,
             "peak_mib": (torch_peak + own) / 2**20, "torch_peak_mib": torch_peak / 2**20, "runtime_mib": own / 2**20,
-            "final_loss": float(loss), "times": times}
+            "final_loss": float(losses[-1]), "losses": [float(x) for x in losses], "times": times}
 
 
 def _q(xs, q):
@@ -292,6 +292,11 @@ def main(argv=None) -> int:
                 with open(a.json, "w") as f:
                     json.dump(results, f)
     print(_table(results, workloads, systems))
+    for w in workloads:
+        for s in systems:
+            losses = results[w][s].get("losses") or []
+            if losses:
+                print(f"{w}/{s} loss every 5 steps: " + " ".join(f"{x:.3f}" for x in losses[::5] + losses[-1:]))
     # "unsupported" is an answer (ortrain without a CUDA executor); "failed" is a broken row
     return 1 if any(r.get("status") == "failed" for rows in results.values() for r in rows.values()) else 0
 

@@ -10,7 +10,11 @@
 #   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
 #              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
 #   gpt2       bench.gpu on GPT-2 124M (bf16): ortrain+fuse_attention+autocast (the engine's
-#              intended path), torch.compile and eager: issue 6's target rows
+#              intended path), torch.compile and eager: issue 6's target rows (50 steps each,
+#              with every 5th step's loss: the loss curves side by side)
+#   parity     one step of an exported GPT-2 124M with its loss (python -m bench.parity_model,
+#              seq 1024, batch 2) on the CPU in f32, on the CPU at bf16 and on this GPU at bf16:
+#              every weight gradient's distance from f32 (engine test onnx_parity)
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast without stops 30-31's
@@ -21,10 +25,10 @@
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
 #              kernels' GPU time, to set against bench.gpu_roofline's model of the same plan
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
-#   session    env,kernels,gpt2,pytest,tutorial,variants,profile under a deadline: one call of a
+#   session    env,kernels,gpt2,parity,pytest,tutorial,variants,profile under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
 #
-# GPU_DEADLINE (seconds from the start; "session" defaults to 420, else none) caps the whole
+# GPU_DEADLINE (seconds from the start; "session" defaults to 540, else none) caps the whole
 # run: each section gets at most its own cap and what is left before the deadline, and a
 # section that would start with under 20 s left is skipped and says so. Every section prints
 # its own header and keeps going when one fails; the exit status is the number of failed or
@@ -40,8 +44,8 @@ rm -rf "$LOG_DIR"
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 WHAT=${GPU_CHECKS:-session}
 if [[ ",$WHAT," == *",session,"* ]]; then
-    WHAT="$WHAT,env,kernels,gpt2,pytest,tutorial,variants,profile"
-    DEADLINE=${GPU_DEADLINE:-420}
+    WHAT="$WHAT,env,kernels,gpt2,parity,pytest,tutorial,variants,profile"
+    DEADLINE=${GPU_DEADLINE:-540}
 else
     DEADLINE=${GPU_DEADLINE:-0}
 fi
@@ -134,7 +138,7 @@ if has kernels; then
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2 || has variants || has profile; then
+if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
@@ -150,8 +154,19 @@ bench() {
 }
 if has gpt2; then
     # the engine's intended GPT-2 path first: its row is the one the targets need
-    bench 300 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 20 --warmup 4 \
+    bench 300 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 40 --warmup 10 \
         --systems ortrain+fuse_attention+autocast,compile,eager
+fi
+if has parity; then
+    section "one exported GPT-2 124M step: CPU f32, CPU bf16, GPU bf16"
+    rm -rf /tmp/parity-gpt2
+    capped 90 "parity model export" "$LOG_DIR/parity-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
+        $PY -m bench.parity_model /tmp/parity-gpt2 --layers 12 --width 768 --heads 12 --seq 1024 --batch 2
+    if [ -f /tmp/parity-gpt2/meta.txt ] && [ -x .gpu/cuda_lib ]; then
+        ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2 capped 150 "parity GPT-2 124M step" "$LOG_DIR/parity.log" \
+            .gpu/cuda_lib onnx_parity --ignored --nocapture
+        tail -40 "$LOG_DIR/parity.log"
+    fi
 fi
 if has pytest; then
     section "pytest -m gpu"

@@ -24,6 +24,7 @@ mod layernorm;
 mod lce;
 mod loss;
 mod movement;
+mod onnx_parity;
 mod optim;
 mod reduce;
 mod residual;

@@ -1,0 +1,87 @@
+"""Writes a GPT-2 language model with its fused cross-entropy loss (the graph `accelerate()` builds
+for `criterion(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))`), its weights and one batch
+to a folder, for the engine's cross-backend step check
+(engine/src/backend/cuda/tests/onnx_parity.rs): one training step of that graph on the CPU in
+exact f32, on the CPU at bf16 matmul precision and on CUDA at bf16 (cuda-emu without a GPU), every
+weight gradient compared. It puts a whole exported model through the CUDA-only passes and
+kernels (tensor-core attention, the causal mask, the chunked LM head over an odd vocabulary, the
+16-bit activations), which the engine's own CUDA tests only see one at a time.
+
+    python -m bench.parity_model OUT_DIR [--layers 2] [--width 128] [--heads 2] [--seq 256]
+                                         [--batch 2] [--vocab 50257]
+
+OUT_DIR gets model.onnx, weights.bin (every bound initializer's f32 data, in meta.txt's order),
+inputs.bin (the int64 ids, then the int64 targets) and meta.txt (one line per weight:
+`weight NAME TRAINABLE NUMEL`, one per input: `input NAME DIMS...`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, vocab: int) -> None:
+    import numpy as np
+    import torch
+
+    import models
+    from ortrain.engine.cross_entropy import TARGET, _with_cross_entropy
+    from ortrain.export import export_module
+
+    model, _, _ = models.gpt2_small(vocab=vocab, n_layer=layers, n_embd=width, n_head=heads, n_positions=seq,
+                                    dropout=0.0, batch=batch, seq=seq, seed=0, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    targets = ids[:, 1:].reshape(-1)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x).logits
+
+    wrapped = Logits(model)
+    exported = export_module(wrapped, (ids,), dynamic=False)
+    onnx_bytes = _with_cross_entropy(exported.onnx_bytes, [(1, None, -1)], vocab, -100, "mean")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "model.onnx"), "wb") as f:
+        f.write(onnx_bytes)
+    named = dict(wrapped.named_parameters(remove_duplicate=False))
+    named.update(dict(wrapped.named_buffers(remove_duplicate=False)))
+    lines = []
+    with open(os.path.join(out, "weights.bin"), "wb") as f:
+        for onnx_name, key in exported.param_map.items():
+            t = named[key].detach().float().contiguous()
+            trainable = exported.param_kinds.get(onnx_name) == "param"
+            lines.append(f"weight {onnx_name} {int(trainable)} {t.numel()}")
+            f.write(t.numpy().astype(np.float32).tobytes())
+    with open(os.path.join(out, "inputs.bin"), "wb") as f:
+        for name, t in ((exported.input_names[0], ids), (TARGET, targets)):
+            lines.append(f"input {name} " + " ".join(str(d) for d in t.shape))
+            f.write(t.numpy().astype(np.int64).tobytes())
+    with open(os.path.join(out, "meta.txt"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{out}: GPT-2 {layers} layers, width {width}, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}; "
+          f"exporter {exported.exporter}, {len(exported.param_map)} weights")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--width", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=50257)
+    a = ap.parse_args()
+    write(a.out, a.layers, a.width, a.heads, a.seq, a.batch, a.vocab)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+//! A whole exported model through one training step on three executors: the CPU in exact f32
+//! (the reference), the CPU at bf16 matmul precision and CUDA at bf16 with the opt-in passes
+//! (tensor-core attention, 16-bit activations), every weight gradient compared with the
+//! reference. The CUDA step must be about as close to the reference as the CPU's bf16 step:
+//! a gradient much further off names a CUDA-only pass or kernel that is wrong for this model,
+//! which the kernel tests, one op at a time on small shapes, can miss.
+//!
+//! The model comes from a folder written by `python -m bench.parity_model DIR` (a GPT-2 with its
+//! fused cross-entropy loss); the test reads `ORTRAIN_PARITY_MODEL=DIR`:
+//! `ORTRAIN_PARITY_MODEL=DIR cargo test --release -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture`
+//! (with cuda-emu's LD_LIBRARY_PATH where there is no GPU).
+
+use std::path::Path;
+
+use super::exec::LEGACY;
+use super::support::*;
+use crate::backend::cpu::bf16::MatmulPrecision;
+use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::launch::DeviceBuffer;
+use crate::backend::cuda::ops::CudaCtx;
+use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
+use crate::exec::Phase;
+use crate::session::{Session, SessionOptions, Sig, Target};
+use crate::tensor::DType;
+
+/// The folder's contents: the graph, the bound weights (name, trainable, f32 data) and the
+/// int64 inputs (shape, little-endian bytes), in the graph's input order.
+struct Probe {
+    onnx: Vec<u8>,
+    weights: Vec<(String, bool, Vec<f32>)>,
+    inputs: Vec<(Vec<usize>, Vec<u8>)>,
+}
+
+fn read_probe(dir: &Path) -> Probe {
+    let read = |f: &str| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{}: {e}", dir.join(f).display()));
+    let meta = String::from_utf8(read("meta.txt")).expect("meta.txt is UTF-8");
+    let (weight_bytes, input_bytes) = (read("weights.bin"), read("inputs.bin"));
+    let (mut weights, mut inputs, mut wat, mut iat) = (Vec::new(), Vec::new(), 0usize, 0usize);
+    for line in meta.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let num = |s: &str| s.parse::<usize>().unwrap_or_else(|e| panic!("meta.txt: {line:?}: {e}"));
+        match f.first().copied() {
+            Some("weight") if f.len() == 4 => {
+                let n = num(f[3]);
+                let data = weight_bytes[wat..wat + 4 * n].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+                wat += 4 * n;
+                weights.push((f[1].to_string(), f[2] == "1", data));
+            }
+            Some("input") if f.len() >= 2 => {
+                let shape: Vec<usize> = f[2..].iter().map(|s| num(s)).collect();
+                let bytes = 8 * shape.iter().product::<usize>();
+                inputs.push((shape, input_bytes[iat..iat + bytes].to_vec()));
+                iat += bytes;
+            }
+            _ => panic!("meta.txt: unexpected line {line:?}"),
+        }
+    }
+    assert_eq!((wat, iat), (weight_bytes.len(), input_bytes.len()), "meta.txt does not describe the .bin files whole");
+    Probe { onnx: read("model.onnx"), weights, inputs }
+}
+
+fn open(p: &Probe, target: Target, precision: MatmulPrecision) -> Session {
+    std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention,autocast");
+    let names: Vec<String> = p.weights.iter().map(|w| w.0.clone()).collect();
+    let trainable: Vec<bool> = p.weights.iter().map(|w| w.1).collect();
+    let options = SessionOptions { matmul_precision: precision };
+    Session::from_onnx_with(&p.onnx, None, &names, &trainable, None, target, options).unwrap_or_else(|e| panic!("import: {e}"))
+}
+
+fn sigs(p: &Probe) -> Vec<Sig> {
+    p.inputs.iter().map(|(shape, _)| (DType::I64, shape.clone())).collect()
+}
+
+/// (loss, weight gradients) of one CPU step.
+fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
+    let mut weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
+    let wptrs: Vec<*mut u8> = weights.iter_mut().map(|w| w.as_mut_ptr() as *mut u8).collect();
+    let feed: Vec<(Sig, &[u8])> = sigs(p).into_iter().zip(p.inputs.iter().map(|i| &i.1[..])).collect();
+    let mut grads: Vec<Vec<f32>> = weights.iter().map(|w| vec![0.0; w.len()]).collect();
+    let gptrs: Vec<*mut u8> = grads.iter_mut().map(|v| v.as_mut_ptr() as *mut u8).collect();
+    // SAFETY: every weight and gradient pointer holds its value's f32 data and outlives the calls.
+    let mut pending = unsafe { s.forward_with_grads(&feed, &wptrs, true, 1, &[], &gptrs) }.expect("cpu forward");
+    let (lp, _, _) = s.output_ptr(&mut pending, 0).expect("loss");
+    // SAFETY: the loss is one f32 while `pending` lives.
+    let loss = unsafe { *(lp as *const f32) };
+    let mut seed = vec![1f32];
+    // SAFETY: as above; the seed is the loss's one f32.
+    unsafe { s.backward(pending, &wptrs, &[seed.as_mut_ptr() as *mut u8], &gptrs) }.expect("cpu backward");
+    (loss, grads)
+}
+
+/// (loss, weight gradients) of one step through the CUDA executor.
+fn gpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
+    let g = gpu_or_reason().expect("under gpu()");
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let plan = s.plan(&sigs(p), true).expect("plan");
+    let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
+    let consts = DeviceConsts::upload(rt, &plan).expect("constants");
+    let mut arena = DeviceArena::default();
+    let base = arena.reserve(rt, plan.arena_bytes).expect("arena");
+    let dw: Vec<DeviceBuffer> = p.weights.iter().map(|w| dev(g, &w.2)).collect();
+    let dg: Vec<DeviceBuffer> = p.weights.iter().map(|w| zeros::<f32>(g, w.2.len())).collect();
+    let seed = dev(g, &[1f32]);
+    let mut bind = DeviceBindings::new(s.graph.values.len());
+    // SAFETY: each buffer holds its value's planned f32 data and lives until the end.
+    unsafe {
+        for (&v, b) in s.weights.iter().zip(&dw) {
+            bind.bind(v, b.ptr());
+        }
+        bind.bind(s.seeds[0].expect("the loss is seeded"), seed.ptr());
+        for (gv, b) in s.grads.iter().zip(&dg) {
+            if let Some(gv) = gv {
+                bind.bind(*gv, b.ptr());
+            }
+        }
+    }
+    let mut ctx = CudaCtx { rt, stream: LEGACY, seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: 0, error_base: 0 };
+    let feed: Vec<_> = s.inputs.iter().zip(&p.inputs).map(|(&v, i)| (v, InputSrc::Host(&i.1))).collect();
+    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
+    let at = cexec::address(&s.graph, &plan, base, &bind, &consts, s.outputs[0]).expect("loss address");
+    let loss = super::exec::download_f32(g, at, 1)[0];
+    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Backward, base, &bind, &consts, &[], &mut ctx).unwrap_or_else(|e| panic!("{e}"));
+    (loss, dg.iter().map(host::<f32>).collect())
+}
+
+/// ‖got − want‖ / ‖want‖ (0 when both are zero).
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    let (d, w) = got.iter().zip(want).fold((0f64, 0f64), |(d, w), (&g, &r)| (d + (g as f64 - r as f64).powi(2), w + (r as f64).powi(2)));
+    if w == 0.0 {
+        d.sqrt()
+    } else {
+        (d / w).sqrt()
+    }
+}
+
+#[test]
+#[ignore]
+fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
+    let Some(dir) = std::env::var_os("ORTRAIN_PARITY_MODEL") else {
+        panic!("set ORTRAIN_PARITY_MODEL to a folder written by `python -m bench.parity_model DIR`");
+    };
+    let Some(_) = gpu("gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step") else { return };
+    let p = read_probe(Path::new(&dir));
+    let t0 = std::time::Instant::now();
+    let (loss, reference) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Fp32), &p);
+    let (cpu_loss, cpu) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Bf16), &p);
+    let t1 = std::time::Instant::now();
+    let (gpu_loss, gpu) = gpu_step(&open(&p, Target::Cuda, MatmulPrecision::Bf16), &p);
+    println!(
+        "loss: f32 {loss}, CPU bf16 {cpu_loss}, CUDA bf16 {gpu_loss} (CPU steps {:.1} s, CUDA step {:.1} s)",
+        (t1 - t0).as_secs_f64(),
+        t1.elapsed().as_secs_f64()
+    );
+    let mut worst = Vec::new();
+    for (((name, trainable, _), r), (c, g)) in p.weights.iter().zip(&reference).zip(cpu.iter().zip(&gpu)) {
+        if !trainable {
+            continue;
+        }
+        let (ec, eg) = (rel_err(c, r), rel_err(g, r));
+        println!("  {name:50} relative error: CPU bf16 {ec:.2e}, CUDA bf16 {eg:.2e}");
+        // bf16 operands carry 8 bits: ~4e-3 relative per product, more after a few layers
+        if !(eg <= 4.0 * ec + 2e-2) {
+            worst.push(format!("{name}: CUDA {eg:.2e} vs CPU bf16 {ec:.2e}"));
+        }
+    }
+    assert!(((gpu_loss - loss) / loss).abs() < 1e-2, "loss: CUDA bf16 {gpu_loss} vs f32 {loss}");
+    assert!(worst.is_empty(), "gradients the CUDA step gets much further from f32 than the CPU's bf16 step: {worst:?}");
+}
