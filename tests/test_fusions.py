@@ -177,8 +177,12 @@ def test_linear_cross_entropy_bf16_matches_unfused_bf16(monkeypatch):
     assert fused[3].get("fuse_linear_cross_entropy") == 1
     dgrad = max(_max_rel(fused[1][n], plain[1][n]) for n in plain[1])
     print(f"\nbf16 fused vs unfused: loss {abs(fused[0] - plain[0]) / abs(plain[0]):.2e}, gradients max {dgrad:.2e}")
-    assert abs(fused[0] - plain[0]) <= 1e-5 * abs(plain[0]) and dgrad <= 1e-3
+    assert abs(fused[0] - plain[0]) <= 1e-5 * abs(plain[0])
     fp32 = _lm_head_step(None, monkeypatch)
     d_fp32 = max(_max_rel(fused[1][n], fp32[1][n]) for n in fp32[1])
     print(f"bf16 fused vs fp32 fused: gradients max {d_fp32:.2e} (the bf16 products ran)")
     assert d_fp32 > 1e-5
+    # the fused kernel's softmax gradient equals the unfused one up to f32 rounding (per-tile
+    # shifts, as on the fp32 path), so a few of its elements round to the neighbouring bf16: the
+    # fusion must move the gradients far less than the bf16 products themselves do
+    assert dgrad <= 0.25 * d_fp32 and dgrad <= 5e-3, (dgrad, d_fp32)

@@ -1,5 +1,5 @@
-//! One chunk of LinearCrossEntropy on the fp32 `gemm`-crate path, by vocabulary tiles from end
-//! to end, so that the chunk's logits are swept through memory twice instead of four times:
+//! One chunk of LinearCrossEntropy (f32 tensors, products on the `gemm` crate or, on the bf16
+//! path, the bf16 kernel), by vocabulary tiles from end to end, so that the chunk's logits are swept through memory twice instead of four times:
 //! 1. per tile (`over_tiles`: the threads claim groups of tiles): the tile's logits (one-thread
 //!    gemm into the chunk), then, while the tile is in cache, per row the bias, the tile's max m and
 //!    e = exp(v + b − m) in place with its sum s;
@@ -19,12 +19,17 @@
 //! products) read and wrote the 27 MB chunk once more. G equals g·exp(v + b − max)/Σ up to
 //! rounding (per-tile shifts), as the unfused kernel's softmax gradient.
 //!
-//! The bf16 path (`chunk_from_logits`) must reproduce the unfused kernel's gradient bit for bit
-//! (see linear_cross_entropy.rs `lce_row`), so it keeps a whole-chunk logits gemm and a
-//! whole-row log-sum-exp, and only its gradient half runs by tiles from the logits.
+//! The bf16 path computes each tile's logits as their transpose, op(W)_tile · X_cᵀ (the bf16
+//! kernel writes rows; its A panel is W's tile read along k). It used to keep a whole-chunk
+//! logits gemm and whole-row log-sum-exp and softmax passes, so that its G was bit for bit the
+//! unfused kernel's before the bf16 rounding: those passes over the [256, 28782] chunk were 40%
+//! of its time in `perf` (the C stores 16%, the lse and softmax passes 14% and 12%); streamed,
+//! `lce_chunk_speed` (tutorial head, 2 threads, AMX) went 84 → 60 ms, and G differs from the
+//! unfused one by f32 rounding, as on the fp32 path.
 
+use super::bf16::MatmulPath;
 use super::lce_tiles::{over_tiles, sum_partials, tile_count, tile_products, ChunkGrads, TILE};
-use super::matmul::{gemm_serial, Mat};
+use super::matmul::{gemm_call_ld, gemm_serial, on_this_thread, Mat};
 use super::vmath;
 
 /// One chunk's rows: (label, loss weight w, gradient factor g = w · 1/Σw or w) each.
@@ -60,7 +65,7 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
     // at its label
     let mut stats = vec![(0f32, 0f32); tiles * r];
     let mut xy = vec![0f32; r];
-    let xt = transposed(c.x, r, k);
+    let xt = if c.path == MatmulPath::Fp32 { transposed(c.x, r, k) } else { Vec::new() };
     let sh = Shared { g: scratch[..r * n].as_mut_ptr() as usize, stats: stats.as_mut_ptr() as usize, xy: xy.as_mut_ptr() as usize };
     let bias = rows.bias;
     over_tiles(
@@ -75,15 +80,23 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
             unsafe {
                 let blk = (sh.g as *mut f32).add(r * j0);
                 if k > 0 {
-                    // the tile's logits by columns: the crate then packs X_c's transpose with
-                    // vector copies and reads op(W)'s columns in place
-                    let lhs = Mat { ptr: xt.as_ptr(), rs: 1, cs: r as isize };
-                    let wt = if c.trans_b {
-                        Mat { ptr: c.w.as_ptr().add(j0 * k), rs: 1, cs: k as isize }
+                    // op(W)'s tile as [cols, k]
+                    let w_tile = if c.trans_b {
+                        Mat { ptr: c.w.as_ptr().add(j0 * k), rs: k as isize, cs: 1 }
                     } else {
-                        Mat { ptr: c.w.as_ptr().add(j0), rs: n as isize, cs: 1 }
+                        Mat { ptr: c.w.as_ptr().add(j0), rs: 1, cs: n as isize }
                     };
-                    gemm_serial(r, cols, k, blk, 1, r as isize, lhs, wt, false);
+                    if c.path == MatmulPath::Fp32 {
+                        // the tile's logits by columns: the crate then packs X_c's transpose with
+                        // vector copies and reads op(W)'s columns in place
+                        let lhs = Mat { ptr: xt.as_ptr(), rs: 1, cs: r as isize };
+                        let wt = Mat { ptr: w_tile.ptr, rs: w_tile.cs, cs: w_tile.rs };
+                        gemm_serial(r, cols, k, blk, 1, r as isize, lhs, wt, false);
+                    } else {
+                        // the bf16 kernel writes rows: the block's transpose, op(W)_tile · X_cᵀ
+                        let xct = Mat { ptr: c.x.as_ptr(), rs: 1, cs: k as isize };
+                        on_this_thread(|| gemm_call_ld(c.path, cols, r, k, blk, r, w_tile, xct, 1.0, false));
+                    }
                 }
                 let block = std::slice::from_raw_parts_mut(blk, r * cols);
                 if k == 0 {
@@ -163,45 +176,6 @@ fn transposed(x: &[f32], r: usize, k: usize) -> Vec<f32> {
         }
     }
     t
-}
-
-/// The bf16 path's chunk after its logits: `scratch` ([r, n]) holds X_c·op(W) without the bias
-/// (left as it is). Per row (in parallel) lse = log Σ exp(row + b), read-only; then per tile the
-/// unit-seed gradient g·exp(v + b − lse) − g·onehot into a tile buffer, its column sums into db,
-/// and the tile's products through the bf16 kernel (`c.path`). The gradient is bit for bit the
-/// whole-row pass's (bias added in place, `row_lse`, the scaled softmax, the label), which the
-/// bf16 rounding of the products must see unchanged; the chunk is read twice and never
-/// rewritten. Returns Σ of the rows' loss terms.
-pub(super) fn chunk_from_logits(c: &ChunkGrads<f32>, logits: &[f32], rows: &StreamRows, out: ChunkOut) -> f64 {
-    use rayon::prelude::*;
-    let n = c.n;
-    let bias = rows.bias;
-    let lse: Vec<(f32, f64)> = logits[..c.r * n]
-        .par_chunks(n)
-        .zip(rows.targets.par_iter())
-        .map(|(row, &(y, w, _))| {
-            let lse = bias.map_or_else(|| vmath::row_lse(row), |b| vmath::row_lse_biased(row, b));
-            let xy = bias.map_or(row[y], |b| row[y] + b[y]);
-            (lse, -w * (xy as f64 - lse as f64))
-        })
-        .collect();
-    let total = lse.iter().map(|&(_, t)| t).sum();
-    grads_from_tiles(c, out, |buf, _, _, j0, cols, dbt| {
-        for (i, &(y, _, gi)) in rows.targets.iter().enumerate() {
-            let (out, v) = (&mut buf[i * cols..(i + 1) * cols], &logits[i * n + j0..i * n + j0 + cols]);
-            match bias {
-                Some(b) => vmath::row_scaled_softmax_biased::call(out, v, &b[j0..j0 + cols], lse[i].0, gi as f32),
-                None => vmath::row_scaled_softmax::call(out, v, lse[i].0, gi as f32),
-            }
-            if let Some(d) = y.checked_sub(j0).filter(|&d| d < cols) {
-                out[d] -= gi as f32;
-            }
-            dbt.iter_mut().zip(out.iter()).for_each(|(d, &g)| *d += g);
-        }
-        // G_tile by rows
-        Mat { ptr: buf.as_ptr(), rs: cols as isize, cs: 1 }
-    });
-    total
 }
 
 /// The gradient half of a chunk by tiles (groups of tiles claimed by the threads): per tile,

@@ -12,7 +12,7 @@ use super::elementwise::{first, FloatElem};
 use super::lce_stream::{self, ChunkOut, StreamRows};
 use super::lce_tiles::{chunk_grads, ChunkGrads};
 use super::loss::{targets, Layout};
-use super::matmul::{crate_path, gemm_call, Mat};
+use super::matmul::{gemm_call, Mat};
 use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
@@ -119,10 +119,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
     let (mut xg, mut dxg) = (vec![T::zero(); staged], vec![T::zero(); staged]);
     let mut total = 0f64;
     let mut c0 = 0;
-    // f32 chunks: the fp32 gemm-crate path streams each by vocabulary tiles; the bf16 path makes
-    // the chunk's logits, then its gradient by tiles (both in lce_stream.rs). f64: logits, a row
-    // pass, then the tiled products.
-    let fp32 = crate_path::<T>(a.path);
+    // f32 chunks stream by vocabulary tiles (lce_stream.rs), with the gemm crate's products or
+    // the bf16 kernel's; f64: logits, a row pass, then the tiled products.
     while c0 < active.len() && n > 0 {
         let r = chunk.min(active.len() - c0);
         let ids = &active[c0..c0 + r];
@@ -141,15 +139,8 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
             let c = ChunkGrads { g: &[], x: f.x, w: f.w, r, n, k, trans_b: a.trans_b, path: a.path };
             let rows = StreamRows { targets: ids.iter().map(|&i| (a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect(), bias: f.b };
             let out = ChunkOut { dx: dx32, dw: dw32, db: db32, accumulate_dw: c0 > 0 };
-            if fp32 {
-                // the fp32 path: the whole chunk by vocabulary tiles
-                total += lce_stream::chunk(&c, g32, &rows, out);
-            } else {
-                // the bf16 path: whole-chunk logits, then the gradient by tiles
-                chunk_logits(a, r, x_rows, wv, g);
-                let g32 = as_f32(&mut g[..]).unwrap_or_default();
-                total += lce_stream::chunk_from_logits(&c, g32, &rows, out);
-            }
+            // the whole chunk by vocabulary tiles (bf16 products on the bf16 path)
+            total += lce_stream::chunk(&c, g32, &rows, out);
         } else {
             // f64: logits, a row pass, the tiled products
             chunk_logits(a, r, x_rows, wv, g);
@@ -395,9 +386,9 @@ mod bench {
     }
 
     /// Where LinearCrossEntropy's time goes on the tutorial shape, over all chunks: the three
-    /// products as whole-chunk parallel gemms (references), and what the kernel runs: on the
-    /// fp32 path the streamed chunk (lce_stream.rs, everything), on the bf16 path (when the CPU
-    /// has one) the logits gemm, then the gradient by tiles from the logits:
+    /// products as whole-chunk parallel gemms (references), and what the kernel runs: the chunk
+    /// streamed by vocabulary tiles (lce_stream.rs), on the fp32 path and on the bf16 path when
+    /// the CPU has one:
     /// `cargo test --release -p ortrain-engine lce_phase_speed -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -410,7 +401,7 @@ mod bench {
         let paths = [Some(MatmulPath::Fp32), crate::backend::cpu::bf16::detect().map(MatmulPath::Bf16)];
         for (path, chunk) in paths.into_iter().flatten().flat_map(|p| [(p, 128usize), (p, 256), (p, 234), (p, 256)]) {
             let mut g = vec![0f32; chunk * n];
-            let mut t = [0f64; 5];
+            let mut t = [0f64; 4];
             let mut c0 = 0;
             while c0 < rows {
                 let r = chunk.min(rows - c0);
@@ -430,23 +421,9 @@ mod bench {
                 // SAFETY: as above.
                 unsafe { gemm_call(path, n, k, r, dw.as_mut_ptr(), gt, xc, 1.0, c0 > 0) };
                 let t3 = std::time::Instant::now();
-                if path == MatmulPath::Fp32 {
-                    let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
-                    let rows = super::StreamRows { targets, bias: None };
-                    super::lce_stream::chunk(&c, gs, &rows, super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 });
-                } else {
-                    // SAFETY: as above.
-                    unsafe { gemm_call(path, r, n, k, gs.as_mut_ptr(), xc, Mat { ptr: w.as_ptr(), rs: 1, cs: k as isize }, 1.0, false) };
-                    t[4] += t3.elapsed().as_secs_f64() * 1e3;
-                    let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
-                    let rows = super::StreamRows { targets, bias: None };
-                    super::lce_stream::chunk_from_logits(
-                        &c,
-                        gs,
-                        &rows,
-                        super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 },
-                    );
-                }
+                let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
+                let rows = super::StreamRows { targets, bias: None };
+                super::lce_stream::chunk(&c, gs, &rows, super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 });
                 t[3] += t3.elapsed().as_secs_f64() * 1e3;
                 for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
                     *acc += (b - a).as_secs_f64() * 1e3;
@@ -454,12 +431,8 @@ mod bench {
                 c0 += r;
             }
             println!(
-                "{path:?} chunk {chunk}: whole gemms: logits {:.1} ms, dX {:.1}, dW {:.1}; the kernel's way: {:.1} ms{}",
-                t[0],
-                t[1],
-                t[2],
-                t[3],
-                if path == MatmulPath::Fp32 { " (streamed)".to_string() } else { format!(" (of which the logits gemm {:.1})", t[4]) }
+                "{path:?} chunk {chunk}: whole gemms: logits {:.1} ms, dX {:.1}, dW {:.1}; streamed by tiles: {:.1} ms",
+                t[0], t[1], t[2], t[3]
             );
         }
     }

@@ -184,11 +184,6 @@ unsafe fn crate_gemm<T: FloatElem + 'static>(
     }
 }
 
-/// Whether gemm_call runs on the `gemm` crate for T under `path` (not the bf16 GEMM).
-pub(super) fn crate_path<T: 'static>(path: MatmulPath) -> bool {
-    !matches!(path, MatmulPath::Bf16(_)) || TypeId::of::<T>() != TypeId::of::<f32>()
-}
-
 /// dst[m×n] (+)= lhs[m×k] · rhs[k×n] on the calling thread alone (the `gemm` crate, no
 /// parallelism), dst with explicit strides: for callers that split the work among threads.
 ///

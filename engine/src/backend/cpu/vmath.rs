@@ -150,15 +150,6 @@ fn scaled_softmax_body<const FMA: bool>(out: &mut [f32], x: &[f32], lse: f32, g:
     }
 }
 
-/// out[k] = g · exp((x[k] + bias[k]) − lse): bit for bit `scaled_softmax_body` of the row with
-/// the bias added in place first.
-#[inline(always)]
-fn scaled_softmax_biased_body<const FMA: bool>(out: &mut [f32], x: &[f32], bias: &[f32], lse: f32, g: f32) {
-    for ((o, &v), &b) in out.iter_mut().zip(x).zip(bias) {
-        *o = g * exp_poly::<FMA>((v + b) - lse);
-    }
-}
-
 /// Columns whose exps `cols_exp_shifted_inplace` sums in f32 before adding them to a row's f64
 /// sum: at most 7 roundings of an 8-term sum of positive terms (~4·10⁻⁷ relative), below the
 /// f32 rounding of the stored sum's own ulp budget in the log-sum-exp.
@@ -246,18 +237,12 @@ multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
 
 multiversion!(row_lse_online, lse_body, (x: &[f32], bias: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
-multiversion!(row_scaled_softmax_biased, scaled_softmax_biased_body, (out: &mut [f32], x: &[f32], bias: &[f32], lse: f32, g: f32) -> ());
 multiversion!(cols_exp_shifted_inplace, cols_exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32], m: &mut [f32], s: &mut [f32], acc: &mut [f64]) -> ());
 multiversion!(cols_scale_and_sum, cols_scale_and_sum_body, (out: &mut [f32], e: &[f32], f: &[f32], sums: &mut [f32]) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
     row_lse_online::call(x, &[])
-}
-
-/// log Σ exp(x + bias), bit for bit `row_lse` of the row with the bias added in place.
-pub fn row_lse_biased(x: &[f32], bias: &[f32]) -> f32 {
-    row_lse_online::call(x, bias)
 }
 
 #[cfg(test)]
@@ -351,23 +336,6 @@ mod tests {
         let (mut m, mut sum, mut acc) = (vec![1f32; 4], vec![1f32; 4], vec![0f64; 4]);
         cols_exp_shifted_inplace::call(&mut [], &[], &mut m, &mut sum, &mut acc);
         assert!(m.iter().all(|&v| v == f32::NEG_INFINITY) && sum.iter().all(|&v| v == 0.0));
-    }
-
-    /// The biased log-sum-exp and softmax equal, bit for bit, the plain ones on the row with the
-    /// bias added in place (the bf16 LM head's gradient must not move by a last bit).
-    #[test]
-    fn biased_lse_and_softmax_are_those_of_the_biased_row() {
-        for n in [1usize, 15, 16, 17, 100, 28782] {
-            let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 37.0 - 10.0).collect();
-            let b: Vec<f32> = (0..n).map(|i| ((i * 104_729) % 1000) as f32 / 3001.0 - 0.17).collect();
-            let biased: Vec<f32> = x.iter().zip(&b).map(|(v, b)| v + b).collect();
-            let lse = row_lse(&biased);
-            assert_eq!(row_lse_biased(&x, &b).to_bits(), lse.to_bits(), "n={n}");
-            let (mut want, mut got) = (vec![0f32; n], vec![0f32; n]);
-            row_scaled_softmax::call(&mut want, &biased, lse, 0.3);
-            row_scaled_softmax_biased::call(&mut got, &x, &b, lse, 0.3);
-            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "n={n}");
-        }
     }
 
     #[test]
