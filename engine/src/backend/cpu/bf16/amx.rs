@@ -36,11 +36,16 @@ pub(crate) trait TileOps {
     /// # Safety
     /// Each pointer covers 16 rows of 64 bytes at its stride.
     unsafe fn step(&mut self, a0: *const u32, a1: *const u32, a_stride: usize, b0: *const u32, b1: *const u32, b_stride: usize);
-    /// Stores the 32 × 32 f32 accumulator, row stride 128 bytes.
+    /// Loads the 32 × 32 f32 accumulator from `c` (row stride `stride` bytes).
     ///
     /// # Safety
-    /// `out` covers 32 × 32 floats.
-    unsafe fn store(&mut self, out: *mut f32);
+    /// The tile configuration is loaded; `c` covers 32 rows of 32 floats at `stride`.
+    unsafe fn load(&mut self, c: *const f32, stride: usize);
+    /// Stores the 32 × 32 f32 accumulator at `out` (row stride `stride` bytes).
+    ///
+    /// # Safety
+    /// `out` covers 32 rows of 32 floats at `stride`.
+    unsafe fn store(&mut self, out: *mut f32, stride: usize);
 }
 
 pub(crate) struct Amx<T>(std::marker::PhantomData<fn() -> T>);
@@ -72,16 +77,39 @@ impl<T: TileOps> Kernel for Amx<T> {
 
     unsafe fn run(&self, t: &mut T, blk: &Block) {
         debug_assert!(blk.width == 32 && blk.kp.is_multiple_of(16));
-        let mut out = MaybeUninit::<Out>::uninit();
-        // SAFETY: the driver's contract: the A panel holds 32 rows × kp pairs at row stride
-        // a_rs, the B panel kp pairs × 32 columns (128 bytes per pair); kp is a multiple of 16.
-        unsafe {
-            t.zero();
+        // SAFETY (both): the driver's contract: the A panel holds 32 rows × kp pairs at row
+        // stride a_rs, the B panel kp pairs × 32 columns (128 bytes per pair); kp is a multiple
+        // of 16.
+        let steps = |t: &mut T| unsafe {
             for p in (0..blk.kp).step_by(16) {
                 let (a0, b0) = (blk.a.add(p), blk.b.add(p * 32));
                 t.step(a0, a0.add(16 * blk.a_rs), blk.a_rs * 4, b0, b0.add(16), 128);
             }
-            t.store(out.as_mut_ptr() as *mut f32);
+        };
+        if blk.rows == 32 && blk.cols == 32 && blk.alpha == 1.0 && (blk.beta == 0.0 || blk.beta == 1.0) {
+            // a whole block of C, plain product or accumulation: the tiles start from C (or
+            // zero) and are stored straight back. Through the 4 KiB staging block and the
+            // vector store below, the stores were 15% of the bf16 LM head's time in `perf`.
+            let stride = blk.ldc * 4;
+            // SAFETY: the block's 32 rows of 32 floats are inside C at row stride ldc, and
+            // written by this call only (driver's contract).
+            unsafe {
+                if blk.beta == 0.0 {
+                    t.zero();
+                } else {
+                    t.load(blk.c, stride);
+                }
+                steps(t);
+                t.store(blk.c, stride);
+            }
+            return;
+        }
+        let mut out = MaybeUninit::<Out>::uninit();
+        // SAFETY: as above; `out` holds 32 × 32 floats at row stride 128 bytes.
+        unsafe {
+            t.zero();
+            steps(t);
+            t.store(out.as_mut_ptr() as *mut f32, 128);
             // SAFETY: `store` wrote all 32 × 32 floats; the AMX path is chosen only on CPUs
             // that also have avx512f (and avx512bf16 for packing).
             store_block(out.assume_init_ref(), blk);
@@ -156,8 +184,28 @@ impl TileOps for Hw {
         };
     }
 
-    unsafe fn store(&mut self, out: *mut f32) {
-        // SAFETY: out covers 32 × 32 floats: tile (r, c) at row 16r, column 16c, stride 128.
+    unsafe fn load(&mut self, c: *const f32, stride: usize) {
+        // SAFETY: c covers 32 rows of 32 floats at `stride` bytes: tile (r, q) at row 16r,
+        // column 16q.
+        unsafe {
+            asm!(
+                "tileloadd tmm0, [{p0} + {s}*1]",
+                "tileloadd tmm1, [{p1} + {s}*1]",
+                "tileloadd tmm2, [{p2} + {s}*1]",
+                "tileloadd tmm3, [{p3} + {s}*1]",
+                p0 = in(reg) c,
+                p1 = in(reg) c.add(16),
+                p2 = in(reg) c.byte_add(16 * stride),
+                p3 = in(reg) c.byte_add(16 * stride).add(16),
+                s = in(reg) stride,
+                options(nostack, readonly),
+            )
+        };
+    }
+
+    unsafe fn store(&mut self, out: *mut f32, stride: usize) {
+        // SAFETY: out covers 32 rows of 32 floats at `stride` bytes: tile (r, q) at row 16r,
+        // column 16q.
         unsafe {
             asm!(
                 "tilestored [{p0} + {s}*1], tmm0",
@@ -166,9 +214,9 @@ impl TileOps for Hw {
                 "tilestored [{p3} + {s}*1], tmm3",
                 p0 = in(reg) out,
                 p1 = in(reg) out.add(16),
-                p2 = in(reg) out.add(16 * 32),
-                p3 = in(reg) out.add(16 * 32 + 16),
-                s = in(reg) 128usize,
+                p2 = in(reg) out.byte_add(16 * stride),
+                p3 = in(reg) out.byte_add(16 * stride).add(16),
+                s = in(reg) stride,
                 options(nostack),
             )
         };
@@ -337,12 +385,23 @@ impl TileOps for Emu {
         self.dp(3, 5, 7);
     }
 
-    unsafe fn store(&mut self, out: *mut f32) {
+    unsafe fn load(&mut self, c: *const f32, stride: usize) {
+        for (t, (r0, c0)) in [(0, 0), (0, 16), (16, 0), (16, 16)].into_iter().enumerate() {
+            for r in 0..16 {
+                for q in 0..16 {
+                    // SAFETY: c covers 32 rows of 32 floats at `stride` bytes (caller's contract).
+                    self.tiles[t][r][q] = unsafe { *c.byte_add((r0 + r) * stride).add(c0 + q) }.to_bits();
+                }
+            }
+        }
+    }
+
+    unsafe fn store(&mut self, out: *mut f32, stride: usize) {
         for (t, (r0, c0)) in [(0, 0), (0, 16), (16, 0), (16, 16)].into_iter().enumerate() {
             for r in 0..16 {
                 for c in 0..16 {
-                    // SAFETY: out covers 32 × 32 floats (caller's contract).
-                    unsafe { *out.add((r0 + r) * 32 + c0 + c) = f32::from_bits(self.tiles[t][r][c]) };
+                    // SAFETY: out covers 32 rows of 32 floats at `stride` bytes (caller's contract).
+                    unsafe { *out.byte_add((r0 + r) * stride).add(c0 + c) = f32::from_bits(self.tiles[t][r][c]) };
                 }
             }
         }

@@ -151,7 +151,7 @@ const SIZES: &[(usize, usize, usize)] = &[
     (70, 20, 2879), // its input gradient (many k steps)
 ];
 
-const SCALES: &[(f32, f32)] = &[(1.0, 0.0), (0.5, 1.0), (-2.0, 0.25)];
+const SCALES: &[(f32, f32)] = &[(1.0, 0.0), (0.5, 1.0), (-2.0, 0.25), (1.0, 1.0)];
 
 /// Every size × transpose combination × alpha/beta pair through `kern`.
 fn check_all<K: Kernel>(kern: &K, sizes: &[(usize, usize, usize)], scales: &[(f32, f32)]) {

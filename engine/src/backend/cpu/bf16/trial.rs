@@ -180,6 +180,8 @@ const CASES: &[(usize, usize, usize, bool, bool, f32, f32)] = &[
     (33, 17, 300, true, false, 1.0, 1.0),
     (64, 40, 33, false, true, 0.5, 0.0),
     (5, 70, 600, true, true, 1.0, 1.0),
+    // whole 32 × 32 blocks, accumulated over k blocks: the AMX kernel's tiles load and store C
+    (64, 64, 600, false, false, 1.0, 1.0),
 ];
 
 /// Every case through `kern` (one thread) against its f64 reference, bit for bit.
@@ -291,9 +293,13 @@ mod tests {
             // SAFETY: forwarded contract: both pairs cover 16 rows of 64 bytes at their strides.
             unsafe { self.0.step(b0, b1, b_stride, a0, a1, a_stride) }
         }
-        unsafe fn store(&mut self, out: *mut f32) {
+        unsafe fn load(&mut self, c: *const f32, stride: usize) {
             // SAFETY: forwarded contract.
-            unsafe { self.0.store(out) }
+            unsafe { self.0.load(c, stride) }
+        }
+        unsafe fn store(&mut self, out: *mut f32, stride: usize) {
+            // SAFETY: forwarded contract.
+            unsafe { self.0.store(out, stride) }
         }
     }
 
