@@ -3,7 +3,8 @@
 //! (tensor-core attention, 16-bit activations), every weight gradient compared with the
 //! reference. The CUDA step must be about as close to the reference as the CPU's bf16 step:
 //! a gradient much further off names a CUDA-only pass or kernel that is wrong for this model,
-//! which the kernel tests, one op at a time on small shapes, can miss.
+//! which the kernel tests, one op at a time on small shapes, can miss. The CUDA step runs twice
+//! on the same plan and arena and must give the same bits both times.
 //!
 //! The model comes from a folder written by `python -m bench.parity_model DIR` (a GPT-2 with its
 //! fused cross-entropy loss); the test reads `ORTRAIN_PARITY_MODEL=DIR`:
@@ -89,8 +90,9 @@ fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
     (loss, grads)
 }
 
-/// (loss, weight gradients) of one step through the CUDA executor.
-fn gpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
+/// (loss, weight gradients) of `steps` steps through the CUDA executor on the same plan, arena
+/// and constants (the same weights and batch each time, gradients into fresh zeroed buffers).
+fn gpu_steps(s: &Session, p: &Probe, steps: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
     let g = gpu_or_reason().expect("under gpu()");
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let plan = s.plan(&sigs(p), true).expect("plan");
@@ -99,7 +101,6 @@ fn gpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
     let mut arena = DeviceArena::default();
     let base = arena.reserve(rt, plan.arena_bytes).expect("arena");
     let dw: Vec<DeviceBuffer> = p.weights.iter().map(|w| dev(g, &w.2)).collect();
-    let dg: Vec<DeviceBuffer> = p.weights.iter().map(|w| zeros::<f32>(g, w.2.len())).collect();
     let seed = dev(g, &[1f32]);
     let mut bind = DeviceBindings::new(s.graph.values.len());
     // SAFETY: each buffer holds its value's planned f32 data and lives until the end.
@@ -108,19 +109,28 @@ fn gpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
             bind.bind(v, b.ptr());
         }
         bind.bind(s.seeds[0].expect("the loss is seeded"), seed.ptr());
-        for (gv, b) in s.grads.iter().zip(&dg) {
-            if let Some(gv) = gv {
-                bind.bind(*gv, b.ptr());
-            }
-        }
     }
     let mut ctx = CudaCtx { rt, stream: LEGACY, seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: 0, error_base: 0 };
     let feed: Vec<_> = s.inputs.iter().zip(&p.inputs).map(|(&v, i)| (v, InputSrc::Host(&i.1))).collect();
-    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
-    let at = cexec::address(&s.graph, &plan, base, &bind, &consts, s.outputs[0]).expect("loss address");
-    let loss = super::exec::download_f32(g, at, 1)[0];
-    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Backward, base, &bind, &consts, &[], &mut ctx).unwrap_or_else(|e| panic!("{e}"));
-    (loss, dg.iter().map(host::<f32>).collect())
+    (0..steps)
+        .map(|_| {
+            let dg: Vec<DeviceBuffer> = p.weights.iter().map(|w| zeros::<f32>(g, w.2.len())).collect();
+            for (gv, b) in s.grads.iter().zip(&dg) {
+                if let Some(gv) = gv {
+                    // SAFETY: as above; the buffer outlives this step's work (downloaded below).
+                    unsafe { bind.bind(*gv, b.ptr()) };
+                }
+            }
+            let run = |phase, feed: &[_], ctx: &mut CudaCtx| {
+                cexec::run_phase(&s.graph, &plan, &kernels, phase, base, &bind, &consts, feed, ctx).unwrap_or_else(|e| panic!("{e}"))
+            };
+            run(Phase::Forward, &feed, &mut ctx);
+            let at = cexec::address(&s.graph, &plan, base, &bind, &consts, s.outputs[0]).expect("loss address");
+            let loss = super::exec::download_f32(g, at, 1)[0];
+            run(Phase::Backward, &[], &mut ctx);
+            (loss, dg.iter().map(host::<f32>).collect())
+        })
+        .collect()
 }
 
 /// ‖got − want‖ / ‖want‖ (0 when both are zero).
@@ -145,9 +155,16 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     let (loss, reference) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Fp32), &p);
     let (cpu_loss, cpu) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Bf16), &p);
     let t1 = std::time::Instant::now();
-    let (gpu_loss, gpu) = gpu_step(&open(&p, Target::Cuda, MatmulPrecision::Bf16), &p);
+    let mut gpu = gpu_steps(&open(&p, Target::Cuda, MatmulPrecision::Bf16), &p, 2);
+    let bits = |(l, gs): &(f32, Vec<Vec<f32>>)| {
+        (l.to_bits(), gs.iter().map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>())
+    };
+    // nothing a step leaves behind in the arena, the constants or the kernels' scratch changes
+    // the next one
+    assert!(bits(&gpu[1]) == bits(&gpu[0]), "a second CUDA step on the same plan and arena differs from the first");
+    let (gpu_loss, gpu) = gpu.swap_remove(0);
     println!(
-        "loss: f32 {loss}, CPU bf16 {cpu_loss}, CUDA bf16 {gpu_loss} (CPU steps {:.1} s, CUDA step {:.1} s)",
+        "loss: f32 {loss}, CPU bf16 {cpu_loss}, CUDA bf16 {gpu_loss} (CPU steps {:.1} s, two CUDA steps {:.1} s)",
         (t1 - t0).as_secs_f64(),
         t1.elapsed().as_secs_f64()
     );
