@@ -318,10 +318,12 @@ mod tests {
             let ins = [Some(&xt), Some(&wt), bias.then_some(&bt), Some(&yt), weighted.then_some(&ct)];
             let (loss, dx, dw, db) = reference(&x, &w, bias.then_some(&b[..]), &y, weighted.then_some(&cw[..]), k, n, tb, -100, mean);
             // f32 tensors also through the bf16 kernels when this CPU has them (operands rounded
-            // to bf16: about 3 significant digits)
-            use crate::backend::cpu::bf16::{detect, MatmulPath};
+            // to bf16: about 3 significant digits): the one the CPU picks, and the avx512_bf16
+            // one where that is AMX (Zen 4 runs it)
+            use crate::backend::cpu::bf16::{detect, Bf16Isa, MatmulPath};
             let bf16 = detect().filter(|_| !f64s).map(MatmulPath::Bf16);
-            for (path, tol) in [(Some(MatmulPath::Fp32), if f64s { 1e-12 } else { 2e-5 }), (bf16, 1e-2)] {
+            let avx512 = (detect() == Some(Bf16Isa::Amx) && !f64s).then_some(MatmulPath::Bf16(Bf16Isa::Avx512Bf16));
+            for (path, tol) in [(Some(MatmulPath::Fp32), if f64s { 1e-12 } else { 2e-5 }), (bf16, 1e-2), (avx512, 1e-2)] {
                 let Some(path) = path else { continue };
                 let mut ctx = CpuCtx::new(0).with_matmul(path);
                 let out = try_run_opt("LinearCrossEntropy", attrs.clone(), &ins, &mut ctx).unwrap_or_else(|e| panic!("case {case}: {e}"));
