@@ -14,7 +14,8 @@
 #              with every 5th step's loss: the loss curves side by side)
 #   parity     one step of an exported GPT-2 124M with its loss (python -m bench.parity_model,
 #              seq 1024, batch 2) on the CPU in f32, on the CPU at bf16 and on this GPU at bf16:
-#              every weight gradient's distance from f32 (engine test onnx_parity)
+#              every weight gradient's distance from f32 (engine test onnx_parity;
+#              PARITY_ARGS replaces the model's size arguments)
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast without stops 30-31's
@@ -161,7 +162,7 @@ if has parity; then
     section "one exported GPT-2 124M step: CPU f32, CPU bf16, GPU bf16"
     rm -rf /tmp/parity-gpt2
     capped 90 "parity model export" "$LOG_DIR/parity-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
-        $PY -m bench.parity_model /tmp/parity-gpt2 --layers 12 --width 768 --heads 12 --seq 1024 --batch 2
+        $PY -m bench.parity_model /tmp/parity-gpt2 ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
     if [ -f /tmp/parity-gpt2/meta.txt ] && [ -x .gpu/cuda_lib ]; then
         ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2 capped 150 "parity GPT-2 124M step" "$LOG_DIR/parity.log" \
             .gpu/cuda_lib onnx_parity --ignored --nocapture
