@@ -1,5 +1,6 @@
 //! One chunk of LinearCrossEntropy (f32 tensors, products on the `gemm` crate or, on the bf16
-//! path, the bf16 kernel), by vocabulary tiles from end to end, so that the chunk's logits are swept through memory twice instead of four times:
+//! path, the bf16 kernel), by vocabulary tiles from end to end, so that the chunk's logits are
+//! swept through memory twice instead of four times:
 //! 1. per tile (`over_tiles`: the threads claim groups of tiles): the tile's logits (one-thread
 //!    gemm into the chunk), then, while the tile is in cache, per row the bias, the tile's max m and
 //!    e = exp(v + b − m) in place with its sum s;
@@ -74,9 +75,9 @@ pub(super) fn chunk(c: &ChunkGrads<f32>, scratch: &mut [f32], rows: &StreamRows,
         || (vec![0f32; r], vec![0f32; r], vec![0f64; r]),
         |_, (m, s, acc), j, j0, cols| {
             // SAFETY: the tile's block (r·j0.. r·(j0 + cols)) of the chunk belongs to this tile's
-            // call alone; xt is X_c's [k, r] transpose, op(W)'s tile columns exist; stats (tile
-            // j's r entries) and xy (the rows whose label is in this tile) are written by this
-            // tile only.
+            // call alone; xt is X_c's [k, r] transpose (fp32 path; the bf16 path reads X_c [r, k]
+            // itself), op(W)'s tile columns exist; stats (tile j's r entries) and xy (the rows
+            // whose label is in this tile) are written by this tile only.
             unsafe {
                 let blk = (sh.g as *mut f32).add(r * j0);
                 if k > 0 {
