@@ -98,30 +98,16 @@ fn lse_lanes<const FMA: bool>(m: &mut [f32; LANES], s: &mut [f32; LANES], poison
     }
 }
 
-/// log Σ exp(x + bias) in one pass (online: each lane keeps a running max and a sum rescaled
-/// to it); bias empty for none, else x's length. The biased values are those of adding the bias
-/// in place first (one f32 addition each), so the result is bit for bit that of `lse_body` on
-/// the biased row.
+/// log Σ exp(x) in one pass (online: each lane keeps a running max and a sum rescaled to it).
 #[inline(always)]
-fn lse_body<const FMA: bool>(x: &[f32], bias: &[f32]) -> f32 {
+fn lse_body<const FMA: bool>(x: &[f32]) -> f32 {
     let mut m = [f32::NEG_INFINITY; LANES];
     let mut s = [0f32; LANES];
     let mut poison = [0f32; LANES];
     let chunks = x.chunks_exact(LANES);
-    let tail_x = chunks.remainder();
-    let mut tail = [0f32; LANES];
-    let tail = &mut tail[..tail_x.len()];
-    if bias.len() == x.len() {
-        for (c, b) in chunks.zip(bias.chunks_exact(LANES)) {
-            lse_lanes::<FMA>(&mut m, &mut s, &mut poison, c.iter().zip(b).map(|(&v, &b)| v + b));
-        }
-        let bt = &bias[x.len() - tail_x.len()..];
-        tail.iter_mut().zip(tail_x.iter().zip(bt)).for_each(|(t, (&v, &b))| *t = v + b);
-    } else {
-        for c in chunks {
-            lse_lanes::<FMA>(&mut m, &mut s, &mut poison, c.iter().copied());
-        }
-        tail.copy_from_slice(tail_x);
+    let tail = chunks.remainder();
+    for c in chunks {
+        lse_lanes::<FMA>(&mut m, &mut s, &mut poison, c.iter().copied());
     }
     let mut top = m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
     let mut bad = poison.iter().sum::<f32>();
@@ -235,14 +221,14 @@ fn cols_scale_and_sum_body<const FMA: bool>(out: &mut [f32], e: &[f32], f: &[f32
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
 
-multiversion!(row_lse_online, lse_body, (x: &[f32], bias: &[f32]) -> f32);
+multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
 multiversion!(cols_exp_shifted_inplace, cols_exp_shifted_inplace_body, (x: &mut [f32], bias: &[f32], m: &mut [f32], s: &mut [f32], acc: &mut [f64]) -> ());
 multiversion!(cols_scale_and_sum, cols_scale_and_sum_body, (out: &mut [f32], e: &[f32], f: &[f32], sums: &mut [f32]) -> ());
 
 /// Log-sum-exp of a row (NaN if the row holds a NaN or an infinity).
 pub fn row_lse(x: &[f32]) -> f32 {
-    row_lse_online::call(x, &[])
+    row_lse_online::call(x)
 }
 
 #[cfg(test)]

@@ -9,13 +9,12 @@
 use std::collections::HashMap;
 
 use super::exec_models::*;
+use super::gpu_run::GpuRun;
+pub(super) use super::gpu_run::LEGACY;
 use super::support::*;
 use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::launch::DeviceBuffer;
-use crate::backend::cuda::ops::CudaCtx;
-use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
-use crate::exec::Phase;
+use crate::exec::cuda as cexec;
 use crate::session::{Session, SessionOptions, Sig};
 
 pub(super) fn session(m: &Model) -> Session {
@@ -87,8 +86,6 @@ fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec
     gpu_step_in(s, x, sig, weights, seeds, F32Mode::Exact, LEGACY)
 }
 
-pub(super) const LEGACY: cudarc::driver::sys::CUstream = std::ptr::null_mut(); // the legacy default stream
-
 /// As `gpu_step`, with the session's f32 matmuls in `mode` and the phases queued on `stream`.
 pub(super) fn gpu_step_in(
     s: &Session,
@@ -99,43 +96,8 @@ pub(super) fn gpu_step_in(
     mode: F32Mode,
     stream: cudarc::driver::sys::CUstream,
 ) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
-    let g = gpu_or_reason().expect("under gpu()");
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let plan = s.plan(std::slice::from_ref(sig), true).expect("plan");
-    let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
-    let consts = DeviceConsts::upload(rt, &plan).expect("constants");
-    let mut arena = DeviceArena::default();
-    let base = arena.reserve(rt, plan.arena_bytes).expect("arena");
-    let dw: Vec<DeviceBuffer> = weights.iter().map(|w| dev(g, w)).collect();
-    let ds: Vec<DeviceBuffer> = seeds.iter().map(|v| dev(g, v)).collect();
-    let dg: Vec<DeviceBuffer> = weights.iter().map(|w| zeros::<f32>(g, w.len())).collect();
-    let mut bind = DeviceBindings::new(s.graph.values.len());
-    // SAFETY: each buffer holds its value's planned f32 data and lives until the end.
-    unsafe {
-        for (&v, b) in s.weights.iter().zip(&dw) {
-            bind.bind(v, b.ptr());
-        }
-        for (sv, b) in s.seeds.iter().zip(&ds) {
-            bind.bind(sv.expect("seeded"), b.ptr());
-        }
-        for (gv, b) in s.grads.iter().zip(&dg) {
-            bind.bind(gv.expect("has a gradient"), b.ptr());
-        }
-    }
-    let mut ctx = CudaCtx { rt, stream, seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
-    let feed = [(s.inputs[0], InputSrc::Host(x))];
-    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Forward, base, &bind, &consts, &feed, &mut ctx).unwrap_or_else(|e| panic!("{e}"));
-    let outs: Vec<Vec<f32>> = s
-        .outputs
-        .iter()
-        .map(|&o| {
-            let a = cexec::address(&s.graph, &plan, base, &bind, &consts, o).expect("output address");
-            download_f32(g, a, plan.shape(o).iter().product())
-        })
-        .collect();
-    cexec::run_phase(&s.graph, &plan, &kernels, Phase::Backward, base, &bind, &consts, &[], &mut ctx).unwrap_or_else(|e| panic!("{e}"));
-    let grads = dg.iter().map(host::<f32>).collect();
-    (outs, grads)
+    assert!(s.grads.iter().all(Option::is_some), "every weight has a gradient");
+    GpuRun::new(s, std::slice::from_ref(sig), weights, seeds, mode, stream).step(&[x])
 }
 
 fn compare(name: &str, m: &Model) {

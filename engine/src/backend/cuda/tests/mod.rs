@@ -19,6 +19,7 @@ mod exec;
 mod exec_models;
 mod gather;
 mod gpu_lock;
+mod gpu_run;
 mod graphs;
 mod layernorm;
 mod lce;

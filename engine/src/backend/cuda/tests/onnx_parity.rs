@@ -13,14 +13,10 @@
 
 use std::path::Path;
 
-use super::exec::LEGACY;
+use super::gpu_run::{GpuRun, LEGACY};
 use super::support::*;
 use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::launch::DeviceBuffer;
-use crate::backend::cuda::ops::CudaCtx;
-use crate::exec::cuda::{self as cexec, DeviceArena, DeviceBindings, DeviceConsts, InputSrc};
-use crate::exec::Phase;
 use crate::session::{Session, SessionOptions, Sig, Target};
 use crate::tensor::DType;
 
@@ -93,42 +89,13 @@ fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
 /// (loss, weight gradients) of `steps` steps through the CUDA executor on the same plan, arena
 /// and constants (the same weights and batch each time, gradients into fresh zeroed buffers).
 fn gpu_steps(s: &Session, p: &Probe, steps: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
-    let g = gpu_or_reason().expect("under gpu()");
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let plan = s.plan(&sigs(p), true).expect("plan");
-    let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
-    let consts = DeviceConsts::upload(rt, &plan).expect("constants");
-    let mut arena = DeviceArena::default();
-    let base = arena.reserve(rt, plan.arena_bytes).expect("arena");
-    let dw: Vec<DeviceBuffer> = p.weights.iter().map(|w| dev(g, &w.2)).collect();
-    let seed = dev(g, &[1f32]);
-    let mut bind = DeviceBindings::new(s.graph.values.len());
-    // SAFETY: each buffer holds its value's planned f32 data and lives until the end.
-    unsafe {
-        for (&v, b) in s.weights.iter().zip(&dw) {
-            bind.bind(v, b.ptr());
-        }
-        bind.bind(s.seeds[0].expect("the loss is seeded"), seed.ptr());
-    }
-    let mut ctx = CudaCtx { rt, stream: LEGACY, seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: 0, error_base: 0 };
-    let feed: Vec<_> = s.inputs.iter().zip(&p.inputs).map(|(&v, i)| (v, InputSrc::Host(&i.1))).collect();
+    let weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
+    let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![1f32]], F32Mode::Exact, LEGACY);
+    let inputs: Vec<&[u8]> = p.inputs.iter().map(|i| &i.1[..]).collect();
     (0..steps)
         .map(|_| {
-            let dg: Vec<DeviceBuffer> = p.weights.iter().map(|w| zeros::<f32>(g, w.2.len())).collect();
-            for (gv, b) in s.grads.iter().zip(&dg) {
-                if let Some(gv) = gv {
-                    // SAFETY: as above; the buffer outlives this step's work (downloaded below).
-                    unsafe { bind.bind(*gv, b.ptr()) };
-                }
-            }
-            let run = |phase, feed: &[_], ctx: &mut CudaCtx| {
-                cexec::run_phase(&s.graph, &plan, &kernels, phase, base, &bind, &consts, feed, ctx).unwrap_or_else(|e| panic!("{e}"))
-            };
-            run(Phase::Forward, &feed, &mut ctx);
-            let at = cexec::address(&s.graph, &plan, base, &bind, &consts, s.outputs[0]).expect("loss address");
-            let loss = super::exec::download_f32(g, at, 1)[0];
-            run(Phase::Backward, &[], &mut ctx);
-            (loss, dg.iter().map(host::<f32>).collect())
+            let (outs, grads) = run.step(&inputs);
+            (outs[0][0], grads)
         })
         .collect()
 }
