@@ -19,7 +19,8 @@ ortrain with `cuda_graphs=False` (every kernel launched): what the CUDA graphs b
 An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attention+autocast`), and
 passes to turn off as `+no_<pass>` (`ortrain+fuse_attention+autocast+no_recompute`): that row's
 process runs with exactly those in ORTRAIN_ENABLE_PASSES and ORTRAIN_DISABLE_PASSES, so pass
-variants compare in one run.
+variants compare in one run. `+no_flash_attention` is not a pass: it turns the FlashAttention-2-style
+kernels off (ORTRAIN_FLASH_ATTENTION=0), so their rows time them against the older tensor-core ones.
 A worker that gives no answer within --worker-timeout seconds is killed and its row reads failed;
 the JSON file is rewritten after every row, so a run cut short keeps the rows it finished.
 """
@@ -45,11 +46,18 @@ def split_system(name: str) -> tuple[str, list[str]]:
     return base, [p for p in passes if p]
 
 
+# system parts that switch an engine kernel family rather than a pass: part -> (variable, value)
+KERNEL_SWITCHES = {"no_flash_attention": ("ORTRAIN_FLASH_ATTENTION", "0")}
+
+
 def pass_environment(passes: list[str]) -> dict:
-    """ORTRAIN_ENABLE_PASSES / ORTRAIN_DISABLE_PASSES for a system's `+pass` and `+no_pass` parts."""
+    """ORTRAIN_ENABLE_PASSES / ORTRAIN_DISABLE_PASSES for a system's `+pass` and `+no_pass` parts,
+    and the variables of its kernel switches (KERNEL_SWITCHES)."""
+    switches = dict(KERNEL_SWITCHES[p] for p in passes if p in KERNEL_SWITCHES)
+    passes = [p for p in passes if p not in KERNEL_SWITCHES]
     on = [p for p in passes if not p.startswith("no_")]
     off = [p[len("no_"):] for p in passes if p.startswith("no_")]
-    return {"ORTRAIN_ENABLE_PASSES": ",".join(on), "ORTRAIN_DISABLE_PASSES": ",".join(off)}
+    return {"ORTRAIN_ENABLE_PASSES": ",".join(on), "ORTRAIN_DISABLE_PASSES": ",".join(off), **switches}
 # dense peak FLOP/s by (device-name fragment, precision); TF32 stays off, so fp32 is the CUDA-core peak
 PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"): 66.9e12,
          ("H200", "bf16"): 989.4e12, ("H200", "fp16"): 989.4e12, ("H200", "fp32"): 66.9e12,

@@ -2,7 +2,8 @@
 // Force-included (`-include emu.h`) before a kernel file, with ORT_CPU_EMU defined, so the same
 // sources NVRTC compiles for the GPU run here on the CPU: every CUDA thread is a fiber
 // (fibers.cpp), blocks run one at a time, `__shared__` data is a static per block, barriers,
-// shuffles and mma.sync are collective operations of the scheduler. Not a GPU: no timing, no
+// shuffles, mma.sync and ldmatrix are collective operations of the scheduler; a cp.async copy
+// lands when its thread waits for its group. Not a GPU: no timing, no
 // memory model beyond "a block's threads run between barriers in a shuffled order".
 #pragma once
 
@@ -54,6 +55,13 @@ int ort_emu_syncthreads_count(int pred, int* arrived);
 void ort_emu_fresh_shared(void* p, size_t bytes);
 uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask);
 void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+// ldmatrix .x4 (trans: .trans): this lane's row address; the registers it gets
+void ort_emu_ldmatrix_x4(uint32_t r[4], const void* row, int trans);
+// cp.async of `bytes` (4, 8 or 16; zero-filled past src_bytes), commit_group, wait_group: a
+// copy lands when its thread waits for its group, not before
+void ort_emu_cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void ort_emu_cp_async_commit();
+void ort_emu_cp_async_wait(int pending);
 void* ort_emu_dynamic_shared();
 uint16_t ort_emu_f32_to_bf16(float f);
 uint16_t ort_emu_f32_to_f16(float f);

@@ -1,6 +1,6 @@
 // ortrain CUDA emulator: runs a kernel launch on the CPU. Every CUDA thread of a block is a fiber
 // with its own stack; the scheduler runs the ready fibers one at a time, each until it reaches a
-// collective operation (a block barrier, a warp shuffle, an mma.sync) or returns, in an order
+// collective operation (a block barrier, a warp shuffle, an mma.sync, an ldmatrix) or returns, in an order
 // shuffled at every phase, so that a missing barrier shows up as a wrong result rather than
 // hiding behind a lucky order. A collective completes when every live thread it involves has
 // arrived; if none can complete, the launch fails as a deadlock (threads at different barriers).
@@ -68,7 +68,16 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr size_t kDynamicSharedBytes = 256 * 1024;
 
 enum class State { Ready, AtBarrier, AtWarpOp, Done };
-enum class WarpOp { None, Shuffle, Mma };
+enum class WarpOp { None, Shuffle, Mma, Ldmatrix };
+
+// A cp.async copy a thread issued: performed when the thread waits for its group (the latest a
+// GPU may complete it), so a read before the wait sees what the destination held before.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    int bytes, src_bytes;  // bytes past src_bytes are zero-filled
+    int64_t group;         // -1 until committed
+};
 
 struct Fiber {
     void* sp = nullptr;
@@ -85,6 +94,13 @@ struct Fiber {
     uint64_t value = 0;
     float c[4];
     uint32_t a[4], b[2];
+    // ldmatrix: the row this lane names, whether transposed, and the four registers it gets
+    const unsigned char* row = nullptr;
+    int trans = 0;
+    uint32_t r[4];
+    // cp.async: copies not yet performed, and the groups committed so far
+    std::vector<AsyncCopy> copies;
+    int64_t committed = 0;
 };
 
 struct Scheduler {
@@ -154,9 +170,26 @@ void yield_to_scheduler() {
     ort_emu_switch(&f.sp, s.scheduler_sp);
 }
 
+// Performs this fiber's cp.async copies of groups older than its `keep` newest committed ones
+// (all, uncommitted too, with keep < 0), in the order they were issued.
+void perform_copies(Fiber& f, int64_t keep) {
+    std::vector<AsyncCopy> left;
+    for (const AsyncCopy& c : f.copies) {
+        const bool due = keep < 0 || (c.group >= 0 && c.group < f.committed - keep);
+        if (!due) {
+            left.push_back(c);
+            continue;
+        }
+        memcpy(c.dst, c.src, (size_t)c.src_bytes);
+        memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+    }
+    f.copies.swap(left);
+}
+
 extern "C" void fiber_entry() {
     Scheduler& s = *sched();
     s.kernel->invoke(s.params);
+    perform_copies(s.fibers[s.current], -1);  // a GPU completes them after the thread exits too
     s.fibers[s.current].state = State::Done;
     Fiber& f = s.fibers[s.current];
     ort_emu_switch(&f.sp, s.scheduler_sp);
@@ -186,6 +219,8 @@ void prepare_fiber(Fiber& f) {
     f.sp = regs - 1;
     f.state = State::Ready;
     f.op = WarpOp::None;
+    f.copies.clear();
+    f.committed = 0;
 }
 
 uint16_t bf16_bits(float f) {
@@ -261,6 +296,46 @@ void complete_mma(Scheduler& s, int warp_base) {
     }
 }
 
+std::string block_name();
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i..8i + 7 name the rows (16 bytes
+// each) of matrix i; lane l gets, of each matrix i, row l / 4 at columns 2(l % 4), 2(l % 4) + 1
+// (register i), or with .trans column l / 4 at rows 2(l % 4), 2(l % 4) + 1. False (with
+// s.error) where a row address is not 16-byte aligned, as the PTX ISA requires.
+bool complete_ldmatrix(Scheduler& s, int warp_base) {
+    const int trans = s.fibers[warp_base].trans;
+    for (int lane = 0; lane < 32; ++lane) {
+        const Fiber& f = s.fibers[warp_base + lane];
+        if ((reinterpret_cast<uintptr_t>(f.row) & 15u) != 0 || f.trans != trans) {
+            s.error = "ldmatrix: lane " + std::to_string(lane) + " of warp " + std::to_string(warp_base / 32) +
+                      (f.trans != trans ? " differs from lane 0 in .trans" : " names a row address that is not 16-byte aligned") +
+                      " in " + block_name();
+            return false;
+        }
+    }
+    uint32_t got[32][4];
+    for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, q = lane % 4;
+        for (int i = 0; i < 4; ++i) {
+            if (!trans) {
+                memcpy(&got[lane][i], s.fibers[warp_base + 8 * i + g].row + 4 * q, 4);
+            } else {
+                uint16_t lo, hi;
+                memcpy(&lo, s.fibers[warp_base + 8 * i + 2 * q].row + 2 * g, 2);
+                memcpy(&hi, s.fibers[warp_base + 8 * i + 2 * q + 1].row + 2 * g, 2);
+                got[lane][i] = (uint32_t)lo | ((uint32_t)hi << 16);
+            }
+        }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+        Fiber& f = s.fibers[warp_base + lane];
+        memcpy(f.r, got[lane], sizeof f.r);
+        f.op = WarpOp::None;
+        f.state = State::Ready;
+    }
+    return true;
+}
+
 std::string block_name() {
     char b[128];
     snprintf(b, sizeof b, "block (%u, %u, %u) of a (%u, %u, %u) grid of (%u, %u, %u) threads", blockIdx.x, blockIdx.y, blockIdx.z,
@@ -314,7 +389,11 @@ bool complete_collectives(Scheduler& s) {
         }
         if (!complete) continue;
         if (op == WarpOp::Shuffle) complete_shuffle(s, base, lanes);
-        else complete_mma(s, base);
+        else if (op == WarpOp::Mma) complete_mma(s, base);
+        else if (lanes < 32) {
+            s.error = "ldmatrix in a partial warp (" + std::to_string(lanes) + " lanes) in " + block_name();
+            return false;
+        } else if (!complete_ldmatrix(s, base)) return false;
         released = true;
     }
     if (!released && at_barrier > 0 && at_barrier == live) {
@@ -575,6 +654,39 @@ void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uin
     yield_to_scheduler();
     for (int i = 0; i < 4; ++i) c[i] = f.c[i];
 }
+
+void ort_emu_ldmatrix_x4(uint32_t r[4], const void* row, int trans) {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    f.op = WarpOp::Ldmatrix;
+    f.mask = 0xffffffffu;
+    f.row = static_cast<const unsigned char*>(row);
+    f.trans = trans;
+    f.state = State::AtWarpOp;
+    yield_to_scheduler();
+    for (int i = 0; i < 4; ++i) r[i] = f.r[i];
+}
+
+void ort_emu_cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    Scheduler& s = *sched();
+    const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
+    if ((bytes != 4 && bytes != 8 && bytes != 16) || src_bytes < 0 || src_bytes > bytes || (a & (uintptr_t)(bytes - 1)) != 0) {
+        // as the GPU's misaligned-address fault: the launch ends with an error naming the kernel
+        fprintf(stderr, "cuda-emu: cp.async of %d bytes (%d from the source) at %p <- %p: not a size of 4, 8, 16 or not aligned to it\n",
+                bytes, src_bytes, dst, src);
+        raise(SIGILL);
+    }
+    s.fibers[s.current].copies.push_back(AsyncCopy{dst, src, bytes, src_bytes, -1});
+}
+
+void ort_emu_cp_async_commit() {
+    Fiber& f = sched()->fibers[sched()->current];
+    for (AsyncCopy& c : f.copies)
+        if (c.group < 0) c.group = f.committed;
+    ++f.committed;
+}
+
+void ort_emu_cp_async_wait(int pending) { perform_copies(sched()->fibers[sched()->current], pending); }
 
 void* ort_emu_dynamic_shared() { return sched()->dynamic_shared; }
 

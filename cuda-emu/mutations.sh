@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Proves that cuda-emu still catches the kinds of bug it is there for: each mutation below puts
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
-# divider, a misaligned tile, a tile past the end of shared memory), builds the emulator from
+# divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
+# it lands, an ldmatrix of the wrong orientation), builds the emulator from
 # the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
 # fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
 # test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
@@ -80,6 +81,18 @@ mutate "tensor-core attention's computed causal mask hiding each query's own key
     "if (causal) return (row >= a.T || col >= a.S || col > row) ? -ATT_INF : dot * scale;" \
     "if (causal) return (row >= a.T || col >= a.S || col >= row) ? -ATT_INF : dot * scale;" \
     backend::cuda::tests::causal_attention
+
+mutate "flash attention multiplying a key tile before its cp.async group has landed" kernels/attention_flash.cu \
+    "            fa_commit();
+            fa_wait<1>();" \
+    "            fa_commit();
+            fa_wait<2>();" \
+    backend::cuda::tests::flash_attention
+
+mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cu \
+    "    fa_ldsm_t(b, t + (k0 + (lane & 7)" \
+    "    fa_ldsm(b, t + (k0 + (lane & 7)" \
+    backend::cuda::tests::flash_attention
 
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and

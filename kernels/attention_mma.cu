@@ -32,17 +32,6 @@
 #include "attention.cuh"
 #include "attention_mma_stage.cuh"
 
-// c += a · b: 16 x 8 x 16, bf16 operands, f32 accumulators.
-__device__ __forceinline__ void am_mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
-#ifdef ORT_CPU_EMU
-    ort_emu_mma_bf16_m16n8k16(c, a, b0, b1);
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
 __device__ __forceinline__ u32 am_pair(const u16* t, int ld, int r, int k) { return *reinterpret_cast<const u32*>(t + r * ld + k); }
 
 // The A fragment of rows r0.. and k0.. of a k-contiguous tile.
@@ -57,24 +46,6 @@ __device__ __forceinline__ void am_load_a(u32 a[4], const u16* t, int ld, int r0
 __device__ __forceinline__ void am_load_b(u32& b0, u32& b1, const u16* t, int ld, int n0, int k0, int g, int q) {
     b0 = am_pair(t, ld, n0 + g, k0 + 2 * q);
     b1 = am_pair(t, ld, n0 + g, k0 + 2 * q + 8);
-}
-
-// Accumulators c[j] (16 x 8 tiles j, j + 1 side by side) as the A fragment of a 16 x 16 operand.
-__device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {
-    a[0] = am_pack(c0[0], c0[1]);
-    a[1] = am_pack(c0[2], c0[3]);
-    a[2] = am_pack(c1[0], c1[1]);
-    a[3] = am_pack(c1[2], c1[3]);
-}
-
-// Σ over the row of the quad's 4 threads (the lanes holding one accumulator row).
-__device__ __forceinline__ f32 am_quad_sum(f32 v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-__device__ __forceinline__ f32 am_quad_max(f32 v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
 // S = A · Bᵀ for one warp: 16 rows (the A fragments `a`, HD/16 k-steps) by the 64 rows of the

@@ -1,5 +1,7 @@
-// How the tensor-core attention kernels (kernels/attention_mma.cu) fill their shared bf16 tiles
-// and per-row scratch: the tile constants and the f32 -> bf16 pair conversion, Q/K/V/dO tiles
+// How the tensor-core attention kernels (kernels/attention_mma.cu, kernels/attention_flash.cu)
+// fill their shared bf16 tiles and per-row scratch, and the warp-level pieces both use: the
+// mma.sync product, accumulators as operands, quad reductions; the tile constants and the f32 ->
+// bf16 pair conversion, Q/K/V/dO tiles
 // staged row-major and/or transposed (16-byte loads where rows are 16-byte aligned, scalar loops
 // otherwise), Δ = Σ dO·O per row, and whether a 64 x 64 tile of the mask adds nothing. Included
 // after prelude.cuh and attention.cuh; served from memory like them (registry.rs HEADERS).
@@ -17,6 +19,35 @@ __device__ __forceinline__ u32 am_pack(f32 lo, f32 hi) {
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 #endif
+}
+
+// c += a · b: 16 x 8 x 16, bf16 operands, f32 accumulators.
+__device__ __forceinline__ void am_mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
+#ifdef ORT_CPU_EMU
+    ort_emu_mma_bf16_m16n8k16(c, a, b0, b1);
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Accumulators c[j] (16 x 8 tiles j, j + 1 side by side) as the A fragment of a 16 x 16 operand.
+__device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {
+    a[0] = am_pack(c0[0], c0[1]);
+    a[1] = am_pack(c0[2], c0[3]);
+    a[2] = am_pack(c1[0], c1[1]);
+    a[3] = am_pack(c1[2], c1[3]);
+}
+
+// Σ over the row of the quad's 4 threads (the lanes holding one accumulator row).
+__device__ __forceinline__ f32 am_quad_sum(f32 v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ f32 am_quad_max(f32 v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
 __device__ __forceinline__ u16 am_bf16(f32 x) { return f32_to_bf16(x).bits; }

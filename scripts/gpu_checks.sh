@@ -18,13 +18,14 @@
 #              PARITY_ARGS replaces the model's size arguments)
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
-#   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast without stops 30-31's
+#   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast with the older tensor-core
+#              attention kernels instead of the flash ones (+no_flash_attention), without stops 30-31's
 #              passes (+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum
 #              +no_fuse_residual_linear),
 #              ortrain+fuse_attention, ortrain,
 #              and ortrain+fuse_attention+autocast without the GELU recomputation (+no_recompute)
-#   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast: the
-#              kernels' GPU time, to set against bench.gpu_roofline's model of the same plan
+#   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast, then of
+#              its tutorial step: the kernels' GPU time, to set against bench.gpu_roofline's model
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
 #   session    env,kernels,gpt2,parity,pytest,tutorial,variants,profile under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
@@ -183,13 +184,19 @@ if has tutorial; then
 fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"
     PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" ORTRAIN_ENABLE_PASSES=fuse_attention,autocast capped 240 "profile GPT-2 124M" "$LOG_DIR/profile-gpt2.log" \
         $PY -m bench.gpu_profile --workload gpt2-124m --system ortrain --steps 3 --top 25
     [ -f "$LOG_DIR/profile-gpt2.log" ] && tail -40 "$LOG_DIR/profile-gpt2.log"
+    # the tutorial's kernels (issue 6 wants 3x eager; its graphed step is GPU-bound): set against
+    # `python -m bench.gpu_roofline --workload tutorial --gpu h200`, which models 0.9 ms
+    section "bench.gpu_profile: tutorial, ortrain"
+    PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" capped 90 "profile tutorial" "$LOG_DIR/profile-tutorial.log" \
+        $PY -m bench.gpu_profile --workload tutorial --system ortrain --steps 5 --top 25
+    [ -f "$LOG_DIR/profile-tutorial.log" ] && tail -35 "$LOG_DIR/profile-tutorial.log"
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}

@@ -25,6 +25,9 @@ def test_ortrain_systems_name_their_passes():
     assert split_system("ortrain-nographs") == ("ortrain-nographs", [])
     assert pass_environment(["fuse_attention", "autocast", "no_recompute"]) == {
         "ORTRAIN_ENABLE_PASSES": "fuse_attention,autocast", "ORTRAIN_DISABLE_PASSES": "recompute"}
+    assert pass_environment(["fuse_attention", "autocast", "no_flash_attention"]) == {
+        "ORTRAIN_ENABLE_PASSES": "fuse_attention,autocast", "ORTRAIN_DISABLE_PASSES": "",
+        "ORTRAIN_FLASH_ATTENTION": "0"}
 
 
 def test_unknown_systems_are_refused_by_name():

@@ -27,6 +27,8 @@ pub mod types {
     pub const HALVES: &[&str] = &["bf16", "f16"];
     /// f32, and bf16 tensors read as they are (the tensor-core attention).
     pub const F32_BF16: &[&str] = &["f32", "bf16"];
+    /// bf16 only (the FlashAttention-2-style kernels, which copy tiles as they are).
+    pub const BF16: &[&str] = &["bf16"];
     pub const F64: &[&str] = &["f64"];
     pub const U8: &[&str] = &["u8"];
     pub const I64: &[&str] = &["i64"];
@@ -289,6 +291,22 @@ pub static FAMILIES: &[Family] = &[
                 &["attention_mma_bwd_dkv_d64", "attention_mma_bwd_dkv_d128"],
                 F32_BF16,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
+            ),
+        ]
+    ),
+    family!(
+        "attention_flash",
+        [
+            g(&["attention_flash_fwd_d64", "attention_flash_fwd_d128"], BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
+            g(
+                &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d128"],
+                BF16,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
+            ),
+            g(
+                &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d128"],
+                BF16,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
             ),
         ]
     ),

@@ -115,6 +115,10 @@ impl CudaRuntime {
         launch::check_against(kernel, sig, args)?;
         launch::launch_unchecked_args(&f, kernel, stream, grid, args)
     }
+    /// Whether `kernel` has been launched in this process (tests: which kernel a dispatcher chose).
+    pub fn has_launched(&self, kernel: &str) -> bool {
+        self.functions.lock().unwrap_or_else(|p| p.into_inner()).contains_key(kernel)
+    }
     /// Claims the scratch and operand buffers for work queued on `stream` until the claim is
     /// dropped (claim.rs): every phase of a step and every graph replay holds one.
     pub fn claim(&self, stream: CUstream) -> Result<Claim<'_>> {

@@ -4,9 +4,10 @@
 //! (`F32Mode::Bf16`) get the tensor-core kernels (kernels/attention_mma.cu: 64-row tiles,
 //! mma.sync with bf16 operands, f32 accumulation); other f32 tensors the SIMT f32 kernels
 //! (kernels/attention.cu: 32-row tiles), exact as the CPU's; other 16-bit tensors (fp16, other
-//! head sizes) those kernels on f32 copies (widen.rs).
+//! head sizes) those kernels on f32 copies (widen.rs). bf16 tensors in layout BSHD with no mask
+//! or the computed causal one run the FlashAttention-2-style kernels instead (attention_flash.rs).
 
-use super::{causal_mask, input, widen, CudaCtx, CudaTable, DView};
+use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
@@ -139,6 +140,12 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
+    let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
+    let (has_mask, causal) = (ins.get(3).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
+    let tensors = [ptr(0), ptr(1), ptr(2), outs[0].ptr];
+    if let Some(f) = flash::variant(&l, &shape, dtype, has_mask, causal, &tensors) {
+        return f.forward(node, [ptr(0), ptr(1), ptr(2)], [outs[0].ptr, outs[1].ptr], ctx);
+    }
     let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
     let (kernel, g) = match mma {
         Some(v) => (format!("attention_mma_fwd_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
@@ -173,6 +180,12 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     }
     if l.batch_count() == 0 {
         return Ok(());
+    }
+    let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
+    let (has_mask, causal) = (ins.get(4).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
+    let tensors = [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), outs[0].ptr, outs[1].ptr, outs[2].ptr];
+    if let Some(f) = flash::variant(&l, &shape, dtype, has_mask, causal, &tensors) {
+        return f.backward(node, [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), ptr(6)], [outs[0].ptr, outs[1].ptr, outs[2].ptr], ctx);
     }
     let sfx = dtype_suffix(dtype);
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));

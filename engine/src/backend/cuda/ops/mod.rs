@@ -17,6 +17,7 @@ use crate::tensor::{DType, Tensor};
 
 mod activation;
 mod attention;
+mod attention_flash;
 mod batchnorm;
 mod causal_mask;
 mod conv;
@@ -37,6 +38,7 @@ mod softmax;
 pub mod strides;
 mod widen;
 
+pub use attention_flash::ENV_FLASH;
 pub use matmul::ENV_CUBLASLT;
 pub use random::random_key;
 

@@ -17,6 +17,7 @@ mod dropout;
 mod elementwise;
 mod exec;
 mod exec_models;
+mod flash_attention;
 mod gather;
 mod gpu_lock;
 mod gpu_run;

@@ -135,6 +135,11 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
         (t1 - t0).as_secs_f64(),
         t1.elapsed().as_secs_f64()
     );
+    let rt = super::support::runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let family = |f: &str| {
+        ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| ["d64", "d128"].iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_bf16"))))
+    };
+    println!("attention kernels launched: flash {}, tensor-core (attention_mma) {}", family("flash"), family("mma"));
     let mut worst = Vec::new();
     for (((name, trainable, _), r), (c, g)) in p.weights.iter().zip(&reference).zip(cpu.iter().zip(&gpu)) {
         if !trainable {

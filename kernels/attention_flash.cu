@@ -1,0 +1,497 @@
+// Fused attention for bf16 tensors in the FlashAttention-2 manner (engine/src/ops/attention.rs
+// semantics; kernels/attention_mma.cu computes the same for every case and stays the fallback):
+// the dispatcher (ops/attention.rs `flash_variant`) sends here bf16 Q, K, V, O with heads of 64
+// or 128 whose rows are 16-byte aligned, keys d-contiguous (layout BSHD, as the attention_layout
+// pass leaves them), and no mask or the computed causal one. What differs from attention_mma.cu:
+//
+// - tiles go from global to shared memory by cp.async (16 bytes a thread, zero-filled past the
+//   matrix), the next key (or query) tile in flight while the current one is multiplied: two
+//   buffers, one barrier pair per tile;
+// - every tile stays in its natural row-major [row][d] layout, and ldmatrix (.trans where the
+//   product needs the other orientation) reads the mma.sync fragments from it: no transposed
+//   copies, a quarter of the shared-memory load instructions;
+// - scores are in log2 units (scale · log2 e folded in, exp2); the causal mask is tested only on
+//   the tiles that cross the diagonal or the matrix's end, and the causal loops stop (or start)
+//   at the diagonal instead of testing every tile;
+// - blocks with the most tiles start first (causal: the last query tiles of the forward and dQ,
+//   the first key tiles of dK/dV), heads interleaved;
+// - Δ = Σ dO·O is computed once per query row by the dQ kernel, which writes it for the dK/dV
+//   kernel (launched after it on the same stream).
+//
+//   attention_flash_fwd_dHD_bf16(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal)
+//   attention_flash_bwd_dq_dHD_bf16(dout, q, k, v, o, lse, delta, dq, a, scale, causal)
+//   attention_flash_bwd_dkv_dHD_bf16(dout, q, k, v, lse, delta, dk, dv, a, scale, causal)
+//
+// k / dk: element (key, d) at [key·k_s + d] (k_d = 1). Launch: 128 threads (4 warps of 16 rows
+// or keys), a 1-D grid of batch · ceil(T / 64) blocks (fwd, dq) or batch · ceil(S / 64) (dkv),
+// dynamic shared memory `fa_smem_*` below (the dispatcher computes the same). Every row has a
+// key (no mask, or causal with T = S), so no row is empty and nan_guard has nothing to do.
+
+#include "prelude.cuh"
+#include "attention.cuh"
+#include "attention_mma_stage.cuh"
+
+#define FA_LOG2E 1.4426950408889634f
+#define FA_LN2 0.6931471805599453f
+
+// ---- the asynchronous copy and ldmatrix (cuda-emu: collective operations of its scheduler) ----
+
+__device__ __forceinline__ void fa_cp_async16(void* dst, const void* src, int src_bytes) {
+#ifdef ORT_CPU_EMU
+    ort_emu_cp_async(dst, src, 16, src_bytes);
+#else
+    const u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void fa_cp_async4(void* dst, const void* src, int src_bytes) {
+#ifdef ORT_CPU_EMU
+    ort_emu_cp_async(dst, src, 4, src_bytes);
+#else
+    const u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
+#endif
+}
+__device__ __forceinline__ void fa_commit() {
+#ifdef ORT_CPU_EMU
+    ort_emu_cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;");
+#endif
+}
+// Waits until at most N of this thread's latest groups are in flight.
+template <int N> __device__ __forceinline__ void fa_wait() {
+#ifdef ORT_CPU_EMU
+    ort_emu_cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
+// Four 8 x 8 bf16 matrices; this lane names row `row` (16-byte aligned) of matrix lane / 8.
+__device__ __forceinline__ void fa_ldsm(u32 r[4], const u16* row) {
+#ifdef ORT_CPU_EMU
+    ort_emu_ldmatrix_x4(r, row, 0);
+#else
+    const u32 s = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+#endif
+}
+__device__ __forceinline__ void fa_ldsm_t(u32 r[4], const u16* row) {
+#ifdef ORT_CPU_EMU
+    ort_emu_ldmatrix_x4(r, row, 1);
+#else
+    const u32 s = (u32)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+#endif
+}
+
+// ---- fragments of row-major tiles (rows `ld` elements apart; attention_mma.cu's header says
+// which elements each lane holds) ----
+
+// The A fragment of rows r0..r0 + 15, columns k0..k0 + 15.
+__device__ __forceinline__ void fa_a(u32 a[4], const u16* t, int ld, int r0, int k0, int lane) {
+    fa_ldsm(a, t + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
+}
+// B fragments (b[0], b[1]: columns n0..n0 + 7; b[2], b[3]: n0 + 8..) for k0..k0 + 15 of a tile
+// whose rows are the product's columns (Kᵀ from K: [key][d], n = key, k = d).
+__device__ __forceinline__ void fa_b_rows(u32 b[4], const u16* t, int ld, int n0, int k0, int lane) {
+    fa_ldsm(b, t + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+}
+// The same where the tile's rows are the product's k (V from V: [key][d], k = key, n = d).
+__device__ __forceinline__ void fa_b_cols(u32 b[4], const u16* t, int ld, int k0, int n0, int lane) {
+    fa_ldsm_t(b, t + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+}
+
+// ---- tiles ----
+
+template <int HD> struct FaTile {
+    static constexpr int LD = HD + AM_PAD;       // bf16 per shared row: 16-byte aligned, ldmatrix without bank conflicts
+    static constexpr int ELEMS = AM_TILE * LD;  // one 64-row tile
+};
+
+// Rows r0..r0 + 63 of the bf16 matrix at src (rows ld apart, HD contiguous) into the row-major
+// tile dst by cp.async, zeros from row `rows` on. 16-byte chunks, consecutive threads along a row.
+template <int HD> __device__ __forceinline__ void fa_load(u16* dst, const bf16* src, i64 ld, i64 r0, i64 rows) {
+    constexpr int CPR = HD / 8;
+#pragma unroll
+    for (int i = 0; i < AM_TILE * CPR / 128; ++i) {
+        const int c = threadIdx.x + 128 * i, r = c / CPR, k = (c % CPR) * 8;
+        const bool in = r0 + r < rows;
+        fa_cp_async16(dst + r * FaTile<HD>::LD + k, in ? src + (r0 + r) * ld + k : src, in ? 16 : 0);
+    }
+}
+
+// 64 floats of a per-row vector (lse or Δ at the batch entry) from row r0, zeros past `rows`:
+// threads `first`..first + 63.
+__device__ __forceinline__ void fa_load_row_floats(f32* dst, const f32* src, i64 r0, i64 rows, int first) {
+    const int r = (int)threadIdx.x - first;
+    if (r < 0 || r >= AM_TILE) return;
+    const bool in = r0 + r < rows;
+    fa_cp_async4(dst + r, in ? src + r0 + r : src, in ? 4 : 0);
+}
+
+// Where a block is: its batch matrix and first row (or key), heads interleaved so that blocks of
+// one tile index run together, the tile order reversed where `last_first` (the heaviest tiles of
+// a causal forward or dQ are the last ones).
+struct FaPlace {
+    i64 bi, r0;
+    AttnOff off;
+    int w, lane, g, qd;
+};
+__device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool last_first) {
+    FaPlace p;
+    const i64 heads = a.dims[0] * a.dims[1] * a.dims[2] * a.dims[3], tiles = (extent + AM_TILE - 1) / AM_TILE;
+    const i64 tile = blockIdx.x / heads;
+    p.bi = blockIdx.x % heads;
+    p.r0 = (last_first ? tiles - 1 - tile : tile) * AM_TILE;
+    p.off = attn_offsets(a, p.bi);
+    p.w = threadIdx.x >> 5;
+    p.lane = threadIdx.x & 31;
+    p.g = p.lane >> 2;
+    p.qd = p.lane & 3;
+    return p;
+}
+
+// s (16 x 64 of one warp: rows `row0` + g, + 8; columns col0 + 8j + 2qd + (e & 1)) in log2
+// units: times sl2, -inf past the matrix's columns (cols) or, where causal, past the row.
+// `edge`: the tile reaches past the diagonal or the matrix; other tiles need no test.
+__device__ __forceinline__ void fa_scale_mask(f32 s[8][4], f32 sl2, bool edge, bool causal, i64 row0, i64 col0, i64 cols, int g, int qd) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            f32 x = s[j][e] * sl2;
+            if (edge) {
+                const i64 row = row0 + g + 8 * (e >> 1), col = col0 + 8 * j + 2 * qd + (e & 1);
+                if (col >= cols || (causal && col > row)) x = -ATT_INF;
+            }
+            s[j][e] = x;
+        }
+}
+// The transposed form (dK/dV: rows are keys key0 + g, + 8; columns are queries): -inf past the
+// queries (rows) or, where causal, where the key is past the query.
+__device__ __forceinline__ void fa_scale_mask_t(f32 s[8][4], f32 sl2, bool edge, bool causal, i64 key0, i64 t0, i64 rows, int g, int qd) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            f32 x = s[j][e] * sl2;
+            if (edge) {
+                const i64 key = key0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * qd + (e & 1);
+                if (t >= rows || (causal && key > t)) x = -ATT_INF;
+            }
+            s[j][e] = x;
+        }
+}
+
+// s[j] (16 x 8 accumulators, j < 8) += A · Bᵀ over HD: A the 16 x HD fragments of rows a_r0 of
+// tile `at`, B the 64 rows of tile `bt` (both row-major, HD contiguous).
+template <int HD>
+__device__ __forceinline__ void fa_dots(f32 s[8][4], const u16* at, int a_r0, const u32 (*a_regs)[4], const u16* bt, int lane) {
+    constexpr int LD = FaTile<HD>::LD;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        u32 a[4];
+        if (a_regs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = a_regs[kk][i];
+        } else {
+            fa_a(a, at, LD, a_r0, 16 * kk, lane);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j += 2) {
+            u32 b[4];
+            fa_b_rows(b, bt, LD, 8 * j, 16 * kk, lane);
+            am_mma(s[j], a, b[0], b[1]);
+            am_mma(s[j + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc[n] (16 x 8, n < HD / 8) += P · X: P the warp's 16 x 64 accumulators (rounded to bf16 as
+// A fragments), X the 64 rows of the row-major tile xt (k = its rows, n = d).
+template <int HD> __device__ __forceinline__ void fa_accumulate(f32 acc[HD / 8][4], const f32 p[8][4], const u16* xt, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+        u32 a[4];
+        am_c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; n += 2) {
+            u32 b[4];
+            fa_b_cols(b, xt, FaTile<HD>::LD, 16 * kk, 8 * n, lane);
+            am_mma(acc[n], a, b[0], b[1]);
+            am_mma(acc[n + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+template <int HD> __device__ __forceinline__ void fa_zero(f32 acc[HD / 8][4]) {
+#pragma unroll
+    for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+}
+
+// Rows row0 + g, + 8 of acc · mul (rows below `rows` only) as bf16 pairs at dst + row·ld + d.
+template <int HD>
+__device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[HD / 8][4], const f32 mul[2], i64 row0, i64 rows, int g, int qd) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 row = row0 + g + 8 * h;
+        if (row >= rows) continue;
+        u32* out = reinterpret_cast<u32*>(dst + row * ld + 2 * qd);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n) out[4 * n] = am_pack(acc[n][2 * h] * mul[h], acc[n][2 * h + 1] * mul[h]);
+    }
+}
+
+// ---- forward ----
+
+template <int HD>
+__device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16* v, bf16* o, f32* lse, const AttnShape& a, f32 scale,
+                                       i32 causal) {
+    ORT_DYNAMIC_SHARED(u16, smem);
+    constexpr int LD = FaTile<HD>::LD, E = FaTile<HD>::ELEMS;
+    u16* qs = smem;        // Q [64][HD]
+    u16* ks = qs + E;      // K [2][64 keys][HD]
+    u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
+    const FaPlace at = fa_place(a, a.T, causal != 0);
+    const i64 T = a.T, S = a.S, t0 = at.r0, row0 = t0 + 16 * at.w;
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
+    const i64 s_end = causal ? min(S, t0 + AM_TILE) : S;
+    const int tiles = (int)((s_end + AM_TILE - 1) / AM_TILE);
+    fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
+    fa_load<HD>(ks, kb, a.k_s, 0, S);
+    fa_load<HD>(vs, vb, a.v_s, 0, S);
+    fa_commit();
+    const f32 sl2 = scale * FA_LOG2E;
+    f32 m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f}, acc[HD / 8][4];
+    fa_zero<HD>(acc);
+    u32 qa[HD / 16][4];
+    for (int j = 0; j < tiles; ++j) {
+        const int buf = j & 1;
+        if (j + 1 < tiles) {  // the next tile into the other buffer, read by the previous iteration
+            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (i64)(j + 1) * AM_TILE, S);
+            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (i64)(j + 1) * AM_TILE, S);
+            fa_commit();
+            fa_wait<1>();
+        } else {
+            fa_wait<0>();
+        }
+        __syncthreads();
+        if (j == 0)
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; ++kk) fa_a(qa[kk], qs, LD, 16 * w, 16 * kk, lane);
+        const i64 s0 = (i64)j * AM_TILE;
+        f32 s[8][4];
+        fa_dots<HD>(s, nullptr, 0, qa, ks + buf * E, lane);
+        const bool edge = s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0);
+        fa_scale_mask(s, sl2, edge, causal != 0, row0, s0, S, g, qd);
+        f32 mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[jj][e]);
+        f32 base[2], corr[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = am_quad_max(mx[h]);
+            base[h] = mx[h] == -ATT_INF ? 0.f : mx[h];  // a row with no key yet: p and corr stay 0
+            corr[h] = exp2f(m[h] - base[h]);
+            m[h] = mx[h];
+        }
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const f32 p = exp2f(s[jj][e] - base[e >> 1]);
+                s[jj][e] = p;
+                sum[e >> 1] += p;
+            }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + am_quad_sum(sum[h]);
+#pragma unroll
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
+        fa_accumulate<HD>(acc, s, vs + buf * E, lane);
+        __syncthreads();  // this buffer is read: the next iteration but one refills it
+    }
+    const f32 inv[2] = {1.f / l[0], 1.f / l[1]};
+    fa_store<HD>(o + at.off.o, a.o_t, acc, inv, row0, T, g, qd);
+    if (qd == 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 row = row0 + g + 8 * h;
+            if (row < T) lse[at.bi * T + row] = m[h] * FA_LN2 + logf(l[h]);
+        }
+}
+
+// ---- backward: dQ (and Δ) ----
+
+template <int HD>
+__device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse,
+                                          f32* delta, bf16* dq, const AttnShape& a, f32 scale, i32 causal) {
+    ORT_DYNAMIC_SHARED(u16, smem);
+    constexpr int E = FaTile<HD>::ELEMS;
+    u16* qs = smem;        // Q [64][HD]
+    u16* dos = qs + E;     // dO [64][HD]
+    u16* ks = dos + E;     // K [2][64 keys][HD]
+    u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
+    ORT_SHARED(f32, delta_s, [AM_TILE]);
+    const FaPlace at = fa_place(a, a.T, causal != 0);
+    const i64 T = a.T, S = a.S, t0 = at.r0, row0 = t0 + 16 * at.w;
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
+    const i64 s_end = causal ? min(S, t0 + AM_TILE) : S;
+    const int tiles = (int)((s_end + AM_TILE - 1) / AM_TILE);
+    fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
+    fa_load<HD>(dos, dout + at.off.o, a.o_t, t0, T);
+    fa_load<HD>(ks, kb, a.k_s, 0, S);
+    fa_load<HD>(vs, vb, a.v_s, 0, S);
+    fa_commit();
+    am_delta_rows<HD>(delta_s, dout + at.off.o, o + at.off.o, a.o_t, T, t0, w, lane);
+    __syncthreads();
+    for (int r = threadIdx.x; r < AM_TILE; r += blockDim.x)
+        if (t0 + r < T) delta[at.bi * T + t0 + r] = delta_s[r];
+    const f32 sl2 = scale * FA_LOG2E;
+    f32 lse2[2], drow[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 row = row0 + g + 8 * h;
+        lse2[h] = row < T ? lse[at.bi * T + row] * FA_LOG2E : 0.f;
+        drow[h] = delta_s[16 * w + g + 8 * h];
+    }
+    f32 acc[HD / 8][4];
+    fa_zero<HD>(acc);
+    for (int j = 0; j < tiles; ++j) {
+        const int buf = j & 1;
+        if (j + 1 < tiles) {
+            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (i64)(j + 1) * AM_TILE, S);
+            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (i64)(j + 1) * AM_TILE, S);
+            fa_commit();
+            fa_wait<1>();
+        } else {
+            fa_wait<0>();
+        }
+        __syncthreads();
+        const i64 s0 = (i64)j * AM_TILE;
+        const u16 *kt = ks + buf * E, *vt = vs + buf * E;
+        f32 p[8][4], dp[8][4];
+        fa_dots<HD>(p, qs, 16 * w, nullptr, kt, lane);
+        const bool edge = s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0);
+        fa_scale_mask(p, sl2, edge, causal != 0, row0, s0, S, g, qd);
+        fa_dots<HD>(dp, dos, 16 * w, nullptr, vt, lane);  // dP = dO · Vᵀ
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const f32 pe = exp2f(p[jj][e] - lse2[e >> 1]);
+                dp[jj][e] = pe * (dp[jj][e] - drow[e >> 1]);  // dS
+            }
+        fa_accumulate<HD>(acc, dp, kt, lane);  // dQ += dS · K
+        __syncthreads();
+    }
+    const f32 mul[2] = {scale, scale};
+    fa_store<HD>(dq + at.off.gq, a.q_t, acc, mul, row0, T, g, qd);
+}
+
+// ---- backward: dK, dV ----
+
+// A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
+// tiles (causal: from its own diagonal on): Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
+template <int HD>
+__device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse,
+                                           const f32* delta, bf16* dk, bf16* dv, const AttnShape& a, f32 scale, i32 causal) {
+    ORT_DYNAMIC_SHARED(u16, smem);
+    constexpr int E = FaTile<HD>::ELEMS;
+    u16* ks = smem;         // K [64 keys][HD]
+    u16* vs = ks + E;       // V [64 keys][HD]
+    u16* qs = vs + E;       // Q [2][64 rows][HD]
+    u16* dos = qs + 2 * E;  // dO [2][64 rows][HD]
+    f32* lse_s = reinterpret_cast<f32*>(dos + 2 * E);  // [2][64], in log2 units once loaded
+    f32* dl_s = lse_s + 2 * AM_TILE;                    // Δ [2][64]
+    const FaPlace at = fa_place(a, a.S, false);
+    const i64 T = a.T, S = a.S, s0 = at.r0, key0 = s0 + 16 * at.w;
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    const bf16 *qb = q + at.off.q, *dob = dout + at.off.o;
+    const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
+    const i64 t_begin = causal ? s0 : 0;  // causal: rows before the block's first key see none of its keys
+    const int tiles = (int)((T - t_begin + AM_TILE - 1) / AM_TILE);
+    fa_load<HD>(ks, k + at.off.k, a.k_s, s0, S);
+    fa_load<HD>(vs, v + at.off.v, a.v_s, s0, S);
+    if (tiles > 0) {
+        fa_load<HD>(qs, qb, a.q_t, t_begin, T);
+        fa_load<HD>(dos, dob, a.o_t, t_begin, T);
+        fa_load_row_floats(lse_s, lb, t_begin, T, 0);
+        fa_load_row_floats(dl_s, db, t_begin, T, AM_TILE);
+    }
+    fa_commit();
+    const f32 sl2 = scale * FA_LOG2E;
+    f32 acc_k[HD / 8][4], acc_v[HD / 8][4];
+    fa_zero<HD>(acc_k);
+    fa_zero<HD>(acc_v);
+    for (int j = 0; j < tiles; ++j) {
+        const int buf = j & 1;
+        const i64 t0 = t_begin + (i64)j * AM_TILE;
+        if (j + 1 < tiles) {
+            const int nb = buf ^ 1;
+            fa_load<HD>(qs + nb * E, qb, a.q_t, t0 + AM_TILE, T);
+            fa_load<HD>(dos + nb * E, dob, a.o_t, t0 + AM_TILE, T);
+            fa_load_row_floats(lse_s + nb * AM_TILE, lb, t0 + AM_TILE, T, 0);
+            fa_load_row_floats(dl_s + nb * AM_TILE, db, t0 + AM_TILE, T, AM_TILE);
+            fa_commit();
+            fa_wait<1>();
+        } else {
+            fa_wait<0>();
+        }
+        __syncthreads();
+        const u16 *qt = qs + buf * E, *dot = dos + buf * E;
+        const f32 *lr = lse_s + buf * AM_TILE, *dr = dl_s + buf * AM_TILE;
+        f32 p[8][4], dp[8][4];
+        fa_dots<HD>(p, ks, 16 * w, nullptr, qt, lane);  // Sᵀ: element (key, row 8j + 2qd + (e & 1))
+        const bool edge = t0 + AM_TILE > T || (causal && t0 < key0 + 15);
+        fa_scale_mask_t(p, sl2, edge, causal != 0, key0, t0, T, g, qd);
+        fa_dots<HD>(dp, vs, 16 * w, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = 8 * jj + 2 * qd + (e & 1);
+                const f32 pe = exp2f(p[jj][e] - lr[r] * FA_LOG2E);
+                p[jj][e] = pe;
+                dp[jj][e] = pe * (dp[jj][e] - dr[r]);  // dSᵀ
+            }
+        fa_accumulate<HD>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
+        fa_accumulate<HD>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
+        __syncthreads();
+    }
+    const f32 one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
+    fa_store<HD>(dk + at.off.gk, a.k_s, acc_k, mul, key0, S, g, qd);
+    fa_store<HD>(dv + at.off.gv, a.v_s, acc_v, one, key0, S, g, qd);
+}
+
+#define FA_KERNELS(HD)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128) attention_flash_fwd_d##HD##_bf16(const bf16* q, const bf16* k, const bf16* v,  \
+                                                                                     bf16* o, f32* lse, AttnShape a, f32 scale,   \
+                                                                                     i32 causal) {                                 \
+        fa_fwd<HD>(q, k, v, o, lse, a, scale, causal);                                                                             \
+    }                                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dq_d##HD##_bf16(                                         \
+        const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse, f32* delta, bf16* dq,          \
+        AttnShape a, f32 scale, i32 causal) {                                                                                       \
+        fa_bwd_dq<HD>(dout, q, k, v, o, lse, delta, dq, a, scale, causal);                                                         \
+    }                                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##_bf16(                                        \
+        const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse, const f32* delta, bf16* dk, bf16* dv,         \
+        AttnShape a, f32 scale, i32 causal) {                                                                                       \
+        fa_bwd_dkv<HD>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal);                                                       \
+    }
+FA_KERNELS(64)
+FA_KERNELS(128)
