@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_checks.sh [OUT_DIR]      (what: $GPU_CHECKS, default "session")
 #
-# GPU_CHECKS is a comma list of sections, run in this order whatever the list's order:
+# GPU_CHECKS is a comma list of sections, run in the order of the session's list whatever the
+# list's order (the most needed first, since the deadline cuts the last ones):
 #   env        the GPU, driver, torch and the NVRTC/cuBLAS folder
 #   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
 #              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
@@ -27,7 +28,7 @@
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast, then of
 #              its tutorial step: the kernels' GPU time, to set against bench.gpu_roofline's model
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
-#   session    env,kernels,gpt2,parity,pytest,tutorial,variants,profile under a deadline: one call of a
+#   session    env,kernels,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
 #
 # GPU_DEADLINE (seconds from the start; "session" defaults to 540, else none) caps the whole
@@ -46,7 +47,7 @@ rm -rf "$LOG_DIR"
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 WHAT=${GPU_CHECKS:-session}
 if [[ ",$WHAT," == *",session,"* ]]; then
-    WHAT="$WHAT,env,kernels,gpt2,parity,pytest,tutorial,variants,profile"
+    WHAT="$WHAT,env,kernels,gpt2,parity,profile,variants,pytest,tutorial"
     DEADLINE=${GPU_DEADLINE:-540}
 else
     DEADLINE=${GPU_DEADLINE:-0}
@@ -170,22 +171,6 @@ if has parity; then
         tail -40 "$LOG_DIR/parity.log"
     fi
 fi
-if has pytest; then
-    section "pytest -m gpu"
-    capped 180 "pytest -m gpu" "$LOG_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-}
-    if [ -f "$LOG_DIR/pytest-gpu.log" ]; then
-        tail -40 "$LOG_DIR/pytest-gpu.log"
-        note "pytest -m gpu: $(tail -1 "$LOG_DIR/pytest-gpu.log")"
-    fi
-fi
-if has tutorial; then
-    bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
-        --steps 30 --warmup 6
-fi
-if has variants; then
-    bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
-fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"
     PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" ORTRAIN_ENABLE_PASSES=fuse_attention,autocast capped 240 "profile GPT-2 124M" "$LOG_DIR/profile-gpt2.log" \
@@ -197,6 +182,22 @@ if has profile; then
     PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" capped 90 "profile tutorial" "$LOG_DIR/profile-tutorial.log" \
         $PY -m bench.gpu_profile --workload tutorial --system ortrain --steps 5 --top 25
     [ -f "$LOG_DIR/profile-tutorial.log" ] && tail -35 "$LOG_DIR/profile-tutorial.log"
+fi
+if has variants; then
+    bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+fi
+if has pytest; then
+    section "pytest -m gpu"
+    capped 180 "pytest -m gpu" "$LOG_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py -rs ${PYTEST_ARGS:-}
+    if [ -f "$LOG_DIR/pytest-gpu.log" ]; then
+        tail -40 "$LOG_DIR/pytest-gpu.log"
+        note "pytest -m gpu: $(tail -1 "$LOG_DIR/pytest-gpu.log")"
+    fi
+fi
+if has tutorial; then
+    bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
+        --steps 30 --warmup 6
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}
