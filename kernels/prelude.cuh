@@ -189,6 +189,54 @@ template <typename A> __device__ __forceinline__ A m_zero() { return (A)0; }
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n);                        \
          i += (i64)blockDim.x * gridDim.x)
 
+// 16 bytes of T, as one load or store: the elementwise kernels move their contiguous operands
+// this way where every pointer is 16-byte aligned. A thread with one 2-byte load in flight
+// keeps about 4 KB in flight per SM, which holds an H200 near 1 TB/s (GPT-2's GELU measured so);
+// 16-byte accesses keep 8 times that.
+template <typename T> union Vec16 {
+    static constexpr int N = 16 / sizeof(T);
+    uint4 raw;
+    T e[N];
+};
+__device__ __forceinline__ bool ort_aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
+
+// out[i] = f(a[i]) for i < n, with 16-byte vectors where a and out are 16-byte aligned (the
+// tail, or everything otherwise, element by element; the same f either way, so the same bits).
+template <typename T, typename F> __device__ __forceinline__ void ort_map1(const T* a, T* out, i64 n, F f) {
+    constexpr int N = Vec16<T>::N;
+    i64 head = 0;
+    if (ort_aligned16(a) && ort_aligned16(out)) {
+        head = n / N;
+        ORT_GRID_LOOP(v, head) {
+            Vec16<T> x, y;
+            x.raw = reinterpret_cast<const uint4*>(a)[v];
+#pragma unroll
+            for (int k = 0; k < N; ++k) y.e[k] = f(x.e[k]);
+            reinterpret_cast<uint4*>(out)[v] = y.raw;
+        }
+        head *= N;
+    }
+    ORT_GRID_LOOP(i, n - head) out[head + i] = f(a[head + i]);
+}
+// out[i] = f(a[i], b[i]), as ort_map1.
+template <typename T, typename F> __device__ __forceinline__ void ort_map2(const T* a, const T* b, T* out, i64 n, F f) {
+    constexpr int N = Vec16<T>::N;
+    i64 head = 0;
+    if (ort_aligned16(a) && ort_aligned16(b) && ort_aligned16(out)) {
+        head = n / N;
+        ORT_GRID_LOOP(v, head) {
+            Vec16<T> x, z, y;
+            x.raw = reinterpret_cast<const uint4*>(a)[v];
+            z.raw = reinterpret_cast<const uint4*>(b)[v];
+#pragma unroll
+            for (int k = 0; k < N; ++k) y.e[k] = f(x.e[k], z.e[k]);
+            reinterpret_cast<uint4*>(out)[v] = y.raw;
+        }
+        head *= N;
+    }
+    ORT_GRID_LOOP(i, n - head) out[head + i] = f(a[head + i], b[head + i]);
+}
+
 // Offsets of output element i in the first K operands: one division per dimension, shared by
 // the operands. Rank 1 (the usual case once the host has collapsed contiguous dimensions)
 // needs none. Below 2^31 a division is a multiply-high and an add (the host's dividers); a

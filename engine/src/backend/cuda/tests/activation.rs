@@ -82,7 +82,8 @@ fn activation_argument_lists_match_the_registry() {
 fn gpu_activations_and_gradients_match_the_cpu_kernels() {
     let Some(g) = gpu("gpu_activations_and_gradients_match_the_cpu_kernels") else { return };
     let mut rng = Rng::new(11);
-    // 4 blocks of 256 threads for 4099 elements: the grid-stride loop runs 5 times
+    // 4 blocks of 256 threads for 4099 elements: the grid-stride loop runs 5 times (twice over
+    // the 16-byte vectors of the 16-bit types, then once over their 3-element tail)
     let grid = Grid::elementwise(N as i64, 4);
     for t in FLOATS {
         let x = inputs(&mut rng, t, N);
@@ -96,6 +97,11 @@ fn gpu_activations_and_gradients_match_the_cpu_kernels() {
             let want = testutil::run(a.cpu, attrs(a), &[&t64(&[N], &x)])[0].to_f64_vec();
             let want_r = rounded(t, &want);
             assert_close(&format!("{k} (forward, {N} elements; input i is x[i])"), &host_as(&y, t), &want_r, rtol(t), atol(t));
+            // one element in, the operands are not 16-byte aligned: element by element instead of
+            // 16-byte vectors, the same bits
+            let (y1, e) = (zeros_as(g, t, N), float_size(t) as u64);
+            run(g, &k, grid, &act_args(dxb.ptr() + e, y1.ptr() + e, N - 1, a.alpha, a.beta));
+            assert_eq!(host_as(&y1, t)[1..], host_as(&y, t)[1..], "{k}: unaligned operands give other bits");
 
             // gradient, reading the forward output (the reference's, rounded) or the input
             let kg = format!("{}_grad_{t}", a.op);
@@ -112,6 +118,9 @@ fn gpu_activations_and_gradients_match_the_cpu_kernels() {
                 rtol(t),
                 atol(t),
             );
+            let dx1 = zeros_as(g, t, N);
+            run(g, &kg, grid, &act_grad_args(ddy.ptr() + e, ds.ptr() + e, dx1.ptr() + e, N - 1, a.alpha, a.beta));
+            assert_eq!(host_as(&dx1, t)[1..], host_as(&dx, t)[1..], "{kg}: unaligned operands give other bits");
         }
     }
 }
