@@ -4,7 +4,12 @@
 // [rows, n], normalised over n. Mean and rstd are `A` = f32 (f64 for f64), as the CPU's
 // optional Mean / InvStdDev outputs.
 //
-// One block per row (grid-stride over rows; blockDim.x a multiple of 32, at most 1024):
+// Rows of n <= LN_WARP_MAX (1024) go one warp per row, the row in registers and its sums by warp
+// shuffles (no block barrier; all of a lane's loads in flight at once; norm.rs launches 8 rows
+// to a block of 256 threads, grid-stride over the row groups); longer rows one block per row
+// (grid-stride over rows; blockDim.x a multiple of 32, at most 256: the registers of the warp
+// path leave no more). The kernels below take
+// either launch and pick by n:
 //   layer_norm_T(const T* x, const T* scale, const T* bias, T* y, A* mean, A* rstd,
 //                i64 rows, i64 n, f32 eps)                 bias, mean, rstd may be null
 //   layer_norm_stats_T(const T* x, A* mean, A* rstd, i64 rows, i64 n, f32 eps)
@@ -51,10 +56,68 @@ template <typename T, typename A> __device__ __forceinline__ void row_stats(cons
     rstd = (A)1 / m_sqrt(var + eps);
 }
 
+#define LN_WARP_MAX 1024                 // norm.rs WARP_ROW_MAX
+#define LN_PER_LANE (LN_WARP_MAX / 32)  // elements of a row per lane: j = lane + 32 k
+
+// Where a warp-per-row launch puts this warp: its first row, the row stride, its lane.
+struct LnWarp {
+    i64 first, stride;
+    int lane;
+};
+__device__ __forceinline__ LnWarp ln_warp() {
+    const int warps = blockDim.x >> 5;
+    return LnWarp{(i64)blockIdx.x * warps + (threadIdx.x >> 5), (i64)gridDim.x * warps, (int)(threadIdx.x & 31)};
+}
+
+// The forward of a row of n <= LN_WARP_MAX by one warp: the same two-pass statistics as
+// row_stats, from registers.
+template <typename T, typename Y>
+__device__ __forceinline__ void ln_fwd_warp(const T* x, const T* scale, const T* bias, Y* y, typename Num<T>::Acc* mean_out,
+                                            typename Num<T>::Acc* rstd_out, i64 rows, i64 n, f32 eps) {
+    typedef typename Num<T>::Acc A;
+    const LnWarp w = ln_warp();
+    for (i64 r = w.first; r < rows; r += w.stride) {
+        const T* xr = x + r * n;
+        A v[LN_PER_LANE];
+        A s = (A)0;
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const i64 j = w.lane + 32 * k;
+            v[k] = j < n ? Num<T>::load(xr[j]) : (A)0;
+            s += v[k];
+        }
+        const A mean = warp_reduce<OpSum>(s) / (A)n;
+        A q = (A)0;
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const A d = v[k] - mean;
+            if (w.lane + 32 * k < n) q += d * d;
+        }
+        const A rstd = (A)1 / m_sqrt(warp_reduce<OpSum>(q) / (A)n + (A)eps);
+        if (w.lane == 0) {
+            if (mean_out) mean_out[r] = mean;
+            if (rstd_out) rstd_out[r] = rstd;
+        }
+        if (!y) continue;
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const i64 j = w.lane + 32 * k;
+            if (j >= n) break;
+            A o = (v[k] - mean) * rstd * Num<T>::load(scale[j]);
+            if (bias) o += Num<T>::load(bias[j]);
+            y[r * n + j] = Num<Y>::store(o);
+        }
+    }
+}
+
 template <typename T, typename Y = T> __device__ __forceinline__ void ln_fwd(const T* x, const T* scale, const T* bias, Y* y,
                                                              typename Num<T>::Acc* mean_out, typename Num<T>::Acc* rstd_out,
                                                              i64 rows, i64 n, f32 eps) {
     typedef typename Num<T>::Acc A;
+    if (n <= LN_WARP_MAX) {
+        ln_fwd_warp<T, Y>(x, scale, bias, y, mean_out, rstd_out, rows, n, eps);
+        return;
+    }
     ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
@@ -80,6 +143,42 @@ __device__ __forceinline__ f32 add_unfused(f32 a, f32 b) { return __fadd_rn(a, b
 __device__ __forceinline__ f64 add_unfused(f64 a, f64 b) { return __dadd_rn(a, b); }
 template <typename T> __device__ __forceinline__ T add_unfused(T a, T b) { return Num<T>::store(Num<T>::load(a) + Num<T>::load(b)); }
 
+// ln_grad for a row of n <= LN_WARP_MAX by one warp: g = dy scale and h in registers, the two
+// sums by warp shuffles.
+template <typename T, typename D, typename H>
+__device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
+                                             const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres, H* dxh) {
+    typedef typename Num<T>::Acc A;
+    const LnWarp w = ln_warp();
+    for (i64 r = w.first; r < rows; r += w.stride) {
+        const D* dr = dy + r * n;
+        const T* xr = x + r * n;
+        const A mu = mean[r], rs = rstd[r];
+        A gv[LN_PER_LANE], hv[LN_PER_LANE];
+        A a = (A)0, b = (A)0;
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const i64 j = w.lane + 32 * k;
+            const bool in = j < n;
+            gv[k] = in ? Num<D>::load(dr[j]) * Num<T>::load(scale[j]) : (A)0;
+            hv[k] = in ? (Num<T>::load(xr[j]) - mu) * rs : (A)0;
+            a += gv[k];
+            b += gv[k] * hv[k];
+        }
+        a = warp_reduce<OpSum>(a) / (A)n;
+        b = warp_reduce<OpSum>(b) / (A)n;
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const i64 j = w.lane + 32 * k;
+            if (j >= n) break;
+            T d = Num<T>::store(rs * (gv[k] - a - hv[k] * b));
+            if (dres) d = add_unfused(d, dres[r * n + j]);
+            dx[r * n + j] = d;
+            if (dxh) dxh[r * n + j] = Num<H>::store(Num<T>::load(d));
+        }
+    }
+}
+
 // dres (the residual stream's gradient, added to dx) and dxh (a 16-bit copy of the result) may be
 // null; only the accumulating kernels pass them (T = f32).
 template <typename T, typename D = T, typename H = T>
@@ -87,6 +186,10 @@ __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale,
                                         const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres = nullptr,
                                         H* dxh = nullptr) {
     typedef typename Num<T>::Acc A;
+    if (n <= LN_WARP_MAX) {
+        ln_grad_warp<T, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh);
+        return;
+    }
     ORT_SHARED(A, scratch, [32]);
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const D* dr = dy + r * n;

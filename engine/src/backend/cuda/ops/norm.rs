@@ -13,6 +13,20 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::tensor::DType;
 
+/// Rows up to this long go one warp per row (kernels/layernorm.cu LN_WARP_MAX): 8 rows to a block
+/// of 256 threads; longer rows one block of 256 threads each (the kernels hold a warp's row in
+/// registers, 80-odd a thread: a block of 1024 would not fit the register file).
+const WARP_ROW_MAX: usize = 1024;
+
+/// The launch of the forward, statistics and dx kernels for `rows` rows of `n`.
+fn rows_grid(rows: usize, n: usize) -> Grid {
+    if n <= WARP_ROW_MAX {
+        Grid::new(rows.div_ceil(8).clamp(1, 65535 * 32) as u32, 256)
+    } else {
+        row_grid(rows, 256)
+    }
+}
+
 /// Bytes of the statistics type A (f32, f64 for f64).
 fn stat_size(d: DType) -> usize {
     if d == DType::F64 {
@@ -57,7 +71,7 @@ fn layer_norm(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cuda
     ctx.rt.launch(
         ctx.stream,
         &kernel,
-        row_grid(rows, n.min(1024)),
+        rows_grid(rows, n),
         &[p(x.ptr), p(scale.ptr), p(bias), p(outs[0].ptr), p(mean), p(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(eps)],
     )
 }
@@ -114,7 +128,7 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let base = ctx.rt.scratch(2 * stats_bytes + align(chunks * 2 * n * a))?;
     let partial = base + 2 * stats_bytes as u64;
     let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
-    let grid = row_grid(rows, n.min(1024));
+    let grid = rows_grid(rows, n);
     let (mean, rstd) = match saved {
         Some(stats) => stats,
         None => {

@@ -59,8 +59,11 @@ fn params_grid(rows: usize, n: usize, rpc: usize, threads: u32) -> (usize, Grid)
     (chunks, Grid::new((n.div_ceil(32) * chunks) as u32, threads))
 }
 
-/// Row length, threads of the row kernels, threads of grad_params (1, 2 and 8 row lanes).
-const CASES: &[(usize, u32, u32)] = &[(1, 32, 32), (200, 64, 64), (1023, 256, 256), (4096, 1024, 256)];
+/// Row length, threads of the row kernels, threads of grad_params (1, 2 and 8 row lanes). Rows
+/// up to 1024 go one warp per row (16 blocks of 1 or 2 warps walk the 37 rows grid-stride),
+/// longer ones one block per row, of at most 256 threads (kernels/layernorm.cu: the warp path's
+/// registers leave no room for 1024).
+const CASES: &[(usize, u32, u32)] = &[(1, 32, 32), (200, 64, 64), (1023, 256, 256), (4096, 256, 256)];
 /// 37 rows in chunks of 8: 5 chunks, the last of 5 rows; 16 blocks for the row kernels
 /// (the grid-stride row loop).
 const ROWS: usize = 37;
