@@ -218,7 +218,9 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
             continue;
         }
         const i64 y = labels[r];
-        A mx = OpMax::init<A>();
+        // one pass for the max and the sum of exps (a thread's running sum rescaled when its max
+        // grows), then the block's max and the sums brought to it: the row is read twice, not 3 times
+        A mx = OpMax::init<A>(), s = (A)0;
         for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
             A v = Num<T>::load(row[k]);
             if (bias) {
@@ -226,11 +228,15 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
                 row[k] = Num<T>::store(v);
                 v = Num<T>::load(row[k]);
             }
-            mx = OpMax::apply(mx, v);
+            if (v > mx) {
+                s = s * m_exp(mx - v) + (A)1;  // mx = -inf at first: exp(-inf) = 0
+                mx = v;
+            } else if (v != OpMax::init<A>()) {  // -inf adds exp(-inf) = 0 (and would be NaN against mx = -inf); NaN stays NaN
+                s += m_exp(v - mx);
+            }
         }
         const A m = block_reduce<OpMax>(mx, scratch);
-        A s = (A)0;
-        for (i64 k = threadIdx.x; k < C; k += blockDim.x) s += m_exp(Num<T>::load(row[k]) - m);
+        if (mx != m) s *= m_exp(mx - m);  // a thread with no element (mx = -inf) has s = 0
         const A lse = m + m_log(block_reduce<OpSum>(s, scratch));
         const A gw = w * f;
         for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
