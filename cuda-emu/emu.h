@@ -2,8 +2,8 @@
 // Force-included (`-include emu.h`) before a kernel file, with ORT_CPU_EMU defined, so the same
 // sources NVRTC compiles for the GPU run here on the CPU: every CUDA thread is a fiber
 // (fibers.cpp), blocks run one at a time, `__shared__` data is a static per block, barriers,
-// shuffles, mma.sync and ldmatrix are collective operations of the scheduler; a cp.async copy
-// lands when its thread waits for its group. Not a GPU: no timing, no
+// shuffles, mma.sync and ldmatrix are collective operations of the scheduler; cp.async copies
+// land as early or as late as a GPU may land them. Not a GPU: no timing, no
 // memory model beyond "a block's threads run between barriers in a shuffled order".
 #pragma once
 
@@ -58,7 +58,7 @@ void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uin
 // ldmatrix .x4 (trans: .trans): this lane's row address; the registers it gets
 void ort_emu_ldmatrix_x4(uint32_t r[4], const void* row, int trans);
 // cp.async of `bytes` (4, 8 or 16; zero-filled past src_bytes), commit_group, wait_group: a
-// copy lands when its thread waits for its group, not before
+// thread's even groups land at their commit, its odd ones when it waits for them (fibers.cpp)
 void ort_emu_cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void ort_emu_cp_async_commit();
 void ort_emu_cp_async_wait(int pending);

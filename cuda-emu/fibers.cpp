@@ -70,8 +70,8 @@ constexpr size_t kDynamicSharedBytes = 256 * 1024;
 enum class State { Ready, AtBarrier, AtWarpOp, Done };
 enum class WarpOp { None, Shuffle, Mma, Ldmatrix };
 
-// A cp.async copy a thread issued: performed when the thread waits for its group (the latest a
-// GPU may complete it), so a read before the wait sees what the destination held before.
+// A cp.async copy a thread issued and that has not landed yet (ort_emu_cp_async_commit says when
+// it lands).
 struct AsyncCopy {
     void* dst;
     const void* src;
@@ -170,6 +170,11 @@ void yield_to_scheduler() {
     ort_emu_switch(&f.sp, s.scheduler_sp);
 }
 
+void land(const AsyncCopy& c) {
+    memcpy(c.dst, c.src, (size_t)c.src_bytes);
+    memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+}
+
 // Performs this fiber's cp.async copies of groups older than its `keep` newest committed ones
 // (all, uncommitted too, with keep < 0), in the order they were issued.
 void perform_copies(Fiber& f, int64_t keep) {
@@ -180,8 +185,7 @@ void perform_copies(Fiber& f, int64_t keep) {
             left.push_back(c);
             continue;
         }
-        memcpy(c.dst, c.src, (size_t)c.src_bytes);
-        memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
+        land(c);
     }
     f.copies.swap(left);
 }
@@ -343,17 +347,10 @@ std::string block_name() {
     return b;
 }
 
-// Completes whatever collective operations every involved thread has reached. False when
-// nothing could complete although some threads still wait: a deadlock (with s.error set).
-bool complete_collectives(Scheduler& s) {
-    bool released = false;
-    int live = 0, at_barrier = 0, waiting = 0;
-    for (int t = 0; t < s.threads; ++t) {
-        const State st = s.fibers[t].state;
-        if (st != State::Done) ++live;
-        if (st == State::AtBarrier) ++at_barrier;
-        if (st == State::AtBarrier || st == State::AtWarpOp) ++waiting;
-    }
+// Completes the warp operations (shuffle, mma, ldmatrix) every lane of their warp has reached:
+// how many, or -1 on an error (s.error says which).
+int complete_warp_ops(Scheduler& s) {
+    int released = 0;
     // warps: a shuffle or an mma completes when every lane it names has arrived
     for (int base = 0; base < s.threads; base += 32) {
         const int lanes = s.threads - base < 32 ? s.threads - base : 32;
@@ -373,18 +370,18 @@ bool complete_collectives(Scheduler& s) {
             if (l >= lanes) {
                 s.error = "a warp-collective operation names lane " + std::to_string(l) + " of a partial warp (" +
                           std::to_string(lanes) + " lanes) in " + block_name();
-                return false;
+                return -1;
             }
             const Fiber& f = s.fibers[base + l];
             if (f.state == State::Done) {
                 s.error = "lane " + std::to_string(l) + " of warp " + std::to_string(base / 32) +
                           " returned before a warp-collective operation its warp waits at, in " + block_name();
-                return false;
+                return -1;
             }
             if (f.state != State::AtWarpOp) complete = false;
             else if (f.op != op) {
                 s.error = "lanes of warp " + std::to_string(base / 32) + " wait at different warp operations in " + block_name();
-                return false;
+                return -1;
             }
         }
         if (!complete) continue;
@@ -392,10 +389,26 @@ bool complete_collectives(Scheduler& s) {
         else if (op == WarpOp::Mma) complete_mma(s, base);
         else if (lanes < 32) {
             s.error = "ldmatrix in a partial warp (" + std::to_string(lanes) + " lanes) in " + block_name();
-            return false;
-        } else if (!complete_ldmatrix(s, base)) return false;
-        released = true;
+            return -1;
+        } else if (!complete_ldmatrix(s, base)) return -1;
+        ++released;
     }
+    return released;
+}
+
+// Completes whatever collective operations every involved thread has reached. False when
+// nothing could complete although some threads still wait: a deadlock (with s.error set).
+bool complete_collectives(Scheduler& s) {
+    int live = 0, at_barrier = 0, waiting = 0;
+    for (int t = 0; t < s.threads; ++t) {
+        const State st = s.fibers[t].state;
+        if (st != State::Done) ++live;
+        if (st == State::AtBarrier) ++at_barrier;
+        if (st == State::AtBarrier || st == State::AtWarpOp) ++waiting;
+    }
+    const int warp_ops = complete_warp_ops(s);
+    if (warp_ops < 0) return false;
+    bool released = warp_ops > 0;
     if (!released && at_barrier > 0 && at_barrier == live) {
         int count = 0;
         for (int t = 0; t < s.threads; ++t)
@@ -423,10 +436,23 @@ bool run_block(Scheduler& s) {
     ++s.block_epoch;
     for (int t = 0; t < s.threads; ++t) prepare_fiber(s.fibers[t]);
     std::vector<int> order(s.threads);
+    // one warp of the block lags: it runs only when no other thread can, so the others get as far
+    // ahead as their barriers let them (a warp reading a buffer the others refill too early reads
+    // the new data)
+    const int warps = (s.threads + 31) / 32;
+    const int lagging = shuffled_order() && warps > 1 ? (int)(next_random(s) % (uint64_t)warps) : -1;
     for (;;) {
         int ready = 0;
         for (int t = 0; t < s.threads; ++t)
-            if (s.fibers[t].state == State::Ready) order[ready++] = t;
+            if (s.fibers[t].state == State::Ready && t / 32 != lagging) order[ready++] = t;
+        if (ready == 0 && lagging >= 0) {
+            // the others' warp operations first; the lagging warp only when they wait at a barrier
+            const int released = complete_warp_ops(s);
+            if (released < 0) return false;
+            if (released > 0) continue;
+            for (int t = 32 * lagging; t < s.threads && t < 32 * lagging + 32; ++t)
+                if (s.fibers[t].state == State::Ready) order[ready++] = t;
+        }
         if (ready == 0) {
             bool all_done = true;
             for (int t = 0; t < s.threads; ++t) all_done &= s.fibers[t].state == State::Done;
@@ -679,10 +705,25 @@ void ort_emu_cp_async(void* dst, const void* src, int bytes, int src_bytes) {
     s.fibers[s.current].copies.push_back(AsyncCopy{dst, src, bytes, src_bytes, -1});
 }
 
+// A GPU may land a group's copies any time between their issue and the wait for the group: the
+// even groups of a thread land at once (a buffer refilled while another warp still reads it shows
+// as wrong data), the odd ones at the wait (a tile read before its wait shows the garbage it
+// replaced). Kernels that double-buffer meet both kinds within three tiles.
 void ort_emu_cp_async_commit() {
     Fiber& f = sched()->fibers[sched()->current];
     for (AsyncCopy& c : f.copies)
         if (c.group < 0) c.group = f.committed;
+    if (f.committed % 2 == 0) {
+        std::vector<AsyncCopy> later;
+        for (const AsyncCopy& c : f.copies) {
+            if (c.group != f.committed) {
+                later.push_back(c);
+                continue;
+            }
+            land(c);
+        }
+        f.copies.swap(later);
+    }
     ++f.committed;
 }
 

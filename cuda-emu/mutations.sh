@@ -2,7 +2,7 @@
 # Proves that cuda-emu still catches the kinds of bug it is there for: each mutation below puts
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
-# it lands, an ldmatrix of the wrong orientation), builds the emulator from
+# it lands or refilled while still read, an ldmatrix of the wrong orientation), builds the emulator from
 # the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
 # fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
 # test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
@@ -87,6 +87,11 @@ mutate "flash attention multiplying a key tile before its cp.async group has lan
             fa_wait<1>();" \
     "            fa_commit();
             fa_wait<2>();" \
+    backend::cuda::tests::flash_attention
+
+mutate "flash attention refilling a K/V buffer while other warps may still read it (no barrier after the tile)" kernels/attention_flash.cu \
+    "        __syncthreads();  // this buffer is read: the next iteration but one refills it" \
+    "" \
     backend::cuda::tests::flash_attention
 
 mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cu \

@@ -10,7 +10,7 @@
 // - every tile stays in its natural row-major [row][d] layout, and ldmatrix (.trans where the
 //   product needs the other orientation) reads the mma.sync fragments from it: no transposed
 //   copies, a quarter of the shared-memory load instructions;
-// - scores are in log2 units (scale · log2 e folded in, exp2); the causal mask is tested only on
+// - exp2 with scale · log2 e folded into its FMA (the scale must be > 0); the causal mask is tested only on
 //   the tiles that cross the diagonal or the matrix's end, and the causal loops stop (or start)
 //   at the diagonal instead of testing every tile;
 // - blocks with the most tiles start first (causal: the last query tiles of the forward and dQ,
@@ -32,31 +32,27 @@
 #include "attention_mma_stage.cuh"
 
 #define FA_LOG2E 1.4426950408889634f
-#define FA_LN2 0.6931471805599453f
 
 // ---- the asynchronous copy and ldmatrix (cuda-emu: collective operations of its scheduler) ----
 
-__device__ __forceinline__ void fa_cp_async16(void* dst, const void* src, int src_bytes) {
+// BYTES (16: cache-global, bypassing L1; 4: cache-all) from src, zero-filled past src_bytes.
+template <int BYTES> __device__ __forceinline__ void fa_cp_async(void* dst, const void* src, int src_bytes) {
 #ifdef ORT_CPU_EMU
-    ort_emu_cp_async(dst, src, 16, src_bytes);
+    ort_emu_cp_async(dst, src, BYTES, src_bytes);
 #else
+    static_assert(BYTES == 16 || BYTES == 4, "cp.async of 16 or 4 bytes");
     const u32 s = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
-#endif
-}
-__device__ __forceinline__ void fa_cp_async4(void* dst, const void* src, int src_bytes) {
-#ifdef ORT_CPU_EMU
-    ort_emu_cp_async(dst, src, 4, src_bytes);
-#else
-    const u32 s = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
+    if (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(src_bytes));
 #endif
 }
 __device__ __forceinline__ void fa_commit() {
 #ifdef ORT_CPU_EMU
     ort_emu_cp_async_commit();
 #else
-    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.commit_group;" ::: "memory");
 #endif
 }
 // Waits until at most N of this thread's latest groups are in flight.
@@ -64,25 +60,37 @@ template <int N> __device__ __forceinline__ void fa_wait() {
 #ifdef ORT_CPU_EMU
     ort_emu_cp_async_wait(N);
 #else
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 #endif
 }
 
-// Four 8 x 8 bf16 matrices; this lane names row `row` (16-byte aligned) of matrix lane / 8.
-__device__ __forceinline__ void fa_ldsm(u32 r[4], const u16* row) {
+// Four 8 x 8 bf16 matrices (TRANS: each transposed); this lane names row `row` (16-byte aligned)
+// of matrix lane / 8.
+template <bool TRANS> __device__ __forceinline__ void fa_ldsm(u32 r[4], const u16* row) {
 #ifdef ORT_CPU_EMU
-    ort_emu_ldmatrix_x4(r, row, 0);
+    ort_emu_ldmatrix_x4(r, row, TRANS ? 1 : 0);
 #else
     const u32 s = (u32)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s));
 #endif
 }
-__device__ __forceinline__ void fa_ldsm_t(u32 r[4], const u16* row) {
+
+// 2^x, flushing a subnormal result to 0 (MUFU.EX2 alone: exp2f adds the subnormal handling).
+__device__ __forceinline__ f32 fa_exp2(f32 x) {
 #ifdef ORT_CPU_EMU
-    ort_emu_ldmatrix_x4(r, row, 1);
+    const f32 r = exp2f(x);
+    return r < 1.17549435e-38f ? 0.f : r;
 #else
-    const u32 s = (u32)__cvta_generic_to_shared(row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+    f32 r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
 #endif
 }
 
@@ -91,16 +99,16 @@ __device__ __forceinline__ void fa_ldsm_t(u32 r[4], const u16* row) {
 
 // The A fragment of rows r0..r0 + 15, columns k0..k0 + 15.
 __device__ __forceinline__ void fa_a(u32 a[4], const u16* t, int ld, int r0, int k0, int lane) {
-    fa_ldsm(a, t + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
+    fa_ldsm<false>(a, t + (r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + k0 + (lane >> 4) * 8);
 }
 // B fragments (b[0], b[1]: columns n0..n0 + 7; b[2], b[3]: n0 + 8..) for k0..k0 + 15 of a tile
 // whose rows are the product's columns (Kᵀ from K: [key][d], n = key, k = d).
 __device__ __forceinline__ void fa_b_rows(u32 b[4], const u16* t, int ld, int n0, int k0, int lane) {
-    fa_ldsm(b, t + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
+    fa_ldsm<false>(b, t + (n0 + (lane & 7) + (lane >> 4) * 8) * ld + k0 + ((lane >> 3) & 1) * 8);
 }
 // The same where the tile's rows are the product's k (V from V: [key][d], k = key, n = d).
 __device__ __forceinline__ void fa_b_cols(u32 b[4], const u16* t, int ld, int k0, int n0, int lane) {
-    fa_ldsm_t(b, t + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
+    fa_ldsm<true>(b, t + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * ld + n0 + (lane >> 4) * 8);
 }
 
 // ---- tiles ----
@@ -118,7 +126,7 @@ template <int HD> __device__ __forceinline__ void fa_load(u16* dst, const bf16* 
     for (int i = 0; i < AM_TILE * CPR / 128; ++i) {
         const int c = threadIdx.x + 128 * i, r = c / CPR, k = (c % CPR) * 8;
         const bool in = r0 + r < rows;
-        fa_cp_async16(dst + r * FaTile<HD>::LD + k, in ? src + (r0 + r) * ld + k : src, in ? 16 : 0);
+        fa_cp_async<16>(dst + r * FaTile<HD>::LD + k, in ? src + (r0 + r) * ld + k : src, in ? 16 : 0);
     }
 }
 
@@ -128,7 +136,7 @@ __device__ __forceinline__ void fa_load_row_floats(f32* dst, const f32* src, i64
     const int r = (int)threadIdx.x - first;
     if (r < 0 || r >= AM_TILE) return;
     const bool in = r0 + r < rows;
-    fa_cp_async4(dst + r, in ? src + r0 + r : src, in ? 4 : 0);
+    fa_cp_async<4>(dst + r, in ? src + r0 + r : src, in ? 4 : 0);
 }
 
 // Where a block is: its batch matrix and first row (or key), heads interleaved so that blocks of
@@ -153,35 +161,28 @@ __device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool
     return p;
 }
 
-// s (16 x 64 of one warp: rows `row0` + g, + 8; columns col0 + 8j + 2qd + (e & 1)) in log2
-// units: times sl2, -inf past the matrix's columns (cols) or, where causal, past the row.
-// `edge`: the tile reaches past the diagonal or the matrix; other tiles need no test.
-__device__ __forceinline__ void fa_scale_mask(f32 s[8][4], f32 sl2, bool edge, bool causal, i64 row0, i64 col0, i64 cols, int g, int qd) {
+// s (16 x 64 of one warp: rows `row0` + g, + 8; columns col0 + 8j + 2qd + (e & 1)) with -inf
+// past the matrix's columns (cols) or, where causal, past the row. Only a tile that reaches past
+// the diagonal or the matrix needs it (the caller's `edge`). Scores stay unscaled: the scale (> 0,
+// the dispatcher checks) goes into the exp2's FMA.
+__device__ __forceinline__ void fa_mask(f32 s[8][4], bool causal, int row0, int col0, int cols, int g, int qd) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            f32 x = s[j][e] * sl2;
-            if (edge) {
-                const i64 row = row0 + g + 8 * (e >> 1), col = col0 + 8 * j + 2 * qd + (e & 1);
-                if (col >= cols || (causal && col > row)) x = -ATT_INF;
-            }
-            s[j][e] = x;
+            const int row = row0 + g + 8 * (e >> 1), col = col0 + 8 * j + 2 * qd + (e & 1);
+            if (col >= cols || (causal && col > row)) s[j][e] = -ATT_INF;
         }
 }
-// The transposed form (dK/dV: rows are keys key0 + g, + 8; columns are queries): -inf past the
-// queries (rows) or, where causal, where the key is past the query.
-__device__ __forceinline__ void fa_scale_mask_t(f32 s[8][4], f32 sl2, bool edge, bool causal, i64 key0, i64 t0, i64 rows, int g, int qd) {
+// The transposed form (dK/dV: rows are keys key0 + g, + 8; columns are queries t0..): -inf past
+// the queries (rows) or, where causal, where the key is past the query.
+__device__ __forceinline__ void fa_mask_t(f32 s[8][4], bool causal, int key0, int t0, int rows, int g, int qd) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            f32 x = s[j][e] * sl2;
-            if (edge) {
-                const i64 key = key0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * qd + (e & 1);
-                if (t >= rows || (causal && key > t)) x = -ATT_INF;
-            }
-            s[j][e] = x;
+            const int key = key0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * qd + (e & 1);
+            if (t >= rows || (causal && key > t)) s[j][e] = -ATT_INF;
         }
 }
 
@@ -261,11 +262,11 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
     u16* ks = qs + E;      // K [2][64 keys][HD]
     u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
     const FaPlace at = fa_place(a, a.T, causal != 0);
-    const i64 T = a.T, S = a.S, t0 = at.r0, row0 = t0 + 16 * at.w;
+    const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0, row0 = t0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
     const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
-    const i64 s_end = causal ? min(S, t0 + AM_TILE) : S;
-    const int tiles = (int)((s_end + AM_TILE - 1) / AM_TILE);
+    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
+    const int tiles = (s_end + AM_TILE - 1) / AM_TILE;
     fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
     fa_load<HD>(vs, vb, a.v_s, 0, S);
@@ -277,8 +278,8 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
         if (j + 1 < tiles) {  // the next tile into the other buffer, read by the previous iteration
-            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (i64)(j + 1) * AM_TILE, S);
-            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (i64)(j + 1) * AM_TILE, S);
+            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (j + 1) * AM_TILE, S);
+            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (j + 1) * AM_TILE, S);
             fa_commit();
             fa_wait<1>();
         } else {
@@ -288,11 +289,10 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
         if (j == 0)
 #pragma unroll
             for (int kk = 0; kk < HD / 16; ++kk) fa_a(qa[kk], qs, LD, 16 * w, 16 * kk, lane);
-        const i64 s0 = (i64)j * AM_TILE;
+        const int s0 = j * AM_TILE;
         f32 s[8][4];
         fa_dots<HD>(s, nullptr, 0, qa, ks + buf * E, lane);
-        const bool edge = s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0);
-        fa_scale_mask(s, sl2, edge, causal != 0, row0, s0, S, g, qd);
+        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask(s, causal != 0, row0, s0, S, g, qd);
         f32 mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
@@ -302,15 +302,15 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = am_quad_max(mx[h]);
-            base[h] = mx[h] == -ATT_INF ? 0.f : mx[h];  // a row with no key yet: p and corr stay 0
-            corr[h] = exp2f(m[h] - base[h]);
+            base[h] = mx[h] == -ATT_INF ? 0.f : mx[h] * sl2;  // a row with no key yet: p and corr stay 0
+            corr[h] = fa_exp2(m[h] * sl2 - base[h]);
             m[h] = mx[h];
         }
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const f32 p = exp2f(s[jj][e] - base[e >> 1]);
+                const f32 p = fa_exp2(fmaf(s[jj][e], sl2, -base[e >> 1]));
                 s[jj][e] = p;
                 sum[e >> 1] += p;
             }
@@ -329,7 +329,7 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const i64 row = row0 + g + 8 * h;
-            if (row < T) lse[at.bi * T + row] = m[h] * FA_LN2 + logf(l[h]);
+            if (row < T) lse[at.bi * T + row] = m[h] * scale + logf(l[h]);
         }
 }
 
@@ -346,11 +346,11 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
     u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
     ORT_SHARED(f32, delta_s, [AM_TILE]);
     const FaPlace at = fa_place(a, a.T, causal != 0);
-    const i64 T = a.T, S = a.S, t0 = at.r0, row0 = t0 + 16 * at.w;
+    const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0, row0 = t0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
     const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
-    const i64 s_end = causal ? min(S, t0 + AM_TILE) : S;
-    const int tiles = (int)((s_end + AM_TILE - 1) / AM_TILE);
+    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
+    const int tiles = (s_end + AM_TILE - 1) / AM_TILE;
     fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(dos, dout + at.off.o, a.o_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
@@ -373,26 +373,25 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
         if (j + 1 < tiles) {
-            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (i64)(j + 1) * AM_TILE, S);
-            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (i64)(j + 1) * AM_TILE, S);
+            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (j + 1) * AM_TILE, S);
+            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (j + 1) * AM_TILE, S);
             fa_commit();
             fa_wait<1>();
         } else {
             fa_wait<0>();
         }
         __syncthreads();
-        const i64 s0 = (i64)j * AM_TILE;
+        const int s0 = j * AM_TILE;
         const u16 *kt = ks + buf * E, *vt = vs + buf * E;
         f32 p[8][4], dp[8][4];
         fa_dots<HD>(p, qs, 16 * w, nullptr, kt, lane);
-        const bool edge = s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0);
-        fa_scale_mask(p, sl2, edge, causal != 0, row0, s0, S, g, qd);
+        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask(p, causal != 0, row0, s0, S, g, qd);
         fa_dots<HD>(dp, dos, 16 * w, nullptr, vt, lane);  // dP = dO · Vᵀ
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const f32 pe = exp2f(p[jj][e] - lse2[e >> 1]);
+                const f32 pe = fa_exp2(fmaf(p[jj][e], sl2, -lse2[e >> 1]));
                 dp[jj][e] = pe * (dp[jj][e] - drow[e >> 1]);  // dS
             }
         fa_accumulate<HD>(acc, dp, kt, lane);  // dQ += dS · K
@@ -415,15 +414,15 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     u16* vs = ks + E;       // V [64 keys][HD]
     u16* qs = vs + E;       // Q [2][64 rows][HD]
     u16* dos = qs + 2 * E;  // dO [2][64 rows][HD]
-    f32* lse_s = reinterpret_cast<f32*>(dos + 2 * E);  // [2][64], in log2 units once loaded
+    f32* lse_s = reinterpret_cast<f32*>(dos + 2 * E);  // LSE [2][64]
     f32* dl_s = lse_s + 2 * AM_TILE;                    // Δ [2][64]
     const FaPlace at = fa_place(a, a.S, false);
-    const i64 T = a.T, S = a.S, s0 = at.r0, key0 = s0 + 16 * at.w;
+    const int T = (int)a.T, S = (int)a.S, s0 = (int)at.r0, key0 = s0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
     const bf16 *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
-    const i64 t_begin = causal ? s0 : 0;  // causal: rows before the block's first key see none of its keys
-    const int tiles = (int)((T - t_begin + AM_TILE - 1) / AM_TILE);
+    const int t_begin = causal ? s0 : 0;  // causal: rows before the block's first key see none of its keys
+    const int tiles = (T - t_begin + AM_TILE - 1) / AM_TILE;
     fa_load<HD>(ks, k + at.off.k, a.k_s, s0, S);
     fa_load<HD>(vs, v + at.off.v, a.v_s, s0, S);
     if (tiles > 0) {
@@ -439,7 +438,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     fa_zero<HD>(acc_v);
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
-        const i64 t0 = t_begin + (i64)j * AM_TILE;
+        const int t0 = t_begin + j * AM_TILE;
         if (j + 1 < tiles) {
             const int nb = buf ^ 1;
             fa_load<HD>(qs + nb * E, qb, a.q_t, t0 + AM_TILE, T);
@@ -456,15 +455,14 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
         const f32 *lr = lse_s + buf * AM_TILE, *dr = dl_s + buf * AM_TILE;
         f32 p[8][4], dp[8][4];
         fa_dots<HD>(p, ks, 16 * w, nullptr, qt, lane);  // Sᵀ: element (key, row 8j + 2qd + (e & 1))
-        const bool edge = t0 + AM_TILE > T || (causal && t0 < key0 + 15);
-        fa_scale_mask_t(p, sl2, edge, causal != 0, key0, t0, T, g, qd);
+        if (t0 + AM_TILE > T || (causal && t0 < key0 + 15)) fa_mask_t(p, causal != 0, key0, t0, T, g, qd);
         fa_dots<HD>(dp, vs, 16 * w, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = 8 * jj + 2 * qd + (e & 1);
-                const f32 pe = exp2f(p[jj][e] - lr[r] * FA_LOG2E);
+                const f32 pe = fa_exp2(fmaf(p[jj][e], sl2, -lr[r] * FA_LOG2E));
                 p[jj][e] = pe;
                 dp[jj][e] = pe * (dp[jj][e] - dr[r]);  // dSᵀ
             }
@@ -477,13 +475,13 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     fa_store<HD>(dv + at.off.gv, a.v_s, acc_v, one, key0, S, g, qd);
 }
 
-#define FA_KERNELS(HD)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) attention_flash_fwd_d##HD##_bf16(const bf16* q, const bf16* k, const bf16* v,  \
+#define FA_KERNELS(HD, BLOCKS)                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##_bf16(const bf16* q, const bf16* k, const bf16* v,  \
                                                                                      bf16* o, f32* lse, AttnShape a, f32 scale,   \
                                                                                      i32 causal) {                                 \
         fa_fwd<HD>(q, k, v, o, lse, a, scale, causal);                                                                             \
     }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dq_d##HD##_bf16(                                         \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##_bf16(                                         \
         const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse, f32* delta, bf16* dq,          \
         AttnShape a, f32 scale, i32 causal) {                                                                                       \
         fa_bwd_dq<HD>(dout, q, k, v, o, lse, delta, dq, a, scale, causal);                                                         \
@@ -493,5 +491,8 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
         AttnShape a, f32 scale, i32 causal) {                                                                                       \
         fa_bwd_dkv<HD>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal);                                                       \
     }
-FA_KERNELS(64)
-FA_KERNELS(128)
+// BLOCKS: blocks an SM must hold of the forward and dQ kernels (ptxas keeps their registers to
+// fit): heads of 64 get 3 (12 warps) at 168 registers a thread, where unbounded ptxas takes
+// 182 (forward) and 203 (dQ), which leave 2; the price is 4 and 20 bytes of spills (NVRTC 13.0).
+FA_KERNELS(64, 3)
+FA_KERNELS(128, 1)

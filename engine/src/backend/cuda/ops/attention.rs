@@ -143,7 +143,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
     let (has_mask, causal) = (ins.get(3).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
     let tensors = [ptr(0), ptr(1), ptr(2), outs[0].ptr];
-    if let Some(f) = flash::variant(&l, &shape, dtype, has_mask, causal, &tensors) {
+    if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal, &tensors) {
         return f.forward(node, [ptr(0), ptr(1), ptr(2)], [outs[0].ptr, outs[1].ptr], ctx);
     }
     let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
@@ -184,7 +184,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
     let (has_mask, causal) = (ins.get(4).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
     let tensors = [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), outs[0].ptr, outs[1].ptr, outs[2].ptr];
-    if let Some(f) = flash::variant(&l, &shape, dtype, has_mask, causal, &tensors) {
+    if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal, &tensors) {
         return f.backward(node, [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), ptr(6)], [outs[0].ptr, outs[1].ptr, outs[2].ptr], ctx);
     }
     let sfx = dtype_suffix(dtype);

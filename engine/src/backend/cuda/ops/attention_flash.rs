@@ -34,8 +34,17 @@ pub struct Flash<'a> {
 
 /// The flash kernels' launch for this attention, if they take it: `mask` says whether it has a
 /// mask input, `causal` that the mask is the computed causal one, `ptrs` are every tensor the
-/// kernels read or write through 16-byte accesses (Q, K, V, O or dO, and the gradients).
-pub fn variant<'a>(l: &'a AttnLayout, a: &AttnShape, dtype: DType, mask: bool, causal: bool, ptrs: &[u64]) -> Option<Flash<'a>> {
+/// kernels read or write through 16-byte accesses (Q, K, V, O or dO, and the gradients). The
+/// scale must be positive: the kernels take the row maximum of the unscaled scores.
+pub fn variant<'a>(
+    node: &Node,
+    l: &'a AttnLayout,
+    a: &AttnShape,
+    dtype: DType,
+    mask: bool,
+    causal: bool,
+    ptrs: &[u64],
+) -> Option<Flash<'a>> {
     let hd = match (l.d, l.dv) {
         (64, 64) => "d64",
         (128, 128) => "d128",
@@ -45,7 +54,9 @@ pub fn variant<'a>(l: &'a AttnLayout, a: &AttnShape, dtype: DType, mask: bool, c
     let batch_strides = [a.q, a.k, a.v, a.o, a.gq, a.gk, a.gv];
     let strides_of_8 = row_strides.iter().chain(batch_strides.iter().flatten()).all(|s| s % 8 == 0);
     let aligned = ptrs.iter().all(|p| p % 16 == 0) && strides_of_8;
-    let ok = dtype == DType::BF16 && a.k_d == 1 && (!mask || causal) && l.t > 0 && l.s > 0 && aligned && enabled();
+    let positive_scale = node.attrs.float("scale", 1.0).is_ok_and(|s| s > 0.0 && s.is_finite());
+    let lengths = l.t > 0 && l.s > 0 && l.t < (1 << 30) && l.s < (1 << 30); // the kernels index rows with i32
+    let ok = dtype == DType::BF16 && a.k_d == 1 && (!mask || causal) && lengths && aligned && positive_scale && enabled();
     ok.then_some(Flash { hd, l, a: *a, causal })
 }
 
