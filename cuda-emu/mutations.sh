@@ -95,8 +95,8 @@ mutate "flash attention refilling a K/V buffer while other warps may still read 
     backend::cuda::tests::flash_attention
 
 mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cu \
-    "    fa_ldsm_t(b, t + (k0 + (lane & 7)" \
-    "    fa_ldsm(b, t + (k0 + (lane & 7)" \
+    "    fa_ldsm<true>(b, t + (k0 + (lane & 7)" \
+    "    fa_ldsm<false>(b, t + (k0 + (lane & 7)" \
     backend::cuda::tests::flash_attention
 
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
