@@ -83,10 +83,10 @@ mutate "tensor-core attention's computed causal mask hiding each query's own key
     backend::cuda::tests::causal_attention
 
 mutate "flash attention multiplying a key tile before its cp.async group has landed" kernels/attention_flash.cu \
-    "            fa_commit();
-            fa_wait<1>();" \
-    "            fa_commit();
-            fa_wait<2>();" \
+    "        fa_commit();
+        fa_wait<1>();" \
+    "        fa_commit();
+        fa_wait<2>();" \
     backend::cuda::tests::flash_attention
 
 mutate "flash attention refilling a K/V buffer while other warps may still read it (no barrier after the tile)" kernels/attention_flash.cu \

@@ -161,28 +161,19 @@ __device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool
     return p;
 }
 
-// s (16 x 64 of one warp: rows `row0` + g, + 8; columns col0 + 8j + 2qd + (e & 1)) with -inf
-// past the matrix's columns (cols) or, where causal, past the row. Only a tile that reaches past
-// the diagonal or the matrix needs it (the caller's `edge`). Scores stay unscaled: the scale (> 0,
-// the dispatcher checks) goes into the exp2's FMA.
-__device__ __forceinline__ void fa_mask(f32 s[8][4], bool causal, int row0, int col0, int cols, int g, int qd) {
+// s (16 x 64 of one warp: its rows r0 + g, + 8, its columns c0 + 8j + 2qd + (e & 1)) with -inf
+// from column `cols` on and, where causal, where the key is past the query: rows are queries and
+// columns keys, or (KEY_ROWS, the dK/dV kernel's transposed scores) rows are keys and columns
+// queries. Only a tile that reaches past the diagonal or the matrix needs it. Scores stay
+// unscaled: the scale (> 0, the dispatcher checks) goes into the exp2's FMA.
+template <bool KEY_ROWS> __device__ __forceinline__ void fa_mask(f32 s[8][4], bool causal, int r0, int c0, int cols, int g, int qd) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            const int row = row0 + g + 8 * (e >> 1), col = col0 + 8 * j + 2 * qd + (e & 1);
-            if (col >= cols || (causal && col > row)) s[j][e] = -ATT_INF;
-        }
-}
-// The transposed form (dK/dV: rows are keys key0 + g, + 8; columns are queries t0..): -inf past
-// the queries (rows) or, where causal, where the key is past the query.
-__device__ __forceinline__ void fa_mask_t(f32 s[8][4], bool causal, int key0, int t0, int rows, int g, int qd) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = key0 + g + 8 * (e >> 1), t = t0 + 8 * j + 2 * qd + (e & 1);
-            if (t >= rows || (causal && key > t)) s[j][e] = -ATT_INF;
+            const int r = r0 + g + 8 * (e >> 1), c = c0 + 8 * j + 2 * qd + (e & 1);
+            const bool past = KEY_ROWS ? r > c : c > r;
+            if (c >= cols || (causal && past)) s[j][e] = -ATT_INF;
         }
 }
 
@@ -251,6 +242,38 @@ __device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[HD / 8
     }
 }
 
+// A forward or dQ block: where it is, T and S, its first row t0, its warp's first row, the key
+// tiles it walks (causal: up to its diagonal), and K and V at its batch entry. Lengths are below
+// 2^30 (the dispatcher checks).
+struct FaRows {
+    FaPlace at;
+    int T, S, t0, row0, tiles;
+    const bf16 *kb, *vb;
+};
+__device__ __forceinline__ FaRows fa_rows(const AttnShape& a, const bf16* k, const bf16* v, i32 causal) {
+    const FaPlace at = fa_place(a, a.T, causal != 0);
+    const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0;
+    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
+    return FaRows{at, T, S, t0, t0 + 16 * at.w, (s_end + AM_TILE - 1) / AM_TILE, k + at.off.k, v + at.off.v};
+}
+
+// Tile j + 1 of K and V (of `tiles`) into the buffers tile j - 1 used (the caller's barrier after
+// that tile lets them be refilled), then the wait that leaves this thread's part of tile j
+// landed (the caller's next barrier publishes the block's).
+template <int HD>
+__device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const bf16* kb, const bf16* vb, const AttnShape& a, int j, int tiles, int S) {
+    constexpr int E = FaTile<HD>::ELEMS;
+    if (j + 1 < tiles) {
+        const int nb = (j + 1) & 1;
+        fa_load<HD>(ks + nb * E, kb, a.k_s, (j + 1) * AM_TILE, S);
+        fa_load<HD>(vs + nb * E, vb, a.v_s, (j + 1) * AM_TILE, S);
+        fa_commit();
+        fa_wait<1>();
+    } else {
+        fa_wait<0>();
+    }
+}
+
 // ---- forward ----
 
 template <int HD>
@@ -261,12 +284,8 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
     u16* qs = smem;        // Q [64][HD]
     u16* ks = qs + E;      // K [2][64 keys][HD]
     u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
-    const FaPlace at = fa_place(a, a.T, causal != 0);
-    const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0, row0 = t0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
+    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows(a, k, v, causal);
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
-    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
-    const int tiles = (s_end + AM_TILE - 1) / AM_TILE;
     fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
     fa_load<HD>(vs, vb, a.v_s, 0, S);
@@ -277,14 +296,7 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
     u32 qa[HD / 16][4];
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
-        if (j + 1 < tiles) {  // the next tile into the other buffer, read by the previous iteration
-            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (j + 1) * AM_TILE, S);
-            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (j + 1) * AM_TILE, S);
-            fa_commit();
-            fa_wait<1>();
-        } else {
-            fa_wait<0>();
-        }
+        fa_next_kv<HD>(ks, vs, kb, vb, a, j, tiles, S);
         __syncthreads();
         if (j == 0)
 #pragma unroll
@@ -292,7 +304,7 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
         const int s0 = j * AM_TILE;
         f32 s[8][4];
         fa_dots<HD>(s, nullptr, 0, qa, ks + buf * E, lane);
-        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask(s, causal != 0, row0, s0, S, g, qd);
+        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask<false>(s, causal != 0, row0, s0, S, g, qd);
         f32 mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
@@ -345,12 +357,8 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
     u16* ks = dos + E;     // K [2][64 keys][HD]
     u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
     ORT_SHARED(f32, delta_s, [AM_TILE]);
-    const FaPlace at = fa_place(a, a.T, causal != 0);
-    const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0, row0 = t0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
+    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows(a, k, v, causal);
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    const bf16 *kb = k + at.off.k, *vb = v + at.off.v;
-    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
-    const int tiles = (s_end + AM_TILE - 1) / AM_TILE;
     fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(dos, dout + at.off.o, a.o_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
@@ -372,20 +380,13 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
     fa_zero<HD>(acc);
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
-        if (j + 1 < tiles) {
-            fa_load<HD>(ks + (buf ^ 1) * E, kb, a.k_s, (j + 1) * AM_TILE, S);
-            fa_load<HD>(vs + (buf ^ 1) * E, vb, a.v_s, (j + 1) * AM_TILE, S);
-            fa_commit();
-            fa_wait<1>();
-        } else {
-            fa_wait<0>();
-        }
+        fa_next_kv<HD>(ks, vs, kb, vb, a, j, tiles, S);
         __syncthreads();
         const int s0 = j * AM_TILE;
         const u16 *kt = ks + buf * E, *vt = vs + buf * E;
         f32 p[8][4], dp[8][4];
         fa_dots<HD>(p, qs, 16 * w, nullptr, kt, lane);
-        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask(p, causal != 0, row0, s0, S, g, qd);
+        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask<false>(p, causal != 0, row0, s0, S, g, qd);
         fa_dots<HD>(dp, dos, 16 * w, nullptr, vt, lane);  // dP = dO · Vᵀ
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
@@ -455,7 +456,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
         const f32 *lr = lse_s + buf * AM_TILE, *dr = dl_s + buf * AM_TILE;
         f32 p[8][4], dp[8][4];
         fa_dots<HD>(p, ks, 16 * w, nullptr, qt, lane);  // Sᵀ: element (key, row 8j + 2qd + (e & 1))
-        if (t0 + AM_TILE > T || (causal && t0 < key0 + 15)) fa_mask_t(p, causal != 0, key0, t0, T, g, qd);
+        if (t0 + AM_TILE > T || (causal && t0 < key0 + 15)) fa_mask<true>(p, causal != 0, key0, t0, T, g, qd);
         fa_dots<HD>(dp, vs, 16 * w, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj)
@@ -493,6 +494,6 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     }
 // BLOCKS: blocks an SM must hold of the forward and dQ kernels (ptxas keeps their registers to
 // fit): heads of 64 get 3 (12 warps) at 168 registers a thread, where unbounded ptxas takes
-// 182 (forward) and 203 (dQ), which leave 2; the price is 4 and 20 bytes of spills (NVRTC 13.0).
+// 182 (forward) and 203 (dQ), which leave 2; the price is 4 bytes of dQ spills (NVRTC 13.0).
 FA_KERNELS(64, 3)
 FA_KERNELS(128, 1)
