@@ -170,24 +170,24 @@ void yield_to_scheduler() {
     ort_emu_switch(&f.sp, s.scheduler_sp);
 }
 
-void land(const AsyncCopy& c) {
-    memcpy(c.dst, c.src, (size_t)c.src_bytes);
-    memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
-}
-
-// Performs this fiber's cp.async copies of groups older than its `keep` newest committed ones
-// (all, uncommitted too, with keep < 0), in the order they were issued.
-void perform_copies(Fiber& f, int64_t keep) {
+// Lands (in issue order) this fiber's copies that `due` picks; the others stay queued.
+template <typename Due> void land_where(Fiber& f, Due due) {
     std::vector<AsyncCopy> left;
     for (const AsyncCopy& c : f.copies) {
-        const bool due = keep < 0 || (c.group >= 0 && c.group < f.committed - keep);
-        if (!due) {
+        if (!due(c)) {
             left.push_back(c);
             continue;
         }
-        land(c);
+        memcpy(c.dst, c.src, (size_t)c.src_bytes);
+        memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, (size_t)(c.bytes - c.src_bytes));
     }
     f.copies.swap(left);
+}
+
+// Lands this fiber's copies of groups older than its `keep` newest committed ones (all,
+// uncommitted too, with keep < 0).
+void perform_copies(Fiber& f, int64_t keep) {
+    land_where(f, [&](const AsyncCopy& c) { return keep < 0 || (c.group >= 0 && c.group < f.committed - keep); });
 }
 
 extern "C" void fiber_entry() {
@@ -713,17 +713,7 @@ void ort_emu_cp_async_commit() {
     Fiber& f = sched()->fibers[sched()->current];
     for (AsyncCopy& c : f.copies)
         if (c.group < 0) c.group = f.committed;
-    if (f.committed % 2 == 0) {
-        std::vector<AsyncCopy> later;
-        for (const AsyncCopy& c : f.copies) {
-            if (c.group != f.committed) {
-                later.push_back(c);
-                continue;
-            }
-            land(c);
-        }
-        f.copies.swap(later);
-    }
+    if (f.committed % 2 == 0) land_where(f, [&](const AsyncCopy& c) { return c.group == f.committed; });
     ++f.committed;
 }
 

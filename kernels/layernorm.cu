@@ -8,8 +8,7 @@
 // shuffles (no block barrier; all of a lane's loads in flight at once; norm.rs launches 8 rows
 // to a block of 256 threads, grid-stride over the row groups); longer rows one block per row
 // (grid-stride over rows; blockDim.x a multiple of 32, at most 256: the registers of the warp
-// path leave no more). The kernels below take
-// either launch and pick by n:
+// path leave no more). The kernels below take either launch and pick by n:
 //   layer_norm_T(const T* x, const T* scale, const T* bias, T* y, A* mean, A* rstd,
 //                i64 rows, i64 n, f32 eps)                 bias, mean, rstd may be null
 //   layer_norm_stats_T(const T* x, A* mean, A* rstd, i64 rows, i64 n, f32 eps)

@@ -200,25 +200,8 @@ template <typename T> union Vec16 {
 };
 __device__ __forceinline__ bool ort_aligned16(const void* p) { return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0; }
 
-// out[i] = f(a[i]) for i < n, with 16-byte vectors where a and out are 16-byte aligned (the
-// tail, or everything otherwise, element by element; the same f either way, so the same bits).
-template <typename T, typename F> __device__ __forceinline__ void ort_map1(const T* a, T* out, i64 n, F f) {
-    constexpr int N = Vec16<T>::N;
-    i64 head = 0;
-    if (ort_aligned16(a) && ort_aligned16(out)) {
-        head = n / N;
-        ORT_GRID_LOOP(v, head) {
-            Vec16<T> x, y;
-            x.raw = reinterpret_cast<const uint4*>(a)[v];
-#pragma unroll
-            for (int k = 0; k < N; ++k) y.e[k] = f(x.e[k]);
-            reinterpret_cast<uint4*>(out)[v] = y.raw;
-        }
-        head *= N;
-    }
-    ORT_GRID_LOOP(i, n - head) out[head + i] = f(a[head + i]);
-}
-// out[i] = f(a[i], b[i]), as ort_map1.
+// out[i] = f(a[i], b[i]) for i < n, with 16-byte vectors where a, b and out are 16-byte aligned
+// (the tail, or everything otherwise, element by element; the same f either way, so the same bits).
 template <typename T, typename F> __device__ __forceinline__ void ort_map2(const T* a, const T* b, T* out, i64 n, F f) {
     constexpr int N = Vec16<T>::N;
     i64 head = 0;
@@ -235,6 +218,10 @@ template <typename T, typename F> __device__ __forceinline__ void ort_map2(const
         head *= N;
     }
     ORT_GRID_LOOP(i, n - head) out[head + i] = f(a[head + i], b[head + i]);
+}
+// out[i] = f(a[i]), as ort_map2 (a read once: the second operand's loads are the first's).
+template <typename T, typename F> __device__ __forceinline__ void ort_map1(const T* a, T* out, i64 n, F f) {
+    ort_map2(a, a, out, n, [&](T x, T) { return f(x); });
 }
 
 // Offsets of output element i in the first K operands: one division per dimension, shared by

@@ -108,14 +108,19 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
     }
 }
 
-/// The mask address the kernels get and, for the tensor-core kernels (`mma`), their last
-/// argument `causal`: 1 with no mask where the mask at input `i` is a constant causal mask
-/// (ops/causal_mask.rs) of this self-attention, which they compute instead of reading.
-fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&str>, mask: u64) -> (u64, Option<KArg>) {
+/// The mask address the kernels get and, for the tensor-core kernels (`mma`), whether the mask
+/// at input `i` is a constant causal mask (ops/causal_mask.rs) of this self-attention, which
+/// they compute instead of reading (then no mask address): their last argument `causal`.
+fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&str>, mask: u64) -> (u64, Option<bool>) {
     let Some(_) = mma else { return (mask, None) };
     let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
     let causal = l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
-    (if causal { 0 } else { mask }, Some(KArg::I32(causal as i32)))
+    (if causal { 0 } else { mask }, Some(causal))
+}
+
+/// The device address of input `i` (0 where absent).
+fn ptr_of(ins: &[Option<DView>], i: usize) -> u64 {
+    ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr)
 }
 
 /// The element type of the mask at input `i`, if there is one.
@@ -133,17 +138,16 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
-    let (mask, causal_arg) = mask_or_causal(ins, 3, &l, mma, mask);
+    let (mask, causal) = mask_or_causal(ins, 3, &l, mma, mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
-    let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
-    let (has_mask, causal) = (ins.get(3).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
+    let ptr = |i: usize| ptr_of(ins, i);
     let tensors = [ptr(0), ptr(1), ptr(2), outs[0].ptr];
-    if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal, &tensors) {
+    if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 3).is_some(), causal == Some(true), &tensors) {
         return f.forward(node, [ptr(0), ptr(1), ptr(2)], [outs[0].ptr, outs[1].ptr], ctx);
     }
     let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
@@ -151,7 +155,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
         Some(v) => (format!("attention_mma_fwd_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
         None => ("attention_fwd_f32".to_string(), grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?),
     };
-    let p = |i: usize| KArg::Ptr(ins[i].as_ref().map_or(0, |x| x.ptr));
+    let p = |i: usize| KArg::Ptr(ptr(i));
     let scale = node.attrs.float("scale", 1.0)?;
     let guard = node.attrs.int("nan_guard", 0)? as i32;
     let mut args = vec![
@@ -165,7 +169,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
         KArg::F32(scale),
         KArg::I32(guard),
     ];
-    args.extend(causal_arg);
+    args.extend(causal.map(|c| KArg::I32(c as i32)));
     ctx.rt.launch(ctx.stream, &kernel, g, &args)
 }
 
@@ -174,22 +178,21 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
-    let (mask, causal_arg) = mask_or_causal(ins, 4, &l, mma, mask);
+    let (mask, causal) = mask_or_causal(ins, 4, &l, mma, mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }
     if l.batch_count() == 0 {
         return Ok(());
     }
-    let ptr = |i: usize| ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr);
-    let (has_mask, causal) = (ins.get(4).is_some_and(|m| m.is_some()), matches!(causal_arg, Some(KArg::I32(1))));
+    let ptr = |i: usize| ptr_of(ins, i);
     let tensors = [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), outs[0].ptr, outs[1].ptr, outs[2].ptr];
-    if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal, &tensors) {
+    if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 4).is_some(), causal == Some(true), &tensors) {
         return f.backward(node, [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), ptr(6)], [outs[0].ptr, outs[1].ptr, outs[2].ptr], ctx);
     }
     let sfx = dtype_suffix(dtype);
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
-    let p = |i: usize| KArg::Ptr(ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr));
+    let p = |i: usize| KArg::Ptr(ptr(i));
     let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
     let common = [p(0), p(1), p(2), p(3), KArg::Ptr(mask), p(5), p(6)];
     if l.t > 0 {
@@ -202,7 +205,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[0].ptr), KArg::AttnShape(shape), scale]);
-        args.extend(causal_arg);
+        args.extend(causal.map(|c| KArg::I32(c as i32)));
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     if l.s > 0 {
@@ -215,7 +218,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         };
         let mut args = common.to_vec();
         args.extend([KArg::Ptr(outs[1].ptr), KArg::Ptr(outs[2].ptr), KArg::AttnShape(shape), scale]);
-        args.extend(causal_arg);
+        args.extend(causal.map(|c| KArg::I32(c as i32)));
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     Ok(())
