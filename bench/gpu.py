@@ -20,7 +20,9 @@ An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attenti
 passes to turn off as `+no_<pass>` (`ortrain+fuse_attention+autocast+no_recompute`): that row's
 process runs with exactly those in ORTRAIN_ENABLE_PASSES and ORTRAIN_DISABLE_PASSES, so pass
 variants compare in one run. `+no_flash_attention` is not a pass: it turns the FlashAttention-2-style
-kernels off (ORTRAIN_FLASH_ATTENTION=0), so their rows time them against the older tensor-core ones.
+kernels off (ORTRAIN_FLASH_ATTENTION=0), so their rows time them against the older tensor-core ones;
+`+flash_rows64` gives their forward and dQ kernels 64-row blocks (ORTRAIN_FLASH_ROWS=64) instead of
+128, so its row times the two block sizes against each other.
 A worker that gives no answer within --worker-timeout seconds is killed and its row reads failed;
 the JSON file is rewritten after every row, so a run cut short keeps the rows it finished.
 """
@@ -47,7 +49,7 @@ def split_system(name: str) -> tuple[str, list[str]]:
 
 
 # system parts that switch an engine kernel family rather than a pass: part -> (variable, value)
-KERNEL_SWITCHES = {"no_flash_attention": ("ORTRAIN_FLASH_ATTENTION", "0")}
+KERNEL_SWITCHES = {"no_flash_attention": ("ORTRAIN_FLASH_ATTENTION", "0"), "flash_rows64": ("ORTRAIN_FLASH_ROWS", "64")}
 
 
 def pass_environment(passes: list[str]) -> dict:

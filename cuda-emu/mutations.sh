@@ -99,6 +99,16 @@ mutate "flash attention reading V's fragments with ldmatrix untransposed" kernel
     "    fa_ldsm<false>(b, t + (k0 + (lane & 7)" \
     backend::cuda::tests::flash_attention
 
+mutate "flash attention's 128-row blocks skipping the key tile that holds a warp's own diagonal" kernels/attention_flash.cu \
+    "return MT > 1 && causal && s0 > row0 + 16 * MT - 1;" \
+    "return MT > 1 && causal && s0 >= row0;" \
+    backend::cuda::tests::flash_attention
+
+mutate "flash dK/dV's 128-key blocks skipping the query part that holds a warp's own diagonal" kernels/attention_flash.cu \
+    "if (causal && tq + QP - 1 < key0) continue;" \
+    "if (causal && tq + QP - 1 < key0 + 16 * MT) continue;" \
+    backend::cuda::tests::flash_attention
+
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and
 # out-of-range-shared faults would)

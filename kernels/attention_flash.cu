@@ -18,14 +18,18 @@
 // - Δ = Σ dO·O is computed once per query row by the dQ kernel, which writes it for the dK/dV
 //   kernel (launched after it on the same stream).
 //
-//   attention_flash_fwd_dHD_bf16(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal)
-//   attention_flash_bwd_dq_dHD_bf16(dout, q, k, v, o, lse, delta, dq, a, scale, causal)
-//   attention_flash_bwd_dkv_dHD_bf16(dout, q, k, v, lse, delta, dk, dv, a, scale, causal)
+//   attention_flash_fwd_dHD[r128]_bf16(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal)
+//   attention_flash_bwd_dq_dHD[r128]_bf16(dout, q, k, v, o, lse, delta, dq, a, scale, causal)
+//   attention_flash_bwd_dkv_dHD[r128]_bf16(dout, q, k, v, lse, delta, dk, dv, a, scale, causal)
 //
-// k / dk: element (key, d) at [key·k_s + d] (k_d = 1). Launch: 128 threads (4 warps of 16 rows
-// or keys), a 1-D grid of batch · ceil(T / 64) blocks (fwd, dq) or batch · ceil(S / 64) (dkv),
-// dynamic shared memory `fa_smem_*` below (the dispatcher computes the same). Every row has a
-// key (no mask, or causal with T = S), so no row is empty and nan_guard has nothing to do.
+// k / dk: element (key, d) at [key·k_s + d] (k_d = 1). Launch: 128 threads; the forward and dQ
+// kernels take blocks of 64 query rows (16 a warp) or, r128 (heads of 64), 128 (32 a warp: each
+// fragment of the other operand read by ldmatrix serves two row tiles), a 1-D grid of
+// batch · ceil(T / rows) blocks; the dK/dV kernel blocks of 64 or (r128) 128 keys,
+// batch · ceil(S / keys). Dynamic shared memory: the tiles each kernel's first lines lay out,
+// 64 rows of HD + 8 bf16 each (the dispatcher, ops/attention_flash.rs, computes the same). Every
+// row has a key (no mask, or causal with T = S), so no row is empty and nan_guard has nothing
+// to do.
 
 #include "prelude.cuh"
 #include "attention.cuh"
@@ -118,12 +122,13 @@ template <int HD> struct FaTile {
     static constexpr int ELEMS = AM_TILE * LD;  // one 64-row tile
 };
 
-// Rows r0..r0 + 63 of the bf16 matrix at src (rows ld apart, HD contiguous) into the row-major
-// tile dst by cp.async, zeros from row `rows` on. 16-byte chunks, consecutive threads along a row.
-template <int HD> __device__ __forceinline__ void fa_load(u16* dst, const bf16* src, i64 ld, i64 r0, i64 rows) {
+// Rows r0..r0 + ROWS - 1 of the bf16 matrix at src (rows ld apart, HD contiguous) into the
+// row-major tiles at dst by cp.async, zeros from row `rows` on. 16-byte chunks, consecutive
+// threads along a row.
+template <int HD, int ROWS = AM_TILE> __device__ __forceinline__ void fa_load(u16* dst, const bf16* src, i64 ld, i64 r0, i64 rows) {
     constexpr int CPR = HD / 8;
 #pragma unroll
-    for (int i = 0; i < AM_TILE * CPR / 128; ++i) {
+    for (int i = 0; i < ROWS * CPR / 128; ++i) {
         const int c = threadIdx.x + 128 * i, r = c / CPR, k = (c % CPR) * 8;
         const bool in = r0 + r < rows;
         fa_cp_async<16>(dst + r * FaTile<HD>::LD + k, in ? src + (r0 + r) * ld + k : src, in ? 16 : 0);
@@ -139,20 +144,20 @@ __device__ __forceinline__ void fa_load_row_floats(f32* dst, const f32* src, i64
     fa_cp_async<4>(dst + r, in ? src + r0 + r : src, in ? 4 : 0);
 }
 
-// Where a block is: its batch matrix and first row (or key), heads interleaved so that blocks of
-// one tile index run together, the tile order reversed where `last_first` (the heaviest tiles of
-// a causal forward or dQ are the last ones).
+// Where a block of `block_rows` rows (or keys) is: its batch matrix and first row, heads
+// interleaved so that blocks of one tile index run together, the tile order reversed where
+// `last_first` (the heaviest tiles of a causal forward or dQ are the last ones).
 struct FaPlace {
     i64 bi, r0;
     AttnOff off;
     int w, lane, g, qd;
 };
-__device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool last_first) {
+__device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool last_first, int block_rows) {
     FaPlace p;
-    const i64 heads = a.dims[0] * a.dims[1] * a.dims[2] * a.dims[3], tiles = (extent + AM_TILE - 1) / AM_TILE;
+    const i64 heads = a.dims[0] * a.dims[1] * a.dims[2] * a.dims[3], tiles = (extent + block_rows - 1) / block_rows;
     const i64 tile = blockIdx.x / heads;
     p.bi = blockIdx.x % heads;
-    p.r0 = (last_first ? tiles - 1 - tile : tile) * AM_TILE;
+    p.r0 = (last_first ? tiles - 1 - tile : tile) * block_rows;
     p.off = attn_offsets(a, p.bi);
     p.w = threadIdx.x >> 5;
     p.lane = threadIdx.x & 31;
@@ -161,14 +166,15 @@ __device__ __forceinline__ FaPlace fa_place(const AttnShape& a, i64 extent, bool
     return p;
 }
 
-// s (16 x 64 of one warp: its rows r0 + g, + 8, its columns c0 + 8j + 2qd + (e & 1)) with -inf
+// s (16 x 8·NJ of one warp: its rows r0 + g, + 8, its columns c0 + 8j + 2qd + (e & 1)) with -inf
 // from column `cols` on and, where causal, where the key is past the query: rows are queries and
 // columns keys, or (KEY_ROWS, the dK/dV kernel's transposed scores) rows are keys and columns
 // queries. Only a tile that reaches past the diagonal or the matrix needs it. Scores stay
 // unscaled: the scale (> 0, the dispatcher checks) goes into the exp2's FMA.
-template <bool KEY_ROWS> __device__ __forceinline__ void fa_mask(f32 s[8][4], bool causal, int r0, int c0, int cols, int g, int qd) {
+template <bool KEY_ROWS, int NJ = 8>
+__device__ __forceinline__ void fa_mask(f32 s[NJ][4], bool causal, int r0, int c0, int cols, int g, int qd) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = r0 + g + 8 * (e >> 1), c = c0 + 8 * j + 2 * qd + (e & 1);
@@ -177,84 +183,116 @@ template <bool KEY_ROWS> __device__ __forceinline__ void fa_mask(f32 s[8][4], bo
         }
 }
 
-// s[j] (16 x 8 accumulators, j < 8) += A · Bᵀ over HD: A the 16 x HD fragments of rows a_r0 of
-// tile `at`, B the 64 rows of tile `bt` (both row-major, HD contiguous).
-template <int HD>
-__device__ __forceinline__ void fa_dots(f32 s[8][4], const u16* at, int a_r0, const u32 (*a_regs)[4], const u16* bt, int lane) {
+// s[m][j] (16 x 8 accumulators, j < NJ) = A · Bᵀ over HD: A the 16 x HD fragments of rows
+// a_r0 + 16m (m < MT) of tile `at` (or a_regs[m]), B the 8·NJ rows from bt (both row-major, HD
+// contiguous). Each B fragment serves the warp's MT row tiles.
+template <int HD, int MT, int NJ = 8>
+__device__ __forceinline__ void fa_dots(f32 s[MT][NJ][4], const u16* at, int a_r0, const u32 (*a_regs)[HD / 16][4], const u16* bt,
+                                        int lane) {
     constexpr int LD = FaTile<HD>::LD;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[m][j][e] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < HD / 16; ++kk) {
-        u32 a[4];
-        if (a_regs) {
+        u32 a[MT][4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = a_regs[kk][i];
-        } else {
-            fa_a(a, at, LD, a_r0, 16 * kk, lane);
+        for (int m = 0; m < MT; ++m) {
+            if (a_regs) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) a[m][i] = a_regs[m][kk][i];
+            } else {
+                fa_a(a[m], at, LD, a_r0 + 16 * m, 16 * kk, lane);
+            }
         }
 #pragma unroll
-        for (int j = 0; j < 8; j += 2) {
+        for (int j = 0; j < NJ; j += 2) {
             u32 b[4];
             fa_b_rows(b, bt, LD, 8 * j, 16 * kk, lane);
-            am_mma(s[j], a, b[0], b[1]);
-            am_mma(s[j + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                am_mma(s[m][j], a[m], b[0], b[1]);
+                am_mma(s[m][j + 1], a[m], b[2], b[3]);
+            }
         }
     }
 }
 
-// acc[n] (16 x 8, n < HD / 8) += P · X: P the warp's 16 x 64 accumulators (rounded to bf16 as
-// A fragments), X the 64 rows of the row-major tile xt (k = its rows, n = d).
-template <int HD> __device__ __forceinline__ void fa_accumulate(f32 acc[HD / 8][4], const f32 p[8][4], const u16* xt, int lane) {
+// acc[m][n] (16 x 8, n < HD / 8) += P[m] · X: P the warp's MT 16 x 8·NJ accumulator tiles
+// (rounded to bf16 as A fragments), X the 8·NJ rows from xt (k = its rows, n = d).
+template <int HD, int MT, int NJ = 8>
+__device__ __forceinline__ void fa_accumulate(f32 acc[MT][HD / 8][4], const f32 p[MT][NJ][4], const u16* xt, int lane) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-        u32 a[4];
-        am_c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+    for (int kk = 0; kk < NJ / 2; ++kk) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) am_c_to_a(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             u32 b[4];
             fa_b_cols(b, xt, FaTile<HD>::LD, 16 * kk, 8 * n, lane);
-            am_mma(acc[n], a, b[0], b[1]);
-            am_mma(acc[n + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                am_mma(acc[m][n], a[m], b[0], b[1]);
+                am_mma(acc[m][n + 1], a[m], b[2], b[3]);
+            }
         }
     }
 }
 
-template <int HD> __device__ __forceinline__ void fa_zero(f32 acc[HD / 8][4]) {
+template <int HD, int MT> __device__ __forceinline__ void fa_zero(f32 acc[MT][HD / 8][4]) {
 #pragma unroll
-    for (int n = 0; n < HD / 8; ++n)
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+        for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 }
 
-// Rows row0 + g, + 8 of acc · mul (rows below `rows` only) as bf16 pairs at dst + row·ld + d.
-template <int HD>
-__device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[HD / 8][4], const f32 mul[2], i64 row0, i64 rows, int g, int qd) {
+// Rows row0 + 16m + g, + 8 of acc[m] · mul[m] (rows below `rows` only) as bf16 pairs at
+// dst + row·ld + d.
+template <int HD, int MT>
+__device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[MT][HD / 8][4], const f32 mul[MT][2], i64 row0, i64 rows, int g,
+                                         int qd) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 row = row0 + g + 8 * h;
-        if (row >= rows) continue;
-        u32* out = reinterpret_cast<u32*>(dst + row * ld + 2 * qd);
+    for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int n = 0; n < HD / 8; ++n) out[4 * n] = am_pack(acc[n][2 * h] * mul[h], acc[n][2 * h + 1] * mul[h]);
-    }
+        for (int h = 0; h < 2; ++h) {
+            const i64 row = row0 + 16 * m + g + 8 * h;
+            if (row >= rows) continue;
+            u32* out = reinterpret_cast<u32*>(dst + row * ld + 2 * qd);
+#pragma unroll
+            for (int n = 0; n < HD / 8; ++n) out[4 * n] = am_pack(acc[m][n][2 * h] * mul[m][h], acc[m][n][2 * h + 1] * mul[m][h]);
+        }
 }
 
-// A forward or dQ block: where it is, T and S, its first row t0, its warp's first row, the key
-// tiles it walks (causal: up to its diagonal), and K and V at its batch entry. Lengths are below
-// 2^30 (the dispatcher checks).
+// A forward or dQ block of 64 · MT query rows (warp w: rows 16·MT·w..+16·MT): where it is, T and
+// S, its first row t0, its warp's first row, the key tiles it walks (causal: up to its last
+// row's diagonal), and K and V at its batch entry. Lengths are below 2^30 (the dispatcher checks).
 struct FaRows {
     FaPlace at;
     int T, S, t0, row0, tiles;
     const bf16 *kb, *vb;
 };
-__device__ __forceinline__ FaRows fa_rows(const AttnShape& a, const bf16* k, const bf16* v, i32 causal) {
-    const FaPlace at = fa_place(a, a.T, causal != 0);
+template <int MT> __device__ __forceinline__ FaRows fa_rows(const AttnShape& a, const bf16* k, const bf16* v, i32 causal) {
+    const FaPlace at = fa_place(a, a.T, causal != 0, AM_TILE * MT);
     const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0;
-    const int s_end = causal ? min(S, t0 + AM_TILE) : S;
-    return FaRows{at, T, S, t0, t0 + 16 * at.w, (s_end + AM_TILE - 1) / AM_TILE, k + at.off.k, v + at.off.v};
+    const int s_end = causal ? min(S, t0 + AM_TILE * MT) : S;
+    return FaRows{at, T, S, t0, t0 + 16 * MT * at.w, (s_end + AM_TILE - 1) / AM_TILE, k + at.off.k, v + at.off.v};
+}
+
+// Whether key tile s0 needs the mask for a warp whose rows start at row0: it reaches past the
+// matrix, or (causal) past the warp's first row.
+__device__ __forceinline__ bool fa_tile_masked(int s0, int S, bool causal, int row0) {
+    return s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0);
+}
+// Whether a causal key tile starts past the warp's last row: nothing in it for this warp (only
+// with MT > 1, whose block's last tile lies past its first warps' rows).
+template <int MT> __device__ __forceinline__ bool fa_tile_dead(int s0, bool causal, int row0) {
+    return MT > 1 && causal && s0 > row0 + 16 * MT - 1;
 }
 
 // Tile j + 1 of K and V (of `tiles`) into the buffers tile j - 1 used (the caller's barrier after
@@ -276,156 +314,188 @@ __device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const bf16* kb, con
 
 // ---- forward ----
 
-template <int HD>
+template <int HD, int MT>
 __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16* v, bf16* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
     constexpr int LD = FaTile<HD>::LD, E = FaTile<HD>::ELEMS;
-    u16* qs = smem;        // Q [64][HD]
-    u16* ks = qs + E;      // K [2][64 keys][HD]
-    u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
-    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows(a, k, v, causal);
-    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
+    u16* qs = smem;         // Q [64 · MT][HD]
+    u16* ks = qs + MT * E;  // K [2][64 keys][HD]
+    u16* vs = ks + 2 * E;   // V [2][64 keys][HD]
+    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows<MT>(a, k, v, causal);
+    const int lane = at.lane, g = at.g, qd = at.qd;
+    fa_load<HD, AM_TILE * MT>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
     fa_load<HD>(vs, vb, a.v_s, 0, S);
     fa_commit();
     const f32 sl2 = scale * FA_LOG2E;
-    f32 m[2] = {-ATT_INF, -ATT_INF}, l[2] = {0.f, 0.f}, acc[HD / 8][4];
-    fa_zero<HD>(acc);
-    u32 qa[HD / 16][4];
+    f32 m[MT][2], l[MT][2], acc[MT][HD / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) m[mt][h] = -ATT_INF, l[mt][h] = 0.f;
+    fa_zero<HD, MT>(acc);
+    u32 qa[MT][HD / 16][4];
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
         fa_next_kv<HD>(ks, vs, kb, vb, a, j, tiles, S);
         __syncthreads();
         if (j == 0)
 #pragma unroll
-            for (int kk = 0; kk < HD / 16; ++kk) fa_a(qa[kk], qs, LD, 16 * w, 16 * kk, lane);
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < HD / 16; ++kk) fa_a(qa[mt][kk], qs, LD, row0 - t0 + 16 * mt, 16 * kk, lane);
         const int s0 = j * AM_TILE;
-        f32 s[8][4];
-        fa_dots<HD>(s, nullptr, 0, qa, ks + buf * E, lane);
-        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask<false>(s, causal != 0, row0, s0, S, g, qd);
-        f32 mx[2] = {m[0], m[1]};
+        if (!fa_tile_dead<MT>(s0, causal != 0, row0)) {
+            f32 s[MT][8][4];
+            fa_dots<HD, MT>(s, nullptr, 0, qa, ks + buf * E, lane);
+            if (fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+                for (int mt = 0; mt < MT; ++mt) fa_mask<false>(s[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd);
 #pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[jj][e]);
-        f32 base[2], corr[2], sum[2] = {0.f, 0.f};
+            for (int mt = 0; mt < MT; ++mt) {
+                f32 mx[2] = {m[mt][0], m[mt][1]};
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = am_quad_max(mx[h]);
-            base[h] = mx[h] == -ATT_INF ? 0.f : mx[h] * sl2;  // a row with no key yet: p and corr stay 0
-            corr[h] = fa_exp2(m[h] * sl2 - base[h]);
-            m[h] = mx[h];
-        }
+                for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+                    for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][jj][e]);
+                f32 base[2], corr[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const f32 p = fa_exp2(fmaf(s[jj][e], sl2, -base[e >> 1]));
-                s[jj][e] = p;
-                sum[e >> 1] += p;
+                for (int h = 0; h < 2; ++h) {
+                    mx[h] = am_quad_max(mx[h]);
+                    base[h] = mx[h] == -ATT_INF ? 0.f : mx[h] * sl2;  // a row with no key yet: p and corr stay 0
+                    corr[h] = fa_exp2(m[mt][h] * sl2 - base[h]);
+                    m[mt][h] = mx[h];
+                }
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const f32 p = fa_exp2(fmaf(s[mt][jj][e], sl2, -base[e >> 1]));
+                        s[mt][jj][e] = p;
+                        sum[e >> 1] += p;
+                    }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) l[mt][h] = l[mt][h] * corr[h] + am_quad_sum(sum[h]);
+#pragma unroll
+                for (int n = 0; n < HD / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][n][e] *= corr[e >> 1];
             }
-#pragma unroll
-        for (int h = 0; h < 2; ++h) l[h] = l[h] * corr[h] + am_quad_sum(sum[h]);
-#pragma unroll
-        for (int n = 0; n < HD / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
-        fa_accumulate<HD>(acc, s, vs + buf * E, lane);
+            fa_accumulate<HD, MT>(acc, s, vs + buf * E, lane);
+        }
         __syncthreads();  // this buffer is read: the next iteration but one refills it
     }
-    const f32 inv[2] = {1.f / l[0], 1.f / l[1]};
-    fa_store<HD>(o + at.off.o, a.o_t, acc, inv, row0, T, g, qd);
+    f32 inv[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) inv[mt][h] = 1.f / l[mt][h];
+    fa_store<HD, MT>(o + at.off.o, a.o_t, acc, inv, row0, T, g, qd);
     if (qd == 0)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const i64 row = row0 + g + 8 * h;
-            if (row < T) lse[at.bi * T + row] = m[h] * scale + logf(l[h]);
-        }
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 row = row0 + 16 * mt + g + 8 * h;
+                if (row < T) lse[at.bi * T + row] = m[mt][h] * scale + logf(l[mt][h]);
+            }
 }
 
 // ---- backward: dQ (and Δ) ----
 
-template <int HD>
+template <int HD, int MT>
 __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse,
                                           f32* delta, bf16* dq, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
-    constexpr int E = FaTile<HD>::ELEMS;
-    u16* qs = smem;        // Q [64][HD]
-    u16* dos = qs + E;     // dO [64][HD]
-    u16* ks = dos + E;     // K [2][64 keys][HD]
-    u16* vs = ks + 2 * E;  // V [2][64 keys][HD]
-    ORT_SHARED(f32, delta_s, [AM_TILE]);
-    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows(a, k, v, causal);
-    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    fa_load<HD>(qs, q + at.off.q, a.q_t, t0, T);
-    fa_load<HD>(dos, dout + at.off.o, a.o_t, t0, T);
+    constexpr int E = FaTile<HD>::ELEMS, ROWS = AM_TILE * MT;
+    u16* qs = smem;          // Q [64 · MT][HD]
+    u16* dos = qs + MT * E;  // dO [64 · MT][HD]
+    u16* ks = dos + MT * E;  // K [2][64 keys][HD]
+    u16* vs = ks + 2 * E;    // V [2][64 keys][HD]
+    ORT_SHARED(f32, delta_s, [ROWS]);
+    const auto [at, T, S, t0, row0, tiles, kb, vb] = fa_rows<MT>(a, k, v, causal);
+    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd, wr = row0 - t0;
+    fa_load<HD, ROWS>(qs, q + at.off.q, a.q_t, t0, T);
+    fa_load<HD, ROWS>(dos, dout + at.off.o, a.o_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
     fa_load<HD>(vs, vb, a.v_s, 0, S);
     fa_commit();
-    am_delta_rows<HD>(delta_s, dout + at.off.o, o + at.off.o, a.o_t, T, t0, w, lane);
+#pragma unroll
+    for (int i = 0; i < MT; ++i) am_delta_rows<HD>(delta_s + AM_TILE * i, dout + at.off.o, o + at.off.o, a.o_t, T, t0 + AM_TILE * i, w, lane);
     __syncthreads();
-    for (int r = threadIdx.x; r < AM_TILE; r += blockDim.x)
+    for (int r = threadIdx.x; r < ROWS; r += blockDim.x)
         if (t0 + r < T) delta[at.bi * T + t0 + r] = delta_s[r];
     const f32 sl2 = scale * FA_LOG2E;
-    f32 lse2[2], drow[2];
+    f32 lse2[MT][2], drow[MT][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const i64 row = row0 + g + 8 * h;
-        lse2[h] = row < T ? lse[at.bi * T + row] * FA_LOG2E : 0.f;
-        drow[h] = delta_s[16 * w + g + 8 * h];
-    }
-    f32 acc[HD / 8][4];
-    fa_zero<HD>(acc);
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 row = row0 + 16 * mt + g + 8 * h;
+            lse2[mt][h] = row < T ? lse[at.bi * T + row] * FA_LOG2E : 0.f;
+            drow[mt][h] = delta_s[wr + 16 * mt + g + 8 * h];
+        }
+    f32 acc[MT][HD / 8][4];
+    fa_zero<HD, MT>(acc);
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
         fa_next_kv<HD>(ks, vs, kb, vb, a, j, tiles, S);
         __syncthreads();
         const int s0 = j * AM_TILE;
-        const u16 *kt = ks + buf * E, *vt = vs + buf * E;
-        f32 p[8][4], dp[8][4];
-        fa_dots<HD>(p, qs, 16 * w, nullptr, kt, lane);
-        if (s0 + AM_TILE > S || (causal && s0 + AM_TILE - 1 > row0)) fa_mask<false>(p, causal != 0, row0, s0, S, g, qd);
-        fa_dots<HD>(dp, dos, 16 * w, nullptr, vt, lane);  // dP = dO · Vᵀ
+        if (!fa_tile_dead<MT>(s0, causal != 0, row0)) {
+            const u16 *kt = ks + buf * E, *vt = vs + buf * E;
+            f32 p[MT][8][4], dp[MT][8][4];
+            fa_dots<HD, MT>(p, qs, wr, nullptr, kt, lane);
+            if (fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+                for (int mt = 0; mt < MT; ++mt) fa_mask<false>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd);
+            fa_dots<HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const f32 pe = fa_exp2(fmaf(p[jj][e], sl2, -lse2[e >> 1]));
-                dp[jj][e] = pe * (dp[jj][e] - drow[e >> 1]);  // dS
-            }
-        fa_accumulate<HD>(acc, dp, kt, lane);  // dQ += dS · K
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const f32 pe = fa_exp2(fmaf(p[mt][jj][e], sl2, -lse2[mt][e >> 1]));
+                        dp[mt][jj][e] = pe * (dp[mt][jj][e] - drow[mt][e >> 1]);  // dS
+                    }
+            fa_accumulate<HD, MT>(acc, dp, kt, lane);  // dQ += dS · K
+        }
         __syncthreads();
     }
-    const f32 mul[2] = {scale, scale};
-    fa_store<HD>(dq + at.off.gq, a.q_t, acc, mul, row0, T, g, qd);
+    f32 mul[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) mul[mt][0] = mul[mt][1] = scale;
+    fa_store<HD, MT>(dq + at.off.gq, a.q_t, acc, mul, row0, T, g, qd);
 }
 
 // ---- backward: dK, dV ----
 
-// A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
-// tiles (causal: from its own diagonal on): Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD>
+// A block owns 64 · MT keys (warp w: keys 16·MT·w..+16·MT as the rows of its products) and walks
+// the query tiles of 64 rows (causal: from its own diagonal on), each in MT parts of 64 / MT
+// queries (the accumulators of 16·MT keys leave registers for that many score columns):
+// Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
+template <int HD, int MT>
 __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse,
                                            const f32* delta, bf16* dk, bf16* dv, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
-    constexpr int E = FaTile<HD>::ELEMS;
-    u16* ks = smem;         // K [64 keys][HD]
-    u16* vs = ks + E;       // V [64 keys][HD]
-    u16* qs = vs + E;       // Q [2][64 rows][HD]
-    u16* dos = qs + 2 * E;  // dO [2][64 rows][HD]
+    constexpr int LD = FaTile<HD>::LD, E = FaTile<HD>::ELEMS, QP = AM_TILE / MT, NJ = QP / 8;
+    u16* ks = smem;            // K [64 · MT keys][HD]
+    u16* vs = ks + MT * E;     // V [64 · MT keys][HD]
+    u16* qs = vs + MT * E;     // Q [2][64 rows][HD]
+    u16* dos = qs + 2 * E;     // dO [2][64 rows][HD]
     f32* lse_s = reinterpret_cast<f32*>(dos + 2 * E);  // LSE [2][64]
     f32* dl_s = lse_s + 2 * AM_TILE;                    // Δ [2][64]
-    const FaPlace at = fa_place(a, a.S, false);
-    const int T = (int)a.T, S = (int)a.S, s0 = (int)at.r0, key0 = s0 + 16 * at.w;  // < 2^31 (the dispatcher checks)
-    const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
+    const FaPlace at = fa_place(a, a.S, false, AM_TILE * MT);
+    const int T = (int)a.T, S = (int)a.S, s0 = (int)at.r0, wk = 16 * MT * at.w, key0 = s0 + wk;  // < 2^31 (the dispatcher checks)
+    const int lane = at.lane, g = at.g, qd = at.qd;
     const bf16 *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
     const int t_begin = causal ? s0 : 0;  // causal: rows before the block's first key see none of its keys
     const int tiles = (T - t_begin + AM_TILE - 1) / AM_TILE;
-    fa_load<HD>(ks, k + at.off.k, a.k_s, s0, S);
-    fa_load<HD>(vs, v + at.off.v, a.v_s, s0, S);
+    fa_load<HD, AM_TILE * MT>(ks, k + at.off.k, a.k_s, s0, S);
+    fa_load<HD, AM_TILE * MT>(vs, v + at.off.v, a.v_s, s0, S);
     if (tiles > 0) {
         fa_load<HD>(qs, qb, a.q_t, t_begin, T);
         fa_load<HD>(dos, dob, a.o_t, t_begin, T);
@@ -434,9 +504,9 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     }
     fa_commit();
     const f32 sl2 = scale * FA_LOG2E;
-    f32 acc_k[HD / 8][4], acc_v[HD / 8][4];
-    fa_zero<HD>(acc_k);
-    fa_zero<HD>(acc_v);
+    f32 acc_k[MT][HD / 8][4], acc_v[MT][HD / 8][4];
+    fa_zero<HD, MT>(acc_k);
+    fa_zero<HD, MT>(acc_v);
     for (int j = 0; j < tiles; ++j) {
         const int buf = j & 1;
         const int t0 = t_begin + j * AM_TILE;
@@ -452,48 +522,69 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
             fa_wait<0>();
         }
         __syncthreads();
-        const u16 *qt = qs + buf * E, *dot = dos + buf * E;
-        const f32 *lr = lse_s + buf * AM_TILE, *dr = dl_s + buf * AM_TILE;
-        f32 p[8][4], dp[8][4];
-        fa_dots<HD>(p, ks, 16 * w, nullptr, qt, lane);  // Sᵀ: element (key, row 8j + 2qd + (e & 1))
-        if (t0 + AM_TILE > T || (causal && t0 < key0 + 15)) fa_mask<true>(p, causal != 0, key0, t0, T, g, qd);
-        fa_dots<HD>(dp, vs, 16 * w, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+        for (int part = 0; part < MT; ++part) {
+            const int tq = t0 + QP * part;  // the part's first query
+            if (causal && tq + QP - 1 < key0) continue;  // every key of the warp past every query of the part
+            const u16 *qt = qs + buf * E + QP * part * LD, *dot = dos + buf * E + QP * part * LD;
+            const f32 *lr = lse_s + buf * AM_TILE + QP * part, *dr = dl_s + buf * AM_TILE + QP * part;
+            f32 p[MT][NJ][4], dp[MT][NJ][4];
+            fa_dots<HD, MT, NJ>(p, ks, wk, nullptr, qt, lane);  // Sᵀ: element (key, query 8j + 2qd + (e & 1))
+            if (tq + QP > T || (causal && tq < key0 + 16 * MT - 1))
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = 8 * jj + 2 * qd + (e & 1);
-                const f32 pe = fa_exp2(fmaf(p[jj][e], sl2, -lr[r] * FA_LOG2E));
-                p[jj][e] = pe;
-                dp[jj][e] = pe * (dp[jj][e] - dr[r]);  // dSᵀ
-            }
-        fa_accumulate<HD>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
-        fa_accumulate<HD>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
+                for (int mt = 0; mt < MT; ++mt) fa_mask<true, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd);
+            fa_dots<HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = 8 * jj + 2 * qd + (e & 1);
+                        const f32 pe = fa_exp2(fmaf(p[mt][jj][e], sl2, -lr[r] * FA_LOG2E));
+                        p[mt][jj][e] = pe;
+                        dp[mt][jj][e] = pe * (dp[mt][jj][e] - dr[r]);  // dSᵀ
+                    }
+            fa_accumulate<HD, MT, NJ>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
+            fa_accumulate<HD, MT, NJ>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
+        }
         __syncthreads();
     }
-    const f32 one[2] = {1.f, 1.f}, mul[2] = {scale, scale};
-    fa_store<HD>(dk + at.off.gk, a.k_s, acc_k, mul, key0, S, g, qd);
-    fa_store<HD>(dv + at.off.gv, a.v_s, acc_v, one, key0, S, g, qd);
+    f32 one[MT][2], mul[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) one[mt][0] = one[mt][1] = 1.f, mul[mt][0] = mul[mt][1] = scale;
+    fa_store<HD, MT>(dk + at.off.gk, a.k_s, acc_k, mul, key0, S, g, qd);
+    fa_store<HD, MT>(dv + at.off.gv, a.v_s, acc_v, one, key0, S, g, qd);
 }
 
-#define FA_KERNELS(HD, BLOCKS)                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##_bf16(const bf16* q, const bf16* k, const bf16* v,  \
-                                                                                     bf16* o, f32* lse, AttnShape a, f32 scale,   \
-                                                                                     i32 causal) {                                 \
-        fa_fwd<HD>(q, k, v, o, lse, a, scale, causal);                                                                             \
+// One forward and one dQ kernel of MT m16 row tiles a warp (64 · MT query rows a block), named
+// with SUFFIX; BLOCKS: blocks an SM must hold (ptxas keeps their registers to fit).
+#define FA_ROW_KERNELS(HD, MT, SUFFIX, BLOCKS)                                                                                          \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##SUFFIX##_bf16(                                \
+        const bf16* q, const bf16* k, const bf16* v, bf16* o, f32* lse, AttnShape a, f32 scale, i32 causal) {                         \
+        fa_fwd<HD, MT>(q, k, v, o, lse, a, scale, causal);                                                                          \
     }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##_bf16(                                         \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##SUFFIX##_bf16(                             \
         const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse, f32* delta, bf16* dq,          \
         AttnShape a, f32 scale, i32 causal) {                                                                                       \
-        fa_bwd_dq<HD>(dout, q, k, v, o, lse, delta, dq, a, scale, causal);                                                         \
-    }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##_bf16(                                        \
+        fa_bwd_dq<HD, MT>(dout, q, k, v, o, lse, delta, dq, a, scale, causal);                                                      \
+    }
+// One dK/dV kernel of MT m16 key tiles a warp (64 · MT keys a block).
+#define FA_DKV_KERNEL(HD, MT, SUFFIX)                                                                                               \
+    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##SUFFIX##_bf16(                                \
         const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse, const f32* delta, bf16* dk, bf16* dv,         \
         AttnShape a, f32 scale, i32 causal) {                                                                                       \
-        fa_bwd_dkv<HD>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal);                                                       \
+        fa_bwd_dkv<HD, MT>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal);                                                   \
     }
-// BLOCKS: blocks an SM must hold of the forward and dQ kernels (ptxas keeps their registers to
-// fit): heads of 64 get 3 (12 warps) at 168 registers a thread, where unbounded ptxas takes
-// 182 (forward) and 203 (dQ), which leave 2; the price is 4 bytes of dQ spills (NVRTC 13.0).
-FA_KERNELS(64, 3)
-FA_KERNELS(128, 1)
+// Heads of 64, 64-row blocks: 3 blocks (12 warps) an SM at 168 registers a thread, where unbounded
+// ptxas takes 182 (forward) and 203 (dQ), which leave 2; the price is 24 bytes of dQ spills
+// (NVRTC 13.0). 128-row blocks (r128: 32 rows or keys a warp, each fragment of the other operand
+// read from shared memory once for two row tiles: the forward's and dQ's shared-memory traffic
+// per FLOP halved, dK/dV's cut by a third): 255 registers, 2 blocks an SM, 4 (forward), 36 (dQ)
+// and 48 (dK/dV) bytes of spills.
+FA_ROW_KERNELS(64, 1, , 3)
+FA_ROW_KERNELS(64, 2, r128, 2)
+FA_ROW_KERNELS(128, 1, , 1)
+FA_DKV_KERNEL(64, 1, )
+FA_DKV_KERNEL(64, 2, r128)
+FA_DKV_KERNEL(128, 1, )

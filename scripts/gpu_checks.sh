@@ -20,7 +20,8 @@
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast with the older tensor-core
-#              attention kernels instead of the flash ones (+no_flash_attention), without stops 30-31's
+#              attention kernels instead of the flash ones (+no_flash_attention), with the flash
+#              forward and dQ in 64-row blocks instead of 128 (+flash_rows64), without stops 30-31's
 #              passes (+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum
 #              +no_fuse_residual_linear),
 #              ortrain+fuse_attention, ortrain,
@@ -185,7 +186,7 @@ if has profile; then
 fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has pytest; then
     section "pytest -m gpu"

@@ -28,6 +28,8 @@ def test_ortrain_systems_name_their_passes():
     assert pass_environment(["fuse_attention", "autocast", "no_flash_attention"]) == {
         "ORTRAIN_ENABLE_PASSES": "fuse_attention,autocast", "ORTRAIN_DISABLE_PASSES": "",
         "ORTRAIN_FLASH_ATTENTION": "0"}
+    assert pass_environment(["fuse_attention", "flash_rows64"]) == {
+        "ORTRAIN_ENABLE_PASSES": "fuse_attention", "ORTRAIN_DISABLE_PASSES": "", "ORTRAIN_FLASH_ROWS": "64"}
 
 
 def test_unknown_systems_are_refused_by_name():

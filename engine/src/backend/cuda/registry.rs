@@ -297,14 +297,18 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_flash",
         [
-            g(&["attention_flash_fwd_d64", "attention_flash_fwd_d128"], BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]),
             g(
-                &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d128"],
+                &["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"],
+                BF16,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
+            ),
+            g(
+                &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"],
                 BF16,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
             ),
             g(
-                &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d128"],
+                &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"],
                 BF16,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
             ),

@@ -3,7 +3,10 @@
 //! keys with d contiguous (layout BSHD), every row 16-byte aligned. Everything else keeps the
 //! kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
 //! plan replayed from a CUDA graph keeps what it was recorded with): for timing the two kernel
-//! families against each other on a GPU.
+//! families against each other on a GPU. Heads of 64 run in blocks of 128 query rows (forward,
+//! dQ) or keys (dK/dV), 32 a warp, so that each fragment read from shared memory serves two row
+//! tiles; `ORTRAIN_FLASH_ROWS=64` gives them blocks of 64 (16 a warp), for timing one against
+//! the other.
 
 use super::CudaCtx;
 use crate::backend::cuda::abi::AttnShape;
@@ -14,6 +17,7 @@ use crate::ops::attention::AttnLayout;
 use crate::tensor::DType;
 
 pub const ENV_FLASH: &str = "ORTRAIN_FLASH_ATTENTION";
+pub const ENV_FLASH_ROWS: &str = "ORTRAIN_FLASH_ROWS";
 
 /// Rows per block and the bf16 padding of a shared row (kernels/attention_mma_stage.cuh AM_TILE,
 /// AM_PAD).
@@ -22,6 +26,23 @@ const PAD: usize = 8;
 
 fn enabled() -> bool {
     std::env::var(ENV_FLASH).map_or(true, |v| v.trim() != "0")
+}
+
+/// Query rows per forward and dQ block, keys per dK/dV block: 128 for heads of 64 unless
+/// `ORTRAIN_FLASH_ROWS` says 64; 64 for heads of 128 (two row tiles a warp would not fit the
+/// registers).
+fn block_rows(hd: usize) -> std::result::Result<usize, String> {
+    let rows = rows_setting(std::env::var(ENV_FLASH_ROWS).ok().as_deref())?;
+    Ok(if hd == 64 { rows } else { TILE })
+}
+
+/// The value of `ORTRAIN_FLASH_ROWS` (None: unset) as block rows.
+fn rows_setting(value: Option<&str>) -> std::result::Result<usize, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("128") => Ok(128),
+        Some("64") => Ok(64),
+        Some(other) => Err(format!("{ENV_FLASH_ROWS}={other:?}: allowed values are 64 and 128")),
+    }
 }
 
 /// An attention the flash kernels take: their instance ("d64", "d128") and the launch's shape.
@@ -66,9 +87,17 @@ fn smem(hd: usize, tiles: usize, floats: usize) -> u32 {
 }
 
 impl Flash<'_> {
-    fn grid(&self, node: &Node, rows: usize, shared: u32) -> Result<Grid> {
-        let blocks = u32::try_from(self.l.batch_count() * rows.div_ceil(TILE)).map_err(|_| node.err("attention grid too large"))?;
+    fn grid(&self, node: &Node, rows: usize, block_rows: usize, shared: u32) -> Result<Grid> {
+        let blocks = u32::try_from(self.l.batch_count() * rows.div_ceil(block_rows)).map_err(|_| node.err("attention grid too large"))?;
         Ok(Grid { blocks, threads: 128, shared })
+    }
+
+    /// A kernel's name (`kind` "fwd", "bwd_dq" or "bwd_dkv"), its block rows (or keys) and the
+    /// number of 64-row tiles each of its whole-block operands takes in shared memory.
+    fn row_kernel(&self, node: &Node, kind: &str) -> Result<(String, usize, usize)> {
+        let rows = block_rows(self.l.d).map_err(|e| node.err(e))?;
+        let suffix = if rows == TILE { "" } else { "r128" };
+        Ok((format!("attention_flash_{kind}_{}{suffix}_bf16", self.hd), rows, rows / TILE))
     }
 
     /// Attention(Q, K, V) -> (O, LSE).
@@ -85,22 +114,41 @@ impl Flash<'_> {
             KArg::F32(scale),
             KArg::I32(self.causal as i32),
         ];
-        let g = self.grid(node, self.l.t, smem(self.l.d, 5, 0))?;
-        ctx.rt.launch(ctx.stream, &format!("attention_flash_fwd_{}_bf16", self.hd), g, &args)
+        let (name, rows, q_tiles) = self.row_kernel(node, "fwd")?;
+        let g = self.grid(node, self.l.t, rows, smem(self.l.d, q_tiles + 4, 0))?; // Q, K and V twice
+        ctx.rt.launch(ctx.stream, &name, g, &args)
     }
 
     /// AttentionGrad(dO, Q, K, V, -, O, LSE) -> (dQ, dK, dV): the dQ kernel (which writes
     /// Δ = Σ dO·O per row into the runtime's scratch), then the dK/dV kernel that reads it, on
     /// one stream. `ins`: dO, Q, K, V, O, LSE; `outs`: dQ, dK, dV.
     pub fn backward(&self, node: &Node, ins: [u64; 6], outs: [u64; 3], ctx: &mut CudaCtx) -> Result<()> {
-        let (l, hd) = (self.l, self.hd);
+        let l = self.l;
         let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
         let delta = ctx.rt.scratch(4 * l.batch_count() * l.t)?;
         let [dout, q, k, v, o, lse] = ins.map(KArg::Ptr);
         let (c, shape, p) = (KArg::I32(self.causal as i32), KArg::AttnShape(self.a), KArg::Ptr);
         let dq = [dout, q, k, v, o, lse, p(delta), p(outs[0]), shape, scale, c];
-        ctx.rt.launch(ctx.stream, &format!("attention_flash_bwd_dq_{hd}_bf16"), self.grid(node, l.t, smem(l.d, 6, 0))?, &dq)?;
+        let (name, rows, q_tiles) = self.row_kernel(node, "bwd_dq")?;
+        let g = self.grid(node, l.t, rows, smem(l.d, 2 * q_tiles + 4, 0))?; // Q, dO, K and V twice
+        ctx.rt.launch(ctx.stream, &name, g, &dq)?;
         let dkv = [dout, q, k, v, lse, p(delta), p(outs[1]), p(outs[2]), shape, scale, c];
-        ctx.rt.launch(ctx.stream, &format!("attention_flash_bwd_dkv_{hd}_bf16"), self.grid(node, l.s, smem(l.d, 6, 4 * TILE))?, &dkv)
+        let (name, keys, k_tiles) = self.row_kernel(node, "bwd_dkv")?;
+        let g = self.grid(node, l.s, keys, smem(l.d, 2 * k_tiles + 4, 4 * TILE))?; // K, V, Q and dO twice, LSE and Δ twice
+        ctx.rt.launch(ctx.stream, &name, g, &dkv)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rows_setting;
+
+    #[test]
+    fn flash_rows_setting_is_64_or_128_and_names_itself_otherwise() {
+        assert_eq!(rows_setting(None), Ok(128));
+        assert_eq!(rows_setting(Some(" 64 ")), Ok(64));
+        assert_eq!(rows_setting(Some("128")), Ok(128));
+        let err = rows_setting(Some("96")).unwrap_err();
+        assert!(err.contains("ORTRAIN_FLASH_ROWS=\"96\"") && err.contains("64 and 128"), "{err}");
     }
 }

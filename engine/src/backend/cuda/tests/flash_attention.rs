@@ -1,13 +1,14 @@
 //! The FlashAttention-2-style kernels (kernels/attention_flash.cu): bf16 Q, K, V in layout BSHD
 //! with no mask or the computed causal one. Outputs and gradients against an f64 reference on
 //! the same bf16 inputs, no further from it than the tensor-core kernels they replace
-//! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps).
+//! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps); heads of 64 in both block
+//! sizes (128 query rows or keys, and 64 under `ORTRAIN_FLASH_ROWS=64`).
 
 use std::sync::Arc;
 
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::ops::{kernel, CudaCtx, DView, ENV_FLASH};
+use crate::backend::cuda::ops::{kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
 
@@ -112,8 +113,11 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 /// tiles without a mask (three key tiles: the double buffer is refilled), and cross-attention
 /// of 100 queries over 45 keys and of 45 over 100: every output and gradient at most 1.25 times the tensor-core
 /// kernels' distance from the f64 reference, plus 1e-3 of the largest value (bf16 outputs round
-/// at 2^-9 = 2e-3 relative). The flash kernels did run: their names were launched, and their
-/// results are not the other kernels' bits.
+/// at 2^-9 = 2e-3 relative). Heads of 64 in blocks of 128 query rows or keys (causal 150: the
+/// first forward and dQ block's first two warps skip its second key tile, the second block's
+/// last warps hold no row; in the first dK/dV block, warps past a query part's last row skip
+/// it) and of 64. The flash kernels did run: their names were launched, and their results are not the
+/// other kernels' bits.
 #[test]
 fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
     let Some(_) = gpu_alone("gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels") else { return };
@@ -130,23 +134,31 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
         let Case { b, h, t, s, d, .. } = c;
         let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, "bf16", n, -1.0, 1.0));
         let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
-        std::env::remove_var(ENV_FLASH);
-        let flash = run(c, &ins);
-        let v = if d == 64 { "d64" } else { "d128" };
-        for k in ["fwd", "bwd_dq", "bwd_dkv"] {
-            assert!(rt.has_launched(&format!("attention_flash_{k}_{v}_bf16")), "{c:?}: attention_flash_{k}_{v}_bf16 never launched");
-        }
         std::env::set_var(ENV_FLASH, "0");
         let mma = run(c, &ins);
         std::env::remove_var(ENV_FLASH);
-        for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
-            let (ef, em) = (rel_err(&flash[i], &want[i]), rel_err(&mma[i], &want[i]));
-            println!("{c:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
-            assert!(
-                ef <= 1.25 * em + 1e-3,
-                "{c:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
-            );
+        let v = if d == 64 { "d64" } else { "d128" };
+        // (rows setting, the forward's and dQ's kernel suffix)
+        let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
+        for &(rows, suffix) in blocks {
+            match rows {
+                Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                None => std::env::remove_var(ENV_FLASH_ROWS),
+            }
+            let flash = run(c, &ins);
+            std::env::remove_var(ENV_FLASH_ROWS);
+            for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("{k}_{v}{suffix}")) {
+                assert!(rt.has_launched(&format!("attention_flash_{k}_bf16")), "{c:?} {rows:?}: attention_flash_{k}_bf16 never launched");
+            }
+            for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+                let (ef, em) = (rel_err(&flash[i], &want[i]), rel_err(&mma[i], &want[i]));
+                println!("{c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
+                assert!(
+                    ef <= 1.25 * em + 1e-3,
+                    "{c:?} rows {rows:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
+                );
+            }
+            assert!(flash != mma, "{c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
         }
-        assert!(flash != mma, "{c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
     }
 }

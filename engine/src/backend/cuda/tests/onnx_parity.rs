@@ -137,7 +137,8 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     );
     let rt = super::support::runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let family = |f: &str| {
-        ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| ["d64", "d128"].iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_bf16"))))
+        let variants = ["d64", "d64r128", "d128"];
+        ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| variants.iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_bf16"))))
     };
     println!("attention kernels launched: flash {}, tensor-core (attention_mma) {}", family("flash"), family("mma"));
     let mut worst = Vec::new();
