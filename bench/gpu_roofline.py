@@ -93,18 +93,23 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
             rows.append((op, name, sum(in_b) + sum(out_b) + extra, flops, rate))
         elif op in ("Attention", "AttentionGrad"):
             # Attention(Q, Kt, V, M?) and AttentionGrad(dO, Q, Kt, V, M?, O, LSE), LSE [B, H, T]:
-            # layout BHSD (Q [B, H, T, D], Kt [B, H, D, S]) or BSHD (Q [B, T, H, D], K [B, S, H, D])
+            # layout BHSD (Q [B, H, T, D], Kt [B, H, D, S]), BSHD (Q [B, T, H, D], K [B, S, H, D])
+            # or BS3HD (Q, K and V one tensor [B, T, 3·H·D], read once)
             qi = 0 if op == "Attention" else 1
             lse = outs[1][2] if op == "Attention" else ins[6][1]
             q, k = ins[qi][1], ins[qi + 1][1]
-            if list(q[:3]) == list(lse):
+            packed = len(q) == 3
+            if packed:
+                (b, h, t), s = lse, lse[2]
+                d = q[2] // (3 * h)
+            elif list(q[:3]) == list(lse):
                 (b, h, t, d), s = q, k[-1]
             else:
                 (b, t, h, d), s = q, k[1]
             live = _live_tiles(t, s, causal)
             flops = 4 * b * h * t * s * d * (1.0 if op == "Attention" else 2.5) * live
             mask_at = 3 if op == "Attention" else 4
-            moved = sum(in_b) + sum(out_b)
+            moved = sum(in_b) + sum(out_b) - (2 * in_b[qi] if packed else 0)
             if len(in_b) > mask_at and in_b[mask_at]:
                 moved -= in_b[mask_at] * (1 - live)
             rows.append((op, name, int(moved), flops, "attn"))

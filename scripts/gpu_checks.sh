@@ -18,10 +18,13 @@
 #              every weight gradient's distance from f32 (engine test onnx_parity;
 #              PARITY_ARGS replaces the model's size arguments)
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
-#   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs
+#   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs; then
+#              bench.host_overhead on the GPU: the step's host time phase by phase against its
+#              wall time, eager and ortrain (host ~ wall: the host is what the step waits on)
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast with the older tensor-core
 #              attention kernels instead of the flash ones (+no_flash_attention), with the flash
-#              forward and dQ in 64-row blocks instead of 128 (+flash_rows64), without stops 30-31's
+#              forward and dQ in 64-row blocks instead of 128 (+flash_rows64), with Q, K, V split
+#              out of the c_attn projection again (+no_attention_packed_qkv), without stops 30-31's
 #              passes (+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum
 #              +no_fuse_residual_linear),
 #              ortrain+fuse_attention, ortrain,
@@ -186,7 +189,7 @@ if has profile; then
 fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_packed_qkv,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
 fi
 if has pytest; then
     section "pytest -m gpu"
@@ -199,6 +202,10 @@ fi
 if has tutorial; then
     bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
         --steps 30 --warmup 6
+    section "bench.host_overhead: the tutorial step's host time on the GPU"
+    PYTHONPATH="$PYTHONPATH:$PWD" capped 90 "host overhead tutorial" "$LOG_DIR/host-overhead.log" \
+        $PY -m bench.host_overhead --device cuda --steps 200
+    [ -f "$LOG_DIR/host-overhead.log" ] && tail -6 "$LOG_DIR/host-overhead.log"
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}

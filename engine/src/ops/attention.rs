@@ -15,6 +15,12 @@
 //! each row, as the projections write them: the head at (b, h) is Q[b, :, h, :] and so on; the
 //! batch is [B, H], the mask broadcasts to [B, H, T, S] and LSE is [B, H, T] as before. dQ, dK, dV
 //! come in the layouts of Q, K, V. No batch broadcasting (B and H are the same in all three).
+//!
+//! `layout = "BS3HD"` with `heads = H` (passes/attention_packed_qkv.rs, CUDA sessions): Q, K and
+//! V are one tensor [B, T, 3·H·D], the projection's output that the graph split in three: the
+//! head at (b, h) is Q[b, :, h·D..(h+1)·D], K the same H·D further along each row, V 2·H·D
+//! further (self-attention: S = T). O is [B, T, H, D] as in BSHD; AttentionGrad has one output,
+//! dQ, dK and dV packed the same way (what the split's gradient would concatenate).
 
 use super::util::{broadcast_shapes, input};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -45,6 +51,9 @@ pub struct AttnLayout {
     pub gv: Vec<usize>,
     /// Element strides inside each matrix (the columns of Q, V, O are contiguous).
     pub rows: RowStrides,
+    /// Element offsets where Q, Kt, V (and dQ, dKt, dV) start in their tensors: [0, H·D, 2·H·D]
+    /// in layout BS3HD, where one tensor holds all three; zeros otherwise.
+    pub starts: [usize; 3],
 }
 
 /// Strides inside the matrices: Q and dQ along T; Kt and dKt along S and along D; V and dV along
@@ -58,13 +67,31 @@ pub struct RowStrides {
     pub o_t: usize,
 }
 
-/// The attention node's `layout`: whether Q, K, V and O have the heads inside each row ("BSHD").
-pub fn heads_inside(node: &Node) -> Result<bool> {
+/// An attention node's `layout` (this module's doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    Bhsd,
+    Bshd,
+    /// Q, K and V packed in one [B, T, 3·H·D] tensor, with this many heads.
+    Bs3hd(usize),
+}
+
+/// The attention node's `layout` attribute.
+pub fn layout_attr(node: &Node) -> Result<Layout> {
     match node.attrs.string("layout", "BHSD")?.as_str() {
-        "BHSD" => Ok(false),
-        "BSHD" => Ok(true),
-        other => Err(node.err(format!("layout '{other}': expected BHSD (the default) or BSHD"))),
+        "BHSD" => Ok(Layout::Bhsd),
+        "BSHD" => Ok(Layout::Bshd),
+        "BS3HD" => match node.attrs.int("heads", 0)? {
+            h if h > 0 => Ok(Layout::Bs3hd(h as usize)),
+            h => Err(node.err(format!("layout BS3HD needs a positive `heads` attribute, got {h}"))),
+        },
+        other => Err(node.err(format!("layout '{other}': expected BHSD (the default), BSHD or BS3HD"))),
     }
+}
+
+/// Whether Q, K, V and O have the heads inside each row (layouts BSHD and BS3HD).
+pub fn heads_inside(node: &Node) -> Result<bool> {
+    Ok(layout_attr(node)? != Layout::Bhsd)
 }
 
 impl AttnLayout {
@@ -114,8 +141,10 @@ fn mask_strides(node: &Node, batch: &[usize], t: usize, s: usize, mask: Option<&
 
 /// Checks the shapes of an Attention node's inputs (Q, Kt or K, V, the mask) and lays them out.
 pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mask: Option<&[usize]>) -> Result<AttnLayout> {
-    if heads_inside(node)? {
-        return heads_inside_layout(node, q, kt, v, mask);
+    match layout_attr(node)? {
+        Layout::Bshd => return heads_inside_layout(node, q, kt, v, mask),
+        Layout::Bs3hd(h) => return packed_layout(node, q, kt, v, mask, h),
+        Layout::Bhsd => {}
     }
     if q.len() < 2 || kt.len() < 2 || v.len() < 2 {
         return Err(node.err(format!("Q, Kt and V must have rank >= 2, got {q:?}, {kt:?}, {v:?}")));
@@ -136,7 +165,23 @@ pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mas
     let out = |rows: usize, cols: usize| full(&batch, rows, cols);
     let rows = RowStrides { q_t: d, k_s: 1, k_d: s, v_s: dv, o_t: dv };
     let (o, gq, gk, gv) = (out(t, dv), out(t, d), out(d, s), out(s, dv));
-    Ok(AttnLayout { q: full(&bq, t, d), k: full(&bk, d, s), v: full(&bv, s, dv), batch, t, s, d, dv, m, o, gq, gk, gv, rows })
+    Ok(AttnLayout {
+        q: full(&bq, t, d),
+        k: full(&bk, d, s),
+        v: full(&bv, s, dv),
+        batch,
+        t,
+        s,
+        d,
+        dv,
+        m,
+        o,
+        gq,
+        gk,
+        gv,
+        rows,
+        starts: [0; 3],
+    })
 }
 
 /// The "BSHD" layout: Q [B, T, H, D], K [B, S, H, D], V [B, S, H, Dv]; O [B, T, H, Dv].
@@ -153,7 +198,41 @@ fn heads_inside_layout(node: &Node, q: &[usize], k: &[usize], v: &[usize], mask:
     let m = mask_strides(node, &batch, t, s, mask)?;
     let (q_b, k_b, v_b, o_b) = (vec![t * h * d, d], vec![s * h * d, d], vec![s * h * dv, dv], vec![t * h * dv, dv]);
     let rows = RowStrides { q_t: h * d, k_s: h * d, k_d: 1, v_s: h * dv, o_t: h * dv };
-    Ok(AttnLayout { q: q_b.clone(), k: k_b.clone(), v: v_b.clone(), batch, t, s, d, dv, m, o: o_b, gq: q_b, gk: k_b, gv: v_b, rows })
+    Ok(AttnLayout {
+        q: q_b.clone(),
+        k: k_b.clone(),
+        v: v_b.clone(),
+        batch,
+        t,
+        s,
+        d,
+        dv,
+        m,
+        o: o_b,
+        gq: q_b,
+        gk: k_b,
+        gv: v_b,
+        rows,
+        starts: [0; 3],
+    })
+}
+
+/// The "BS3HD" layout: Q, K and V one tensor [B, T, 3·H·D] (each row: Q's heads, K's, V's); O
+/// [B, T, H, D].
+fn packed_layout(node: &Node, q: &[usize], k: &[usize], v: &[usize], mask: Option<&[usize]>, h: usize) -> Result<AttnLayout> {
+    let (&[b, t, width], true) = (q, q == k && q == v) else {
+        return Err(node.err(format!("layout BS3HD takes Q, K and V as one tensor [B, T, 3·H·D], got {q:?}, {k:?}, {v:?}")));
+    };
+    if width == 0 || width % (3 * h) != 0 {
+        return Err(node.err(format!("layout BS3HD: rows of {width} do not hold Q, K and V of {h} heads")));
+    }
+    let d = width / (3 * h);
+    let batch = vec![b, h];
+    let m = mask_strides(node, &batch, t, t, mask)?;
+    let qkv = vec![t * width, d];
+    let rows = RowStrides { q_t: width, k_s: width, k_d: 1, v_s: width, o_t: h * d };
+    let (q, k, v, gq, gk, gv) = (qkv.clone(), qkv.clone(), qkv.clone(), qkv.clone(), qkv.clone(), qkv);
+    Ok(AttnLayout { q, k, v, batch, t, s: t, d, dv: d, m, o: vec![t * h * d, d], gq, gk, gv, rows, starts: [0, h * d, 2 * h * d] })
 }
 
 /// The element offsets, in `x`, of the elements of `x` (shape `shape`) with its axes permuted
@@ -233,6 +312,17 @@ impl OpDef for Attention {
             }
             let (q, kt, v) = (g.x(0)?, g.x(1)?, g.x(2)?);
             let ins = vec![Some(dout), Some(q), Some(kt), Some(v), g.x_opt(3), Some(g.y(0)), Some(g.y(1))];
+            if let Layout::Bs3hd(_) = layout_attr(node)? {
+                // one value read three times: its one gradient holds dQ, dK and dV
+                if q != kt || q != v {
+                    return Err(node.err("layout BS3HD needs Q, K and V to be one value"));
+                }
+                let dqkv = g.op_n("AttentionGrad", ins, g.attrs().clone(), 1)[0];
+                if g.wants(0) {
+                    g.set(0, dqkv);
+                }
+                return Ok(());
+            }
             let outs = g.op_n("AttentionGrad", ins, g.attrs().clone(), 3);
             for (i, (d, x)) in outs.into_iter().zip([q, kt, v]).enumerate() {
                 if g.wants(i) {
@@ -249,10 +339,12 @@ struct AttentionGrad;
 impl OpDef for AttentionGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (l, dt) = layout_of(node, inputs, 1)?;
-        if heads_inside(node)? {
+        let like = |i: usize| input(node, inputs, i).map(|x| TypeOut::new(dt, x.shape.to_vec()));
+        match layout_attr(node)? {
             // the inputs' own layouts (no batch broadcasting)
-            let like = |i: usize| input(node, inputs, i).map(|x| TypeOut::new(dt, x.shape.to_vec()));
-            return Ok(vec![like(1)?, like(2)?, like(3)?]);
+            Layout::Bshd => return Ok(vec![like(1)?, like(2)?, like(3)?]),
+            Layout::Bs3hd(_) => return Ok(vec![like(1)?]),
+            Layout::Bhsd => {}
         }
         let with = |rows: usize, cols: usize| {
             let mut s = l.batch.clone();

@@ -22,7 +22,7 @@ fn transposed(graph: &Graph, v: ValueId, perm: &[i64]) -> Option<ValueId> {
 
 /// (input, target) of a Reshape producing `v`, its target without zeros (which mean "copy that
 /// dim" or a literal 0 depending on `allowzero`: neither is what these patterns write).
-fn reshaped(graph: &Graph, v: ValueId) -> Option<(ValueId, Vec<SymDim>)> {
+pub(super) fn reshaped(graph: &Graph, v: ValueId) -> Option<(ValueId, Vec<SymDim>)> {
     let node = &graph.nodes[graph.value(v).producer?.0];
     if node.op_type != "Reshape" {
         return None;

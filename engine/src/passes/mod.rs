@@ -6,6 +6,7 @@
 //! backends only runs for sessions built for those (`Target`).
 
 mod attention_layout;
+mod attention_packed_qkv;
 mod autocast;
 mod cse;
 mod fuse_attention;
@@ -67,6 +68,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after it: the fused attention reads Q, K, V and writes O with the heads inside the rows,
     // where the graph transposed them out and back
     ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::CudaOnly),
+    // after it, before autocast renames the values whose shapes the exporter declared: a
+    // self-attention over the three parts of one split projection reads the projection itself
+    ("attention_packed_qkv", |g, _| Ok(attention_packed_qkv::run(g)), Runs::CudaOnly),
     ("fuse_gelu_tanh", |g, _| fuse_gelu_tanh::run(g), Runs::Both),
     ("fuse_linear", |g, _| fuse_linear::run(g), Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the

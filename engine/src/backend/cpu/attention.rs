@@ -12,8 +12,19 @@ use super::CpuCtx;
 use super::KernelTable;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, heads_inside, permuted_offsets, AttnLayout};
+use crate::ops::attention::{attention_layout, layout_attr, permuted_offsets, AttnLayout, Layout};
 use crate::tensor::Tensor;
+
+/// Whether the node is in layout BSHD (run on BHSD copies); BS3HD has no CPU kernel.
+fn via_copies(node: &Node) -> Result<bool> {
+    match layout_attr(node)? {
+        Layout::Bhsd => Ok(false),
+        Layout::Bshd => Ok(true),
+        Layout::Bs3hd(_) => Err(node.err(
+            "layout BS3HD (Q, K and V packed in one tensor, made by passes/attention_packed_qkv.rs for CUDA sessions) has no CPU kernel",
+        )),
+    }
+}
 
 fn req<'v, 'a>(node: &Node, inputs: &'v [Option<In<'a>>], i: usize) -> Result<&'v In<'a>> {
     inputs.get(i).and_then(|v| v.as_ref()).ok_or_else(|| node.err(format!("input {i} missing")))
@@ -116,7 +127,7 @@ fn permuted_shape(x: &[usize], perm: [usize; 4]) -> [usize; 4] {
 }
 
 fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    if heads_inside(node)? {
+    if via_copies(node)? {
         let o = permuted_shape(out[0].shape, TO_BHSD);
         let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention, &ins, &[Some((o, TO_BHSD))]);
@@ -163,7 +174,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    if heads_inside(node)? {
+    if via_copies(node)? {
         let outs = [
             Some((permuted_shape(out[0].shape, TO_BHSD), TO_BHSD)),
             Some((permuted_shape(out[1].shape, K_TO_KT), KT_TO_K)),

@@ -6,6 +6,8 @@
 //! (kernels/attention.cu: 32-row tiles), exact as the CPU's; other 16-bit tensors (fp16, other
 //! head sizes) those kernels on f32 copies (widen.rs). bf16 tensors in layout BSHD with no mask
 //! or the computed causal one run the FlashAttention-2-style kernels instead (attention_flash.rs).
+//! Layout BS3HD (Q, K, V packed in one tensor) is layout BSHD's strides with K and V starting
+//! further along each row: every kernel takes it through its addresses (`operands`, `gradients`).
 
 use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
@@ -123,6 +125,23 @@ fn ptr_of(ins: &[Option<DView>], i: usize) -> u64 {
     ins.get(i).and_then(|x| x.as_ref()).map_or(0, |x| x.ptr)
 }
 
+/// Device addresses of Q, Kt, V (inputs `first`..`first + 2`): where each starts in its tensor
+/// (layout BS3HD: K and V further along the one tensor's rows than Q).
+fn operands(ins: &[Option<DView>], first: usize, l: &AttnLayout, dtype: DType) -> [u64; 3] {
+    [0, 1, 2].map(|i| ptr_of(ins, first + i) + (l.starts[i] * dtype.size()) as u64)
+}
+
+/// Device addresses of dQ, dKt, dV: AttentionGrad's three outputs, or in layout BS3HD its one
+/// output at Q's, K's and V's offsets.
+fn gradients(node: &Node, outs: &[DView], l: &AttnLayout, dtype: DType) -> Result<[u64; 3]> {
+    let packed = l.starts != [0; 3];
+    let out = |i: usize| outs.get(if packed { 0 } else { i }).map(|o| o.ptr + (l.starts[i] * dtype.size()) as u64);
+    match [out(0), out(1), out(2)] {
+        [Some(dq), Some(dk), Some(dv)] => Ok([dq, dk, dv]),
+        _ => Err(node.err(format!("AttentionGrad has {} outputs, expected {}", outs.len(), if packed { 1 } else { 3 }))),
+    }
+}
+
 /// The element type of the mask at input `i`, if there is one.
 fn mask_type(ins: &[Option<DView>], i: usize) -> Option<DType> {
     ins.get(i).and_then(|m| m.as_ref()).map(|m| m.dtype)
@@ -145,23 +164,22 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
-    let ptr = |i: usize| ptr_of(ins, i);
-    let tensors = [ptr(0), ptr(1), ptr(2), outs[0].ptr];
+    let [q, k, v] = operands(ins, 0, &l, dtype);
+    let tensors = [q, k, v, outs[0].ptr];
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 3).is_some(), causal == Some(true), &tensors) {
-        return f.forward(node, [ptr(0), ptr(1), ptr(2)], [outs[0].ptr, outs[1].ptr], ctx);
+        return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], ctx);
     }
     let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
     let (kernel, g) = match mma {
         Some(v) => (format!("attention_mma_fwd_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
         None => ("attention_fwd_f32".to_string(), grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?),
     };
-    let p = |i: usize| KArg::Ptr(ptr(i));
     let scale = node.attrs.float("scale", 1.0)?;
     let guard = node.attrs.int("nan_guard", 0)? as i32;
     let mut args = vec![
-        p(0),
-        p(1),
-        p(2),
+        KArg::Ptr(q),
+        KArg::Ptr(k),
+        KArg::Ptr(v),
         KArg::Ptr(mask),
         KArg::Ptr(outs[0].ptr),
         KArg::Ptr(outs[1].ptr),
@@ -186,15 +204,17 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         return Ok(());
     }
     let ptr = |i: usize| ptr_of(ins, i);
-    let tensors = [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), outs[0].ptr, outs[1].ptr, outs[2].ptr];
+    let [q, k, v] = operands(ins, 1, &l, dtype);
+    let [dq, dk, dv_] = gradients(node, outs, &l, dtype)?;
+    let tensors = [ptr(0), q, k, v, ptr(5), dq, dk, dv_];
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 4).is_some(), causal == Some(true), &tensors) {
-        return f.backward(node, [ptr(0), ptr(1), ptr(2), ptr(3), ptr(5), ptr(6)], [outs[0].ptr, outs[1].ptr, outs[2].ptr], ctx);
+        return f.backward(node, [ptr(0), q, k, v, ptr(5), ptr(6)], [dq, dk, dv_], ctx);
     }
     let sfx = dtype_suffix(dtype);
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
     let p = |i: usize| KArg::Ptr(ptr(i));
     let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
-    let common = [p(0), p(1), p(2), p(3), KArg::Ptr(mask), p(5), p(6)];
+    let common = [p(0), KArg::Ptr(q), KArg::Ptr(k), KArg::Ptr(v), KArg::Ptr(mask), p(5), p(6)];
     if l.t > 0 {
         let (kernel, g) = match mma {
             Some(v) => (format!("attention_mma_bwd_dq_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
@@ -204,7 +224,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
             ),
         };
         let mut args = common.to_vec();
-        args.extend([KArg::Ptr(outs[0].ptr), KArg::AttnShape(shape), scale]);
+        args.extend([KArg::Ptr(dq), KArg::AttnShape(shape), scale]);
         args.extend(causal.map(|c| KArg::I32(c as i32)));
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
@@ -217,7 +237,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
             ),
         };
         let mut args = common.to_vec();
-        args.extend([KArg::Ptr(outs[1].ptr), KArg::Ptr(outs[2].ptr), KArg::AttnShape(shape), scale]);
+        args.extend([KArg::Ptr(dk), KArg::Ptr(dv_), KArg::AttnShape(shape), scale]);
         args.extend(causal.map(|c| KArg::I32(c as i32)));
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }

@@ -7,6 +7,7 @@ use super::exec::session;
 use super::exec_models::self_attention_of;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::loader::Loaded;
 use crate::backend::cuda::ops::{kernel, CudaCtx, DView};
 use crate::ir::{Attr, Attrs, Node};
 use crate::ops::attention::permuted_offsets;
@@ -109,5 +110,95 @@ fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
             assert!(s[2].iter().any(|&x| x != 0.0) && s[4].iter().any(|&x| x != 0.0), "{case}: gradients computed");
             assert!(s[0].iter().all(|x| x.is_finite()), "{case}: O finite");
         }
+    }
+}
+
+/// One Attention + AttentionGrad on `node`'s layout; `qkv` the input tensors (one for BS3HD),
+/// `shapes` theirs, `o_shape` O's; returns [O, LSE, then every gradient output].
+#[allow(clippy::too_many_arguments)]
+fn run_both(
+    g: &Loaded,
+    ctx: &mut CudaCtx,
+    node_of: impl Fn(&str) -> Node,
+    dt: &str,
+    qkv: &[&Vec<f64>],
+    shapes: &[[usize; 4]],
+    dout: &[f64],
+    o_shape: [usize; 4],
+    lse_len: usize,
+) -> Vec<Vec<f64>> {
+    let dtype = if dt == "bf16" {
+        DType::BF16
+    } else if dt == "f16" {
+        DType::F16
+    } else {
+        DType::F32
+    };
+    let bufs: Vec<_> = qkv.iter().map(|x| dev_as(g, dt, x)).collect();
+    let packed_shape: Vec<usize> = vec![shapes[0][0], shapes[0][1], 3 * shapes[0][2] * shapes[0][3]];
+    let shape_of = |i: usize| if qkv.len() == 1 { &packed_shape[..] } else { &shapes[i][..] };
+    let view = |i: usize| Some(DView { dtype, shape: shape_of(i), ptr: bufs[i.min(bufs.len() - 1)].ptr(), host: None });
+    let (o, lse) = (zeros_as(g, dt, dout.len()), zeros_as(g, "f32", lse_len));
+    let lse_shape = [o_shape[0], o_shape[2], o_shape[1]];
+    let o_view = DView { dtype, shape: &o_shape, ptr: o.ptr(), host: None };
+    let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
+    let d_out = dev_as(g, dt, dout);
+    let fwd = kernel("Attention").expect("Attention");
+    fwd(&node_of("Attention"), &[view(0), view(1), view(2), None], &[o_view, lse_view], ctx).expect("attention");
+    let grads: Vec<_> = qkv.iter().map(|x| zeros_as(g, dt, x.len())).collect();
+    let gouts: Vec<DView> = (0..qkv.len()).map(|i| DView { dtype, shape: shape_of(i), ptr: grads[i].ptr(), host: None }).collect();
+    let bwd = kernel("AttentionGrad").expect("AttentionGrad");
+    let dview = Some(DView { dtype, shape: &o_shape, ptr: d_out.ptr(), host: None });
+    bwd(&node_of("AttentionGrad"), &[dview, view(0), view(1), view(2), None, Some(o_view), Some(lse_view)], &gouts, ctx)
+        .expect("attention grad");
+    g.synchronize().expect("sync");
+    let mut got = vec![host_as(&o, dt), host_as(&lse, "f32")];
+    got.extend(grads.iter().map(|x| host_as(x, dt)));
+    got
+}
+
+/// Layout BS3HD (passes/attention_packed_qkv.rs): Q, K and V read from one [B, T, 3·H·D]
+/// tensor, dQ, dK and dV written into one, give bit for bit what layout BSHD gives on the three
+/// parts, for every kernel family: the SIMT f32 kernels (heads of 24), fp16 through them
+/// (widened), the tensor-core kernels (f32 at bf16 precision, heads of 64), and the
+/// FlashAttention-2-style kernels (bf16, heads of 64 and 128).
+#[test]
+fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
+    let Some(g) = gpu("gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(53);
+    let (b, h, t) = (2usize, 3usize, 70usize);
+    for (dt, d, mode) in [
+        ("f32", 24, F32Mode::Exact),
+        ("f16", 24, F32Mode::Exact),
+        ("f32", 64, F32Mode::Bf16),
+        ("bf16", 64, F32Mode::Bf16),
+        ("bf16", 128, F32Mode::Bf16),
+    ] {
+        let case = format!("{dt}, heads of {d}, {mode:?}");
+        let hd = h * d;
+        let part = |rng: &mut Rng| rand_as(rng, dt, b * t * hd, -1.0, 1.0);
+        let (q, k, v, dout) = (part(&mut rng), part(&mut rng), part(&mut rng), part(&mut rng));
+        // X's row (b, t): Q's row, K's, V's
+        let x: Vec<f64> =
+            (0..b * t).flat_map(|r| [&q, &k, &v].into_iter().flat_map(move |p| p[r * hd..(r + 1) * hd].iter().copied())).collect();
+        let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+        let rows = [b, t, h, d];
+        let bshd = |op: &str| node(op, Some("BSHD"));
+        let bs3hd = |op: &str| {
+            let mut n = node(op, Some("BS3HD"));
+            n.attrs.set("heads", Attr::Int(h as i64));
+            n
+        };
+        let parts = run_both(g, &mut ctx, bshd, dt, &[&q, &k, &v], &[rows; 3], &dout, rows, b * h * t);
+        let packed = run_both(g, &mut ctx, bs3hd, dt, &[&x], &[rows], &dout, rows, b * h * t);
+        assert_eq!(packed[0], parts[0], "{case}: O");
+        assert_eq!(packed[1], parts[1], "{case}: LSE");
+        let dx = &packed[2];
+        for (i, what) in ["dQ", "dK", "dV"].into_iter().enumerate() {
+            let got: Vec<f64> = (0..b * t).flat_map(|r| dx[(3 * r + i) * hd..(3 * r + i + 1) * hd].iter().copied()).collect();
+            assert_eq!(got, parts[2 + i], "{case}: {what}");
+        }
+        assert!(dx.iter().any(|&x| x != 0.0) && packed[0].iter().all(|x| x.is_finite()), "{case}: computed");
     }
 }

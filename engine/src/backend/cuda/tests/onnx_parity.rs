@@ -122,7 +122,18 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     let (loss, reference) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Fp32), &p);
     let (cpu_loss, cpu) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Bf16), &p);
     let t1 = std::time::Instant::now();
-    let mut gpu = gpu_steps(&open(&p, Target::Cuda, MatmulPrecision::Bf16), &p, 2);
+    let cuda_session = open(&p, Target::Cuda, MatmulPrecision::Bf16);
+    // GPT-2's attention reads its c_attn projection in place (passes/attention_packed_qkv.rs)
+    let layouts: Vec<String> = cuda_session
+        .graph
+        .nodes
+        .iter()
+        .filter(|n| n.op_type == "Attention")
+        .map(|n| n.attrs.string("layout", "BHSD").expect("layout"))
+        .collect();
+    println!("attention layouts: {layouts:?}");
+    assert!(!layouts.is_empty() && layouts.iter().all(|l| l == "BS3HD"), "every attention packed: {layouts:?}");
+    let mut gpu = gpu_steps(&cuda_session, &p, 2);
     let bits = |(l, gs): &(f32, Vec<Vec<f32>>)| {
         (l.to_bits(), gs.iter().map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>())
     };
