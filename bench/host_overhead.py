@@ -35,6 +35,33 @@ def _model(vocab: int, width: int, device: str):
     return model.to(device)
 
 
+def timed_step(model, opt, crit, data, targets, vocab: int, sync=None) -> list:
+    """One step of the tutorial's loop (zero_grad, model, criterion, backward, clip_grad_norm_
+    0.5, step): time.perf_counter() at its start and after each of PHASES, then, with `sync`
+    (called before the step and after it), once more after the closing sync."""
+    import torch
+
+    if sync:
+        sync()
+    t = [time.perf_counter()]
+    opt.zero_grad(set_to_none=True)
+    t.append(time.perf_counter())
+    out = model(data)
+    t.append(time.perf_counter())
+    loss = crit(out.view(-1, vocab), targets)
+    t.append(time.perf_counter())
+    loss.backward()
+    t.append(time.perf_counter())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    t.append(time.perf_counter())
+    opt.step()
+    t.append(time.perf_counter())
+    if sync:
+        sync()
+        t.append(time.perf_counter())
+    return t
+
+
 def _measure(model, opt, data, targets, vocab: int, steps: int, warmup: int, cuda: bool) -> dict:
     import torch
 
@@ -42,22 +69,7 @@ def _measure(model, opt, data, targets, vocab: int, steps: int, warmup: int, cud
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rows = []
     for i in range(warmup + steps):
-        sync()
-        t = [time.perf_counter()]
-        opt.zero_grad(set_to_none=True)
-        t.append(time.perf_counter())
-        out = model(data)
-        t.append(time.perf_counter())
-        loss = crit(out.view(-1, vocab), targets)
-        t.append(time.perf_counter())
-        loss.backward()
-        t.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        t.append(time.perf_counter())
-        opt.step()
-        t.append(time.perf_counter())
-        sync()
-        t.append(time.perf_counter())
+        t = timed_step(model, opt, crit, data, targets, vocab, sync)
         if i >= warmup:
             rows.append([b - a for a, b in zip(t, t[1:-1])] + [t[-2] - t[0], t[-1] - t[0]])
     return {name: statistics.median(col) * 1e3 for name, col in zip(PHASES + ("host", "wall"), zip(*rows))}

@@ -11,9 +11,9 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the bench package
 
 
 def main():
@@ -30,6 +30,8 @@ def main():
     import models
     import ortrain
 
+    from bench.host_overhead import timed_step
+
     torch.set_num_threads(args.threads)
     vocab = 28782
     torch.manual_seed(0)
@@ -45,19 +47,7 @@ def main():
     for step in range(args.steps):
         if step == 3:
             ortrain.reset_profile(model)
-        t = [time.perf_counter()]
-        opt.zero_grad()
-        t.append(time.perf_counter())
-        out = model(x)
-        t.append(time.perf_counter())
-        loss = crit(out.view(-1, vocab), y)
-        t.append(time.perf_counter())
-        loss.backward()
-        t.append(time.perf_counter())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        t.append(time.perf_counter())
-        opt.step()
-        t.append(time.perf_counter())
+        t = timed_step(model, opt, crit, x, y, vocab)
         times.append((t[-1] - t[0]) * 1e3)
         if step >= 3:
             for name, a, b in zip(phases, t, t[1:]):

@@ -119,9 +119,7 @@ mod tests {
     use crate::ir::{Attrs, Dim};
     use crate::tensor::{DType, Tensor};
 
-    fn sym(dims: &[&str]) -> Option<Vec<Dim>> {
-        Some(dims.iter().map(|d| d.parse().map(Dim::Known).unwrap_or_else(|_| Dim::Sym(d.to_string()))).collect())
-    }
+    use crate::passes::sym_shape::test_dims as sym;
 
     fn node_out(g: &mut Graph, name: &str, op: &str, ins: &[ValueId], attrs: Attrs, shape: Option<Vec<Dim>>) -> ValueId {
         let out = g.add_node(name, op, ins.iter().map(|&v| Some(v)).collect(), attrs, 1)[0];

@@ -98,12 +98,10 @@ pub fn run(graph: &mut Graph) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{Attrs, Dim, ValueKind};
+    use crate::ir::{Attrs, ValueKind};
     use crate::tensor::{DType, Tensor};
 
-    fn sym(dims: &[&str]) -> Option<Vec<Dim>> {
-        Some(dims.iter().map(|d| d.parse().map(Dim::Known).unwrap_or_else(|_| Dim::Sym(d.to_string()))).collect())
-    }
+    use crate::passes::sym_shape::test_dims as sym;
 
     /// GPT-2's self-attention after attention_layout: X [b, t, 96] split in three on axis
     /// `axis` (sizes `sizes`), each part [b, t, 32] reshaped to [b, t, 4, 8], into an Attention

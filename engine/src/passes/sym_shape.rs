@@ -137,6 +137,12 @@ fn shape_within(graph: &Graph, v: ValueId, depth: usize) -> Option<Vec<SymDim>> 
     }
 }
 
+/// A declared shape for tests: each dim a number or a symbol ("b").
+#[cfg(test)]
+pub fn test_dims(dims: &[&str]) -> Option<Vec<Dim>> {
+    Some(dims.iter().map(|d| d.parse().map(Dim::Known).unwrap_or_else(|_| Dim::Sym(d.to_string()))).collect())
+}
+
 /// Whether a Reshape to `target` of a tensor of shape `from` gives `want`: `target` equals
 /// `want` where each is known, with at most one -1 (then the sizes left decide it).
 pub fn reshapes_to(target: &[SymDim], want: &[SymDim]) -> bool {
