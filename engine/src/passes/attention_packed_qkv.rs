@@ -9,17 +9,13 @@
 use super::attention_layout::reshaped;
 use super::sym_shape::{reshapes_to, shape_of, values, SymDim};
 use crate::ir::{Attr, Graph, NodeId, ValueId};
+use crate::ops::attention::{layout_attr, Layout};
 
-/// X, the heads H and the head size D when `parts` (Q, K, V of an attention in layout BSHD)
+/// X and the heads H when `parts` (Q, K, V of an attention in layout BSHD)
 /// are outputs 0, 1, 2 of one Split of X on its last axis (read through Identity nodes, as the
 /// importer writes SplitToSequence + SequenceAt), each through a Reshape that splits H·D into
 /// [H, D], and nothing else reads their data.
-fn packed_source(
-    graph: &Graph,
-    consumers: &[Vec<(NodeId, usize)>],
-    attention: NodeId,
-    parts: [ValueId; 3],
-) -> Option<(ValueId, usize, usize)> {
+fn packed_source(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], attention: NodeId, parts: [ValueId; 3]) -> Option<(ValueId, usize)> {
     // Shape nodes may read a part too (the exporters' reshape targets): they need no data
     let only_reader = |v: ValueId, want: (NodeId, usize)| {
         let mut data = consumers[v.0].iter().filter(|(c, _)| graph.nodes[c.0].op_type != "Shape");
@@ -57,13 +53,13 @@ fn packed_source(
         if node.op_type != "Split" || at != i || node.outputs.len() != 3 || *split.get_or_insert(producer) != producer {
             return None;
         }
-        let axis = node.attrs.int("axis", 0).ok()?;
-        if axis != 2 && axis != -1 {
-            return None;
-        }
     }
     let node = &graph.nodes[split?.0];
     let (h, d) = heads?;
+    // the parts' shapes are [B, T, H·D]: axis 2 is the last
+    if !matches!(node.attrs.int("axis", 0).ok()?, 2 | -1) {
+        return None;
+    }
     // explicit sizes, if any, are the three equal parts
     let sizes = match node.input(1) {
         Some(s) => Some(values(graph, s)?),
@@ -72,7 +68,7 @@ fn packed_source(
     if sizes.is_some_and(|s| s != vec![SymDim::Known(h * d); 3]) {
         return None;
     }
-    Some((node.input(0)?, h as usize, d as usize))
+    Some((node.input(0)?, h as usize))
 }
 
 pub fn run(graph: &mut Graph) -> usize {
@@ -80,11 +76,11 @@ pub fn run(graph: &mut Graph) -> usize {
     let mut rewrites = 0;
     for n in 0..graph.nodes.len() {
         let node = &graph.nodes[n];
-        if node.op_type != "Attention" || node.attrs.string("layout", "").ok().as_deref() != Some("BSHD") {
+        if node.op_type != "Attention" || layout_attr(node).ok() != Some(Layout::Bshd) {
             continue;
         }
         let (Some(q), Some(k), Some(v)) = (node.input(0), node.input(1), node.input(2)) else { continue };
-        let Some((x, heads, _)) = packed_source(graph, &consumers, NodeId(n), [q, k, v]) else { continue };
+        let Some((x, heads)) = packed_source(graph, &consumers, NodeId(n), [q, k, v]) else { continue };
         let node = &mut graph.nodes[n];
         node.inputs[..3].fill(Some(x));
         node.attrs.set("layout", Attr::String("BS3HD".into()));
