@@ -54,7 +54,7 @@ void ort_emu_syncthreads();
 int ort_emu_syncthreads_count(int pred, int* arrived);
 void ort_emu_fresh_shared(void* p, size_t bytes);
 uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask);
-void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1);
+void ort_emu_mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, int f16);
 // ldmatrix .x4 (trans: .trans): this lane's row address; the registers it gets
 void ort_emu_ldmatrix_x4(uint32_t r[4], const void* row, int trans);
 // cp.async of `bytes` (4, 8 or 16; zero-filled past src_bytes), commit_group, wait_group: a

@@ -94,6 +94,7 @@ struct Fiber {
     uint64_t value = 0;
     float c[4];
     uint32_t a[4], b[2];
+    int mma_f16 = 0;  // mma: operands f16 (1) or bf16 (0)
     // ldmatrix: the row this lane names, whether transposed, and the four registers it gets
     const unsigned char* row = nullptr;
     int trans = 0;
@@ -259,23 +260,33 @@ void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
     }
 }
 
-// mma.m16n8k16.row.col bf16 -> f32, with the PTX ISA's fragment layout (g = lane / 4,
+std::string block_name();
+
+// mma.m16n8k16.row.col bf16 or f16 -> f32, with the PTX ISA's fragment layout (g = lane / 4,
 // q = lane % 4): A rows g and g + 8 at k = 2q, 2q + 1, 2q + 8, 2q + 9; B column g at the same k;
 // C rows g and g + 8 at columns 2q, 2q + 1. Products are summed exactly in double, then rounded
-// once (the hardware's order is unspecified; its error is within a few f32 ulps of this).
-void complete_mma(Scheduler& s, int warp_base) {
+// once (the hardware's order is unspecified; its error is within a few f32 ulps of this). False
+// (with s.error) where the lanes disagree on the operand type.
+bool complete_mma(Scheduler& s, int warp_base) {
+    const int f16 = s.fibers[warp_base].mma_f16;
     float A[16][16], B[16][8], C[16][8];
     for (int lane = 0; lane < 32; ++lane) {
         const Fiber& f = s.fibers[warp_base + lane];
+        if (f.mma_f16 != f16) {
+            s.error = "mma: lane " + std::to_string(lane) + " of warp " + std::to_string(warp_base / 32) +
+                      " differs from lane 0 in the operand type (bf16 or f16) in " + block_name();
+            return false;
+        }
+        const auto value = [f16](uint32_t half) { return f16 ? ort_emu_f16_to_f32((uint16_t)half) : bf16_value((uint16_t)half); };
         const int g = lane / 4, q = lane % 4;
         const int rows[4] = {g, g + 8, g, g + 8}, ks[4] = {2 * q, 2 * q, 2 * q + 8, 2 * q + 8};
         for (int r = 0; r < 4; ++r) {
-            A[rows[r]][ks[r]] = bf16_value((uint16_t)(f.a[r] & 0xffff));
-            A[rows[r]][ks[r] + 1] = bf16_value((uint16_t)(f.a[r] >> 16));
+            A[rows[r]][ks[r]] = value(f.a[r] & 0xffff);
+            A[rows[r]][ks[r] + 1] = value(f.a[r] >> 16);
         }
         for (int r = 0; r < 2; ++r) {
-            B[2 * q + 8 * r][g] = bf16_value((uint16_t)(f.b[r] & 0xffff));
-            B[2 * q + 8 * r + 1][g] = bf16_value((uint16_t)(f.b[r] >> 16));
+            B[2 * q + 8 * r][g] = value(f.b[r] & 0xffff);
+            B[2 * q + 8 * r + 1][g] = value(f.b[r] >> 16);
         }
         C[g][2 * q] = f.c[0];
         C[g][2 * q + 1] = f.c[1];
@@ -298,9 +309,8 @@ void complete_mma(Scheduler& s, int warp_base) {
         f.op = WarpOp::None;
         f.state = State::Ready;
     }
+    return true;
 }
-
-std::string block_name();
 
 // ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i..8i + 7 name the rows (16 bytes
 // each) of matrix i; lane l gets, of each matrix i, row l / 4 at columns 2(l % 4), 2(l % 4) + 1
@@ -386,7 +396,9 @@ int complete_warp_ops(Scheduler& s) {
         }
         if (!complete) continue;
         if (op == WarpOp::Shuffle) complete_shuffle(s, base, lanes);
-        else if (op == WarpOp::Mma) complete_mma(s, base);
+        else if (op == WarpOp::Mma) {
+            if (!complete_mma(s, base)) return -1;
+        }
         else if (lanes < 32) {
             s.error = "ldmatrix in a partial warp (" + std::to_string(lanes) + " lanes) in " + block_name();
             return -1;
@@ -665,10 +677,11 @@ uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask) {
     return f.value;
 }
 
-void ort_emu_mma_bf16_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+void ort_emu_mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, int f16) {
     Scheduler& s = *sched();
     Fiber& f = s.fibers[s.current];
     f.op = WarpOp::Mma;
+    f.mma_f16 = f16;
     f.mask = 0xffffffffu;
     for (int i = 0; i < 4; ++i) {
         f.c[i] = c[i];

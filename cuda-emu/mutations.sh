@@ -2,7 +2,8 @@
 # Proves that cuda-emu still catches the kinds of bug it is there for: each mutation below puts
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
-# it lands or refilled while still read, an ldmatrix of the wrong orientation), builds the emulator from
+# it lands or refilled while still read, an ldmatrix of the wrong orientation, f16 operands
+# rounded through bf16), builds the emulator from
 # the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
 # fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
 # test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
@@ -108,6 +109,13 @@ mutate "flash dK/dV's 128-key blocks skipping the query part that holds a warp's
     "if (causal && tq + QP - 1 < key0) continue;" \
     "if (causal && tq + QP - 1 < key0 + 16 * MT) continue;" \
     backend::cuda::tests::flash_attention
+
+# rounding an f16 product's operands through bf16 stays close to the tensor-core kernels' result
+# (they share the packing): only the flash test's bound on f16's precision sees it
+mutate "f16 attention's P and dS operands rounded through bf16 before f16" kernels/attention_mma_stage.cuh \
+    "return (u32)ort_emu_f32_to_f16(lo) | ((u32)ort_emu_f32_to_f16(hi) << 16);" \
+    "return (u32)ort_emu_f32_to_f16(bf16_to_f32(f32_to_bf16(lo))) | ((u32)ort_emu_f32_to_f16(bf16_to_f32(f32_to_bf16(hi))) << 16);" \
+    backend::cuda::tests::flash_attention "over f16's"
 
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and

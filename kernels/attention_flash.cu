@@ -1,8 +1,9 @@
-// Fused attention for bf16 tensors in the FlashAttention-2 manner (engine/src/ops/attention.rs
-// semantics; kernels/attention_mma.cu computes the same for every case and stays the fallback):
-// the dispatcher (ops/attention.rs `flash_variant`) sends here bf16 Q, K, V, O with heads of 64
-// or 128 whose rows are 16-byte aligned, keys d-contiguous (layout BSHD, as the attention_layout
-// pass leaves them), and no mask or the computed causal one. What differs from attention_mma.cu:
+// Fused attention for bf16 and f16 tensors in the FlashAttention-2 manner
+// (engine/src/ops/attention.rs semantics; kernels/attention_mma.cu computes the same for every
+// case and stays the fallback): the dispatcher (ops/attention_flash.rs `variant`) sends here bf16
+// or f16 Q, K, V, O (the products in that type, f32 accumulation) with heads of 64 or 128 whose
+// rows are 16-byte aligned, keys d-contiguous (layout BSHD, as the attention_layout pass leaves
+// them), and no mask or the computed causal one. What differs from attention_mma.cu:
 //
 // - tiles go from global to shared memory by cp.async (16 bytes a thread, zero-filled past the
 //   matrix), the next key (or query) tile in flight while the current one is multiplied: two
@@ -18,18 +19,20 @@
 // - Δ = Σ dO·O is computed once per query row by the dQ kernel, which writes it for the dK/dV
 //   kernel (launched after it on the same stream).
 //
-//   attention_flash_fwd_dHD[r128]_bf16(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal)
-//   attention_flash_bwd_dq_dHD[r128]_bf16(dout, q, k, v, o, lse, delta, dq, a, scale, causal)
-//   attention_flash_bwd_dkv_dHD[r128]_bf16(dout, q, k, v, lse, delta, dk, dv, a, scale, causal)
+//   attention_flash_fwd_dHD[r128]_P(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal)
+//   attention_flash_bwd_dq_dHD[r128]_P(dout, q, k, v, o, lse, delta, dq, a, scale, causal)
+//   attention_flash_bwd_dkv_dHD[r128]_P(dout, q, k, v, lse, delta, dk, dv, a, scale, causal)
+//
+// P: bf16 or f16, the tensors' type and the products'.
 //
 // k / dk: element (key, d) at [key·k_s + d] (k_d = 1). Launch: 128 threads; the forward and dQ
 // kernels take blocks of 64 query rows (16 a warp) or, r128 (heads of 64), 128 (32 a warp: each
 // fragment of the other operand read by ldmatrix serves two row tiles), a 1-D grid of
 // batch · ceil(T / rows) blocks; the dK/dV kernel blocks of 64 or (r128) 128 keys,
 // batch · ceil(S / keys). Dynamic shared memory: the tiles each kernel's first lines lay out,
-// 64 rows of HD + 8 bf16 each (the dispatcher, ops/attention_flash.rs, computes the same). Every
-// row has a key (no mask, or causal with T = S), so no row is empty and nan_guard has nothing
-// to do.
+// 64 rows of HD + 8 16-bit elements each (the dispatcher, ops/attention_flash.rs, computes the
+// same). Every row has a key (no mask, or causal with T = S), so no row is empty and nan_guard
+// has nothing to do.
 
 #include "prelude.cuh"
 #include "attention.cuh"
@@ -68,7 +71,7 @@ template <int N> __device__ __forceinline__ void fa_wait() {
 #endif
 }
 
-// Four 8 x 8 bf16 matrices (TRANS: each transposed); this lane names row `row` (16-byte aligned)
+// Four 8 x 8 16-bit matrices (TRANS: each transposed); this lane names row `row` (16-byte aligned)
 // of matrix lane / 8.
 template <bool TRANS> __device__ __forceinline__ void fa_ldsm(u32 r[4], const u16* row) {
 #ifdef ORT_CPU_EMU
@@ -118,14 +121,14 @@ __device__ __forceinline__ void fa_b_cols(u32 b[4], const u16* t, int ld, int k0
 // ---- tiles ----
 
 template <int HD> struct FaTile {
-    static constexpr int LD = HD + AM_PAD;       // bf16 per shared row: 16-byte aligned, ldmatrix without bank conflicts
+    static constexpr int LD = HD + AM_PAD;       // elements per shared row: 16-byte aligned, ldmatrix without bank conflicts
     static constexpr int ELEMS = AM_TILE * LD;  // one 64-row tile
 };
 
-// Rows r0..r0 + ROWS - 1 of the bf16 matrix at src (rows ld apart, HD contiguous) into the
+// Rows r0..r0 + ROWS - 1 of the 16-bit matrix at src (rows ld apart, HD contiguous) into the
 // row-major tiles at dst by cp.async, zeros from row `rows` on. 16-byte chunks, consecutive
 // threads along a row.
-template <int HD, int ROWS = AM_TILE> __device__ __forceinline__ void fa_load(u16* dst, const bf16* src, i64 ld, i64 r0, i64 rows) {
+template <int HD, int ROWS = AM_TILE, typename P> __device__ __forceinline__ void fa_load(u16* dst, const P* src, i64 ld, i64 r0, i64 rows) {
     constexpr int CPR = HD / 8;
 #pragma unroll
     for (int i = 0; i < ROWS * CPR / 128; ++i) {
@@ -186,7 +189,7 @@ __device__ __forceinline__ void fa_mask(f32 s[NJ][4], bool causal, int r0, int c
 // s[m][j] (16 x 8 accumulators, j < NJ) = A · Bᵀ over HD: A the 16 x HD fragments of rows
 // a_r0 + 16m (m < MT) of tile `at` (or a_regs[m]), B the 8·NJ rows from bt (both row-major, HD
 // contiguous). Each B fragment serves the warp's MT row tiles.
-template <int HD, int MT, int NJ = 8>
+template <typename P, int HD, int MT, int NJ = 8>
 __device__ __forceinline__ void fa_dots(f32 s[MT][NJ][4], const u16* at, int a_r0, const u32 (*a_regs)[HD / 16][4], const u16* bt,
                                         int lane) {
     constexpr int LD = FaTile<HD>::LD;
@@ -214,30 +217,30 @@ __device__ __forceinline__ void fa_dots(f32 s[MT][NJ][4], const u16* at, int a_r
             fa_b_rows(b, bt, LD, 8 * j, 16 * kk, lane);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                am_mma(s[m][j], a[m], b[0], b[1]);
-                am_mma(s[m][j + 1], a[m], b[2], b[3]);
+                AmProd<P>::mma(s[m][j], a[m], b[0], b[1]);
+                AmProd<P>::mma(s[m][j + 1], a[m], b[2], b[3]);
             }
         }
     }
 }
 
 // acc[m][n] (16 x 8, n < HD / 8) += P[m] · X: P the warp's MT 16 x 8·NJ accumulator tiles
-// (rounded to bf16 as A fragments), X the 8·NJ rows from xt (k = its rows, n = d).
-template <int HD, int MT, int NJ = 8>
+// (rounded to P as A fragments), X the 8·NJ rows from xt (k = its rows, n = d).
+template <typename P, int HD, int MT, int NJ = 8>
 __device__ __forceinline__ void fa_accumulate(f32 acc[MT][HD / 8][4], const f32 p[MT][NJ][4], const u16* xt, int lane) {
 #pragma unroll
     for (int kk = 0; kk < NJ / 2; ++kk) {
         u32 a[MT][4];
 #pragma unroll
-        for (int m = 0; m < MT; ++m) am_c_to_a(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
+        for (int m = 0; m < MT; ++m) am_c_to_a<P>(a[m], p[m][2 * kk], p[m][2 * kk + 1]);
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             u32 b[4];
             fa_b_cols(b, xt, FaTile<HD>::LD, 16 * kk, 8 * n, lane);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                am_mma(acc[m][n], a[m], b[0], b[1]);
-                am_mma(acc[m][n + 1], a[m], b[2], b[3]);
+                AmProd<P>::mma(acc[m][n], a[m], b[0], b[1]);
+                AmProd<P>::mma(acc[m][n + 1], a[m], b[2], b[3]);
             }
         }
     }
@@ -252,10 +255,10 @@ template <int HD, int MT> __device__ __forceinline__ void fa_zero(f32 acc[MT][HD
             for (int e = 0; e < 4; ++e) acc[m][n][e] = 0.f;
 }
 
-// Rows row0 + 16m + g, + 8 of acc[m] · mul[m] (rows below `rows` only) as bf16 pairs at
+// Rows row0 + 16m + g, + 8 of acc[m] · mul[m] (rows below `rows` only) as P pairs at
 // dst + row·ld + d.
-template <int HD, int MT>
-__device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[MT][HD / 8][4], const f32 mul[MT][2], i64 row0, i64 rows, int g,
+template <int HD, int MT, typename P>
+__device__ __forceinline__ void fa_store(P* dst, i64 ld, const f32 acc[MT][HD / 8][4], const f32 mul[MT][2], i64 row0, i64 rows, int g,
                                          int qd) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -265,23 +268,23 @@ __device__ __forceinline__ void fa_store(bf16* dst, i64 ld, const f32 acc[MT][HD
             if (row >= rows) continue;
             u32* out = reinterpret_cast<u32*>(dst + row * ld + 2 * qd);
 #pragma unroll
-            for (int n = 0; n < HD / 8; ++n) out[4 * n] = am_pack(acc[m][n][2 * h] * mul[m][h], acc[m][n][2 * h + 1] * mul[m][h]);
+            for (int n = 0; n < HD / 8; ++n) out[4 * n] = AmProd<P>::pack(acc[m][n][2 * h] * mul[m][h], acc[m][n][2 * h + 1] * mul[m][h]);
         }
 }
 
 // A forward or dQ block of 64 · MT query rows (warp w: rows 16·MT·w..+16·MT): where it is, T and
 // S, its first row t0, its warp's first row, the key tiles it walks (causal: up to its last
 // row's diagonal), and K and V at its batch entry. Lengths are below 2^30 (the dispatcher checks).
-struct FaRows {
+template <typename P> struct FaRows {
     FaPlace at;
     int T, S, t0, row0, tiles;
-    const bf16 *kb, *vb;
+    const P *kb, *vb;
 };
-template <int MT> __device__ __forceinline__ FaRows fa_rows(const AttnShape& a, const bf16* k, const bf16* v, i32 causal) {
+template <int MT, typename P> __device__ __forceinline__ FaRows<P> fa_rows(const AttnShape& a, const P* k, const P* v, i32 causal) {
     const FaPlace at = fa_place(a, a.T, causal != 0, AM_TILE * MT);
     const int T = (int)a.T, S = (int)a.S, t0 = (int)at.r0;
     const int s_end = causal ? min(S, t0 + AM_TILE * MT) : S;
-    return FaRows{at, T, S, t0, t0 + 16 * MT * at.w, (s_end + AM_TILE - 1) / AM_TILE, k + at.off.k, v + at.off.v};
+    return FaRows<P>{at, T, S, t0, t0 + 16 * MT * at.w, (s_end + AM_TILE - 1) / AM_TILE, k + at.off.k, v + at.off.v};
 }
 
 // Whether key tile s0 needs the mask for a warp whose rows start at row0: it reaches past the
@@ -298,8 +301,8 @@ template <int MT> __device__ __forceinline__ bool fa_tile_dead(int s0, bool caus
 // Tile j + 1 of K and V (of `tiles`) into the buffers tile j - 1 used (the caller's barrier after
 // that tile lets them be refilled), then the wait that leaves this thread's part of tile j
 // landed (the caller's next barrier publishes the block's).
-template <int HD>
-__device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const bf16* kb, const bf16* vb, const AttnShape& a, int j, int tiles, int S) {
+template <int HD, typename P>
+__device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const P* kb, const P* vb, const AttnShape& a, int j, int tiles, int S) {
     constexpr int E = FaTile<HD>::ELEMS;
     if (j + 1 < tiles) {
         const int nb = (j + 1) & 1;
@@ -314,8 +317,8 @@ __device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const bf16* kb, con
 
 // ---- forward ----
 
-template <int HD, int MT>
-__device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16* v, bf16* o, f32* lse, const AttnShape& a, f32 scale,
+template <int HD, int MT, typename P>
+__device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
     constexpr int LD = FaTile<HD>::LD, E = FaTile<HD>::ELEMS;
@@ -348,7 +351,7 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
         const int s0 = j * AM_TILE;
         if (!fa_tile_dead<MT>(s0, causal != 0, row0)) {
             f32 s[MT][8][4];
-            fa_dots<HD, MT>(s, nullptr, 0, qa, ks + buf * E, lane);
+            fa_dots<P, HD, MT>(s, nullptr, 0, qa, ks + buf * E, lane);
             if (fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<false>(s[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd);
@@ -382,7 +385,7 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][n][e] *= corr[e >> 1];
             }
-            fa_accumulate<HD, MT>(acc, s, vs + buf * E, lane);
+            fa_accumulate<P, HD, MT>(acc, s, vs + buf * E, lane);
         }
         __syncthreads();  // this buffer is read: the next iteration but one refills it
     }
@@ -404,9 +407,9 @@ __device__ __forceinline__ void fa_fwd(const bf16* q, const bf16* k, const bf16*
 
 // ---- backward: dQ (and Δ) ----
 
-template <int HD, int MT>
-__device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse,
-                                          f32* delta, bf16* dq, const AttnShape& a, f32 scale, i32 causal) {
+template <int HD, int MT, typename P>
+__device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k, const P* v, const P* o, const f32* lse,
+                                          f32* delta, P* dq, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
     constexpr int E = FaTile<HD>::ELEMS, ROWS = AM_TILE * MT;
     u16* qs = smem;          // Q [64 · MT][HD]
@@ -446,11 +449,11 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
         if (!fa_tile_dead<MT>(s0, causal != 0, row0)) {
             const u16 *kt = ks + buf * E, *vt = vs + buf * E;
             f32 p[MT][8][4], dp[MT][8][4];
-            fa_dots<HD, MT>(p, qs, wr, nullptr, kt, lane);
+            fa_dots<P, HD, MT>(p, qs, wr, nullptr, kt, lane);
             if (fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<false>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd);
-            fa_dots<HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
+            fa_dots<P, HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -460,7 +463,7 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
                         const f32 pe = fa_exp2(fmaf(p[mt][jj][e], sl2, -lse2[mt][e >> 1]));
                         dp[mt][jj][e] = pe * (dp[mt][jj][e] - drow[mt][e >> 1]);  // dS
                     }
-            fa_accumulate<HD, MT>(acc, dp, kt, lane);  // dQ += dS · K
+            fa_accumulate<P, HD, MT>(acc, dp, kt, lane);  // dQ += dS · K
         }
         __syncthreads();
     }
@@ -476,9 +479,9 @@ __device__ __forceinline__ void fa_bwd_dq(const bf16* dout, const bf16* q, const
 // the query tiles of 64 rows (causal: from its own diagonal on), each in MT parts of 64 / MT
 // queries (the accumulators of 16·MT keys leave registers for that many score columns):
 // Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD, int MT>
-__device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse,
-                                           const f32* delta, bf16* dk, bf16* dv, const AttnShape& a, f32 scale, i32 causal) {
+template <int HD, int MT, typename P>
+__device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k, const P* v, const f32* lse,
+                                           const f32* delta, P* dk, P* dv, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, smem);
     constexpr int LD = FaTile<HD>::LD, E = FaTile<HD>::ELEMS, QP = AM_TILE / MT, NJ = QP / 8;
     u16* ks = smem;            // K [64 · MT keys][HD]
@@ -490,7 +493,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
     const FaPlace at = fa_place(a, a.S, false, AM_TILE * MT);
     const int T = (int)a.T, S = (int)a.S, s0 = (int)at.r0, wk = 16 * MT * at.w, key0 = s0 + wk;  // < 2^31 (the dispatcher checks)
     const int lane = at.lane, g = at.g, qd = at.qd;
-    const bf16 *qb = q + at.off.q, *dob = dout + at.off.o;
+    const P *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
     const int t_begin = causal ? s0 : 0;  // causal: rows before the block's first key see none of its keys
     const int tiles = (T - t_begin + AM_TILE - 1) / AM_TILE;
@@ -529,11 +532,11 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
             const u16 *qt = qs + buf * E + QP * part * LD, *dot = dos + buf * E + QP * part * LD;
             const f32 *lr = lse_s + buf * AM_TILE + QP * part, *dr = dl_s + buf * AM_TILE + QP * part;
             f32 p[MT][NJ][4], dp[MT][NJ][4];
-            fa_dots<HD, MT, NJ>(p, ks, wk, nullptr, qt, lane);  // Sᵀ: element (key, query 8j + 2qd + (e & 1))
+            fa_dots<P, HD, MT, NJ>(p, ks, wk, nullptr, qt, lane);  // Sᵀ: element (key, query 8j + 2qd + (e & 1))
             if (tq + QP > T || (causal && tq < key0 + 16 * MT - 1))
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<true, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd);
-            fa_dots<HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
+            fa_dots<P, HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -545,8 +548,8 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
                         p[mt][jj][e] = pe;
                         dp[mt][jj][e] = pe * (dp[mt][jj][e] - dr[r]);  // dSᵀ
                     }
-            fa_accumulate<HD, MT, NJ>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
-            fa_accumulate<HD, MT, NJ>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
+            fa_accumulate<P, HD, MT, NJ>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
+            fa_accumulate<P, HD, MT, NJ>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
         }
         __syncthreads();
     }
@@ -558,33 +561,37 @@ __device__ __forceinline__ void fa_bwd_dkv(const bf16* dout, const bf16* q, cons
 }
 
 // One forward and one dQ kernel of MT m16 row tiles a warp (64 · MT query rows a block), named
-// with SUFFIX; BLOCKS: blocks an SM must hold (ptxas keeps their registers to fit).
-#define FA_ROW_KERNELS(HD, MT, SUFFIX, BLOCKS)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##SUFFIX##_bf16(                                \
-        const bf16* q, const bf16* k, const bf16* v, bf16* o, f32* lse, AttnShape a, f32 scale, i32 causal) {                         \
+// with SUFFIX, for tensors (and products) of the 16-bit type P; BLOCKS: blocks an SM must hold
+// (ptxas keeps their registers to fit).
+#define FA_ROW_KERNELS(HD, MT, SUFFIX, BLOCKS, P)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##SUFFIX##_##P(                                 \
+        const P* q, const P* k, const P* v, P* o, f32* lse, AttnShape a, f32 scale, i32 causal) {                                     \
         fa_fwd<HD, MT>(q, k, v, o, lse, a, scale, causal);                                                                          \
     }                                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##SUFFIX##_bf16(                             \
-        const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const bf16* o, const f32* lse, f32* delta, bf16* dq,          \
-        AttnShape a, f32 scale, i32 causal) {                                                                                       \
+    extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##SUFFIX##_##P(                              \
+        const P* dout, const P* q, const P* k, const P* v, const P* o, const f32* lse, f32* delta, P* dq, AttnShape a, f32 scale,    \
+        i32 causal) {                                                                                                               \
         fa_bwd_dq<HD, MT>(dout, q, k, v, o, lse, delta, dq, a, scale, causal);                                                      \
     }
 // One dK/dV kernel of MT m16 key tiles a warp (64 · MT keys a block).
-#define FA_DKV_KERNEL(HD, MT, SUFFIX)                                                                                               \
-    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##SUFFIX##_bf16(                                \
-        const bf16* dout, const bf16* q, const bf16* k, const bf16* v, const f32* lse, const f32* delta, bf16* dk, bf16* dv,         \
-        AttnShape a, f32 scale, i32 causal) {                                                                                       \
+#define FA_DKV_KERNEL(HD, MT, SUFFIX, P)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##SUFFIX##_##P(                                 \
+        const P* dout, const P* q, const P* k, const P* v, const f32* lse, const f32* delta, P* dk, P* dv, AttnShape a, f32 scale,   \
+        i32 causal) {                                                                                                               \
         fa_bwd_dkv<HD, MT>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal);                                                   \
     }
-// Heads of 64, 64-row blocks: 3 blocks (12 warps) an SM at 168 registers a thread, where unbounded
-// ptxas takes 182 (forward) and 203 (dQ), which leave 2; the price is 24 bytes of dQ spills
-// (NVRTC 13.0). 128-row blocks (r128: 32 rows or keys a warp, each fragment of the other operand
-// read from shared memory once for two row tiles: the forward's and dQ's shared-memory traffic
-// per FLOP halved, dK/dV's cut by a third): 255 registers, 2 blocks an SM, 4 (forward), 36 (dQ)
-// and 48 (dK/dV) bytes of spills.
-FA_ROW_KERNELS(64, 1, , 3)
-FA_ROW_KERNELS(64, 2, r128, 2)
-FA_ROW_KERNELS(128, 1, , 1)
-FA_DKV_KERNEL(64, 1, )
-FA_DKV_KERNEL(64, 2, r128)
-FA_DKV_KERNEL(128, 1, )
+// Every kernel of the file for the 16-bit type P. Heads of 64, 64-row blocks: 3 blocks (12 warps)
+// an SM at 168 registers a thread, where unbounded ptxas takes 182 (forward) and 203 (dQ), which
+// leave 2; the price is 24 bytes of dQ spills (NVRTC 13.0, bf16). 128-row blocks (r128: 32 rows or
+// keys a warp, each fragment of the other operand read from shared memory once for two row tiles:
+// the forward's and dQ's shared-memory traffic per FLOP halved, dK/dV's cut by a third): 255
+// registers, 2 blocks an SM, 4 (forward), 36 (dQ) and 48 (dK/dV) bytes of spills.
+#define FA_KERNELS(P)                 \
+    FA_ROW_KERNELS(64, 1, , 3, P)     \
+    FA_ROW_KERNELS(64, 2, r128, 2, P) \
+    FA_ROW_KERNELS(128, 1, , 1, P)    \
+    FA_DKV_KERNEL(64, 1, , P)         \
+    FA_DKV_KERNEL(64, 2, r128, P)     \
+    FA_DKV_KERNEL(128, 1, , P)
+FA_KERNELS(bf16)
+FA_KERNELS(f16)

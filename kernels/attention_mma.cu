@@ -2,14 +2,17 @@
 // kernels/attention.cu compute the same, and the CPU kernel is the reference of both): the same
 // arguments, outputs and semantics (layouts BHSD and BSHD through AttnShape's strides, additive
 // mask with strides, nan_guard, LSE saved, the backward as one kernel for dQ and one for dKt and
-// dV, no atomics), for sessions whose f32
-// matmuls run at bf16 precision (`precision="bf16"`): Q·Kᵀ, P·V and the backward's four products
-// are mma.sync m16n8k16 with bf16 operands (rounded to nearest from the f32 tensors, and P / dS
-// from their f32 values) and f32 accumulation; softmax statistics, LSE, Δ and the outputs are f32.
+// dV, no atomics), for 16-bit tensors and for sessions whose f32 matmuls run at 16-bit precision
+// (`precision="bf16"` or `"fp16"`): Q·Kᵀ, P·V and the backward's four products are mma.sync
+// m16n8k16 with 16-bit operands P (attention_mma_stage.cuh: bf16 or f16, rounded to nearest from
+// f32 tensors, and P / dS from their f32 values) and f32 accumulation; softmax statistics, LSE,
+// Δ and the outputs' arithmetic are f32.
 //
-//   attention_mma_fwd_dHD_f32(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard, i32 causal)
-//   attention_mma_bwd_dq_dHD_f32(dout, q, kt, v, mask, o, lse, dq, a, scale, causal)
-//   attention_mma_bwd_dkv_dHD_f32(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal)
+//   attention_mma_fwd_dHD_T(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard, i32 causal)
+//   attention_mma_bwd_dq_dHD_T(dout, q, kt, v, mask, o, lse, dq, a, scale, causal)
+//   attention_mma_bwd_dkv_dHD_T(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal)
+//
+// T: f32 (bf16 products), f32f16 (f32 tensors, f16 products), bf16, f16.
 //
 // `causal` (T = S): the mask is computed, not read (mask is then null): a key past its query is
 // -inf, every other score unmasked. The dispatcher sets it where the mask is a constant whose
@@ -19,13 +22,14 @@
 //
 // HD = D = Dv, 64 or 128. Launch: 128 threads (4 warps, 16 rows each), a 1-D grid of
 // batch · ceil(T / 64) blocks (fwd, dq) or batch · ceil(S / 64) (dkv), dynamic shared memory
-// of the bf16 tiles each kernel lays out (the dispatcher computes the same sizes: am_smem_*).
+// of the 16-bit tiles each kernel lays out (the dispatcher computes the same sizes: am_smem_*).
 // 64 x 64 tiles whose mask is all -inf are skipped.
 //
-// Fragments (PTX ISA, mma.m16n8k16 .bf16): with g = lane / 4 and q = lane % 4, A (16 x 16) holds
-// rows g, g + 8 at k = 2q, 2q + 1 and 2q + 8, 2q + 9; B (16 x 8) holds column g at k = 2q, 2q + 1,
-// 2q + 8, 2q + 9; C (16 x 8) holds rows g, g + 8 at columns 2q, 2q + 1. So two C tiles side by
-// side are one A fragment: P and dS go from accumulators to operands without shared memory.
+// Fragments (PTX ISA, mma.m16n8k16, .bf16 and .f16 alike): with g = lane / 4 and q = lane % 4,
+// A (16 x 16) holds rows g, g + 8 at k = 2q, 2q + 1 and 2q + 8, 2q + 9; B (16 x 8) holds column g
+// at k = 2q, 2q + 1, 2q + 8, 2q + 9; C (16 x 8) holds rows g, g + 8 at columns 2q, 2q + 1. So two C
+// tiles side by side are one A fragment: P and dS go from accumulators to operands without
+// shared memory.
 // Operands are read from shared tiles whose k dimension is contiguous (a pair is one 32-bit load).
 
 #include "prelude.cuh"
@@ -50,7 +54,7 @@ __device__ __forceinline__ void am_load_b(u32& b0, u32& b1, const u16* t, int ld
 
 // S = A · Bᵀ for one warp: 16 rows (the A fragments `a`, HD/16 k-steps) by the 64 rows of the
 // n-major tile `bt` (k = HD contiguous): s[j] is the 16 x 8 tile of columns 8j.
-template <int HD> __device__ __forceinline__ void am_scores(f32 s[8][4], const u32 a[HD / 16][4], const u16* bt, int g, int q) {
+template <int HD, typename P> __device__ __forceinline__ void am_scores(f32 s[8][4], const u32 a[HD / 16][4], const u16* bt, int g, int q) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -59,23 +63,23 @@ template <int HD> __device__ __forceinline__ void am_scores(f32 s[8][4], const u
         for (int kk = 0; kk < HD / 16; ++kk) {
             u32 b0, b1;
             am_load_b(b0, b1, bt, HD + AM_PAD, 8 * j, 16 * kk, g, q);
-            am_mma(s[j], a[kk], b0, b1);
+            AmProd<P>::mma(s[j], a[kk], b0, b1);
         }
     }
 }
 
 // acc[n] += P · X for one warp: P the 16 x 64 accumulators p (as A fragments), X the tile `xt`
 // stored n-major [HD][AM_LDT] (k = the 64 contiguous): acc[n] is the 16 x 8 tile of columns 8n.
-template <int HD> __device__ __forceinline__ void am_accumulate(f32 acc[HD / 8][4], const f32 p[8][4], const u16* xt, int g, int q) {
+template <int HD, typename P> __device__ __forceinline__ void am_accumulate(f32 acc[HD / 8][4], const f32 p[8][4], const u16* xt, int g, int q) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
         u32 a[4];
-        am_c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+        am_c_to_a<P>(a, p[2 * kk], p[2 * kk + 1]);
 #pragma unroll
         for (int n = 0; n < HD / 8; ++n) {
             u32 b0, b1;
             am_load_b(b0, b1, xt, AM_LDT, 8 * n, 16 * kk, g, q);
-            am_mma(acc[n], a, b0, b1);
+            AmProd<P>::mma(acc[n], a, b0, b1);
         }
     }
 }
@@ -111,7 +115,7 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
     return p;
 }
 
-template <int HD, typename E>
+template <int HD, typename E, typename P>
 __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
@@ -124,7 +128,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
     const int w = at.w, g = at.g, qd = at.qd;
-    am_stage<HD>(qs, nullptr, q + off.q, a.q_t, t0, T);
+    am_stage<HD, P>(qs, nullptr, q + off.q, a.q_t, t0, T);
     __syncthreads();
     u32 qa[HD / 16][4];
 #pragma unroll
@@ -139,11 +143,11 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         const bool settled = (rows[0] >= T || m[0] > ATT_SETTLED) && (rows[1] >= T || m[1] > ATT_SETTLED);
         const AttAllSettled all{__syncthreads_and(settled) != 0};
         if (am_tile_dead(mask, off.m, t0, s0, a, all, causal)) continue;  // adds nothing
-        am_stage_keys<HD>(ks, nullptr, kt + off.k, a, s0);
-        am_stage<HD>(nullptr, vt, v + off.v, a.v_s, s0, S);
+        am_stage_keys<HD, P>(ks, nullptr, kt + off.k, a, s0);
+        am_stage<HD, P>(nullptr, vt, v + off.v, a.v_s, s0, S);
         __syncthreads();
         f32 s[8][4];
-        am_scores<HD>(s, qa, ks, g, qd);
+        am_scores<HD, P>(s, qa, ks, g, qd);
         f32 mx[2] = {m[0], m[1]};
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -177,7 +181,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
-        am_accumulate<HD>(acc, s, vt, g, qd);
+        am_accumulate<HD, P>(acc, s, vt, g, qd);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -207,7 +211,7 @@ __device__ __forceinline__ void am_probs(f32 s[8][4], const i64 rows[2], const f
         }
 }
 
-template <int HD, typename E>
+template <int HD, typename E, typename P>
 __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                           const f32* lse, E* dq, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
@@ -223,8 +227,8 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    am_stage<HD>(qs, nullptr, q + off.q, a.q_t, t0, T);
-    am_stage<HD>(dos, nullptr, dout + off.o, a.o_t, t0, T);
+    am_stage<HD, P>(qs, nullptr, q + off.q, a.q_t, t0, T);
+    am_stage<HD, P>(dos, nullptr, dout + off.o, a.o_t, t0, T);
     am_delta_rows<HD>(delta, dout + off.o, o + off.o, a.o_t, T, t0, w, lane);
     __syncthreads();
     u32 qa[HD / 16][4], doa[HD / 16][4];
@@ -243,18 +247,18 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     for (i64 s0 = 0; s0 < S; s0 += AM_TILE) {
         __syncthreads();
         if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T}, causal)) continue;  // P = 0 there
-        am_stage_keys<HD>(ks, kd, kt + off.k, a, s0);
-        am_stage<HD>(vs, nullptr, v + off.v, a.v_s, s0, S);
+        am_stage_keys<HD, P>(ks, kd, kt + off.k, a, s0);
+        am_stage<HD, P>(vs, nullptr, v + off.v, a.v_s, s0, S);
         __syncthreads();
         f32 p[8][4], dp[8][4];
-        am_scores<HD>(p, qa, ks, g, qd);
+        am_scores<HD, P>(p, qa, ks, g, qd);
         am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a, causal);
-        am_scores<HD>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
+        am_scores<HD, P>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[j][e] = p[j][e] * (dp[j][e] - drow[e >> 1]);  // dS
-        am_accumulate<HD>(acc, dp, kd, g, qd);  // dQ += dS · K
+        am_accumulate<HD, P>(acc, dp, kd, g, qd);  // dQ += dS · K
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -268,7 +272,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
 
 // A block owns 64 keys (warp w: keys 16w..+16 as the rows of its products) and walks the query
 // rows in tiles of 64: Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD, typename E>
+template <int HD, typename E, typename P>
 __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* kt, const E* v, const f32* mask, const E* o,
                                            const f32* lse, E* dkt, E* dv, const AttnShape& a, f32 scale, i32 causal) {
     ORT_DYNAMIC_SHARED(u16, am_smem);
@@ -285,8 +289,8 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     const i64 bi = at.bi, s0 = at.r0, *keys = at.own;
     const AttnOff off = at.off;
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
-    am_stage_keys<HD>(ks, nullptr, kt + off.k, a, s0);
-    am_stage<HD>(vs, nullptr, v + off.v, a.v_s, s0, S);
+    am_stage_keys<HD, P>(ks, nullptr, kt + off.k, a, s0);
+    am_stage<HD, P>(vs, nullptr, v + off.v, a.v_s, s0, S);
     __syncthreads();
     u32 ka[HD / 16][4], va[HD / 16][4];
 #pragma unroll
@@ -302,14 +306,14 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     for (i64 t0 = 0; t0 < T; t0 += AM_TILE) {
         __syncthreads();
         if (am_tile_dead(mask, off.m, t0, s0, a, AttLseSettled{lse + bi * T}, causal)) continue;  // P = 0 there
-        am_stage<HD>(qs, qt, q + off.q, a.q_t, t0, T);
-        am_stage<HD>(dos, dot, dout + off.o, a.o_t, t0, T);
+        am_stage<HD, P>(qs, qt, q + off.q, a.q_t, t0, T);
+        am_stage<HD, P>(dos, dot, dout + off.o, a.o_t, t0, T);
         am_delta_rows<HD>(delta, dout + off.o, o + off.o, a.o_t, T, t0, w, lane);
         for (int r = threadIdx.x; r < AM_TILE; r += blockDim.x) lse_s[r] = t0 + r < T ? lse[bi * T + t0 + r] : -ATT_INF;
         __syncthreads();
         f32 p[8][4], dp[8][4];
-        am_scores<HD>(p, ka, qs, g, qd);   // Sᵀ: element (key, row 8j + 2qd + (e & 1))
-        am_scores<HD>(dp, va, dos, g, qd);  // dPᵀ = V · dOᵀ
+        am_scores<HD, P>(p, ka, qs, g, qd);   // Sᵀ: element (key, row 8j + 2qd + (e & 1))
+        am_scores<HD, P>(dp, va, dos, g, qd);  // dPᵀ = V · dOᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -320,8 +324,8 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
                 p[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
                 dp[j][e] = p[j][e] * (dp[j][e] - delta[r]);  // dSᵀ
             }
-        am_accumulate<HD>(acc_v, p, dot, g, qd);  // dV += Pᵀ · dO
-        am_accumulate<HD>(acc_k, dp, qt, g, qd);  // dK += dSᵀ · Q
+        am_accumulate<HD, P>(acc_v, p, dot, g, qd);  // dV += Pᵀ · dO
+        am_accumulate<HD, P>(acc_k, dp, qt, g, qd);  // dK += dSᵀ · Q
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -338,27 +342,32 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     }
 }
 
-// One instance per head size and element type T of Q, Kᵀ, V, the mask, O and the gradients
-// (f32: rounded to bf16 for the products; bf16: the 16-bit plans' own tensors). LSE and the
-// additive mask are f32 in both (a mask's large negative values would round to -inf in bf16).
-#define AM_KERNELS(HD, T)                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_##T(const T* q, const T* kt, const T* v,            \
-                                                                                   const f32* mask, T* o, f32* lse, AttnShape a,     \
-                                                                                   f32 scale, i32 nan_guard, i32 causal) {         \
-        am_fwd<HD, T>(q, kt, v, mask, o, lse, a, scale, nan_guard, causal);                                                        \
+// One instance per head size, tensor type T (Q, Kᵀ, V, O and the gradients) and product type P,
+// named NAME: f32 tensors rounded to bf16 (NAME f32) or f16 (f32f16) for the products, and the
+// 16-bit plans' own bf16 and f16 tensors. LSE and the additive mask are f32 in all (a mask's
+// large negative values would round to -inf in 16 bits).
+#define AM_KERNELS(HD, T, P, NAME)                                                                                                 \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_fwd_d##HD##_##NAME(const T* q, const T* kt, const T* v,         \
+                                                                                      const f32* mask, T* o, f32* lse, AttnShape a,  \
+                                                                                      f32 scale, i32 nan_guard, i32 causal) {      \
+        am_fwd<HD, T, P>(q, kt, v, mask, o, lse, a, scale, nan_guard, causal);                                                     \
     }                                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_##T(const T* dout, const T* q, const T* kt,      \
-                                                                                      const T* v, const f32* mask, const T* o,       \
-                                                                                      const f32* lse, T* dq, AttnShape a,          \
-                                                                                      f32 scale, i32 causal) {                     \
-        am_bwd_dq<HD, T>(dout, q, kt, v, mask, o, lse, dq, a, scale, causal);                                                      \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dq_d##HD##_##NAME(const T* dout, const T* q, const T* kt,   \
+                                                                                         const T* v, const f32* mask, const T* o,    \
+                                                                                         const f32* lse, T* dq, AttnShape a,       \
+                                                                                         f32 scale, i32 causal) {                  \
+        am_bwd_dq<HD, T, P>(dout, q, kt, v, mask, o, lse, dq, a, scale, causal);                                                   \
     }                                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_##T(                                          \
+    extern "C" __global__ void __launch_bounds__(128) attention_mma_bwd_dkv_d##HD##_##NAME(                                       \
         const T* dout, const T* q, const T* kt, const T* v, const f32* mask, const T* o, const f32* lse, T* dkt, T* dv, AttnShape a, \
         f32 scale, i32 causal) {                                                                                                   \
-        am_bwd_dkv<HD, T>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal);                                                \
+        am_bwd_dkv<HD, T, P>(dout, q, kt, v, mask, o, lse, dkt, dv, a, scale, causal);                                             \
     }
-AM_KERNELS(64, f32)
-AM_KERNELS(128, f32)
-AM_KERNELS(64, bf16)
-AM_KERNELS(128, bf16)
+AM_KERNELS(64, f32, bf16, f32)
+AM_KERNELS(128, f32, bf16, f32)
+AM_KERNELS(64, f32, f16, f32f16)
+AM_KERNELS(128, f32, f16, f32f16)
+AM_KERNELS(64, bf16, bf16, bf16)
+AM_KERNELS(128, bf16, bf16, bf16)
+AM_KERNELS(64, f16, f16, f16)
+AM_KERNELS(128, f16, f16, f16)

@@ -1,43 +1,71 @@
 // How the tensor-core attention kernels (kernels/attention_mma.cu, kernels/attention_flash.cu)
-// fill their shared bf16 tiles and per-row scratch, and the warp-level pieces both use: the
+// fill their shared 16-bit tiles and per-row scratch, and the warp-level pieces both use: the
 // mma.sync product, accumulators as operands, quad reductions; the tile constants and the f32 ->
-// bf16 pair conversion, Q/K/V/dO tiles
+// 16-bit pair conversion, Q/K/V/dO tiles
 // staged row-major and/or transposed (16-byte loads where rows are 16-byte aligned, scalar loops
 // otherwise), Δ = Σ dO·O per row, and whether a 64 x 64 tile of the mask adds nothing. Included
 // after prelude.cuh and attention.cuh; served from memory like them (registry.rs HEADERS).
+//
+// The products' 16-bit type P: bf16 for bf16 tensors and for f32 ones at bf16 precision, f16 for
+// f16 tensors and for f32 ones at f16 precision (fp16 sessions: no bf16 rounding of their
+// values, and f16's 10-bit mantissa for P and dS).
 
 #define AM_TILE 64  // rows (fwd, dq) or keys (dkv) per block, and the loop's tile
-#define AM_PAD 8    // bf16 elements of padding per shared row (16 bytes)
+#define AM_PAD 8    // 16-bit elements of padding per shared row (16 bytes)
 #define AM_LDT (AM_TILE + AM_PAD)  // row of a tile whose rows are 64 long
 
-// Two f32 as a bf16 pair (round to nearest), lo in the low half.
-__device__ __forceinline__ u32 am_pack(f32 lo, f32 hi) {
+// The products' type P: its bits from an f32 (round to nearest), two f32 as a pair (lo in the
+// low half), and c += a · b (16 x 8 x 16, P operands, f32 accumulators).
+template <typename P> struct AmProd;
+template <> struct AmProd<bf16> {
+    static __device__ __forceinline__ u16 bits(f32 x) { return f32_to_bf16(x).bits; }
+    static __device__ __forceinline__ u32 pack(f32 lo, f32 hi) {
 #ifdef ORT_CPU_EMU
-    return (u32)ort_emu_f32_to_bf16(lo) | ((u32)ort_emu_f32_to_bf16(hi) << 16);
+        return (u32)ort_emu_f32_to_bf16(lo) | ((u32)ort_emu_f32_to_bf16(hi) << 16);
 #else
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
 #endif
-}
-
-// c += a · b: 16 x 8 x 16, bf16 operands, f32 accumulators.
-__device__ __forceinline__ void am_mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
+    }
+    static __device__ __forceinline__ void mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
 #ifdef ORT_CPU_EMU
-    ort_emu_mma_bf16_m16n8k16(c, a, b0, b1);
+        ort_emu_mma_m16n8k16(c, a, b0, b1, 0);
 #else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
-}
+    }
+};
+template <> struct AmProd<f16> {
+    static __device__ __forceinline__ u16 bits(f32 x) { return f32_to_f16(x).bits; }
+    static __device__ __forceinline__ u32 pack(f32 lo, f32 hi) {
+#ifdef ORT_CPU_EMU
+        return (u32)ort_emu_f32_to_f16(lo) | ((u32)ort_emu_f32_to_f16(hi) << 16);
+#else
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+#endif
+    }
+    static __device__ __forceinline__ void mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
+#ifdef ORT_CPU_EMU
+        ort_emu_mma_m16n8k16(c, a, b0, b1, 1);
+#else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+    }
+};
 
 // Accumulators c[j] (16 x 8 tiles j, j + 1 side by side) as the A fragment of a 16 x 16 operand.
-__device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {
-    a[0] = am_pack(c0[0], c0[1]);
-    a[1] = am_pack(c0[2], c0[3]);
-    a[2] = am_pack(c1[0], c1[1]);
-    a[3] = am_pack(c1[2], c1[3]);
+template <typename P> __device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {
+    a[0] = AmProd<P>::pack(c0[0], c0[1]);
+    a[1] = AmProd<P>::pack(c0[2], c0[3]);
+    a[2] = AmProd<P>::pack(c1[0], c1[1]);
+    a[3] = AmProd<P>::pack(c1[2], c1[3]);
 }
 
 // Σ over the row of the quad's 4 threads (the lanes holding one accumulator row).
@@ -50,48 +78,46 @@ __device__ __forceinline__ f32 am_quad_max(f32 v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
-__device__ __forceinline__ u16 am_bf16(f32 x) { return f32_to_bf16(x).bits; }
-
-// dst[r·ld + c] = src[(r0 + r)·ld_src + c] as bf16 for 64 rows and `width` columns; zeros past `rows`.
-template <typename E>
+// dst[r·ld + c] = src[(r0 + r)·ld_src + c] as P for 64 rows and `width` columns; zeros past `rows`.
+template <typename P, typename E>
 __device__ __forceinline__ void am_stage_rows(u16* dst, int ld, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
     for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
         const int r = e / width, c = e % width;
-        dst[r * ld + c] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
+        dst[r * ld + c] = AmProd<P>::bits(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
     }
 }
 
 // The transpose: dst[c·AM_LDT + r] = src[(r0 + r)·ld_src + c].
-template <typename E>
+template <typename P, typename E>
 __device__ __forceinline__ void am_stage_rows_t(u16* dst, const E* src, i64 ld_src, i64 r0, i64 rows, int width) {
     for (int e = threadIdx.x; e < AM_TILE * width; e += blockDim.x) {
         const int r = e / width, c = e % width;
-        dst[c * AM_LDT + r] = am_bf16(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
+        dst[c * AM_LDT + r] = AmProd<P>::bits(r0 + r < rows ? Num<E>::load(src[(r0 + r) * ld_src + c]) : 0.f);
     }
 }
 
-// Keys c0.. of Kt (element (d, key) at kt[d·k_d + key·k_s]) into dst[d·ld_d + c·ld_c] as bf16,
+// Keys c0.. of Kt (element (d, key) at kt[d·k_d + key·k_s]) into dst[d·ld_d + c·ld_c] as P,
 // zero past S: walked along whichever of the two is contiguous in memory (keys in layout BHSD,
 // d in BSHD).
-template <typename E>
+template <typename P, typename E>
 __device__ __forceinline__ void am_stage_k(u16* dst, int ld_d, int ld_c, const E* kt, const AttnShape& a, i64 c0, int D) {
     const bool keys_inner = a.k_s == 1;
     for (int e = threadIdx.x; e < AM_TILE * D; e += blockDim.x) {
         const int d = keys_inner ? e / AM_TILE : e % D, c = keys_inner ? e % AM_TILE : e / D;
-        dst[d * ld_d + c * ld_c] = am_bf16(c0 + c < a.S ? Num<E>::load(kt[d * a.k_d + (c0 + c) * a.k_s]) : 0.f);
+        dst[d * ld_d + c * ld_c] = AmProd<P>::bits(c0 + c < a.S ? Num<E>::load(kt[d * a.k_d + (c0 + c) * a.k_s]) : 0.f);
     }
 }
 
 // Columns c0.. of Kt d-major: dst[d·AM_LDT + c].
-template <typename E>
+template <typename P, typename E>
 __device__ __forceinline__ void am_stage_cols(u16* dst, const E* kt, const AttnShape& a, i64 c0, int D) {
-    am_stage_k(dst, AM_LDT, 1, kt, a, c0, D);
+    am_stage_k<P>(dst, AM_LDT, 1, kt, a, c0, D);
 }
 
 // The same columns key-major: dst[c·ld + d].
-template <typename E>
+template <typename P, typename E>
 __device__ __forceinline__ void am_stage_cols_t(u16* dst, int ld, const E* kt, const AttnShape& a, i64 c0, int D) {
-    am_stage_k(dst, 1, ld, kt, a, c0, D);
+    am_stage_k<P>(dst, 1, ld, kt, a, c0, D);
 }
 
 // ---- 16-byte staging: the common case, rows 16-byte aligned. With the scalar loops above
@@ -104,12 +130,16 @@ __device__ __forceinline__ bool am_aligned16(const E* p, i64 ld) {
     return ((reinterpret_cast<unsigned long long>(p) | (unsigned long long)(ld * (i64)sizeof(E))) & 15ull) == 0;
 }
 
-// 16 bytes of E: V elements; as bf16 pairs (W words, rounded to nearest from f32); as f32s; and
-// the W words stored at a 16-bit tile's row.
+// 16 bytes of E: V elements; as pairs of the products' type P (W words: a 16-bit E's own bits,
+// which must be P; f32 rounded to nearest); as f32s; and the W words stored at a 16-bit tile's
+// row.
+template <typename A, typename B> struct AmSame { static constexpr bool value = false; };
+template <typename A> struct AmSame<A, A> { static constexpr bool value = true; };
 template <typename E> struct AmChunk;
-template <> struct AmChunk<bf16> {
+template <typename E> struct AmChunk16 {
     static constexpr int V = 8, W = 4;
-    static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
+    template <typename P> static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
+        static_assert(AmSame<P, E>::value, "16-bit tensors multiply in their own type");
         w[0] = v.x;
         w[1] = v.y;
         w[2] = v.z;
@@ -119,17 +149,19 @@ template <> struct AmChunk<bf16> {
         const u32 w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            f[2 * k] = __uint_as_float(w[k] << 16);
-            f[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+            f[2 * k] = Num<E>::load(E{(u16)(w[k] & 0xffffu)});
+            f[2 * k + 1] = Num<E>::load(E{(u16)(w[k] >> 16)});
         }
     }
     static __device__ __forceinline__ void store(u16* dst, const u32 w[W]) { *reinterpret_cast<uint4*>(dst) = uint4{w[0], w[1], w[2], w[3]}; }
 };
+template <> struct AmChunk<bf16> : AmChunk16<bf16> {};
+template <> struct AmChunk<f16> : AmChunk16<f16> {};
 template <> struct AmChunk<f32> {
     static constexpr int V = 4, W = 2;
-    static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
-        w[0] = am_pack(__uint_as_float(v.x), __uint_as_float(v.y));
-        w[1] = am_pack(__uint_as_float(v.z), __uint_as_float(v.w));
+    template <typename P> static __device__ __forceinline__ void words(const uint4& v, u32 w[W]) {
+        w[0] = AmProd<P>::pack(__uint_as_float(v.x), __uint_as_float(v.y));
+        w[1] = AmProd<P>::pack(__uint_as_float(v.z), __uint_as_float(v.w));
     }
     static __device__ __forceinline__ void floats(const uint4& v, f32 f[V]) {
         f[0] = __uint_as_float(v.x);
@@ -141,15 +173,15 @@ template <> struct AmChunk<f32> {
 };
 
 // Rows r0..r0 + 63 of the matrix at src (rows ld elements apart, HD contiguous columns; zeros
-// from row `rows` on) as bf16 into dst (row-major, rows HD + AM_PAD apart) and/or dst_t (the
+// from row `rows` on) as P into dst (row-major, rows HD + AM_PAD apart) and/or dst_t (the
 // transpose: element (r, c) at c·AM_LDT + r); a null destination is skipped. Thread t owns row
 // t % 64 and every other 16-byte chunk of it, and issues all its loads before its first store.
 // Rows that are not 16-byte aligned take the scalar loops.
-template <int HD, typename E>
+template <int HD, typename P, typename E>
 __device__ __forceinline__ void am_stage(u16* dst, u16* dst_t, const E* src, i64 ld, i64 r0, i64 rows) {
     if (!am_aligned16(src, ld)) {
-        if (dst) am_stage_rows(dst, HD + AM_PAD, src, ld, r0, rows, HD);
-        if (dst_t) am_stage_rows_t(dst_t, src, ld, r0, rows, HD);
+        if (dst) am_stage_rows<P>(dst, HD + AM_PAD, src, ld, r0, rows, HD);
+        if (dst_t) am_stage_rows_t<P>(dst_t, src, ld, r0, rows, HD);
         return;
     }
     constexpr int V = AmChunk<E>::V, W = AmChunk<E>::W, PER = AM_TILE * HD / V / 128;
@@ -164,7 +196,7 @@ __device__ __forceinline__ void am_stage(u16* dst, u16* dst_t, const E* src, i64
     for (int i = 0; i < PER; ++i) {
         const int c = (first + 2 * i) * V;
         u32 w[W];
-        AmChunk<E>::words(buf[i], w);
+        AmChunk<E>::template words<P>(buf[i], w);
         if (dst) AmChunk<E>::store(dst + r * (HD + AM_PAD) + c, w);
         if (dst_t)
 #pragma unroll
@@ -177,14 +209,14 @@ __device__ __forceinline__ void am_stage(u16* dst, u16* dst_t, const E* src, i64
 
 // Keys c0..c0 + 63 of Kᵀ (zeros from key S on) into ks (key-major [64][HD + AM_PAD]) and/or kd
 // (d-major [HD][AM_LDT]): in layout BSHD (d contiguous) the keys are rows for am_stage.
-template <int HD, typename E>
+template <int HD, typename P, typename E>
 __device__ __forceinline__ void am_stage_keys(u16* ks, u16* kd, const E* kt, const AttnShape& a, i64 c0) {
     if (a.k_d == 1) {
-        am_stage<HD>(ks, kd, kt, a.k_s, c0, a.S);
+        am_stage<HD, P>(ks, kd, kt, a.k_s, c0, a.S);
         return;
     }
-    if (ks) am_stage_cols_t(ks, HD + AM_PAD, kt, a, c0, HD);
-    if (kd) am_stage_cols(kd, kt, a, c0, HD);
+    if (ks) am_stage_cols_t<P>(ks, HD + AM_PAD, kt, a, c0, HD);
+    if (kd) am_stage_cols<P>(kd, kt, a, c0, HD);
 }
 
 // Δ = Σ dO·O of rows t0.. of the tile into delta[64] (warp w: rows w, w + 4, ...); dout, o at

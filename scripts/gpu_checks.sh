@@ -31,6 +31,8 @@
 #              and ortrain+fuse_attention+autocast without the GELU recomputation (+no_recompute)
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast, then of
 #              its tutorial step: the kernels' GPU time, to set against bench.gpu_roofline's model
+#   fp16       bench.gpu on GPT-2 124M at fp16 (--gpt2-precision fp16): ortrain+fuse_attention
+#              +autocast (the f16 flash kernels), torch.compile and eager with a GradScaler
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
 #   session    env,kernels,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
@@ -145,7 +147,7 @@ if has kernels; then
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile; then
+if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
@@ -206,6 +208,10 @@ if has tutorial; then
     PYTHONPATH="$PYTHONPATH:$PWD" capped 90 "host overhead tutorial" "$LOG_DIR/host-overhead.log" \
         $PY -m bench.host_overhead --device cuda --steps 200
     [ -f "$LOG_DIR/host-overhead.log" ] && tail -6 "$LOG_DIR/host-overhead.log"
+fi
+if has fp16; then
+    bench 300 "GPT-2 124M fp16" bench-gpt2-fp16.json --workloads gpt2-124m --gpt2-precision fp16 --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast,compile,eager
 fi
 if has bench; then
     bench 600 "${BENCH_ARGS:-default}" bench-gpu.json ${BENCH_ARGS:-}

@@ -17,11 +17,11 @@ emu_path="$(bash cuda-emu/build.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 target/cuda-emu/selftest
 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
-echo "[test] an exported GPT-2 with its loss (2 layers, seq 256, vocab 50257): one step on cuda-emu at bf16 as close to the CPU's f32 step as the CPU's bf16 step"
+echo "[test] an exported GPT-2 with its loss (2 layers, seq 256, vocab 50257): one step on cuda-emu at bf16 and at fp16 as close to the CPU's f32 step as the CPU's bf16 step"
 .venv/bin/python -m bench.parity_model target/parity-gpt2
 ORTRAIN_PARITY_MODEL="$root/target/parity-gpt2" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
-echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
+echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 
 echo "[test] cargo check (engine without the cuda feature)"

@@ -250,20 +250,26 @@ def test_fused_loss_logits_are_replayed_on_the_gpu():
     assert _max_rel(out, want) < 1e-5
 
 
-def test_gpt2_bf16_with_tensor_core_attention_trains_like_autocast(monkeypatch):
-    """precision="bf16" with the opt-in attention fusion and heads of 64: both layers' attention
-    runs as the tensor-core kernels (kernels/attention_mma.cu, seq 128: two 64-row tiles, the
-    causal mask's upper tile skipped), and the loss curve follows PyTorch's bf16 autocast within
-    bf16's precision."""
+@pytest.mark.parametrize("precision,passes", [("bf16", "fuse_attention"), ("bf16", "fuse_attention,autocast"),
+                                              ("fp16", "fuse_attention"), ("fp16", "fuse_attention,autocast")])
+def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes, monkeypatch):
+    """precision="bf16" or "fp16" with the opt-in attention fusion and heads of 64: both layers'
+    attention runs fused, on f32 tensors as the tensor-core kernels with products in the 16-bit
+    type (kernels/attention_mma.cu, seq 128: two 64-row tiles, the causal mask's upper tile
+    skipped), or with the autocast pass on 16-bit tensors as the flash kernels
+    (kernels/attention_flash.cu, bf16 or f16 instances), and the loss curve follows PyTorch's
+    autocast (with a GradScaler at fp16) within 2e-2."""
     import models
 
-    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention")
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", passes)
     vocab, seq, batch = 1000, 128, 4
     ref = models.gpt2_small(vocab=vocab, n_layer=2, n_embd=128, n_head=2, n_positions=seq, dropout=0.0,
                             batch=batch, seq=seq, seed=0, attn_implementation="sdpa")[0].cuda()
     model = copy.deepcopy(ref)
     opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ortrain.accelerate(model, opt, device="cuda", strict=True, precision="bf16")
+    ortrain.accelerate(model, opt, device="cuda", strict=True, precision=precision)
+    half = torch.float16 if precision == "fp16" else torch.bfloat16
+    scaler = torch.amp.GradScaler("cuda", enabled=precision == "fp16")
 
     def loss_of(m, ids):
         logits = m(ids).logits
@@ -274,15 +280,20 @@ def test_gpt2_bf16_with_tensor_core_attention_trains_like_autocast(monkeypatch):
     ours, theirs = [], []
     for step in range(10):
         ids = batches[step % 3]
-        for m, o, out in ((model, opt, ours), (ref, opt_ref, theirs)):
-            o.zero_grad()
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=m is ref):
-                loss = loss_of(m, ids)
-            loss.backward()
-            o.step()
-            out.append(loss.item())
+        opt.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        ours.append(loss.item())
+        opt_ref.zero_grad()
+        with torch.autocast("cuda", dtype=half):
+            ref_loss = loss_of(ref, ids)
+        scaler.scale(ref_loss).backward()
+        scaler.step(opt_ref)
+        scaler.update()
+        theirs.append(ref_loss.item())
     diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
-    print("gpt2 bf16", ours, theirs, f"max relative difference {max(diffs):.2e}")
+    print(f"gpt2 {precision} {passes}", ours, theirs, f"max relative difference {max(diffs):.2e}")
     assert _fused_attentions(model) == 2
     assert max(diffs) < 2e-2, (ours, theirs)
     assert ours[-1] < ours[0], ours

@@ -25,10 +25,9 @@ pub mod types {
     pub const F32: &[&str] = &["f32"];
     /// The 16-bit floats.
     pub const HALVES: &[&str] = &["bf16", "f16"];
-    /// f32, and bf16 tensors read as they are (the tensor-core attention).
-    pub const F32_BF16: &[&str] = &["f32", "bf16"];
-    /// bf16 only (the FlashAttention-2-style kernels, which copy tiles as they are).
-    pub const BF16: &[&str] = &["bf16"];
+    /// The tensor-core attention's instances: f32 tensors with bf16 products ("f32") or f16
+    /// products ("f32f16"), and bf16 and f16 tensors multiplied in their own type.
+    pub const ATTENTION_MMA: &[&str] = &["f32", "f32f16", "bf16", "f16"];
     pub const F64: &[&str] = &["f64"];
     pub const U8: &[&str] = &["u8"];
     pub const I64: &[&str] = &["i64"];
@@ -281,15 +280,19 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_mma",
         [
-            g(&["attention_mma_fwd_d64", "attention_mma_fwd_d128"], F32_BF16, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, AI32]),
+            g(
+                &["attention_mma_fwd_d64", "attention_mma_fwd_d128"],
+                ATTENTION_MMA,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, AI32]
+            ),
             g(
                 &["attention_mma_bwd_dq_d64", "attention_mma_bwd_dq_d128"],
-                F32_BF16,
+                ATTENTION_MMA,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
             ),
             g(
                 &["attention_mma_bwd_dkv_d64", "attention_mma_bwd_dkv_d128"],
-                F32_BF16,
+                ATTENTION_MMA,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
             ),
         ]
@@ -299,17 +302,17 @@ pub static FAMILIES: &[Family] = &[
         [
             g(
                 &["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"],
-                BF16,
+                HALVES,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
             ),
             g(
                 &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"],
-                BF16,
+                HALVES,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
             ),
             g(
                 &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"],
-                BF16,
+                HALVES,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
             ),
         ]
@@ -388,12 +391,6 @@ mod tests {
         ("attention_fwd", "ops/attention.rs attention"),
         ("attention_bwd_dq", "ops/attention.rs attention_grad"),
         ("attention_bwd_dkv", "ops/attention.rs attention_grad"),
-        ("attention_mma_fwd_d64", "ops/attention.rs attention (fp16)"),
-        ("attention_mma_fwd_d128", "ops/attention.rs attention (fp16)"),
-        ("attention_mma_bwd_dq_d64", "ops/attention.rs attention_grad (fp16)"),
-        ("attention_mma_bwd_dq_d128", "ops/attention.rs attention_grad (fp16)"),
-        ("attention_mma_bwd_dkv_d64", "ops/attention.rs attention_grad (fp16)"),
-        ("attention_mma_bwd_dkv_d128", "ops/attention.rs attention_grad (fp16)"),
     ];
 
     /// 16-bit plans (the autocast pass) reach every float kernel: a kernel made for f32 has bf16

@@ -1,11 +1,12 @@
 //! Attention and AttentionGrad: the fused forward (online softmax, only LSE saved) and the two
-//! backward kernels (dQ; dKt and dV), head sizes up to 128. With D = Dv = 64 or 128, bf16
-//! tensors (16-bit plans) and f32 ones in sessions whose f32 matmuls run at bf16 precision
-//! (`F32Mode::Bf16`) get the tensor-core kernels (kernels/attention_mma.cu: 64-row tiles,
-//! mma.sync with bf16 operands, f32 accumulation); other f32 tensors the SIMT f32 kernels
-//! (kernels/attention.cu: 32-row tiles), exact as the CPU's; other 16-bit tensors (fp16, other
-//! head sizes) those kernels on f32 copies (widen.rs). bf16 tensors in layout BSHD with no mask
-//! or the computed causal one run the FlashAttention-2-style kernels instead (attention_flash.rs).
+//! backward kernels (dQ; dKt and dV), head sizes up to 128. With D = Dv = 64 or 128, bf16 and
+//! f16 tensors (16-bit plans) and f32 ones in sessions whose f32 matmuls run at bf16 or f16
+//! precision (`F32Mode::Bf16`, `F32Mode::F16`) get the tensor-core kernels
+//! (kernels/attention_mma.cu: 64-row tiles, mma.sync with bf16 or f16 operands, f32
+//! accumulation); other f32 tensors the SIMT f32 kernels (kernels/attention.cu: 32-row tiles),
+//! exact as the CPU's; other 16-bit tensors (other head sizes) those kernels on f32 copies
+//! (widen.rs). bf16 and f16 tensors in layout BSHD with no mask or the computed causal one run
+//! the FlashAttention-2-style kernels instead (attention_flash.rs).
 //! Layout BS3HD (Q, K, V packed in one tensor) is layout BSHD's strides with K and V starting
 //! further along each row: every kernel takes it through its addresses (`operands`, `gradients`).
 
@@ -91,21 +92,25 @@ fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid>
     grid_of(node, l, rows, TILE, floats * 4)
 }
 
-/// Rows (queries or keys) per block of the tensor-core kernels, and the bf16 padding of their
+/// Rows (queries or keys) per block of the tensor-core kernels, and the 16-bit padding of their
 /// shared rows (kernels/attention_mma.cu AM_TILE, AM_PAD).
 const MMA_TILE: usize = 64;
 const MMA_PAD: usize = 8;
 
 /// Which tensor-core kernel instance serves this head size, element type and mask type (f32
-/// in every instance) in this session ("d64", "d128"), if any.
-fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>) -> Option<&'static str> {
-    let bf16_products = dtype == DType::BF16 || (dtype == DType::F32 && ctx.f32_mode == F32Mode::Bf16);
-    if !bf16_products || l.d != l.dv || mask.is_some_and(|m| m != DType::F32) {
+/// in every instance) in this session, if any: its name's end ("d64_bf16", "d128_f32f16").
+fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>) -> Option<String> {
+    let tensors = match (dtype, ctx.f32_mode) {
+        (DType::BF16 | DType::F16, _) => dtype_suffix(dtype),
+        (DType::F32, F32Mode::Bf16) => "f32",
+        (DType::F32, F32Mode::F16) => "f32f16",
+        _ => return None,
+    };
+    if l.d != l.dv || mask.is_some_and(|m| m != DType::F32) {
         return None;
     }
     match l.d {
-        64 => Some("d64"),
-        128 => Some("d128"),
+        64 | 128 => Some(format!("d{}_{tensors}", l.d)),
         _ => None,
     }
 }
@@ -113,7 +118,7 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
 /// The mask address the kernels get and, for the tensor-core kernels (`mma`), whether the mask
 /// at input `i` is a constant causal mask (ops/causal_mask.rs) of this self-attention, which
 /// they compute instead of reading (then no mask address): their last argument `causal`.
-fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&str>, mask: u64) -> (u64, Option<bool>) {
+fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&String>, mask: u64) -> (u64, Option<bool>) {
     let Some(_) = mma else { return (mask, None) };
     let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
     let causal = l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
@@ -147,7 +152,7 @@ fn mask_type(ins: &[Option<DView>], i: usize) -> Option<DType> {
     ins.get(i).and_then(|m| m.as_ref()).map(|m| m.dtype)
 }
 
-/// Dynamic shared memory of a tensor-core kernel: `rows_tiles` bf16 tiles of 64 rows of HD
+/// Dynamic shared memory of a tensor-core kernel: `rows_tiles` 16-bit tiles of 64 rows of HD
 /// (padded) and `cols_tiles` of HD rows of 64 (padded).
 fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
     2 * (rows_tiles * MMA_TILE * (hd + MMA_PAD) + cols_tiles * hd * (MMA_TILE + MMA_PAD))
@@ -157,7 +162,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
-    let (mask, causal) = mask_or_causal(ins, 3, &l, mma, mask);
+    let (mask, causal) = mask_or_causal(ins, 3, &l, mma.as_ref(), mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
@@ -169,9 +174,9 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 3).is_some(), causal == Some(true), &tensors) {
         return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], ctx);
     }
-    let (d, dv, sfx) = (l.d, l.dv, dtype_suffix(dtype));
+    let (d, dv) = (l.d, l.dv);
     let (kernel, g) = match mma {
-        Some(v) => (format!("attention_mma_fwd_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
+        Some(v) => (format!("attention_mma_fwd_{v}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),
         None => ("attention_fwd_f32".to_string(), grid(node, &l, l.t, floats(&[TILE * d, (d * LD).max(TILE * dv), TILE * PLD]))?),
     };
     let scale = node.attrs.float("scale", 1.0)?;
@@ -196,7 +201,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
-    let (mask, causal) = mask_or_causal(ins, 4, &l, mma, mask);
+    let (mask, causal) = mask_or_causal(ins, 4, &l, mma.as_ref(), mask);
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }
@@ -210,14 +215,13 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 4).is_some(), causal == Some(true), &tensors) {
         return f.backward(node, [ptr(0), q, k, v, ptr(5), ptr(6)], [dq, dk, dv_], ctx);
     }
-    let sfx = dtype_suffix(dtype);
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
     let p = |i: usize| KArg::Ptr(ptr(i));
     let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
     let common = [p(0), KArg::Ptr(q), KArg::Ptr(k), KArg::Ptr(v), KArg::Ptr(mask), p(5), p(6)];
     if l.t > 0 {
-        let (kernel, g) = match mma {
-            Some(v) => (format!("attention_mma_bwd_dq_{v}_{sfx}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
+        let (kernel, g) = match &mma {
+            Some(v) => (format!("attention_mma_bwd_dq_{v}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 4, 1))?),
             None => (
                 "attention_bwd_dq_f32".to_string(),
                 grid(node, &l, l.t, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * (d + 1)), TILE * PLD]))?,
@@ -229,8 +233,8 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         ctx.rt.launch(ctx.stream, &kernel, g, &args)?;
     }
     if l.s > 0 {
-        let (kernel, g) = match mma {
-            Some(v) => (format!("attention_mma_bwd_dkv_{v}_{sfx}"), grid_of(node, &l, l.s, MMA_TILE, mma_smem(d, 4, 2))?),
+        let (kernel, g) = match &mma {
+            Some(v) => (format!("attention_mma_bwd_dkv_{v}"), grid_of(node, &l, l.s, MMA_TILE, mma_smem(d, 4, 2))?),
             None => (
                 "attention_bwd_dkv_f32".to_string(),
                 grid(node, &l, l.s, floats(&[TILE * d, TILE * dv, (wide * LD).max(TILE * wide), TILE * PLD]))?,

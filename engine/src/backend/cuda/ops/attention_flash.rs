@@ -1,7 +1,7 @@
 //! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cu),
-//! and their launches: bf16 tensors with heads of 64 or 128, no mask or the computed causal one,
-//! keys with d contiguous (layout BSHD), every row 16-byte aligned. Everything else keeps the
-//! kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
+//! and their launches: bf16 or f16 tensors with heads of 64 or 128, no mask or the computed
+//! causal one, keys with d contiguous (layout BSHD), every row 16-byte aligned. Everything else
+//! keeps the kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
 //! plan replayed from a CUDA graph keeps what it was recorded with): for timing the two kernel
 //! families against each other on a GPU. Heads of 64 run in blocks of 128 query rows (forward,
 //! dQ) or keys (dK/dV), 32 a warp, so that each fragment read from shared memory serves two row
@@ -11,6 +11,7 @@
 use super::CudaCtx;
 use crate::backend::cuda::abi::AttnShape;
 use crate::backend::cuda::launch::{Grid, KArg};
+use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::attention::AttnLayout;
@@ -19,7 +20,7 @@ use crate::tensor::DType;
 pub const ENV_FLASH: &str = "ORTRAIN_FLASH_ATTENTION";
 pub const ENV_FLASH_ROWS: &str = "ORTRAIN_FLASH_ROWS";
 
-/// Rows per block and the bf16 padding of a shared row (kernels/attention_mma_stage.cuh AM_TILE,
+/// Rows per block and the 16-bit padding of a shared row (kernels/attention_mma_stage.cuh AM_TILE,
 /// AM_PAD).
 const TILE: usize = 64;
 const PAD: usize = 8;
@@ -48,6 +49,7 @@ fn rows_setting(value: Option<&str>) -> std::result::Result<usize, String> {
 /// An attention the flash kernels take: their instance ("d64", "d128") and the launch's shape.
 pub struct Flash<'a> {
     hd: &'static str,
+    dtype: &'static str,
     l: &'a AttnLayout,
     a: AttnShape,
     causal: bool,
@@ -77,11 +79,12 @@ pub fn variant<'a>(
     let aligned = ptrs.iter().all(|p| p % 16 == 0) && strides_of_8;
     let positive_scale = node.attrs.float("scale", 1.0).is_ok_and(|s| s > 0.0 && s.is_finite());
     let lengths = l.t > 0 && l.s > 0 && l.t < (1 << 30) && l.s < (1 << 30); // the kernels index rows with i32
-    let ok = dtype == DType::BF16 && a.k_d == 1 && (!mask || causal) && lengths && aligned && positive_scale && enabled();
-    ok.then_some(Flash { hd, l, a: *a, causal })
+    let half = matches!(dtype, DType::BF16 | DType::F16);
+    let ok = half && a.k_d == 1 && (!mask || causal) && lengths && aligned && positive_scale && enabled();
+    ok.then_some(Flash { hd, dtype: dtype_suffix(dtype), l, a: *a, causal })
 }
 
-/// Dynamic shared memory: `tiles` bf16 tiles of 64 padded rows, and `floats` f32s after them.
+/// Dynamic shared memory: `tiles` 16-bit tiles of 64 padded rows, and `floats` f32s after them.
 fn smem(hd: usize, tiles: usize, floats: usize) -> u32 {
     (2 * tiles * TILE * (hd + PAD) + 4 * floats) as u32
 }
@@ -97,7 +100,7 @@ impl Flash<'_> {
     fn row_kernel(&self, node: &Node, kind: &str) -> Result<(String, usize, usize)> {
         let rows = block_rows(self.l.d).map_err(|e| node.err(e))?;
         let suffix = if rows == TILE { "" } else { "r128" };
-        Ok((format!("attention_flash_{kind}_{}{suffix}_bf16", self.hd), rows, rows / TILE))
+        Ok((format!("attention_flash_{kind}_{}{suffix}_{}", self.hd, self.dtype), rows, rows / TILE))
     }
 
     /// Attention(Q, K, V) -> (O, LSE).

@@ -161,7 +161,7 @@ fn run_both(
 /// tensor, dQ, dK and dV written into one, give bit for bit what layout BSHD gives on the three
 /// parts, for every kernel family: the SIMT f32 kernels (heads of 24), fp16 through them
 /// (widened), the tensor-core kernels (f32 at bf16 precision, heads of 64), and the
-/// FlashAttention-2-style kernels (bf16, heads of 64 and 128).
+/// FlashAttention-2-style kernels (bf16, heads of 64 and 128; f16, heads of 64).
 #[test]
 fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
     let Some(g) = gpu("gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts") else { return };
@@ -174,6 +174,7 @@ fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
         ("f32", 64, F32Mode::Bf16),
         ("bf16", 64, F32Mode::Bf16),
         ("bf16", 128, F32Mode::Bf16),
+        ("f16", 64, F32Mode::F16),
     ] {
         let case = format!("{dt}, heads of {d}, {mode:?}");
         let hd = h * d;

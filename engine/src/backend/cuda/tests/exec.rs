@@ -198,55 +198,67 @@ fn two_threads_step_as_alone(own_streams: bool) {
     }
 }
 
-/// At bf16 matmul precision, attention with heads of 64 and 128 runs on the tensor-core kernels
-/// (kernels/attention_mma.cu; 150 rows: three 64-row tiles, the last partial, and the causal
-/// mask's upper tiles skipped): outputs and weight gradients within bf16's precision of the CPU
-/// executor's exact f32, for both exporter forms.
+/// At bf16 or f16 matmul precision, f32 attention with heads of 64 and 128 runs on the
+/// tensor-core kernels (kernels/attention_mma.cu, products in that 16-bit type; 150 rows: three
+/// 64-row tiles, the last partial, and the causal mask's upper tiles skipped): outputs and weight
+/// gradients within that type's precision of the CPU executor's exact f32, for both exporter
+/// forms.
 #[test]
 fn gpu_tensor_core_attention_matches_the_cpu_executor() {
     let Some(_) = gpu("gpu_tensor_core_attention_matches_the_cpu_executor") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(17);
-    for hd in [64, 128] {
-        for torchlib in [true, false] {
-            let m = self_attention_of(&mut rng, torchlib, 150, hd);
-            let name = format!("heads of {hd}, torchlib={torchlib}");
-            let s = session(&m);
-            let x = m.input_bytes(&mut rng);
-            let sig = m.sig();
-            let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
-            let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-            let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
-            let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, F32Mode::Bf16, LEGACY);
-            assert_step_close(&name, &m, &gpu, &cpu, 3e-2);
-            println!("{name}: output and {} gradients within 3e-2 of the largest value", cpu.1.len());
+    // (matmul precision, kernel instance, tolerance: bf16 keeps 8 bits, f16 11)
+    for (mode, instance, tol) in [(F32Mode::Bf16, "f32", 3e-2), (F32Mode::F16, "f32f16", 4e-3)] {
+        for hd in [64, 128] {
+            for torchlib in [true, false] {
+                let m = self_attention_of(&mut rng, torchlib, 150, hd);
+                let name = format!("{mode:?}, heads of {hd}, torchlib={torchlib}");
+                let s = session(&m);
+                let x = m.input_bytes(&mut rng);
+                let sig = m.sig();
+                let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
+                let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+                let cpu = cpu_step(&s, &x, &sig, weight_data(&m), &mut seeds);
+                let gpu = gpu_step_in(&s, &x, &sig, &weight_data(&m), &seeds, mode, LEGACY);
+                assert_step_close(&name, &m, &gpu, &cpu, tol);
+                for kind in ["fwd", "bwd_dq", "bwd_dkv"] {
+                    let k = format!("attention_mma_{kind}_d{hd}_{instance}");
+                    assert!(rt.has_launched(&k), "{name}: {k} never launched");
+                }
+                println!("{name}: output and {} gradients within {tol:e} of the largest value", cpu.1.len());
+            }
         }
     }
 }
 
-/// A bf16 session with the autocast pass: Q, Kᵀ, V, the mask and the fused attention's output
-/// are bf16 tensors in the plan. Without a GPU: every step has a CUDA kernel. On a GPU, heads of
-/// 64 run the tensor-core kernels on the bf16 tensors as they are, heads of 32 the f32 kernels on
-/// widened copies (ops/widen.rs): outputs and weight gradients within bf16's precision of the CPU
-/// executor's (which widens every 16-bit kernel call to f32).
+/// A bf16 or fp16 session with the autocast pass: Q, Kᵀ, V, the mask and the fused attention's
+/// output are 16-bit tensors in the plan. Without a GPU: every step has a CUDA kernel. On a GPU,
+/// heads of 64 run the tensor-core kernels on the 16-bit tensors as they are, heads of 32 the f32
+/// kernels on widened copies (ops/widen.rs): outputs and weight gradients within the 16-bit
+/// type's precision of the CPU executor's (which widens every 16-bit kernel call to f32).
 #[test]
-fn sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor() {
+fn sixteen_bit_attention_runs_on_sixteen_bit_tensors_and_matches_the_cpu_executor() {
     let mut rng = Rng::new(23);
-    for hd in [64, 32] {
-        let m = self_attention_of(&mut rng, true, 70, hd);
-        let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
-        let sig = m.sig();
-        let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
-        let attention = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).find(|n| n.op_type == "Attention").expect("a fused attention");
-        let q = attention.input(0).expect("q");
-        assert_eq!(plan.dtype(q), Some(crate::tensor::DType::BF16), "heads of {hd}: Q is bf16 in the plan");
-        bf16_step_matches(
-            &format!("heads of {hd}"),
-            "sixteen_bit_attention_runs_on_bf16_tensors_and_matches_the_cpu_executor",
-            &m,
-            &s,
-            &plan,
-            &mut rng,
-        );
+    for (precision, dtype) in [(MatmulPrecision::Bf16, crate::tensor::DType::BF16), (MatmulPrecision::Fp16, crate::tensor::DType::F16)] {
+        for hd in [64, 32] {
+            let m = self_attention_of(&mut rng, true, 70, hd);
+            let s = session_with(&m, crate::session::Target::Cuda, precision);
+            let sig = m.sig();
+            let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");
+            let attention = plan.steps.iter().map(|n| &s.graph.nodes[n.0]).find(|n| n.op_type == "Attention").expect("a fused attention");
+            let q = attention.input(0).expect("q");
+            assert_eq!(plan.dtype(q), Some(dtype), "{precision:?}, heads of {hd}: Q's type in the plan");
+            half_step_matches(
+                &format!("{precision:?}, heads of {hd}"),
+                "sixteen_bit_attention_runs_on_sixteen_bit_tensors_and_matches_the_cpu_executor",
+                &m,
+                &s,
+                &plan,
+                &mut rng,
+                precision,
+            );
+        }
     }
 }
 
@@ -269,6 +281,21 @@ pub(super) fn assert_step_close(label: &str, m: &Model, got: &Step, want: &Step,
 /// session's, as the CPU widens every 16-bit kernel call; on a GPU (`test` names the skip),
 /// the same within 3e-2 of the CPU's.
 pub(super) fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session, plan: &crate::plan::Plan, rng: &mut Rng) {
+    half_step_matches(label, test, m, s, plan, rng, MatmulPrecision::Bf16)
+}
+
+/// bf16_step_matches for a session of `precision` (Bf16 or Fp16; 3e-2 both: the fp16 session's
+/// f32 parts differ from the fp32 session's by more than f16's rounding).
+pub(super) fn half_step_matches(
+    label: &str,
+    test: &str,
+    m: &Model,
+    s: &Session,
+    plan: &crate::plan::Plan,
+    rng: &mut Rng,
+    precision: MatmulPrecision,
+) {
+    let mode = if precision == MatmulPrecision::Fp16 { F32Mode::F16 } else { F32Mode::Bf16 };
     let missing = cexec::missing_kernels(&s.graph, plan);
     assert!(missing.is_empty(), "{label}: no CUDA kernel for {missing:?}");
     let sig = m.sig();
@@ -277,11 +304,11 @@ pub(super) fn bf16_step_matches(label: &str, test: &str, m: &Model, s: &Session,
     let cpu = cpu_step(s, &x, &sig, weight_data(m), &mut seeds);
     let exact = session_with(m, crate::session::Target::Cuda, MatmulPrecision::Fp32);
     let exact = cpu_step(&exact, &x, &sig, weight_data(m), &mut seeds.clone());
-    assert_step_close(&format!("{label}: CPU bf16"), m, &cpu, &exact, 3e-2);
+    assert_step_close(&format!("{label}: CPU {precision:?}"), m, &cpu, &exact, 3e-2);
     let Some(_) = gpu(test) else { return };
-    let gpu = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, F32Mode::Bf16, LEGACY);
+    let gpu = gpu_step_in(s, &x, &sig, &weight_data(m), &seeds, mode, LEGACY);
     assert_step_close(label, m, &gpu, &cpu, 3e-2);
-    println!("{label}: bf16 outputs and {} gradients within 3e-2 of the largest value", cpu.1.len());
+    println!("{label}: {precision:?} outputs and {} gradients within 3e-2 of the largest value", cpu.1.len());
 }
 
 /// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:

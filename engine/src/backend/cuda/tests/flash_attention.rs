@@ -1,8 +1,9 @@
-//! The FlashAttention-2-style kernels (kernels/attention_flash.cu): bf16 Q, K, V in layout BSHD
-//! with no mask or the computed causal one. Outputs and gradients against an f64 reference on
-//! the same bf16 inputs, no further from it than the tensor-core kernels they replace
-//! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps); heads of 64 in both block
-//! sizes (128 query rows or keys, and 64 under `ORTRAIN_FLASH_ROWS=64`).
+//! The FlashAttention-2-style kernels (kernels/attention_flash.cu): bf16 or f16 Q, K, V in layout
+//! BSHD with no mask or the computed causal one. Outputs and gradients against an f64 reference
+//! on the same 16-bit inputs, no further from it than the tensor-core kernels they replace
+//! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps) and within the type's
+//! precision; heads of 64 in both block sizes (128 query rows or keys, and 64 under
+//! `ORTRAIN_FLASH_ROWS=64`).
 
 use std::sync::Arc;
 
@@ -13,6 +14,10 @@ use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
 
 const SCALE: f64 = 0.125;
+
+/// Each 16-bit type and the largest error (of the largest value) its kernels may have against
+/// the f64 reference on inputs of that type.
+const PRECISION: [(&str, f64); 2] = [("bf16", 1e-2), ("f16", 1.5e-3)];
 
 fn node(op: &str) -> Node {
     let attrs = Attrs::default()
@@ -73,34 +78,35 @@ fn reference(c: Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64
     [o, lse, dq, dk, dv]
 }
 
-/// The kernels' O, LSE, dQ, dK, dV for one case (the causal mask as a constant with its host copy).
-fn run(c: Case, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
+/// The kernels' O, LSE, dQ, dK, dV for one case on `dt` ("bf16", "f16") tensors (the causal mask
+/// as a constant with its host copy).
+fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
     let g = gpu_or_reason().expect("under gpu()");
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let Case { b, h, t, s, d, causal } = c;
     let shapes = [[b, t, h, d], [b, s, h, d], [b, s, h, d], [b, t, h, d]];
-    let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, "bf16", x)).collect();
-    let view = |i: usize| Some(DView { dtype: DType::BF16, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
+    let (dtype, mode) = if dt == "f16" { (DType::F16, F32Mode::F16) } else { (DType::BF16, F32Mode::Bf16) };
+    let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
+    let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
     let mask_values: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
     let host = Arc::new(Tensor::new(vec![1, 1, t, t], Data::F32(mask_values.clone())).expect("mask"));
     let dmask = dev(g, &mask_values);
     let mask_shape = [1, 1, t, t];
     let m = causal.then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
-    let mut ctx =
-        CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: F32Mode::Bf16, error_flag: 0, error_base: 0 };
-    let (o, lse) = (zeros_as(g, "bf16", b * t * h * d), zeros_as(g, "f32", b * h * t));
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
     let lse_shape = [b, h, t];
-    let o_view = DView { dtype: DType::BF16, shape: &shapes[0], ptr: o.ptr(), host: None };
+    let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };
     let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
     kernel("Attention").expect("Attention")(&node("Attention"), &[view(0), view(1), view(2), m], &[o_view, lse_view], &mut ctx)
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
-    let grads: Vec<_> = (0..3).map(|i| zeros_as(g, "bf16", ins[i].len())).collect();
-    let gouts: Vec<DView> = (0..3).map(|i| DView { dtype: DType::BF16, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
+    let grads: Vec<_> = (0..3).map(|i| zeros_as(g, dt, ins[i].len())).collect();
+    let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
     let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view)];
     kernel("AttentionGrad").expect("AttentionGrad")(&node("AttentionGrad"), &bins, &gouts, &mut ctx)
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     g.synchronize().expect("sync");
-    [host_as(&o, "bf16"), host_as(&lse, "f32"), host_as(&grads[0], "bf16"), host_as(&grads[1], "bf16"), host_as(&grads[2], "bf16")]
+    [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)]
 }
 
 /// Largest error over the largest reference value.
@@ -111,13 +117,15 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 
 /// Causal self-attention over partial tiles (150 = 2 · 64 + 22) with heads of 64 and 128, full
 /// tiles without a mask (three key tiles: the double buffer is refilled), and cross-attention
-/// of 100 queries over 45 keys and of 45 over 100: every output and gradient at most 1.25 times the tensor-core
-/// kernels' distance from the f64 reference, plus 1e-3 of the largest value (bf16 outputs round
-/// at 2^-9 = 2e-3 relative). Heads of 64 in blocks of 128 query rows or keys (causal 150: the
-/// first forward and dQ block's first two warps skip its second key tile, the second block's
-/// last warps hold no row; in the first dK/dV block, warps past a query part's last row skip
-/// it) and of 64. The flash kernels did run: their names were launched, and their results are not the
-/// other kernels' bits.
+/// of 100 queries over 45 keys and of 45 over 100, on bf16 and on f16 tensors: every output and
+/// gradient at most 1.25 times the tensor-core kernels' distance from the f64 reference, plus
+/// 1e-3 of the largest value (bf16 outputs round at 2^-9 = 2e-3 relative), and both within
+/// `PRECISION`'s bound for the type (f16 products keep 3 more bits than bf16's: its bound is
+/// tighter, so a kernel that rounded an f16 operand through bf16 fails it). Heads of 64 in
+/// blocks of 128 query rows or keys (causal 150: the first forward and dQ block's first two warps
+/// skip its second key tile, the second block's last warps hold no row; in the first dK/dV
+/// block, warps past a query part's last row skip it) and of 64. The flash kernels did run:
+/// their names were launched, and their results are not the other kernels' bits.
 #[test]
 fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
     let Some(_) = gpu_alone("gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels") else { return };
@@ -130,35 +138,44 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
         Case { b: 2, h: 2, t: 100, s: 45, d: 64, causal: false },
         Case { b: 1, h: 2, t: 45, s: 100, d: 64, causal: false },
     ];
-    for c in cases {
-        let Case { b, h, t, s, d, .. } = c;
-        let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, "bf16", n, -1.0, 1.0));
-        let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
-        std::env::set_var(ENV_FLASH, "0");
-        let mma = run(c, &ins);
-        std::env::remove_var(ENV_FLASH);
-        let v = if d == 64 { "d64" } else { "d128" };
-        // (rows setting, the forward's and dQ's kernel suffix)
-        let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
-        for &(rows, suffix) in blocks {
-            match rows {
-                Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
-                None => std::env::remove_var(ENV_FLASH_ROWS),
+    for (dt, precision) in PRECISION {
+        for c in cases {
+            let Case { b, h, t, s, d, .. } = c;
+            let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, dt, n, -1.0, 1.0));
+            let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
+            std::env::set_var(ENV_FLASH, "0");
+            let mma = run(c, dt, &ins);
+            std::env::remove_var(ENV_FLASH);
+            let v = if d == 64 { "d64" } else { "d128" };
+            for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_mma_{k}_{v}_{dt}")) {
+                assert!(rt.has_launched(&k), "{dt} {c:?}: {k} never launched");
             }
-            let flash = run(c, &ins);
-            std::env::remove_var(ENV_FLASH_ROWS);
-            for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("{k}_{v}{suffix}")) {
-                assert!(rt.has_launched(&format!("attention_flash_{k}_bf16")), "{c:?} {rows:?}: attention_flash_{k}_bf16 never launched");
+            // (rows setting, the forward's and dQ's kernel suffix)
+            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
+            for &(rows, suffix) in blocks {
+                match rows {
+                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                    None => std::env::remove_var(ENV_FLASH_ROWS),
+                }
+                let flash = run(c, dt, &ins);
+                std::env::remove_var(ENV_FLASH_ROWS);
+                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_{dt}")) {
+                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                }
+                for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+                    let (ef, em) = (rel_err(&flash[i], &want[i]), rel_err(&mma[i], &want[i]));
+                    println!("{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
+                    assert!(
+                        ef <= 1.25 * em + 1e-3,
+                        "{dt} {c:?} rows {rows:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
+                    );
+                    assert!(
+                        ef.max(em) <= precision,
+                        "{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} from the f64 reference, over {dt}'s {precision:e}"
+                    );
+                }
+                assert!(flash != mma, "{dt} {c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
             }
-            for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
-                let (ef, em) = (rel_err(&flash[i], &want[i]), rel_err(&mma[i], &want[i]));
-                println!("{c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
-                assert!(
-                    ef <= 1.25 * em + 1e-3,
-                    "{c:?} rows {rows:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
-                );
-            }
-            assert!(flash != mma, "{c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
         }
     }
 }

@@ -1,10 +1,12 @@
-//! A whole exported model through one training step on three executors: the CPU in exact f32
-//! (the reference), the CPU at bf16 matmul precision and CUDA at bf16 with the opt-in passes
-//! (tensor-core attention, 16-bit activations), every weight gradient compared with the
-//! reference. The CUDA step must be about as close to the reference as the CPU's bf16 step:
-//! a gradient much further off names a CUDA-only pass or kernel that is wrong for this model,
-//! which the kernel tests, one op at a time on small shapes, can miss. The CUDA step runs twice
-//! on the same plan and arena and must give the same bits both times.
+//! A whole exported model through one training step on four executors: the CPU in exact f32
+//! (the reference), the CPU at bf16 matmul precision and CUDA at bf16 and at fp16 with the
+//! opt-in passes (tensor-core attention, 16-bit activations), every weight gradient compared
+//! with the reference. The CUDA bf16 step must be about as close to the reference as the CPU's
+//! bf16 step, the fp16 step (f16 keeps 3 more bits; its loss seeded with 1024, as a loss scaler
+//! would) at most half as far: a gradient further off names a CUDA-only pass or kernel that is
+//! wrong for this model (or rounds through bf16), which the kernel tests, one op at a time on
+//! small shapes, can miss. The CUDA bf16 step runs twice on the same plan and arena and must
+//! give the same bits both times.
 //!
 //! The model comes from a folder written by `python -m bench.parity_model DIR` (a GPT-2 with its
 //! fused cross-entropy loss); the test reads `ORTRAIN_PARITY_MODEL=DIR`:
@@ -87,17 +89,28 @@ fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
 }
 
 /// (loss, weight gradients) of `steps` steps through the CUDA executor on the same plan, arena
-/// and constants (the same weights and batch each time, gradients into fresh zeroed buffers).
-fn gpu_steps(s: &Session, p: &Probe, steps: usize) -> Vec<(f32, Vec<Vec<f32>>)> {
+/// and constants (the same weights and batch each time, gradients into fresh zeroed buffers),
+/// the loss seeded with `seed` and the gradients divided by it.
+fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> Vec<(f32, Vec<Vec<f32>>)> {
     let weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
-    let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![1f32]], F32Mode::Exact, LEGACY);
+    let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![seed]], mode, LEGACY);
     let inputs: Vec<&[u8]> = p.inputs.iter().map(|i| &i.1[..]).collect();
     (0..steps)
         .map(|_| {
-            let (outs, grads) = run.step(&inputs);
+            let (outs, mut grads) = run.step(&inputs);
+            grads.iter_mut().flatten().for_each(|g| *g /= seed);
             (outs[0][0], grads)
         })
         .collect()
+}
+
+/// The attention layouts of a CUDA session's fused attentions: GPT-2's read its c_attn
+/// projection in place (passes/attention_packed_qkv.rs), layout BS3HD.
+fn assert_packed_attention(s: &Session, what: &str) {
+    let layouts: Vec<String> =
+        s.graph.nodes.iter().filter(|n| n.op_type == "Attention").map(|n| n.attrs.string("layout", "BHSD").expect("layout")).collect();
+    println!("{what}: attention layouts: {layouts:?}");
+    assert!(!layouts.is_empty() && layouts.iter().all(|l| l == "BS3HD"), "{what}: every attention packed: {layouts:?}");
 }
 
 /// ‖got − want‖ / ‖want‖ (0 when both are zero).
@@ -123,17 +136,8 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     let (cpu_loss, cpu) = cpu_step(&open(&p, Target::Cpu, MatmulPrecision::Bf16), &p);
     let t1 = std::time::Instant::now();
     let cuda_session = open(&p, Target::Cuda, MatmulPrecision::Bf16);
-    // GPT-2's attention reads its c_attn projection in place (passes/attention_packed_qkv.rs)
-    let layouts: Vec<String> = cuda_session
-        .graph
-        .nodes
-        .iter()
-        .filter(|n| n.op_type == "Attention")
-        .map(|n| n.attrs.string("layout", "BHSD").expect("layout"))
-        .collect();
-    println!("attention layouts: {layouts:?}");
-    assert!(!layouts.is_empty() && layouts.iter().all(|l| l == "BS3HD"), "every attention packed: {layouts:?}");
-    let mut gpu = gpu_steps(&cuda_session, &p, 2);
+    assert_packed_attention(&cuda_session, "bf16");
+    let mut gpu = gpu_steps(&cuda_session, &p, 2, F32Mode::Exact, 1.0);
     let bits = |(l, gs): &(f32, Vec<Vec<f32>>)| {
         (l.to_bits(), gs.iter().map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>())
     };
@@ -141,29 +145,42 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     // the next one
     assert!(bits(&gpu[1]) == bits(&gpu[0]), "a second CUDA step on the same plan and arena differs from the first");
     let (gpu_loss, gpu) = gpu.swap_remove(0);
+    let t2 = std::time::Instant::now();
+    let fp16_session = open(&p, Target::Cuda, MatmulPrecision::Fp16);
+    assert_packed_attention(&fp16_session, "fp16");
+    let (fp16_loss, fp16) = gpu_steps(&fp16_session, &p, 1, F32Mode::F16, 1024.0).swap_remove(0);
     println!(
-        "loss: f32 {loss}, CPU bf16 {cpu_loss}, CUDA bf16 {gpu_loss} (CPU steps {:.1} s, two CUDA steps {:.1} s)",
+        "loss: f32 {loss}, CPU bf16 {cpu_loss}, CUDA bf16 {gpu_loss}, CUDA fp16 {fp16_loss} (CPU steps {:.1} s, two CUDA bf16 steps {:.1} s, \
+         one fp16 step {:.1} s)",
         (t1 - t0).as_secs_f64(),
-        t1.elapsed().as_secs_f64()
+        (t2 - t1).as_secs_f64(),
+        t2.elapsed().as_secs_f64()
     );
     let rt = super::support::runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let family = |f: &str| {
+    let family = |f: &str, t: &str| {
         let variants = ["d64", "d64r128", "d128"];
-        ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| variants.iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_bf16"))))
+        ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| variants.iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_{t}"))))
     };
-    println!("attention kernels launched: flash {}, tensor-core (attention_mma) {}", family("flash"), family("mma"));
+    for t in ["bf16", "f16"] {
+        println!("{t} attention kernels launched: flash {}, tensor-core (attention_mma) {}", family("flash", t), family("mma", t));
+    }
     let mut worst = Vec::new();
-    for (((name, trainable, _), r), (c, g)) in p.weights.iter().zip(&reference).zip(cpu.iter().zip(&gpu)) {
+    for ((((name, trainable, _), r), c), (g, h)) in p.weights.iter().zip(&reference).zip(&cpu).zip(gpu.iter().zip(&fp16)) {
         if !trainable {
             continue;
         }
-        let (ec, eg) = (rel_err(c, r), rel_err(g, r));
-        println!("  {name:50} relative error: CPU bf16 {ec:.2e}, CUDA bf16 {eg:.2e}");
-        // bf16 operands carry 8 bits: ~4e-3 relative per product, more after a few layers
+        let (ec, eg, eh) = (rel_err(c, r), rel_err(g, r), rel_err(h, r));
+        println!("  {name:50} relative error: CPU bf16 {ec:.2e}, CUDA bf16 {eg:.2e}, CUDA fp16 {eh:.2e}");
+        // bf16 operands carry 8 bits: ~4e-3 relative per product, more after a few layers; f16
+        // operands 11 (on cuda-emu, 2-layer GPT-2: about a tenth of the bf16 step's error)
         if eg.is_nan() || eg > 4.0 * ec + 2e-2 {
-            worst.push(format!("{name}: CUDA {eg:.2e} vs CPU bf16 {ec:.2e}"));
+            worst.push(format!("{name}: CUDA bf16 {eg:.2e} vs CPU bf16 {ec:.2e}"));
+        }
+        if eh.is_nan() || eh > 0.5 * ec {
+            worst.push(format!("{name}: CUDA fp16 {eh:.2e}, over half the CPU bf16 step's {ec:.2e}"));
         }
     }
     assert!(((gpu_loss - loss) / loss).abs() < 1e-2, "loss: CUDA bf16 {gpu_loss} vs f32 {loss}");
-    assert!(worst.is_empty(), "gradients the CUDA step gets much further from f32 than the CPU's bf16 step: {worst:?}");
+    assert!(((fp16_loss - loss) / loss).abs() < 1e-2, "loss: CUDA fp16 {fp16_loss} vs f32 {loss}");
+    assert!(worst.is_empty(), "gradients the CUDA steps get much further from f32 than the CPU's bf16 step: {worst:?}");
 }
