@@ -522,3 +522,39 @@ def test_planned_arena_is_what_torch_cuda_allocates():
     expected = planned + out.numel() * out.element_size()
     print(f"planned arena {planned / 2**20:.2f} MiB, forward allocation growth {growth / 2**20:.2f} MiB")
     assert abs(growth - expected) <= 0.1 * planned, (growth, expected)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6], ids=["clipped", "under-the-limit"])
+def test_clip_grad_norm_of_gpu_gradients_runs_in_the_engine(max_norm, monkeypatch):
+    """clip_grad_norm_ over an accelerated model's GPU gradients runs as the engine's three
+    launches (kernels/optim.cu, no host synchronisation): the same total norm as torch's within
+    f32 rounding, returned as a 0-dim CUDA tensor, and the same clipped gradients; a coefficient
+    of 1 leaves them unchanged."""
+    import models
+    from ortrain import _ortrain
+    from ortrain.engine import clip
+
+    model, (x,), loss_fn = models.tutorial_transformer(300, dropout=0.0)
+    model, x = model.cuda(), x.cuda()
+    ortrain.accelerate(model, torch.optim.Adam(model.parameters(), lr=1e-3), device="cuda", strict=True)
+    loss_fn(model(x), x).backward()
+    ref_params = []
+    for p in model.parameters():
+        q = nn.Parameter(p.detach().clone())
+        q.grad = p.grad.clone()
+        ref_params.append(q)
+    calls = []
+    real = _ortrain.cuda_clip_grad_norm
+    monkeypatch.setattr(_ortrain, "cuda_clip_grad_norm", lambda *a: calls.append(a[3]) or real(*a))
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    want = clip._ORIGINAL[0](ref_params, max_norm)
+    assert len(calls) == 1, "the engine did not clip"
+    assert total.device.type == "cuda" and total.dtype == torch.float32 and total.shape == ()
+    assert abs(total.item() - want.item()) <= 2e-6 * want.item(), (total.item(), want.item())
+    for (n, p), q in zip(model.named_parameters(), ref_params):
+        scale = max(q.grad.abs().max().item(), 1e-12)
+        assert (p.grad - q.grad).abs().max().item() <= 2e-6 * scale, n
+    if max_norm > total.item():
+        for p, q in zip(model.parameters(), ref_params):
+            assert torch.equal(p.grad, q.grad)
+    assert "call(s) in the engine" in ortrain.explain(model)

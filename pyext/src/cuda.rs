@@ -242,11 +242,49 @@ fn cuda_adam_step(
     .map_err(to_py)
 }
 
+/// Queues torch.nn.utils.clip_grad_norm_ (L2, max_norm) on `stream` over the f32 gradients that
+/// `table` describes: a device int64 [n, 2] tensor of (address, numel) rows; the chunk lists as
+/// for cuda_adam_step; `partial` a device f64 tensor of `chunks` elements; the total norm and the
+/// clip coefficient are written to the device f32s at `norm` and `coef`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn cuda_clip_grad_norm(
+    table: usize,
+    chunk_tensor: usize,
+    chunk_start: usize,
+    chunks: usize,
+    max_norm: f32,
+    partial: usize,
+    norm: usize,
+    coef: usize,
+    stream: usize,
+) -> PyResult<()> {
+    // SAFETY: the Python caller (engine/clip.py) passes device tensors it keeps alive in stream
+    // order: the table of live, distinct f32 gradients, the chunk lists made for them, and the
+    // partial sums, norm and coefficient buffers, which alias none of them.
+    unsafe {
+        ortrain_engine::backend::cuda::optim::clip_f32(
+            rt()?,
+            stream as _,
+            table as u64,
+            chunk_tensor as u64,
+            chunk_start as u64,
+            chunks,
+            max_norm,
+            partial as u64,
+            norm as u64,
+            coef as u64,
+        )
+    }
+    .map_err(to_py)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCudaPending>()?;
     m.add_class::<PyCudaGraph>()?;
     m.add_function(wrap_pyfunction!(cuda_optim_chunks, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_clip_grad_norm, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_copy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_runtime_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;

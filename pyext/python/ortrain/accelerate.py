@@ -406,10 +406,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
         state.any_sizes.clear()
         state.runners.clear()
         state.loss_runners.clear()
-    if device == "cpu":
-        from ortrain.engine import clip
+    from ortrain.engine import clip
 
-        clip.install(model)  # clip_grad_norm_ of its gradients runs in the engine
+    clip.install(model)  # clip_grad_norm_ of its gradients runs in the engine (CPU or GPU)
     if optimizer is not None:
         from ortrain.engine.optimizer import accelerate_optimizer
 

@@ -1,7 +1,8 @@
-//! The fused optimizer update on the GPU for callers outside a plan (the Python optimizer
-//! bridge): one `adam_f32` launch (kernels/optim.cu) over every tensor of a parameter group,
-//! described by a table of `abi::AdamTensor` in device memory that the caller fills, and the
-//! group's chunk list (`chunk_list`, uploaded once per set of tensor sizes). The scalars are
+//! The fused optimizer update and gradient clipping on the GPU for callers outside a plan (the
+//! Python optimizer and clip_grad_norm_ bridges): one `adam_f32` launch (kernels/optim.cu) over
+//! every tensor of a parameter group, described by a table of `abi::AdamTensor` in device memory
+//! that the caller fills, and the group's chunk list (`chunk_list`, uploaded once per set of
+//! tensor sizes); `clip_f32`, three launches over a table of `abi::GradTensor`. The scalars are
 //! engine/src/optim's (`AdamScalars`: f64 hyper-parameters rounded once, as torch's).
 
 use cudarc::driver::sys::CUstream;
@@ -66,6 +67,49 @@ pub unsafe fn adam_f32(
             KArg::I32(h.maximize as i32),
         ],
     )
+}
+
+/// Queues torch.nn.utils.clip_grad_norm_ (L2) over f32 gradients on `stream`: the squares
+/// summed per chunk into `partial` (f64, `chunks` of them), the total norm and the coefficient
+/// min(1, max_norm / (norm + 1e-6)) written to `norm` and `coef` (one f32 each) by one block,
+/// every gradient multiplied by the coefficient read on the device: no host synchronisation.
+///
+/// # Safety
+/// `table` (device `GradTensor`s) and the chunk lists as for `adam_f32`, every gradient live f32
+/// device memory of its `n` elements, distinct from the others; `partial` `chunks` f64s and
+/// `norm`, `coef` an f32 each of device memory, not aliasing the gradients; all live until the
+/// queued launches have run.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn clip_f32(
+    rt: &CudaRuntime,
+    stream: CUstream,
+    table: u64,
+    chunk_tensor: u64,
+    chunk_start: u64,
+    chunks: usize,
+    max_norm: f32,
+    partial: u64,
+    norm: u64,
+    coef: u64,
+) -> Result<()> {
+    if [table, chunk_tensor, chunk_start, norm, coef].contains(&0) || (chunks > 0 && partial == 0) {
+        return Err(Error::other("clip_f32: a null table, chunk list or output"));
+    }
+    let blocks = chunks.min(rt.sms as usize * 4).max(1) as u32;
+    let over_chunks = |out: u64| {
+        [
+            KArg::Ptr(table),
+            KArg::Ptr(chunk_tensor),
+            KArg::Ptr(chunk_start),
+            KArg::I64(chunks as i64),
+            KArg::I64(CHUNK as i64),
+            KArg::Ptr(out),
+        ]
+    };
+    rt.launch(stream, "sum_squares_f32", Grid::new(blocks, 256), &over_chunks(partial))?;
+    let norm_args = [KArg::Ptr(partial), KArg::I64(chunks as i64), KArg::F32(max_norm), KArg::Ptr(norm), KArg::Ptr(coef)];
+    rt.launch(stream, "grad_norm_f64", Grid::new(1, 256), &norm_args)?;
+    rt.launch(stream, "scale_by_f32", Grid::new(blocks, 256), &over_chunks(coef))
 }
 
 #[cfg(test)]

@@ -1,7 +1,12 @@
-"""torch.nn.utils.clip_grad_norm_ on the engine's threads for the gradients of accelerated CPU
-models: the same arithmetic as torch's (each gradient's L2 norm as an f32, the norm of those,
-coefficient min(max_norm / (total + 1e-6), 1) computed by torch on the 0-dim norm, gradients
-multiplied by it in place), returning the same 0-dim total-norm tensor.
+"""torch.nn.utils.clip_grad_norm_ in the engine for the gradients of accelerated models: on the
+CPU, on the engine's threads with the same arithmetic as torch's (each gradient's L2 norm as an
+f32, the norm of those, coefficient min(max_norm / (total + 1e-6), 1) computed by torch on the
+0-dim norm, gradients multiplied by it in place), returning the same 0-dim total-norm tensor; on
+the GPU, as three kernel launches queued on the current stream (kernels/optim.cu: squares summed
+per chunk in f64, the norm and the coefficient computed on the device, every gradient scaled):
+no host synchronisation, where torch's function takes about ten launches and the Python that
+groups the tensors; the norm is the f64 sum's square root rounded once, within an f32 rounding
+of torch's.
 
 Why: with it, a training step of an accelerated model runs no parallel region of torch's at
 all. After one, torch's OpenMP workers spin for milliseconds (libgomp's default wait policy) on
@@ -9,11 +14,12 @@ the cores the engine's next phase needs. On a 2-core AMD EPYC (Zen 4), `python b
 --rounds 5` (the tutorial step, medians): clip + optimizer step 4.8 + 10.3 ms with torch's clip,
 5.5 + 7.8 with torch's clip and OMP_WAIT_POLICY=passive, 3.9 + 7.2 with the engine's.
 
-`accelerate()` on the CPU patches torch.nn.utils.clip_grad_norm_ (the module attributes, so code
-that calls it through torch.nn.utils sees the patch; a reference taken with `from ... import`
-before the first accelerate() keeps torch's). Anything this does not cover goes to torch's own
-function unchanged: another norm_type, gradients that are not dense contiguous f32 CPU tensors,
-parameters of models that are not accelerated. ORTRAIN_ENGINE_CLIP=0 turns the engine path off.
+`accelerate()` patches torch.nn.utils.clip_grad_norm_ (the module attributes, so code that calls
+it through torch.nn.utils sees the patch; a reference taken with `from ... import` before the
+first accelerate() keeps torch's). Anything this does not cover goes to torch's own function
+unchanged: another norm_type, gradients that are not all dense contiguous f32 tensors on the CPU
+or all on the engine's GPU, parameters of models that are not accelerated, error_if_nonfinite
+on the GPU (torch's check synchronises anyway). ORTRAIN_ENGINE_CLIP=0 turns the engine path off.
 """
 from __future__ import annotations
 
@@ -64,12 +70,20 @@ def _accelerated_ids() -> frozenset:
     return _PARAM_IDS[1]
 
 
-def _engine_grads(params: list, norm_type) -> tuple:
+#: the GPU the engine's CUDA runtime uses, and whether its clip still works in this process
+_GPU = torch.device("cuda", 0)
+_GPU_CLIP_WORKS = [True]
+#: per set of gradients ((address, numel) of each): the device table and chunk lists
+_GPU_TABLES: dict = {}
+
+
+def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
     """(the gradients to clip in the engine, "") or (None, why torch's function clips them: empty
     when no accelerated model's gradient is among them)."""
     ids = _accelerated_ids()
     grads, ours = [], False
     why = ""
+    devices = set()
     for p in params:
         g = p.grad
         if g is None:
@@ -77,8 +91,9 @@ def _engine_grads(params: list, norm_type) -> tuple:
         ours = ours or id(p) in ids
         if id(p) not in ids:
             why = why or "parameters of models that are not accelerated among them"
-        elif not (g.device.type == "cpu" and g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous()):
-            why = why or f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 CPU one"
+        elif not (g.device.type in ("cpu", "cuda") and g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous()):
+            why = why or f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 one"
+        devices.add(g.device)
         grads.append(g)
     if not ours:
         return None, ""
@@ -86,14 +101,63 @@ def _engine_grads(params: list, norm_type) -> tuple:
         why = "ORTRAIN_ENGINE_CLIP=0"
     elif float(norm_type) != 2.0:
         why = f"norm_type={norm_type}"
+    elif len(devices) > 1:
+        why = why or f"gradients on {len(devices)} devices"
+    elif devices and next(iter(devices)).type == "cuda" and not why:
+        why = _gpu_why_not(next(iter(devices)), error_if_nonfinite)
     return (None, why) if why else (grads, "")
+
+
+def _gpu_why_not(device: torch.device, error_if_nonfinite: bool) -> str:
+    """Why the engine cannot clip gradients on `device`, or ""."""
+    if device != _GPU:
+        return f"gradients on {device}, not the engine's {_GPU}"
+    if error_if_nonfinite:
+        return "error_if_nonfinite=True on the GPU"
+    if not _GPU_CLIP_WORKS[0]:
+        return "the engine's GPU clip failed earlier in this process"
+    from ortrain.cuda import cuda_available
+
+    ok, why = cuda_available()
+    return "" if ok else f"the engine's CUDA runtime is unavailable ({why})"
+
+
+def _gpu_clip(grads: list, max_norm: float):
+    """The engine's clip of f32 gradients on the GPU, queued on the current stream: the 0-dim
+    total norm (a device tensor, as torch's), or None where the launch failed (warned once; torch
+    clips from then on)."""
+    key = tuple((g.data_ptr(), g.numel()) for g in grads)
+    tables = _GPU_TABLES.get(key)
+    if tables is None:
+        if len(_GPU_TABLES) >= 16:  # gradients reallocated at new addresses: keep the latest few
+            _GPU_TABLES.clear()
+        tensor_of, start = _ortrain.cuda_optim_chunks([n for _, n in key])
+        tables = _GPU_TABLES[key] = (torch.tensor(key, dtype=torch.int64, device=_GPU),
+                                     torch.tensor(tensor_of, dtype=torch.int32, device=_GPU),
+                                     torch.tensor(start, dtype=torch.int64, device=_GPU))
+    table, chunk_tensor, chunk_start = tables
+    chunks = chunk_tensor.numel()
+    partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=_GPU)
+    out = torch.empty(2, dtype=torch.float32, device=_GPU)  # the norm, the coefficient
+    try:
+        _ortrain.cuda_clip_grad_norm(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunks,
+                                     float(max_norm), partial.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
+                                     torch.cuda.current_stream(_GPU).cuda_stream)
+    except _ortrain.EngineError as exc:
+        _GPU_CLIP_WORKS[0] = False
+        from ortrain._warn import warn
+
+        warn(f"ortrain: the engine's GPU clip_grad_norm_ failed ({str(exc).splitlines()[0]}); PyTorch clips the "
+             "GPU gradients from now on")
+        return None
+    return out[0]
 
 
 def describe() -> str | None:
     """explain()'s line: where clip_grad_norm_ ran for accelerated models' gradients, if it did."""
     if not (_CALLS["engine"] or _CALLS["torch"]):
         return None
-    line = f"clip_grad_norm_ of accelerated gradients: {_CALLS['engine']} call(s) on the engine's threads"
+    line = f"clip_grad_norm_ of accelerated gradients: {_CALLS['engine']} call(s) in the engine"
     if _CALLS["torch"]:
         line += f", {_CALLS['torch']} in PyTorch (last: {_CALLS['why']})"
     return line
@@ -103,7 +167,13 @@ def describe() -> str | None:
 def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     is_generator = isinstance(parameters, types.GeneratorType)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads, why = _engine_grads(params, norm_type)
+    grads, why = _engine_grads(params, norm_type, error_if_nonfinite)
+    if grads and grads[0].device.type == "cuda":
+        total_norm = _gpu_clip(grads, max_norm)
+        if total_norm is not None:
+            _CALLS["engine"] += 1
+            return total_norm
+        grads, why = None, "the engine's GPU clip failed"
     if why:
         _CALLS["torch"] += 1
         _CALLS["why"] = why

@@ -278,3 +278,56 @@ fn gpu_clip_grad_norm_matches_the_global_norm_math() {
     assert_close(what, &[host::<f32>(&norm)[0] as f64], &[total], rtol("f32"), 0.0);
     assert_close(what, &[host::<f32>(&coef)[0] as f64], &[5.0 / (total + 1e-6)], rtol("f32"), 0.0);
 }
+
+/// `optim::clip_f32`, the three launches the Python clip_grad_norm_ bridge queues: on f32
+/// gradients (one of them two of the engine's chunks), the norm and coefficient of the global
+/// norm math, each gradient multiplied by that coefficient as optim::scale does; a max_norm past
+/// the norm leaves them as they were.
+#[test]
+fn gpu_clip_f32_clips_by_the_global_norm() {
+    let Some(g) = gpu("gpu_clip_f32_clips_by_the_global_norm") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(83);
+    let sizes = [1000usize, 70_000, 5];
+    let (ct, cs) = crate::backend::cuda::optim::chunk_list(&sizes);
+    assert_eq!(ct.len(), 4, "the middle gradient spans two chunks");
+    let (dct, dcs) = (dev(g, &ct), dev(g, &cs));
+    for max_norm in [1.0f32, 1e6] {
+        let gv: Vec<Vec<f32>> = sizes.iter().map(|&n| (0..n).map(|_| rng.f32(-1.0, 1.0)).collect()).collect();
+        let dg: Vec<DeviceBuffer> = gv.iter().map(|v| dev(g, v)).collect();
+        let ts: Vec<GradTensor> = (0..sizes.len()).map(|i| GradTensor { g: dg[i].ptr(), n: sizes[i] as i64 }).collect();
+        let dts = dev(g, &ts);
+        let (partial, norm, coef) = (zeros::<f64>(g, ct.len()), zeros::<f32>(g, 1), zeros::<f32>(g, 1));
+        // SAFETY: every buffer above is live device memory of the sizes the call is given, and
+        // the synchronize below waits for the launches before any is dropped.
+        unsafe {
+            crate::backend::cuda::optim::clip_f32(
+                rt,
+                std::ptr::null_mut(),
+                dts.ptr(),
+                dct.ptr(),
+                dcs.ptr(),
+                ct.len(),
+                max_norm,
+                partial.ptr(),
+                norm.ptr(),
+                coef.ptr(),
+            )
+        }
+        .expect("clip_f32");
+        g.synchronize().expect("sync");
+        let total = gv.iter().map(|v| optim::sum_squares(v)).sum::<f64>().sqrt();
+        let case = format!("max_norm {max_norm}");
+        let (gn, gc) = (host::<f32>(&norm)[0], host::<f32>(&coef)[0]);
+        assert_close(&format!("{case}: norm"), &[gn as f64], &[total], rtol("f32"), 0.0);
+        assert_close(&format!("{case}: coefficient"), &[gc as f64], &[(max_norm as f64 / (total + 1e-6)).min(1.0)], rtol("f32"), 0.0);
+        for (i, v) in gv.iter().enumerate() {
+            let mut want = v.clone();
+            optim::scale(&mut want, gc);
+            assert_eq!(host::<f32>(&dg[i]), want, "{case}: gradient {i} multiplied by the coefficient");
+        }
+        if max_norm > 1e3 {
+            assert_eq!(host::<f32>(&dg[1]), gv[1], "{case}: a norm under max_norm leaves the gradients as they were");
+        }
+    }
+}
