@@ -100,7 +100,10 @@ def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
     """One engine launch per step count updates the GPU parameters in `todo` ((param, grad,
     exp_avg, exp_avg_sq, step) each): kernels/optim.cu's multi-tensor Adam, queued on the current
     stream, instead of torch's foreach kernels. The descriptor table goes up through pinned memory
-    (an asynchronous copy: no host sync); the chunk lists are uploaded once per set of sizes.
+    (an asynchronous copy: no host sync) the first time its rows (the four tensors' addresses
+    and sizes) are seen, and is reused while they stay the same (a few recent tables are kept:
+    the gradients' addresses repeat from step to step); the chunk lists are uploaded once per
+    set of sizes.
     Returns the parameters it did not update: none, or (a launch failed: warned once, and the
     engine's GPU update is off for the process) those of that launch and the ones after it, their
     step counts taken back for PyTorch's step to count them."""
@@ -118,8 +121,13 @@ def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
             tensor_of, start = _ortrain.cuda_optim_chunks(list(sizes))
             chunks = cache[sizes] = (torch.tensor(tensor_of, dtype=torch.int32, device=_GPU),
                                      torch.tensor(start, dtype=torch.int64, device=_GPU))
-        rows = [[p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()] for p, g, m, v, _ in ts]
-        table = torch.tensor(rows, dtype=torch.int64).pin_memory().to(_GPU, non_blocking=True)
+        rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in ts)
+        tables = opt.__dict__.setdefault("_ortrain_gpu_tables", {})
+        table = tables.get(rows)
+        if table is None:
+            if len(tables) >= 8:
+                tables.clear()
+            table = tables[rows] = torch.tensor(rows, dtype=torch.int64).pin_memory().to(_GPU, non_blocking=True)
         try:
             _ortrain.cuda_adam_step(table.data_ptr(), chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[0].numel(),
                                     float(group["lr"]), float(b1), float(b2), float(group["eps"]),
