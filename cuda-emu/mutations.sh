@@ -110,11 +110,12 @@ mutate "flash dK/dV's 128-key blocks skipping the query part that holds a warp's
     "if (causal && tq + QP - 1 < key0 + 16 * MT) continue;" \
     backend::cuda::tests::flash_attention
 
-# rounding an f16 product's operands through bf16 stays close to the tensor-core kernels' result
-# (they share the packing): only the flash test's bound on f16's precision sees it
+# rounding an f16 product's operands through bf16 (bf16's own are unchanged by it) stays close to
+# the tensor-core kernels' result (they share the packing): only the flash test's bound on f16's
+# precision sees it
 mutate "f16 attention's P and dS operands rounded through bf16 before f16" kernels/attention_mma_stage.cuh \
-    "return (u32)ort_emu_f32_to_f16(lo) | ((u32)ort_emu_f32_to_f16(hi) << 16);" \
-    "return (u32)ort_emu_f32_to_f16(bf16_to_f32(f32_to_bf16(lo))) | ((u32)ort_emu_f32_to_f16(bf16_to_f32(f32_to_bf16(hi))) << 16);" \
+    "#define AM_PROD_PACK(P, PTX) return (u32)ort_emu_f32_to_##P(lo) | ((u32)ort_emu_f32_to_##P(hi) << 16);" \
+    "#define AM_PROD_PACK(P, PTX) return (u32)ort_emu_f32_to_##P(bf16_to_f32(f32_to_bf16(lo))) | ((u32)ort_emu_f32_to_##P(bf16_to_f32(f32_to_bf16(hi))) << 16);" \
     backend::cuda::tests::flash_attention "over f16's"
 
 # the next two leave every value as it was: only the emulator's alignment trap and the guard

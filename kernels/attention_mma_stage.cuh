@@ -15,50 +15,30 @@
 #define AM_LDT (AM_TILE + AM_PAD)  // row of a tile whose rows are 64 long
 
 // The products' type P: its bits from an f32 (round to nearest), two f32 as a pair (lo in the
-// low half), and c += a · b (16 x 8 x 16, P operands, f32 accumulators).
+// low half), and c += a · b (16 x 8 x 16, P operands, f32 accumulators). PTX names the type
+// ("bf16", "f16"); EMU_F16 is cuda-emu's operand flag.
 template <typename P> struct AmProd;
-template <> struct AmProd<bf16> {
-    static __device__ __forceinline__ u16 bits(f32 x) { return f32_to_bf16(x).bits; }
-    static __device__ __forceinline__ u32 pack(f32 lo, f32 hi) {
 #ifdef ORT_CPU_EMU
-        return (u32)ort_emu_f32_to_bf16(lo) | ((u32)ort_emu_f32_to_bf16(hi) << 16);
+#define AM_PROD_PACK(P, PTX) return (u32)ort_emu_f32_to_##P(lo) | ((u32)ort_emu_f32_to_##P(hi) << 16);
+#define AM_PROD_MMA(PTX, EMU_F16) ort_emu_mma_m16n8k16(c, a, b0, b1, EMU_F16);
 #else
-        u32 r;
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
+#define AM_PROD_PACK(P, PTX)                                                 \
+    u32 r;                                                                   \
+    asm("cvt.rn." PTX "x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); \
+    return r;
+#define AM_PROD_MMA(PTX, EMU_F16)                                                                                              \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                           \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #endif
-    }
-    static __device__ __forceinline__ void mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
-#ifdef ORT_CPU_EMU
-        ort_emu_mma_m16n8k16(c, a, b0, b1, 0);
-#else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-    }
-};
-template <> struct AmProd<f16> {
-    static __device__ __forceinline__ u16 bits(f32 x) { return f32_to_f16(x).bits; }
-    static __device__ __forceinline__ u32 pack(f32 lo, f32 hi) {
-#ifdef ORT_CPU_EMU
-        return (u32)ort_emu_f32_to_f16(lo) | ((u32)ort_emu_f32_to_f16(hi) << 16);
-#else
-        u32 r;
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-        return r;
-#endif
-    }
-    static __device__ __forceinline__ void mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) {
-#ifdef ORT_CPU_EMU
-        ort_emu_mma_m16n8k16(c, a, b0, b1, 1);
-#else
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-    }
-};
+#define AM_PROD(P, PTX, EMU_F16)                                                                                    \
+    template <> struct AmProd<P> {                                                                                  \
+        static __device__ __forceinline__ u16 bits(f32 x) { return f32_to_##P(x).bits; }                            \
+        static __device__ __forceinline__ u32 pack(f32 lo, f32 hi) { AM_PROD_PACK(P, PTX) }                         \
+        static __device__ __forceinline__ void mma(f32 c[4], const u32 a[4], u32 b0, u32 b1) { AM_PROD_MMA(PTX, EMU_F16) } \
+    };
+AM_PROD(bf16, "bf16", 0)
+AM_PROD(f16, "f16", 1)
 
 // Accumulators c[j] (16 x 8 tiles j, j + 1 side by side) as the A fragment of a 16 x 16 operand.
 template <typename P> __device__ __forceinline__ void am_c_to_a(u32 a[4], const f32 c0[4], const f32 c1[4]) {

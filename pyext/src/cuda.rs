@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use ortrain_engine::backend::cuda::optim::TensorList;
 use ortrain_engine::backend::cuda::runtime::{self, CudaRuntime};
 use ortrain_engine::optim::AdamHyper;
 use ortrain_engine::session::cuda::CudaPending;
@@ -197,6 +198,11 @@ fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize) -> PyResult<()
     unsafe { rt()?.copy(stream as _, dst as u64, src as u64, bytes) }.map_err(to_py)
 }
 
+/// The engine's view of a multi-tensor launch's table and chunk lists (device addresses).
+fn tensor_list(table: usize, chunk_tensor: usize, chunk_start: usize, chunks: usize) -> TensorList {
+    TensorList { table: table as u64, chunk_tensor: chunk_tensor as u64, chunk_start: chunk_start as u64, chunks }
+}
+
 /// The chunk list of a fused optimizer update over tensors of these sizes: (tensor index, first
 /// element) per chunk, for cuda_adam_step.
 #[pyfunction]
@@ -229,15 +235,7 @@ fn cuda_adam_step(
     // SAFETY: the Python caller (engine/optimizer.py) passes device tensors it keeps alive in
     // stream order: the table of live, distinct f32 tensors and the chunk lists made for them.
     unsafe {
-        ortrain_engine::backend::cuda::optim::adam_f32(
-            rt()?,
-            stream as _,
-            table as u64,
-            chunk_tensor as u64,
-            chunk_start as u64,
-            chunks,
-            &h,
-        )
+        ortrain_engine::backend::cuda::optim::adam_f32(rt()?, stream as _, &tensor_list(table, chunk_tensor, chunk_start, chunks), &h)
     }
     .map_err(to_py)
 }
@@ -266,10 +264,7 @@ fn cuda_clip_grad_norm(
         ortrain_engine::backend::cuda::optim::clip_f32(
             rt()?,
             stream as _,
-            table as u64,
-            chunk_tensor as u64,
-            chunk_start as u64,
-            chunks,
+            &tensor_list(table, chunk_tensor, chunk_start, chunks),
             max_norm,
             partial as u64,
             norm as u64,

@@ -9,6 +9,7 @@
 use super::support::*;
 use crate::backend::cuda::abi::{AdamTensor, GradTensor, SgdTensor};
 use crate::backend::cuda::launch::{DeviceBuffer, Grid, KArg};
+use crate::backend::cuda::optim::TensorList;
 use crate::backend::cuda::registry::types::GRADS;
 use crate::optim::{self, AdamHyper, SgdHyper};
 
@@ -301,18 +302,8 @@ fn gpu_clip_f32_clips_by_the_global_norm() {
         // SAFETY: every buffer above is live device memory of the sizes the call is given, and
         // the synchronize below waits for the launches before any is dropped.
         unsafe {
-            crate::backend::cuda::optim::clip_f32(
-                rt,
-                std::ptr::null_mut(),
-                dts.ptr(),
-                dct.ptr(),
-                dcs.ptr(),
-                ct.len(),
-                max_norm,
-                partial.ptr(),
-                norm.ptr(),
-                coef.ptr(),
-            )
+            let list = TensorList { table: dts.ptr(), chunk_tensor: dct.ptr(), chunk_start: dcs.ptr(), chunks: ct.len() };
+            crate::backend::cuda::optim::clip_f32(rt, std::ptr::null_mut(), &list, max_norm, partial.ptr(), norm.ptr(), coef.ptr())
         }
         .expect("clip_f32");
         g.synchronize().expect("sync");
