@@ -156,10 +156,11 @@ def _lm_head(name: str, ins, outs, precision: str):
     for c0 in range(0, r, chunk):
         rc = min(chunk, r - c0)
         e = rc * n
-        out.append(("LinearCrossEntropy logits", name, es * (rc * k + n * k) + 4 * e, 2 * rc * k * n, rate))
-        if g_es == 2 and ins[2] is None:
-            # lce_rows_round: the f32 logits read, G written as its 16-bit copy
-            out.append(("LinearCrossEntropy rows", name, 6 * e + 8 * rc, 0, None))
+        logits16 = g_es == 2 and ins[2] is None  # bf16 logits, G made from them in place
+        out.append(("LinearCrossEntropy logits", name, es * (rc * k + n * k) + (2 if logits16 else 4) * e, 2 * rc * k * n, rate))
+        if logits16:
+            # lce_rows_v16: the bf16 logits read, G written over them
+            out.append(("LinearCrossEntropy rows", name, 4 * e + 8 * rc, 0, None))
         else:
             out.append(("LinearCrossEntropy rows", name, 8 * e + 8 * rc, 0, None))
             if g_es == 2:

@@ -2,7 +2,7 @@
 for `criterion(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))`), its weights and one batch
 to a folder, for the engine's cross-backend step check
 (engine/src/backend/cuda/tests/onnx_parity.rs): one training step of that graph on the CPU in
-exact f32, on the CPU at bf16 matmul precision and on CUDA at bf16 (cuda-emu without a GPU), every
+exact f32, on the CPU at bf16 matmul precision and on CUDA at bf16 and fp16 (cuda-emu without a GPU), every
 weight gradient compared. It puts a whole exported model through the CUDA-only passes and
 kernels (tensor-core attention, the causal mask, the chunked LM head over an odd vocabulary, the
 16-bit activations), which the engine's own CUDA tests only see one at a time.
@@ -47,7 +47,9 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
 
     wrapped = Logits(model)
     exported = export_module(wrapped, (ids,), dynamic=False)
-    onnx_bytes = _with_cross_entropy(exported.onnx_bytes, [(1, None, -1)], vocab, -100, "mean")
+    # the shift on axis -2, as accelerate() slices (axes counted from the end: the LM head and its
+    # loss then fuse, which an axis counted from the front would prevent)
+    onnx_bytes = _with_cross_entropy(exported.onnx_bytes, [(-2, None, -1)], vocab, -100, "mean")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "model.onnx"), "wb") as f:
         f.write(onnx_bytes)

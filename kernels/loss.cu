@@ -38,10 +38,11 @@
 //       when not null) become their unit-seed gradient w f (softmax - onehot),
 //       f = 1 / *wsum for the mean (0 when it is 0) or 1 for the sum, and loss_s[r] = -w log
 //       softmax[label]; sce_reduce_T then reduces loss_s and w_s as for the unfused loss.
-//   lce_rows_round_D(f32* x, D* g, labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R,
-//                    i64 C, i64 ldx, i64 ldg, i32 mean)                          D: bf16, f16
-//       the same without a bias, G written rounded to D into rows of ldg >= C (the columns past
-//       C zeros) instead of over x: lce_rows_f32 then cast_rows_f32_D in one pass over x
+//   lce_rows_v16_D(D* g, labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R, i64 C,
+//                  i64 ldx, i32 mean)                                            D: bf16, f16
+//       lce_rows_D without a bias where g and ldx keep every row 16-byte aligned (a bf16
+//       session's LM head, whose logits product writes bf16): 8 elements a 16-byte load and
+//       store, the last C % 8 one by one; the columns past C are not touched
 
 #include "prelude.cuh"
 
@@ -179,31 +180,25 @@ template <typename T> __device__ __forceinline__ void lce_weights(const i64* lab
     if (threadIdx.x == 0) *wsum = total;
 }
 
-// Where the row pass writes G: over the logits (in place), or rounded to a 16-bit copy.
-template <typename T> struct GInPlace {
-    T* g;
-    i64 ld;
-    __device__ __forceinline__ void put(i64 r, i64 k, typename Num<T>::Acc v) const { g[r * ld + k] = Num<T>::store(v); }
-    __device__ __forceinline__ void pad(i64) const {}
-};
-template <typename D> struct GRounded {
-    D* g;
-    i64 C, ld;
-    __device__ __forceinline__ void put(i64 r, i64 k, f32 v) const { g[r * ld + k] = Num<D>::store(v); }
-    // the columns past C, which the products never read, as zeros
-    __device__ __forceinline__ void pad(i64 r) const {
-        for (i64 k = C + threadIdx.x; k < ld; k += blockDim.x) g[r * ld + k] = Num<D>::store(0.f);
+// A row pass's running max and sum of exps, one value at a time: a thread's sum rescaled when
+// its max grows (mx = -inf at first: exp(-inf) = 0); -inf adds exp(-inf) = 0 (and would be NaN
+// against mx = -inf); NaN stays NaN.
+template <typename A> __device__ __forceinline__ void lce_see(A v, A& mx, A& s) {
+    if (v > mx) {
+        s = s * m_exp(mx - v) + (A)1;
+        mx = v;
+    } else if (v != OpMax::init<A>()) {
+        s += m_exp(v - mx);
     }
-};
+}
 
-// A chunk's logits x into their unit-seed gradient, written through `out` (which may be x
-// itself). Each thread reads back only the elements it wrote (the same k stride in every pass),
-// so no barrier is needed between them; the label's logit is read by the thread that owns it,
-// in the last pass.
-template <typename T, typename Out>
+// A chunk's logits x into their unit-seed gradient, in place. Each thread reads back only the
+// elements it wrote (the same k stride in every pass), so no barrier is needed between them; the
+// label's logit is read by the thread that owns it, in the last pass.
+template <typename T>
 __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels, const typename Num<T>::Acc* w_s,
                                          const typename Num<T>::Acc* wsum, typename Num<T>::Acc* loss_s, i64 R, i64 C,
-                                         i64 ldx, i32 mean, Out out) {
+                                         i64 ldx, i32 mean) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
     const A total = mean ? *wsum : (A)1;
@@ -211,9 +206,8 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
         T* row = x + r * ldx;
         const A w = w_s[r];
-        out.pad(r);
         if (w == (A)0) {  // the same for the whole block: no thread skips a barrier the others reach
-            for (i64 k = threadIdx.x; k < C; k += blockDim.x) out.put(r, k, (A)0);
+            for (i64 k = threadIdx.x; k < C; k += blockDim.x) row[k] = Num<T>::store((A)0);
             if (threadIdx.x == 0) loss_s[r] = (A)0;
             continue;
         }
@@ -228,12 +222,7 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
                 row[k] = Num<T>::store(v);
                 v = Num<T>::load(row[k]);
             }
-            if (v > mx) {
-                s = s * m_exp(mx - v) + (A)1;  // mx = -inf at first: exp(-inf) = 0
-                mx = v;
-            } else if (v != OpMax::init<A>()) {  // -inf adds exp(-inf) = 0 (and would be NaN against mx = -inf); NaN stays NaN
-                s += m_exp(v - mx);
-            }
+            lce_see(v, mx, s);
         }
         const A m = block_reduce<OpMax>(mx, scratch);
         if (mx != m) s *= m_exp(mx - m);  // a thread with no element (mx = -inf) has s = 0
@@ -246,7 +235,82 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
                 loss_s[r] = -w * (v - lse);
                 p -= (A)1;
             }
-            out.put(r, k, gw * p);
+            row[k] = Num<T>::store(gw * p);
+        }
+        __syncthreads();
+    }
+}
+
+// Eight 16-bit D of a 16-byte vector as f32, and back (rounded to nearest).
+template <typename D> __device__ __forceinline__ void v16_floats(const uint4& u, f32 e[8]) {
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        e[2 * j] = Num<D>::load(D{(u16)(w[j] & 0xffffu)});
+        e[2 * j + 1] = Num<D>::load(D{(u16)(w[j] >> 16)});
+    }
+}
+template <typename D> __device__ __forceinline__ uint4 v16_pack(const f32 e[8]) {
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) w[j] = (u32)Num<D>::store(e[2 * j]).bits | ((u32)Num<D>::store(e[2 * j + 1]).bits << 16);
+    return uint4{w[0], w[1], w[2], w[3]};
+}
+
+// lce_rows over 16-bit logits in place, 16 bytes a thread at a time (rows 16-byte aligned).
+template <typename D>
+__device__ __forceinline__ void lce_rows_v16(D* x, const i64* labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R, i64 C, i64 ldx,
+                                             i32 mean) {
+    ORT_SHARED(f32, scratch, [32]);
+    const f32 total = mean ? *wsum : 1.f;
+    const f32 f = total == 0.f ? 0.f : 1.f / total;
+    const i64 V = C / 8;
+    for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
+        D* row = x + r * ldx;
+        uint4* vrow = reinterpret_cast<uint4*>(row);
+        const f32 w = w_s[r];
+        if (w == 0.f) {  // the same for the whole block
+            for (i64 v = threadIdx.x; v < V; v += blockDim.x) vrow[v] = uint4{0u, 0u, 0u, 0u};
+            for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x) row[k] = Num<D>::store(0.f);
+            if (threadIdx.x == 0) loss_s[r] = 0.f;
+            continue;
+        }
+        const i64 y = labels[r];
+        f32 mx = OpMax::init<f32>(), s = 0.f;
+        for (i64 v = threadIdx.x; v < V; v += blockDim.x) {
+            f32 e[8];
+            v16_floats<D>(vrow[v], e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) lce_see(e[j], mx, s);
+        }
+        for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x) lce_see(Num<D>::load(row[k]), mx, s);
+        const f32 m = block_reduce<OpMax>(mx, scratch);
+        if (mx != m) s *= m_exp(mx - m);
+        const f32 lse = m + m_log(block_reduce<OpSum>(s, scratch));
+        const f32 gw = w * f;
+        // each thread reads back only the vectors (and tail elements) it read above
+        for (i64 v = threadIdx.x; v < V; v += blockDim.x) {
+            f32 e[8];
+            v16_floats<D>(vrow[v], e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                f32 p = m_exp(e[j] - lse);
+                if (8 * v + j == y) {
+                    loss_s[r] = -w * (e[j] - lse);
+                    p -= 1.f;
+                }
+                e[j] = gw * p;
+            }
+            vrow[v] = v16_pack<D>(e);
+        }
+        for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x) {
+            const f32 v = Num<D>::load(row[k]);
+            f32 p = m_exp(v - lse);
+            if (k == y) {
+                loss_s[r] = -w * (v - lse);
+                p -= 1.f;
+            }
+            row[k] = Num<D>::store(gw * p);
         }
         __syncthreads();
     }
@@ -281,14 +345,14 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
     }                                                                                         \
     extern "C" __global__ void lce_rows_##T(T* g, const T* bias, const i64* labels, const Num<T>::Acc* w_s, \
                                             const Num<T>::Acc* wsum, Num<T>::Acc* loss_s, i64 R, i64 C, i64 ldx, i32 mean) { \
-        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, ldx, mean, GInPlace<T>{g, ldx});  \
+        lce_rows<T>(g, bias, labels, w_s, wsum, loss_s, R, C, ldx, mean);  \
     }
 ORT_FLOATS(LOSS, _)
 
-#define LCE_ROWS_ROUND(D)                                                                     \
-    extern "C" __global__ void lce_rows_round_##D(f32* x, D* g, const i64* labels, const f32* w_s, const f32* wsum, \
-                                                  f32* loss_s, i64 R, i64 C, i64 ldx, i64 ldg, i32 mean) { \
-        lce_rows<f32>(x, (const f32*)nullptr, labels, w_s, wsum, loss_s, R, C, ldx, mean, GRounded<D>{g, C, ldg}); \
+#define LCE_ROWS_V16(D)                                                                                                       \
+    extern "C" __global__ void lce_rows_v16_##D(D* g, const i64* labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R, i64 C, \
+                                                i64 ldx, i32 mean) {                                                          \
+        lce_rows_v16<D>(g, labels, w_s, wsum, loss_s, R, C, ldx, mean);                                                       \
     }
-LCE_ROWS_ROUND(bf16)
-LCE_ROWS_ROUND(f16)
+LCE_ROWS_V16(bf16)
+LCE_ROWS_V16(f16)

@@ -266,7 +266,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["sce_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32, AI32, AI32]),
             g(&["lce_weights"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32, Ptr]),
             g(&["lce_rows"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
-            g(&["lce_rows_round"], HALVES, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, AI32]),
+            g(&["lce_rows_v16"], HALVES, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI32]),
         ]
     ),
     family!(

@@ -3,8 +3,9 @@
 //! thousands of rows): per chunk, cuBLAS makes the logits X_c·op(W) in the scratch,
 //! `lce_rows` (kernels/loss.cu) turns them in place into the unit-seed gradient G (bias added,
 //! softmax − one-hot, times the row weight and 1/Σweights for the mean) and writes the rows'
-//! loss terms (`lce_rows_round` writes G's 16-bit copy instead where the products read only
-//! that: a bf16 session's head without a bias), then three more products accumulate
+//! loss terms (where the products read only G's 16-bit copy, a bf16 session's head without a
+//! bias, the logits are made in bf16 in that copy's memory, as PyTorch's autocast makes them,
+//! and `lce_rows_v16` turns them into G there), then three more products accumulate
 //! dX_c = G·op(W)ᵀ, dW (+)= G's product with X_c and db (+)= 1ᵀ·G. Row weights and their sum come first (`lce_weights`, from the labels
 //! alone), the loss is reduced last (`sce_reduce`, as for the unfused loss). Rows of weight 0
 //! (ignore_index) are computed and come out as zeros: unlike the CPU kernel, no compaction.
@@ -115,6 +116,15 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 ctx.rt.round_f32_rows(ctx.stream, h.t, w.ptr, h.w, k, n, n, ld)?;
             }
         }
+        // Where only G's 16-bit copy is read afterwards (no bias: no f32 column sums), the logits
+        // product writes the logits in that type into the copy's memory, as PyTorch's autocast
+        // keeps them, and the row pass turns them into G in place, 16 bytes a load: half the
+        // bytes of f32 logits read twice and G's copy written (on GPT-2 124M, 824 MB instead of
+        // 1.44 GB a chunk of 2046 rows).
+        let logits16 = match &h {
+            Some(h) if bias == 0 => h.g.map(|gh| (h, gh)),
+            _ => None,
+        };
         let mut r0 = 0;
         while r0 < rows {
             let r = chunk.min(rows - r0);
@@ -124,30 +134,23 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 zero(ctx, &DView { shape: &[r * ld], ..*scratch })?;
             } else if let Some(h) = &h {
                 ctx.rt.round_f32(ctx.stream, h.t, xc, h.x, r * k)?;
-                ctx.rt.gemm(ctx.stream, &h.gemm(gemm(r, ld, k, false, trans_b, false, F32Mode::Exact)), h.x, h.w, g)?;
+                let logits = h.gemm(gemm(r, ld, k, false, trans_b, false, F32Mode::Exact));
+                match logits16 {
+                    Some((_, gh)) => ctx.rt.gemm(ctx.stream, &Gemm { c_type: h.t, ldc: h.g_ld, ..logits }, h.x, h.w, gh)?,
+                    None => ctx.rt.gemm(ctx.stream, &logits, h.x, h.w, g)?,
+                }
             } else {
                 ctx.rt.gemm(ctx.stream, &Gemm { ldc: ld, ..gemm(r, n, k, false, trans_b, false, ctx.f32_mode) }, xc, w.ptr, g)?;
             }
             let rows_at = [p(labels.ptr + r0 as u64 * 8), p(w_s + r0 as u64 * stat), p(wsum), p(loss_s + r0 as u64 * stat)];
-            // Where only G's 16-bit copy is read afterwards (no bias: no f32 column sums), the
-            // row pass writes that copy itself: one pass over the logits instead of a pass
-            // writing f32 G and a second rounding it (8 bytes an element less; on GPT-2 124M
-            // 6.6 GB of its step's traffic).
-            let rounded_by_rows = match &h {
-                Some(h) if bias == 0 => h.g.map(|gh| (h, gh)),
-                _ => None,
-            };
-            if let Some((h, gh)) = rounded_by_rows {
-                let mut args = vec![p(g), p(gh)];
+            if let Some((h, gh)) = logits16 {
+                if gh % 16 != 0 || (h.g_ld * h.t.size()) % 16 != 0 {
+                    return Err(node.err("the LM head's 16-bit logits rows are not 16-byte aligned"));
+                }
+                let mut args = vec![p(gh)];
                 args.extend(rows_at);
-                args.extend([
-                    KArg::I64(r as i64),
-                    KArg::I64(n as i64),
-                    KArg::I64(ld as i64),
-                    KArg::I64(h.g_ld as i64),
-                    KArg::I32(mean as i32),
-                ]);
-                ctx.rt.launch(ctx.stream, &format!("lce_rows_round_{}", half_suffix(h.t)?), row_grid(r, n), &args)?;
+                args.extend([KArg::I64(r as i64), KArg::I64(n as i64), KArg::I64(h.g_ld as i64), KArg::I32(mean as i32)]);
+                ctx.rt.launch(ctx.stream, &format!("lce_rows_v16_{}", half_suffix(h.t)?), row_grid(r, n), &args)?;
             } else {
                 let mut args = vec![p(g), p(bias)];
                 args.extend(rows_at);
@@ -168,7 +171,7 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                 };
                 let (gg, ww, xx, dx_g, dw_g) = match h.as_ref().and_then(|h| h.g.map(|gh| (h, gh))) {
                     Some((h, gh)) => {
-                        if rounded_by_rows.is_none() {
+                        if logits16.is_none() {
                             ctx.rt.round_f32_rows(ctx.stream, h.t, g, gh, r, n, ld, h.g_ld)?;
                         }
                         // over all `ld` classes: G's copy and W's are zeros past n

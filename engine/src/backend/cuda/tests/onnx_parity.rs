@@ -137,7 +137,14 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     let t1 = std::time::Instant::now();
     let cuda_session = open(&p, Target::Cuda, MatmulPrecision::Bf16);
     assert_packed_attention(&cuda_session, "bf16");
-    let mut gpu = gpu_steps(&cuda_session, &p, 2, F32Mode::Exact, 1.0);
+    // the LM head and its loss fused (passes/fuse_linear_cross_entropy.rs), as accelerate()'s graph
+    let plan = cuda_session.plan(&sigs(&p), true).expect("plan");
+    let heads: Vec<_> = cuda_session.graph.nodes.iter().filter(|n| n.op_type == "LinearCrossEntropy").collect();
+    assert_eq!(heads.len(), 1, "one fused LM head: passes {:?}", cuda_session.passes);
+    let types: Vec<_> = heads[0].inputs.iter().take(2).map(|v| v.and_then(|v| plan.dtype(v))).collect();
+    println!("bf16 LM head: X and W {types:?}");
+    // the modes a session of each precision runs its f32 products in (session/cuda.rs)
+    let mut gpu = gpu_steps(&cuda_session, &p, 2, F32Mode::Bf16, 1.0);
     let bits = |(l, gs): &(f32, Vec<Vec<f32>>)| {
         (l.to_bits(), gs.iter().map(|g| g.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()).collect::<Vec<_>>())
     };
@@ -164,6 +171,8 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     for t in ["bf16", "f16"] {
         println!("{t} attention kernels launched: flash {}, tensor-core (attention_mma) {}", family("flash", t), family("mma", t));
     }
+    // the bf16 LM head makes its logits in bf16 and G from them in place
+    assert!(rt.has_launched("lce_rows_v16_bf16"), "the bf16 session's LM head rows: lce_rows_v16_bf16 never launched");
     let mut worst = Vec::new();
     for ((((name, trainable, _), r), c), (g, h)) in p.weights.iter().zip(&reference).zip(&cpu).zip(gpu.iter().zip(&fp16)) {
         if !trainable {
