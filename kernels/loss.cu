@@ -192,6 +192,31 @@ template <typename A> __device__ __forceinline__ void lce_see(A v, A& mx, A& s) 
     }
 }
 
+// The row weight's factor f: 1 / Σ weights for the mean (0 when that is 0), 1 for the sum.
+template <typename A> __device__ __forceinline__ A lce_factor(i32 mean, const A* wsum) {
+    const A total = mean ? *wsum : (A)1;
+    return total == (A)0 ? (A)0 : (A)1 / total;
+}
+
+// The row's log-sum-exp from each thread's running max and sum (lce_see): the block's max, the
+// sums brought to it (a thread with no element, mx = -inf, has s = 0), their sum.
+template <typename A> __device__ __forceinline__ A lce_lse(A mx, A s, A* scratch) {
+    const A m = block_reduce<OpMax>(mx, scratch);
+    if (mx != m) s *= m_exp(mx - m);
+    return m + m_log(block_reduce<OpSum>(s, scratch));
+}
+
+// G's element k of a row (logit v, label y, row weight w, gw = w·f), and the row's loss term
+// into *loss where k is the label.
+template <typename A> __device__ __forceinline__ A lce_g(A v, A lse, i64 k, i64 y, A w, A gw, A* loss) {
+    A p = m_exp(v - lse);
+    if (k == y) {
+        *loss = -w * (v - lse);
+        p -= (A)1;
+    }
+    return gw * p;
+}
+
 // A chunk's logits x into their unit-seed gradient, in place. Each thread reads back only the
 // elements it wrote (the same k stride in every pass), so no barrier is needed between them; the
 // label's logit is read by the thread that owns it, in the last pass.
@@ -201,8 +226,7 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
                                          i64 ldx, i32 mean) {
     typedef typename Num<T>::Acc A;
     ORT_SHARED(A, scratch, [32]);
-    const A total = mean ? *wsum : (A)1;
-    const A f = total == (A)0 ? (A)0 : (A)1 / total;
+    const A f = lce_factor(mean, wsum);
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
         T* row = x + r * ldx;
         const A w = w_s[r];
@@ -224,19 +248,10 @@ __device__ __forceinline__ void lce_rows(T* x, const T* bias, const i64* labels,
             }
             lce_see(v, mx, s);
         }
-        const A m = block_reduce<OpMax>(mx, scratch);
-        if (mx != m) s *= m_exp(mx - m);  // a thread with no element (mx = -inf) has s = 0
-        const A lse = m + m_log(block_reduce<OpSum>(s, scratch));
+        const A lse = lce_lse(mx, s, scratch);
         const A gw = w * f;
-        for (i64 k = threadIdx.x; k < C; k += blockDim.x) {
-            const A v = Num<T>::load(row[k]);
-            A p = m_exp(v - lse);
-            if (k == y) {
-                loss_s[r] = -w * (v - lse);
-                p -= (A)1;
-            }
-            row[k] = Num<T>::store(gw * p);
-        }
+        for (i64 k = threadIdx.x; k < C; k += blockDim.x)
+            row[k] = Num<T>::store(lce_g(Num<T>::load(row[k]), lse, k, y, w, gw, &loss_s[r]));
         __syncthreads();
     }
 }
@@ -262,8 +277,7 @@ template <typename D>
 __device__ __forceinline__ void lce_rows_v16(D* x, const i64* labels, const f32* w_s, const f32* wsum, f32* loss_s, i64 R, i64 C, i64 ldx,
                                              i32 mean) {
     ORT_SHARED(f32, scratch, [32]);
-    const f32 total = mean ? *wsum : 1.f;
-    const f32 f = total == 0.f ? 0.f : 1.f / total;
+    const f32 f = lce_factor(mean, wsum);
     const i64 V = C / 8;
     for (i64 r = blockIdx.x; r < R; r += gridDim.x) {
         D* row = x + r * ldx;
@@ -284,34 +298,18 @@ __device__ __forceinline__ void lce_rows_v16(D* x, const i64* labels, const f32*
             for (int j = 0; j < 8; ++j) lce_see(e[j], mx, s);
         }
         for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x) lce_see(Num<D>::load(row[k]), mx, s);
-        const f32 m = block_reduce<OpMax>(mx, scratch);
-        if (mx != m) s *= m_exp(mx - m);
-        const f32 lse = m + m_log(block_reduce<OpSum>(s, scratch));
+        const f32 lse = lce_lse(mx, s, scratch);
         const f32 gw = w * f;
         // each thread reads back only the vectors (and tail elements) it read above
         for (i64 v = threadIdx.x; v < V; v += blockDim.x) {
             f32 e[8];
             v16_floats<D>(vrow[v], e);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                f32 p = m_exp(e[j] - lse);
-                if (8 * v + j == y) {
-                    loss_s[r] = -w * (e[j] - lse);
-                    p -= 1.f;
-                }
-                e[j] = gw * p;
-            }
+            for (int j = 0; j < 8; ++j) e[j] = lce_g(e[j], lse, 8 * v + j, y, w, gw, &loss_s[r]);
             vrow[v] = v16_pack<D>(e);
         }
-        for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x) {
-            const f32 v = Num<D>::load(row[k]);
-            f32 p = m_exp(v - lse);
-            if (k == y) {
-                loss_s[r] = -w * (v - lse);
-                p -= 1.f;
-            }
-            row[k] = Num<D>::store(gw * p);
-        }
+        for (i64 k = 8 * V + threadIdx.x; k < C; k += blockDim.x)
+            row[k] = Num<D>::store(lce_g(Num<D>::load(row[k]), lse, k, y, w, gw, &loss_s[r]));
         __syncthreads();
     }
 }

@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from ortrain import _ortrain
+from ortrain.engine.gpu_tables import GPU, device_tables
 
 #: accelerated CPU models: their parameters' gradients are clipped in the engine
 _MODELS: weakref.WeakSet = weakref.WeakSet()
@@ -70,10 +71,9 @@ def _accelerated_ids() -> frozenset:
     return _PARAM_IDS[1]
 
 
-#: the GPU the engine's CUDA runtime uses, and whether its clip still works in this process
-_GPU = torch.device("cuda", 0)
+#: whether the engine's GPU clip still works in this process
 _GPU_CLIP_WORKS = [True]
-#: per set of gradients ((address, numel) of each): the device table and chunk lists
+#: (address, numel) rows of the gradients -> gpu_tables.device_tables
 _GPU_TABLES: dict = {}
 
 
@@ -91,7 +91,8 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
         ours = ours or id(p) in ids
         if id(p) not in ids:
             why = why or "parameters of models that are not accelerated among them"
-        elif not (g.device.type in ("cpu", "cuda") and g.dtype == torch.float32 and g.layout == torch.strided and g.is_contiguous()):
+        elif not (g.device.type in ("cpu", "cuda") and g.dtype == torch.float32 and g.layout == torch.strided
+                  and g.is_contiguous()):
             why = why or f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 one"
         devices.add(g.device)
         grads.append(g)
@@ -110,8 +111,8 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
 
 def _gpu_why_not(device: torch.device, error_if_nonfinite: bool) -> str:
     """Why the engine cannot clip gradients on `device`, or ""."""
-    if device != _GPU:
-        return f"gradients on {device}, not the engine's {_GPU}"
+    if device != GPU:
+        return f"gradients on {device}, not the engine's {GPU}"
     if error_if_nonfinite:
         return "error_if_nonfinite=True on the GPU"
     if not _GPU_CLIP_WORKS[0]:
@@ -126,23 +127,14 @@ def _gpu_clip(grads: list, max_norm: float):
     """The engine's clip of f32 gradients on the GPU, queued on the current stream: the 0-dim
     total norm (a device tensor, as torch's), or None where the launch failed (warned once; torch
     clips from then on)."""
-    key = tuple((g.data_ptr(), g.numel()) for g in grads)
-    tables = _GPU_TABLES.get(key)
-    if tables is None:
-        if len(_GPU_TABLES) >= 16:  # gradients reallocated at new addresses: keep the latest few
-            _GPU_TABLES.clear()
-        tensor_of, start = _ortrain.cuda_optim_chunks([n for _, n in key])
-        tables = _GPU_TABLES[key] = (torch.tensor(key, dtype=torch.int64, device=_GPU),
-                                     torch.tensor(tensor_of, dtype=torch.int32, device=_GPU),
-                                     torch.tensor(start, dtype=torch.int64, device=_GPU))
-    table, chunk_tensor, chunk_start = tables
+    table, chunk_tensor, chunk_start = device_tables(_GPU_TABLES, tuple((g.data_ptr(), g.numel()) for g in grads))
     chunks = chunk_tensor.numel()
-    partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=_GPU)
-    out = torch.empty(2, dtype=torch.float32, device=_GPU)  # the norm, the coefficient
+    partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=GPU)
+    out = torch.empty(2, dtype=torch.float32, device=GPU)  # the norm, the coefficient
     try:
         _ortrain.cuda_clip_grad_norm(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunks,
                                      float(max_norm), partial.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
-                                     torch.cuda.current_stream(_GPU).cuda_stream)
+                                     torch.cuda.current_stream(GPU).cuda_stream)
     except _ortrain.EngineError as exc:
         _GPU_CLIP_WORKS[0] = False
         from ortrain._warn import warn

@@ -10,6 +10,7 @@ import torch
 
 from ortrain import _ortrain
 from ortrain._warn import warn
+from ortrain.engine.gpu_tables import GPU, device_tables
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -83,15 +84,14 @@ def _gpu_ok(p: torch.Tensor) -> bool:
     """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0),
     while the engine's GPU update works in this process."""
     g = p.grad
-    if not (_GPU_UPDATE_WORKS[0] and p.device == _GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
-            and g.dtype == torch.float32 and g.is_contiguous() and g.device == _GPU):
+    if not (_GPU_UPDATE_WORKS[0] and p.device == GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
+            and g.dtype == torch.float32 and g.is_contiguous() and g.device == GPU):
         return False
     from ortrain.cuda import cuda_available
 
     return cuda_available()[0]
 
 
-_GPU = torch.device("cuda", 0)
 #: False once a launch of the engine's GPU update failed: PyTorch's step takes those parameters
 _GPU_UPDATE_WORKS = [True]
 
@@ -99,37 +99,23 @@ _GPU_UPDATE_WORKS = [True]
 def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
     """One engine launch per step count updates the GPU parameters in `todo` ((param, grad,
     exp_avg, exp_avg_sq, step) each): kernels/optim.cu's multi-tensor Adam, queued on the current
-    stream, instead of torch's foreach kernels. The descriptor table goes up through pinned memory
-    (an asynchronous copy: no host sync) the first time its rows (the four tensors' addresses
-    and sizes) are seen, and is reused while they stay the same (a few recent tables are kept:
-    the gradients' addresses repeat from step to step); the chunk lists are uploaded once per
-    set of sizes.
+    stream, instead of torch's foreach kernels, over the descriptor table and chunk lists
+    gpu_tables.py keeps per set of rows (the four tensors' addresses and sizes).
     Returns the parameters it did not update: none, or (a launch failed: warned once, and the
     engine's GPU update is off for the process) those of that launch and the ones after it, their
     step counts taken back for PyTorch's step to count them."""
     b1, b2 = group["betas"]
-    stream = torch.cuda.current_stream(_GPU).cuda_stream
-    cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})
+    stream = torch.cuda.current_stream(GPU).cuda_stream
+    cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})  # rows -> gpu_tables.device_tables
     by_step: dict = {}
     for t in todo:
         by_step.setdefault(t[4], []).append(t)
     groups = list(by_step.items())
     for i, (step, ts) in enumerate(groups):
-        sizes = tuple(p.numel() for p, *_ in ts)
-        chunks = cache.get(sizes)
-        if chunks is None:
-            tensor_of, start = _ortrain.cuda_optim_chunks(list(sizes))
-            chunks = cache[sizes] = (torch.tensor(tensor_of, dtype=torch.int32, device=_GPU),
-                                     torch.tensor(start, dtype=torch.int64, device=_GPU))
         rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in ts)
-        tables = opt.__dict__.setdefault("_ortrain_gpu_tables", {})
-        table = tables.get(rows)
-        if table is None:
-            if len(tables) >= 8:
-                tables.clear()
-            table = tables[rows] = torch.tensor(rows, dtype=torch.int64).pin_memory().to(_GPU, non_blocking=True)
+        table, chunk_tensor, chunk_start = device_tables(cache, rows)
         try:
-            _ortrain.cuda_adam_step(table.data_ptr(), chunks[0].data_ptr(), chunks[1].data_ptr(), chunks[0].numel(),
+            _ortrain.cuda_adam_step(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunk_tensor.numel(),
                                     float(group["lr"]), float(b1), float(b2), float(group["eps"]),
                                     float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)), step,
                                     stream)

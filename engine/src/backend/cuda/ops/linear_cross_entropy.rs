@@ -125,6 +125,9 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             Some(h) if bias == 0 => h.g.map(|gh| (h, gh)),
             _ => None,
         };
+        if logits16.is_some_and(|(h, gh)| gh % 16 != 0 || (h.g_ld * h.t.size()) % 16 != 0) {
+            return Err(node.err("the LM head's 16-bit logits rows are not 16-byte aligned"));
+        }
         let mut r0 = 0;
         while r0 < rows {
             let r = chunk.min(rows - r0);
@@ -144,9 +147,6 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
             }
             let rows_at = [p(labels.ptr + r0 as u64 * 8), p(w_s + r0 as u64 * stat), p(wsum), p(loss_s + r0 as u64 * stat)];
             if let Some((h, gh)) = logits16 {
-                if gh % 16 != 0 || (h.g_ld * h.t.size()) % 16 != 0 {
-                    return Err(node.err("the LM head's 16-bit logits rows are not 16-byte aligned"));
-                }
                 let mut args = vec![p(gh)];
                 args.extend(rows_at);
                 args.extend([KArg::I64(r as i64), KArg::I64(n as i64), KArg::I64(h.g_ld as i64), KArg::I32(mean as i32)]);
