@@ -3,6 +3,7 @@
 //! constants (folded here, on the host), and where every other value lives (arena offset, or
 //! memory bound by the caller). The result is plain data that `exec` runs.
 
+mod attention_masks;
 mod in_place;
 pub mod memory;
 
@@ -188,6 +189,7 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     // view outputs share their input's memory: value -> the value owning the bytes
     let mut alias: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut ctx = CpuCtx::new(0);
+    let mask_only = attention_masks::mask_only_values(g, &needed);
     for n in (0..n_nodes).filter(|&n| needed[n]) {
         let node = &g.nodes[n];
         let op = ops::lookup(&node.op_type).ok_or_else(|| Error::Unsupported {
@@ -226,7 +228,8 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
         let all_const =
             node.inputs.iter().enumerate().all(|(i, v)| v.is_none_or(|v| consts[v.0].is_some() || ops::reads_type_only(&node.op_type, i)));
         let foldable = all_const && !op.is_random() && node.outputs.iter().all(|o| !req.bound_outputs.contains(o));
-        let folded_vals = if foldable { fold(node, &ins, &outs, &mut ctx)? } else { None };
+        let limit = attention_masks::fold_limit(&mask_only, &node.outputs);
+        let folded_vals = if foldable { fold(node, &ins, &outs, limit, &mut ctx)? } else { None };
         for (k, &o) in node.outputs.iter().enumerate() {
             types[o.0] = Some(outs[k].clone());
         }
@@ -392,14 +395,15 @@ fn check_declared(v: &crate::ir::Value, dt: DType, shape: &[usize]) -> Result<()
     Ok(())
 }
 
-/// Runs a node on the host over constant inputs.
-fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: &mut CpuCtx) -> Result<Option<Vec<Tensor>>> {
+/// Runs a node on the host over constant inputs, unless its outputs hold more than `limit`
+/// elements (huge constant computations are left to run time: plan/attention_masks.rs).
+fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], limit: usize, ctx: &mut CpuCtx) -> Result<Option<Vec<Tensor>>> {
     let Some(k) = cpu::kernel(&node.op_type) else {
         return Ok(None);
     };
     let total: usize = outs.iter().map(|o| o.shape.iter().product::<usize>()).sum();
-    if total > 1 << 22 {
-        return Ok(None); // leave huge constant computations to run time
+    if total > limit {
+        return Ok(None);
     }
     let mut results: Vec<Tensor> = outs.iter().take(node.outputs.len()).map(|o| Tensor::zeros(o.dtype, o.shape.clone())).collect();
     // a type-only input (Shape/Size of a runtime value, CastLike's target) gets a view with no
@@ -437,6 +441,7 @@ fn fold(node: &crate::ir::Node, ins: &[Option<InferIn>], outs: &[TypeOut], ctx: 
 mod tests {
     use super::*;
     use crate::ir::{Attrs, Dim};
+    use crate::tensor::Data;
 
     /// x (input) → Relu → u (forward, read by the loss too); backward: gu = Mul(u, seed), a
     /// bound gradient; a second forward value v = Relu(x) is also read after its Mul (by an Add).
@@ -481,5 +486,61 @@ mod tests {
         assert!(early.arena_bytes < plain.arena_bytes, "u left the arena: {} vs {}", early.arena_bytes, plain.arena_bytes);
         let step = early.in_place[0];
         assert_eq!(g.nodes[early.steps[step].0].outputs[0], gu);
+    }
+
+    /// Hugging Face's mask from positions (LessOrEqual of [B,1,1,T] and [B,1,T,1] constants,
+    /// then Where to 0 / -inf), over the general fold limit, read by an Attention (or by an Add).
+    fn masked_attention(b: usize, t: usize, reader: &str) -> (Graph, ValueId, ValueId) {
+        let mut g = Graph::default();
+        let pos = |shape: Vec<usize>| Tensor::from_i64(shape, (0..b * t).map(|i| (i % t) as i64).collect());
+        let keys = g.add_const("keys", pos(vec![b, 1, 1, t]));
+        let queries = g.add_const("queries", pos(vec![b, 1, t, 1]));
+        let zero = g.add_const("zero", Tensor::scalar_f32(0.0));
+        let ninf = g.add_const("ninf", Tensor::scalar_f32(f32::NEG_INFINITY));
+        let dims = |v: &[usize]| Some(v.iter().map(|&d| Dim::Known(d)).collect());
+        let q = g.add_value("q", ValueKind::Input, Some(DType::F32), dims(&[b, 1, t, 8]));
+        let kt = g.add_value("kt", ValueKind::Input, Some(DType::F32), dims(&[b, 1, 8, t]));
+        let le = g.add_node("le", "LessOrEqual", vec![Some(keys), Some(queries)], Attrs::default(), 1)[0];
+        let mask = g.add_node("mask", "Where", vec![Some(le), Some(zero), Some(ninf)], Attrs::default(), 1)[0];
+        let out = if reader == "Attention" {
+            g.add_node("attn", "Attention", vec![Some(q), Some(kt), Some(q), Some(mask)], Attrs::default(), 2)[0]
+        } else {
+            let scores = g.add_node("scores", "MatMul", vec![Some(q), Some(kt)], Attrs::default(), 1)[0];
+            g.add_node("add", "Add", vec![Some(scores), Some(mask)], Attrs::default(), 1)[0]
+        };
+        (g, mask, out)
+    }
+
+    #[test]
+    fn a_large_constant_mask_is_folded_when_only_attention_reads_it() {
+        // 5 x 1024 x 1024 elements: over the general limit of 2^22
+        let (b, t) = (5, 1024);
+        for reader in ["Attention", "Add"] {
+            let (g, mask, out) = masked_attention(b, t, reader);
+            let types = [("q", vec![b, 1, t, 8]), ("kt", vec![b, 1, 8, t])];
+            let req = PlanRequest {
+                graph: &g,
+                n_fwd: g.nodes.len(),
+                forward_outputs: vec![out],
+                backward_outputs: vec![],
+                bound_outputs: vec![],
+                input_types: types.iter().map(|(n, s)| (g.find(n).expect("input"), (DType::F32, s.clone()))).collect(),
+                seeds: vec![],
+                bound_from_forward: vec![],
+            };
+            let plan = build(&req).expect("plan");
+            let ran: Vec<&str> = plan.steps.iter().map(|s| g.nodes[s.0].op_type.as_str()).collect();
+            if reader == "Attention" {
+                assert_eq!(ran, ["Attention"], "the mask's nodes were folded");
+                let Storage::Const(m) = &plan.storage[mask.0] else { panic!("the mask is not a constant: {:?}", plan.storage[mask.0]) };
+                let Data::F32(v) = &m.data else { panic!("an f32 mask") };
+                assert_eq!(v.len(), b * t * t);
+                // row 3 of the last matrix: keys 0..=3 visible, 4 hidden
+                let row = (b * t + 3 - t) * t;
+                assert_eq!((v[row + 3], v[row + 4]), (0.0, f32::NEG_INFINITY));
+            } else {
+                assert_eq!(ran, ["LessOrEqual", "Where", "MatMul", "Add"], "a mask read by an Add keeps the general limit");
+            }
+        }
     }
 }
