@@ -16,13 +16,13 @@ BLOCK_WEIGHTS = E * 3 * E + E * E + 2 * E * 4 * E  # c_attn, attn c_proj, mlp c_
 MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear")
 
 
-def _roofline(tmp_path, passes: str) -> tuple[dict, str]:
-    out = tmp_path / f"roofline-{passes or 'default'}.json"
+def _roofline(tmp_path, passes: str, batch: int = B, seq: int = T) -> tuple[dict, str]:
+    out = tmp_path / f"roofline-{passes or 'default'}-{batch}x{seq}.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     env.pop("ORTRAIN_DISABLE_PASSES", None)
     cmd = [sys.executable, "-m", "bench.gpu_roofline", "--layers", "1", "--embd", str(E), "--heads", "1",
-           "--vocab", str(V), "--batch", str(B), "--seq", str(T), "--passes", passes, "--compile-ms", "1.0",
+           "--vocab", str(V), "--batch", str(batch), "--seq", str(seq), "--passes", passes, "--compile-ms", "1.0",
            "--json", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     print(proc.stdout, proc.stderr[-3000:], sep="\n")
@@ -55,3 +55,15 @@ def test_fused_attention_counts_its_live_tiles_and_is_modelled_faster(tmp_path):
     assert _flops(fused, lambda op: op == "Attention") == forward
     assert _flops(fused, lambda op: op == "AttentionGrad") == 2.5 * forward
     assert sum(k["s"] for k in fused["kernels"]) < sum(k["s"] for k in plain["kernels"])
+
+
+def test_a_bench_sized_causal_mask_is_a_constant_not_kernels(tmp_path):
+    """At GPT-2 124M's bench size (batch 16 x seq 1024) the [16, 1, 1024, 1024] mask is 16 M
+    elements, over the planner's general folding limit: it must still be folded (only attention
+    reads it), or it costs kernels every step and, computed at run time, is never found causal,
+    so the CUDA attention reads it and the flash kernels cannot run."""
+    doc, _ = _roofline(tmp_path, "fuse_attention,autocast", batch=16, seq=1024)
+    ops = {k["op"] for k in doc["kernels"]}
+    assert "Attention" in ops and "AttentionGrad" in ops
+    mask_ops = ops & {"Where", "Equal", "LessOrEqual", "And", "Expand"}
+    assert not mask_ops, f"the causal mask is computed each step by {sorted(mask_ops)}"

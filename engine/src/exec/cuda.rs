@@ -4,7 +4,7 @@
 //! (backend/cuda/ops) on the caller's stream. Nothing here waits for the device: the caller
 //! synchronises (or keeps queueing on the same stream, as PyTorch does).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use cudarc::driver::result;
 
@@ -34,21 +34,61 @@ impl DeviceArena {
     }
 }
 
-/// A plan's constants on the device, uploaded once.
+/// A plan's constants on the device, uploaded once; except causal masks that every reader
+/// computes instead ([`ops::computes_mask`]): GPT-2's [B, 1, T, T] f32 mask is 64 MB at batch 16
+/// and no kernel reads it. Their address is 0.
 pub struct DeviceConsts {
     bufs: HashMap<usize, DeviceBuffer>,
+    /// Masks left on the host (computed by their readers).
+    computed: HashSet<usize>,
 }
 
 impl DeviceConsts {
-    pub fn upload(rt: &CudaRuntime, plan: &Plan) -> Result<Self> {
+    pub fn upload(rt: &CudaRuntime, graph: &Graph, plan: &Plan) -> Result<Self> {
         let mut bufs = HashMap::new();
+        let computed = computed_masks(graph, plan);
         for (i, s) in plan.storage.iter().enumerate() {
             if let Storage::Const(t) = s {
-                bufs.insert(i, DeviceBuffer::from_slice(&rt.loaded.ctx, t.as_bytes())?);
+                if !computed.contains(&i) {
+                    bufs.insert(i, DeviceBuffer::from_slice(&rt.loaded.ctx, t.as_bytes())?);
+                }
             }
         }
-        Ok(DeviceConsts { bufs })
+        Ok(DeviceConsts { bufs, computed })
     }
+
+    /// How many constants stayed on the host (causal masks their readers compute).
+    pub fn on_host(&self) -> usize {
+        self.computed.len()
+    }
+}
+
+/// The constants whose every reading step is an attention that computes it as its mask.
+fn computed_masks(graph: &Graph, plan: &Plan) -> HashSet<usize> {
+    let mut verdict: HashMap<usize, bool> = HashMap::new();
+    for s in &plan.steps {
+        let node = &graph.nodes[s.0];
+        let first = match node.op_type.as_str() {
+            "Attention" => Some(0),
+            "AttentionGrad" => Some(1),
+            _ => None,
+        };
+        for (slot, v) in node.inputs.iter().enumerate() {
+            let Some(v) = v else { continue };
+            let Storage::Const(t) = &plan.storage[v.0] else { continue };
+            let computes = first.is_some_and(|f| {
+                slot == f + 3 && {
+                    let ty = |k: usize| node.input(f + k).and_then(|x| Some((plan.dtype(x)?, plan.shape(x))));
+                    match (ty(0), ty(1), ty(2), ty(3)) {
+                        (Some(q), Some(k), Some(v), Some(m)) => ops::computes_mask(node, [q, k, v, m], t),
+                        _ => false,
+                    }
+                }
+            });
+            *verdict.entry(v.0).or_insert(true) &= computes;
+        }
+    }
+    verdict.into_iter().filter(|&(_, c)| c).map(|(v, _)| v).collect()
 }
 
 /// Caller memory bound for one call: a device address per value id (0 where unbound).
@@ -97,6 +137,7 @@ pub fn resolve(graph: &Graph, plan: &Plan) -> Result<Vec<CudaKernel>> {
 pub fn address(graph: &Graph, plan: &Plan, base: u64, bind: &DeviceBindings, consts: &DeviceConsts, v: ValueId) -> Result<u64> {
     match &plan.storage[v.0] {
         Storage::Arena(off) => Ok(base + *off as u64),
+        Storage::Const(_) if consts.computed.contains(&v.0) => Ok(0),
         Storage::Const(_) => consts
             .bufs
             .get(&v.0)

@@ -70,7 +70,7 @@ impl Session {
             return Ok(p.clone());
         }
         let kernels = cexec::resolve(&self.graph, plan)?;
-        let consts = DeviceConsts::upload(rt, plan)?;
+        let consts = DeviceConsts::upload(rt, &self.graph, plan)?;
         let p = Arc::new(CudaPlan { kernels, consts });
         plans.insert(key, p.clone());
         Ok(p)

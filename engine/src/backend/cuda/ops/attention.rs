@@ -106,6 +106,10 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
         (DType::F32, F32Mode::F16) => "f32f16",
         _ => return None,
     };
+    mma_instance(l, tensors, mask)
+}
+
+fn mma_instance(l: &AttnLayout, tensors: &str, mask: Option<DType>) -> Option<String> {
     if l.d != l.dv || mask.is_some_and(|m| m != DType::F32) {
         return None;
     }
@@ -117,12 +121,38 @@ fn mma_variant(l: &AttnLayout, ctx: &CudaCtx, dtype: DType, mask: Option<DType>)
 
 /// The mask address the kernels get and, for the tensor-core kernels (`mma`), whether the mask
 /// at input `i` is a constant causal mask (ops/causal_mask.rs) of this self-attention, which
-/// they compute instead of reading (then no mask address): their last argument `causal`.
-fn mask_or_causal(ins: &[Option<DView>], i: usize, l: &AttnLayout, mma: Option<&String>, mask: u64) -> (u64, Option<bool>) {
-    let Some(_) = mma else { return (mask, None) };
+/// they compute instead of reading (then no mask address): their last argument `causal`. An
+/// error where a kernel would read a mask constant that was not uploaded ([`computes_mask`]
+/// and this disagree: a bug, never a null read).
+fn mask_or_causal(
+    node: &Node,
+    ins: &[Option<DView>],
+    i: usize,
+    l: &AttnLayout,
+    mma: Option<&String>,
+    mask: u64,
+) -> Result<(u64, Option<bool>)> {
     let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
-    let causal = l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
-    (if causal { 0 } else { mask }, Some(causal))
+    let causal = mma.is_some() && l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
+    if !causal && mask == 0 && host.is_some() {
+        return Err(node.err("the causal mask constant was left on the host as computed, but this attention reads it"));
+    }
+    Ok((if causal { 0 } else { mask }, mma.map(|_| causal)))
+}
+
+/// Whether an Attention or AttentionGrad step computes its mask, the constant `mask`, in every
+/// session, so that the constant need not be on the GPU (exec/cuda.rs keeps such masks on the
+/// host): 16-bit Q, K, V (whose tensor-core kernels do not depend on the session's f32 mode),
+/// heads the tensor-core kernels take, self-attention, and the constant found causal.
+/// `types`: Q, Kt, V and the mask as (element type, shape).
+pub fn computes_mask(node: &Node, types: [(DType, &[usize]); 4], mask: &std::sync::Arc<crate::tensor::Tensor>) -> bool {
+    let [(dtype, q), (_, kt), (_, v), (mask_type, m)] = types;
+    let Ok(l) = attention_layout(node, q, kt, v, Some(m)) else { return false };
+    dtype.is_half()
+        && l.d <= 128
+        && mma_instance(&l, dtype_suffix(dtype), Some(mask_type)).is_some()
+        && l.t == l.s
+        && causal_mask::is_causal(mask, l.t)
 }
 
 /// The device address of input `i` (0 where absent).
@@ -162,7 +192,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let (l, shape, mask) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
-    let (mask, causal) = mask_or_causal(ins, 3, &l, mma.as_ref(), mask);
+    let (mask, causal) = mask_or_causal(node, ins, 3, &l, mma.as_ref(), mask)?;
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention);
     }
@@ -201,7 +231,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let (l, shape, mask) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
-    let (mask, causal) = mask_or_causal(ins, 4, &l, mma.as_ref(), mask);
+    let (mask, causal) = mask_or_causal(node, ins, 4, &l, mma.as_ref(), mask)?;
     if dtype.is_half() && mma.is_none() {
         return widen::widened(node, ins, outs, ctx, attention_grad);
     }

@@ -48,7 +48,7 @@ impl<'s> GpuRun<'s> {
         let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
         let plan = s.plan(sigs, true).expect("plan");
         let kernels = cexec::resolve(&s.graph, &plan).unwrap_or_else(|e| panic!("{e}"));
-        let consts = DeviceConsts::upload(rt, &plan).expect("constants");
+        let consts = DeviceConsts::upload(rt, &s.graph, &plan).expect("constants");
         let mut arena = DeviceArena::default();
         let base = arena.reserve(rt, plan.arena_bytes).expect("arena");
         let dw: Vec<DeviceBuffer> = weights.iter().map(|w| dev(g, w)).collect();
@@ -66,6 +66,11 @@ impl<'s> GpuRun<'s> {
         let sizes = weights.iter().map(Vec::len).collect();
         let buffers = dw.into_iter().chain(ds).collect();
         GpuRun { s, g, plan, kernels, consts, _arena: arena, base, bind, sizes, _buffers: buffers, mode, stream }
+    }
+
+    /// How many of the plan's constants stayed on the host (masks the attention computes).
+    pub(super) fn masks_on_host(&self) -> usize {
+        self.consts.on_host()
     }
 
     /// One step with `inputs` (host bytes, one per session input): (outputs, the gradient of

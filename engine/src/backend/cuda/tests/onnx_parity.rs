@@ -94,6 +94,8 @@ fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
 fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> Vec<(f32, Vec<Vec<f32>>)> {
     let weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
     let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![seed]], mode, LEGACY);
+    // the folded causal mask: every attention computes it, so it is not on the GPU
+    assert_eq!(run.masks_on_host(), 1, "the causal mask constant was uploaded");
     let inputs: Vec<&[u8]> = p.inputs.iter().map(|i| &i.1[..]).collect();
     (0..steps)
         .map(|_| {
