@@ -190,6 +190,9 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     let mut alias: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut ctx = CpuCtx::new(0);
     let mask_only = attention_masks::mask_only_values(g, &needed);
+    // readers left of each value: a folded value every reader of which was folded too is
+    // dropped (a big folded mask's intermediates are not all held until the plan is built)
+    let mut readers_left: Vec<usize> = g.consumers().iter().map(|r| r.iter().filter(|(c, _)| needed[c.0]).count()).collect();
     for n in (0..n_nodes).filter(|&n| needed[n]) {
         let node = &g.nodes[n];
         let op = ops::lookup(&node.op_type).ok_or_else(|| Error::Unsupported {
@@ -237,6 +240,16 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
             Some(vals) => {
                 for (&o, t) in node.outputs.iter().zip(vals) {
                     consts[o.0] = Some(Arc::new(t));
+                }
+                for &v in node.inputs.iter().flatten() {
+                    readers_left[v.0] -= 1;
+                    if readers_left[v.0] == 0
+                        && g.values[v.0].kind == ValueKind::Computed
+                        && !req.forward_outputs.contains(&v)
+                        && !req.backward_outputs.contains(&v)
+                    {
+                        consts[v.0] = None;
+                    }
                 }
                 folded += 1;
             }
