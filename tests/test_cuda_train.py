@@ -297,6 +297,10 @@ def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes
     assert _fused_attentions(model) == 2
     assert max(diffs) < 2e-2, (ours, theirs)
     assert ours[-1] < ours[0], ours
+    # explain() names the kernels: with the autocast pass the 16-bit tensors take the flash kernels,
+    # without it the f32 tensors the tensor-core ones; both compute the folded causal mask
+    kernels = "flash kernels" if "autocast" in passes else "tensor-core kernels"
+    assert f"fused attention ×2: {kernels}, causal mask computed ×2" in ortrain.explain(model)
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])

@@ -72,6 +72,13 @@ fn cuda_index_errors(session: &PySession) -> PyResult<Vec<String>> {
     session.inner.index_errors_cuda().map_err(to_py)
 }
 
+/// Per fused attention of the session's graph, (node name, the kernels its last GPU launch
+/// chose, or None before its first launch): what explain() reports.
+#[pyfunction]
+fn cuda_attention_paths(session: &PySession) -> Vec<(String, Option<&'static str>)> {
+    session.inner.attention_paths_cuda()
+}
+
 /// Queues the forward pass on `stream`: `inputs` (address, dtype, shape) per model input,
 /// `weights` one address per weight, `outputs` (optional) per output an address receiving it (0:
 /// kept in the arena), `arena` the address of cuda_arena_bytes(...) bytes, `tf32`: f32 matmuls
@@ -285,6 +292,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_arena_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_forward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_index_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_attention_paths, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_backward, m)?)?;
     Ok(())
 }

@@ -94,6 +94,18 @@ impl Session {
         Ok(flags.take()?.into_iter().filter_map(|i| self.graph.nodes.get(i)).map(|n| format!("{} node '{}'", n.op_type, n.name)).collect())
     }
 
+    /// Per fused Attention node of the graph, its name and the kernels its last GPU launch chose
+    /// (backend/cuda/ops/attention.rs `path`), or None before its first launch.
+    pub fn attention_paths_cuda(&self) -> Vec<(String, Option<&'static str>)> {
+        let rt = crate::backend::cuda::runtime::loaded_runtime();
+        self.graph
+            .nodes
+            .iter()
+            .filter(|n| n.op_type == "Attention")
+            .map(|n| (n.name.clone(), rt.and_then(|rt| rt.attention_path(n))))
+            .collect()
+    }
+
     /// The arena bytes a GPU step with these inputs needs (the caller allocates them).
     pub fn arena_bytes(&self, sigs: &[Sig], backward: bool, out_bound: &[bool]) -> Result<usize> {
         let bound = if out_bound.iter().any(|&b| b) { out_bound } else { &[] };

@@ -64,6 +64,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    matmuls: {r.session.matmul_path}; {_threads()}")
             if getattr(r, "on_cuda", False):
                 lines.append("    " + describe_graphs(r, state.cuda_graphs))
+                lines += _attention_lines(r)
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key == state.last_key and state.last_inputs is not None:
@@ -93,11 +94,30 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                          f"{info['forward_steps']} forward + {info['backward_steps']} backward steps\n      " + peak_summary(info))
             if getattr(r, "on_cuda", False):
                 lines.append("    " + describe_graphs(r, state.cuda_graphs))
+                lines += _attention_lines(r)
     if profile:
         from ortrain._profile import format_profile
 
         lines += format_profile(state)
     return "\n".join(lines)
+
+
+def _attention_lines(runner) -> list:
+    """explain()'s line on a CUDA graph's fused attentions: which kernels each one's last launch
+    chose, counted; a mask read from memory is named, as it keeps the flash kernels out."""
+    from collections import Counter
+
+    from ortrain import _ortrain
+
+    paths = _ortrain.cuda_attention_paths(runner.session)
+    if not paths:
+        return []
+    counts = Counter(p or "not launched yet" for _, p in paths)
+    line = f"    fused attention ×{len(paths)}: " + ", ".join(f"{p} ×{n}" for p, n in counts.items())
+    if any(p and "mask read" in p for _, p in paths):
+        line += ("\n      (the mask is computed at run time, e.g. from an attention_mask input, or is not causal: "
+                 "the flash kernels take no mask or a constant causal one)")
+    return [line]
 
 
 def _training_memory(state, runner, info) -> list:

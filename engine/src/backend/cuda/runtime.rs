@@ -45,6 +45,9 @@ pub struct CudaRuntime {
     /// The stream CUDA graphs are recorded on (made on first use; recording cannot use
     /// PyTorch's default stream, the legacy NULL stream), one recording at a time.
     capture: Mutex<Option<CaptureStream>>,
+    /// Which kernels each Attention node's last launch chose (explain()), keyed by the node's
+    /// address in its session's graph.
+    attention_paths: Mutex<HashMap<usize, &'static str>>,
 }
 
 /// A non-blocking stream of our own, only ever used to record graphs (never to run work).
@@ -94,6 +97,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         retired: Mutex::new(Vec::new()),
         claims: Claims::default(),
         capture: Mutex::new(None),
+        attention_paths: Mutex::new(HashMap::new()),
     }))
 }
 
@@ -114,6 +118,14 @@ impl CudaRuntime {
         };
         launch::check_against(kernel, sig, args)?;
         launch::launch_unchecked_args(&f, kernel, stream, grid, args)
+    }
+    /// Records which kernels `node` (an Attention) launched: ops/attention.rs `Path`.
+    pub fn note_attention(&self, node: &crate::ir::Node, path: &'static str) {
+        self.attention_paths.lock().unwrap_or_else(|p| p.into_inner()).insert(node as *const _ as usize, path);
+    }
+    /// What [`Self::note_attention`] last recorded for `node`, if it has been launched.
+    pub fn attention_path(&self, node: &crate::ir::Node) -> Option<&'static str> {
+        self.attention_paths.lock().unwrap_or_else(|p| p.into_inner()).get(&(node as *const _ as usize)).copied()
     }
     /// Whether `kernel` has been launched in this process (tests: which kernel a dispatcher chose).
     pub fn has_launched(&self, kernel: &str) -> bool {

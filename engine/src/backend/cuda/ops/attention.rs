@@ -92,6 +92,19 @@ fn grid(node: &Node, l: &AttnLayout, rows: usize, floats: usize) -> Result<Grid>
     grid_of(node, l, rows, TILE, floats * 4)
 }
 
+/// What explain() says of an Attention node's kernels (CudaRuntime::note_attention).
+pub mod path {
+    pub const FLASH: &str = "flash kernels, no mask";
+    pub const FLASH_CAUSAL: &str = "flash kernels, causal mask computed";
+    pub const MMA: &str = "tensor-core kernels, no mask";
+    pub const MMA_CAUSAL: &str = "tensor-core kernels, causal mask computed";
+    /// The mask is read from memory: a mask computed at run time (from an input such as
+    /// Hugging Face's attention_mask) or a constant that is not causal.
+    pub const MMA_READ: &str = "tensor-core kernels, mask read from memory";
+    pub const SIMT: &str = "f32 CUDA-core kernels";
+    pub const WIDENED: &str = "f32 CUDA-core kernels on f32 copies of the 16-bit tensors";
+}
+
 /// Rows (queries or keys) per block of the tensor-core kernels, and the 16-bit padding of their
 /// shared rows (kernels/attention_mma.cu AM_TILE, AM_PAD).
 const MMA_TILE: usize = 64;
@@ -194,16 +207,29 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
     let (mask, causal) = mask_or_causal(node, ins, 3, &l, mma.as_ref(), mask)?;
     if dtype.is_half() && mma.is_none() {
-        return widen::widened(node, ins, outs, ctx, attention);
+        widen::widened(node, ins, outs, ctx, attention)?;
+        ctx.rt.note_attention(node, path::WIDENED);
+        return Ok(());
     }
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
     let [q, k, v] = operands(ins, 0, &l, dtype);
     let tensors = [q, k, v, outs[0].ptr];
-    if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 3).is_some(), causal == Some(true), &tensors) {
+    let has_mask = mask_type(ins, 3).is_some();
+    if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal == Some(true), &tensors) {
+        ctx.rt.note_attention(node, if has_mask { path::FLASH_CAUSAL } else { path::FLASH });
         return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], ctx);
     }
+    ctx.rt.note_attention(
+        node,
+        match (&mma, causal == Some(true), has_mask) {
+            (None, ..) => path::SIMT,
+            (Some(_), true, _) => path::MMA_CAUSAL,
+            (Some(_), false, true) => path::MMA_READ,
+            (Some(_), false, false) => path::MMA,
+        },
+    );
     let (d, dv) = (l.d, l.dv);
     let (kernel, g) = match mma {
         Some(v) => (format!("attention_mma_fwd_{v}"), grid_of(node, &l, l.t, MMA_TILE, mma_smem(d, 2, 1))?),

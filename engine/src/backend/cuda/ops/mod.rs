@@ -38,7 +38,7 @@ mod softmax;
 pub mod strides;
 mod widen;
 
-pub use attention::computes_mask;
+pub use attention::{computes_mask, path as attention_path};
 pub use attention_flash::{ENV_FLASH, ENV_FLASH_ROWS};
 pub use matmul::ENV_CUBLASLT;
 pub use random::random_key;

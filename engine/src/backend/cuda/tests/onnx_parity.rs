@@ -154,6 +154,12 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     // the next one
     assert!(bits(&gpu[1]) == bits(&gpu[0]), "a second CUDA step on the same plan and arena differs from the first");
     let (gpu_loss, gpu) = gpu.swap_remove(0);
+    // what explain() reports: every attention ran the flash kernels with the causal mask computed
+    let paths = cuda_session.attention_paths_cuda();
+    assert!(
+        !paths.is_empty() && paths.iter().all(|(_, p)| *p == Some(crate::backend::cuda::ops::attention_path::FLASH_CAUSAL)),
+        "attention paths: {paths:?}"
+    );
     let t2 = std::time::Instant::now();
     let fp16_session = open(&p, Target::Cuda, MatmulPrecision::Fp16);
     assert_packed_attention(&fp16_session, "fp16");
