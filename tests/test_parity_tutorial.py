@@ -48,10 +48,22 @@ def test_first_step_loss_and_every_gradient_match():
     assert d <= 1e-4, f"{name}: relative gradient difference {d:.2e}"
 
 
+def _nudged(model, seed):
+    """A copy of `model` with every weight moved by one f32 ulp up or down at random: a PyTorch
+    run from it differs from the plain one by rounding-level noise only."""
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(1 + 2.0 ** -23 * (torch.randint(0, 2, p.shape, generator=g) * 2 - 1))
+    return m
+
+
 def test_fifty_adam_steps_follow_pytorch():
     ref, _, _ = models.tutorial_transformer(NTOK, dropout=0.0)
     acc = copy.deepcopy(ref)
     exact = copy.deepcopy(ref).double()
+    noisy = [_nudged(ref, seed) for seed in (0, 1)]
     opt_r = torch.optim.Adam(ref.parameters(), lr=1e-3)
     opt_a = torch.optim.Adam(acc.parameters(), lr=1e-3)
     opt_e = torch.optim.Adam(exact.parameters(), lr=1e-3)
@@ -60,20 +72,25 @@ def test_fifty_adam_steps_follow_pytorch():
     lr = _train(ref, opt_r, batches)
     la = _train(acc, opt_a, batches)
     _train(exact, opt_e, batches)
+    for m in noisy:
+        _train(m, torch.optim.Adam(m.parameters(), lr=1e-3), batches)
     worst = max(abs(a - b) / abs(b) for a, b in zip(la, lr))
     print(f"50 Adam steps: worst relative loss difference {worst:.2e}; last {la[-1]:.5f} vs {lr[-1]:.5f}")
     assert worst <= 1e-4
     assert la[-1] < la[0] - 0.2, "the model did not learn"
-    # Adam turns rounding noise in ~zero gradients (the attention key bias has an exactly zero
-    # gradient in exact arithmetic) into full-size steps: after 50 steps PyTorch's own fp32 run is
-    # up to ~0.8% from the same run in fp64 on some parameters, so two fp32 runs that differ only
-    # in summation order (PyTorch's and the engine's) differ by up to ~1%. Each parameter is held
-    # to the fp64 run instead: no further from it than twice PyTorch's fp32 run is, plus 0.2%.
-    for (n, pa), (_, pb), (_, pe) in zip(acc.named_parameters(), ref.named_parameters(), exact.named_parameters()):
+    # Adam turns rounding noise into full-size steps (the attention key bias has an exactly zero
+    # gradient in exact arithmetic), and a ReLU unit whose input sits near 0 flips on rounding: so
+    # after 50 steps PyTorch's own fp32 run is up to ~2% from the same run in fp64 on some
+    # parameters, by how much depending on the machine's kernels and on luck (from weights one ulp
+    # apart: 0.4% to 1.7% on layer 1's linear1.bias on an AMD EPYC, where the plain run is 0.23%
+    # and the engine's 0.69%). Each parameter is held to the fp64 run: no further from it than
+    # twice the furthest of three PyTorch fp32 runs that differ by rounding only, plus 0.2%.
+    runs = [ref.named_parameters()] + [m.named_parameters() for m in noisy]
+    for (n, pa), (_, pe), *torch_runs in zip(acc.named_parameters(), exact.named_parameters(), *runs):
         pe = pe.detach().float()
         d_acc = float((pa.detach() - pe).norm() / pe.norm())
-        d_ref = float((pb.detach() - pe).norm() / pe.norm())
-        assert d_acc <= 2 * d_ref + 2e-3, f"{n}: {d_acc:.4f} from the fp64 run, PyTorch's fp32 run {d_ref:.4f}"
+        d_ref = max(float((p.detach() - pe).norm() / pe.norm()) for _, p in torch_runs)
+        assert d_acc <= 2 * d_ref + 2e-3, f"{n}: {d_acc:.4f} from the fp64 run, PyTorch's fp32 runs up to {d_ref:.4f}"
 
 
 def test_dropout_trains_like_pytorch_and_drops_at_the_rate():

@@ -6,9 +6,15 @@ use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
+use num_traits::AsPrimitive;
 
 fn reduce_sum_to(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
-    fn go<T: Arith>(x: &In, o: &mut Out) -> Result<()> {
+    // summed in f64 and rounded once (PyTorch's sums are pairwise: a long f32 running sum, the
+    // bias gradient over every row, drifts further, and Adam turns that into visible steps)
+    fn go<T: Arith>(x: &In, o: &mut Out) -> Result<()>
+    where
+        f64: AsPrimitive<T>,
+    {
         let target = o.shape.to_vec();
         let xv = x.slice::<T>()?;
         let ov = o.slice::<T>()?;
@@ -16,7 +22,7 @@ fn reduce_sum_to(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cp
             ov.copy_from_slice(xv);
             return Ok(());
         }
-        ov.iter_mut().for_each(|v| *v = T::zero());
+        let mut acc = vec![0f64; ov.len()];
         let shape = x.shape;
         let strides = bcast_strides(&target, shape);
         let inner = shape.last().copied().unwrap_or(1);
@@ -29,17 +35,14 @@ fn reduce_sum_to(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cp
                 rr /= shape[d];
             }
             if inner_stride == 0 {
-                let mut acc = T::zero();
-                for &v in row {
-                    acc = acc + v;
-                }
-                ov[off] = ov[off] + acc;
+                acc[off] += row.iter().map(|&v| v.as_()).sum::<f64>();
             } else {
-                for (j, &v) in row.iter().enumerate() {
-                    ov[off + j] = ov[off + j] + v;
+                for (a, &v) in acc[off..off + row.len()].iter_mut().zip(row) {
+                    *a += v.as_();
                 }
             }
         }
+        ov.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a.as_());
         Ok(())
     }
     let x = first(node, inputs)?;

@@ -82,16 +82,19 @@ fn sum_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx)
         let n = x.shape[1];
         let xv = x.slice::<T>()?;
         let ov = o.slice::<T>()?;
-        // a block of columns per task: each task walks every row over its own columns
+        // a block of columns per task: each task walks every row over its own columns, summing
+        // in f64 and rounding once (a bias gradient is a sum over every row: an f32 running sum
+        // drifts further than PyTorch's pairwise one, and Adam turns that into visible steps)
         const COLS: usize = 256;
         let sum_block = |(c, dst): (usize, &mut [T])| {
-            dst.iter_mut().for_each(|v| *v = T::zero());
             let (start, width) = (c * COLS, dst.len());
+            let mut acc = [0f64; COLS];
             for row in xv.chunks_exact(n.max(1)) {
-                for (d, &v) in dst.iter_mut().zip(&row[start..start + width]) {
-                    *d = *d + v;
+                for (a, &v) in acc.iter_mut().zip(&row[start..start + width]) {
+                    *a += v.as_();
                 }
             }
+            dst.iter_mut().zip(&acc).for_each(|(d, &a)| *d = T::from_f64(a));
         };
         if xv.len() >= PAR_MIN {
             ov.par_chunks_mut(COLS).enumerate().for_each(sum_block);
