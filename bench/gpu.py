@@ -202,15 +202,17 @@ def _worker(cfg: dict) -> dict:
     med = statistics.median(times)
     torch_peak = torch.cuda.max_memory_allocated()
     own = 0  # ortrain's runtime buffers live outside PyTorch's allocator: counted here, not hidden
+    attention = []  # explain()'s lines on the fused attentions' kernels (flash or not, mask read or not)
     if system.startswith("ortrain"):
         from ortrain import _ortrain
 
         own = _ortrain.cuda_runtime_bytes()
+        attention = [ln.strip() for ln in ortrain.explain(model).splitlines() if ln.strip().startswith("fused attention")]
     return {"status": "ok", "device": name, "precision": precision, "tokens": tokens, "flops": flops,
             "median_ms": med * 1e3, "p10_ms": _q(times, 0.1) * 1e3, "p90_ms": _q(times, 0.9) * 1e3,
             "first_s": first, "tokens_per_s": tokens / med, "mfu": (flops / med / peak) if peak else None,
             "peak_mib": (torch_peak + own) / 2**20, "torch_peak_mib": torch_peak / 2**20, "runtime_mib": own / 2**20,
-            "final_loss": float(losses[-1]), "losses": [float(x) for x in losses], "times": times}
+            "final_loss": float(losses[-1]), "losses": [float(x) for x in losses], "times": times, "attention": attention}
 
 
 def _q(xs, q):
@@ -307,6 +309,8 @@ def main(argv=None) -> int:
             losses = results[w][s].get("losses") or []
             if losses:
                 print(f"{w}/{s} loss every 5 steps: " + " ".join(f"{x:.3f}" for x in losses[::5] + losses[-1:]))
+            for line in results[w][s].get("attention") or []:
+                print(f"{w}/{s} {line}")
     # "unsupported" is an answer (ortrain without a CUDA executor); "failed" is a broken row
     return 1 if any(r.get("status") == "failed" for rows in results.values() for r in rows.values()) else 0
 
