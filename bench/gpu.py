@@ -207,7 +207,10 @@ def _worker(cfg: dict) -> dict:
         from ortrain import _ortrain
 
         own = _ortrain.cuda_runtime_bytes()
-        attention = [ln.strip() for ln in ortrain.explain(model).splitlines() if ln.strip().startswith("fused attention")]
+        try:
+            attention = [ln.strip() for ln in ortrain.explain(model).splitlines() if ln.strip().startswith("fused attention")]
+        except Exception as exc:  # noqa: BLE001 - a row is never lost to its description
+            attention = [f"fused attention: explain() failed: {type(exc).__name__}: {exc}"]
     return {"status": "ok", "device": name, "precision": precision, "tokens": tokens, "flops": flops,
             "median_ms": med * 1e3, "p10_ms": _q(times, 0.1) * 1e3, "p90_ms": _q(times, 0.9) * 1e3,
             "first_s": first, "tokens_per_s": tokens / med, "mfu": (flops / med / peak) if peak else None,
