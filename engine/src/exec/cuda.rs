@@ -68,11 +68,7 @@ fn computed_masks(graph: &Graph, plan: &Plan) -> HashSet<usize> {
     let mut verdict: HashMap<usize, bool> = HashMap::new();
     for s in &plan.steps {
         let node = &graph.nodes[s.0];
-        let first = match node.op_type.as_str() {
-            "Attention" => Some(0),
-            "AttentionGrad" => Some(1),
-            _ => None,
-        };
+        let first = crate::ops::attention::q_input(&node.op_type);
         for (slot, v) in node.inputs.iter().enumerate() {
             let Some(v) = v else { continue };
             let Storage::Const(t) = &plan.storage[v.0] else { continue };

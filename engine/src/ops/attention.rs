@@ -77,6 +77,16 @@ pub enum Layout {
 }
 
 /// The attention node's `layout` attribute.
+/// The input index of Q in a fused attention node: 0 in Attention, 1 in AttentionGrad (after
+/// dO); Kt, V and the optional mask follow it.
+pub fn q_input(op_type: &str) -> Option<usize> {
+    match op_type {
+        "Attention" => Some(0),
+        "AttentionGrad" => Some(1),
+        _ => None,
+    }
+}
+
 pub fn layout_attr(node: &Node) -> Result<Layout> {
     match node.attrs.string("layout", "BHSD")?.as_str() {
         "BHSD" => Ok(Layout::Bhsd),

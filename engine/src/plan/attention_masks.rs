@@ -10,27 +10,18 @@
 //! attention then reads 64 MB of mask per call and the flash kernels, which take no read mask,
 //! never run. Folded, it is a constant found causal once per plan.
 
-use crate::ir::{Graph, ValueId};
+use crate::ir::{Graph, NodeId, ValueId};
+use crate::ops::attention::q_input;
 
 /// The largest constant computation folded at plan time in general (elements of its outputs).
 pub const FOLD_MAX: usize = 1 << 22;
 /// The largest folded when its outputs only become attention masks (1 GiB of f32).
 pub const MASK_FOLD_MAX: usize = 1 << 28;
 
-/// The input slot of the mask in each fused attention op.
-fn mask_slot(op_type: &str) -> Option<usize> {
-    match op_type {
-        "Attention" => Some(3),
-        "AttentionGrad" => Some(4),
-        _ => None,
-    }
-}
-
 /// Per value: true where every reader among the `needed` nodes takes it as an attention mask,
 /// or is a node whose outputs all are such values (so a chain of mask-building nodes counts).
-/// A value nobody reads is false.
-pub fn mask_only_values(g: &Graph, needed: &[bool]) -> Vec<bool> {
-    let consumers = g.consumers();
+/// A value nobody reads is false. `consumers`: the graph's (`Graph::consumers`).
+pub fn mask_only_values(g: &Graph, consumers: &[Vec<(NodeId, usize)>], needed: &[bool]) -> Vec<bool> {
     let mut mask_only = vec![false; g.values.len()];
     // nodes are in topological order: every reader is decided before the node it reads from
     for n in (0..g.nodes.len()).rev().filter(|&n| needed[n]) {
@@ -39,7 +30,7 @@ pub fn mask_only_values(g: &Graph, needed: &[bool]) -> Vec<bool> {
             mask_only[o.0] = !readers.is_empty()
                 && readers.iter().all(|(c, slot)| {
                     let reader = &g.nodes[c.0];
-                    mask_slot(&reader.op_type) == Some(*slot)
+                    q_input(&reader.op_type).map(|q| q + 3) == Some(*slot)
                         || (!reader.outputs.is_empty() && reader.outputs.iter().all(|r| mask_only[r.0]))
                 });
         }
@@ -75,7 +66,7 @@ mod tests {
         let both = g.add_node("both", "Where", vec![Some(shared), Some(q), Some(q)], Attrs::default(), 1)[0];
         let _ = g.add_node("attn2", "Attention", vec![Some(q), Some(q), Some(both), Some(both)], Attrs::default(), 2);
         let all = vec![true; g.nodes.len()];
-        let only = mask_only_values(&g, &all);
+        let only = mask_only_values(&g, &g.consumers(), &all);
         assert!(only[m.0], "read as a mask only");
         assert!(!only[both.0], "also read as V");
         assert!(!only[shared.0] && !only[le.0], "feeds a value that is not mask-only");
@@ -87,7 +78,7 @@ mod tests {
         some[g.nodes.len() - 1] = false;
         some[g.nodes.len() - 2] = false;
         some[g.nodes.len() - 3] = false;
-        let only = mask_only_values(&g, &some);
+        let only = mask_only_values(&g, &g.consumers(), &some);
         assert!(only[le.0] && only[m.0]);
     }
 }

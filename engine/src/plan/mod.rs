@@ -189,10 +189,11 @@ pub fn build(req: &PlanRequest) -> Result<Plan> {
     // view outputs share their input's memory: value -> the value owning the bytes
     let mut alias: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut ctx = CpuCtx::new(0);
-    let mask_only = attention_masks::mask_only_values(g, &needed);
+    let consumers = g.consumers();
+    let mask_only = attention_masks::mask_only_values(g, &consumers, &needed);
     // readers left of each value: a folded value every reader of which was folded too is
     // dropped (a big folded mask's intermediates are not all held until the plan is built)
-    let mut readers_left: Vec<usize> = g.consumers().iter().map(|r| r.iter().filter(|(c, _)| needed[c.0]).count()).collect();
+    let mut readers_left: Vec<usize> = consumers.iter().map(|r| r.iter().filter(|(c, _)| needed[c.0]).count()).collect();
     for n in (0..n_nodes).filter(|&n| needed[n]) {
         let node = &g.nodes[n];
         let op = ops::lookup(&node.op_type).ok_or_else(|| Error::Unsupported {

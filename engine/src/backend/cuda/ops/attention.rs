@@ -161,11 +161,7 @@ fn mask_or_causal(
 pub fn computes_mask(node: &Node, types: [(DType, &[usize]); 4], mask: &std::sync::Arc<crate::tensor::Tensor>) -> bool {
     let [(dtype, q), (_, kt), (_, v), (mask_type, m)] = types;
     let Ok(l) = attention_layout(node, q, kt, v, Some(m)) else { return false };
-    dtype.is_half()
-        && l.d <= 128
-        && mma_instance(&l, dtype_suffix(dtype), Some(mask_type)).is_some()
-        && l.t == l.s
-        && causal_mask::is_causal(mask, l.t)
+    dtype.is_half() && mma_instance(&l, dtype_suffix(dtype), Some(mask_type)).is_some() && l.t == l.s && causal_mask::is_causal(mask, l.t)
 }
 
 /// The device address of input `i` (0 where absent).
