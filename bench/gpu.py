@@ -1,7 +1,7 @@
 """The GPU benchmark: PyTorch eager, torch.compile and ortrain on one NVIDIA GPU, in one run, with
 ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
 
-    python -m bench.gpu [--workloads tutorial,gpt2-124m] [--systems eager,compile,ortrain[,ortrain-nographs]]
+    python -m bench.gpu [--workloads tutorial,gpt2-124m[,gpt2-124m-padded]] [--systems eager,compile,ortrain[,ortrain-nographs]]
                         [--steps 50] [--warmup 10] [--gpt2-batch 16] [--gpt2-precision bf16|fp16]
                         [--worker-timeout 900] [--json PATH]
 
@@ -98,7 +98,7 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16", for_ort
         lookup = [model.encoder.weight] if hasattr(model, "encoder") else []
         flops = train_flops(model, lookup, TUTORIAL_LAYERS, TUTORIAL_WIDTH, seq, tokens)
         return model, optimizer, lambda s: batches[s % len(batches)], job.forward_loss, job.clip, "fp32", tokens, flops
-    if workload == "gpt2-124m":
+    if workload in ("gpt2-124m", "gpt2-124m-padded"):
         import models
 
         seq, bsz = 1024, gpt2_batch
@@ -108,19 +108,42 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16", for_ort
         model = model.to(dev)
         optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=not for_ortrain)
         g = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, workloads.GPT2_VOCAB, (bsz, seq), generator=g).to(dev) for _ in range(8)]
+        batches = [(torch.randint(0, workloads.GPT2_VOCAB, (bsz, seq), generator=g).to(dev),) for _ in range(8)]
         criterion = nn.CrossEntropyLoss()
+        if workload == "gpt2-124m-padded":
+            batches = [(ids, *_padded(ids)) for (ids,) in batches]
 
         def forward_loss(m, b):
-            (ids,) = b
-            logits = m(ids).logits
-            return criterion(logits[:, :-1].reshape(-1, workloads.GPT2_VOCAB), ids[:, 1:].reshape(-1))
+            if len(b) == 1:
+                (ids,) = b
+                logits = m(ids).logits
+                return criterion(logits[:, :-1].reshape(-1, workloads.GPT2_VOCAB), ids[:, 1:].reshape(-1))
+            ids, mask, targets = b
+            logits = m(ids, attention_mask=mask).logits
+            return criterion(logits[:, :-1].reshape(-1, workloads.GPT2_VOCAB), targets.reshape(-1))
 
         tokens = seq * bsz
         # wte counts: it is the tied LM head
         flops = train_flops(model, [model.transformer.wpe.weight], 12, 768, seq, tokens)
-        return model, optimizer, lambda s: (batches[s % len(batches)],), forward_loss, None, gpt2_precision, tokens, flops
-    raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m")
+        return model, optimizer, lambda s: batches[s % len(batches)], forward_loss, None, gpt2_precision, tokens, flops
+    raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m, gpt2-124m-padded")
+
+
+def _padded(ids):
+    """gpt2-124m-padded's attention_mask and targets for a batch of ids: as a collator of
+    variable-length texts gives them, row r right-padded by (37·r) mod 200 positions, row 0
+    left-padded by 100 (its first queries see no key); padded positions' targets ignored (-100)."""
+    import torch
+
+    bsz, seq = ids.shape
+    mask = torch.ones_like(ids)
+    for r in range(bsz):
+        pad = (37 * r) % 200
+        if pad:
+            mask[r, seq - pad:] = 0
+    mask[0, :100] = 0
+    targets = torch.where(mask[:, 1:] == 1, ids[:, 1:], torch.full_like(ids[:, 1:], -100))
+    return mask, targets
 
 
 def _worker(cfg: dict) -> dict:

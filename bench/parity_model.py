@@ -8,11 +8,17 @@ kernels (tensor-core attention, the causal mask, the chunked LM head over an odd
 16-bit activations), which the engine's own CUDA tests only see one at a time.
 
     python -m bench.parity_model OUT_DIR [--layers 2] [--width 128] [--heads 2] [--seq 256]
-                                         [--batch 2] [--vocab 50257]
+                                         [--batch 2] [--vocab 50257] [--padding]
 
 OUT_DIR gets model.onnx, weights.bin (every bound initializer's f32 data, in meta.txt's order),
-inputs.bin (the int64 ids, then the int64 targets) and meta.txt (one line per weight:
-`weight NAME TRAINABLE NUMEL`, one per input: `input NAME DIMS...`).
+inputs.bin (the int64 inputs in the graph's order: the ids, with --padding the attention_mask,
+then the targets) and meta.txt (one line per weight: `weight NAME TRAINABLE NUMEL`, one per
+input: `input NAME DIMS...`).
+
+--padding: the model is called with Hugging Face's attention_mask (as a tokenizer's batch gives
+it), the first row padded on the left (its first 70 positions: those queries see no key and
+get equal weights over all keys, as in PyTorch), the others on the right (their last 50); the
+loss counts every position, padding too, so those rows' gradients count.
 """
 from __future__ import annotations
 
@@ -23,7 +29,18 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
-def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, vocab: int) -> None:
+def padding_mask(batch: int, seq: int):
+    """--padding's attention_mask: row 0 left-padded by 70 (at most seq - 1), the others
+    right-padded by 50."""
+    import torch
+
+    mask = torch.ones(batch, seq, dtype=torch.int64)
+    mask[0, :min(70, seq - 1)] = 0
+    mask[1:, max(seq - 50, 1):] = 0
+    return mask
+
+
+def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, vocab: int, padding: bool = False) -> None:
     import numpy as np
     import torch
 
@@ -42,11 +59,12 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
             super().__init__()
             self.m = m
 
-        def forward(self, x):
-            return self.m(x).logits
+        def forward(self, x, attention_mask=None):
+            return self.m(x, attention_mask=attention_mask).logits
 
     wrapped = Logits(model)
-    exported = export_module(wrapped, (ids,), dynamic=False)
+    mask = padding_mask(batch, seq) if padding else None
+    exported = export_module(wrapped, (ids,) if mask is None else (ids, mask), dynamic=False)
     # the shift on axis -2, as accelerate() slices (axes counted from the end: the LM head and its
     # loss then fuse, which an axis counted from the front would prevent)
     onnx_bytes = _with_cross_entropy(exported.onnx_bytes, [(-2, None, -1)], vocab, -100, "mean")
@@ -63,12 +81,14 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
             lines.append(f"weight {onnx_name} {int(trainable)} {t.numel()}")
             f.write(t.numpy().astype(np.float32).tobytes())
     with open(os.path.join(out, "inputs.bin"), "wb") as f:
-        for name, t in ((exported.input_names[0], ids), (TARGET, targets)):
+        data = [ids] if mask is None else [ids, mask]
+        for name, t in list(zip(exported.input_names, data)) + [(TARGET, targets)]:
             lines.append(f"input {name} " + " ".join(str(d) for d in t.shape))
             f.write(t.numpy().astype(np.int64).tobytes())
     with open(os.path.join(out, "meta.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"{out}: GPT-2 {layers} layers, width {width}, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}; "
+          f"{'attention_mask with left and right padding, ' if padding else ''}"
           f"exporter {exported.exporter}, {len(exported.param_map)} weights")
 
 
@@ -81,8 +101,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--padding", action="store_true", help="call the model with a padded attention_mask")
     a = ap.parse_args()
-    write(a.out, a.layers, a.width, a.heads, a.seq, a.batch, a.vocab)
+    write(a.out, a.layers, a.width, a.heads, a.seq, a.batch, a.vocab, a.padding)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
 # it lands or refilled while still read, an ldmatrix of the wrong orientation, f16 operands
-# rounded through bf16), builds the emulator from
+# rounded through bf16, key padding's rows without a key skipped, a reduction without its
+# barrier), builds the emulator from
 # the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
 # fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
 # test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
@@ -83,32 +84,43 @@ mutate "tensor-core attention's computed causal mask hiding each query's own key
     "if (causal) return (row >= a.T || col >= a.S || col >= row) ? -ATT_INF : dot * scale;" \
     backend::cuda::tests::causal_attention
 
-mutate "flash attention multiplying a key tile before its cp.async group has landed" kernels/attention_flash.cu \
+mutate "flash attention multiplying a key tile before its cp.async group has landed" kernels/attention_flash.cuh \
     "        fa_commit();
         fa_wait<1>();" \
     "        fa_commit();
         fa_wait<2>();" \
     backend::cuda::tests::flash_attention
 
-mutate "flash attention refilling a K/V buffer while other warps may still read it (no barrier after the tile)" kernels/attention_flash.cu \
+mutate "flash attention refilling a K/V buffer while other warps may still read it (no barrier after the tile)" kernels/attention_flash.cuh \
     "        __syncthreads();  // this buffer is read: the next iteration but one refills it" \
     "" \
     backend::cuda::tests::flash_attention
 
-mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cu \
+mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cuh \
     "    fa_ldsm<true>(b, t + (k0 + (lane & 7)" \
     "    fa_ldsm<false>(b, t + (k0 + (lane & 7)" \
     backend::cuda::tests::flash_attention
 
-mutate "flash attention's 128-row blocks skipping the key tile that holds a warp's own diagonal" kernels/attention_flash.cu \
+mutate "flash attention's 128-row blocks skipping the key tile that holds a warp's own diagonal" kernels/attention_flash.cuh \
     "return MT > 1 && causal && s0 > row0 + 16 * MT - 1;" \
     "return MT > 1 && causal && s0 >= row0;" \
     backend::cuda::tests::flash_attention
 
-mutate "flash dK/dV's 128-key blocks skipping the query part that holds a warp's own diagonal" kernels/attention_flash.cu \
-    "if (causal && tq + QP - 1 < key0) continue;" \
-    "if (causal && tq + QP - 1 < key0 + 16 * MT) continue;" \
+mutate "flash dK/dV's 128-key blocks skipping the query part that holds a warp's own diagonal" kernels/attention_flash.cuh \
+    "if (causal && tq + QP - 1 < key0 && (!PAD" \
+    "if (causal && tq + QP - 1 < key0 + 16 * MT && (!PAD" \
     backend::cuda::tests::flash_attention
+
+mutate "flash dK/dV skipping the queries without a visible key before its keys (they see every key)" kernels/attention_flash.cuh \
+    "if (causal && tq + QP - 1 < key0 && (!PAD || tq >= pad.uni)) continue;" \
+    "if (causal && tq + QP - 1 < key0) continue;" \
+    backend::cuda::tests::key_padding_attention
+
+mutate "the first visible key read before every warp has written its minimum" kernels/attention_flash.cuh \
+    "    if ((threadIdx.x & 31) == 0) warp_first[threadIdx.x >> 5] = first;
+    __syncthreads();" \
+    "    if ((threadIdx.x & 31) == 0) warp_first[threadIdx.x >> 5] = first;" \
+    backend::cuda::tests::key_padding_attention
 
 # rounding an f16 product's operands through bf16 (bf16's own are unchanged by it) stays close to
 # the tensor-core kernels' result (they share the packing): only the flash test's bound on f16's

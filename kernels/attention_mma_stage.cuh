@@ -1,4 +1,4 @@
-// How the tensor-core attention kernels (kernels/attention_mma.cu, kernels/attention_flash.cu)
+// How the tensor-core attention kernels (kernels/attention_mma.cu, kernels/attention_flash.cuh)
 // fill their shared 16-bit tiles and per-row scratch, and the warp-level pieces both use: the
 // mma.sync product, accumulators as operands, quad reductions; the tile constants and the f32 ->
 // 16-bit pair conversion, Q/K/V/dO tiles

@@ -33,6 +33,9 @@
 #              its tutorial step: the kernels' GPU time, to set against bench.gpu_roofline's model
 #   fp16       bench.gpu on GPT-2 124M at fp16 (--gpt2-precision fp16): ortrain+fuse_attention
 #              +autocast (the f16 flash kernels), torch.compile and eager with a GradScaler
+#   padded     bench.gpu on GPT-2 124M called with a padded attention_mask (gpt2-124m-padded:
+#              the key padding in the flash kernels): ortrain+fuse_attention+autocast, torch.compile
+#              and eager; then the padded parity model's step (bench.parity_model --padding)
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
 #   session    env,kernels,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
@@ -147,7 +150,7 @@ if has kernels; then
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16; then
+if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16 || has padded; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
@@ -192,6 +195,19 @@ fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
         --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_packed_qkv,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute
+fi
+if has padded; then
+    bench 300 "GPT-2 124M, padded attention_mask" bench-gpt2-padded.json --workloads gpt2-124m-padded --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast,compile,eager
+    section "one exported GPT-2 step with a padded attention_mask: CPU f32, CPU bf16, GPU bf16"
+    rm -rf /tmp/parity-gpt2-padded
+    capped 90 "padded parity model export" "$LOG_DIR/parity-padded-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
+        $PY -m bench.parity_model /tmp/parity-gpt2-padded --padding ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
+    if [ -f /tmp/parity-gpt2-padded/meta.txt ] && [ -x .gpu/cuda_lib ]; then
+        ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2-padded capped 150 "padded parity step" "$LOG_DIR/parity-padded.log" \
+            .gpu/cuda_lib onnx_parity --ignored --nocapture
+        tail -40 "$LOG_DIR/parity-padded.log"
+    fi
 fi
 if has pytest; then
     section "pytest -m gpu"

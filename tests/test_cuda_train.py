@@ -257,7 +257,7 @@ def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes
     attention runs fused, on f32 tensors as the tensor-core kernels with products in the 16-bit
     type (kernels/attention_mma.cu, seq 128: two 64-row tiles, the causal mask's upper tile
     skipped), or with the autocast pass on 16-bit tensors as the flash kernels
-    (kernels/attention_flash.cu, bf16 or f16 instances), and the loss curve follows PyTorch's
+    (kernels/attention_flash.cuh, bf16 or f16 instances), and the loss curve follows PyTorch's
     autocast (with a GradScaler at fp16) within 2e-2."""
     import models
 
@@ -301,6 +301,52 @@ def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes
     # without it the f32 tensors the tensor-core ones; both compute the folded causal mask
     kernels = "flash kernels" if "autocast" in passes else "tensor-core kernels"
     assert f"fused attention ×2: {kernels}, causal mask computed ×2" in ortrain.explain(model)
+
+
+def test_gpt2_with_a_padded_attention_mask_takes_it_as_key_padding(monkeypatch):
+    """GPT-2 called with Hugging Face's attention_mask (row 0 padded on the left, so its first
+    queries see no key; row 1 on the right; the loss counting every position) at bf16 with the
+    opt-in attention fusion and autocast: the mask reaches the flash kernels as key padding
+    (passes/attention_key_padding.rs), explain() says so, and the loss curve follows PyTorch's
+    autocast within 2e-2."""
+    import models
+
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention,autocast")
+    vocab, seq, batch = 1000, 128, 4
+    ref = models.gpt2_small(vocab=vocab, n_layer=2, n_embd=128, n_head=2, n_positions=seq, dropout=0.0,
+                            batch=batch, seq=seq, seed=0, attn_implementation="sdpa")[0].cuda()
+    model = copy.deepcopy(ref)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, precision="bf16")
+    mask = torch.ones(batch, seq, dtype=torch.int64, device="cuda")
+    mask[0, :70] = 0
+    mask[1, -30:] = 0
+
+    def loss_of(m, ids):
+        logits = m(ids, attention_mask=mask).logits
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(3)]
+    ours, theirs = [], []
+    for step in range(10):
+        ids = batches[step % 3]
+        opt.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        ours.append(loss.item())
+        opt_ref.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ref_loss = loss_of(ref, ids)
+        ref_loss.backward()
+        opt_ref.step()
+        theirs.append(ref_loss.item())
+    diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    print("gpt2 bf16 padded", ours, theirs, f"max relative difference {max(diffs):.2e}")
+    assert _fused_attentions(model) == 2
+    assert max(diffs) < 2e-2, (ours, theirs)
+    assert "fused attention ×2: flash kernels, causal mask computed, key padding from the input ×2" in ortrain.explain(model)
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])

@@ -16,6 +16,14 @@
 //! batch is [B, H], the mask broadcasts to [B, H, T, S] and LSE is [B, H, T] as before. dQ, dK, dV
 //! come in the layouts of Q, K, V. No batch broadcasting (B and H are the same in all three).
 //!
+//! Key padding (passes/attention_key_padding.rs): Attention(Q, Kt, V, M, KP) and
+//! AttentionGrad(dO, Q, Kt, V, M, O, LSE, KP) with KP a bool tensor broadcast to [batch.., 1, S]
+//! (one flag per key, the same for every query: Hugging Face's attention_mask) and the attribute
+//! `padding_value`: the additive mask is M where KP is true and `padding_value` where it is
+//! false (M absent: 0). What `Where(And(C, KP), z, f)` is as `Where(KP, Where(C, z, f), f)`: the
+//! key-independent part M stays a constant the planner folds (and the CUDA kernels find causal),
+//! the padding a [B, S] vector instead of a [B, 1, T, S] mask computed each step.
+//!
 //! `layout = "BS3HD"` with `heads = H` (passes/attention_packed_qkv.rs, CUDA sessions): Q, K and
 //! V are one tensor [B, T, 3·H·D], the projection's output that the graph split in three: the
 //! head at (b, h) is Q[b, :, h·D..(h+1)·D], K the same H·D further along each row, V 2·H·D
@@ -76,7 +84,6 @@ pub enum Layout {
     Bs3hd(usize),
 }
 
-/// The attention node's `layout` attribute.
 /// The input index of Q in a fused attention node: 0 in Attention, 1 in AttentionGrad (after
 /// dO); Kt, V and the optional mask follow it.
 pub fn q_input(op_type: &str) -> Option<usize> {
@@ -87,6 +94,30 @@ pub fn q_input(op_type: &str) -> Option<usize> {
     }
 }
 
+/// The input index of the key-padding flags (this module's doc): 4 in Attention, 7 in
+/// AttentionGrad (after LSE).
+pub fn key_padding_input(op_type: &str) -> Option<usize> {
+    match op_type {
+        "Attention" => Some(4),
+        "AttentionGrad" => Some(7),
+        _ => None,
+    }
+}
+
+/// The key-padding flags' strides in the full batch and along S, for KP of shape `kp`: it must
+/// broadcast to [batch.., 1, S] (one flag per key of each batch matrix, whatever the query).
+pub fn key_padding_strides(node: &Node, l: &AttnLayout, kp: &[usize]) -> Result<(Vec<usize>, usize)> {
+    match mask_strides(node, &l.batch, 1, l.s, Some(kp)) {
+        Ok(Some((batch, _, s))) => Ok((batch, s)),
+        _ => Err(node.err(format!(
+            "the key padding {kp:?} does not broadcast to one flag per key, [{}1, {}]",
+            l.batch.iter().map(|b| format!("{b}, ")).collect::<String>(),
+            l.s
+        ))),
+    }
+}
+
+/// The attention node's `layout` attribute.
 pub fn layout_attr(node: &Node) -> Result<Layout> {
     match node.attrs.string("layout", "BHSD")?.as_str() {
         "BHSD" => Ok(Layout::Bhsd),
@@ -293,7 +324,15 @@ fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(A
     if !q.dtype.is_float() {
         return Err(node.err(format!("attention takes float tensors (f32, f64, bf16, fp16), got {}", q.dtype.name())));
     }
-    Ok((attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?, q.dtype))
+    let l = attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?;
+    let kp = key_padding_input(&node.op_type).and_then(|i| inputs.get(i)).and_then(|x| x.as_ref());
+    if let Some(kp) = kp {
+        if kp.dtype != DType::Bool {
+            return Err(node.err(format!("the key padding is {}, expected bool", kp.dtype.name())));
+        }
+        key_padding_strides(node, &l, kp.shape)?;
+    }
+    Ok((l, q.dtype))
 }
 
 struct Attention;
@@ -312,16 +351,19 @@ impl OpDef for Attention {
         Ok(vec![TypeOut::new(dt, o), TypeOut::new(DType::F32, lse)])
     }
     fn non_differentiable_inputs(&self) -> &'static [usize] {
-        &[3]
+        &[3, 4]
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
             let Some(dout) = g.dy(0) else { return Ok(()) };
-            if g.wants(3) {
+            if g.wants(3) || g.wants(4) {
                 return Err(node.err("the fused attention has no gradient for its mask (the mask depends on a weight)"));
             }
             let (q, kt, v) = (g.x(0)?, g.x(1)?, g.x(2)?);
-            let ins = vec![Some(dout), Some(q), Some(kt), Some(v), g.x_opt(3), Some(g.y(0)), Some(g.y(1))];
+            let mut ins = vec![Some(dout), Some(q), Some(kt), Some(v), g.x_opt(3), Some(g.y(0)), Some(g.y(1))];
+            if let Some(kp) = g.x_opt(4) {
+                ins.push(Some(kp));
+            }
             if let Layout::Bs3hd(_) = layout_attr(node)? {
                 // one value read three times: its one gradient holds dQ, dK and dV
                 if q != kt || q != v {

@@ -5,6 +5,7 @@
 //! `ORTRAIN_ENABLE_PASSES` turns on the opt-in ones. A pass whose fused op has kernels on some
 //! backends only runs for sessions built for those (`Target`).
 
+mod attention_key_padding;
 mod attention_layout;
 mod attention_packed_qkv;
 mod autocast;
@@ -65,6 +66,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
     ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CudaOptIn),
+    // after it: an attention_mask input's padding reaches the fused attention as one flag per
+    // key, the rest of its mask a constant (a no-op without fused attentions)
+    ("attention_key_padding", |g, _| Ok(attention_key_padding::run(g)), Runs::CudaOnly),
     // after it: the fused attention reads Q, K, V and writes O with the heads inside the rows,
     // where the graph transposed them out and back
     ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::CudaOnly),

@@ -2,7 +2,9 @@
 //! against. One score row at a time in f64 (two-pass softmax), parallel over batch matrices;
 //! the backward recomputes each row's probabilities from the saved LSE, as the GPU does.
 //! Layout BSHD runs the same kernels on copies permuted to BHSD (and back): a reference that
-//! shares nothing with the GPU kernels' strided reads.
+//! shares nothing with the GPU kernels' strided reads. A row with no real score (every score at
+//! or below -1e38: all keys masked with finfo.min) gets its probabilities from its scores, not
+//! from its LSE, which f32 cannot hold for it (finfo.min + ln S rounds to finfo.min).
 
 use rayon::prelude::*;
 
@@ -12,7 +14,7 @@ use super::CpuCtx;
 use super::KernelTable;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, layout_attr, permuted_offsets, AttnLayout, Layout};
+use crate::ops::attention::{attention_layout, key_padding_input, key_padding_strides, layout_attr, permuted_offsets, AttnLayout, Layout};
 use crate::tensor::Tensor;
 
 /// Whether the node is in layout BSHD (run on BHSD copies); BS3HD has no CPU kernel.
@@ -30,16 +32,59 @@ fn req<'v, 'a>(node: &Node, inputs: &'v [Option<In<'a>>], i: usize) -> Result<&'
     inputs.get(i).and_then(|v| v.as_ref()).ok_or_else(|| node.err(format!("input {i} missing")))
 }
 
-/// (layout, scale, nan_guard) of a node whose Q, Kt, V, mask start at input `first`.
-fn setup(node: &Node, inputs: &[Option<In>], first: usize) -> Result<(AttnLayout, f64, bool)> {
+/// A row whose LSE is at or below this has no real score (kernels/attention.cuh ATT_SETTLED).
+const SETTLED: f64 = -1.0e38;
+
+/// The key-padding flags of a node (ops/attention.rs): the bytes, their strides per full batch
+/// dim and along S, and the mask value of a padded key.
+struct KeyPadding<'a> {
+    flags: &'a [u8],
+    batch: Vec<usize>,
+    s: usize,
+    value: f64,
+}
+
+impl KeyPadding<'_> {
+    /// Whether key `j` of flat batch matrix `b` is padding.
+    fn padded(&self, l: &AttnLayout, mut b: usize, j: usize) -> bool {
+        let mut at = j * self.s;
+        for i in (0..l.batch.len()).rev() {
+            at += (b % l.batch[i]) * self.batch[i];
+            b /= l.batch[i];
+        }
+        self.flags[at] == 0
+    }
+}
+
+/// (layout, scale, nan_guard, key padding) of a node whose Q, Kt, V, mask start at input `first`.
+fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<(AttnLayout, f64, bool, Option<KeyPadding<'a>>)> {
     let (q, kt, v) = (req(node, inputs, first)?, req(node, inputs, first + 1)?, req(node, inputs, first + 2)?);
     let mask = inputs.get(first + 3).and_then(|m| m.as_ref()).map(|m| m.shape);
     let l = attention_layout(node, q.shape, kt.shape, v.shape, mask)?;
-    Ok((l, node.attrs.float("scale", 1.0)? as f64, node.attrs.int("nan_guard", 0)? != 0))
+    let kp = match key_padding_input(&node.op_type).and_then(|i| inputs.get(i)).and_then(|x| x.as_ref()) {
+        Some(kp) => {
+            let (batch, s) = key_padding_strides(node, &l, kp.shape)?;
+            let value = node.attrs.float("padding_value", f32::NEG_INFINITY)? as f64;
+            Some(KeyPadding { flags: kp.bytes(), batch, s, value })
+        }
+        None => None,
+    };
+    Ok((l, node.attrs.float("scale", 1.0)? as f64, node.attrs.int("nan_guard", 0)? != 0, kp))
 }
 
-/// The scaled, masked scores of row `t` of batch matrix `b`.
-fn scores<T: FloatElem>(l: &AttnLayout, off: &[usize; 4], q: &[T], kt: &[T], mask: Option<&[T]>, scale: f64, t: usize) -> Vec<f64> {
+/// The scaled, masked scores of row `t` of batch matrix `b` (at offsets `off`).
+#[allow(clippy::too_many_arguments)]
+fn scores<T: FloatElem>(
+    l: &AttnLayout,
+    b: usize,
+    off: &[usize; 4],
+    q: &[T],
+    kt: &[T],
+    mask: Option<&[T]>,
+    kp: Option<&KeyPadding>,
+    scale: f64,
+    t: usize,
+) -> Vec<f64> {
     (0..l.s)
         .map(|j| {
             let dot: f64 = (0..l.d).map(|k| q[off[0] + t * l.d + k].as_() * kt[off[1] + k * l.s + j].as_()).sum();
@@ -47,9 +92,24 @@ fn scores<T: FloatElem>(l: &AttnLayout, off: &[usize; 4], q: &[T], kt: &[T], mas
                 (Some(mv), Some((_, mt, ms))) => mv[off[3] + t * mt + j * ms].as_(),
                 _ => 0.0,
             };
+            let m = match kp {
+                Some(kp) if kp.padded(l, b, j) => kp.value,
+                _ => m,
+            };
             dot * scale + m
         })
         .collect()
+}
+
+/// A row's probabilities from its scores alone (two-pass softmax), zeros where all are -inf.
+fn softmax_of(s: &[f64]) -> Vec<f64> {
+    let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if m == f64::NEG_INFINITY {
+        return vec![0.0; s.len()];
+    }
+    let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.into_iter().map(|x| x / sum).collect()
 }
 
 /// `x` [a0, a1, a2, a3] with its axes permuted: axis j of the result is axis `perm[j]` of `x`.
@@ -132,8 +192,17 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention, &ins, &[Some((o, TO_BHSD))]);
     }
-    let (l, scale, guard) = setup(node, inputs, 0)?;
-    fn go<T: FloatElem>(node: &Node, l: &AttnLayout, inputs: &[Option<In>], out: &mut [Out], scale: f64, guard: bool) -> Result<()> {
+    let (l, scale, guard, kp) = setup(node, inputs, 0)?;
+    #[allow(clippy::too_many_arguments)]
+    fn go<T: FloatElem>(
+        node: &Node,
+        l: &AttnLayout,
+        inputs: &[Option<In>],
+        out: &mut [Out],
+        scale: f64,
+        guard: bool,
+        kp: Option<&KeyPadding>,
+    ) -> Result<()> {
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (q, kt, v) = (sl(0)?, sl(1)?, sl(2)?);
         let mask = match inputs.get(3).and_then(|m| m.as_ref()) {
@@ -148,7 +217,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         o.par_chunks_mut((l.t * l.dv).max(1)).zip(lse.par_chunks_mut(l.t)).enumerate().for_each(|(b, (ob, lb))| {
             let off = l.offsets(b);
             for t in 0..l.t {
-                let s = scores(l, &off, q, kt, mask, scale, t);
+                let s = scores(l, b, &off, q, kt, mask, kp, scale, t);
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let orow = &mut ob[t * l.dv..(t + 1) * l.dv];
                 if m == f64::NEG_INFINITY {
@@ -169,10 +238,10 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         Ok(())
     }
     let dt = req(node, inputs, 0)?.dtype;
-    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale, guard))
+    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale, guard, kp.as_ref()))
 }
 
-/// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
+/// AttentionGrad(dO, Q, Kt, V, M?, O, LSE, KP?) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     if via_copies(node)? {
         let outs = [
@@ -183,8 +252,15 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         let ins = [Some(TO_BHSD), Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD), None, Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention_grad, &ins, &outs);
     }
-    let (l, scale, _) = setup(node, inputs, 1)?;
-    fn go<T: FloatElem>(node: &Node, l: &AttnLayout, inputs: &[Option<In>], out: &mut [Out], scale: f64) -> Result<()> {
+    let (l, scale, _, kp) = setup(node, inputs, 1)?;
+    fn go<T: FloatElem>(
+        node: &Node,
+        l: &AttnLayout,
+        inputs: &[Option<In>],
+        out: &mut [Out],
+        scale: f64,
+        kp: Option<&KeyPadding>,
+    ) -> Result<()> {
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (dout, q, kt, v, o) = (sl(0)?, sl(1)?, sl(2)?, sl(3)?, sl(5)?);
         let mask = match inputs.get(4).and_then(|m| m.as_ref()) {
@@ -203,9 +279,12 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
                 let row = b * l.t + t;
                 let lr = lse[row] as f64;
                 let dorow = &dout[row * l.dv..(row + 1) * l.dv];
-                let s = scores(l, &off, q, kt, mask, scale, t);
-                let p: Vec<f64> =
-                    s.iter().map(|&x| if lr == f64::NEG_INFINITY || x == f64::NEG_INFINITY { 0.0 } else { (x - lr).exp() }).collect();
+                let s = scores(l, b, &off, q, kt, mask, kp, scale, t);
+                let p: Vec<f64> = if lr > SETTLED {
+                    s.iter().map(|&x| if x == f64::NEG_INFINITY { 0.0 } else { (x - lr).exp() }).collect()
+                } else {
+                    softmax_of(&s)
+                };
                 let delta: f64 = (0..l.dv).map(|c| dorow[c].as_() * o[row * l.dv + c].as_()).sum();
                 let mut gq = vec![0f64; l.d];
                 for j in 0..l.s {
@@ -229,10 +308,80 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         Ok(())
     }
     let dt = req(node, inputs, 1)?.dtype;
-    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale))
+    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale, kp.as_ref()))
 }
 
 pub fn register(t: &mut KernelTable) {
     t.add("Attention", attention);
     t.add("AttentionGrad", attention_grad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::run;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::{Data, Tensor};
+
+    /// Batch 2, one head, 4 queries and keys of size 2: Q, Kᵀ, V, dO from a ramp; the causal
+    /// finfo.min mask; batch row 0 padded on the left (its queries 0 and 1 see no key), row 1
+    /// on the right (its last key).
+    fn inputs() -> [Tensor; 6] {
+        let ramp = |n: usize, k: f32| (0..n).map(|i| ((i as f32) * k).sin()).collect::<Vec<f32>>();
+        let q = Tensor::from_f32(vec![2, 1, 4, 2], ramp(16, 0.7));
+        let kt = Tensor::from_f32(vec![2, 1, 2, 4], ramp(16, 1.3));
+        let v = Tensor::from_f32(vec![2, 1, 4, 2], ramp(16, 0.4));
+        let dout = Tensor::from_f32(vec![2, 1, 4, 2], ramp(16, 2.1));
+        let mask = Tensor::from_f32(vec![1, 1, 4, 4], (0..16).map(|i| if i % 4 > i / 4 { f32::MIN } else { 0.0 }).collect());
+        let kp = Tensor::new(vec![2, 1, 1, 4], Data::Bool(vec![0, 0, 1, 1, 1, 1, 1, 0])).expect("flags");
+        [q, kt, v, dout, mask, kp]
+    }
+
+    fn attrs() -> Attrs {
+        Attrs::default().with("scale", Attr::Float(0.5)).with("padding_value", Attr::Float(f32::MIN))
+    }
+
+    /// The key padding gives what the mask made from it gives (Where(KP, M, finfo.min), as the
+    /// unfused graph computes it), and a query without a visible key equal weights over all
+    /// keys, in the forward and in the gradients (its probabilities from its scores: the LSE,
+    /// finfo.min, cannot hold ln S).
+    #[test]
+    fn key_padding_is_the_mask_made_from_it_and_keyless_queries_weigh_every_key_equally() {
+        let [q, kt, v, dout, mask, kp] = inputs();
+        let flags = kp.to_f64_vec();
+        let made = Tensor::from_f32(
+            vec![2, 1, 4, 4],
+            (0..32).map(|i| if flags[(i / 16) * 4 + i % 4] != 0.0 { mask.to_f64_vec()[i % 16] as f32 } else { f32::MIN }).collect(),
+        );
+        let padded = run("Attention", attrs(), &[&q, &kt, &v, &mask, &kp]);
+        let read = run("Attention", attrs(), &[&q, &kt, &v, &made]);
+        assert_eq!(padded[0].to_f64_vec(), read[0].to_f64_vec(), "O");
+        let o = padded[0].to_f64_vec();
+        let vv = v.to_f64_vec();
+        for row in 0..2 {
+            for c in 0..2 {
+                let mean = (0..4).map(|j| vv[j * 2 + c]).sum::<f64>() / 4.0;
+                assert!((o[row * 2 + c] - mean).abs() < 1e-6, "query {row} of batch 0: O {} vs the mean of V {mean}", o[row * 2 + c]);
+            }
+        }
+        let grads = |extra: &[&Tensor]| {
+            let mut ins: Vec<&Tensor> = vec![&dout, &q, &kt, &v];
+            ins.push(extra[0]);
+            ins.extend([&padded[0], &padded[1]]);
+            ins.extend(&extra[1..]);
+            run("AttentionGrad", attrs(), &ins).iter().map(|t| t.to_f64_vec()).collect::<Vec<_>>()
+        };
+        let (with_kp, with_made) = (grads(&[&mask, &kp]), grads(&[&made]));
+        for (i, name) in ["dQ", "dKt", "dV"].iter().enumerate() {
+            assert_eq!(with_kp[i], with_made[i], "{name}");
+        }
+        // batch 0's dV: queries 0 and 1 weigh the 4 keys 1/4 each, query 2 keys 2 (visible) only
+        // through its softmax, query 3 keys 2 and 3: key 0 and 1 get dO of queries 0 and 1 / 4
+        let d = dout.to_f64_vec();
+        for j in 0..2 {
+            for c in 0..2 {
+                let want = (d[c] + d[2 + c]) / 4.0;
+                assert!((with_kp[2][j * 2 + c] - want).abs() < 1e-6, "dV[{j}][{c}] {} vs {want}", with_kp[2][j * 2 + c]);
+            }
+        }
+    }
 }

@@ -101,12 +101,13 @@ use super::abi::Arg;
 pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kernels/prelude.cuh"));
 
 /// Every header a kernel file may include, served to NVRTC from memory (and part of the cache
-/// key): the prelude, what the two attention families share, and the tensor-core family's
-/// tile staging.
+/// key): the prelude, what the two attention families share, the tensor-core family's tile
+/// staging, and the flash kernels' templates (instantiated with and without key padding).
 pub const HEADERS: &[(&str, &str)] = &[
     PRELUDE,
     ("attention.cuh", include_str!("../../../../kernels/attention.cuh")),
     ("attention_mma_stage.cuh", include_str!("../../../../kernels/attention_mma_stage.cuh")),
+    ("attention_flash.cuh", include_str!("../../../../kernels/attention_flash.cuh")),
 ];
 
 use types::*;
@@ -303,17 +304,37 @@ pub static FAMILIES: &[Family] = &[
             g(
                 &["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"],
                 HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
             ),
             g(
                 &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"],
                 HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32]
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
             ),
             g(
                 &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"],
                 HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32],
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr],
+            ),
+        ]
+    ),
+    family!(
+        "attention_flash_padded",
+        [
+            g(
+                &["attention_flash_fwd_d64_kp", "attention_flash_fwd_d64r128_kp", "attention_flash_fwd_d128_kp"],
+                HALVES,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
+            ),
+            g(
+                &["attention_flash_bwd_dq_d64_kp", "attention_flash_bwd_dq_d64r128_kp", "attention_flash_bwd_dq_d128_kp"],
+                HALVES,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
+            ),
+            g(
+                &["attention_flash_bwd_dkv_d64_kp", "attention_flash_bwd_dkv_d64r128_kp", "attention_flash_bwd_dkv_d128_kp"],
+                HALVES,
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr],
             ),
         ]
     ),

@@ -32,6 +32,10 @@ pub struct CudaRuntime {
     /// The 16-bit copies of a mixed-precision gemm's operands (half_gemm.rs); apart from
     /// `scratch`, which a dispatcher may hold across its gemms. Grown and reused the same way.
     operands: Mutex<Option<super::launch::DeviceBuffer>>,
+    /// An attention mask made from key padding for the kernels that read masks
+    /// (ops/attention.rs); apart from `scratch`, which those kernels and their f32 copies of
+    /// 16-bit operands (widen.rs) use while they read it. Grown and reused the same way.
+    masks: Mutex<Option<super::launch::DeviceBuffer>>,
     /// A vector of ones per float width (4: f32, 8: f64), for sums as matrix products.
     /// Per GemmType (f32, f64, bf16, f16): a buffer of ones and its length.
     ones: Mutex<[Option<(super::launch::DeviceBuffer, usize)>; 4]>,
@@ -92,6 +96,7 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         sms,
         scratch: Mutex::new(None),
         operands: Mutex::new(None),
+        masks: Mutex::new(None),
         ones: Mutex::new([None, None, None, None]),
         graphs: AtomicBool::new(false),
         retired: Mutex::new(Vec::new()),
@@ -195,7 +200,7 @@ impl CudaRuntime {
         let held = |m: &Mutex<Option<super::launch::DeviceBuffer>>| m.lock().map_or(0, |b| b.as_ref().map_or(0, |b| b.bytes()));
         let ones = self.ones.lock().map_or(0, |o| o.iter().flatten().map(|(b, _)| b.bytes()).sum::<usize>());
         let retired = self.retired.lock().map_or(0, |r| r.iter().map(|b| b.bytes()).sum::<usize>());
-        held(&self.scratch) + held(&self.operands) + ones + retired + blas::WORKSPACE_BYTES
+        held(&self.scratch) + held(&self.operands) + held(&self.masks) + ones + retired + blas::WORKSPACE_BYTES
     }
     /// Frees a replaced scratch or ones buffer, or keeps it when graphs may read it.
     fn retire(&self, old: super::launch::DeviceBuffer) {
@@ -285,6 +290,11 @@ impl CudaRuntime {
     /// a mixed-precision mode), which write the same memory.
     pub fn operand_scratch(&self, bytes: usize) -> Result<u64> {
         self.grown(&self.operands, bytes)
+    }
+    /// Device address of at least `bytes` bytes for an attention mask made from key padding
+    /// (`masks`). Valid until the next call.
+    pub fn mask_scratch(&self, bytes: usize) -> Result<u64> {
+        self.grown(&self.masks, bytes)
     }
     /// Queues a device-to-device copy of `bytes` bytes on `stream`.
     ///

@@ -9,6 +9,10 @@
 //! the FlashAttention-2-style kernels instead (attention_flash.rs).
 //! Layout BS3HD (Q, K, V packed in one tensor) is layout BSHD's strides with K and V starting
 //! further along each row: every kernel takes it through its addresses (`operands`, `gradients`).
+//! Key padding (an attention_mask's flags, ops/attention.rs): the flash kernels take it with the
+//! computed causal mask where the mask hides its keys with the padding's own value (Hugging
+//! Face's finfo.min, both); otherwise the mask it makes with the padding is written to the
+//! runtime's mask memory and the kernels that read masks run on that.
 
 use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
@@ -17,7 +21,8 @@ use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, AttnLayout};
+use crate::ops::attention::{attention_layout, key_padding_input, key_padding_strides, AttnLayout};
+use crate::ops::util::broadcast_shapes;
 use crate::tensor::DType;
 
 const TILE: usize = 32;
@@ -31,9 +36,17 @@ fn floats(regions: &[usize]) -> usize {
     regions.iter().map(|r| r.div_ceil(4) * 4).sum()
 }
 
-/// Layout, kernel-side shape and the mask's address of a node whose Q, Kt, V, mask start at
-/// input `first`.
-fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64)> {
+/// A node's key padding: the flags' address, and the launch shape of the flash kernels, which
+/// read the flags through the mask's strides (`m`, `mask_s`; they read no mask).
+struct KeyPad {
+    ptr: u64,
+    shape: AttnShape,
+    value: f32,
+}
+
+/// Layout, kernel-side shape, the mask's address and the key padding (if any) of a node whose
+/// Q, Kt, V, mask start at input `first`.
+fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64, Option<KeyPad>)> {
     let (q, kt, v) = (input(node, ins, first)?, input(node, ins, first + 1)?, input(node, ins, first + 2)?);
     let mask = ins.get(first + 3).and_then(|m| m.as_ref());
     if !matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16) {
@@ -78,7 +91,64 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
         v_s: r.v_s as i64,
         o_t: r.o_t as i64,
     };
-    Ok((l, shape, mask.map_or(0, |m| m.ptr)))
+    let kp = match key_padding_input(&node.op_type).and_then(|i| ins.get(i)).and_then(|x| x.as_ref()) {
+        Some(kp) => {
+            let (batch, s) = key_padding_strides(node, &l, kp.shape)?;
+            let value = node.attrs.float("padding_value", f32::NEG_INFINITY)?;
+            Some(KeyPad { ptr: kp.ptr, shape: AttnShape { m: four(&batch, 0), mask_t: 0, mask_s: s as i64, ..shape }, value })
+        }
+        None => None,
+    };
+    Ok((l, shape, mask.map_or(0, |m| m.ptr), kp))
+}
+
+/// Whether the flash kernels take this key padding: the mask at input `i` is a causal constant
+/// of this self-attention hiding its keys with the padding's own value, a finite one at or
+/// below finfo.min's neighbourhood (a query with no visible key then has every score equal:
+/// the kernels give it equal weights over all keys, as PyTorch's softmax does).
+fn flash_takes_padding(ins: &[Option<DView>], i: usize, l: &AttnLayout, kp: &KeyPad) -> bool {
+    let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
+    let hidden = host.and_then(|h| if l.t == l.s { causal_mask::hidden_value(h, l.t) } else { None });
+    kp.value.is_finite() && kp.value <= causal_mask::MASKED_MIN && hidden.is_some_and(|v| v.to_bits() == kp.value.to_bits())
+}
+
+/// The additive mask a node's key padding makes with its mask (input `mask_at`; none: 0),
+/// written to the runtime's mask memory: where the flag is false the padding's value, elsewhere
+/// the mask's. Returns its element type, shape and address.
+fn padded_mask(
+    node: &Node,
+    ins: &[Option<DView>],
+    mask_at: usize,
+    kp_at: usize,
+    value: f32,
+    ctx: &mut CudaCtx,
+) -> Result<(DType, Vec<usize>, u64)> {
+    let flags = input(node, ins, kp_at)?;
+    let mask = ins.get(mask_at).and_then(|m| m.as_ref());
+    let dtype = mask.map_or(DType::F32, |m| m.dtype);
+    let shape = match mask {
+        Some(m) => broadcast_shapes(node, &[m.shape, flags.shape])?,
+        None => flags.shape.to_vec(),
+    };
+    let bytes = shape.iter().product::<usize>() * dtype.size();
+    // the mask, then the padding's value and a zero (for no mask) in its type
+    let at = bytes.div_ceil(256) * 256;
+    let base = ctx.rt.mask_scratch(at + 2 * dtype.size())?;
+    let (fill, zero) = (base + at as u64, base + (at + dtype.size()) as u64);
+    let (kernel, bits) = match dtype {
+        DType::F32 => ("fill_u32", value.to_bits() as u64),
+        DType::BF16 => ("fill_u16", half::bf16::from_f32(value).to_bits() as u64),
+        DType::F16 => ("fill_u16", half::f16::from_f32(value).to_bits() as u64),
+        other => return Err(node.err(format!("a {} attention mask with key padding is not supported (f32, bf16, fp16)", other.name()))),
+    };
+    let grid = ctx.rt.elementwise_grid(2);
+    ctx.rt.launch(ctx.stream, kernel, grid, &[KArg::Ptr(fill), KArg::I64(1), KArg::U64(bits)])?;
+    ctx.rt.launch(ctx.stream, kernel, grid, &[KArg::Ptr(zero), KArg::I64(1), KArg::U64(0)])?;
+    let scalar = |ptr| DView { dtype, shape: &[], ptr, host: None };
+    let out = DView { dtype, shape: &shape, ptr: base, host: None };
+    let (zero_view, fill_view) = (scalar(zero), scalar(fill));
+    super::elementwise::where_into(node, flags, mask.unwrap_or(&zero_view), &fill_view, &out, ctx)?;
+    Ok((dtype, shape, base))
 }
 
 /// A grid of batch · ceil(rows / tile) blocks with `bytes` of dynamic shared memory.
@@ -101,6 +171,10 @@ pub mod path {
     /// The mask is read from memory: a mask computed at run time (from an input such as
     /// Hugging Face's attention_mask) or a constant that is not causal.
     pub const MMA_READ: &str = "tensor-core kernels, mask read from memory";
+    pub const FLASH_PADDED: &str = "flash kernels, causal mask computed, key padding from the input";
+    /// Key padding whose mask the flash kernels do not take (not causal, another masked
+    /// value, or heads or types they do not take): the mask made from both is read.
+    pub const PADDED_READ: &str = "mask made from the key padding and read from memory";
     pub const SIMT: &str = "f32 CUDA-core kernels";
     pub const WIDENED: &str = "f32 CUDA-core kernels on f32 copies of the 16-bit tensors";
 }
@@ -155,10 +229,15 @@ fn mask_or_causal(
 
 /// Whether an Attention or AttentionGrad step computes its mask, the constant `mask`, in every
 /// session, so that the constant need not be on the GPU (exec/cuda.rs keeps such masks on the
-/// host): 16-bit Q, K, V (whose tensor-core kernels do not depend on the session's f32 mode),
-/// heads the tensor-core kernels take, self-attention, and the constant found causal.
+/// host): no key padding, 16-bit Q, K, V (whose tensor-core kernels do not depend on the
+/// session's f32 mode), heads the tensor-core kernels take, self-attention, and the constant
+/// found causal.
 /// `types`: Q, Kt, V and the mask as (element type, shape).
 pub fn computes_mask(node: &Node, types: [(DType, &[usize]); 4], mask: &std::sync::Arc<crate::tensor::Tensor>) -> bool {
+    // with key padding the mask may be made with it on the GPU (`padded_mask`)
+    if key_padding_input(&node.op_type).is_some_and(|i| node.input(i).is_some()) {
+        return false;
+    }
     let [(dtype, q), (_, kt), (_, v), (mask_type, m)] = types;
     let Ok(l) = attention_layout(node, q, kt, v, Some(m)) else { return false };
     dtype.is_half() && mma_instance(&l, dtype_suffix(dtype), Some(mask_type)).is_some() && l.t == l.s && causal_mask::is_causal(mask, l.t)
@@ -197,9 +276,44 @@ fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
     2 * (rows_tiles * MMA_TILE * (hd + MMA_PAD) + cols_tiles * hd * (MMA_TILE + MMA_PAD))
 }
 
+/// Runs `kernel` (attention or attention_grad) on the node's inputs up to its key padding at
+/// `kp_at`, with the mask at `mask_at` replaced by the one made from the padding
+/// ([`padded_mask`]).
+#[allow(clippy::too_many_arguments)]
+fn with_padded_mask(
+    node: &Node,
+    ins: &[Option<DView>],
+    outs: &[DView],
+    ctx: &mut CudaCtx,
+    mask_at: usize,
+    kp_at: usize,
+    value: f32,
+    kernel: super::CudaKernel,
+) -> Result<()> {
+    let (dtype, shape, ptr) = padded_mask(node, ins, mask_at, kp_at, value, ctx)?;
+    let mut plain: Vec<Option<DView>> = ins[..kp_at.min(ins.len())].to_vec();
+    plain.resize(kp_at, None);
+    plain[mask_at] = Some(DView { dtype, shape: &shape, ptr, host: None });
+    kernel(node, &plain, outs, ctx)?;
+    if ctx.rt.attention_path(node) == Some(path::MMA_READ) {
+        ctx.rt.note_attention(node, path::PADDED_READ);
+    }
+    Ok(())
+}
+
 fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
-    let (l, shape, mask) = setup(node, ins, 0)?;
+    let (l, shape, mask, kp) = setup(node, ins, 0)?;
     let dtype = input(node, ins, 0)?.dtype;
+    if let Some(kp) = &kp {
+        let [q, k, v] = operands(ins, 0, &l, dtype);
+        let flash =
+            flash_takes_padding(ins, 3, &l, kp).then(|| flash::variant(node, &l, &kp.shape, dtype, true, true, &[q, k, v, outs[0].ptr]));
+        if let Some(Some(f)) = flash {
+            ctx.rt.note_attention(node, path::FLASH_PADDED);
+            return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], Some(kp.ptr), ctx);
+        }
+        return with_padded_mask(node, ins, outs, ctx, 3, 4, kp.value, attention);
+    }
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
     let (mask, causal) = mask_or_causal(node, ins, 3, &l, mma.as_ref(), mask)?;
     if dtype.is_half() && mma.is_none() {
@@ -215,7 +329,7 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let has_mask = mask_type(ins, 3).is_some();
     if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal == Some(true), &tensors) {
         ctx.rt.note_attention(node, if has_mask { path::FLASH_CAUSAL } else { path::FLASH });
-        return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], ctx);
+        return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], None, ctx);
     }
     ctx.rt.note_attention(
         node,
@@ -248,10 +362,23 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     ctx.rt.launch(ctx.stream, &kernel, g, &args)
 }
 
-/// AttentionGrad(dO, Q, Kt, V, M?, O, LSE) -> (dQ, dKt, dV).
+/// AttentionGrad(dO, Q, Kt, V, M?, O, LSE, KP?) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
-    let (l, shape, mask) = setup(node, ins, 1)?;
+    let (l, shape, mask, kp) = setup(node, ins, 1)?;
     let dtype = input(node, ins, 1)?.dtype;
+    if let Some(kp) = &kp {
+        // the forward's choice: the flash forward's LSE of a query with no visible key (ln S,
+        // for equal weights) is what the flash backward reads, not what the others would
+        let [q, k, v] = operands(ins, 1, &l, dtype);
+        let [dq, dk, dv] = gradients(node, outs, &l, dtype)?;
+        let (dout, o, lse) = (ptr_of(ins, 0), ptr_of(ins, 5), ptr_of(ins, 6));
+        let tensors = [dout, q, k, v, o, dq, dk, dv];
+        let flash = flash_takes_padding(ins, 4, &l, kp).then(|| flash::variant(node, &l, &kp.shape, dtype, true, true, &tensors));
+        if let Some(Some(f)) = flash {
+            return f.backward(node, [dout, q, k, v, o, lse], [dq, dk, dv], Some(kp.ptr), ctx);
+        }
+        return with_padded_mask(node, ins, outs, ctx, 4, 7, kp.value, attention_grad);
+    }
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
     let (mask, causal) = mask_or_causal(node, ins, 4, &l, mma.as_ref(), mask)?;
     if dtype.is_half() && mma.is_none() {
@@ -265,7 +392,7 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let [dq, dk, dv_] = gradients(node, outs, &l, dtype)?;
     let tensors = [ptr(0), q, k, v, ptr(5), dq, dk, dv_];
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 4).is_some(), causal == Some(true), &tensors) {
-        return f.backward(node, [ptr(0), q, k, v, ptr(5), ptr(6)], [dq, dk, dv_], ctx);
+        return f.backward(node, [ptr(0), q, k, v, ptr(5), ptr(6)], [dq, dk, dv_], None, ctx);
     }
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
     let p = |i: usize| KArg::Ptr(ptr(i));

@@ -1,6 +1,7 @@
-//! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cu),
+//! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cuh),
 //! and their launches: bf16 or f16 tensors with heads of 64 or 128, no mask or the computed
-//! causal one, keys with d contiguous (layout BSHD), every row 16-byte aligned. Everything else
+//! causal one (with or without key padding: attention.rs says when), keys with d contiguous
+//! (layout BSHD), every row 16-byte aligned. Everything else
 //! keeps the kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
 //! plan replayed from a CUDA graph keeps what it was recorded with): for timing the two kernel
 //! families against each other on a GPU. Heads of 64 run in blocks of 128 query rows (forward,
@@ -95,16 +96,19 @@ impl Flash<'_> {
         Ok(Grid { blocks, threads: 128, shared })
     }
 
-    /// A kernel's name (`kind` "fwd", "bwd_dq" or "bwd_dkv"), its block rows (or keys) and the
-    /// number of 64-row tiles each of its whole-block operands takes in shared memory.
-    fn row_kernel(&self, node: &Node, kind: &str) -> Result<(String, usize, usize)> {
+    /// A kernel's name (`kind` "fwd", "bwd_dq" or "bwd_dkv"; `padded`: the key-padding
+    /// instance, kernels/attention_flash_padded.cu), its block rows (or keys) and the number of
+    /// 64-row tiles each of its whole-block operands takes in shared memory.
+    fn row_kernel(&self, node: &Node, kind: &str, padded: bool) -> Result<(String, usize, usize)> {
         let rows = block_rows(self.l.d).map_err(|e| node.err(e))?;
         let suffix = if rows == TILE { "" } else { "r128" };
-        Ok((format!("attention_flash_{kind}_{}{suffix}_{}", self.hd, self.dtype), rows, rows / TILE))
+        let kp = if padded { "_kp" } else { "" };
+        Ok((format!("attention_flash_{kind}_{}{suffix}{kp}_{}", self.hd, self.dtype), rows, rows / TILE))
     }
 
-    /// Attention(Q, K, V) -> (O, LSE).
-    pub fn forward(&self, node: &Node, ins: [u64; 3], outs: [u64; 2], ctx: &mut CudaCtx) -> Result<()> {
+    /// Attention(Q, K, V) -> (O, LSE); `kp`: the key-padding flags, read through the launch
+    /// shape's mask strides (the kernels read no mask).
+    pub fn forward(&self, node: &Node, ins: [u64; 3], outs: [u64; 2], kp: Option<u64>, ctx: &mut CudaCtx) -> Result<()> {
         let scale = node.attrs.float("scale", 1.0)?;
         let p = KArg::Ptr;
         let args = [
@@ -116,8 +120,9 @@ impl Flash<'_> {
             KArg::AttnShape(self.a),
             KArg::F32(scale),
             KArg::I32(self.causal as i32),
+            KArg::Ptr(kp.unwrap_or(0)),
         ];
-        let (name, rows, q_tiles) = self.row_kernel(node, "fwd")?;
+        let (name, rows, q_tiles) = self.row_kernel(node, "fwd", kp.is_some())?;
         let g = self.grid(node, self.l.t, rows, smem(self.l.d, q_tiles + 4, 0))?; // Q, K and V twice
         ctx.rt.launch(ctx.stream, &name, g, &args)
     }
@@ -125,18 +130,20 @@ impl Flash<'_> {
     /// AttentionGrad(dO, Q, K, V, -, O, LSE) -> (dQ, dK, dV): the dQ kernel (which writes
     /// Δ = Σ dO·O per row into the runtime's scratch), then the dK/dV kernel that reads it, on
     /// one stream. `ins`: dO, Q, K, V, O, LSE; `outs`: dQ, dK, dV.
-    pub fn backward(&self, node: &Node, ins: [u64; 6], outs: [u64; 3], ctx: &mut CudaCtx) -> Result<()> {
+    pub fn backward(&self, node: &Node, ins: [u64; 6], outs: [u64; 3], kp: Option<u64>, ctx: &mut CudaCtx) -> Result<()> {
         let l = self.l;
         let scale = KArg::F32(node.attrs.float("scale", 1.0)?);
         let delta = ctx.rt.scratch(4 * l.batch_count() * l.t)?;
         let [dout, q, k, v, o, lse] = ins.map(KArg::Ptr);
         let (c, shape, p) = (KArg::I32(self.causal as i32), KArg::AttnShape(self.a), KArg::Ptr);
-        let dq = [dout, q, k, v, o, lse, p(delta), p(outs[0]), shape, scale, c];
-        let (name, rows, q_tiles) = self.row_kernel(node, "bwd_dq")?;
+        let padded = kp.is_some();
+        let kp = p(kp.unwrap_or(0));
+        let dq = [dout, q, k, v, o, lse, p(delta), p(outs[0]), shape, scale, c, kp];
+        let (name, rows, q_tiles) = self.row_kernel(node, "bwd_dq", padded)?;
         let g = self.grid(node, l.t, rows, smem(l.d, 2 * q_tiles + 4, 0))?; // Q, dO, K and V twice
         ctx.rt.launch(ctx.stream, &name, g, &dq)?;
-        let dkv = [dout, q, k, v, lse, p(delta), p(outs[1]), p(outs[2]), shape, scale, c];
-        let (name, keys, k_tiles) = self.row_kernel(node, "bwd_dkv")?;
+        let dkv = [dout, q, k, v, lse, p(delta), p(outs[1]), p(outs[2]), shape, scale, c, kp];
+        let (name, keys, k_tiles) = self.row_kernel(node, "bwd_dkv", padded)?;
         let g = self.grid(node, l.s, keys, smem(l.d, 2 * k_tiles + 4, 4 * TILE))?; // K, V, Q and dO twice, LSE and Δ twice
         ctx.rt.launch(ctx.stream, &name, g, &dkv)
     }

@@ -16,13 +16,20 @@ use crate::tensor::{Data, Tensor};
 /// A mask value at or below this counts as masked (kernels/attention.cuh ATT_MASKED_MIN):
 /// added to a real score it leaves exp(score - max) exactly 0 in a row that has a real score,
 /// and a causal row always has its diagonal.
-const MASKED_MIN: f32 = -3.0e38;
+pub const MASKED_MIN: f32 = -3.0e38;
+
+/// What a scan found: not causal, or causal with every hidden key masked by the same value
+/// (its bits; None where the values differ or nothing is hidden).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Found {
+    No,
+    Causal(Option<u32>),
+}
 
 /// (constant, side, answer)
-static MEMO: Mutex<Vec<(Weak<Tensor>, usize, bool)>> = Mutex::new(Vec::new());
+static MEMO: Mutex<Vec<(Weak<Tensor>, usize, Found)>> = Mutex::new(Vec::new());
 
-/// Whether `mask` (the constant's host copy) is a causal mask for T = S = `side`.
-pub fn is_causal(mask: &Arc<Tensor>, side: usize) -> bool {
+fn found(mask: &Arc<Tensor>, side: usize) -> Found {
     let mut memo = MEMO.lock().unwrap_or_else(|p| p.into_inner());
     memo.retain(|(w, _, _)| w.strong_count() > 0);
     if let Some((_, _, found)) = memo.iter().find(|(w, s, _)| *s == side && std::ptr::eq(w.as_ptr(), Arc::as_ptr(mask))) {
@@ -33,16 +40,38 @@ pub fn is_causal(mask: &Arc<Tensor>, side: usize) -> bool {
     found
 }
 
-fn scan(mask: &Tensor, side: usize) -> bool {
-    let Data::F32(v) = &mask.data else { return false };
+/// Whether `mask` (the constant's host copy) is a causal mask for T = S = `side`.
+pub fn is_causal(mask: &Arc<Tensor>, side: usize) -> bool {
+    found(mask, side) != Found::No
+}
+
+/// The one value a causal `mask` hides every key past the diagonal with (None: not causal,
+/// different values, or nothing hidden). The flash kernels' key padding needs it to be the
+/// padding's own value: then a query with no visible key has every score equal, as in PyTorch.
+pub fn hidden_value(mask: &Arc<Tensor>, side: usize) -> Option<f32> {
+    match found(mask, side) {
+        Found::Causal(Some(bits)) => Some(f32::from_bits(bits)),
+        _ => None,
+    }
+}
+
+fn scan(mask: &Tensor, side: usize) -> Found {
+    let Data::F32(v) = &mask.data else { return Found::No };
     let n = mask.shape.len();
     if side == 0 || n < 2 || mask.shape[n - 2] != side || mask.shape[n - 1] != side {
-        return false;
+        return Found::No;
     }
-    v.chunks_exact(side).enumerate().all(|(i, row)| {
+    let causal = v.chunks_exact(side).enumerate().all(|(i, row)| {
         let r = i % side;
         row[..=r].iter().all(|&x| x == 0.0) && row[r + 1..].iter().all(|&x| x == f32::NEG_INFINITY || x <= MASKED_MIN)
-    })
+    });
+    if !causal {
+        return Found::No;
+    }
+    let hidden = v.chunks_exact(side).enumerate().flat_map(|(i, row)| &row[i % side + 1..]);
+    let mut bits = hidden.map(|x| x.to_bits());
+    let first = bits.next();
+    Found::Causal(first.filter(|&f| bits.all(|b| b == f)))
 }
 
 #[cfg(test)]
@@ -74,6 +103,26 @@ mod tests {
             v[2 * 25 + 3 * 5 + 1] = 0.5;
         }
         assert!(!is_causal(&Arc::new(one_off), 5), "the third matrix differs");
+    }
+
+    #[test]
+    fn the_hidden_value_is_the_one_every_hidden_key_has() {
+        let causal = |fill: f32| move |r: usize, c: usize| if c > r { fill } else { 0.0 };
+        assert_eq!(hidden_value(&mask(vec![2, 1, 4, 4], causal(f32::MIN)), 4), Some(f32::MIN));
+        assert_eq!(hidden_value(&mask(vec![4, 4], causal(f32::NEG_INFINITY)), 4), Some(f32::NEG_INFINITY));
+        let mixed = mask(vec![4, 4], |r, c| {
+            if c == r + 1 {
+                f32::MIN
+            } else if c > r {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        });
+        assert!(is_causal(&mixed, 4));
+        assert_eq!(hidden_value(&mixed, 4), None, "two values");
+        assert_eq!(hidden_value(&mask(vec![1, 1], |_, _| 0.0), 1), None, "nothing hidden");
+        assert_eq!(hidden_value(&mask(vec![4, 4], |_, _| 0.0), 4), None, "not causal");
     }
 
     #[test]

@@ -239,8 +239,11 @@ fn affine(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
 }
 
 fn where_op(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
-    let (c, a, b) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
-    let o = &outs[0];
+    where_into(node, input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?, &outs[0], ctx)
+}
+
+/// o = Where(c, a, b), broadcasting (also for dispatchers that make a tensor this way).
+pub fn where_into(node: &Node, c: &DView, a: &DView, b: &DView, o: &DView, ctx: &mut CudaCtx) -> Result<()> {
     let n = o.numel();
     if n == 0 {
         return Ok(());

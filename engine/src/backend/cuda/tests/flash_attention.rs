@@ -1,4 +1,4 @@
-//! The FlashAttention-2-style kernels (kernels/attention_flash.cu): bf16 or f16 Q, K, V in layout
+//! The FlashAttention-2-style kernels (kernels/attention_flash.cuh): bf16 or f16 Q, K, V in layout
 //! BSHD with no mask or the computed causal one. Outputs and gradients against an f64 reference
 //! on the same 16-bit inputs, no further from it than the tensor-core kernels they replace
 //! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps) and within the type's

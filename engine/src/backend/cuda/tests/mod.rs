@@ -22,6 +22,7 @@ mod gather;
 mod gpu_lock;
 mod gpu_run;
 mod graphs;
+mod key_padding_attention;
 mod layernorm;
 mod lce;
 mod loss;

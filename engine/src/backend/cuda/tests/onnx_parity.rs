@@ -8,8 +8,10 @@
 //! small shapes, can miss. The CUDA bf16 step runs twice on the same plan and arena and must
 //! give the same bits both times.
 //!
-//! The model comes from a folder written by `python -m bench.parity_model DIR` (a GPT-2 with its
-//! fused cross-entropy loss); the test reads `ORTRAIN_PARITY_MODEL=DIR`:
+//! The model comes from a folder written by `python -m bench.parity_model DIR [--padding]` (a
+//! GPT-2 with its fused cross-entropy loss; with --padding called with an attention_mask, padded
+//! left and right, which the CUDA sessions' attentions must take as key padding, the queries
+//! without a visible key included); the test reads `ORTRAIN_PARITY_MODEL=DIR`:
 //! `ORTRAIN_PARITY_MODEL=DIR cargo test --release -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture`
 //! (with cuda-emu's LD_LIBRARY_PATH where there is no GPU).
 
@@ -66,6 +68,11 @@ fn open(p: &Probe, target: Target, precision: MatmulPrecision) -> Session {
     Session::from_onnx_with(&p.onnx, None, &names, &trainable, None, target, options).unwrap_or_else(|e| panic!("import: {e}"))
 }
 
+/// Whether the model takes an attention_mask (ids, mask, targets).
+fn padded(p: &Probe) -> bool {
+    p.inputs.len() == 3
+}
+
 fn sigs(p: &Probe) -> Vec<Sig> {
     p.inputs.iter().map(|(shape, _)| (DType::I64, shape.clone())).collect()
 }
@@ -94,8 +101,10 @@ fn cpu_step(s: &Session, p: &Probe) -> (f32, Vec<Vec<f32>>) {
 fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> Vec<(f32, Vec<Vec<f32>>)> {
     let weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
     let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![seed]], mode, LEGACY);
-    // the folded causal mask: every attention computes it, so it is not on the GPU
-    assert_eq!(run.masks_on_host(), 1, "the causal mask constant was uploaded");
+    // the folded causal mask: every attention computes it, so it is not on the GPU (with key
+    // padding it is uploaded: a kernel that does not take the padding reads the two combined)
+    let on_host = if padded(p) { 0 } else { 1 };
+    assert_eq!(run.masks_on_host(), on_host, "causal mask constants kept on the host");
     let inputs: Vec<&[u8]> = p.inputs.iter().map(|i| &i.1[..]).collect();
     (0..steps)
         .map(|_| {
@@ -155,11 +164,11 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     assert!(bits(&gpu[1]) == bits(&gpu[0]), "a second CUDA step on the same plan and arena differs from the first");
     let (gpu_loss, gpu) = gpu.swap_remove(0);
     // what explain() reports: every attention ran the flash kernels with the causal mask computed
+    // (and the attention_mask's key padding)
     let paths = cuda_session.attention_paths_cuda();
-    assert!(
-        !paths.is_empty() && paths.iter().all(|(_, p)| *p == Some(crate::backend::cuda::ops::attention_path::FLASH_CAUSAL)),
-        "attention paths: {paths:?}"
-    );
+    use crate::backend::cuda::ops::attention_path::{FLASH_CAUSAL, FLASH_PADDED};
+    let want = if padded(&p) { FLASH_PADDED } else { FLASH_CAUSAL };
+    assert!(!paths.is_empty() && paths.iter().all(|(_, p)| *p == Some(want)), "attention paths: {paths:?}");
     let t2 = std::time::Instant::now();
     let fp16_session = open(&p, Target::Cuda, MatmulPrecision::Fp16);
     assert_packed_attention(&fp16_session, "fp16");
@@ -173,7 +182,7 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     );
     let rt = super::support::runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let family = |f: &str, t: &str| {
-        let variants = ["d64", "d64r128", "d128"];
+        let variants = ["d64", "d64r128", "d128", "d64_kp", "d64r128_kp", "d128_kp"];
         ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| variants.iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_{t}"))))
     };
     for t in ["bf16", "f16"] {

@@ -1,0 +1,229 @@
+//! Key padding in the CUDA attention (an attention_mask's flags, ops/attention.rs; made by
+//! passes/attention_key_padding.rs): causal self-attention with Hugging Face's finfo.min mask and
+//! batch rows padded on the left (their first queries see no key: PyTorch gives them equal
+//! weights over all keys), on the right, with holes, not at all, and everywhere. The flash
+//! kernels take it on bf16 and f16 tensors; with them turned off, and on f32 tensors, the mask
+//! made from the padding is read. Every output and gradient against an f64 reference of the
+//! unfused graph's arithmetic (scores plus the mask, softmax, its gradient).
+
+use std::sync::Arc;
+
+use super::support::*;
+use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::ops::{attention_path, kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};
+use crate::ir::{Attr, Attrs, Node};
+use crate::tensor::{DType, Data, Tensor};
+
+const SCALE: f64 = 0.125;
+/// Hugging Face's masked value (finfo(float32).min), in the mask and as the padding's value.
+const MIN: f32 = f32::MIN;
+
+fn node(op: &str) -> Node {
+    let attrs = Attrs::default()
+        .with("scale", Attr::Float(SCALE as f32))
+        .with("nan_guard", Attr::Int(1))
+        .with("layout", Attr::String("BSHD".into()))
+        .with("padding_value", Attr::Float(MIN));
+    Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
+}
+
+/// Batch, heads, length (queries = keys), head size.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    b: usize,
+    h: usize,
+    t: usize,
+    d: usize,
+}
+
+/// The flags [b, t] (1: a real key): row 0 padded on the left (70 keys: more than a tile of
+/// queries without a visible key), row 1 on the right (the last 50), row 2 with holes (every
+/// third key after the first), row 3 not at all, row 4 everywhere.
+fn flags(c: Case) -> Vec<u8> {
+    let t = c.t;
+    (0..c.b * t)
+        .map(|i| {
+            let (row, j) = (i / t, i % t);
+            let real = match row % 5 {
+                0 => j >= 70.min(t - 1),
+                1 => j < t.saturating_sub(50).max(1),
+                2 => j == 0 || j % 3 != 0,
+                3 => true,
+                _ => false,
+            };
+            real as u8
+        })
+        .collect()
+}
+
+/// Whether query `i` of batch row `bi` sees no key (causal: no real key at or before it).
+fn no_visible_key(c: Case, kp: &[u8], bi: usize, i: usize) -> bool {
+    (0..=i).all(|j| kp[bi * c.t + j] == 0)
+}
+
+/// O, LSE, dQ, dK, dV in f64 (BSHD; LSE [b, h, t]) of softmax(scale · Q·Kᵀ + M) with M the
+/// causal finfo.min mask where the key is real and finfo.min where it is padding.
+fn reference(c: Case, kp: &[u8], q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64>; 5] {
+    let Case { b, h, t, d } = c;
+    let (mut o, mut lse, mut dq, mut dk, mut dv) =
+        (vec![0.0; q.len()], vec![0.0; b * h * t], vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    let row = |bi: usize, i: usize, hi: usize| ((bi * t + i) * h + hi) * d;
+    for bi in 0..b {
+        for hi in 0..h {
+            for i in 0..t {
+                let qi = row(bi, i, hi);
+                let x: Vec<f64> = (0..t)
+                    .map(|j| {
+                        let m = if j <= i && kp[bi * t + j] != 0 { 0.0 } else { MIN as f64 };
+                        SCALE * (0..d).map(|e| q[qi + e] * k[row(bi, j, hi) + e]).sum::<f64>() + m
+                    })
+                    .collect();
+                let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let sum: f64 = x.iter().map(|s| (s - m).exp()).sum();
+                let p: Vec<f64> = x.iter().map(|s| (s - m).exp() / sum).collect();
+                lse[(bi * h + hi) * t + i] = m + sum.ln();
+                for (j, &pj) in p.iter().enumerate() {
+                    for e in 0..d {
+                        o[qi + e] += pj * v[row(bi, j, hi) + e];
+                    }
+                }
+                let delta: f64 = (0..d).map(|e| dout[qi + e] * o[qi + e]).sum();
+                for (j, &pj) in p.iter().enumerate() {
+                    let kj = row(bi, j, hi);
+                    let dp: f64 = (0..d).map(|e| dout[qi + e] * v[kj + e]).sum();
+                    let ds = pj * (dp - delta);
+                    for e in 0..d {
+                        dq[qi + e] += SCALE * ds * k[kj + e];
+                        dk[kj + e] += SCALE * ds * q[qi + e];
+                        dv[kj + e] += pj * dout[qi + e];
+                    }
+                }
+            }
+        }
+    }
+    [o, lse, dq, dk, dv]
+}
+
+/// The dispatchers' O, LSE, dQ, dK, dV and the forward's recorded path, on `dt` tensors ("bf16",
+/// "f16", "f32"): Attention(Q, K, V, M, KP) with M the causal finfo.min constant (its host copy
+/// given, as a folded constant's) and KP the flags [b, 1, 1, t].
+fn run(c: Case, dt: &str, kp: &[u8], ins: &[Vec<f64>; 4]) -> ([Vec<f64>; 5], Option<&'static str>) {
+    let g = gpu_or_reason().expect("under gpu()");
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let Case { b, h, t, d } = c;
+    let shape = [b, t, h, d];
+    let (dtype, mode) = match dt {
+        "f16" => (DType::F16, F32Mode::F16),
+        "bf16" => (DType::BF16, F32Mode::Bf16),
+        _ => (DType::F32, F32Mode::Exact),
+    };
+    let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
+    let view = |i: usize| Some(DView { dtype, shape: &shape, ptr: bufs[i].ptr(), host: None });
+    let mask_values: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { MIN } else { 0.0 }).collect();
+    let host = Arc::new(Tensor::new(vec![1, 1, t, t], Data::F32(mask_values.clone())).expect("mask"));
+    let (dmask, dflags) = (dev(g, &mask_values), dev(g, kp));
+    let (mask_shape, kp_shape) = ([1, 1, t, t], [b, 1, 1, t]);
+    let m = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
+    let flags = Some(DView { dtype: DType::Bool, shape: &kp_shape, ptr: dflags.ptr(), host: None });
+    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
+    let lse_shape = [b, h, t];
+    let o_view = DView { dtype, shape: &shape, ptr: o.ptr(), host: None };
+    let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
+    let forward = node("Attention");
+    kernel("Attention").expect("Attention")(&forward, &[view(0), view(1), view(2), m, flags], &[o_view, lse_view], &mut ctx)
+        .unwrap_or_else(|e| panic!("{dt} {c:?}: {e}"));
+    let grads: Vec<_> = (0..3).map(|i| zeros_as(g, dt, ins[i].len())).collect();
+    let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shape, ptr: grads[i].ptr(), host: None }).collect();
+    let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view), flags];
+    kernel("AttentionGrad").expect("AttentionGrad")(&node("AttentionGrad"), &bins, &gouts, &mut ctx)
+        .unwrap_or_else(|e| panic!("{dt} {c:?}: {e}"));
+    g.synchronize().expect("sync");
+    let outs = [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)];
+    (outs, rt.attention_path(&forward))
+}
+
+/// Largest error over the largest reference value, among the elements `keep` says.
+fn rel_err(got: &[f64], want: &[f64], keep: impl Fn(usize) -> bool) -> f64 {
+    let kept: Vec<usize> = (0..want.len()).filter(|&i| keep(i)).collect();
+    let err = kept.iter().fold(0.0f64, |m, &i| if got[i].is_finite() { m.max((got[i] - want[i]).abs()) } else { f64::INFINITY });
+    err / kept.iter().fold(1e-30f64, |m, &i| m.max(want[i].abs()))
+}
+
+/// Checks one run against the reference: O, dQ, dK, dV within `bound` of the largest value,
+/// LSE on the rows that see a key (a row without one has finfo.min + ln S, which f32 rounds to
+/// finfo.min; the flash kernels keep ln S there for their backward).
+fn check(what: &str, c: Case, kp: &[u8], got: &[Vec<f64>; 5], want: &[Vec<f64>; 5], bound: f64) {
+    let Case { h, t, .. } = c;
+    let seen = |i: usize| {
+        let (bi, qi) = (i / (h * t), i % t);
+        !no_visible_key(c, kp, bi, qi)
+    };
+    for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+        let e = if i == 1 { rel_err(&got[i], &want[i], seen) } else { rel_err(&got[i], &want[i], |_| true) };
+        println!("{what} {c:?} {name}: {e:.2e} of the largest value from the f64 reference");
+        assert!(e <= bound, "{what} {c:?} {name}: {e:.2e} from the f64 reference, over {bound:e}");
+    }
+}
+
+/// The flash kernels with key padding, bf16 and f16, heads of 64 (blocks of 128 and of 64 rows)
+/// and 128: the path recorded says so, their kernels were launched, and every output and
+/// gradient is within the type's precision of the reference, the rows without a visible key
+/// (equal weights over all 150 keys, their gradients counted: dO is not zero there) included.
+#[test]
+fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
+    let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_and_rows_without_a_key") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(83);
+    for (dt, bound) in [("bf16", 1e-2), ("f16", 1.5e-3)] {
+        for c in [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 2, h: 1, t: 150, d: 128 }] {
+            let Case { b, h, t, d } = c;
+            let kp = flags(c);
+            let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
+            let want = reference(c, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+            let v = if d == 64 { "d64" } else { "d128" };
+            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
+            for &(rows, suffix) in blocks {
+                match rows {
+                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                    None => std::env::remove_var(ENV_FLASH_ROWS),
+                }
+                let (got, path) = run(c, dt, &kp, &ins);
+                std::env::remove_var(ENV_FLASH_ROWS);
+                assert_eq!(path, Some(attention_path::FLASH_PADDED), "{dt} {c:?} rows {rows:?}");
+                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
+                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                }
+                check(&format!("flash {dt} rows {rows:?}"), c, &kp, &got, &want, bound);
+            }
+        }
+    }
+}
+
+/// Where the flash kernels do not run (turned off: the tensor-core kernels; f32 tensors: the
+/// CUDA-core ones), the mask made from the padding is read, with the same results. Their
+/// backward gives a row without a visible key S times its gradient (its LSE, finfo.min, cannot
+/// hold ln S: doc/GPU-RUNS.md), so dO is zero on those rows here, as where their labels are
+/// ignored; the forward's equal weights are checked.
+#[test]
+fn gpu_attention_without_flash_reads_the_mask_made_from_key_padding() {
+    let Some(_) = gpu_alone("gpu_attention_without_flash_reads_the_mask_made_from_key_padding") else { return };
+    let mut rng = Rng::new(89);
+    let c = Case { b: 5, h: 2, t: 150, d: 64 };
+    let Case { b, h, t, d } = c;
+    let kp = flags(c);
+    for (dt, bound, want_path) in [("bf16", 1e-2, attention_path::PADDED_READ), ("f32", 1e-5, attention_path::SIMT)] {
+        let mut ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
+        for (i, x) in ins[3].iter_mut().enumerate() {
+            if no_visible_key(c, &kp, i / (t * h * d), (i / (h * d)) % t) {
+                *x = 0.0;
+            }
+        }
+        let want = reference(c, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+        std::env::set_var(ENV_FLASH, "0");
+        let (got, path) = run(c, dt, &kp, &ins);
+        std::env::remove_var(ENV_FLASH);
+        assert_eq!(path, Some(want_path), "{dt}");
+        check(&format!("read mask {dt}"), c, &kp, &got, &want, bound);
+    }
+}
