@@ -250,6 +250,27 @@ def test_fused_loss_logits_are_replayed_on_the_gpu():
     assert _max_rel(out, want) < 1e-5
 
 
+def _curves_against_autocast(model, opt, ref, opt_ref, loss_of, batches, half, scaler, steps=10):
+    """10 steps of `model` (accelerated) and of `ref` under PyTorch's autocast to `half` (with
+    `scaler`, a GradScaler enabled at fp16) over `batches` in turn: both loss curves."""
+    ours, theirs = [], []
+    for step in range(steps):
+        ids = batches[step % len(batches)]
+        opt.zero_grad()
+        loss = loss_of(model, ids)
+        loss.backward()
+        opt.step()
+        ours.append(loss.item())
+        opt_ref.zero_grad()
+        with torch.autocast("cuda", dtype=half):
+            ref_loss = loss_of(ref, ids)
+        scaler.scale(ref_loss).backward()
+        scaler.step(opt_ref)
+        scaler.update()
+        theirs.append(ref_loss.item())
+    return ours, theirs
+
+
 @pytest.mark.parametrize("precision,passes", [("bf16", "fuse_attention"), ("bf16", "fuse_attention,autocast"),
                                               ("fp16", "fuse_attention"), ("fp16", "fuse_attention,autocast")])
 def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes, monkeypatch):
@@ -277,21 +298,7 @@ def test_gpt2_sixteen_bit_fused_attention_trains_like_autocast(precision, passes
 
     g = torch.Generator(device="cuda").manual_seed(7)
     batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(3)]
-    ours, theirs = [], []
-    for step in range(10):
-        ids = batches[step % 3]
-        opt.zero_grad()
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        ours.append(loss.item())
-        opt_ref.zero_grad()
-        with torch.autocast("cuda", dtype=half):
-            ref_loss = loss_of(ref, ids)
-        scaler.scale(ref_loss).backward()
-        scaler.step(opt_ref)
-        scaler.update()
-        theirs.append(ref_loss.item())
+    ours, theirs = _curves_against_autocast(model, opt, ref, opt_ref, loss_of, batches, half, scaler)
     diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     print(f"gpt2 {precision} {passes}", ours, theirs, f"max relative difference {max(diffs):.2e}")
     assert _fused_attentions(model) == 2
@@ -328,20 +335,8 @@ def test_gpt2_with_a_padded_attention_mask_takes_it_as_key_padding(monkeypatch):
 
     g = torch.Generator(device="cuda").manual_seed(11)
     batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(3)]
-    ours, theirs = [], []
-    for step in range(10):
-        ids = batches[step % 3]
-        opt.zero_grad()
-        loss = loss_of(model, ids)
-        loss.backward()
-        opt.step()
-        ours.append(loss.item())
-        opt_ref.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            ref_loss = loss_of(ref, ids)
-        ref_loss.backward()
-        opt_ref.step()
-        theirs.append(ref_loss.item())
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    ours, theirs = _curves_against_autocast(model, opt, ref, opt_ref, loss_of, batches, torch.bfloat16, scaler)
     diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     print("gpt2 bf16 padded", ours, theirs, f"max relative difference {max(diffs):.2e}")
     assert _fused_attentions(model) == 2

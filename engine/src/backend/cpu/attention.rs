@@ -56,8 +56,17 @@ impl KeyPadding<'_> {
     }
 }
 
-/// (layout, scale, nan_guard, key padding) of a node whose Q, Kt, V, mask start at input `first`.
-fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<(AttnLayout, f64, bool, Option<KeyPadding<'a>>)> {
+/// What a node's kernels need besides their operands.
+struct Params<'a> {
+    l: AttnLayout,
+    scale: f64,
+    /// `nan_guard`: a row of -inf scores gives 0, not NaN.
+    guard: bool,
+    kp: Option<KeyPadding<'a>>,
+}
+
+/// The [`Params`] of a node whose Q, Kt, V, mask start at input `first`.
+fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<Params<'a>> {
     let (q, kt, v) = (req(node, inputs, first)?, req(node, inputs, first + 1)?, req(node, inputs, first + 2)?);
     let mask = inputs.get(first + 3).and_then(|m| m.as_ref()).map(|m| m.shape);
     let l = attention_layout(node, q.shape, kt.shape, v.shape, mask)?;
@@ -69,7 +78,7 @@ fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<(At
         }
         None => None,
     };
-    Ok((l, node.attrs.float("scale", 1.0)? as f64, node.attrs.int("nan_guard", 0)? != 0, kp))
+    Ok(Params { l, scale: node.attrs.float("scale", 1.0)? as f64, guard: node.attrs.int("nan_guard", 0)? != 0, kp })
 }
 
 /// The scaled, masked scores of row `t` of batch matrix `b` (at offsets `off`).
@@ -192,17 +201,9 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention, &ins, &[Some((o, TO_BHSD))]);
     }
-    let (l, scale, guard, kp) = setup(node, inputs, 0)?;
-    #[allow(clippy::too_many_arguments)]
-    fn go<T: FloatElem>(
-        node: &Node,
-        l: &AttnLayout,
-        inputs: &[Option<In>],
-        out: &mut [Out],
-        scale: f64,
-        guard: bool,
-        kp: Option<&KeyPadding>,
-    ) -> Result<()> {
+    let params = setup(node, inputs, 0)?;
+    fn go<T: FloatElem>(node: &Node, p: &Params, inputs: &[Option<In>], out: &mut [Out]) -> Result<()> {
+        let (l, scale, guard, kp) = (&p.l, p.scale, p.guard, p.kp.as_ref());
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (q, kt, v) = (sl(0)?, sl(1)?, sl(2)?);
         let mask = match inputs.get(3).and_then(|m| m.as_ref()) {
@@ -238,7 +239,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         Ok(())
     }
     let dt = req(node, inputs, 0)?.dtype;
-    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale, guard, kp.as_ref()))
+    crate::dispatch_float!(dt, node, go::<T>(node, &params, inputs, out))
 }
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE, KP?) -> (dQ, dKt, dV).
@@ -252,15 +253,9 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         let ins = [Some(TO_BHSD), Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD), None, Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention_grad, &ins, &outs);
     }
-    let (l, scale, _, kp) = setup(node, inputs, 1)?;
-    fn go<T: FloatElem>(
-        node: &Node,
-        l: &AttnLayout,
-        inputs: &[Option<In>],
-        out: &mut [Out],
-        scale: f64,
-        kp: Option<&KeyPadding>,
-    ) -> Result<()> {
+    let params = setup(node, inputs, 1)?;
+    fn go<T: FloatElem>(node: &Node, p: &Params, inputs: &[Option<In>], out: &mut [Out]) -> Result<()> {
+        let (l, scale, kp) = (&p.l, p.scale, p.kp.as_ref());
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (dout, q, kt, v, o) = (sl(0)?, sl(1)?, sl(2)?, sl(3)?, sl(5)?);
         let mask = match inputs.get(4).and_then(|m| m.as_ref()) {
@@ -308,7 +303,7 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         Ok(())
     }
     let dt = req(node, inputs, 1)?.dtype;
-    crate::dispatch_float!(dt, node, go::<T>(node, &l, inputs, out, scale, kp.as_ref()))
+    crate::dispatch_float!(dt, node, go::<T>(node, &params, inputs, out))
 }
 
 pub fn register(t: &mut KernelTable) {

@@ -131,6 +131,9 @@ const UNARY: &[Arg] = &[Ptr, Ptr, AI64];
 const BINARY: &[Arg] = &[Ptr, Ptr, Ptr, Strides, AI64];
 const ACT: &[Arg] = &[Ptr, Ptr, AI64, AF32, AF32];
 const ACT_GRAD: &[Arg] = &[Ptr, Ptr, Ptr, AI64, AF32, AF32];
+/// The flash attention kernels' (kernels/attention_flash.cuh), with and without key padding.
+const FLASH_FWD: &[Arg] = &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr];
+const FLASH_BWD: &[Arg] = &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr];
 
 /// Every kernel file, in kernels/ at the repository root, with its kernels and their signatures
 /// (the comment at the top of each file describes the parameters).
@@ -301,40 +304,20 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_flash",
         [
-            g(
-                &["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"],
-                HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
-            ),
-            g(
-                &["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"],
-                HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
-            ),
-            g(
-                &["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"],
-                HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr],
-            ),
+            g(&["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"], HALVES, FLASH_FWD),
+            g(&["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"], HALVES, FLASH_BWD),
+            g(&["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"], HALVES, FLASH_BWD),
         ]
     ),
     family!(
         "attention_flash_padded",
         [
-            g(
-                &["attention_flash_fwd_d64_kp", "attention_flash_fwd_d64r128_kp", "attention_flash_fwd_d128_kp"],
-                HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
-            ),
-            g(
-                &["attention_flash_bwd_dq_d64_kp", "attention_flash_bwd_dq_d64r128_kp", "attention_flash_bwd_dq_d128_kp"],
-                HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr]
-            ),
+            g(&["attention_flash_fwd_d64_kp", "attention_flash_fwd_d64r128_kp", "attention_flash_fwd_d128_kp"], HALVES, FLASH_FWD),
+            g(&["attention_flash_bwd_dq_d64_kp", "attention_flash_bwd_dq_d64r128_kp", "attention_flash_bwd_dq_d128_kp"], HALVES, FLASH_BWD),
             g(
                 &["attention_flash_bwd_dkv_d64_kp", "attention_flash_bwd_dkv_d64r128_kp", "attention_flash_bwd_dkv_d128_kp"],
                 HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AttnShape, AF32, AI32, Ptr],
+                FLASH_BWD
             ),
         ]
     ),

@@ -13,13 +13,14 @@ use crate::backend::cuda::ops::{kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROW
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
 
-const SCALE: f64 = 0.125;
+pub(super) const SCALE: f64 = 0.125;
 
 /// Each 16-bit type and the largest error (of the largest value) its kernels may have against
 /// the f64 reference on inputs of that type.
-const PRECISION: [(&str, f64); 2] = [("bf16", 1e-2), ("f16", 1.5e-3)];
+pub(super) const PRECISION: [(&str, f64); 2] = [("bf16", 1e-2), ("f16", 1.5e-3)];
 
-fn node(op: &str) -> Node {
+/// A fused attention node of this file's tests: scale 1/8, nan_guard, layout BSHD.
+pub(super) fn node(op: &str) -> Node {
     let attrs = Attrs::default()
         .with("scale", Attr::Float(SCALE as f32))
         .with("nan_guard", Attr::Int(1))
@@ -42,40 +43,7 @@ struct Case {
 /// LSE [b, h, t].
 fn reference(c: Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64>; 5] {
     let Case { b, h, t, s, d, causal } = c;
-    let (mut o, mut lse, mut dq, mut dk, mut dv) =
-        (vec![0.0; q.len()], vec![0.0; b * h * t], vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    let row = |bi: usize, i: usize, hi: usize, n: usize| ((bi * n + i) * h + hi) * d;
-    for bi in 0..b {
-        for hi in 0..h {
-            for i in 0..t {
-                let (qi, oi) = (row(bi, i, hi, t), row(bi, i, hi, t));
-                let keys: Vec<usize> = (0..s).filter(|&j| !causal || j <= i).collect();
-                let scores: Vec<f64> =
-                    keys.iter().map(|&j| SCALE * (0..d).map(|x| q[qi + x] * k[row(bi, j, hi, s) + x]).sum::<f64>()).collect();
-                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = scores.iter().map(|x| (x - m).exp()).sum();
-                let p: Vec<f64> = scores.iter().map(|x| (x - m).exp() / sum).collect();
-                lse[(bi * h + hi) * t + i] = m + sum.ln();
-                for (&j, &pj) in keys.iter().zip(&p) {
-                    for x in 0..d {
-                        o[oi + x] += pj * v[row(bi, j, hi, s) + x];
-                    }
-                }
-                let delta: f64 = (0..d).map(|x| dout[oi + x] * o[oi + x]).sum();
-                for (&j, &pj) in keys.iter().zip(&p) {
-                    let kj = row(bi, j, hi, s);
-                    let dp: f64 = (0..d).map(|x| dout[oi + x] * v[kj + x]).sum();
-                    let ds = pj * (dp - delta);
-                    for x in 0..d {
-                        dq[qi + x] += SCALE * ds * k[kj + x];
-                        dk[kj + x] += SCALE * ds * q[qi + x];
-                        dv[kj + x] += pj * dout[oi + x];
-                    }
-                }
-            }
-        }
-    }
-    [o, lse, dq, dk, dv]
+    attention_reference(AttnDims { b, h, t, s, d }, SCALE, [q, k, v, dout], |_, i, j| if causal && j > i { f64::NEG_INFINITY } else { 0.0 })
 }
 
 /// The kernels' O, LSE, dQ, dK, dV for one case on `dt` ("bf16", "f16") tensors (the causal mask

@@ -11,20 +11,19 @@ use std::sync::Arc;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::ops::{attention_path, kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};
-use crate::ir::{Attr, Attrs, Node};
+use crate::ir::{Attr, Node};
 use crate::tensor::{DType, Data, Tensor};
 
-const SCALE: f64 = 0.125;
+use super::flash_attention::{PRECISION, SCALE};
+
 /// Hugging Face's masked value (finfo(float32).min), in the mask and as the padding's value.
 const MIN: f32 = f32::MIN;
 
+/// The flash tests' node, with the padding's value.
 fn node(op: &str) -> Node {
-    let attrs = Attrs::default()
-        .with("scale", Attr::Float(SCALE as f32))
-        .with("nan_guard", Attr::Int(1))
-        .with("layout", Attr::String("BSHD".into()))
-        .with("padding_value", Attr::Float(MIN));
-    Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
+    let mut node = super::flash_attention::node(op);
+    node.attrs.set("padding_value", Attr::Float(MIN));
+    node
 }
 
 /// Batch, heads, length (queries = keys), head size.
@@ -65,43 +64,8 @@ fn no_visible_key(c: Case, kp: &[u8], bi: usize, i: usize) -> bool {
 /// causal finfo.min mask where the key is real and finfo.min where it is padding.
 fn reference(c: Case, kp: &[u8], q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64>; 5] {
     let Case { b, h, t, d } = c;
-    let (mut o, mut lse, mut dq, mut dk, mut dv) =
-        (vec![0.0; q.len()], vec![0.0; b * h * t], vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-    let row = |bi: usize, i: usize, hi: usize| ((bi * t + i) * h + hi) * d;
-    for bi in 0..b {
-        for hi in 0..h {
-            for i in 0..t {
-                let qi = row(bi, i, hi);
-                let x: Vec<f64> = (0..t)
-                    .map(|j| {
-                        let m = if j <= i && kp[bi * t + j] != 0 { 0.0 } else { MIN as f64 };
-                        SCALE * (0..d).map(|e| q[qi + e] * k[row(bi, j, hi) + e]).sum::<f64>() + m
-                    })
-                    .collect();
-                let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = x.iter().map(|s| (s - m).exp()).sum();
-                let p: Vec<f64> = x.iter().map(|s| (s - m).exp() / sum).collect();
-                lse[(bi * h + hi) * t + i] = m + sum.ln();
-                for (j, &pj) in p.iter().enumerate() {
-                    for e in 0..d {
-                        o[qi + e] += pj * v[row(bi, j, hi) + e];
-                    }
-                }
-                let delta: f64 = (0..d).map(|e| dout[qi + e] * o[qi + e]).sum();
-                for (j, &pj) in p.iter().enumerate() {
-                    let kj = row(bi, j, hi);
-                    let dp: f64 = (0..d).map(|e| dout[qi + e] * v[kj + e]).sum();
-                    let ds = pj * (dp - delta);
-                    for e in 0..d {
-                        dq[qi + e] += SCALE * ds * k[kj + e];
-                        dk[kj + e] += SCALE * ds * q[qi + e];
-                        dv[kj + e] += pj * dout[qi + e];
-                    }
-                }
-            }
-        }
-    }
-    [o, lse, dq, dk, dv]
+    let mask = |bi: usize, i: usize, j: usize| if j <= i && kp[bi * t + j] != 0 { 0.0 } else { MIN as f64 };
+    attention_reference(AttnDims { b, h, t, s: t, d }, SCALE, [q, k, v, dout], mask)
 }
 
 /// The dispatchers' O, LSE, dQ, dK, dV and the forward's recorded path, on `dt` tensors ("bf16",
@@ -175,7 +139,7 @@ fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
     let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_and_rows_without_a_key") else { return };
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(83);
-    for (dt, bound) in [("bf16", 1e-2), ("f16", 1.5e-3)] {
+    for (dt, bound) in PRECISION {
         for c in [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 2, h: 1, t: 150, d: 128 }] {
             let Case { b, h, t, d } = c;
             let kp = flags(c);
