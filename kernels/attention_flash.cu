@@ -1,6 +1,9 @@
 // The flash attention kernels without key padding (kernels/attention_flash.cuh has them and
 // says what they compute; attention_flash_padded.cu has those with key padding).
 
+#include "prelude.cuh"
+#include "attention.cuh"
+#include "attention_mma_stage.cuh"
 #include "attention_flash.cuh"
 
 // Every kernel of the file for the 16-bit type P. Heads of 64, 64-row blocks: 3 blocks (12 warps)

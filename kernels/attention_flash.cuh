@@ -47,9 +47,7 @@
 // same). Every row has a key (no mask, or causal with T = S; with key padding, a row without one
 // gets equal weights), so no row is empty and nan_guard has nothing to do.
 
-#include "prelude.cuh"
-#include "attention.cuh"
-#include "attention_mma_stage.cuh"
+// (the including file has included prelude.cuh, attention.cuh and attention_mma_stage.cuh)
 
 #define FA_LOG2E 1.4426950408889634f
 

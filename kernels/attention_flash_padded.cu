@@ -2,6 +2,9 @@
 // kernels/attention_flash.cuh, which says what they compute): the same blocks and launch bounds
 // as attention_flash.cu's, named with `_kp` after the block size (attention_flash_fwd_d64r128_kp_bf16).
 
+#include "prelude.cuh"
+#include "attention.cuh"
+#include "attention_mma_stage.cuh"
 #include "attention_flash.cuh"
 
 #define FA_PADDED_KERNELS(P)                     \
