@@ -140,17 +140,19 @@ impl AttnLayout {
         self.batch.iter().product()
     }
     /// Element offsets of (Q, Kt, V, mask) for flat full-batch index `b`.
-    pub fn offsets(&self, mut b: usize) -> [usize; 4] {
-        let mut o = [0usize; 4];
+    pub fn offsets(&self, b: usize) -> [usize; 4] {
+        let m = self.m.as_ref().map_or(0, |m| self.batch_offset(&m.0, b));
+        [self.batch_offset(&self.q, b), self.batch_offset(&self.k, b), self.batch_offset(&self.v, b), m]
+    }
+    /// The element offset, for flat full-batch index `b`, of a tensor with these strides per
+    /// full batch dim.
+    pub fn batch_offset(&self, strides: &[usize], mut b: usize) -> usize {
+        let mut at = 0;
         for i in (0..self.batch.len()).rev() {
-            let k = b % self.batch[i];
+            at += (b % self.batch[i]) * strides[i];
             b /= self.batch[i];
-            o[0] += k * self.q[i];
-            o[1] += k * self.k[i];
-            o[2] += k * self.v[i];
-            o[3] += k * self.m.as_ref().map_or(0, |m| m.0[i]);
         }
-        o
+        at
     }
 }
 

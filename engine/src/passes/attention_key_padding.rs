@@ -12,32 +12,15 @@
 //! attention reads from memory, and a mask computed at run time can never be found causal, so
 //! the flash kernels, which take no read mask, never run.
 
-use super::scalar_value;
 use super::sym_shape::{declared, SymDim};
+use super::{computed_from, scalar_value};
 use crate::ir::{Attr, Graph, NodeId, ValueId, ValueKind};
 use crate::ops::attention::{key_padding_input, q_input};
 
 /// Whether `v` is computed from the step's data (a graph input's or a weight's values): a
 /// Shape reads only its operand's dims, which every plan knows, so it does not count.
 fn reads_data(graph: &Graph, v: ValueId) -> bool {
-    let mut seen = vec![false; graph.values.len()];
-    let mut stack = vec![v];
-    while let Some(x) = stack.pop() {
-        if std::mem::replace(&mut seen[x.0], true) {
-            continue;
-        }
-        let value = graph.value(x);
-        if matches!(value.kind, ValueKind::Input | ValueKind::Weight) {
-            return true;
-        }
-        if let Some(p) = value.producer {
-            let node = &graph.nodes[p.0];
-            if node.op_type != "Shape" {
-                stack.extend(node.inputs.iter().flatten());
-            }
-        }
-    }
-    false
+    computed_from(graph, v, |k| matches!(k, ValueKind::Input | ValueKind::Weight), |n| n.op_type != "Shape")
 }
 
 /// Whether `v` (an And's operand: bool) is declared with one flag per key: rank ≥ 2, size 1

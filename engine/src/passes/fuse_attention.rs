@@ -6,26 +6,13 @@
 //! on no weight (the fused op gives the mask no gradient). CUDA sessions only, opt-in
 //! (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU kernel is the reference.
 
-use super::{scalar_const, scalar_value, sole_producer};
+use super::{computed_from, scalar_const, scalar_value, sole_producer};
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
 /// Whether any value `v` is computed from is a weight.
 fn depends_on_weight(graph: &Graph, v: ValueId) -> bool {
-    let mut seen = vec![false; graph.values.len()];
-    let mut stack = vec![v];
-    while let Some(x) = stack.pop() {
-        if std::mem::replace(&mut seen[x.0], true) {
-            continue;
-        }
-        if graph.value(x).kind == ValueKind::Weight {
-            return true;
-        }
-        if let Some(p) = graph.value(x).producer {
-            stack.extend(graph.nodes[p.0].inputs.iter().flatten());
-        }
-    }
-    false
+    computed_from(graph, v, |k| *k == ValueKind::Weight, |_| true)
 }
 
 /// (probabilities, nan_guard): P' = Where(IsNaN(P), 0, P) with P read only by those two, or P.

@@ -205,6 +205,26 @@ pub(super) fn sole_producer<'g>(graph: &'g Graph, consumers: &[Vec<(NodeId, usiz
     (node.op_type == op && consumers[v.0].len() == 1 && !graph.outputs.contains(&v)).then_some(node)
 }
 
+/// Whether `v` is computed from a value `leaf` accepts (by its kind), following the inputs of
+/// every producer `through` accepts.
+pub(super) fn computed_from(graph: &Graph, v: ValueId, leaf: impl Fn(&ValueKind) -> bool, through: impl Fn(&Node) -> bool) -> bool {
+    let mut seen = vec![false; graph.values.len()];
+    let mut stack = vec![v];
+    while let Some(x) = stack.pop() {
+        if std::mem::replace(&mut seen[x.0], true) {
+            continue;
+        }
+        let value = graph.value(x);
+        if leaf(&value.kind) {
+            return true;
+        }
+        if let Some(node) = value.producer.map(|p| &graph.nodes[p.0]).filter(|n| through(n)) {
+            stack.extend(node.inputs.iter().flatten());
+        }
+    }
+    false
+}
+
 /// The value of a one-element constant.
 pub(super) fn scalar_const(graph: &Graph, v: ValueId) -> Option<f64> {
     let ValueKind::Const(t) = &graph.value(v).kind else { return None };

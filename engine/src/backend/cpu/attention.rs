@@ -44,18 +44,6 @@ struct KeyPadding<'a> {
     value: f64,
 }
 
-impl KeyPadding<'_> {
-    /// Whether key `j` of flat batch matrix `b` is padding.
-    fn padded(&self, l: &AttnLayout, mut b: usize, j: usize) -> bool {
-        let mut at = j * self.s;
-        for i in (0..l.batch.len()).rev() {
-            at += (b % l.batch[i]) * self.batch[i];
-            b /= l.batch[i];
-        }
-        self.flags[at] == 0
-    }
-}
-
 /// What a node's kernels need besides their operands.
 struct Params<'a> {
     l: AttnLayout,
@@ -82,18 +70,10 @@ fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<Par
 }
 
 /// The scaled, masked scores of row `t` of batch matrix `b` (at offsets `off`).
-#[allow(clippy::too_many_arguments)]
-fn scores<T: FloatElem>(
-    l: &AttnLayout,
-    b: usize,
-    off: &[usize; 4],
-    q: &[T],
-    kt: &[T],
-    mask: Option<&[T]>,
-    kp: Option<&KeyPadding>,
-    scale: f64,
-    t: usize,
-) -> Vec<f64> {
+fn scores<T: FloatElem>(p: &Params, b: usize, off: &[usize; 4], q: &[T], kt: &[T], mask: Option<&[T]>, t: usize) -> Vec<f64> {
+    let (l, scale) = (&p.l, p.scale);
+    // the key padding: its flags at this batch matrix, and the padded keys' value
+    let padding = p.kp.as_ref().map(|kp| (&kp.flags[l.batch_offset(&kp.batch, b)..], kp.s, kp.value));
     (0..l.s)
         .map(|j| {
             let dot: f64 = (0..l.d).map(|k| q[off[0] + t * l.d + k].as_() * kt[off[1] + k * l.s + j].as_()).sum();
@@ -101,8 +81,8 @@ fn scores<T: FloatElem>(
                 (Some(mv), Some((_, mt, ms))) => mv[off[3] + t * mt + j * ms].as_(),
                 _ => 0.0,
             };
-            let m = match kp {
-                Some(kp) if kp.padded(l, b, j) => kp.value,
+            let m = match padding {
+                Some((flags, s, value)) if flags[j * s] == 0 => value,
                 _ => m,
             };
             dot * scale + m
@@ -203,7 +183,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
     }
     let params = setup(node, inputs, 0)?;
     fn go<T: FloatElem>(node: &Node, p: &Params, inputs: &[Option<In>], out: &mut [Out]) -> Result<()> {
-        let (l, scale, guard, kp) = (&p.l, p.scale, p.guard, p.kp.as_ref());
+        let (l, guard) = (&p.l, p.guard);
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (q, kt, v) = (sl(0)?, sl(1)?, sl(2)?);
         let mask = match inputs.get(3).and_then(|m| m.as_ref()) {
@@ -218,7 +198,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
         o.par_chunks_mut((l.t * l.dv).max(1)).zip(lse.par_chunks_mut(l.t)).enumerate().for_each(|(b, (ob, lb))| {
             let off = l.offsets(b);
             for t in 0..l.t {
-                let s = scores(l, b, &off, q, kt, mask, kp, scale, t);
+                let s = scores(p, b, &off, q, kt, mask, t);
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let orow = &mut ob[t * l.dv..(t + 1) * l.dv];
                 if m == f64::NEG_INFINITY {
@@ -254,8 +234,8 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         return via_bhsd(node, inputs, out, ctx, attention_grad, &ins, &outs);
     }
     let params = setup(node, inputs, 1)?;
-    fn go<T: FloatElem>(node: &Node, p: &Params, inputs: &[Option<In>], out: &mut [Out]) -> Result<()> {
-        let (l, scale, kp) = (&p.l, p.scale, p.kp.as_ref());
+    fn go<T: FloatElem>(node: &Node, params: &Params, inputs: &[Option<In>], out: &mut [Out]) -> Result<()> {
+        let (l, scale) = (&params.l, params.scale);
         let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<T>());
         let (dout, q, kt, v, o) = (sl(0)?, sl(1)?, sl(2)?, sl(3)?, sl(5)?);
         let mask = match inputs.get(4).and_then(|m| m.as_ref()) {
@@ -274,7 +254,7 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
                 let row = b * l.t + t;
                 let lr = lse[row] as f64;
                 let dorow = &dout[row * l.dv..(row + 1) * l.dv];
-                let s = scores(l, b, &off, q, kt, mask, kp, scale, t);
+                let s = scores(params, b, &off, q, kt, mask, t);
                 let p: Vec<f64> = if lr > SETTLED {
                     s.iter().map(|&x| if x == f64::NEG_INFINITY { 0.0 } else { (x - lr).exp() }).collect()
                 } else {

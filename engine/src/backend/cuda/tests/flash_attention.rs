@@ -7,6 +7,7 @@
 
 use std::sync::Arc;
 
+use super::attention_reference::{attention_reference, AttnDims};
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::ops::{kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};

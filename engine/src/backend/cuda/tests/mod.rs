@@ -10,6 +10,7 @@
 
 mod activation;
 mod attention_layout;
+mod attention_reference;
 mod blas;
 mod blas_lt;
 mod causal_attention;
