@@ -188,3 +188,44 @@ def test_loaded_state_the_engine_cannot_address_goes_to_pytorchs_step():
     opt.state[b]["exp_avg"] = torch.zeros(b.numel() + 5)
     with pytest.raises(RuntimeError):
         _step(model, opt, x)
+
+
+def test_the_steps_plan_follows_torch_through_what_changes_between_steps(monkeypatch):
+    """After a step that updated every parameter of a group, later steps take the group's plan
+    (engine/adam_plan.py: no per-parameter checks, one add counts the steps) while it holds, and
+    the general path wherever something it recorded changed: a new learning rate (read every
+    step), a parameter without a gradient, the state loaded or a moment replaced. Each step
+    follows torch.optim on the same gradients; the step counts stay float32 CPU tensors."""
+    x = torch.randn(6, 8)
+    model, ref = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    ortrain.accelerate(model, opt)
+    general = []
+    real = engine_optimizer._adam_group
+    monkeypatch.setattr(engine_optimizer, "_adam_group", lambda *a: general.append(step) or real(*a))
+    for step in range(9):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            if step == 3:
+                o.param_groups[0]["lr"] = 3e-3
+            if step == 4:
+                m[2].bias.grad = None  # no gradient this step: its step count falls behind
+            if step == 6:
+                o.load_state_dict(copy.deepcopy(o.state_dict()))
+            if step == 7:
+                w = m[0].weight
+                o.state[w]["exp_avg"] = o.state[w]["exp_avg"].clone()
+        opt.step()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+            assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].device.type == "cpu"
+            assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"]), step
+    # the general path: the first step, the step without a gradient and the one after it (a new
+    # plan), the loaded state, the replaced moment
+    assert general == [0, 4, 5, 6, 7], general
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):
+            torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=atol)

@@ -282,7 +282,7 @@ def test_gradient_memory_is_reused_once_nothing_holds_it():
         assert torch.equal(g, copies[n]), f"{n}: a held gradient was written over"
         assert model.get_parameter(n).grad.data_ptr() != g.data_ptr(), n
     _close_grads(_grads(model), _grads(ref))
-    pooled = [weakref.ref(s) for s in runner._grad_storage if s is not None]
+    pooled = [weakref.ref(kept[1]) for kept in runner._grad_storage if kept is not None]
     assert len(pooled) == len(held)
     step(model), step(ref)  # zero_grad() dropped the second step's gradients: their memory serves
     live = [w() for w in pooled]

@@ -154,8 +154,32 @@ fn scale(py: Python<'_>, tensors: Vec<(usize, usize)>, factor: f32) {
     });
 }
 
+/// torch.nn.utils.clip_grad_norm_ (L2) over f32 tensors given as (address, numel): their global
+/// norm, then each scaled in place by torch's coefficient (optim::clip_coefficient) unless it is
+/// exactly 1 (a product by 1 changes no value) or, with `skip_nonfinite`, the norm is not finite.
+/// One call: the norm and the scaling without a return to Python between them. Returns the norm.
+#[pyfunction]
+fn clip_by_global_norm(py: Python<'_>, tensors: Vec<(usize, usize)>, max_norm: f64, skip_nonfinite: bool) -> f32 {
+    let t = addressed(tensors);
+    py.detach(move || {
+        let total = {
+            // SAFETY: the caller passes live f32 tensors of n elements (only read in this block).
+            let views: Vec<&[f32]> = t.iter().map(|&(a, n)| &*unsafe { f32s(a, n) }).collect();
+            optim::global_norm(&views)
+        };
+        let coef = optim::clip_coefficient(total, max_norm);
+        if coef != 1.0 && !(skip_nonfinite && !total.is_finite()) {
+            // SAFETY: as above, distinct tensors; the read views are gone.
+            let views: Vec<&mut [f32]> = t.into_iter().map(|(a, n)| unsafe { f32s(a, n) }).collect();
+            optim::scale_many(views, coef);
+        }
+        total
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(clip_by_global_norm, m)?)?;
     m.add_function(wrap_pyfunction!(sgd_step, m)?)?;
     m.add_function(wrap_pyfunction!(lamb_step, m)?)?;
     m.add_function(wrap_pyfunction!(global_norm, m)?)?;

@@ -50,6 +50,18 @@ pub fn global_norm(tensors: &[&[f32]]) -> f32 {
     per_tensor.map(|n| (n as f64) * (n as f64)).sum::<f64>().sqrt() as f32
 }
 
+/// torch.nn.utils.clip_grad_norm_'s coefficient `clamp(max_norm / (total + 1e-6), max=1)` as
+/// torch computes it on the 0-dim f32 norm: `total + 1e-6` in f32, `max_norm / x` as
+/// `x.reciprocal() * max_norm` (Tensor.__rtruediv__) in f32, the clamp keeping NaN.
+pub fn clip_coefficient(total: f32, max_norm: f64) -> f32 {
+    let c = (1.0f32 / (total + 1e-6f64 as f32)) * max_norm as f32;
+    if c > 1.0 {
+        1.0
+    } else {
+        c
+    }
+}
+
 /// Multiplies every element of every tensor by `s` in place, in one parallel pass.
 pub fn scale_many(tensors: Vec<&mut [f32]>, s: f32) {
     let chunks: Vec<&mut [f32]> = tensors.into_iter().flat_map(|t| t.chunks_mut(CHUNK)).collect();
@@ -87,6 +99,17 @@ mod tests {
         assert_eq!(global_norm(&[]), 0.0);
         let nan = vec![1.0, f32::NAN];
         assert!(global_norm(&[&a, &nan]).is_nan());
+    }
+
+    #[test]
+    fn the_coefficient_is_torchs_f32_arithmetic() {
+        // reciprocal then product, not a quotient: for 0.3 / 7.0 they differ in the last bit
+        let total = 7.0f32 - 1e-6;
+        let r = 1.0f32 / (total + 1e-6f32);
+        assert_eq!(clip_coefficient(total, 0.3).to_bits(), (r * 0.3f32).to_bits());
+        assert_eq!(clip_coefficient(0.1, 0.5), 1.0);
+        assert!(clip_coefficient(f32::NAN, 0.5).is_nan());
+        assert_eq!(clip_coefficient(f32::INFINITY, 0.5), 0.0);
     }
 
     #[test]

@@ -8,7 +8,7 @@ mod clip;
 use rayon::prelude::*;
 
 pub use adam::{adam_many, AdamScalars, AdamTensor};
-pub use clip::{global_norm, scale_many, sum_squares_many};
+pub use clip::{clip_coefficient, global_norm, scale_many, sum_squares_many};
 
 const CHUNK: usize = 1 << 14;
 

@@ -1,7 +1,8 @@
 """torch.nn.utils.clip_grad_norm_ in the engine for the gradients of accelerated models: on the
-CPU, on the engine's threads with the same arithmetic as torch's (each gradient's L2 norm as an
-f32, the norm of those, coefficient min(max_norm / (total + 1e-6), 1) computed by torch on the
-0-dim norm, gradients multiplied by it in place), returning the same 0-dim total-norm tensor; on
+CPU, in one engine call on its threads with the same arithmetic as torch's (each gradient's L2
+norm as an f32, the norm of those, coefficient min(max_norm / (total + 1e-6), 1) in f32 as torch
+computes it on the 0-dim norm, gradients multiplied by it in place unless it is 1), returning
+the same 0-dim total-norm tensor; on
 the GPU, as three kernel launches queued on the current stream (kernels/optim.cu: squares summed
 per chunk in f64, the norm and the coefficient computed on the device, every gradient scaled):
 no host synchronisation, where torch's function takes about ten launches and the Python that
@@ -24,6 +25,7 @@ on the GPU (torch's check synchronises anyway). ORTRAIN_ENGINE_CLIP=0 turns the 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import types
 import weakref
@@ -32,6 +34,9 @@ import torch
 
 from ortrain import _ortrain
 from ortrain.engine.gpu_tables import GPU, device_tables
+
+_F32 = torch.float32
+_STRIDED = torch.strided
 
 #: accelerated CPU models: their parameters' gradients are clipped in the engine
 _MODELS: weakref.WeakSet = weakref.WeakSet()
@@ -79,22 +84,26 @@ _GPU_TABLES: dict = {}
 
 def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
     """(the gradients to clip in the engine, "") or (None, why torch's function clips them: empty
-    when no accelerated model's gradient is among them)."""
+    when no accelerated model's gradient is among them). One pass of identity and flag tests per
+    gradient: this runs every step (about 40 µs for the tutorial model's 27 on a 2-core Zen 4)."""
     ids = _accelerated_ids()
-    grads, ours = [], False
-    why = ""
-    devices = set()
+    grads, ours, why = [], False, ""
+    device = None  # the gradients' device index (-1: the CPU), False once they differ
     for p in params:
         g = p.grad
         if g is None:
             continue
-        ours = ours or id(p) in ids
-        if id(p) not in ids:
-            why = why or "parameters of models that are not accelerated among them"
-        elif not (g.device.type in ("cpu", "cuda") and g.dtype == torch.float32 and g.layout == torch.strided
-                  and g.is_contiguous()):
-            why = why or f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 one"
-        devices.add(g.device)
+        if id(p) in ids:
+            ours = True
+        elif not why:
+            why = "parameters of models that are not accelerated among them"
+        if not why and not (g.dtype is _F32 and g.layout is _STRIDED and (g.is_cpu or g.is_cuda) and g.is_contiguous()):
+            why = f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 one"
+        d = g.get_device()
+        if device is None:
+            device = d
+        elif device is not False and d != device:
+            device = False
         grads.append(g)
     if not ours:
         return None, ""
@@ -102,10 +111,10 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
         why = "ORTRAIN_ENGINE_CLIP=0"
     elif float(norm_type) != 2.0:
         why = f"norm_type={norm_type}"
-    elif len(devices) > 1:
-        why = why or f"gradients on {len(devices)} devices"
-    elif devices and next(iter(devices)).type == "cuda" and not why:
-        why = _gpu_why_not(next(iter(devices)), error_if_nonfinite)
+    elif device is False:
+        why = why or f"gradients on {len({g.device for g in grads})} devices"
+    elif device is not None and device >= 0 and not why:
+        why = _gpu_why_not(torch.device("cuda", device), error_if_nonfinite)
     return (None, why) if why else (grads, "")
 
 
@@ -173,14 +182,13 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
         # an emptied generator goes on as one, so that torch warns about it as it would
         again = (p for p in params) if is_generator else params
         return original(again, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
-    tensors = [(g.data_ptr(), g.numel()) for g in grads]
-    total_norm = torch.tensor(_ortrain.global_norm(tensors), dtype=torch.float32)
-    if error_if_nonfinite and not torch.isfinite(total_norm):
+    total = _ortrain.clip_by_global_norm([(g.data_ptr(), g.numel()) for g in grads], float(max_norm),
+                                         bool(error_if_nonfinite))
+    total_norm = torch.tensor(total, dtype=torch.float32)
+    if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`")
-    coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
-    _ortrain.scale(tensors, coef.item())
     _CALLS["engine"] += 1
     return total_norm

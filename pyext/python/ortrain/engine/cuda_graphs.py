@@ -85,7 +85,7 @@ class GraphCache:
         if budget is None:
             budget = int(torch.cuda.get_device_properties(device).total_memory * BUDGET_FRACTION)
         self.budget = budget
-        self.grads: list | None = None  # gradients' memory: (storage, shape, dtype) (or None) per weight
+        self.grads: list | None = None  # gradients' memory: (tensor, its storage) (or None) per weight
         self.grad_bytes = 0
         self.replays = 0  # phases run through a graph
         self.grads_held = 0  # backward passes run without their graph: the gradient memory was referenced
@@ -130,17 +130,19 @@ class GraphCache:
             return None
         if self.grads is None:
             try:
-                self.grads = [(torch.empty(w.shape, dtype=w.dtype, device=w.device).untyped_storage(), w.shape, w.dtype)
-                              if want else None for w, want in zip(weights, wanted)]
+                bases = [torch.empty(w.shape, dtype=w.dtype, device=w.device) if want else None
+                         for w, want in zip(weights, wanted)]
             except torch.OutOfMemoryError:
                 return None
-            self.grad_bytes = sum(g[0].nbytes() for g in self.grads if g is not None)
-        if any(g is not None and _use_count(g[0]._cdata) != 1 for g in self.grads):
+            self.grads = [None if b is None else (b, b.untyped_storage()) for b in bases]
+            self.grad_bytes = sum(g[1].nbytes() for g in self.grads if g is not None)
+        # the cache's two references (the tensor and its storage) and no other
+        if any(g is not None and _use_count(g[1]._cdata) != 2 for g in self.grads):
             self.grads_held += 1
             return None
-        # fresh tensors over the storage: autograd may then make them `.grad` without a copy
-        return [None if g is None else torch.empty(0, dtype=g[2], device=g[0].device).set_(g[0], 0, g[1])
-                for g in self.grads]
+        # new tensors over the memory (detach: no copy, 1 µs each): autograd may make them `.grad`
+        # without a copy, nothing else referencing them
+        return [None if g is None else g[0].detach() for g in self.grads]
 
     def ran_without_graph(self, key, phase: str) -> None:
         if key is None:

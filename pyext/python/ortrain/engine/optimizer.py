@@ -10,6 +10,7 @@ import torch
 
 from ortrain import _ortrain
 from ortrain._warn import warn
+from ortrain.engine import adam_plan
 from ortrain.engine.gpu_tables import GPU, device_tables
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -96,37 +97,41 @@ def _gpu_ok(p: torch.Tensor) -> bool:
 _GPU_UPDATE_WORKS = [True]
 
 
-def _gpu_adam(opt, todo: list, group, decoupled: bool) -> list:
-    """One engine launch per step count updates the GPU parameters in `todo` ((param, grad,
-    exp_avg, exp_avg_sq, step) each): kernels/optim.cu's multi-tensor Adam, queued on the current
-    stream, instead of torch's foreach kernels, over the descriptor table and chunk lists
-    gpu_tables.py keeps per set of rows (the four tensors' addresses and sizes).
-    Returns the parameters it did not update: none, or (a launch failed: warned once, and the
-    engine's GPU update is off for the process) those of that launch and the ones after it, their
-    step counts taken back for PyTorch's step to count them."""
-    b1, b2 = group["betas"]
+def gpu_adam_rows(opt, rows: list, steps: list, hyper: tuple) -> list:
+    """One engine launch per step count updates the GPU parameters given as `rows` ((param, grad,
+    exp_avg, exp_avg_sq addresses, numel) each, at step count `steps[i]`, with `hyper` (lr,
+    beta1, beta2, eps, weight_decay, decoupled, maximize)): kernels/optim.cu's multi-tensor Adam,
+    queued on the current stream, instead of torch's foreach kernels, over the descriptor table
+    and chunk lists gpu_tables.py keeps per set of rows. Returns the indices of the rows it did
+    not update: none, or (a launch failed: warned once, and the engine's GPU update is off for
+    the process) those of that launch and the ones after it."""
     stream = torch.cuda.current_stream(GPU).cuda_stream
     cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})  # rows -> gpu_tables.device_tables
     by_step: dict = {}
-    for t in todo:
-        by_step.setdefault(t[4], []).append(t)
+    for i, t in enumerate(steps):
+        by_step.setdefault(t, []).append(i)
     groups = list(by_step.items())
-    for i, (step, ts) in enumerate(groups):
-        rows = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in ts)
-        table, chunk_tensor, chunk_start = device_tables(cache, rows)
+    for k, (step, idx) in enumerate(groups):
+        table, chunk_tensor, chunk_start = device_tables(cache, tuple(rows[i] for i in idx))
         try:
             _ortrain.cuda_adam_step(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunk_tensor.numel(),
-                                    float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                                    float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)), step,
-                                    stream)
+                                    *hyper, step, stream)
         except _ortrain.EngineError as exc:
             _GPU_UPDATE_WORKS[0] = False
             warn(f"ortrain: the engine's GPU Adam update failed ({str(exc).splitlines()[0]}); PyTorch's step updates "
                  "the GPU parameters from now on")
-            left = [t[0] for _, later in groups[i:] for t in later]
-            torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
-            return left
+            return [i for _, later in groups[k:] for i in later]
     return []
+
+
+def _gpu_adam(opt, todo: list, hyper: tuple) -> list:
+    """gpu_adam_rows over `todo` ((param, grad, exp_avg, exp_avg_sq, step) each). Returns the
+    parameters it did not update, their step counts taken back for PyTorch's step to count them."""
+    rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in todo]
+    left = [todo[i][0] for i in gpu_adam_rows(opt, rows, [t[4] for t in todo], hyper)]
+    if left:
+        torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
+    return left
 
 
 def _adam_group(opt, group, created: list, keep: dict) -> tuple:
@@ -138,7 +143,7 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     writing and then reading 2 x the parameters' bytes in the first step (~0.1 s on the tutorial
     model). The step counts (0-dim CPU tensors, as torch keeps them) are counted in one foreach
     add (~3x cheaper than one in-place add per parameter)."""
-    cpu, gpu, fresh, rest, keeps, kept = [], [], [], [], [], []
+    cpu, gpu, fresh, rest, keeps, kept, gpu_copies = [], [], [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -170,7 +175,9 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
         else:
             gpu.append(p)
             if k is not None:
-                k[1].copy_(p)  # the GPU update has no copy pass: queued now, before it
+                gpu_copies.append(k)
+    if gpu_copies:  # the GPU update has no copy pass: queued now, before it
+        torch._foreach_copy_([c for _, c in gpu_copies], [p for p, _ in gpu_copies])
     states = [opt.state[p] for p in cpu + gpu]
     counts = [st["step"] for st in states]
     if counts:
@@ -198,7 +205,8 @@ def _engine_step(self, closure=None):
                 else:
                     keep[id(p)] = (p, c)
             _DEFERRED.clear()
-            for group in self.param_groups:
+            decoupled = isinstance(self, torch.optim.AdamW)
+            for index, group in enumerate(self.param_groups):
                 if any(group.get(o) for o in _TORCH_ONLY_OPTIONS):
                     # a group added (or changed) after accelerate_optimizer with an option the
                     # engine lacks: PyTorch steps it
@@ -207,20 +215,26 @@ def _engine_step(self, closure=None):
                 if isinstance(self, torch.optim.SGD):
                     leftovers += _sgd_group(self, group)
                     continue
+                group_decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
+                left = adam_plan.step_group(self, index, keep, group_decoupled)
+                if left is not None:
+                    leftovers += left
+                    continue
                 created: list = []
                 try:
                     todo, fresh, keeps, kept, rest, gpu = _adam_group(self, group, created, keep)
                     leftovers += rest
                     b1, b2 = group["betas"]
-                    decoupled = isinstance(self, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
+                    hyper = (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+                             group_decoupled, bool(group.get("maximize", False)))
                     if todo:
-                        _ortrain.adam_step(todo, float(group["lr"]), float(b1), float(b2), float(group["eps"]),
-                                           float(group["weight_decay"]), decoupled, bool(group.get("maximize", False)),
-                                           fresh=fresh, keep=keeps)
-                    if gpu:
-                        leftovers += _gpu_adam(self, gpu, group, decoupled)
+                        _ortrain.adam_step(todo, *hyper, fresh=fresh, keep=keeps)
+                    left = _gpu_adam(self, gpu, hyper) if gpu else []
+                    leftovers += left
                     for i in kept:
                         del keep[i]
+                    if not rest and not left and not (todo and gpu) and len(todo) + len(gpu) == len(group["params"]):
+                        adam_plan.remember(self, index, -1 if todo else GPU.index)
                 except BaseException:
                     for moment in created:  # never leave uninitialised moments behind
                         moment.zero_()

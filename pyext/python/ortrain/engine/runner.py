@@ -53,6 +53,8 @@ def _batch_counters(module: torch.nn.Module, updated: list) -> list:
 
 
 _THREADS = None
+#: references to a storage (torch's private helper; None where this torch lacks it: no pooling)
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
 
 
 def _init_threads():
@@ -159,23 +161,23 @@ class Runner:
         weight's gradient memory of an earlier step is reused once nothing holds it any more
         (the user's zero_grad() dropped it): a fresh tensor the size of the LM head or the
         embedding would be mapped and page-faulted again every step (blocks of 4 MiB and more go
-        back to the system, engine/malloc.py). The pool holds the storage, not the tensor:
-        autograd copies a returned gradient that something else still references instead of
-        making it the parameter's `.grad`."""
-        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        back to the system, engine/malloc.py). The pool holds a tensor over the memory and its
+        storage; a step gets `detach()` of that tensor (same memory, 1 µs where a tensor made
+        over the storage takes 4), which autograd makes the parameter's `.grad` without a copy
+        since nothing else references that new tensor."""
+        use_count = _STORAGE_USE_COUNT
         out = []
         for i, (t, tr, hg) in enumerate(zip(self.weights, self.trainable, self.has_grad)):
             if not (tr and hg):
                 out.append(None)
                 continue
             kept = self._grad_storage[i]
-            if kept is not None and use_count(kept._cdata) == 1:  # only this pool holds it
-                g = torch.empty(0, dtype=t.dtype).set_(kept, 0, t.shape)
-            else:
-                g = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            if kept is None or use_count(kept[1]._cdata) != 2:  # held elsewhere besides the pool's two
+                base = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                kept = (base, base.untyped_storage())
                 if use_count is not None and not self.on_cuda:
-                    self._grad_storage[i] = g.untyped_storage()
-            out.append(g)
+                    self._grad_storage[i] = kept
+            out.append(kept[0].detach())
         return out
 
     def wants_grad(self) -> list:
