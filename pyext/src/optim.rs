@@ -168,7 +168,7 @@ fn clip_by_global_norm(py: Python<'_>, tensors: Vec<(usize, usize)>, max_norm: f
             optim::global_norm(&views)
         };
         let coef = optim::clip_coefficient(total, max_norm);
-        if coef != 1.0 && !(skip_nonfinite && !total.is_finite()) {
+        if coef != 1.0 && (!skip_nonfinite || total.is_finite()) {
             // SAFETY: as above, distinct tensors; the read views are gone.
             let views: Vec<&mut [f32]> = t.into_iter().map(|(a, n)| unsafe { f32s(a, n) }).collect();
             optim::scale_many(views, coef);
