@@ -198,11 +198,14 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
         let (ec, eg, eh) = (rel_err(c, r), rel_err(g, r), rel_err(h, r));
         println!("  {name:50} relative error: CPU bf16 {ec:.2e}, CUDA bf16 {eg:.2e}, CUDA fp16 {eh:.2e}");
         // bf16 operands carry 8 bits: ~4e-3 relative per product, more after a few layers; f16
-        // operands 11 (on cuda-emu, 2-layer GPT-2: about a tenth of the bf16 step's error)
+        // operands 11 (on cuda-emu, 2-layer GPT-2: about a tenth of the bf16 step's error). One
+        // parameter's CPU bf16 error depends on the machine's SIMD path (ln_f.bias: 3.0e-4 with
+        // AVX2 only, where CUDA bf16 has 4.2e-3): f16 may also stay under 2^-10, which a step
+        // computing in bf16 does not
         if eg.is_nan() || eg > 4.0 * ec + 2e-2 {
             worst.push(format!("{name}: CUDA bf16 {eg:.2e} vs CPU bf16 {ec:.2e}"));
         }
-        if eh.is_nan() || eh > 0.5 * ec {
+        if eh.is_nan() || eh > (0.5 * ec).max(1.0 / 1024.0) {
             worst.push(format!("{name}: CUDA fp16 {eh:.2e}, over half the CPU bf16 step's {ec:.2e}"));
         }
     }
