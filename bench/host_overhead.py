@@ -9,10 +9,13 @@ GPU. Issue 6 wants the tutorial at 3x eager on the GPU: that needs the host well
 of eager's step too. On the CPU the default model is shrunk (vocab 100, width 16: `--vocab`,
 `--width`) so that the engine's compute is small and what is left is the Python around it.
 
-    python -m bench.host_overhead [--device cpu|cuda] [--steps 300] [--vocab V] [--width W]
+    python -m bench.host_overhead [--device cpu|cuda] [--steps 300] [--vocab V] [--width W] [--profile N]
 
 Prints one row per system: the median milliseconds of each phase, host, wall, and ortrain's
-ratios to eager.
+ratios to eager. `--profile N` then runs N more ortrain steps under cProfile and prints the
+functions with the most own time, in microseconds a step: which of the host's calls (the
+engine's, ortrain's Python, torch's) the step waits on. cProfile's own cost inflates functions
+called many times; read it for where the time goes, the table above for how much there is.
 """
 from __future__ import annotations
 
@@ -75,6 +78,28 @@ def _measure(model, opt, data, targets, vocab: int, steps: int, warmup: int, cud
     return {name: statistics.median(col) * 1e3 for name, col in zip(PHASES + ("host", "wall"), zip(*rows))}
 
 
+def _profile(model, opt, data, targets, vocab: int, steps: int, cuda: bool, top: int = 25) -> list:
+    """(µs a step of own time, calls a step, function) of the `top` functions with the most own
+    time over `steps` steps run under cProfile."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    crit = torch.nn.CrossEntropyLoss()
+    sync = torch.cuda.synchronize if cuda else None
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        timed_step(model, opt, crit, data, targets, vocab, sync)
+    prof.disable()
+    rows = []
+    for (path, line, name), (_, calls, own, _, _) in pstats.Stats(prof).stats.items():
+        short = name if path == "~" else f"{'/'.join(path.split('/')[-3:])}:{line}({name})"
+        rows.append((own / steps * 1e6, calls / steps, short))
+    return sorted(rows, reverse=True)[:top]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -82,6 +107,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--vocab", type=int, default=None, help="default: 100 on the CPU, 28782 (the tutorial's) on the GPU")
     ap.add_argument("--width", type=int, default=None, help="emsize = nhid; default: 16 on the CPU, 200 on the GPU")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="then N ortrain steps under cProfile: the functions with the most own time")
     args = ap.parse_args(argv)
     import torch
 
@@ -103,6 +130,7 @@ def main(argv=None) -> int:
         if system == "ortrain":
             ortrain.accelerate(model, opt, device=args.device, strict=True)
         results[system] = _measure(model, opt, data, targets, vocab, args.steps, args.warmup, cuda)
+    profiled = _profile(model, opt, data, targets, vocab, args.profile, cuda) if args.profile > 0 else []
     print(f"tutorial-shaped model, vocab {vocab}, width {width}, seq 35 x batch 20, Adam, clip 0.5, on {args.device}; "
           f"medians of {args.steps} steps, ms")
     cols = PHASES + ("host", "wall")
@@ -111,6 +139,11 @@ def main(argv=None) -> int:
         print(f"{system:<9}" + "".join(f"{r[c]:>10.3f}" for c in cols))
     e, o = results["eager"], results["ortrain"]
     print(f"{'eager/ort':<9}" + "".join(f"{e[c] / o[c]:>9.2f}x" if o[c] > 0 else f"{'-':>10}" for c in cols))
+    if profiled:
+        print(f"ortrain's step under cProfile ({args.profile} steps): own time by function")
+        print(f"{'us/step':>9}{'calls/step':>12}  function")
+        for us, calls, name in profiled:
+            print(f"{us:>9.1f}{calls:>12.1f}  {name}")
     return 0
 
 

@@ -20,7 +20,8 @@
 #   pytest     pytest -m gpu tests/test_cuda*.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs; then
 #              bench.host_overhead on the GPU: the step's host time phase by phase against its
-#              wall time, eager and ortrain (host ~ wall: the host is what the step waits on)
+#              wall time, eager and ortrain (host ~ wall: the host is what the step waits on),
+#              and ortrain's step under cProfile by function (where the host time goes)
 #   variants   bench.gpu on GPT-2 124M: ortrain+fuse_attention+autocast with the older tensor-core
 #              attention kernels instead of the flash ones (+no_flash_attention), with the flash
 #              forward and dQ in 64-row blocks instead of 128 (+flash_rows64), with Q, K, V split
@@ -222,8 +223,8 @@ if has tutorial; then
         --steps 30 --warmup 6
     section "bench.host_overhead: the tutorial step's host time on the GPU"
     PYTHONPATH="$PYTHONPATH:$PWD" capped 90 "host overhead tutorial" "$LOG_DIR/host-overhead.log" \
-        $PY -m bench.host_overhead --device cuda --steps 200
-    [ -f "$LOG_DIR/host-overhead.log" ] && tail -6 "$LOG_DIR/host-overhead.log"
+        $PY -m bench.host_overhead --device cuda --steps 200 --profile 100
+    [ -f "$LOG_DIR/host-overhead.log" ] && tail -33 "$LOG_DIR/host-overhead.log"
 fi
 if has fp16; then
     bench 300 "GPT-2 124M fp16" bench-gpt2-fp16.json --workloads gpt2-124m --gpt2-precision fp16 --steps 20 --warmup 4 \
