@@ -2,7 +2,7 @@
 
 engine/optimizer.py's general path checks every parameter, gradient and state tensor before each
 step and counts each parameter's step in its own 0-dim tensor: about 250 µs of Python for the
-tutorial model's 27 parameters on a 2-core Zen 4, more than the update itself takes on the GPU.
+tutorial model's 27 parameters on a 2-core AMD EPYC, more than the update itself takes on the GPU.
 After a step in which every parameter of a group had a gradient the engine took, a plan records
 what those checks found: the parameters, their state tensors and addresses. The step counts then
 live in one float32 vector, each parameter's `state["step"]` a 0-dim view of its element (still
@@ -80,11 +80,11 @@ def forget(opt, index: int) -> None:
     _plans(opt)[index] = None
 
 
-def step_group(opt, index: int, keep: dict, decoupled: bool) -> list | None:
-    """Updates group `index` through its plan: the parameters left for PyTorch's step (none, or
-    those of a failed GPU launch), or None (nothing done) where it has no plan or the plan no
-    longer holds. `keep`: id(param) -> (param, copy) deferred copies; those this step writes
-    are removed from it."""
+def step_group(opt, index: int, keep: dict, hyper: tuple) -> list | None:
+    """Updates group `index` through its plan with `hyper` (engine/optimizer.py's `adam_hyper`):
+    the parameters left for PyTorch's step (none, or those of a failed GPU launch), or None
+    (nothing done) where it has no plan or the plan no longer holds. `keep`: id(param) ->
+    (param, copy) deferred copies; those this step writes are removed from it."""
     plan = _plans(opt)[index]
     group = opt.param_groups[index]
     if plan is None or plan.group is not group:
@@ -95,9 +95,6 @@ def step_group(opt, index: int, keep: dict, decoupled: bool) -> list | None:
         return None
     plan.counts.add_(1)
     steps = [int(c) for c in plan.counts.tolist()]
-    b1, b2 = group["betas"]
-    hyper = (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]), decoupled,
-             bool(group.get("maximize", False)))
     copies = [keep.pop(id(p), None) for p in plan.params] if keep else None
     if plan.device < 0:
         todo = [(p, g.data_ptr(), m, v, n, t) for (p, m, v, n), g, t in zip(plan.rows, grads, steps)]

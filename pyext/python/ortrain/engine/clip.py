@@ -85,7 +85,7 @@ _GPU_TABLES: dict = {}
 def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
     """(the gradients to clip in the engine, "") or (None, why torch's function clips them: empty
     when no accelerated model's gradient is among them). One pass of identity and flag tests per
-    gradient: this runs every step (about 40 µs for the tutorial model's 27 on a 2-core Zen 4)."""
+    gradient: this runs every step (about 27 µs for the tutorial model's 27 on a 2-core AMD EPYC)."""
     ids = _accelerated_ids()
     grads, ours, why = [], False, ""
     device = None  # the gradients' device index (-1: the CPU), False once they differ

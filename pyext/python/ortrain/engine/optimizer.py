@@ -124,6 +124,14 @@ def gpu_adam_rows(opt, rows: list, steps: list, hyper: tuple) -> list:
     return []
 
 
+def adam_hyper(group: dict, decoupled: bool) -> tuple:
+    """A group's (lr, beta1, beta2, eps, weight_decay, decoupled, maximize) as the engine's Adam
+    calls take them; `decoupled`: AdamW (the group's decoupled_weight_decay also makes it so)."""
+    b1, b2 = group["betas"]
+    return (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
+            decoupled or bool(group.get("decoupled_weight_decay", False)), bool(group.get("maximize", False)))
+
+
 def _gpu_adam(opt, todo: list, hyper: tuple) -> list:
     """gpu_adam_rows over `todo` ((param, grad, exp_avg, exp_avg_sq, step) each). Returns the
     parameters it did not update, their step counts taken back for PyTorch's step to count them."""
@@ -215,8 +223,8 @@ def _engine_step(self, closure=None):
                 if isinstance(self, torch.optim.SGD):
                     leftovers += _sgd_group(self, group)
                     continue
-                group_decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
-                left = adam_plan.step_group(self, index, keep, group_decoupled)
+                hyper = adam_hyper(group, decoupled)
+                left = adam_plan.step_group(self, index, keep, hyper)
                 if left is not None:
                     leftovers += left
                     continue
@@ -224,16 +232,14 @@ def _engine_step(self, closure=None):
                 try:
                     todo, fresh, keeps, kept, rest, gpu = _adam_group(self, group, created, keep)
                     leftovers += rest
-                    b1, b2 = group["betas"]
-                    hyper = (float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-                             group_decoupled, bool(group.get("maximize", False)))
                     if todo:
                         _ortrain.adam_step(todo, *hyper, fresh=fresh, keep=keeps)
                     left = _gpu_adam(self, gpu, hyper) if gpu else []
                     leftovers += left
                     for i in kept:
                         del keep[i]
-                    if not rest and not left and not (todo and gpu) and len(todo) + len(gpu) == len(group["params"]):
+                    # every parameter updated, all on one device
+                    if not left and not (todo and gpu) and len(todo) + len(gpu) == len(group["params"]):
                         adam_plan.remember(self, index, -1 if todo else GPU.index)
                 except BaseException:
                     for moment in created:  # never leave uninitialised moments behind
