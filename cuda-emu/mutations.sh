@@ -3,12 +3,11 @@
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
 # it lands or refilled while still read, an ldmatrix of the wrong orientation, f16 operands
-# rounded through bf16, key padding's rows without a key skipped, a reduction without its
-# barrier), builds the emulator from
-# the copy and runs the GPU tests that cover it, which must fail. A mutation the tests survive
-# fails this script: the emulator (or the tests) lost the power to see that bug. The engine's
-# test binary is the normal one (its embedded kernels only go to NVRTC); what runs is the
-# emulator built from the mutated copy.
+# rounded through bf16, key padding's rows without a key skipped or taken as causal, a reduction
+# without its barrier), builds the emulator from the copy and runs the GPU tests that cover it,
+# which must fail. A mutation the tests survive fails this script: the emulator (or the tests)
+# lost the power to see that bug. The engine's test binary is the normal one (its embedded
+# kernels only go to NVRTC); what runs is the emulator built from the mutated copy.
 #
 #   bash cuda-emu/mutations.sh        (CI runs it after the emulated GPU tests; ~3 minutes)
 set -euo pipefail
@@ -115,6 +114,11 @@ mutate "flash dK/dV skipping the queries without a visible key before its keys (
     "if (causal && tq + QP - 1 < key0 && (!PAD || tq >= pad.uni)) continue;" \
     "if (causal && tq + QP - 1 < key0) continue;" \
     backend::cuda::tests::key_padding_attention
+
+mutate "key padding without a causal mask taken as causal (a query before the first visible key sees none)" kernels/attention_flash.cuh \
+    "causal ? min(first, T) : (first < S ? 0 : T)" \
+    "min(first, T)" \
+    backend::cuda::tests::key_padding_attention::gpu_flash_attention_takes_key_padding_without
 
 mutate "the first visible key read before every warp has written its minimum" kernels/attention_flash.cuh \
     "    if ((threadIdx.x & 31) == 0) warp_first[threadIdx.x >> 5] = first;

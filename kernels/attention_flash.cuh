@@ -19,8 +19,9 @@
 //   the first key tiles of dK/dV), heads interleaved;
 // - Δ = Σ dO·O is computed once per query row by the dQ kernel, which writes it for the dK/dV
 //   kernel (launched after it on the same stream);
-// - key padding (`kp`, an attention_mask's flags, with the causal mask only): a key whose flag is
-//   0 is hidden, and a query with no visible key (one before the first visible key) gets equal
+// - key padding (`kp`, an attention_mask's flags, with the causal mask or none): a key whose flag
+//   is 0 is hidden, and a query with no visible key (causal: one before the first visible key;
+//   without a mask: every query of a batch entry whose keys are all padding) gets equal
 //   weights over all S keys, as PyTorch's softmax of its scores, all finfo.min, gives it: the
 //   kernels give that query the score 0 for every key (p = 1, LSE = ln S, so the backward's
 //   p = 1/S) and walk every key tile for it.
@@ -204,10 +205,12 @@ __device__ __forceinline__ int fa_first_key(const u8* kp, i64 ks, int S) {
 }
 
 // The block's FaPad: with PAD (the key-padding instances), from the flags (every thread must
-// call it: it has a barrier); else none, known at compile time.
-template <bool PAD> __device__ __forceinline__ FaPad fa_pad(const u8* kp, const AttnShape& a, i64 mo, int S, int T) {
+// call it: it has a barrier); else none, known at compile time. Causal, the queries before the
+// first visible key see none; otherwise a query sees none only where no key is visible.
+template <bool PAD> __device__ __forceinline__ FaPad fa_pad(const u8* kp, const AttnShape& a, i64 mo, int S, int T, bool causal) {
     if (!PAD) return FaPad{nullptr, 0, S, 0};
-    return FaPad{kp + mo, a.mask_s, S, min(fa_first_key(kp + mo, a.mask_s, S), T)};
+    const int first = fa_first_key(kp + mo, a.mask_s, S);
+    return FaPad{kp + mo, a.mask_s, S, causal ? min(first, T) : (first < S ? 0 : T)};
 }
 
 // s (16 x 8·NJ of one warp: its rows r0 + g, + 8, its columns c0 + 8j + 2qd + (e & 1)) with -inf
@@ -375,7 +378,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
     u16* vs = ks + 2 * E;   // V [2][64 keys][HD]
     const auto [at, T, S, t0, row0, causal_tiles, kb, vb] = fa_rows<MT>(a, k, v, causal);
     const int lane = at.lane, g = at.g, qd = at.qd;
-    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T);
+    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
     const int tiles = PAD && t0 < pad.uni ? (S + AM_TILE - 1) / AM_TILE : causal_tiles;  // rows without a visible key see every key
     const bool skips = causal != 0 && (!PAD || row0 >= pad.uni);
     fa_load<HD, AM_TILE * MT>(qs, q + at.off.q, a.q_t, t0, T);
@@ -470,7 +473,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
     ORT_SHARED(f32, delta_s, [ROWS]);
     const auto [at, T, S, t0, row0, causal_tiles, kb, vb] = fa_rows<MT>(a, k, v, causal);
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd, wr = row0 - t0;
-    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T);
+    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
     const int tiles = PAD && t0 < pad.uni ? (S + AM_TILE - 1) / AM_TILE : causal_tiles;
     const bool skips = causal != 0 && (!PAD || row0 >= pad.uni);
     fa_load<HD, ROWS>(qs, q + at.off.q, a.q_t, t0, T);
@@ -549,7 +552,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
     const int lane = at.lane, g = at.g, qd = at.qd;
     const P *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
-    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T);
+    const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
     // causal: rows before the block's first key see none of its keys, unless they see every key
     const int t_begin = causal && (!PAD || pad.uni == 0) ? s0 : 0;
     const int tiles = (T - t_begin + AM_TILE - 1) / AM_TILE;

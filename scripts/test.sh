@@ -25,7 +25,11 @@ echo "[test] the same GPT-2 called with a padded attention_mask (left and right)
 .venv/bin/python -m bench.parity_model target/parity-gpt2-padded --padding
 ORTRAIN_PARITY_MODEL="$root/target/parity-gpt2-padded" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
-echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, key padding's queries without a key skipped, a reduction read before its barrier, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
+echo "[test] an exported BERT masked-language model (2 layers, seq 256) called with a padded attention_mask, one row all padding: its attentions (no causal mask) take it as key padding (flash kernels)"
+.venv/bin/python -m bench.parity_model target/parity-bert-padded --model bert --padding --batch 3 --vocab 1000
+ORTRAIN_PARITY_MODEL="$root/target/parity-bert-padded" LD_LIBRARY_PATH="$emu_path" \
+    cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
+echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, key padding's queries without a key skipped or taken as causal, a reduction read before its barrier, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 
 echo "[test] cargo check (engine without the cuda feature)"

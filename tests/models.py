@@ -97,7 +97,7 @@ def _lm_loss(logits, input_ids):
 
 
 def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dropout=0.0,
-               batch=4, seq=32, seed=0, attn_implementation="eager"):
+               batch=4, seq=32, seed=0, attn_implementation="eager", max_positions=128):
     """GPT2LMHeadModel from a small config (tied wte/lm_head). Output: logits [batch, seq, vocab]."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -123,7 +123,7 @@ def gpt2_inputs(vocab=1000, batch=4, seq=32, seed=0):
 
 
 def bert_small(vocab=1000, layers=2, hidden=256, heads=4, intermediate=1024, dropout=0.0,
-               batch=4, seq=32, seed=0, attn_implementation="eager"):
+               batch=4, seq=32, seed=0, attn_implementation="eager", max_positions=128):
     """BertForMaskedLM from a small config; inputs (input_ids, attention_mask); MLM loss outside."""
     from transformers import BertConfig, BertForMaskedLM
 
@@ -131,7 +131,7 @@ def bert_small(vocab=1000, layers=2, hidden=256, heads=4, intermediate=1024, dro
     cfg = BertConfig(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                      num_attention_heads=heads, intermediate_size=intermediate,
                      hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-                     max_position_embeddings=128, attn_implementation=attn_implementation)
+                     max_position_embeddings=max_positions, attn_implementation=attn_implementation)
     model = BertForMaskedLM(cfg).train()
     inputs = bert_inputs(vocab, batch, seq, seed)
 

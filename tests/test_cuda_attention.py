@@ -1,4 +1,4 @@
-"""GPT-2's fused attention on a GPU at 16-bit precision (`accelerate(..., precision="bf16" |
+"""GPT-2's and BERT's fused attention on a GPU at 16-bit precision (`accelerate(..., precision="bf16" |
 "fp16")` with the opt-in attention fusion), against PyTorch's autocast on the same GPU from the
 same initial weights: the loss curves, and explain()'s line on which attention kernels ran (the
 flash kernels, the tensor-core ones, key padding from an attention_mask). Skipped (with the
@@ -116,3 +116,39 @@ def test_gpt2_with_a_padded_attention_mask_takes_it_as_key_padding(monkeypatch):
     assert _fused_attentions(model) == 2
     assert max(diffs) < 2e-2, (ours, theirs)
     assert "fused attention ×2: flash kernels, causal mask computed, key padding from the input ×2" in ortrain.explain(model)
+
+
+def test_bert_with_a_padded_attention_mask_takes_it_as_key_padding(monkeypatch):
+    """BERT (masked-language model, heads of 64) called with Hugging Face's attention_mask (row 0
+    padded on the right, row 1 on the left, row 2 not at all; the loss counting every
+    position, padding too) at bf16 with the opt-in attention fusion and autocast: the
+    mask, no causal one, reaches the flash kernels as key padding (passes/attention_key_padding.rs
+    leaves a mask of zeros, which hides nothing), explain() says so, and the loss curve follows
+    PyTorch's autocast within 2e-2."""
+    import models
+
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention,autocast")
+    vocab, seq, batch = 1000, 128, 3
+    ref, _, _ = models.bert_small(vocab=vocab, layers=2, hidden=128, heads=2, intermediate=512, dropout=0.0,
+                                  batch=batch, seq=seq, seed=0, attn_implementation="sdpa")
+    ref = ref.cuda()
+    model = copy.deepcopy(ref)
+    opt_ref, opt = torch.optim.AdamW(ref.parameters(), lr=1e-3), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ortrain.accelerate(model, opt, device="cuda", strict=True, precision="bf16")
+    mask = torch.ones(batch, seq, dtype=torch.int64, device="cuda")
+    mask[0, -40:] = 0
+    mask[1, :25] = 0
+
+    def loss_of(m, ids):
+        logits = m(input_ids=ids, attention_mask=mask).logits
+        return nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), ids.reshape(-1))
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    batches = [torch.randint(0, vocab, (batch, seq), device="cuda", generator=g) for _ in range(3)]
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    ours, theirs = _curves_against_autocast(model, opt, ref, opt_ref, loss_of, batches, torch.bfloat16, scaler)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
+    print("bert bf16 padded", ours, theirs, f"max relative difference {max(diffs):.2e}")
+    assert _fused_attentions(model) == 2
+    assert max(diffs) < 2e-2, (ours, theirs)
+    assert "fused attention ×2: flash kernels, key padding from the input ×2" in ortrain.explain(model)

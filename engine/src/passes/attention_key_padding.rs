@@ -3,7 +3,8 @@
 //! Face's causal matrix from positions) and KP a bool value of the step's data that is the same
 //! for every query (Hugging Face's attention_mask as [B, 1, 1, S]), takes the mask apart: the
 //! Where is rewritten in place to `Where(C, z, f)`, which the planner folds into a constant (the
-//! CUDA kernels find it causal and compute it), and the attentions read KP as their key padding
+//! CUDA kernels find GPT-2's causal and compute it; BERT's C is all true, so its constant is
+//! zeros, which they find hides nothing), and the attentions read KP as their key padding
 //! with `padding_value = f` (ops/attention.rs). The same values as before: where KP is false
 //! both give f, elsewhere both give C's choice.
 //!

@@ -116,10 +116,10 @@ def _attention_lines(runner) -> list:
     line = f"    fused attention ×{len(paths)}: " + ", ".join(f"{p} ×{n}" for p, n in counts.items())
     if any(p and "mask read" in p for _, p in paths):
         line += ("\n      (the mask is computed at run time, e.g. from an attention_mask input, or is not causal: "
-                 "the flash kernels take no mask or a constant causal one)")
+                 "the flash kernels take no mask, one of zeros or a constant causal one)")
     if any(p and "key padding and read" in p for _, p in paths):
-        line += ("\n      (the flash kernels take an attention_mask's padding with a causal mask hiding keys with the "
-                 "padding's value, on 16-bit Q, K, V with heads of 64 or 128)")
+        line += ("\n      (the flash kernels take an attention_mask's padding with no mask, one of zeros, or a causal "
+                 "mask hiding keys with the padding's value, on 16-bit Q, K, V with heads of 64 or 128)")
     return [line]
 
 

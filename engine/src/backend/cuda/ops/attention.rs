@@ -11,7 +11,8 @@
 //! further along each row: every kernel takes it through its addresses (`operands`, `gradients`).
 //! Key padding (an attention_mask's flags, ops/attention.rs): the flash kernels take it with the
 //! computed causal mask where the mask hides its keys with the padding's own value (Hugging
-//! Face's finfo.min, both); otherwise the mask it makes with the padding is written to the
+//! Face's finfo.min, both: GPT-2), and without a mask where the mask hides nothing (BERT);
+//! otherwise the mask it makes with the padding is written to the
 //! runtime's mask memory and the kernels that read masks run on that.
 
 use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
@@ -102,14 +103,24 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
     Ok((l, shape, mask.map_or(0, |m| m.ptr), kp))
 }
 
-/// Whether the flash kernels take this key padding: the mask at input `i` is a causal constant
-/// of this self-attention hiding its keys with the padding's own value, a finite one at or
-/// below finfo.min's neighbourhood (a query with no visible key then has every score equal:
-/// the kernels give it equal weights over all keys, as PyTorch's softmax does).
-fn flash_takes_padding(ins: &[Option<DView>], i: usize, l: &AttnLayout, kp: &KeyPad) -> bool {
-    let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
-    let hidden = host.and_then(|h| if l.t == l.s { causal_mask::hidden_value(h, l.t) } else { None });
-    kp.value.is_finite() && kp.value <= causal_mask::MASKED_MIN && hidden.is_some_and(|v| v.to_bits() == kp.value.to_bits())
+/// Whether the flash kernels take this key padding, and if so whether with the causal mask
+/// (Some(true)) or none (Some(false)): the padding's value is a finite one at or below
+/// finfo.min's neighbourhood (a query with no visible key then has every score equal: the
+/// kernels give it equal weights over all keys, as PyTorch's softmax does), and the mask at
+/// input `i` is absent, a constant that hides nothing (BERT's, once its padding is taken
+/// apart), or a causal constant of this self-attention hiding its keys with the padding's own
+/// value (GPT-2's).
+fn flash_padding(ins: &[Option<DView>], i: usize, l: &AttnLayout, kp: &KeyPad) -> Option<bool> {
+    if !(kp.value.is_finite() && kp.value <= causal_mask::MASKED_MIN) {
+        return None;
+    }
+    let Some(mask) = ins.get(i).and_then(|m| m.as_ref()) else { return Some(false) };
+    let host = mask.host?;
+    if causal_mask::hides_nothing(host) {
+        return Some(false);
+    }
+    let hidden = if l.t == l.s { causal_mask::hidden_value(host, l.t) } else { None };
+    hidden.is_some_and(|v| v.to_bits() == kp.value.to_bits()).then_some(true)
 }
 
 /// The additive mask a node's key padding makes with its mask (input `mask_at`; none: 0),
@@ -172,8 +183,11 @@ pub mod path {
     /// Hugging Face's attention_mask) or a constant that is not causal.
     pub const MMA_READ: &str = "tensor-core kernels, mask read from memory";
     pub const FLASH_PADDED: &str = "flash kernels, causal mask computed, key padding from the input";
-    /// Key padding whose mask the flash kernels do not take (not causal, another masked
-    /// value, or heads or types they do not take): the mask made from both is read.
+    /// No mask (or one that hides nothing) but key padding: Hugging Face's BERT with an
+    /// attention_mask.
+    pub const FLASH_KEY_PADDING: &str = "flash kernels, key padding from the input";
+    /// Key padding whose mask the flash kernels do not take (one that is not causal, another
+    /// masked value, or heads or types they do not take): the mask made from both is read.
     pub const PADDED_READ: &str = "mask made from the key padding and read from memory";
     pub const SIMT: &str = "f32 CUDA-core kernels";
     pub const WIDENED: &str = "f32 CUDA-core kernels on f32 copies of the 16-bit tensors";
@@ -306,10 +320,10 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     let dtype = input(node, ins, 0)?.dtype;
     if let Some(kp) = &kp {
         let [q, k, v] = operands(ins, 0, &l, dtype);
-        let flash =
-            flash_takes_padding(ins, 3, &l, kp).then(|| flash::variant(node, &l, &kp.shape, dtype, true, true, &[q, k, v, outs[0].ptr]));
-        if let Some(Some(f)) = flash {
-            ctx.rt.note_attention(node, path::FLASH_PADDED);
+        let flash = flash_padding(ins, 3, &l, kp)
+            .and_then(|causal| flash::variant(node, &l, &kp.shape, dtype, causal, causal, &[q, k, v, outs[0].ptr]));
+        if let Some(f) = flash {
+            ctx.rt.note_attention(node, if f.causal { path::FLASH_PADDED } else { path::FLASH_KEY_PADDING });
             return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], Some(kp.ptr), ctx);
         }
         return with_padded_mask(node, ins, outs, ctx, 3, 4, kp.value, attention);
@@ -373,8 +387,8 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         let [dq, dk, dv] = gradients(node, outs, &l, dtype)?;
         let (dout, o, lse) = (ptr_of(ins, 0), ptr_of(ins, 5), ptr_of(ins, 6));
         let tensors = [dout, q, k, v, o, dq, dk, dv];
-        let flash = flash_takes_padding(ins, 4, &l, kp).then(|| flash::variant(node, &l, &kp.shape, dtype, true, true, &tensors));
-        if let Some(Some(f)) = flash {
+        let flash = flash_padding(ins, 4, &l, kp).and_then(|causal| flash::variant(node, &l, &kp.shape, dtype, causal, causal, &tensors));
+        if let Some(f) = flash {
             return f.backward(node, [dout, q, k, v, o, lse], [dq, dk, dv], Some(kp.ptr), ctx);
         }
         return with_padded_mask(node, ins, outs, ctx, 4, 7, kp.value, attention_grad);

@@ -53,7 +53,7 @@ pub struct Flash<'a> {
     dtype: &'static str,
     l: &'a AttnLayout,
     a: AttnShape,
-    causal: bool,
+    pub causal: bool,
 }
 
 /// The flash kernels' launch for this attention, if they take it: `mask` says whether it has a

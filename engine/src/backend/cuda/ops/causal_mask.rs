@@ -5,6 +5,9 @@
 //! planner into [B, 1, T, T] f32 (64 MB at batch 16), which the kernels otherwise scanned for
 //! every 64 x 64 tile and read again for every score.
 //!
+//! Also whether a mask constant hides nothing (every element 0: [`hides_nothing`]), which key
+//! padding leaves of Hugging Face's BERT mask.
+//!
 //! The answer is remembered per constant, keyed by its allocation: the memo holds a `Weak` to
 //! it, which keeps that address from being given to another constant while the entry lives, so
 //! the scan (one pass over the mask) runs once per plan rather than once per launch.
@@ -19,12 +22,17 @@ use crate::tensor::{Data, Tensor};
 pub const MASKED_MIN: f32 = -3.0e38;
 
 /// What a scan found: not causal, or causal with every hidden key masked by the same value
-/// (its bits; None where the values differ or nothing is hidden).
+/// (its bits; None where the values differ or nothing is hidden); for [`hides_nothing`]'s scan
+/// (side [`ANY_SIDE`]), whether every element is 0.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Found {
     No,
     Causal(Option<u32>),
+    Zeros,
 }
+
+/// The memo's side for [`hides_nothing`]: that scan looks at every element, whatever the shape.
+const ANY_SIDE: usize = 0;
 
 /// (constant, side, answer)
 static MEMO: Mutex<Vec<(Weak<Tensor>, usize, Found)>> = Mutex::new(Vec::new());
@@ -42,7 +50,7 @@ fn found(mask: &Arc<Tensor>, side: usize) -> Found {
 
 /// Whether `mask` (the constant's host copy) is a causal mask for T = S = `side`.
 pub fn is_causal(mask: &Arc<Tensor>, side: usize) -> bool {
-    found(mask, side) != Found::No
+    matches!(found(mask, side), Found::Causal(_))
 }
 
 /// The one value a causal `mask` hides every key past the diagonal with (None: not causal,
@@ -55,7 +63,24 @@ pub fn hidden_value(mask: &Arc<Tensor>, side: usize) -> Option<f32> {
     }
 }
 
+/// Whether every element of `mask` (a constant's host copy, of any shape) is 0: added to the
+/// scores it hides nothing, and the attention may run as if it had no mask (the flash kernels
+/// with key padding: Hugging Face's BERT, whose mask becomes such a constant once its padding
+/// is taken apart, passes/attention_key_padding.rs).
+pub fn hides_nothing(mask: &Arc<Tensor>) -> bool {
+    found(mask, ANY_SIDE) == Found::Zeros
+}
+
 fn scan(mask: &Tensor, side: usize) -> Found {
+    if side == ANY_SIDE {
+        let all_zero = match &mask.data {
+            Data::F32(v) => v.iter().all(|&x| x == 0.0),
+            Data::BF16(v) => v.iter().all(|x| x.to_f32() == 0.0),
+            Data::F16(v) => v.iter().all(|x| x.to_f32() == 0.0),
+            _ => false,
+        };
+        return if all_zero { Found::Zeros } else { Found::No };
+    }
     let Data::F32(v) = &mask.data else { return Found::No };
     let n = mask.shape.len();
     if side == 0 || n < 2 || mask.shape[n - 2] != side || mask.shape[n - 1] != side {
@@ -123,6 +148,21 @@ mod tests {
         assert_eq!(hidden_value(&mixed, 4), None, "two values");
         assert_eq!(hidden_value(&mask(vec![1, 1], |_, _| 0.0), 1), None, "nothing hidden");
         assert_eq!(hidden_value(&mask(vec![4, 4], |_, _| 0.0), 4), None, "not causal");
+    }
+
+    #[test]
+    fn a_mask_of_zeros_hides_nothing_whatever_its_shape() {
+        assert!(hides_nothing(&mask(vec![1, 1, 6, 1], |_, _| 0.0)), "BERT's mask once its padding is taken apart");
+        assert!(hides_nothing(&mask(vec![2, 3, 3], |_, _| -0.0)));
+        let zeros = mask(vec![4, 4], |_, _| 0.0);
+        assert!(hides_nothing(&zeros));
+        assert!(!is_causal(&zeros, 4), "the causal answer for the same constant is its own");
+        assert!(!hides_nothing(&mask(vec![4, 4], |r, c| if c > r { f32::MIN } else { 0.0 })));
+        assert!(!hides_nothing(&mask(vec![1, 5], |_, c| if c == 4 { -1e-30 } else { 0.0 })), "any value but 0 counts");
+        let half = Arc::new(Tensor::new(vec![2, 2], Data::BF16(vec![half::bf16::ZERO; 4])).expect("tensor"));
+        assert!(hides_nothing(&half));
+        let ints = Arc::new(Tensor::new(vec![2], Data::I64(vec![0, 0])).expect("tensor"));
+        assert!(!hides_nothing(&ints), "not a float mask");
     }
 
     #[test]

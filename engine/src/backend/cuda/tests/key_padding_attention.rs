@@ -1,9 +1,10 @@
 //! Key padding in the CUDA attention (an attention_mask's flags, ops/attention.rs; made by
-//! passes/attention_key_padding.rs): causal self-attention with Hugging Face's finfo.min mask and
-//! batch rows padded on the left (their first queries see no key: PyTorch gives them equal
-//! weights over all keys), on the right, with holes, not at all, and everywhere. The flash
-//! kernels take it on bf16 and f16 tensors; with them turned off, and on f32 tensors, the mask
-//! made from the padding is read. Every output and gradient against an f64 reference of the
+//! passes/attention_key_padding.rs): causal self-attention with Hugging Face's finfo.min mask
+//! (GPT-2) and self-attention with no mask or one of zeros (BERT), batch rows padded on the left
+//! (causal: their first queries see no key: PyTorch gives them equal weights over all keys), on
+//! the right, with holes, not at all, and everywhere (no query sees a key). The flash kernels
+//! take it on bf16 and f16 tensors; with them turned off, and on f32 tensors, the mask made from
+//! the padding is read. Every output and gradient against an f64 reference of the
 //! unfused graph's arithmetic (scores plus the mask, softmax, its gradient).
 
 use std::sync::Arc;
@@ -36,6 +37,16 @@ struct Case {
     d: usize,
 }
 
+/// The attention's mask beside the padding: GPT-2's causal finfo.min constant [1, 1, t, t],
+/// BERT's once its padding is taken apart (zeros, [1, 1, t, 1]), or none. Constants come with
+/// their host copy, as folded ones do.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mask {
+    Causal,
+    Zeros,
+    Absent,
+}
+
 /// The flags [b, t] (1: a real key): row 0 padded on the left (70 keys: more than a tile of
 /// queries without a visible key), row 1 on the right (the last 50), row 2 with holes (every
 /// third key after the first), row 3 not at all, row 4 everywhere.
@@ -56,23 +67,25 @@ fn flags(c: Case) -> Vec<u8> {
         .collect()
 }
 
-/// Whether query `i` of batch row `bi` sees no key (causal: no real key at or before it).
-fn no_visible_key(c: Case, kp: &[u8], bi: usize, i: usize) -> bool {
-    (0..=i).all(|j| kp[bi * c.t + j] == 0)
+/// Whether query `i` of batch row `bi` sees no key (causal: no real key at or before it;
+/// otherwise no real key at all).
+fn no_visible_key(c: Case, mask: Mask, kp: &[u8], bi: usize, i: usize) -> bool {
+    let last = if mask == Mask::Causal { i } else { c.t - 1 };
+    (0..=last).all(|j| kp[bi * c.t + j] == 0)
 }
 
-/// O, LSE, dQ, dK, dV in f64 (BSHD; LSE [b, h, t]) of softmax(scale · Q·Kᵀ + M) with M the
-/// causal finfo.min mask where the key is real and finfo.min where it is padding.
-fn reference(c: Case, kp: &[u8], q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64>; 5] {
+/// O, LSE, dQ, dK, dV in f64 (BSHD; LSE [b, h, t]) of softmax(scale · Q·Kᵀ + M) with M 0 where
+/// the key is real (and, with the causal mask, not past the query) and finfo.min elsewhere.
+fn reference(c: Case, mask: Mask, kp: &[u8], q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64>; 5] {
     let Case { b, h, t, d } = c;
-    let mask = |bi: usize, i: usize, j: usize| if j <= i && kp[bi * t + j] != 0 { 0.0 } else { MIN as f64 };
-    attention_reference(AttnDims { b, h, t, s: t, d }, SCALE, [q, k, v, dout], mask)
+    let causal = mask == Mask::Causal;
+    let m = |bi: usize, i: usize, j: usize| if (j <= i || !causal) && kp[bi * t + j] != 0 { 0.0 } else { MIN as f64 };
+    attention_reference(AttnDims { b, h, t, s: t, d }, SCALE, [q, k, v, dout], m)
 }
 
 /// The dispatchers' O, LSE, dQ, dK, dV and the forward's recorded path, on `dt` tensors ("bf16",
-/// "f16", "f32"): Attention(Q, K, V, M, KP) with M the causal finfo.min constant (its host copy
-/// given, as a folded constant's) and KP the flags [b, 1, 1, t].
-fn run(c: Case, dt: &str, kp: &[u8], ins: &[Vec<f64>; 4]) -> ([Vec<f64>; 5], Option<&'static str>) {
+/// "f16", "f32"): Attention(Q, K, V, M, KP) with M as `mask` says and KP the flags [b, 1, 1, t].
+fn run(c: Case, mask: Mask, dt: &str, kp: &[u8], ins: &[Vec<f64>; 4]) -> ([Vec<f64>; 5], Option<&'static str>) {
     let g = gpu_or_reason().expect("under gpu()");
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let Case { b, h, t, d } = c;
@@ -84,11 +97,14 @@ fn run(c: Case, dt: &str, kp: &[u8], ins: &[Vec<f64>; 4]) -> ([Vec<f64>; 5], Opt
     };
     let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
     let view = |i: usize| Some(DView { dtype, shape: &shape, ptr: bufs[i].ptr(), host: None });
-    let mask_values: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { MIN } else { 0.0 }).collect();
-    let host = Arc::new(Tensor::new(vec![1, 1, t, t], Data::F32(mask_values.clone())).expect("mask"));
+    let (mask_shape, mask_values): (Vec<usize>, Vec<f32>) = match mask {
+        Mask::Causal => (vec![1, 1, t, t], (0..t * t).map(|i| if i % t > i / t { MIN } else { 0.0 }).collect()),
+        Mask::Zeros | Mask::Absent => (vec![1, 1, t, 1], vec![0.0; t]),
+    };
+    let host = Arc::new(Tensor::new(mask_shape.clone(), Data::F32(mask_values.clone())).expect("mask"));
     let (dmask, dflags) = (dev(g, &mask_values), dev(g, kp));
-    let (mask_shape, kp_shape) = ([1, 1, t, t], [b, 1, 1, t]);
-    let m = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
+    let kp_shape = [b, 1, 1, t];
+    let m = (mask != Mask::Absent).then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
     let flags = Some(DView { dtype: DType::Bool, shape: &kp_shape, ptr: dflags.ptr(), host: None });
     let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
     let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
@@ -118,11 +134,11 @@ fn rel_err(got: &[f64], want: &[f64], keep: impl Fn(usize) -> bool) -> f64 {
 /// Checks one run against the reference: O, dQ, dK, dV within `bound` of the largest value,
 /// LSE on the rows that see a key (a row without one has finfo.min + ln S, which f32 rounds to
 /// finfo.min; the flash kernels keep ln S there for their backward).
-fn check(what: &str, c: Case, kp: &[u8], got: &[Vec<f64>; 5], want: &[Vec<f64>; 5], bound: f64) {
+fn check(what: &str, c: Case, mask: Mask, kp: &[u8], got: &[Vec<f64>; 5], want: &[Vec<f64>; 5], bound: f64) {
     let Case { h, t, .. } = c;
     let seen = |i: usize| {
         let (bi, qi) = (i / (h * t), i % t);
-        !no_visible_key(c, kp, bi, qi)
+        !no_visible_key(c, mask, kp, bi, qi)
     };
     for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
         let e = if i == 1 { rel_err(&got[i], &want[i], seen) } else { rel_err(&got[i], &want[i], |_| true) };
@@ -145,7 +161,7 @@ fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
             let Case { b, h, t, d } = c;
             let kp = flags(c);
             let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
-            let want = reference(c, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+            let want = reference(c, Mask::Causal, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
             let v = if d == 64 { "d64" } else { "d128" };
             let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
             for &(rows, suffix) in blocks {
@@ -153,13 +169,13 @@ fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
                     Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
                     None => std::env::remove_var(ENV_FLASH_ROWS),
                 }
-                let (got, path) = run(c, dt, &kp, &ins);
+                let (got, path) = run(c, Mask::Causal, dt, &kp, &ins);
                 std::env::remove_var(ENV_FLASH_ROWS);
                 assert_eq!(path, Some(attention_path::FLASH_PADDED), "{dt} {c:?} rows {rows:?}");
                 for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
                     assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
                 }
-                check(&format!("flash {dt} rows {rows:?}"), c, &kp, &got, &want, bound);
+                check(&format!("flash {dt} rows {rows:?}"), c, Mask::Causal, &kp, &got, &want, bound);
             }
         }
     }
@@ -180,15 +196,52 @@ fn gpu_attention_without_flash_reads_the_mask_made_from_key_padding() {
     for (dt, bound, want_path) in [("bf16", 1e-2, attention_path::PADDED_READ), ("f32", 1e-5, attention_path::SIMT)] {
         let mut ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
         for (i, x) in ins[3].iter_mut().enumerate() {
-            if no_visible_key(c, &kp, i / (t * h * d), (i / (h * d)) % t) {
+            if no_visible_key(c, Mask::Causal, &kp, i / (t * h * d), (i / (h * d)) % t) {
                 *x = 0.0;
             }
         }
-        let want = reference(c, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+        let want = reference(c, Mask::Causal, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
         std::env::set_var(ENV_FLASH, "0");
-        let (got, path) = run(c, dt, &kp, &ins);
+        let (got, path) = run(c, Mask::Causal, dt, &kp, &ins);
         std::env::remove_var(ENV_FLASH);
         assert_eq!(path, Some(want_path), "{dt}");
-        check(&format!("read mask {dt}"), c, &kp, &got, &want, bound);
+        check(&format!("read mask {dt}"), c, Mask::Causal, &kp, &got, &want, bound);
+    }
+}
+
+/// BERT's attention: key padding with no mask, or with the mask of zeros its padding leaves
+/// ([1, 1, t, 1], a folded constant). The flash kernels take it (bf16 and f16, heads of 64 in
+/// blocks of 128 and 64, and 128) with every key tile live; a batch entry whose keys are all
+/// padding (row 4) gives each of its queries equal weights over all keys, as PyTorch's softmax
+/// of all-finfo.min scores does, its gradients counted.
+#[test]
+fn gpu_flash_attention_takes_key_padding_without_a_causal_mask() {
+    let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_without_a_causal_mask") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(97);
+    for (dt, bound) in PRECISION {
+        for c in [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 5, h: 1, t: 100, d: 128 }] {
+            let Case { b, h, t, d } = c;
+            let kp = flags(c);
+            let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
+            let want = reference(c, Mask::Zeros, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+            let v = if d == 64 { "d64" } else { "d128" };
+            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
+            for &(rows, suffix) in blocks {
+                for mask in [Mask::Zeros, Mask::Absent] {
+                    match rows {
+                        Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                        None => std::env::remove_var(ENV_FLASH_ROWS),
+                    }
+                    let (got, path) = run(c, mask, dt, &kp, &ins);
+                    std::env::remove_var(ENV_FLASH_ROWS);
+                    assert_eq!(path, Some(attention_path::FLASH_KEY_PADDING), "{dt} {c:?} {mask:?} rows {rows:?}");
+                    for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
+                        assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                    }
+                    check(&format!("flash {dt} {mask:?} rows {rows:?}"), c, mask, &kp, &got, &want, bound);
+                }
+            }
+        }
     }
 }
