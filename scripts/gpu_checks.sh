@@ -36,7 +36,8 @@
 #              +autocast (the f16 flash kernels), torch.compile and eager with a GradScaler
 #   padded     bench.gpu on GPT-2 124M called with a padded attention_mask (gpt2-124m-padded:
 #              the key padding in the flash kernels): ortrain+fuse_attention+autocast, torch.compile
-#              and eager; then the padded parity model's step (bench.parity_model --padding)
+#              and eager; then the padded parity model's step (bench.parity_model --padding), and
+#              BERT-base's (--model bert --padding: key padding without a causal mask)
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
 #   session    env,kernels,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
@@ -208,6 +209,15 @@ if has padded; then
         ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2-padded capped 150 "padded parity step" "$LOG_DIR/parity-padded.log" \
             .gpu/cuda_lib onnx_parity --ignored --nocapture
         tail -40 "$LOG_DIR/parity-padded.log"
+    fi
+    section "one exported BERT-base step with a padded attention_mask (one row all padding): no causal mask, key padding in the flash kernels"
+    rm -rf /tmp/parity-bert-padded
+    capped 90 "BERT parity model export" "$LOG_DIR/parity-bert-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
+        $PY -m bench.parity_model /tmp/parity-bert-padded --model bert --padding ${BERT_PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 512 --batch 3 --vocab 30522}
+    if [ -f /tmp/parity-bert-padded/meta.txt ] && [ -x .gpu/cuda_lib ]; then
+        ORTRAIN_PARITY_MODEL=/tmp/parity-bert-padded capped 150 "BERT padded parity step" "$LOG_DIR/parity-bert.log" \
+            .gpu/cuda_lib onnx_parity --ignored --nocapture
+        tail -40 "$LOG_DIR/parity-bert.log"
     fi
 fi
 if has pytest; then
