@@ -83,7 +83,7 @@ fn scan(mask: &Tensor, side: usize) -> Found {
     }
     let Data::F32(v) = &mask.data else { return Found::No };
     let n = mask.shape.len();
-    if side == 0 || n < 2 || mask.shape[n - 2] != side || mask.shape[n - 1] != side {
+    if n < 2 || mask.shape[n - 2] != side || mask.shape[n - 1] != side {
         return Found::No;
     }
     let causal = v.chunks_exact(side).enumerate().all(|(i, row)| {

@@ -147,38 +147,48 @@ fn check(what: &str, c: Case, mask: Mask, kp: &[u8], got: &[Vec<f64>; 5], want: 
     }
 }
 
-/// The flash kernels with key padding, bf16 and f16, heads of 64 (blocks of 128 and of 64 rows)
-/// and 128: the path recorded says so, their kernels were launched, and every output and
-/// gradient is within the type's precision of the reference, the rows without a visible key
-/// (equal weights over all 150 keys, their gradients counted: dO is not zero there) included.
-#[test]
-fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
-    let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_and_rows_without_a_key") else { return };
+/// The flash kernels with key padding and each of `masks` (which give the same scores: one
+/// reference), bf16 and f16, on `cases` (heads of 64 in blocks of 128 and of 64 rows, heads of
+/// 128): the path recorded is `want_path`, their `_kp` kernels were launched, and every output
+/// and gradient is within the type's precision of the reference, the rows without a visible key
+/// included (their gradients counted: dO is not zero there).
+fn flash_takes_key_padding(seed: u64, cases: [Case; 2], masks: &[Mask], want_path: &str) {
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let mut rng = Rng::new(83);
+    let mut rng = Rng::new(seed);
     for (dt, bound) in PRECISION {
-        for c in [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 2, h: 1, t: 150, d: 128 }] {
+        for c in cases {
             let Case { b, h, t, d } = c;
             let kp = flags(c);
             let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
-            let want = reference(c, Mask::Causal, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
+            let want = reference(c, masks[0], &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
             let v = if d == 64 { "d64" } else { "d128" };
             let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
             for &(rows, suffix) in blocks {
-                match rows {
-                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
-                    None => std::env::remove_var(ENV_FLASH_ROWS),
+                for &mask in masks {
+                    match rows {
+                        Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                        None => std::env::remove_var(ENV_FLASH_ROWS),
+                    }
+                    let (got, path) = run(c, mask, dt, &kp, &ins);
+                    std::env::remove_var(ENV_FLASH_ROWS);
+                    assert_eq!(path, Some(want_path), "{dt} {c:?} {mask:?} rows {rows:?}");
+                    for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
+                        assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                    }
+                    check(&format!("flash {dt} {mask:?} rows {rows:?}"), c, mask, &kp, &got, &want, bound);
                 }
-                let (got, path) = run(c, Mask::Causal, dt, &kp, &ins);
-                std::env::remove_var(ENV_FLASH_ROWS);
-                assert_eq!(path, Some(attention_path::FLASH_PADDED), "{dt} {c:?} rows {rows:?}");
-                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
-                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
-                }
-                check(&format!("flash {dt} rows {rows:?}"), c, Mask::Causal, &kp, &got, &want, bound);
             }
         }
     }
+}
+
+/// GPT-2's attention: the causal finfo.min mask and key padding, the queries before a row's
+/// first visible key with equal weights over all 150 keys.
+#[test]
+fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
+    let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_and_rows_without_a_key") else { return };
+    let cases = [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 2, h: 1, t: 150, d: 128 }];
+    flash_takes_key_padding(83, cases, &[Mask::Causal], attention_path::FLASH_PADDED);
 }
 
 /// Where the flash kernels do not run (turned off: the tensor-core kernels; f32 tensors: the
@@ -210,38 +220,12 @@ fn gpu_attention_without_flash_reads_the_mask_made_from_key_padding() {
 }
 
 /// BERT's attention: key padding with no mask, or with the mask of zeros its padding leaves
-/// ([1, 1, t, 1], a folded constant). The flash kernels take it (bf16 and f16, heads of 64 in
-/// blocks of 128 and 64, and 128) with every key tile live; a batch entry whose keys are all
+/// ([1, 1, t, 1], a folded constant), every key tile live; a batch entry whose keys are all
 /// padding (row 4) gives each of its queries equal weights over all keys, as PyTorch's softmax
-/// of all-finfo.min scores does, its gradients counted.
+/// of all-finfo.min scores does.
 #[test]
 fn gpu_flash_attention_takes_key_padding_without_a_causal_mask() {
     let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_without_a_causal_mask") else { return };
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let mut rng = Rng::new(97);
-    for (dt, bound) in PRECISION {
-        for c in [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 5, h: 1, t: 100, d: 128 }] {
-            let Case { b, h, t, d } = c;
-            let kp = flags(c);
-            let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
-            let want = reference(c, Mask::Zeros, &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
-            let v = if d == 64 { "d64" } else { "d128" };
-            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
-            for &(rows, suffix) in blocks {
-                for mask in [Mask::Zeros, Mask::Absent] {
-                    match rows {
-                        Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
-                        None => std::env::remove_var(ENV_FLASH_ROWS),
-                    }
-                    let (got, path) = run(c, mask, dt, &kp, &ins);
-                    std::env::remove_var(ENV_FLASH_ROWS);
-                    assert_eq!(path, Some(attention_path::FLASH_KEY_PADDING), "{dt} {c:?} {mask:?} rows {rows:?}");
-                    for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_kp_{dt}")) {
-                        assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
-                    }
-                    check(&format!("flash {dt} {mask:?} rows {rows:?}"), c, mask, &kp, &got, &want, bound);
-                }
-            }
-        }
-    }
+    let cases = [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 5, h: 1, t: 100, d: 128 }];
+    flash_takes_key_padding(97, cases, &[Mask::Zeros, Mask::Absent], attention_path::FLASH_KEY_PADDING);
 }
