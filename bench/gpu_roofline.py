@@ -15,7 +15,8 @@ profile (bench.gpu_profile) then says how far the real kernels are from the mode
 What the model counts (a lower bound on what the plan's kernels must move and compute):
 - every step reads each input and writes each output once (views move nothing); a Gather reads
   the rows it gathers, not its whole table;
-- matmuls (MatMul, FusedMatMul, Gemm, Linear) do 2·M·N·K FLOPs at the tensor-core rate where
+- matmuls (MatMul, FusedMatMul, Gemm, Linear, and MatMulGeluGrad, which also reads the GELU's
+  input in its epilogue) do 2·M·N·K FLOPs at the tensor-core rate where
   their operands are 16-bit or the session multiplies f32 as bf16/fp16 (then the rounding of f32
   operands into 16-bit copies costs 6 bytes an element, as half_gemm.rs does), else at the
   plain f32 rate (TF32 is off by default);
@@ -46,7 +47,7 @@ BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "i
          "uint8": 1, "bool": 1}
 # (dense 16-bit tensor-core FLOP/s, plain f32 FLOP/s, memory bytes/s): the SXM parts' data sheets
 GPUS = {"h100": (989.4e12, 66.9e12, 3.35e12), "h200": (989.4e12, 66.9e12, 4.8e12)}
-MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear")
+MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear", "MatMulGeluGrad")
 HALF = ("bfloat16", "float16")
 TILE = 64
 

@@ -83,6 +83,13 @@ inline bool legal(int a_type, int b_type, int c_type, int compute) {
 // One product, column-major: D[i + j ldd] = al · sum_l op(A)[i, l] op(B)[l, j] + be · C[i + j ldc]
 // (+ bias[i] when bias is given, of D's type), for i < m, j < n; op(A)[i, l] is A[i + l lda]
 // (A[l + i lda] when transposed), op(B)[l, j] is B[l + j ldb] (B[j + l ldb]). C may be D.
+// d/dx of 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), in f32 as a GPU epilogue computes it
+inline double gelu_tanh_slope(double xd) {
+    const float x = (float)xd, k = 0.7978845608f, c = 0.044715f;
+    const float t = tanhf(k * (x + c * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
+}
+
 struct Product {
     int m, n, k;
     bool ta, tb;
@@ -97,6 +104,12 @@ struct Product {
     const void* bias;
     int compute;
     double al, be;
+    // cuBLASLt's DGELU epilogue: each result times the tanh GELU's derivative at this matrix
+    // (cd_type, column-major with leading dimension ld_gelu)
+    const void* gelu_grad_of = nullptr;
+    int64_t ld_gelu = 0;
+    // DGELU_BGRAD: the sums of D's rows (column-major: over its columns), stored in cd_type
+    void* bias_grad = nullptr;
 
     void run() const {
         // op(A) as m rows of k and op(B) as n columns of k, rounded once, so each output is a
@@ -106,6 +119,7 @@ struct Product {
             for (int l = 0; l < k; ++l) ar[(size_t)i * k + l] = operand(a, ab_type, !ta ? (int64_t)i + (int64_t)l * lda : (int64_t)l + (int64_t)i * lda, compute);
         for (int j = 0; j < n; ++j)
             for (int l = 0; l < k; ++l) br[(size_t)j * k + l] = operand(b, ab_type, !tb ? (int64_t)l + (int64_t)j * ldb : (int64_t)j + (int64_t)l * ldb, compute);
+        std::vector<double> row_sums(bias_grad ? m : 0, 0.0);
         for (int j = 0; j < n; ++j)
             for (int i = 0; i < m; ++i) {
                 const double* x = &ar[(size_t)i * k];
@@ -115,8 +129,11 @@ struct Product {
                 double v = al * acc;
                 if (be != 0) v += be * load(c, cd_type, (int64_t)i + (int64_t)j * ldc);
                 if (bias) v += load(bias, cd_type, i);
+                if (gelu_grad_of) v *= gelu_tanh_slope(load(gelu_grad_of, cd_type, (int64_t)i + (int64_t)j * ld_gelu));
                 store(d, cd_type, (int64_t)i + (int64_t)j * ldd, v);
+                if (bias_grad) row_sums[i] += v;
             }
+        for (int i = 0; i < (int)row_sums.size(); ++i) store(bias_grad, cd_type, i, row_sums[i]);
     }
 };
 

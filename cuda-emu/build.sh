@@ -55,7 +55,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$CXX ${flags[*]} ${kernel_flags[*]}" ]; t
 fi
 
 # compile what is older than its inputs (the kernel sources, the emulator's headers)
-deps=("$src/emu.h" "$src/emu_runtime.h" "$src/queues.h" "$src/cubin.h" "$root"/kernels/*.cuh)
+deps=("$src/emu.h" "$src/emu_runtime.h" "$src/queues.h" "$src/cubin.h" "$src/blas_math.h" "$root"/kernels/*.cuh)
 objs=()
 todo=()
 for j in "${jobs[@]}"; do

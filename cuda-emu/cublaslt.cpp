@@ -2,10 +2,14 @@
 // the CPU, with the arithmetic of blas_math.h. Descriptors keep what their attributes set, and
 // setting one checks its size as cuBLASLt does (a wrong size is INVALID_VALUE); the heuristic
 // answers one algorithm for the combinations blas_math.h's `legal` allows with the DEFAULT or
-// BIAS epilogue and a bias of D's type, else NOT_SUPPORTED with none. The algorithm carries the
+// BIAS epilogue and a bias of D's type, or the DGELU epilogue (the product times the tanh GELU's
+// derivative at the aux matrix: D's type, a leading dimension divisible by 8 and no less than
+// D's rows, as cuBLASLt documents) and DGELU_BGRAD (that, and the sums of D's rows, the bias
+// gradient, written at the bias pointer in D's type), else NOT_SUPPORTED with none. The algorithm carries the
 // alignments the preference allowed (256 bytes unless set, as cuBLASLt assumes), and the
 // matmul fails, naming the operand, where an address is less aligned than its algorithm
-// assumes (on a GPU: a misaligned-address fault), or a bias less than 16-byte aligned.
+// assumes (on a GPU: a misaligned-address fault), or a bias or aux matrix less than 16-byte
+// aligned.
 #include <stdio.h>
 
 #include "blas_math.h"
@@ -14,8 +18,19 @@ using namespace ort_blas;
 
 namespace {
 
-enum DescAttr { D_COMPUTE = 0, D_SCALE = 1, D_POINTER_MODE = 2, D_TRANSA = 3, D_TRANSB = 4, D_EPILOGUE = 7, D_BIAS_POINTER = 8, D_BIAS_TYPE = 26 };
-enum Epilogue { E_DEFAULT = 1, E_BIAS = 4 };
+enum DescAttr {
+    D_COMPUTE = 0,
+    D_SCALE = 1,
+    D_POINTER_MODE = 2,
+    D_TRANSA = 3,
+    D_TRANSB = 4,
+    D_EPILOGUE = 7,
+    D_BIAS_POINTER = 8,
+    D_AUX_POINTER = 11,
+    D_AUX_LD = 12,
+    D_BIAS_TYPE = 26
+};
+enum Epilogue { E_DEFAULT = 1, E_BIAS = 4, E_DGELU = 192, E_DGELU_BGRAD = 208 };
 enum LayoutAttr { L_TYPE = 0, L_ORDER = 1, L_ROWS = 2, L_COLS = 3, L_LD = 4, L_BATCH = 5, L_STRIDE = 6 };
 enum PrefAttr { P_MAX_WORKSPACE = 1, P_ALIGN_A = 5, P_ALIGN_D = 8 };
 
@@ -25,6 +40,8 @@ struct Desc {
     uint32_t epilogue = E_DEFAULT;
     const void* bias = nullptr;
     int32_t bias_type = -1;
+    const void* aux = nullptr;
+    int64_t aux_ld = 0;
 };
 struct Layout {
     int32_t type;
@@ -66,6 +83,10 @@ bool dims(const Desc* d, const Layout* a, const Layout* b, const Layout* c, int&
 bool supported(const Desc* d, const Layout* a, const Layout* b, const Layout* c, const Layout* dl) {
     if (d->scale != R_32F || d->pointer_mode != 0 || c->type != dl->type || !legal(a->type, b->type, c->type, d->compute)) return false;
     if (d->epilogue == E_DEFAULT) return true;
+    if (d->epilogue == E_DGELU || d->epilogue == E_DGELU_BGRAD) {
+        const bool bgrad_ok = d->epilogue == E_DGELU || (d->bias && (d->bias_type == -1 || d->bias_type == dl->type));
+        return d->aux && d->aux_ld % 8 == 0 && d->aux_ld >= (int64_t)dl->rows && bgrad_ok;
+    }
     return d->epilogue == E_BIAS && d->bias && (d->bias_type == -1 || d->bias_type == dl->type);
 }
 
@@ -100,6 +121,8 @@ EXPORT int cublasLtMatmulDescSetAttribute(Desc* d, int attr, const void* buf, si
         case D_EPILOGUE: return set(d->epilogue, buf, size);
         case D_BIAS_POINTER: return set(d->bias, buf, size);
         case D_BIAS_TYPE: return set(d->bias_type, buf, size);
+        case D_AUX_POINTER: return set(d->aux, buf, size);
+        case D_AUX_LD: return set(d->aux_ld, buf, size);
     }
     return INVALID_VALUE;  // an attribute the emulator does not know: the engine does not set it
 }
@@ -169,9 +192,23 @@ EXPORT int cublasLtMatmul(LtHandle*, Desc* d, const void* alpha, const void* A, 
         fprintf(stderr, "cuda-emu: cublasLtMatmul: the bias at %p is not 16-byte aligned\n", d->bias);
         return INVALID_VALUE;
     }
+    const bool dgelu = d->epilogue == E_DGELU || d->epilogue == E_DGELU_BGRAD;
+    if (d->epilogue == E_DGELU_BGRAD && (uintptr_t)d->bias % 16) {
+        fprintf(stderr, "cuda-emu: cublasLtMatmul: the bias gradient at %p is not 16-byte aligned\n", d->bias);
+        return INVALID_VALUE;
+    }
+    if (dgelu && (uintptr_t)d->aux % 16) {
+        fprintf(stderr, "cuda-emu: cublasLtMatmul: the DGELU aux matrix at %p is not 16-byte aligned\n", d->aux);
+        return INVALID_VALUE;
+    }
     const double al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
-    const Product p{m, n, k, d->transa != 0, d->transb != 0, A, B, a->type, a->ld, b->ld, C, c->ld, D, dl->ld, dl->type,
+    Product p{m, n, k, d->transa != 0, d->transb != 0, A, B, a->type, a->ld, b->ld, C, c->ld, D, dl->ld, dl->type,
                     d->epilogue == E_BIAS ? d->bias : nullptr, d->compute, al, be};
+    if (dgelu) {
+        p.gelu_grad_of = d->aux;
+        p.ld_gelu = d->aux_ld;
+        if (d->epilogue == E_DGELU_BGRAD) p.bias_grad = const_cast<void*>(d->bias);
+    }
     ort_emu::Lock lock;
     return ort_emu::enqueue(stream, [p] {
                p.run();

@@ -12,6 +12,7 @@ mod internal;
 pub mod linear;
 mod loss;
 mod matmul;
+pub mod matmul_gelu_grad;
 mod movement;
 mod norm;
 mod pool;
@@ -114,6 +115,7 @@ fn registry() -> &'static Registry {
         linear::register(&mut r);
         loss::register(&mut r);
         matmul::register(&mut r);
+        matmul_gelu_grad::register(&mut r);
         movement::register(&mut r);
         norm::register(&mut r);
         pool::register(&mut r);

@@ -18,6 +18,7 @@ mod fuse_residual_linear;
 mod layer_norm_grad_sum;
 mod layer_norm_half;
 mod layer_norm_stats;
+mod matmul_gelu_grad;
 mod recompute;
 mod slice_before_linear;
 mod sym_shape;
@@ -106,6 +107,9 @@ const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
     // CUDA only: the residual stream's gradient summed, and rounded to 16 bits, in
     // LayerNormGrad's dx kernel instead of an Add and a cast after it
     ("layer_norm_grad_sum", layer_norm_grad_sum::run, Runs::CudaOnly),
+    // CUDA only: a tanh GELU's gradient applied by cuBLASLt's epilogue as the product that
+    // feeds it is written (the CPU has no such epilogue to gain from)
+    ("matmul_gelu_grad", matmul_gelu_grad::run, Runs::CudaOnly),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";

@@ -61,6 +61,32 @@ fn gelu_tanh_grad_f32(dy: &[f32], x: &[f32], dx: &mut [f32]) {
     gelu_tanh_blocks(x, dx, |i, x, t| dy[i] * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + c3 * x * x)));
 }
 
+/// The derivative of the tanh-approximated GELU at x.
+fn gelu_tanh_slope<T: FloatElem>(x: T) -> T {
+    let (one, half) = (T::one(), T::from_f64(0.5));
+    let (k, c, c3) = (T::from_f64(SQRT_2_OVER_PI), T::from_f64(0.044715), T::from_f64(3.0 * 0.044715));
+    let t = (k * (x + c * x * x * x)).tanh();
+    half * (one + t) + half * x * (one - t * t) * k * (one + c3 * x * x)
+}
+
+/// dx ← GeluGrad(dx, x) with the tanh approximation, in place: the second half of
+/// MatMulGeluGrad (backend/cpu/matmul.rs), dx holding the product.
+pub(super) fn gelu_tanh_grad_in_place(node: &Node, x: &In, dx: &mut Out) -> Result<()> {
+    if x.dtype == crate::tensor::DType::F32 {
+        let d = dx.slice::<f32>()?;
+        let product = d.to_vec();
+        gelu_tanh_grad_f32(&product, x.slice::<f32>()?, d);
+        return Ok(());
+    }
+    fn go<T: FloatElem>(x: &In, dx: &mut Out) -> Result<()> {
+        for (d, &x) in dx.slice::<T>()?.iter_mut().zip(x.slice::<T>()?) {
+            *d = *d * gelu_tanh_slope(x);
+        }
+        Ok(())
+    }
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, dx))
+}
+
 fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let (alpha, beta, tanh) = params(node)?;
@@ -109,15 +135,7 @@ fn backward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx)
             "LeakyReluGrad" => map2::<T, T, T>(dy, s, o, move |d, x| if x >= zero { d } else { a * d }),
             "TanhGrad" => map2::<T, T, T>(dy, s, o, move |d, y| d * (one - y * y)),
             "SigmoidGrad" => map2::<T, T, T>(dy, s, o, move |d, y| d * y * (one - y)),
-            "GeluGrad" if tanh => {
-                let k = T::from_f64(SQRT_2_OVER_PI);
-                let c = T::from_f64(0.044715);
-                let c3 = T::from_f64(3.0 * 0.044715);
-                map2::<T, T, T>(dy, s, o, move |d, x| {
-                    let t = (k * (x + c * x * x * x)).tanh();
-                    d * (half * (one + t) + half * x * (one - t * t) * k * (one + c3 * x * x))
-                })
-            }
+            "GeluGrad" if tanh => map2::<T, T, T>(dy, s, o, |d, x| d * gelu_tanh_slope(x)),
             "GeluGrad" => {
                 let r = T::from_f64(std::f64::consts::FRAC_1_SQRT_2);
                 let p = T::from_f64(1.0 / (2.0 * std::f64::consts::PI).sqrt());

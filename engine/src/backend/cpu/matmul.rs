@@ -388,8 +388,40 @@ fn gemm_op(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
     crate::dispatch_float!(a.dtype, node, go::<T>(ctx.matmul, node, a, b, c, &mut out[0], ta, tb, alpha, beta))
 }
 
+/// MatMulGeluGrad (ops/matmul_gelu_grad.rs): the product into the output, then the GELU's
+/// gradient over it (in f32 for 16-bit tensors: backend/cpu/widen.rs widens them, so the
+/// product is rounded once, as cuBLASLt's epilogue rounds it), then output 1's sums of its rows.
+fn matmul_gelu_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    let (a, b) = (first(node, inputs)?, second(node, inputs)?);
+    let x = inputs.get(2).and_then(|x| x.as_ref()).ok_or_else(|| node.err("input 2 (the GELU input) missing"))?;
+    let ta = node.attrs.int("transA", 0)? != 0;
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let (m, k, n, _) = crate::ops::matmul_gelu_grad::product_dims(node, a.shape, b.shape)?;
+    let (rows_a, rows_o) = (if ta { [k, m] } else { [m, k] }, [m, n]);
+    let a = a.reshaped(&rows_a);
+    let mut o = out[0].reshaped(&rows_o);
+    crate::dispatch_float!(a.dtype, node, batched::<T>(ctx.matmul, node, &a, b, &mut o, ta, tb, 1.0, false))?;
+    super::activation::gelu_tanh_grad_in_place(node, x, &mut out[0])?;
+    let [y, sums] = out else { return Ok(()) };
+    fn column_sums<T: FloatElem>(y: &In, n: usize, sums: &mut Out) -> Result<()> {
+        let mut acc = vec![0f64; n];
+        for row in y.slice::<T>()?.chunks(n.max(1)) {
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += v.as_();
+            }
+        }
+        for (s, a) in sums.slice::<T>()?.iter_mut().zip(acc) {
+            *s = T::from_f64(a);
+        }
+        Ok(())
+    }
+    let y = y.as_input();
+    crate::dispatch_float!(y.dtype, node, column_sums::<T>(&y, n, sums))
+}
+
 pub fn register(t: &mut KernelTable) {
     t.add("MatMul", matmul);
+    t.add("MatMulGeluGrad", matmul_gelu_grad);
     t.add("FusedMatMul", fused_matmul);
     t.add("Gemm", gemm_op);
 }

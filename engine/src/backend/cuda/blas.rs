@@ -19,6 +19,7 @@ use std::sync::Mutex;
 use cudarc::cublas::{result as cublas, sys};
 use cudarc::driver::sys::CUstream;
 
+use super::blas_lt::Epilogue;
 use super::driver::dl_error;
 use crate::error::{Error, Result};
 
@@ -210,14 +211,15 @@ impl Blas {
         Ok(Blas { handle: Mutex::new(handle), workspace, lt: super::blas_lt::LtBlas::new() })
     }
 
-    /// Enqueues `D = alpha · op(A) · op(B) + beta · C + bias` through cuBLASLt (blas_lt.rs) with
-    /// the handle's workspace; false, having queued nothing, where cuBLASLt cannot.
+    /// Enqueues `D = alpha · op(A) · op(B) + beta · C` with `epilogue` through cuBLASLt
+    /// (blas_lt.rs) with the handle's workspace; false, having queued nothing, where cuBLASLt
+    /// cannot.
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64) -> Result<bool> {
+    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, epilogue: Epilogue) -> Result<bool> {
         let Some(lt) = &self.lt else { return Ok(false) };
         // the cuBLAS handle's lock: its calls and these share the workspace
         let _serial = self.handle.lock().unwrap_or_else(|p| p.into_inner());
-        lt.matmul(stream, g, a, b, c, d, bias, (self.workspace.ptr(), self.workspace.bytes()))
+        lt.matmul(stream, g, a, b, c, d, epilogue, (self.workspace.ptr(), self.workspace.bytes()))
     }
 
     /// Enqueues `g` on `stream` with device addresses `a`, `b`, `c`.

@@ -3,6 +3,10 @@
 //! type) added as the product is written and C a buffer of its own, so that a Gemm's or a
 //! Linear's bias needs no broadcast copy into the output first, and a projection can add the
 //! residual stream it is summed into (C, f32) while it writes D in f32 from 16-bit operands.
+//! Or `D = GELU'(aux) ⊙ (alpha · op(A) · op(B))` (cuBLASLt's DGELU: the tanh approximation's
+//! derivative), the gradient through a GELU of the product that only that gradient reads
+//! (ops/matmul_gelu_grad.rs), and with DGELU_BGRAD the sums of D's rows (the bias gradient of
+//! the layer before the GELU): the product is never stored, nor D read again for the sums.
 //!
 //! Row-major as [`Gemm`] describes it, batch 1. cuBLASLt picks the kernel
 //! (`cublasLtMatmulAlgoGetHeuristic`, the runtime's workspace, each operand's real alignment);
@@ -18,6 +22,20 @@ use cudarc::driver::sys::CUstream;
 
 use super::blas::{F32Mode, Gemm, GemmType};
 use crate::error::{Error, Result};
+
+/// What the product's epilogue does as it writes D.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// Nothing: D = alpha · op(A) · op(B) + beta · C.
+    Plain,
+    /// Adds `g.n` values of D's type at this address, one per column of D.
+    Bias(u64),
+    /// Multiplies each element of the product by the derivative of the tanh-approximated GELU
+    /// at the same element of the matrix at `aux` (D's type, shape and row stride; beta 0);
+    /// with `bias_grad` (0: none), also writes the sums of D's rows there (`g.n` values of D's
+    /// type: the bias gradient of the layer that GELU followed).
+    GeluGrad { aux: u64, bias_grad: u64 },
+}
 
 /// A cuBLASLt handle. Calls are serialised, as for the cuBLAS handle.
 pub struct LtBlas {
@@ -83,13 +101,24 @@ impl LtBlas {
         Some(LtBlas { handle: Mutex::new(handle) })
     }
 
-    /// Enqueues `D = alpha · op(A) · op(B) + beta · C (+ bias)` on `stream`: `g` describes A, B
-    /// and D (its `c_type` is D's and C's type, `ldc` both row strides); `c` is read only when
-    /// `g.beta` is not 0; `bias` (0: none) holds `g.n` values of D's type. Returns false, having
-    /// queued nothing, where cuBLASLt has no kernel for it (batches, f64, operands rounded to
-    /// 16 bits by half_gemm.rs).
+    /// Enqueues `D = alpha · op(A) · op(B) + beta · C` with `epilogue` on `stream`: `g`
+    /// describes A, B and D (its `c_type` is D's and C's type, `ldc` both row strides); `c` is
+    /// read only when `g.beta` is not 0. Returns false, having queued nothing, where cuBLASLt
+    /// has no kernel for it (batches, f64, operands rounded to 16 bits by half_gemm.rs; a bias
+    /// or GELU input less than 16-byte aligned, a GELU input of another type than A's or a row
+    /// stride not a multiple of 8, which cuBLASLt requires of it).
     #[allow(clippy::too_many_arguments)]
-    pub fn matmul(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64, workspace: (u64, usize)) -> Result<bool> {
+    pub fn matmul(
+        &self,
+        stream: CUstream,
+        g: &Gemm,
+        a: u64,
+        b: u64,
+        c: u64,
+        d: u64,
+        epilogue: Epilogue,
+        workspace: (u64, usize),
+    ) -> Result<bool> {
         let compute = match (g.ab_type, g.f32_mode) {
             (GemmType::F64, _) | (GemmType::F32, F32Mode::Bf16 | F32Mode::F16) => return Ok(false),
             (GemmType::F32, F32Mode::Tf32) => sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
@@ -101,10 +130,20 @@ impl LtBlas {
         if g.m == 0 || g.n == 0 {
             return Ok(true);
         }
-        // the bias vector is read in 16-byte pieces by cuBLASLt's epilogues (PyTorch declines
-        // less aligned ones too)
-        if !bias.is_multiple_of(16) {
-            return Ok(false);
+        match epilogue {
+            // the bias vector is read in 16-byte pieces by cuBLASLt's epilogues (PyTorch
+            // declines less aligned ones too)
+            Epilogue::Bias(bias) if !bias.is_multiple_of(16) => return Ok(false),
+            Epilogue::GeluGrad { aux, bias_grad }
+                if !aux.is_multiple_of(16)
+                    || !bias_grad.is_multiple_of(16)
+                    || !g.ldc.is_multiple_of(8)
+                    || g.beta != 0.0
+                    || g.c_type != g.ab_type =>
+            {
+                return Ok(false)
+            }
+            _ => {}
         }
         // Row-major D = op(A)·op(B) is column-major Dᵀ = op(B)ᵀ·op(A)ᵀ, as in blas.rs: cuBLASLt's
         // A is our B (n × k after its op), its B our A (k × m), D column-major n × m; the bias
@@ -120,9 +159,24 @@ impl LtBlas {
         use sys::cublasLtMatmulDescAttributes_t as A;
         set(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSA, &op(g.trans_b))?;
         set(desc.0, A::CUBLASLT_MATMUL_DESC_TRANSB, &op(g.trans_a))?;
-        if bias != 0 {
-            set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS)?;
-            set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
+        match epilogue {
+            Epilogue::Plain | Epilogue::Bias(0) => {}
+            Epilogue::Bias(bias) => {
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS)?;
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
+            }
+            Epilogue::GeluGrad { aux, bias_grad } => {
+                use sys::cublasLtEpilogue_t as E;
+                let epilogue = if bias_grad == 0 { E::CUBLASLT_EPILOGUE_DGELU } else { E::CUBLASLT_EPILOGUE_DGELU_BGRAD };
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+                // D's layout, column-major: the GELU input's leading dimension is D's, and the
+                // bias gradient runs along D's column-major rows (our columns), summed over ours
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(g.ldc as i64))?;
+                if bias_grad != 0 {
+                    set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias_grad as *const c_void))?;
+                }
+            }
         }
         let pref = Owned(lt::create_matmul_pref().map_err(lt_err("creating a preference"))?, lt::destroy_matmul_pref);
         let ws_bytes = workspace.1 as u64;

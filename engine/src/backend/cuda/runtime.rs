@@ -11,6 +11,7 @@ use cudarc::driver::{result as driver, sys::CUstream, CudaFunction};
 
 use super::abi::Arg;
 use super::blas::{self, Blas, F32Mode, Gemm, GemmType};
+use super::blas_lt::Epilogue;
 use super::claim::{Claim, Claims};
 use super::launch::{self, Grid, KArg};
 use super::loader::{self, Loaded};
@@ -243,12 +244,12 @@ impl CudaRuntime {
         }
         self.blas.gemm(stream, &Gemm { ab_type: t, f32_mode: F32Mode::Exact, ..*g }, ws, ws + b_off as u64, c)
     }
-    /// Queues `D = alpha · op(A) · op(B) + beta · C + bias` as one cuBLASLt product
-    /// (blas_lt.rs); false, having queued nothing, where cuBLASLt cannot (the caller then runs
-    /// the product and the additions apart).
+    /// Queues `D = alpha · op(A) · op(B) + beta · C` with `epilogue` (a bias, or a GELU's
+    /// gradient) as one cuBLASLt product (blas_lt.rs); false, having queued nothing, where
+    /// cuBLASLt cannot (the caller then runs the product and the rest apart).
     #[allow(clippy::too_many_arguments)]
-    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, bias: u64) -> Result<bool> {
-        self.blas.gemm_epilogue(stream, g, a, b, c, d, bias)
+    pub fn gemm_epilogue(&self, stream: CUstream, g: &Gemm, a: u64, b: u64, c: u64, d: u64, epilogue: Epilogue) -> Result<bool> {
+        self.blas.gemm_epilogue(stream, g, a, b, c, d, epilogue)
     }
     /// Rounds `n` f32 values at `src` to the 16-bit type `t` (nearest even, as `gemm` rounds a
     /// mixed-precision session's operands) at `dst`, queued on `stream`.

@@ -1,6 +1,7 @@
 //! MatMul, Gemm, FusedMatMul (the gradient matmuls, possibly summed over broadcast batches)
 //! and Linear on cuBLAS; a Gemm's or a Linear's bias through cuBLASLt's epilogue where it can
-//! (blas_lt.rs), else copied into the output for the product to add to. Batches become one strided-batched call where the operands' batch
+//! (blas_lt.rs), else copied into the output for the product to add to; MatMulGeluGrad as one
+//! cuBLASLt product with the DGELU epilogue, else the product and the GELU-gradient kernel. Batches become one strided-batched call where the operands' batch
 //! layouts allow (same batch, or one operand repeated with stride 0, or a batch folded into M
 //! or K as the CPU kernel does); other broadcast patterns run one call per batch.
 
@@ -8,6 +9,7 @@ use super::movement::{copy, expand_layout, zero};
 use super::strides::broadcast;
 use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::blas::{Gemm, GemmType};
+use crate::backend::cuda::blas_lt::Epilogue;
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
 use crate::ir::Node;
@@ -156,7 +158,7 @@ fn with_bias_epilogue(
     let mut g = Gemm::contiguous(1, m, n, k, ta, tb, gemm_type(node, a.dtype)?);
     g.f32_mode = ctx.f32_mode;
     g.alpha = alpha;
-    ctx.rt.gemm_epilogue(ctx.stream, &g, a.ptr, b.ptr, 0, o.ptr, bias.ptr)
+    ctx.rt.gemm_epilogue(ctx.stream, &g, a.ptr, b.ptr, 0, o.ptr, Epilogue::Bias(bias.ptr))
 }
 
 fn matmul(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
@@ -258,7 +260,10 @@ fn linear_residual(
     g.c_type = cd;
     g.f32_mode = ctx.f32_mode;
     g.beta = 1.0;
-    if k > 0 && epilogues_on() && ctx.rt.gemm_epilogue(ctx.stream, &g, x.ptr, w.ptr, r.ptr, o.ptr, bias.map_or(0, |b| b.ptr))? {
+    if k > 0
+        && epilogues_on()
+        && ctx.rt.gemm_epilogue(ctx.stream, &g, x.ptr, w.ptr, r.ptr, o.ptr, Epilogue::Bias(bias.map_or(0, |b| b.ptr)))?
+    {
         return Ok(());
     }
     let numel = [o.numel()];
@@ -276,8 +281,56 @@ fn linear_residual(
     Ok(())
 }
 
+/// MatMulGeluGrad (ops/matmul_gelu_grad.rs): out = GeluGrad(op(a)·op(b), x), and with a
+/// second output the sums of out's rows. One cuBLASLt product whose DGELU_BGRAD (or DGELU)
+/// epilogue multiplies each element by the GELU's slope at x as it is written (the product
+/// rounded once, never stored) and sums the rows; where cuBLASLt declines (a row length not a
+/// multiple of 8, x off 16 bytes, f32 multiplied as 16 bits), the product into out,
+/// kernels/activation.cu's gradient over it in place, and the sums as a product with ones.
+fn matmul_gelu_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (a, b, x) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
+    let ta = node.attrs.int("transA", 0)? != 0;
+    let tb = node.attrs.int("transB", 0)? != 0;
+    let (m, k, n, _) = crate::ops::matmul_gelu_grad::product_dims(node, a.shape, b.shape)?;
+    let (o, bias_grad) = (&outs[0], outs.get(1));
+    let rows_o = [m, n];
+    let sums = |ctx: &mut CudaCtx| match bias_grad {
+        Some(s) => super::reduce::column_sums(node, ctx, &DView { shape: &rows_o, ..*o }, s.ptr),
+        None => Ok(()),
+    };
+    if m == 0 || n == 0 || k == 0 {
+        // nothing multiplied: every product is 0, so is its gradient
+        zero(ctx, o)?;
+        return sums(ctx);
+    }
+    let mut g = Gemm::contiguous(1, m, n, k, ta, tb, gemm_type(node, a.dtype)?);
+    g.f32_mode = ctx.f32_mode;
+    if epilogues_on() {
+        let aux = x.ptr;
+        if let Some(s) = bias_grad {
+            if ctx.rt.gemm_epilogue(ctx.stream, &g, a.ptr, b.ptr, 0, o.ptr, Epilogue::GeluGrad { aux, bias_grad: s.ptr })? {
+                return Ok(());
+            }
+        }
+        if ctx.rt.gemm_epilogue(ctx.stream, &g, a.ptr, b.ptr, 0, o.ptr, Epilogue::GeluGrad { aux, bias_grad: 0 })? {
+            return sums(ctx);
+        }
+    }
+    let rows_a = if ta { [k, m] } else { [m, k] };
+    batched(node, ctx, &DView { shape: &rows_a, ..*a }, b, &DView { shape: &rows_o, ..*o }, ta, tb, 1.0, 0.0)?;
+    let count = m * n;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("gelu_tanh_grad_{}", float_suffix(node, o.dtype)?),
+        ctx.rt.elementwise_grid(count),
+        &[KArg::Ptr(o.ptr), KArg::Ptr(x.ptr), KArg::Ptr(o.ptr), KArg::I64(count as i64), KArg::F32(0.01), KArg::F32(0.5)],
+    )?;
+    sums(ctx)
+}
+
 pub fn register(t: &mut CudaTable) {
     t.add("MatMul", matmul);
+    t.add("MatMulGeluGrad", matmul_gelu_grad);
     t.add("FusedMatMul", fused_matmul);
     t.add("Gemm", gemm_op);
     t.add("Linear", linear);

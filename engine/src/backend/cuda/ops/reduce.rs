@@ -28,13 +28,17 @@ fn sum_by_gemm(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, m: usize, n:
 }
 
 fn sum_rows(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
-    let x = input(node, ins, 0)?;
+    column_sums(node, ctx, input(node, ins, 0)?, outs[0].ptr)
+}
+
+/// The sums of the rows of the contiguous [m, n] `x` (its n column sums) at `out`, of x's type.
+pub(super) fn column_sums(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64) -> Result<()> {
     let (m, n) = (x.shape[0], x.shape[1]);
     if n == 0 {
         return Ok(());
     }
     if m > 0 && matches!(x.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
-        return sum_by_gemm(node, ctx, x, outs[0].ptr, m, n, true, 1.0);
+        return sum_by_gemm(node, ctx, x, out, m, n, true, 1.0);
     }
     let mut l = Reduce { out_rank: 1, red_rank: 1, outputs: n as i64, count: m as i64, ..Default::default() };
     l.out_dims[0] = n as i64;
@@ -43,7 +47,7 @@ fn sum_rows(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCt
     l.red_stride[0] = n as i64;
     let kernel = format!("reduce_sum_thread_{}", float_suffix(node, x.dtype)?);
     let grid = Grid::new((n as u64).div_ceil(256).min(u32::MAX as u64) as u32, 256);
-    ctx.rt.launch(ctx.stream, &kernel, grid, &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::Reduce(l), KArg::F64(1.0)])
+    ctx.rt.launch(ctx.stream, &kernel, grid, &[KArg::Ptr(x.ptr), KArg::Ptr(out), KArg::Reduce(l), KArg::F64(1.0)])
 }
 
 /// The `Reduce` layout of summing the dimensions of `shape` (contiguous) marked in `reduced`;

@@ -3,9 +3,12 @@
 //! f32 results with C a separate f32 buffer: the residual fusion's form), every transpose
 //! combination, with and without the bias and C. Each call must be taken by cuBLASLt (on a GPU:
 //! the combinations the engine relies on have a kernel), and a separate C is left as it was.
+//! And the GELU-gradient epilogue: D = GELU'(aux) ⊙ alpha·op(A)·op(B), the tanh approximation's
+//! derivative, against the same reference.
 
 use super::support::*;
 use crate::backend::cuda::blas::{F32Mode, Gemm, GemmType};
+use crate::backend::cuda::blas_lt::Epilogue;
 use crate::backend::cuda::loader::Loaded;
 
 fn round(t: GemmType, v: f64) -> f64 {
@@ -66,7 +69,7 @@ fn gpu_epilogue_products_add_the_bias_and_a_separate_c() {
                 let dd = upload(gpu_, cd, &vec![f64::NAN; m * n]);
                 let bias_ptr = if with_bias { dbias.ptr() } else { 0 };
                 let taken = blas(gpu_)
-                    .gemm_epilogue(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), dc.ptr(), dd.ptr(), bias_ptr)
+                    .gemm_epilogue(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), dc.ptr(), dd.ptr(), Epilogue::Bias(bias_ptr))
                     .unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert!(taken, "{name}: cuBLASLt has no kernel for it");
                 gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
@@ -111,7 +114,8 @@ fn gpu_epilogue_products_decline_what_cublaslt_cannot_do() {
     let batched = Gemm::contiguous(2, 2, 2, 2, false, false, GemmType::F32);
     let rounded = Gemm { f32_mode: F32Mode::Bf16, ..Gemm::contiguous(1, 4, 4, 4, false, false, GemmType::F32) };
     for (what, g) in [("f64", f64_gemm), ("a batch of 2", batched), ("f32 rounded to bf16", rounded)] {
-        let taken = blas(gpu_).gemm_epilogue(std::ptr::null_mut(), &g, out.ptr(), out.ptr(), 0, out.ptr(), 0).expect("no error");
+        let taken =
+            blas(gpu_).gemm_epilogue(std::ptr::null_mut(), &g, out.ptr(), out.ptr(), 0, out.ptr(), Epilogue::Plain).expect("no error");
         if !taken {
             declined.push(what);
         }
@@ -139,7 +143,15 @@ fn gpu_epilogue_products_take_operands_at_any_alignment() {
         let at = |buf: &crate::backend::cuda::launch::DeviceBuffer, elems: usize| buf.ptr() + 2 * elems as u64;
         let g = Gemm::contiguous(1, m, n, k, false, false, t);
         let taken = blas(gpu_)
-            .gemm_epilogue(std::ptr::null_mut(), &g, at(&da, offset), at(&db, offset), 0, at(&dd, offset), at(&dbias, bias_offset))
+            .gemm_epilogue(
+                std::ptr::null_mut(),
+                &g,
+                at(&da, offset),
+                at(&db, offset),
+                0,
+                at(&dd, offset),
+                Epilogue::Bias(at(&dbias, bias_offset)),
+            )
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
         let got = download(t, &dd);
@@ -160,6 +172,88 @@ fn gpu_epilogue_products_take_operands_at_any_alignment() {
                 }
                 let v = got[offset + i * n + j];
                 assert!((v - s).abs() <= 8e-3 * scale, "{name}: [{i}, {j}] got {v}, expected {s}");
+            }
+        }
+    }
+}
+
+/// The derivative of the tanh-approximated GELU at x (PyTorch's `gelu(approximate="tanh")`).
+fn gelu_tanh_slope(x: f64) -> f64 {
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let t = (k * (x + 0.044715 * x * x * x)).tanh();
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x)
+}
+
+/// DGELU: every product element times the GELU's slope at the same element of the GELU input
+/// (D's type and layout), for f32, bf16 and f16 and every transpose combination, GELU inputs
+/// over [-4, 4] (both tails and the bend); with DGELU_BGRAD also the sums of D's rows. A row
+/// length that is not a multiple of 8 (cuBLASLt wants the input's leading dimension so) and a
+/// GELU input off 16 bytes are declined with nothing queued.
+#[test]
+fn gpu_gelu_grad_epilogue_multiplies_the_product_by_the_gelu_slope() {
+    let Some(gpu_) = gpu("gpu_gelu_grad_epilogue_multiplies_the_product_by_the_gelu_slope") else { return };
+    let mut rng = Rng::new(71);
+    let (m, k) = (37, 40);
+    for (t, rtol) in [(GemmType::F32, 2e-6), (GemmType::Bf16, 8e-3), (GemmType::F16, 1e-3)] {
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            for (n, aux_offset, with_sums) in [(24usize, 0usize, false), (24, 0, true), (20, 0, true), (24, 1, false)] {
+                let name = format!("{t:?}, trans_a {ta}, trans_b {tb}, n {n}, the GELU input {aux_offset} elements in, sums {with_sums}");
+                let mut g = Gemm::contiguous(1, m, n, k, ta, tb, t);
+                g.f32_mode = F32Mode::Exact;
+                g.alpha = 0.5;
+                let vals = |rng: &mut Rng, len: usize, r: f32| -> Vec<f64> {
+                    rng.f32s(len, -r, r).into_iter().map(|v| round(t, v as f64)).collect()
+                };
+                let (a, b, aux) = (vals(&mut rng, m * k, 1.0), vals(&mut rng, k * n, 1.0), vals(&mut rng, aux_offset + m * n, 4.0));
+                let (da, db, daux) = (upload(gpu_, t, &a), upload(gpu_, t, &b), upload(gpu_, t, &aux));
+                let (dd, dsums) = (upload(gpu_, t, &vec![f64::NAN; m * n]), upload(gpu_, t, &vec![f64::NAN; n]));
+                let aux_ptr = daux.ptr() + (aux_offset * t.size()) as u64;
+                let bias_grad = if with_sums { dsums.ptr() } else { 0 };
+                let taken = blas(gpu_)
+                    .gemm_epilogue(
+                        std::ptr::null_mut(),
+                        &g,
+                        da.ptr(),
+                        db.ptr(),
+                        0,
+                        dd.ptr(),
+                        Epilogue::GeluGrad { aux: aux_ptr, bias_grad },
+                    )
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
+                let (got, sums) = (download(t, &dd), download(t, &dsums));
+                if n % 8 != 0 || (aux_offset * t.size()) % 16 != 0 {
+                    assert!(!taken, "{name}: must be declined");
+                    assert!(got.iter().chain(&sums).all(|v| v.is_nan()), "{name}: declined, yet D or the sums were written");
+                    continue;
+                }
+                assert!(taken, "{name}: cuBLASLt has no kernel for it");
+                let (mut want_sums, mut sum_scale) = (vec![0.0; n], vec![0.0; n]);
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut s, mut scale) = (0.0, 0.0);
+                        for l in 0..k {
+                            let p = (if ta { a[l * m + i] } else { a[i * k + l] }) * (if tb { b[j * k + l] } else { b[l * n + j] });
+                            s += p;
+                            scale += p.abs();
+                        }
+                        let slope = gelu_tanh_slope(aux[aux_offset + i * n + j]);
+                        let want = slope * g.alpha * s;
+                        let bound = rtol * (slope.abs().max(1.0) * g.alpha * scale).max(1e-30);
+                        want_sums[j] += want;
+                        sum_scale[j] += bound / rtol;
+                        let v = got[i * n + j];
+                        assert!((v - want).abs() <= bound, "{name}: [{i}, {j}] got {v}, expected {want}");
+                    }
+                }
+                if with_sums {
+                    for j in 0..n {
+                        let (v, want) = (sums[j], want_sums[j]);
+                        assert!((v - want).abs() <= rtol * sum_scale[j], "{name}: the sum of column {j} is {v}, expected {want}");
+                    }
+                } else {
+                    assert!(sums.iter().all(|v| v.is_nan()), "{name}: no sums asked for, yet written");
+                }
             }
         }
     }

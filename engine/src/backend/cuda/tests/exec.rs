@@ -408,9 +408,24 @@ fn test_models_cover_every_dispatcher_family() {
         "CumSum",
         "GatherND",
         "GatherNDGrad",
+        "MatMulGeluGrad",
     ];
     let missing: Vec<&str> = want.iter().copied().filter(|o| !seen.contains(*o)).collect();
     assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
+}
+
+/// A CUDA session's train graph takes the tanh GELU's gradient, and the bias gradient of the
+/// layer before it, out of the product that feeds it (passes/matmul_gelu_grad.rs): no GeluGrad
+/// nor bias sum left; gpu_train_step_matches_the_cpu_executor runs it (gelu_mlp, gelu_mlp_12).
+#[test]
+fn the_gelu_gradient_and_its_bias_gradient_come_out_of_the_product() {
+    let m = gelu_mlp(&mut Rng::new(3), 16);
+    let s = session(&m);
+    let ops: Vec<&str> = s.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    let fused: Vec<_> = s.graph.nodes.iter().filter(|n| n.op_type == "MatMulGeluGrad").collect();
+    assert_eq!(fused.len(), 1, "{ops:?}");
+    assert_eq!(fused[0].outputs.len(), 2, "the bias gradient is its output 1");
+    assert!(!ops.contains(&"GeluGrad") && !ops.contains(&"SumRows"), "{ops:?}");
 }
 
 /// The exporters' attention becomes one Attention node in a CUDA session, and the fused graph's

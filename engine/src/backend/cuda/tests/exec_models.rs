@@ -99,17 +99,22 @@ pub(super) fn mlp(rng: &mut Rng) -> Model {
 
 /// A transformer MLP: MatMul, GELU (tanh) and LeakyReLU outputs read through a Reshape by the
 /// next MatMul, whose weight gradient reads them again in the backward pass: the CUDA train
-/// graph recomputes both there (passes/recompute.rs).
-pub(super) fn gelu_mlp(rng: &mut Rng) -> Model {
+/// graph recomputes both there (passes/recompute.rs), and the GELU's gradient, with the first
+/// layer's bias gradient, comes out of the projection's dX product (passes/matmul_gelu_grad.rs:
+/// cuBLASLt's DGELU_BGRAD epilogue at a `hidden` width that is a multiple of 8, else the
+/// product, the gradient kernel and a column sum).
+pub(super) fn gelu_mlp(rng: &mut Rng, hidden: usize) -> Model {
     let input = vec![2, 3, 6];
     let (mut g, x) = new_model(&input);
     let mut ws = Vec::new();
-    let w1 = weight(&mut g, &mut ws, "w1", &[6, 16], rng);
-    let w2 = weight(&mut g, &mut ws, "w2", &[16, 8], rng);
+    let w1 = weight(&mut g, &mut ws, "w1", &[6, hidden], rng);
+    let w2 = weight(&mut g, &mut ws, "w2", &[hidden, 8], rng);
     let w3 = weight(&mut g, &mut ws, "w3", &[8, 4], rng);
+    let b1 = weight(&mut g, &mut ws, "b1", &[hidden], rng);
     let h = op(&mut g, "fc", "MatMul", &[x, w1], Attrs::default());
+    let h = op(&mut g, "fc_bias", "Add", &[h, b1], Attrs::default());
     let a = op(&mut g, "gelu", "Gelu", &[h], Attrs::default().with("approximate", Attr::String("tanh".into())));
-    let rows = ints(&mut g, "rows", &[6, 16]);
+    let rows = ints(&mut g, "rows", &[6, hidden as i64]);
     let a = op(&mut g, "view", "Reshape", &[a, rows], Attrs::default());
     let h2 = op(&mut g, "proj", "MatMul", &[a, w2], Attrs::default());
     let l = op(&mut g, "leaky", "LeakyRelu", &[h2], Attrs::default().with("alpha", Attr::Float(0.1)));
@@ -561,7 +566,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
     let mut rng = Rng::new(3);
     vec![
         ("mlp", mlp(&mut rng)),
-        ("gelu_mlp", gelu_mlp(&mut rng)),
+        ("gelu_mlp", gelu_mlp(&mut rng, 16)),
         ("movement", movement(&mut rng)),
         ("masks", masks(&mut rng)),
         ("embedding", embedding(&mut rng)),
@@ -575,6 +580,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
         ("conv_net", conv_net(&mut rng)),
         ("conv1d_scan_gather", conv1d_scan_gather(&mut rng)),
         ("pow_mixed", pow_mixed(&mut rng)),
+        ("gelu_mlp_12", gelu_mlp(&mut rng, 12)),
     ]
 }
 
