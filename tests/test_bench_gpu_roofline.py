@@ -13,7 +13,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, T, E, V = 4, 128, 64, 500
 BLOCK_WEIGHTS = E * 3 * E + E * E + 2 * E * 4 * E  # c_attn, attn c_proj, mlp c_fc and c_proj
-MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear")
+# MatMulGeluGrad: the MLP's dX product with the GELU's gradient in its epilogue (CUDA train graphs)
+MATMULS = ("MatMul", "FusedMatMul", "Gemm", "Linear", "MatMulGeluGrad")
 
 
 def _roofline(tmp_path, passes: str, batch: int = B, seq: int = T) -> tuple[dict, str]:
