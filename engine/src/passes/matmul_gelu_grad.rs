@@ -43,14 +43,17 @@ fn one_element(graph: &Graph, t: ValueId) -> Option<SymDim> {
     if let Some([d]) = values(graph, t).as_deref() {
         return Some(d.clone());
     }
-    let p = &graph.nodes[graph.value(t).producer?.0];
-    if p.op_type != "Shape" || p.attrs.get("start").is_some() || p.attrs.get("end").is_some() {
-        return None;
-    }
-    match shape_of(graph, p.input(0)?)?.as_slice() {
+    match shape_of(graph, shape_source(graph, t)?)?.as_slice() {
         [d] => Some(d.clone()),
         _ => None,
     }
+}
+
+/// The value whose whole Shape `t` is (a Shape node without start or end).
+fn shape_source(graph: &Graph, t: ValueId) -> Option<ValueId> {
+    let p = &graph.nodes[graph.value(t).producer?.0];
+    let whole = p.op_type == "Shape" && p.attrs.get("start").is_none() && p.attrs.get("end").is_none();
+    whole.then(|| p.input(0)).flatten()
 }
 
 /// The bias gradient summing `grad` (the GeluGrad's output: X's shape, so rows of N) over every
@@ -122,11 +125,7 @@ fn two_elements(graph: &Graph, t: ValueId) -> bool {
     if values(graph, t).is_some_and(|v| v.len() == 2) {
         return true;
     }
-    let Some(p) = graph.value(t).producer.map(|p| &graph.nodes[p.0]) else { return false };
-    p.op_type == "Shape"
-        && p.attrs.get("start").is_none()
-        && p.attrs.get("end").is_none()
-        && p.input(0).and_then(|x| rank(graph, x, 8)) == Some(2)
+    shape_source(graph, t).and_then(|x| rank(graph, x, 8)) == Some(2)
 }
 
 /// The rank of `v` where it is proven: its symbolic shape, or through the ops a gradient's

@@ -77,34 +77,37 @@ fn flatten_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     Ok(())
 }
 
-fn sum_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
-    fn go<T: FloatElem>(x: &In, o: &mut Out) -> Result<()> {
-        let n = x.shape[1];
-        let xv = x.slice::<T>()?;
-        let ov = o.slice::<T>()?;
-        // a block of columns per task: each task walks every row over its own columns, summing
-        // in f64 and rounding once (a bias gradient is a sum over every row: an f32 running sum
-        // drifts further than PyTorch's pairwise one, and Adam turns that into visible steps)
-        const COLS: usize = 256;
-        let sum_block = |(c, dst): (usize, &mut [T])| {
-            let (start, width) = (c * COLS, dst.len());
-            let mut acc = [0f64; COLS];
-            for row in xv.chunks_exact(n.max(1)) {
-                for (a, &v) in acc.iter_mut().zip(&row[start..start + width]) {
-                    *a += v.as_();
-                }
+/// The n column sums of the [m, n] matrix `x` (its rows summed) into `o`: SumRows, and
+/// MatMulGeluGrad's output 1 (backend/cpu/matmul.rs).
+pub(super) fn column_sums<T: FloatElem>(x: &In, o: &mut Out) -> Result<()> {
+    let n = x.shape[1];
+    let xv = x.slice::<T>()?;
+    let ov = o.slice::<T>()?;
+    // a block of columns per task: each task walks every row over its own columns, summing
+    // in f64 and rounding once (a bias gradient is a sum over every row: an f32 running sum
+    // drifts further than PyTorch's pairwise one, and Adam turns that into visible steps)
+    const COLS: usize = 256;
+    let sum_block = |(c, dst): (usize, &mut [T])| {
+        let (start, width) = (c * COLS, dst.len());
+        let mut acc = [0f64; COLS];
+        for row in xv.chunks_exact(n.max(1)) {
+            for (a, &v) in acc.iter_mut().zip(&row[start..start + width]) {
+                *a += v.as_();
             }
-            dst.iter_mut().zip(&acc).for_each(|(d, &a)| *d = T::from_f64(a));
-        };
-        if xv.len() >= PAR_MIN {
-            ov.par_chunks_mut(COLS).enumerate().for_each(sum_block);
-        } else {
-            ov.chunks_mut(COLS).enumerate().for_each(sum_block);
         }
-        Ok(())
+        dst.iter_mut().zip(&acc).for_each(|(d, &a)| *d = T::from_f64(a));
+    };
+    if xv.len() >= PAR_MIN {
+        ov.par_chunks_mut(COLS).enumerate().for_each(sum_block);
+    } else {
+        ov.chunks_mut(COLS).enumerate().for_each(sum_block);
     }
+    Ok(())
+}
+
+fn sum_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
-    crate::dispatch_float!(x.dtype, node, go::<T>(x, &mut out[0]))
+    crate::dispatch_float!(x.dtype, node, column_sums::<T>(x, &mut out[0]))
 }
 
 pub fn register(t: &mut KernelTable) {

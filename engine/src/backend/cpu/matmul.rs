@@ -11,6 +11,7 @@ use rayon::prelude::*;
 use super::bf16::{self, MatRef, MatmulPath};
 use super::broadcast::bcast_strides;
 use super::elementwise::{first, FloatElem};
+use super::linear::column_sums;
 use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
@@ -403,20 +404,9 @@ fn matmul_gelu_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &m
     crate::dispatch_float!(a.dtype, node, batched::<T>(ctx.matmul, node, &a, b, &mut o, ta, tb, 1.0, false))?;
     super::activation::gelu_tanh_grad_in_place(node, x, &mut out[0])?;
     let [y, sums] = out else { return Ok(()) };
-    fn column_sums<T: FloatElem>(y: &In, n: usize, sums: &mut Out) -> Result<()> {
-        let mut acc = vec![0f64; n];
-        for row in y.slice::<T>()?.chunks(n.max(1)) {
-            for (a, &v) in acc.iter_mut().zip(row) {
-                *a += v.as_();
-            }
-        }
-        for (s, a) in sums.slice::<T>()?.iter_mut().zip(acc) {
-            *s = T::from_f64(a);
-        }
-        Ok(())
-    }
     let y = y.as_input();
-    crate::dispatch_float!(y.dtype, node, column_sums::<T>(&y, n, sums))
+    let y = y.reshaped(&rows_o);
+    crate::dispatch_float!(y.dtype, node, column_sums::<T>(&y, sums))
 }
 
 pub fn register(t: &mut KernelTable) {

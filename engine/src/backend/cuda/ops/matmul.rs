@@ -1,9 +1,10 @@
 //! MatMul, Gemm, FusedMatMul (the gradient matmuls, possibly summed over broadcast batches)
 //! and Linear on cuBLAS; a Gemm's or a Linear's bias through cuBLASLt's epilogue where it can
 //! (blas_lt.rs), else copied into the output for the product to add to; MatMulGeluGrad as one
-//! cuBLASLt product with the DGELU epilogue, else the product and the GELU-gradient kernel. Batches become one strided-batched call where the operands' batch
-//! layouts allow (same batch, or one operand repeated with stride 0, or a batch folded into M
-//! or K as the CPU kernel does); other broadcast patterns run one call per batch.
+//! cuBLASLt product with the DGELU epilogue, else the product and the GELU-gradient kernel.
+//! Batches become one strided-batched call where the operands' batch layouts allow (same
+//! batch, or one operand repeated with stride 0, or a batch folded into M or K as the CPU
+//! kernel does); other broadcast patterns run one call per batch.
 
 use super::movement::{copy, expand_layout, zero};
 use super::strides::broadcast;
