@@ -90,6 +90,12 @@ inline double gelu_tanh_slope(double xd) {
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * k * (1.0f + 3.0f * c * x * x);
 }
 
+// 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), in f32 as cuBLASLt's GELU epilogue computes it
+inline double gelu_tanh_value(double xd) {
+    const float x = (float)xd, k = 0.7978845608f, c = 0.044715f;
+    return 0.5f * x * (1.0f + tanhf(k * (x + c * x * x * x)));
+}
+
 struct Product {
     int m, n, k;
     bool ta, tb;
@@ -110,6 +116,9 @@ struct Product {
     int64_t ld_gelu = 0;
     // DGELU_BGRAD: the sums of D's rows (column-major: over its columns), stored in cd_type
     void* bias_grad = nullptr;
+    // GELU_AUX(_BIAS): each result (bias added) stored here (cd_type, leading dimension
+    // ld_gelu), and its tanh GELU to D
+    void* gelu_aux = nullptr;
 
     void run() const {
         // op(A) as m rows of k and op(B) as n columns of k, rounded once, so each output is a
@@ -130,6 +139,10 @@ struct Product {
                 if (be != 0) v += be * load(c, cd_type, (int64_t)i + (int64_t)j * ldc);
                 if (bias) v += load(bias, cd_type, i);
                 if (gelu_grad_of) v *= gelu_tanh_slope(load(gelu_grad_of, cd_type, (int64_t)i + (int64_t)j * ld_gelu));
+                if (gelu_aux) {
+                    store(gelu_aux, cd_type, (int64_t)i + (int64_t)j * ld_gelu, v);
+                    v = gelu_tanh_value(v);
+                }
                 store(d, cd_type, (int64_t)i + (int64_t)j * ldd, v);
                 if (bias_grad) row_sums[i] += v;
             }

@@ -5,7 +5,9 @@
 // BIAS epilogue and a bias of D's type, or the DGELU epilogue (the product times the tanh GELU's
 // derivative at the aux matrix: D's type, a leading dimension divisible by 8 and no less than
 // D's rows, as cuBLASLt documents) and DGELU_BGRAD (that, and the sums of D's rows, the bias
-// gradient, written at the bias pointer in D's type), else NOT_SUPPORTED with none. The algorithm carries the
+// gradient, written at the bias pointer in D's type), or GELU_AUX and GELU_AUX_BIAS (the product
+// plus the bias written to the aux matrix, of D's type and the same constraints, and its tanh GELU
+// to D), else NOT_SUPPORTED with none. The algorithm carries the
 // alignments the preference allowed (256 bytes unless set, as cuBLASLt assumes), and the
 // matmul fails, naming the operand, where an address is less aligned than its algorithm
 // assumes (on a GPU: a misaligned-address fault), or a bias or aux matrix less than 16-byte
@@ -30,7 +32,7 @@ enum DescAttr {
     D_AUX_LD = 12,
     D_BIAS_TYPE = 26
 };
-enum Epilogue { E_DEFAULT = 1, E_BIAS = 4, E_DGELU = 192, E_DGELU_BGRAD = 208 };
+enum Epilogue { E_DEFAULT = 1, E_BIAS = 4, E_GELU_AUX = 160, E_GELU_AUX_BIAS = 164, E_DGELU = 192, E_DGELU_BGRAD = 208 };
 enum LayoutAttr { L_TYPE = 0, L_ORDER = 1, L_ROWS = 2, L_COLS = 3, L_LD = 4, L_BATCH = 5, L_STRIDE = 6 };
 enum PrefAttr { P_MAX_WORKSPACE = 1, P_ALIGN_A = 5, P_ALIGN_D = 8 };
 
@@ -83,11 +85,12 @@ bool dims(const Desc* d, const Layout* a, const Layout* b, const Layout* c, int&
 bool supported(const Desc* d, const Layout* a, const Layout* b, const Layout* c, const Layout* dl) {
     if (d->scale != R_32F || d->pointer_mode != 0 || c->type != dl->type || !legal(a->type, b->type, c->type, d->compute)) return false;
     if (d->epilogue == E_DEFAULT) return true;
-    if (d->epilogue == E_DGELU || d->epilogue == E_DGELU_BGRAD) {
-        const bool bgrad_ok = d->epilogue == E_DGELU || (d->bias && (d->bias_type == -1 || d->bias_type == dl->type));
-        return d->aux && d->aux_ld % 8 == 0 && d->aux_ld >= (int64_t)dl->rows && bgrad_ok;
+    const bool bias_ok = d->bias && (d->bias_type == -1 || d->bias_type == dl->type);
+    if (d->epilogue == E_DGELU || d->epilogue == E_DGELU_BGRAD || d->epilogue == E_GELU_AUX || d->epilogue == E_GELU_AUX_BIAS) {
+        const bool needs_bias = d->epilogue == E_DGELU_BGRAD || d->epilogue == E_GELU_AUX_BIAS;
+        return d->aux && d->aux_ld % 8 == 0 && d->aux_ld >= (int64_t)dl->rows && (!needs_bias || bias_ok);
     }
-    return d->epilogue == E_BIAS && d->bias && (d->bias_type == -1 || d->bias_type == dl->type);
+    return d->epilogue == E_BIAS && bias_ok;
 }
 
 }  // namespace
@@ -188,8 +191,14 @@ EXPORT int cublasLtMatmul(LtHandle*, Desc* d, const void* alpha, const void* A, 
             return INVALID_VALUE;
         }
     }
-    if (d->epilogue == E_BIAS && (uintptr_t)d->bias % 16) {
+    const bool adds_bias = d->epilogue == E_BIAS || d->epilogue == E_GELU_AUX_BIAS;
+    if (adds_bias && (uintptr_t)d->bias % 16) {
         fprintf(stderr, "cuda-emu: cublasLtMatmul: the bias at %p is not 16-byte aligned\n", d->bias);
+        return INVALID_VALUE;
+    }
+    const bool gelu = d->epilogue == E_GELU_AUX || d->epilogue == E_GELU_AUX_BIAS;
+    if (gelu && (uintptr_t)d->aux % 16) {
+        fprintf(stderr, "cuda-emu: cublasLtMatmul: the GELU aux matrix at %p is not 16-byte aligned\n", d->aux);
         return INVALID_VALUE;
     }
     const bool dgelu = d->epilogue == E_DGELU || d->epilogue == E_DGELU_BGRAD;
@@ -203,7 +212,11 @@ EXPORT int cublasLtMatmul(LtHandle*, Desc* d, const void* alpha, const void* A, 
     }
     const double al = *static_cast<const float*>(alpha), be = *static_cast<const float*>(beta);
     Product p{m, n, k, d->transa != 0, d->transb != 0, A, B, a->type, a->ld, b->ld, C, c->ld, D, dl->ld, dl->type,
-                    d->epilogue == E_BIAS ? d->bias : nullptr, d->compute, al, be};
+                    adds_bias ? d->bias : nullptr, d->compute, al, be};
+    if (gelu) {
+        p.gelu_aux = const_cast<void*>(d->aux);
+        p.ld_gelu = d->aux_ld;
+    }
     if (dgelu) {
         p.gelu_grad_of = d->aux;
         p.ld_gelu = d->aux_ld;

@@ -30,7 +30,8 @@
 #              +no_fuse_residual_linear),
 #              ortrain+fuse_attention, ortrain,
 #              ortrain+fuse_attention+autocast without the GELU recomputation (+no_recompute),
-#              and without the GELU gradient in the product's cuBLASLt epilogue (+no_matmul_gelu_grad)
+#              and without the GELU nor its gradient in the products' cuBLASLt epilogues
+#              (+no_matmul_gelu_grad+no_fuse_linear_gelu: llm.c's gelu_fusion 0 against 2)
 #   profile    bench.gpu_profile of ortrain's GPT-2 124M step with fuse_attention,autocast, then of
 #              its tutorial step: the kernels' GPU time, to set against bench.gpu_roofline's model
 #   fp16       bench.gpu on GPT-2 124M at fp16 (--gpt2-precision fp16): ortrain+fuse_attention
@@ -197,7 +198,7 @@ if has profile; then
 fi
 if has variants; then
     bench 300 "GPT-2 124M pass variants" bench-gpt2-variants.json --workloads gpt2-124m --steps 20 --warmup 4 \
-        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_packed_qkv,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute,ortrain+fuse_attention+autocast+no_matmul_gelu_grad
+        --systems ortrain+fuse_attention+autocast+no_flash_attention,ortrain+fuse_attention+autocast+flash_rows64,ortrain+fuse_attention+autocast+no_attention_packed_qkv,ortrain+fuse_attention+autocast+no_attention_layout+no_layer_norm_half+no_layer_norm_grad_sum+no_fuse_residual_linear,ortrain+fuse_attention,ortrain,ortrain+fuse_attention+autocast+no_recompute,ortrain+fuse_attention+autocast+no_matmul_gelu_grad+no_fuse_linear_gelu
 fi
 if has padded; then
     bench 300 "GPT-2 124M, padded attention_mask" bench-gpt2-padded.json --workloads gpt2-124m-padded --steps 20 --warmup 4 \

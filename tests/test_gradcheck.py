@@ -204,6 +204,8 @@ def cases() -> list[Case]:
     add(Case("Linear", [W((2, 3, 4)), W((5, 4)), W((5,))], {"transB": 1}, label="3d-bias-transB"))
     add(Case("Linear", [W((3, 4)), W((4, 5))], {"transB": 0}, label="2d-nobias"))
     add(Case("Linear", [W((4,)), W((5, 4)), W((5,))], {"transB": 1}, label="1d-bias"))
+    # the GELU fused by passes/fuse_linear_gelu.rs: output 1 is its input, which its gradient reads
+    add(Case("Linear", [W((2, 3, 4), -2, 2), W((5, 4)), W((5,))], {"transB": 1, "activation": "gelu_tanh"}, extra_out=1, label="gelu"))
     # the LM head fused with its loss: outputs 1-4 are its unit-seed gradients and scratch
     add(Case("LinearCrossEntropy", [W((2, 3, 4)), W((5, 4)), W((5,)), C([1, 4, 0, 2, -1, 3], np.int64)],
              {"transB": 1, "reduction": "mean", "ignore_index": -1}, extra_out=4, label="3d-bias-mean-ignore"))

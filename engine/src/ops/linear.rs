@@ -7,6 +7,10 @@
 //! of the residual's type and shape (f32 from 16-bit X and W: the bias is then the residual's
 //! type too), its rows the product's rows (the residual's last dim is N). Its gradient is dY
 //! itself; X's and W's come from dY cast to their type, the bias's from dY.
+//!
+//! Attribute `activation` (internal, passes/fuse_linear_gelu.rs): "none" (the default) or
+//! "gelu_tanh": Y = GELU(X · op(W) + b) with the tanh approximation, and output 1 the product
+//! plus bias before it (the GELU's input, which its gradient reads). Not with a residual.
 
 use super::util::{input, same_element_type};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -22,11 +26,25 @@ pub fn linear_dims(node: &Node, w: &[usize]) -> Result<(usize, usize)> {
     Ok(if node.attrs.int("transB", 0)? != 0 { (w[1], w[0]) } else { (w[0], w[1]) })
 }
 
+/// Whether a Linear applies the tanh-approximated GELU to its product (attribute `activation`),
+/// writing the GELU's input as output 1.
+pub fn gelu_after(node: &Node) -> Result<bool> {
+    match node.attrs.string("activation", "none")?.as_str() {
+        "none" => Ok(false),
+        "gelu_tanh" => Ok(true),
+        other => Err(node.err(format!("activation must be \"none\" or \"gelu_tanh\", got {other:?}"))),
+    }
+}
+
 struct Linear;
 impl OpDef for Linear {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (x, w) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
         let residual = inputs.get(3).and_then(|r| r.as_ref());
+        let gelu = gelu_after(node)?;
+        if gelu && (residual.is_some() || node.outputs.len() != 2) {
+            return Err(node.err("a Linear with a GELU has no residual and two outputs (the result and the GELU's input)"));
+        }
         same_element_type(node, inputs, if residual.is_some() { &[0, 1] } else { &[0, 1, 2] })?;
         let (k, n) = linear_dims(node, w.shape)?;
         if x.shape.last() != Some(&k) {
@@ -43,6 +61,7 @@ impl OpDef for Linear {
         let mut out = x.shape[..x.shape.len() - 1].to_vec();
         out.push(n);
         match residual {
+            None if gelu => Ok(vec![TypeOut::new(x.dtype, out.clone()), TypeOut::new(x.dtype, out)]),
             None => Ok(vec![TypeOut::new(x.dtype, out)]),
             Some(r) => {
                 let rows: usize = out[..out.len() - 1].iter().product();
@@ -56,6 +75,14 @@ impl OpDef for Linear {
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
+            // through the GELU first: the products below take the gradient of its input
+            let dy = if gelu_after(node)? {
+                let tanh = Attrs::default().with("approximate", Attr::String("tanh".into()));
+                let pre = g.y(1);
+                g.op("GeluGrad", &[dy, pre], tanh)
+            } else {
+                dy
+            };
             let (x, w) = (g.x(0)?, g.x(1)?);
             let tb = node.attrs.int("transB", 0)? != 0;
             let mm = |ta: bool, tb: bool| Attrs::default().with("transA", Attr::Int(ta as i64)).with("transB", Attr::Int(tb as i64));

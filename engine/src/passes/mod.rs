@@ -14,6 +14,7 @@ mod fuse_attention;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
+mod fuse_linear_gelu;
 mod fuse_residual_linear;
 mod layer_norm_grad_sum;
 mod layer_norm_half;
@@ -94,6 +95,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after autocast (a no-op without its casts): a 16-bit projection added to the f32
     // residual stream writes the f32 sum itself (cuBLASLt's epilogue adds the residual)
     ("fuse_residual_linear", |g, _| Ok(fuse_residual_linear::run(g)), Runs::CudaOnly),
+    // after autocast (it fuses the 16-bit product and GELU autocast leaves): a tanh GELU of a
+    // product written by cuBLASLt's GELU_AUX_BIAS epilogue with the product kept as output 1
+    ("fuse_linear_gelu", |g, _| Ok(fuse_linear_gelu::run(g)), Runs::CudaOnly),
     // last: LayerNorm's statistics kept for its gradient (the GPU's recomputation reads x again)
     ("layer_norm_stats", |g, _| Ok(layer_norm_stats::run(g)), Runs::CudaOnly),
 ];

@@ -7,9 +7,13 @@
 //! it. In GPT-2 that is the MLP's GELU output, read by the second projection's weight gradient:
 //! [batch·seq, 4·width] per layer, the largest saved activation after the fused attention. It
 //! costs one elementwise pass per layer; torch.compile's min-cut partitioner makes the same
-//! trade on GPUs. Bitwise the same results: the same kernel on the same input.
+//! trade on GPUs. Bitwise the same results: the same kernel on the same input. A Linear with a
+//! GELU (passes/fuse_linear_gelu.rs) is an activation of its output 1 here: its output 0 is
+//! recomputed by a Gelu of output 1, which the GELU's gradient reads. That GELU's kernel reads
+//! the stored (rounded) product where cuBLASLt's epilogue took the GELU of the unrounded sum:
+//! in 16 bits the two may differ in the last bit, as llm.c's recomputation does.
 
-use crate::ir::{Graph, Node, NodeId, ValueKind};
+use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
 /// Cheap one-input activations (one elementwise pass to recompute).
 const RECOMPUTABLE: &[&str] = &["Gelu", "LeakyRelu", "Relu", "Tanh", "Sigmoid", "Erf", "Softplus", "HardSigmoid"];
@@ -17,6 +21,17 @@ const RECOMPUTABLE: &[&str] = &["Gelu", "LeakyRelu", "Relu", "Tanh", "Sigmoid", 
 /// Views that share their input's memory (the plan aliases them): a backward read of a view of
 /// the activation keeps the activation alive as much as a read of the activation itself.
 const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
+
+/// The input `u` of an activation `v = f(u)` that `node` computes as its output 0: a
+/// RECOMPUTABLE op's one input, or a Linear with a GELU's output 1.
+fn activation_input(node: &Node) -> Option<ValueId> {
+    if node.op_type == "Linear" {
+        let gelu = crate::ops::linear::gelu_after(node).ok() == Some(true);
+        return node.outputs.get(1).copied().filter(|_| gelu && node.outputs.len() == 2);
+    }
+    let one_to_one = node.outputs.len() == 1 && node.inputs.len() == 1;
+    one_to_one.then(|| node.input(0)).flatten().filter(|_| RECOMPUTABLE.contains(&node.op_type.as_str()))
+}
 
 /// Rewrites the train graph whose first `n_fwd` nodes are the forward pass; returns how many
 /// activations are now recomputed.
@@ -31,16 +46,12 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
     let mut inserts: Vec<(usize, Vec<Node>)> = Vec::new();
     let mut count = 0;
     for f in 0..n_fwd.min(graph.nodes.len()) {
-        let node = &graph.nodes[f];
-        if !RECOMPUTABLE.contains(&node.op_type.as_str()) || node.outputs.len() != 1 || node.inputs.len() != 1 {
-            continue;
-        }
-        let Some(u) = node.input(0) else { continue };
+        let Some(u) = activation_input(&graph.nodes[f]) else { continue };
         if backward(&consumers[u.0]).is_empty() {
             continue;
         }
         // the activation and its views, each with the forward nodes from the activation to it
-        let mut targets = vec![(node.outputs[0], vec![f])];
+        let mut targets = vec![(graph.nodes[f].outputs[0], vec![f])];
         let mut found = Vec::new();
         while let Some((value, chain)) = targets.pop() {
             if graph.outputs.contains(&value) {
@@ -71,9 +82,16 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
                 let value = graph.value(original.outputs[0]);
                 let (v_name, dtype) = (value.name.clone(), value.dtype);
                 let again = graph.add_value(&format!("{v_name}:recomputed"), ValueKind::Computed, dtype, None);
-                let mut inputs = original.inputs.clone();
-                inputs[0] = Some(input);
-                nodes.push(Node { name: format!("{}:recompute", original.name), inputs, outputs: vec![again], ..original });
+                let name = format!("{}:recompute", original.name);
+                let node = if original.op_type == "Linear" {
+                    let tanh = Attrs::default().with("approximate", Attr::String("tanh".into()));
+                    Node { name, op_type: "Gelu".into(), inputs: vec![Some(input)], outputs: vec![again], attrs: tanh }
+                } else {
+                    let mut inputs = original.inputs.clone();
+                    inputs[0] = Some(input);
+                    Node { name, inputs, outputs: vec![again], ..original }
+                };
+                nodes.push(node);
                 input = again;
             }
             let first = readers.iter().map(|(n, _)| n.0).min().unwrap_or(n_fwd);
@@ -102,7 +120,7 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ir::{Attrs, Dim};
+    use crate::ir::Dim;
     use crate::tensor::DType;
 
     /// Whether a backward node reads the data of `x` (not only its type).
@@ -157,6 +175,30 @@ mod tests {
                 assert_eq!(g.values[o.0].producer, Some(NodeId(i)), "producers renumbered");
             }
         }
+    }
+
+    /// A Linear with a GELU (passes/fuse_linear_gelu.rs): its output 0 is recomputed by a tanh
+    /// Gelu of output 1, the input its gradient reads anyway.
+    #[test]
+    fn a_linears_gelu_is_recomputed_from_its_output_1() {
+        let mut g = Graph::default();
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), Some(vec![Dim::Known(4), Dim::Known(8)]));
+        let w1 = g.add_value("w1", ValueKind::Weight, Some(DType::F32), Some(vec![Dim::Known(8), Dim::Known(16)]));
+        let w2 = g.add_value("w2", ValueKind::Weight, Some(DType::F32), Some(vec![Dim::Known(16), Dim::Known(8)]));
+        let gelu = Attrs::default().with("activation", Attr::String("gelu_tanh".into()));
+        let fc = g.add_node("fc", "Linear", vec![Some(x), Some(w1)], gelu, 2);
+        let (h, pre) = (fc[0], fc[1]);
+        let y = g.add_node("proj", "MatMul", vec![Some(h), Some(w2)], Attrs::default(), 1)[0];
+        g.outputs = vec![y];
+        let n_fwd = g.nodes.len();
+        let seed = g.add_value("grad:y", ValueKind::Input, Some(DType::F32), None);
+        crate::autodiff::build(&mut g, &[y], &[Some(seed)], &[w1, w2]).expect("autodiff");
+        assert!(read_in_backward(&g, n_fwd, h) && read_in_backward(&g, n_fwd, pre));
+        assert_eq!(run(&mut g, n_fwd), 1);
+        assert!(!read_in_backward(&g, n_fwd, h), "no backward node reads the saved result");
+        let again = g.nodes.iter().find(|n| n.name == "fc:recompute").expect("recomputing node");
+        assert_eq!((again.op_type.as_str(), again.input(0)), ("Gelu", Some(pre)));
+        assert_eq!(again.attrs.string("approximate", "none").ok().as_deref(), Some("tanh"));
     }
 
     #[test]

@@ -87,10 +87,24 @@ pub(super) fn gelu_tanh_grad_in_place(node: &Node, x: &In, dx: &mut Out) -> Resu
     crate::dispatch_float!(x.dtype, node, go::<T>(x, dx))
 }
 
+/// o ← GELU(x) with the tanh approximation: Gelu's kernel, and a Linear's GELU
+/// (backend/cpu/linear.rs).
+pub(super) fn gelu_tanh(node: &Node, x: &In, o: &mut Out) -> Result<()> {
+    if x.dtype == crate::tensor::DType::F32 {
+        gelu_tanh_f32(x.slice::<f32>()?, o.slice::<f32>()?);
+        return Ok(());
+    }
+    fn go<T: FloatElem>(x: &In, o: &mut Out) -> Result<()> {
+        let (k, c, one, half) = (T::from_f64(SQRT_2_OVER_PI), T::from_f64(0.044715), T::one(), T::from_f64(0.5));
+        map1::<T, T>(x, o, move |v| half * v * (one + (k * (v + c * v * v * v)).tanh()))
+    }
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, o))
+}
+
 fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let (alpha, beta, tanh) = params(node)?;
-    fn go<T: FloatElem>(op: &str, x: &In, o: &mut Out, alpha: f64, beta: f64, tanh: bool) -> Result<()> {
+    fn go<T: FloatElem>(op: &str, x: &In, o: &mut Out, alpha: f64, beta: f64) -> Result<()> {
         let (a, b) = (T::from_f64(alpha), T::from_f64(beta));
         let (zero, one, half) = (T::zero(), T::one(), T::from_f64(0.5));
         match op {
@@ -99,11 +113,7 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
             "Tanh" if x.dtype == crate::tensor::DType::F32 => tanh_f32(x, o),
             "Tanh" => map1::<T, T>(x, o, |v| v.tanh()),
             "Sigmoid" => map1::<T, T>(x, o, move |v| one / (one + (-v).exp())),
-            "Gelu" if tanh => {
-                let k = T::from_f64(SQRT_2_OVER_PI);
-                let c = T::from_f64(0.044715);
-                map1::<T, T>(x, o, move |v| half * v * (one + (k * (v + c * v * v * v)).tanh()))
-            }
+            // the tanh approximation is `gelu_tanh`
             "Gelu" => {
                 let r = T::from_f64(std::f64::consts::FRAC_1_SQRT_2);
                 map1::<T, T>(x, o, move |v| half * v * (one + (v * r).erf()))
@@ -117,11 +127,10 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
         }
     }
     let op = node.op_type.as_str();
-    if op == "Gelu" && tanh && x.dtype == crate::tensor::DType::F32 {
-        gelu_tanh_f32(x.slice::<f32>()?, out[0].slice::<f32>()?);
-        return Ok(());
+    if op == "Gelu" && tanh {
+        return gelu_tanh(node, x, &mut out[0]);
     }
-    crate::dispatch_float!(x.dtype, node, go::<T>(op, x, &mut out[0], alpha, beta, tanh))
+    crate::dispatch_float!(x.dtype, node, go::<T>(op, x, &mut out[0], alpha, beta))
 }
 
 fn backward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

@@ -1,5 +1,6 @@
 //! CPU kernels of ops/linear.rs: Linear (bias rows, or the residual plus the bias, written
-//! first, then one gemm accumulating into them), FlattenRows (a copy, for when the plan could not make it a view) and SumRows
+//! first, then one gemm accumulating into them; with a GELU, the product into output 1 and the
+//! GELU of it into output 0), FlattenRows (a copy, for when the plan could not make it a view) and SumRows
 //! (column sums, split across threads by column blocks).
 
 use rayon::prelude::*;
@@ -67,7 +68,12 @@ fn linear(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx)
         unsafe { gemm_call(path, rows, n, k, ov.as_mut_ptr(), lhs, rhs, T::one(), accumulate) };
         Ok(())
     }
-    crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, r, &mut out[0], k, n, tb))
+    if !crate::ops::linear::gelu_after(node)? {
+        return crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, r, &mut out[0], k, n, tb));
+    }
+    let [h, pre] = out else { return Err(node.err("a Linear with a GELU writes two outputs")) };
+    crate::dispatch_float!(x.dtype, node, go::<T>(ctx.matmul, x, w, b, r, pre, k, n, tb))?;
+    super::activation::gelu_tanh(node, &pre.as_input(), h)
 }
 
 fn flatten_rows(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {

@@ -7,6 +7,9 @@
 //! derivative), the gradient through a GELU of the product that only that gradient reads
 //! (ops/matmul_gelu_grad.rs), and with DGELU_BGRAD the sums of D's rows (the bias gradient of
 //! the layer before the GELU): the product is never stored, nor D read again for the sums.
+//! Or, forward, `D = GELU(alpha · op(A) · op(B) + bias)` with the sum itself written to aux
+//! (GELU_AUX_BIAS: a Linear followed by a tanh GELU, ops/linear.rs), the GELU taken of the f32
+//! sum as it is written instead of by a pass that reads it back.
 //!
 //! Row-major as [`Gemm`] describes it, batch 1. cuBLASLt picks the kernel
 //! (`cublasLtMatmulAlgoGetHeuristic`, the runtime's workspace, each operand's real alignment);
@@ -35,6 +38,10 @@ pub enum Epilogue {
     /// with `bias_grad` (0: none), also writes the sums of D's rows there (`g.n` values of D's
     /// type: the bias gradient of the layer that GELU followed).
     GeluGrad { aux: u64, bias_grad: u64 },
+    /// Adds the bias (`g.n` values of D's type at `bias`; 0: none), writes that sum to the
+    /// matrix at `aux` (D's type, shape and row stride; beta 0) and its tanh-approximated GELU
+    /// to D.
+    Gelu { aux: u64, bias: u64 },
 }
 
 /// A cuBLASLt handle. Calls are serialised, as for the cuBLAS handle.
@@ -105,7 +112,7 @@ impl LtBlas {
     /// describes A, B and D (its `c_type` is D's and C's type, `ldc` both row strides); `c` is
     /// read only when `g.beta` is not 0. Returns false, having queued nothing, where cuBLASLt
     /// has no kernel for it (batches, f64, operands rounded to 16 bits by half_gemm.rs; a bias
-    /// or GELU input less than 16-byte aligned, a GELU input of another type than A's or a row
+    /// or GELU input (or output 1) less than 16-byte aligned, of another type than A's or a row
     /// stride not a multiple of 8, which cuBLASLt requires of it).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul(
@@ -134,9 +141,9 @@ impl LtBlas {
             // the bias vector is read in 16-byte pieces by cuBLASLt's epilogues (PyTorch
             // declines less aligned ones too)
             Epilogue::Bias(bias) if !bias.is_multiple_of(16) => return Ok(false),
-            Epilogue::GeluGrad { aux, bias_grad }
+            Epilogue::GeluGrad { aux, bias_grad: bias } | Epilogue::Gelu { aux, bias }
                 if !aux.is_multiple_of(16)
-                    || !bias_grad.is_multiple_of(16)
+                    || !bias.is_multiple_of(16)
                     || !g.ldc.is_multiple_of(8)
                     || g.beta != 0.0
                     || g.c_type != g.ab_type =>
@@ -175,6 +182,16 @@ impl LtBlas {
                 set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(g.ldc as i64))?;
                 if bias_grad != 0 {
                     set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias_grad as *const c_void))?;
+                }
+            }
+            Epilogue::Gelu { aux, bias } => {
+                use sys::cublasLtEpilogue_t as E;
+                let epilogue = if bias == 0 { E::CUBLASLT_EPILOGUE_GELU_AUX } else { E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS };
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(g.ldc as i64))?;
+                if bias != 0 {
+                    set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! MatMul, Gemm, FusedMatMul (the gradient matmuls, possibly summed over broadcast batches)
 //! and Linear on cuBLAS; a Gemm's or a Linear's bias through cuBLASLt's epilogue where it can
-//! (blas_lt.rs), else copied into the output for the product to add to; MatMulGeluGrad as one
+//! (blas_lt.rs), else copied into the output for the product to add to; a Linear's GELU in that
+//! epilogue too (GELU_AUX_BIAS), else a GELU kernel after the product; MatMulGeluGrad as one
 //! cuBLASLt product with the DGELU epilogue, else the product and the GELU-gradient kernel.
 //! Batches become one strided-batched call where the operands' batch layouts allow (same
 //! batch, or one operand repeated with stride 0, or a batch folded into M or K as the CPU
@@ -214,22 +215,60 @@ fn linear(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     let shape_o = [rows, n];
     let x2 = DView { shape: &shape_x, ..*x };
     let o2 = DView { shape: &shape_o, ..*o };
+    let bias = ins.get(2).and_then(|b| b.as_ref());
     if let Some(residual) = ins.get(3).and_then(|r| r.as_ref()) {
-        return linear_residual(node, ctx, &x2, w, ins.get(2).and_then(|b| b.as_ref()), residual, &o2, tb);
+        return linear_residual(node, ctx, &x2, w, bias, residual, &o2, tb);
     }
-    if let Some(bias) = ins.get(2).and_then(|b| b.as_ref()) {
-        if with_bias_epilogue(node, ctx, &x2, w, &o2, bias, false, tb, 1.0)? {
+    if crate::ops::linear::gelu_after(node)? {
+        let pre = outs.get(1).ok_or_else(|| node.err("a Linear with a GELU writes two outputs"))?;
+        return linear_gelu(node, ctx, &x2, w, bias, &o2, &DView { shape: &shape_o, ..*pre }, tb);
+    }
+    linear_product(node, ctx, &x2, w, bias, &o2, tb)
+}
+
+/// o = x · op(w) (+ bias) over 2-D x and o: the bias added by cuBLASLt's epilogue where it can,
+/// else copied into o for the product to add to.
+fn linear_product(node: &Node, ctx: &mut CudaCtx, x: &DView, w: &DView, bias: Option<&DView>, o: &DView, tb: bool) -> Result<()> {
+    if let Some(bias) = bias {
+        if with_bias_epilogue(node, ctx, x, w, o, bias, false, tb, 1.0)? {
             return Ok(());
         }
     }
-    let beta = match ins.get(2).and_then(|b| b.as_ref()) {
+    let beta = match bias {
         Some(bias) => {
-            broadcast_copy(node, ctx, bias, o.ptr, &[rows, n])?;
+            broadcast_copy(node, ctx, bias, o.ptr, o.shape)?;
             1.0
         }
         None => 0.0,
     };
-    batched(node, ctx, &x2, w, &o2, false, tb, 1.0, beta)
+    batched(node, ctx, x, w, o, false, tb, 1.0, beta)
+}
+
+/// A Linear with a GELU (passes/fuse_linear_gelu.rs): pre = x · op(w) (+ bias) and h = its
+/// tanh-approximated GELU. One cuBLASLt product whose GELU_AUX_BIAS (GELU_AUX) epilogue
+/// writes both, the GELU taken of the f32 sum before it is rounded, so pre is not read back;
+/// where cuBLASLt declines (a row length not a multiple of 8, pre or the bias off 16 bytes, f32
+/// multiplied as 16 bits), pre as a Linear writes it, then kernels/activation.cu's gelu_tanh.
+#[allow(clippy::too_many_arguments)]
+fn linear_gelu(node: &Node, ctx: &mut CudaCtx, x: &DView, w: &DView, bias: Option<&DView>, h: &DView, pre: &DView, tb: bool) -> Result<()> {
+    let (rows, k, n) = (x.shape[0], x.shape[1], h.shape[1]);
+    let bias_fits = bias.is_none_or(|b| b.dtype == h.dtype && b.numel() == n);
+    if k > 0 && bias_fits && epilogues_on() {
+        let mut g = Gemm::contiguous(1, rows, n, k, false, tb, gemm_type(node, x.dtype)?);
+        g.f32_mode = ctx.f32_mode;
+        let epilogue = Epilogue::Gelu { aux: pre.ptr, bias: bias.map_or(0, |b| b.ptr) };
+        if ctx.rt.gemm_epilogue(ctx.stream, &g, x.ptr, w.ptr, 0, h.ptr, epilogue)? {
+            return Ok(());
+        }
+    }
+    linear_product(node, ctx, x, w, bias, pre, tb)?;
+    let count = rows * n;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("gelu_tanh_{}", float_suffix(node, h.dtype)?),
+        ctx.rt.elementwise_grid(count),
+        &[KArg::Ptr(pre.ptr), KArg::Ptr(h.ptr), KArg::I64(count as i64), KArg::F32(0.01), KArg::F32(0.5)],
+    )
 }
 
 /// Linear's input 3 (passes/fuse_residual_linear.rs): out = residual + x · op(w) (+ bias), out

@@ -258,3 +258,60 @@ fn gpu_gelu_grad_epilogue_multiplies_the_product_by_the_gelu_slope() {
         }
     }
 }
+
+/// GELU_AUX_BIAS (GELU_AUX without a bias): the product plus the bias written to the aux matrix
+/// (D's type and layout) and its tanh-approximated GELU to D, for f32, bf16 and f16 and both
+/// orientations of B (a Linear's); products over [-6, 6] (both tails and the bend). A row
+/// length that is not a multiple of 8 and an aux matrix off 16 bytes are declined with nothing
+/// queued.
+#[test]
+fn gpu_gelu_epilogue_writes_the_biased_product_and_its_gelu() {
+    let Some(gpu_) = gpu("gpu_gelu_epilogue_writes_the_biased_product_and_its_gelu") else { return };
+    let gelu = |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+    let mut rng = Rng::new(73);
+    let (m, k) = (37, 40);
+    for (t, rtol) in [(GemmType::F32, 2e-6), (GemmType::Bf16, 8e-3), (GemmType::F16, 1e-3)] {
+        for tb in [false, true] {
+            for (n, aux_offset, with_bias) in [(24usize, 0usize, false), (24, 0, true), (20, 0, true), (24, 1, true)] {
+                let name = format!("{t:?}, trans_b {tb}, n {n}, aux {aux_offset} elements in, bias {with_bias}");
+                let mut g = Gemm::contiguous(1, m, n, k, false, tb, t);
+                g.f32_mode = F32Mode::Exact;
+                let vals = |rng: &mut Rng, len: usize, r: f32| -> Vec<f64> {
+                    rng.f32s(len, -r, r).into_iter().map(|v| round(t, v as f64)).collect()
+                };
+                let (a, b, bias) = (vals(&mut rng, m * k, 1.0), vals(&mut rng, k * n, 0.6), vals(&mut rng, n, 2.0));
+                let (da, db, dbias) = (upload(gpu_, t, &a), upload(gpu_, t, &b), upload(gpu_, t, &bias));
+                let (dd, daux) = (upload(gpu_, t, &vec![f64::NAN; m * n]), upload(gpu_, t, &vec![f64::NAN; aux_offset + m * n]));
+                let aux_ptr = daux.ptr() + (aux_offset * t.size()) as u64;
+                let epilogue = Epilogue::Gelu { aux: aux_ptr, bias: if with_bias { dbias.ptr() } else { 0 } };
+                let taken = blas(gpu_)
+                    .gemm_epilogue(std::ptr::null_mut(), &g, da.ptr(), db.ptr(), 0, dd.ptr(), epilogue)
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
+                gpu_.synchronize().unwrap_or_else(|e| panic!("{name}: {e}"));
+                let (got, aux) = (download(t, &dd), download(t, &daux));
+                if n % 8 != 0 || (aux_offset * t.size()) % 16 != 0 {
+                    assert!(!taken, "{name}: must be declined");
+                    assert!(got.iter().chain(&aux).all(|v| v.is_nan()), "{name}: declined, yet D or aux was written");
+                    continue;
+                }
+                assert!(taken, "{name}: cuBLASLt has no kernel for it");
+                for i in 0..m {
+                    for j in 0..n {
+                        let (mut s, mut scale) = (if with_bias { bias[j] } else { 0.0 }, 0.0);
+                        for l in 0..k {
+                            let p = a[i * k + l] * (if tb { b[j * k + l] } else { b[l * n + j] });
+                            s += p;
+                            scale += p.abs();
+                        }
+                        let bound = rtol * (scale + s.abs()).max(1e-30);
+                        let (pre, h) = (aux[aux_offset + i * n + j], got[i * n + j]);
+                        assert!((pre - s).abs() <= bound, "{name}: aux [{i}, {j}] got {pre}, expected {s}");
+                        // the GELU's slope is within [-0.13, 1.13]: the sum's error, then D's rounding
+                        let want = gelu(s);
+                        assert!((h - want).abs() <= 1.13 * bound + rtol * want.abs(), "{name}: D [{i}, {j}] got {h}, expected {want}");
+                    }
+                }
+            }
+        }
+    }
+}

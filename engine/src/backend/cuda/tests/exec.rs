@@ -414,18 +414,38 @@ fn test_models_cover_every_dispatcher_family() {
     assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
 }
 
-/// A CUDA session's train graph takes the tanh GELU's gradient, and the bias gradient of the
-/// layer before it, out of the product that feeds it (passes/matmul_gelu_grad.rs): no GeluGrad
-/// nor bias sum left; gpu_train_step_matches_the_cpu_executor runs it (gelu_mlp, gelu_mlp_12).
+/// A CUDA session's train graph takes the tanh GELU out of the product that feeds it
+/// (passes/fuse_linear_gelu.rs: a Linear writing the GELU and its input, the GELU recomputed
+/// for the backward pass from that input) and the GELU's gradient, with the bias gradient of
+/// that layer, out of the product that feeds the gradient (passes/matmul_gelu_grad.rs): no
+/// forward Gelu, GeluGrad nor bias sum left. The fused graph's step on the CPU executor (the
+/// GPU's reference) matches a CPU session's unfused graph; gpu_train_step_matches_the_cpu_executor
+/// runs it on the GPU (gelu_mlp: the epilogues; gelu_mlp_12: their fallbacks).
 #[test]
-fn the_gelu_gradient_and_its_bias_gradient_come_out_of_the_product() {
-    let m = gelu_mlp(&mut Rng::new(3), 16);
-    let s = session(&m);
+fn the_gelu_and_its_gradient_come_out_of_the_products() {
+    let mut rng = Rng::new(3);
+    let m = gelu_mlp(&mut rng, 16);
+    let (s, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
     let ops: Vec<&str> = s.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
+    let linear = s.graph.nodes[..s.n_fwd].iter().find(|n| n.name == "fc:gelu").expect("the fused Linear");
+    assert_eq!((linear.op_type.as_str(), linear.outputs.len()), ("Linear", 2), "{ops:?}");
+    assert!(!ops[..s.n_fwd].contains(&"Gelu"), "no forward Gelu: {ops:?}");
+    let recomputed: Vec<&str> = s.graph.nodes[s.n_fwd..].iter().filter(|n| n.op_type == "Gelu").map(|n| n.name.as_str()).collect();
+    assert_eq!(recomputed, ["fc:gelu:recompute"], "{ops:?}");
     let fused: Vec<_> = s.graph.nodes.iter().filter(|n| n.op_type == "MatMulGeluGrad").collect();
     assert_eq!(fused.len(), 1, "{ops:?}");
     assert_eq!(fused[0].outputs.len(), 2, "the bias gradient is its output 1");
     assert!(!ops.contains(&"GeluGrad") && !ops.contains(&"SumRows"), "{ops:?}");
+    let x = m.input_bytes(&mut rng);
+    let plan = s.plan(&[m.sig()], true).expect("plan");
+    let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+    let (fo, fg) = cpu_step(&s, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
+    let (po, pg) = cpu_step(&plain, &x, &m.sig(), weight_data(&m), &mut seeds);
+    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    assert_close("gelu_mlp: output", &f(&fo[0]), &f(&po[0]), 1e-5, 1e-6);
+    for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
+        assert_close(&format!("gelu_mlp: gradient of {name}"), &f(a), &f(b), 1e-5, 1e-6);
+    }
 }
 
 /// The exporters' attention becomes one Attention node in a CUDA session, and the fused graph's
