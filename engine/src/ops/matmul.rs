@@ -1,12 +1,15 @@
 //! MatMul (numpy semantics, batch broadcasting), Gemm, and the internal FusedMatMul
 //! (transposes, alpha, and an optional target shape that sums broadcast batches away — the
-//! form every matmul gradient takes). Spec: MatMul-13, Gemm-13.
+//! form every matmul gradient takes; attribute `to`, an ONNX type code, only float32 over
+//! 16-bit or f32 operands: the product written in f32, passes/wgrad_f32.rs). Spec: MatMul-13,
+//! Gemm-13.
 
 use super::util::{broadcast_shapes, const_ints, input, same_element_type};
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Node};
+use crate::tensor::DType;
 
 /// Output shape of a (possibly transposed) batched matmul.
 pub fn matmul_shape(node: &Node, a: &[usize], b: &[usize], ta: bool, tb: bool) -> Result<Vec<usize>> {
@@ -106,11 +109,27 @@ fn fused(
     }
 }
 
+/// The element type a FusedMatMul writes: its operands', or f32 where attribute `to` says so
+/// (16-bit or f32 operands only: the GPU's products accumulate in f32 and write it).
+pub fn fused_output_type(node: &Node, operands: DType) -> Result<DType> {
+    let Some(code) = node.attrs.get("to").map(|_| node.attrs.int("to", 0)).transpose()? else { return Ok(operands) };
+    match DType::from_onnx(code as i32) {
+        Some(DType::F32) if operands == DType::F32 || operands.is_half() => Ok(DType::F32),
+        to => Err(node.err(format!(
+            "`to` must be float32 ({}) over float32 or 16-bit operands, got {code} ({}) over {}",
+            DType::F32.onnx_code(),
+            to.map_or("unknown", |t| t.name()),
+            operands.name()
+        ))),
+    }
+}
+
 struct FusedMatMul;
 impl OpDef for FusedMatMul {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (a, b) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
         same_element_type(node, inputs, &[0, 1])?;
+        let out_type = fused_output_type(node, a.dtype)?;
         let ta = node.attrs.int("transA", 0)? != 0;
         let tb = node.attrs.int("transB", 0)? != 0;
         if inputs.get(2).is_some_and(|x| x.is_some()) {
@@ -121,9 +140,9 @@ impl OpDef for FusedMatMul {
             if t2.len() < 2 || full.len() < 2 || t2[t2.len() - 2..] != full[full.len() - 2..] {
                 return Err(node.err(format!("target shape {target:?} does not end like the product {full:?}")));
             }
-            return Ok(vec![TypeOut::new(a.dtype, target)]);
+            return Ok(vec![TypeOut::new(out_type, target)]);
         }
-        Ok(vec![TypeOut::new(a.dtype, matmul_shape(node, a.shape, b.shape, ta, tb)?)])
+        Ok(vec![TypeOut::new(out_type, matmul_shape(node, a.shape, b.shape, ta, tb)?)])
     }
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[2]

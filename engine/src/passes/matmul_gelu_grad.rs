@@ -116,7 +116,10 @@ fn product_behind(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], grad: usize
         None => mm.attrs.int("transA", 0).ok() == Some(0) || two_d(0),
         Some(t) => two_elements(graph, t) && two_d(0),
     };
-    let plain = mm.op_type == "FusedMatMul" && mm.inputs.len() <= 3 && mm.attrs.float("alpha", 1.0).ok() == Some(1.0);
+    let plain = mm.op_type == "FusedMatMul"
+        && mm.inputs.len() <= 3
+        && mm.attrs.float("alpha", 1.0).ok() == Some(1.0)
+        && mm.attrs.get("to").is_none();
     (plain && a_ok && two_d(1)).then_some((at, last))
 }
 

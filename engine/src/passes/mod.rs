@@ -23,6 +23,7 @@ mod matmul_gelu_grad;
 mod recompute;
 mod slice_before_linear;
 mod sym_shape;
+mod wgrad_f32;
 
 use crate::error::{Error, Result};
 use crate::ir::{Graph, Node, NodeId, ValueId, ValueKind};
@@ -114,6 +115,9 @@ const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
     // CUDA only: a tanh GELU's gradient applied by cuBLASLt's epilogue as the product that
     // feeds it is written (the CPU has no such epilogue to gain from)
     ("matmul_gelu_grad", matmul_gelu_grad::run, Runs::CudaOnly),
+    // CUDA only, after matmul_gelu_grad (which takes plain products): a 16-bit copy's weight
+    // gradient written in f32 by its product instead of widened after it
+    ("wgrad_f32", wgrad_f32::run, Runs::CudaOnly),
 ];
 
 pub const ENV_DISABLE: &str = "ORTRAIN_DISABLE_PASSES";

@@ -54,6 +54,8 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
         return Ok(());
     }
     let mut g = Gemm::contiguous(1, m, n, k, ta, tb, t);
+    // f32 out of 16-bit operands where a FusedMatMul writes f32 (its `to`)
+    g.c_type = gemm_type(node, o.dtype)?;
     g.f32_mode = ctx.f32_mode;
     g.alpha = alpha;
     g.beta = beta;
@@ -61,7 +63,7 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
         // nothing to multiply: out = beta · out
         return scale(node, ctx, o, beta);
     }
-    let (es, rs) = (t.size() as u64, ctx.stream);
+    let (es, es_o, rs) = (t.size() as u64, g.c_type.size() as u64, ctx.stream);
     // b has no batch and a is not transposed: a's batch folds into M
     if batch_b == 1 && bb.is_empty() && !ta && batch_out == batch_a && ba == full.as_slice() {
         g.m = batch_a * m;
@@ -101,7 +103,7 @@ fn batched(node: &Node, ctx: &mut CudaCtx, a: &DView, b: &DView, o: &DView, ta: 
             gi.beta = 1.0;
         }
         let (pa, pb, po) =
-            (a.ptr + oa as u64 * (m * k) as u64 * es, b.ptr + ob as u64 * (k * n) as u64 * es, o.ptr + oo as u64 * (m * n) as u64 * es);
+            (a.ptr + oa as u64 * (m * k) as u64 * es, b.ptr + ob as u64 * (k * n) as u64 * es, o.ptr + oo as u64 * (m * n) as u64 * es_o);
         ctx.rt.gemm(rs, &gi, pa, pb, po)?;
     }
     Ok(())

@@ -2,8 +2,9 @@
 //! residual stack (a Gemm with a bias over flattened rows, as GPT-2's Conv1D, and a MatMul)
 //! become Linears adding the f32 residual stream (input 3) with the f32 bias, run as one
 //! cuBLASLt product with both in its epilogue (blas_lt.rs). No Cast to f32 or Add is left
-//! between a projection and the stream; the step within bf16's precision of the fp32 session's
-//! (on a GPU, the GPU's within that of the CPU executor's, which runs the same fused graph).
+//! between a projection and the stream, and the weights' gradients come out of their products
+//! in f32 (passes/wgrad_f32.rs); the step within bf16's precision of the fp32 session's (on a
+//! GPU, the GPU's within that of the CPU executor's, which runs the same fused graph).
 
 use super::support::*;
 use crate::backend::cpu::bf16::MatmulPrecision;
@@ -30,6 +31,19 @@ fn sixteen_bit_projections_add_the_residual_stream() {
     assert!(fused.iter().any(|n| n.input(2).is_some()), "the Gemm's bias went into the Linear");
     let adds = steps.iter().filter(|n| n.op_type == "Add").count();
     assert_eq!(adds, 1, "only the position term's Add is left");
+    // passes/wgrad_f32.rs: each projection weight's gradient is its product's f32 result
+    let wgrads: Vec<&&crate::ir::Node> = steps.iter().filter(|n| n.op_type == "FusedMatMul" && n.attrs.get("to").is_some()).collect();
+    assert_eq!(wgrads.len(), 3, "the three projections' weight gradients");
+    for n in &wgrads {
+        assert_eq!(plan.dtype(n.outputs[0]), Some(DType::F32), "{}", n.name);
+        assert!(s.grads.contains(&Some(n.outputs[0])), "{}: writes a weight's gradient", n.name);
+    }
+    let widened = |n: &&&crate::ir::Node| {
+        let from = n.input(0).and_then(|v| s.graph.value(v).producer);
+        n.op_type == "CastLike" && from.is_some_and(|p| s.graph.nodes[p.0].op_type == "FusedMatMul")
+    };
+    let widened: Vec<&str> = steps.iter().filter(widened).map(|n| n.name.as_str()).collect();
+    assert!(widened.is_empty(), "products' results widened after them: {widened:?}");
     super::exec::bf16_step_matches("pre_norm_residual", "sixteen_bit_projections_add_the_residual_stream", &m, &s, &plan, &mut rng);
 }
 
