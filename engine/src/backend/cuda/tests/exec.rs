@@ -414,98 +414,6 @@ fn test_models_cover_every_dispatcher_family() {
     assert!(missing.is_empty(), "no test model runs {missing:?}; steps seen: {seen:?}");
 }
 
-/// A CUDA session's train graph takes the tanh GELU out of the product that feeds it
-/// (passes/fuse_linear_gelu.rs: a Linear writing the GELU and its input, the GELU recomputed
-/// for the backward pass from that input) and the GELU's gradient, with the bias gradient of
-/// that layer, out of the product that feeds the gradient (passes/matmul_gelu_grad.rs): no
-/// forward Gelu, GeluGrad nor bias sum left. The fused graph's step on the CPU executor (the
-/// GPU's reference) matches a CPU session's unfused graph; gpu_train_step_matches_the_cpu_executor
-/// runs it on the GPU (gelu_mlp: the epilogues; gelu_mlp_12: their fallbacks).
-#[test]
-fn the_gelu_and_its_gradient_come_out_of_the_products() {
-    let mut rng = Rng::new(3);
-    let m = gelu_mlp(&mut rng, 16);
-    let (s, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
-    let ops: Vec<&str> = s.graph.nodes.iter().map(|n| n.op_type.as_str()).collect();
-    let linear = s.graph.nodes[..s.n_fwd].iter().find(|n| n.name == "fc:gelu").expect("the fused Linear");
-    assert_eq!((linear.op_type.as_str(), linear.outputs.len()), ("Linear", 2), "{ops:?}");
-    assert!(!ops[..s.n_fwd].contains(&"Gelu"), "no forward Gelu: {ops:?}");
-    let recomputed: Vec<&str> = s.graph.nodes[s.n_fwd..].iter().filter(|n| n.op_type == "Gelu").map(|n| n.name.as_str()).collect();
-    assert_eq!(recomputed, ["fc:gelu:recompute"], "{ops:?}");
-    let fused: Vec<_> = s.graph.nodes.iter().filter(|n| n.op_type == "MatMulGeluGrad").collect();
-    assert_eq!(fused.len(), 1, "{ops:?}");
-    assert_eq!(fused[0].outputs.len(), 2, "the bias gradient is its output 1");
-    assert!(!ops.contains(&"GeluGrad") && !ops.contains(&"SumRows"), "{ops:?}");
-    let x = m.input_bytes(&mut rng);
-    let plan = s.plan(&[m.sig()], true).expect("plan");
-    let mut seeds: Vec<Vec<f32>> = s.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-    let (fo, fg) = cpu_step(&s, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
-    let (po, pg) = cpu_step(&plain, &x, &m.sig(), weight_data(&m), &mut seeds);
-    let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    assert_close("gelu_mlp: output", &f(&fo[0]), &f(&po[0]), 1e-5, 1e-6);
-    for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
-        assert_close(&format!("gelu_mlp: gradient of {name}"), &f(a), &f(b), 1e-5, 1e-6);
-    }
-}
-
-/// The exporters' attention becomes one Attention node in a CUDA session, and the fused graph's
-/// train step on the CPU executor (the reference the GPU is compared with) matches the unfused
-/// graph of a CPU session: outputs and every weight gradient.
-#[test]
-fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
-    let mut rng = Rng::new(11);
-    // heads of 4 (the SIMT kernels' test models) and of 64 over 150 rows (the tensor-core ones')
-    for (torchlib, t, hd) in [(true, 70, 4), (false, 70, 4), (true, 150, 64), (false, 150, 64)] {
-        let m = self_attention_of(&mut rng, torchlib, t, hd);
-        let (fused, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
-        let count = |s: &Session| s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "Attention").count();
-        assert_eq!((count(&fused), count(&plain)), (1, 0), "torchlib={torchlib}");
-        // the scaling of Q and Kᵀ (torchlib's) or of the scores (eager) is the node's scale
-        let attn = fused.graph.nodes.iter().find(|n| n.op_type == "Attention").expect("Attention");
-        let scale = attn.attrs.float("scale", 1.0).expect("scale") as f64;
-        assert!((scale - 1.0 / (hd as f64).sqrt()).abs() < 1e-6, "torchlib={torchlib}: scale {scale}");
-        let muls = fused.graph.nodes[..fused.n_fwd].iter().filter(|n| matches!(n.op_type.as_str(), "Mul" | "Div")).count();
-        assert_eq!(muls, 0, "torchlib={torchlib}: no scaling left outside the fused attention");
-        let x = m.input_bytes(&mut rng);
-        let plan = fused.plan(&[m.sig()], true).expect("plan");
-        let mut seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-        let (fo, fg) = cpu_step(&fused, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
-        let (po, pg) = cpu_step(&plain, &x, &m.sig(), weight_data(&m), &mut seeds);
-        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        // heads of 64: sums of 64-128 terms around the largest values, in a different order (the
-        // online softmax): within 2e-5 of the largest value
-        let close = |what: String, a: &[f64], b: &[f64]| {
-            if hd == 4 {
-                assert_close(&what, a, b, 1e-5, 1e-6)
-            } else {
-                assert_close_scaled(&what, a, b, 2e-5)
-            }
-        };
-        close(format!("torchlib={torchlib}, heads of {hd}: output"), &f(&fo[0]), &f(&po[0]));
-        for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
-            close(format!("torchlib={torchlib}, heads of {hd}: gradient of {name}"), &f(a), &f(b));
-        }
-    }
-}
-
-/// CUDA sessions fuse the LM head with its loss, in chunks of at least 512 rows whose rows are
-/// padded to whole 64 classes (the scratch output): the 9000 rows of the big `lm_head` (8
-/// features: 3 times its weight would be 24 rows) take 18 chunks of 500, the 70 of the small
-/// one a single chunk.
-#[test]
-fn lm_head_loss_fuses_for_cuda_in_large_chunks() {
-    let mut rng = Rng::new(13);
-    for (big, scratch) in [(true, vec![500, 64]), (false, vec![70, 64])] {
-        let m = lm_head(&mut rng, big);
-        let s = session(&m);
-        let fused: Vec<_> = s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "LinearCrossEntropy").collect();
-        assert_eq!(fused.len(), 1, "big={big}: {:?}", s.graph.nodes.iter().map(|n| &n.op_type).collect::<Vec<_>>());
-        assert_eq!(fused[0].attrs.string("target", "").expect("target"), "cuda");
-        let plan = s.plan(&[m.sig()], true).expect("plan");
-        assert_eq!(plan.shape(fused[0].outputs[4]), scratch.as_slice(), "big={big}");
-    }
-}
-
 /// Hugging Face's causal masks fill with finfo.min (f32::MIN), not -inf. The tensor-core
 /// kernels skip those tiles too in rows that already have a real score, where every exp is
 /// exactly 0: a train step with the finfo.min mask gives the -inf mask's outputs and
@@ -590,30 +498,6 @@ fn gpu_mixed_precision_lm_heads_match_the_cpu_executor() {
 
 /// Without a GPU, the CPU half of the comparison still runs: every test model imports, gives
 /// every weight a gradient and runs a train step on the CPU executor with finite results.
-/// The CUDA train graphs recompute activations in the backward pass (passes/recompute.rs):
-/// on the CPU executor, every test model's CUDA-target graph gives the CPU-target graph's
-/// outputs and gradients (the targets' other passes only regroup the same arithmetic).
-#[test]
-fn recomputed_activations_give_the_same_train_step() {
-    let mut recomputed = 0;
-    for (name, m) in models() {
-        let mut rng = Rng::new(7);
-        let cuda = session(&m);
-        let cpu = session_for(&m, crate::session::Target::Cpu);
-        recomputed += cuda.passes.rewrites.iter().filter(|(p, _)| *p == "recompute").map(|(_, n)| n).sum::<usize>();
-        let x = m.input_bytes(&mut rng);
-        let plan = cuda.plan(&[m.sig()], true).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let mut seeds: Vec<Vec<f32>> = cuda.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-        let (co, cg) = cpu_step(&cuda, &x, &m.sig(), weight_data(&m), &mut seeds.clone());
-        let (po, pg) = cpu_step(&cpu, &x, &m.sig(), weight_data(&m), &mut seeds);
-        let f = |v: &Vec<f32>| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-        for (k, (a, b)) in co.iter().zip(&po).chain(cg.iter().zip(&pg)).enumerate() {
-            assert_close(&format!("{name}: output or gradient {k}"), &f(a), &f(b), 1e-5, 1e-6);
-        }
-    }
-    assert!(recomputed >= 2, "the test models recompute {recomputed} activations");
-}
-
 #[test]
 fn every_test_model_runs_a_cpu_train_step() {
     for (name, m) in models() {

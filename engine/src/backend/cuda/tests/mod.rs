@@ -17,6 +17,7 @@ mod causal_attention;
 mod dropout;
 mod elementwise;
 mod exec;
+mod exec_fusions;
 mod exec_models;
 mod flash_attention;
 mod gather;
