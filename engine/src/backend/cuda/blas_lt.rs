@@ -172,22 +172,17 @@ impl LtBlas {
                 set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS)?;
                 set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias as *const c_void))?;
             }
-            Epilogue::GeluGrad { aux, bias_grad } => {
+            Epilogue::GeluGrad { aux, bias_grad: bias } | Epilogue::Gelu { aux, bias } => {
                 use sys::cublasLtEpilogue_t as E;
-                let epilogue = if bias_grad == 0 { E::CUBLASLT_EPILOGUE_DGELU } else { E::CUBLASLT_EPILOGUE_DGELU_BGRAD };
-                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-                // D's layout, column-major: the GELU input's leading dimension is D's, and the
-                // bias gradient runs along D's column-major rows (our columns), summed over ours
-                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
-                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(g.ldc as i64))?;
-                if bias_grad != 0 {
-                    set(desc.0, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &(bias_grad as *const c_void))?;
-                }
-            }
-            Epilogue::Gelu { aux, bias } => {
-                use sys::cublasLtEpilogue_t as E;
-                let epilogue = if bias == 0 { E::CUBLASLT_EPILOGUE_GELU_AUX } else { E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS };
-                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+                let kind = match (epilogue, bias) {
+                    (Epilogue::GeluGrad { .. }, 0) => E::CUBLASLT_EPILOGUE_DGELU,
+                    (Epilogue::GeluGrad { .. }, _) => E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
+                    (_, 0) => E::CUBLASLT_EPILOGUE_GELU_AUX,
+                    _ => E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+                };
+                set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind)?;
+                // D's layout, column-major: the aux matrix's leading dimension is D's, and the
+                // bias (or its gradient) runs along D's column-major rows (our columns)
                 set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &(aux as *const c_void))?;
                 set(desc.0, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &(g.ldc as i64))?;
                 if bias != 0 {
