@@ -12,11 +12,9 @@
 //! the product's N (proven, passes/sym_shape.rs), and every value from the product to the GELU
 //! has that one reader and is no graph output.
 
-use super::sym_shape::{shape_of, SymDim};
+use super::sym_shape::{matmul_n, shape_of};
+use super::VIEWS;
 use crate::ir::{Attr, Attrs, Graph, Node, ValueId, ValueKind};
-
-/// Views between the product and the GELU (GPT-2's Conv1D reshapes its 2-D product back).
-const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
 /// The inputs and attributes of the Linear that computes what the product `mm` computes, if
 /// it can take a GELU.
@@ -37,12 +35,7 @@ fn as_linear(graph: &Graph, mm: &Node) -> Option<(Vec<Option<ValueId>>, Attrs)> 
             }
             let trans_b = int("transB", 0)? != 0;
             if let Some(c) = mm.input(2) {
-                let b = shape_of(graph, mm.input(1)?)?;
-                let n: SymDim = match b.as_slice() {
-                    [k_n, n_k] => if trans_b { k_n } else { n_k }.clone(),
-                    _ => return None,
-                };
-                if float("beta") != Some(1.0) || shape_of(graph, c)? != [n] {
+                if float("beta") != Some(1.0) || shape_of(graph, c)? != [matmul_n(graph, mm)?] {
                     return None;
                 }
             }
@@ -111,9 +104,7 @@ pub fn run(graph: &mut Graph) -> usize {
         gone[f.gelu] = true;
     }
     if !found.is_empty() {
-        let nodes = std::mem::take(&mut graph.nodes);
-        graph.nodes = nodes.into_iter().zip(gone).filter_map(|(n, g)| (!g).then_some(n)).collect();
-        graph.renumber_producers();
+        super::drop_nodes(graph, &gone);
     }
     found.len()
 }

@@ -12,11 +12,10 @@
 //! equal, passes/sym_shape.rs) and R's last dim is the product's N, the bias is a cast of an
 //! f32 vector of N, and the Gemm is a plain `A · op(B) + C` (transA 0, alpha and beta 1).
 
-use super::sym_shape::{shape_of, SymDim};
+use super::sym_shape::{matmul_n, shape_of, SymDim};
+use super::VIEWS;
 use crate::ir::{Attr, Attrs, Graph, Node, ValueId};
 use crate::tensor::DType;
-
-const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
 /// The f32 source of the projection's bias (if it has one), its transB and its N (the weight's
 /// output dim, symbolically), if `mm` is a Gemm or Linear that can take the residual.
@@ -33,11 +32,7 @@ fn projection(graph: &Graph, types: &[Option<DType>], mm: &Node) -> Option<(Opti
         return None;
     }
     let trans_b = int("transB", 0)? != 0;
-    let w = shape_of(graph, mm.input(1)?)?;
-    let n = match w.as_slice() {
-        [k_n, n_k] => if trans_b { k_n } else { n_k }.clone(),
-        _ => return None,
-    };
+    let n = matmul_n(graph, mm)?;
     let bias = match mm.input(2) {
         None => None,
         Some(b) => {

@@ -7,10 +7,9 @@
 //! copy first. GPT-2 124M, bf16: two 12.6M-element f32 writes and reads fewer per layer and
 //! direction (bench/gpu_roofline.py).
 
+use super::VIEWS;
 use crate::ir::{Attr, Graph, NodeId, ValueId};
 use crate::tensor::DType;
-
-const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
 /// From LayerNormalization output `y`: the views it goes through and the 16-bit Cast at the end
 /// (node, target type), when each value on the way has that one reader and none is a graph

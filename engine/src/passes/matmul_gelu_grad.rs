@@ -15,8 +15,8 @@
 //! and the GeluGrad has that one reader, and X exists before the product runs. The fused node
 //! writes the product's shape, so the views after it see what they saw.
 
-use super::sym_shape::{shape_of, values, SymDim};
-use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId};
+use super::sym_shape::{matmul_n, shape_of, values, SymDim};
+use crate::ir::{Attr, Attrs, Graph, NodeId, ValueId};
 
 /// Views the gradient reaches the GeluGrad through (Linear's gradient reshapes its dX back to
 /// X's shape; a MatMul's through Reshape).
@@ -29,13 +29,6 @@ struct Found {
     product: usize,
     last: usize,
     bias_sum: Option<usize>,
-}
-
-/// The product's N (its output's last dim), symbolically.
-fn product_n(graph: &Graph, mm: &Node) -> Option<SymDim> {
-    let b = shape_of(graph, mm.input(1)?)?;
-    let [b0, b1] = b.as_slice() else { return None };
-    Some(if mm.attrs.int("transB", 0).ok()? != 0 { b0.clone() } else { b1.clone() })
 }
 
 /// The one element of the shape tensor `t`: a known one, or the whole Shape of a 1-D value.
@@ -162,7 +155,7 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
         if graph.value(x).producer.is_some_and(|p| p.0 >= product) {
             continue;
         }
-        let n = product_n(graph, &graph.nodes[product]);
+        let n = matmul_n(graph, &graph.nodes[product]);
         let bias_sum = n.and_then(|n| bias_sum_of(graph, &consumers, node.outputs[0], &n));
         found.push(Found { grad: g, product, last, bias_sum });
     }

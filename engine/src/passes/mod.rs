@@ -31,6 +31,10 @@ use crate::tensor::DType;
 
 type Pass = fn(&mut Graph, &PassCtx) -> Result<usize>;
 
+/// Ops whose output is their input's data in another shape (the plan aliases them): passes look
+/// through them from a value to its readers, or back to its producer.
+const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
+
 /// What a pass may know of the session it runs for.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct PassCtx {
@@ -187,6 +191,14 @@ pub fn run_on_train_graph(graph: &mut Graph, n_fwd: usize, target: Target, repor
         }
     }
     Ok(())
+}
+
+/// Drops the nodes whose flag in `gone` is set (a fusion's replaced nodes), then renumbers
+/// producers.
+fn drop_nodes(graph: &mut Graph, gone: &[bool]) {
+    let nodes = std::mem::take(&mut graph.nodes);
+    graph.nodes = nodes.into_iter().zip(gone).filter_map(|(n, &g)| (!g).then_some(n)).collect();
+    graph.renumber_producers();
 }
 
 /// Drops nodes none of whose outputs is consumed or a graph output, then renumbers producers.

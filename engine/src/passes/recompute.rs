@@ -13,14 +13,11 @@
 //! the stored (rounded) product where cuBLASLt's epilogue took the GELU of the unrounded sum:
 //! in 16 bits the two may differ in the last bit, as llm.c's recomputation does.
 
+use super::VIEWS;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
 /// Cheap one-input activations (one elementwise pass to recompute).
 const RECOMPUTABLE: &[&str] = &["Gelu", "LeakyRelu", "Relu", "Tanh", "Sigmoid", "Erf", "Softplus", "HardSigmoid"];
-
-/// Views that share their input's memory (the plan aliases them): a backward read of a view of
-/// the activation keeps the activation alive as much as a read of the activation itself.
-const VIEWS: &[&str] = &["Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity"];
 
 /// The input `u` of an activation `v = f(u)` that `node` computes as its output 0: a
 /// RECOMPUTABLE op's one input, or a Linear with a GELU's output 1.

@@ -137,6 +137,14 @@ fn shape_within(graph: &Graph, v: ValueId, depth: usize) -> Option<Vec<SymDim>> 
     }
 }
 
+/// The N (output columns) of a product `mm` whose input 1 is a 2-D B ([N, K] with `transB`,
+/// else [K, N]: Gemm, FusedMatMul, Linear), symbolically.
+pub fn matmul_n(graph: &Graph, mm: &crate::ir::Node) -> Option<SymDim> {
+    let b = shape_of(graph, mm.input(1)?)?;
+    let [b0, b1] = b.as_slice() else { return None };
+    Some(if mm.attrs.int("transB", 0).ok()? != 0 { b0.clone() } else { b1.clone() })
+}
+
 /// A declared shape for tests: each dim a number or a symbol ("b").
 #[cfg(test)]
 pub fn test_dims(dims: &[&str]) -> Option<Vec<Dim>> {

@@ -46,10 +46,9 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
         mm.attrs = std::mem::take(&mut mm.attrs).with("to", Attr::Int(DType::F32.onnx_code() as i64));
     }
     if !folds.is_empty() {
-        let dead: Vec<usize> = folds.iter().map(|&(_, c)| c).collect();
-        let nodes = std::mem::take(&mut graph.nodes);
-        graph.nodes = nodes.into_iter().enumerate().filter(|(i, _)| !dead.contains(i)).map(|(_, n)| n).collect();
-        graph.renumber_producers();
+        let mut gone = vec![false; graph.nodes.len()];
+        folds.iter().for_each(|&(_, c)| gone[c] = true);
+        super::drop_nodes(graph, &gone);
     }
     folds.len()
 }
