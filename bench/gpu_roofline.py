@@ -24,7 +24,7 @@ What the model counts (a lower bound on what the plan's kernels must move and co
   --attention-eff, over the key tiles a causal mask leaves live (n(n+1)/2 of n² 64-wide tiles;
   --dense-masks counts all); its mask is read for those tiles only;
 - LayerNormGrad is its kernels: the row statistics (recomputed from x where the forward's are
-  not inputs), dx, and the parameter gradients, which read dy and x again;
+  not inputs), dx with the parameter gradients' per-block partials, and their reduction;
 - the fused LM head (LinearCrossEntropy) is its kernels: the logits product, the row pass over
   the logits chunk (read f32, write G: 16-bit where only the bf16 products read it), and the
   dX and dW products reading G.
@@ -118,16 +118,18 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
             rows.extend(_lm_head(name, ins, outs, precision))
         elif op == "LayerNormGrad":
             # backend/cuda/ops/norm.rs: the statistics (recomputed from x unless the forward's
-            # are inputs 3 and 4), dx from dy and x, then dscale and dbias from dy and x again
-            # (per-chunk partials, then their sum); the dx kernel also reads the residual
-            # gradient (input 5) and writes dx's 16-bit copy (output 3) where
+            # are inputs 3 and 4), then dx from dy and x, the same kernel writing the parameter
+            # gradients' f32 column partials (a row of dscale and one of dbias for each of its
+            # 3 blocks an SM on these 132-SM GPUs), which the reduction reads; the dx kernel also
+            # reads the residual gradient (input 5) and writes dx's 16-bit copy (output 3) where
             # passes/layer_norm_grad_sum.rs put them there
-            dy_b, x_b = in_b[0], in_b[1]
+            x_b = in_b[1]
+            n = ins[2][1][-1] if ins[2][1] else 1
+            partials = 3 * 132 * 2 * n * 4
             if len(in_b) < 5 or not in_b[3]:
                 rows.append((op + " stats", name, x_b, 0, None))
-            rows.append((op, name, sum(in_b) + out_b[0] + sum(out_b[3:]), 0, None))
-            rows.append((op + " params", name, dy_b + x_b, 0, None))
-            rows.append((op + " params reduce", name, sum(out_b[1:3]), 0, None))
+            rows.append((op, name, sum(in_b) + out_b[0] + sum(out_b[3:]) + partials, 0, None))
+            rows.append((op + " params reduce", name, partials + sum(out_b[1:3]), 0, None))
         elif op == "Gather":
             rows.append((op, name, sum(in_b[1:]) + 2 * sum(out_b), 0, None))
         else:

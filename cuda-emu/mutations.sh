@@ -55,10 +55,14 @@ mutate "block_reduce without the barrier between writing and reading its scratch
     "    if (lane == 0) scratch[warp] = v;" \
     backend::cuda::tests::softmax
 
-mutate "LayerNorm's parameter-gradient partials read before every row has written" kernels/layernorm.cu \
-    "    db[ty][tx] = b;
-    __syncthreads();" \
-    "    db[ty][tx] = b;" \
+mutate "LayerNorm's warp slices of the parameter-gradient sums added before every warp has written" kernels/layernorm.cu \
+    "        __syncthreads();  // every warp's slice summed" \
+    "" \
+    backend::cuda::tests::layernorm
+
+mutate "LayerNorm's partials reduced before every chunk lane has written" kernels/layernorm.cu \
+    "        __syncthreads();  // every chunk lane's sums written" \
+    "" \
     backend::cuda::tests::layernorm
 
 mutate "tensor-core attention with two registers of the mma A fragment swapped" kernels/attention_mma.cu \

@@ -6,7 +6,8 @@
 //
 // Rows of n <= LN_WARP_MAX (1024) go one warp per row, the row in registers and its sums by warp
 // shuffles (no block barrier; all of a lane's loads in flight at once; norm.rs launches 8 rows
-// to a block of 256 threads, grid-stride over the row groups); longer rows one block per row
+// to a block of 256 threads, grid-stride over the row groups, or for the dx kernel summing the
+// parameter gradients 4 rows to a block of 128); longer rows one block per row
 // (grid-stride over rows; blockDim.x a multiple of 32, at most 256: the registers of the warp
 // path leave no more). The kernels below take either launch and pick by n:
 //   layer_norm_T(const T* x, const T* scale, const T* bias, T* y, A* mean, A* rstd,
@@ -15,29 +16,35 @@
 //                                                          (the backward's input when the
 //                                                          forward's statistics were not kept)
 //   layer_norm_grad_T(const T* dy, const T* x, const T* scale, const A* mean, const A* rstd,
-//                     T* dx, i64 rows, i64 n)              dx = rstd (g - mean(g) - h mean(g h)),
+//                     T* dx, A* partial, i64 rows, i64 n)  dx = rstd (g - mean(g) - h mean(g h)),
 //                                                          g = dy scale, h = (x - mean) rstd
-// dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic):
-//   layer_norm_grad_params_T(const T* dy, const T* x, const A* mean, const A* rstd, A* partial,
-//                            i64 rows, i64 n, i64 rows_per_chunk)
-//       a 1-D launch (the launcher's Grid is 1-D): blockDim.x = 32 k, k <= 8 (256 is the usual:
-//       32 columns x 8 row lanes), ceil(n / 32) * chunks blocks (more return at once), chunks =
-//       ceil(rows / rows_per_chunk); block b sums columns [32 (b % ceil(n / 32)), +32) over the
-//       rows of chunk b / ceil(n / 32); partial is [chunks][2][n]
+// dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic), summed
+// by the dx kernel from the dy and x it has loaded (one read of each, as llm.c's
+// layernorm_backward): with `partial` non-null, block b writes partial[b][2][n], the sums over
+// the rows it handled (zeros where none). Rows of n <= LN_WARP_MAX: each warp sums its rows'
+// columns into its slice [2][n] of the block's dynamic shared memory (blockDim.x / 32 * 2 * n
+// A values: the launch's `shared`), a lane the columns it owns; then the block adds the slices
+// in warp order. Longer rows: a thread owns columns tid + blockDim.x k of every row and sums
+// them in its block's partial row in global memory (no shared memory). With partial null the
+// launch needs no shared memory.
 //   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, i64 chunks, i64 n)
-//       one thread per column (grid-stride); dscale or dbias may be null
+//       dscale[j] = sum over c < chunks of partial[c][0][j], dbias of partial[c][1][j];
+//       blockDim.x = 32 k (k <= 32 chunk lanes: lane tx a column, lane ty the chunks ty, ty + k,
+//       ...; the k lanes' sums then added in order), block b the columns [32 b, +32) (grid-stride
+//       over the ceil(n / 32) groups); dscale or dbias may be null
 // T: f32 f64 bf16 f16.
 // Mixed precision (passes/layer_norm_half.rs), x f32 and y / dy 16-bit (H: bf16 f16), the same
 // arithmetic (the f32 y rounded once on store; dy widened exactly on load):
 //   layer_norm_f32_y_H(const f32* x, const f32* scale, const f32* bias, H* y, f32* mean, f32* rstd,
 //                      i64 rows, i64 n, f32 eps)
 //   layer_norm_grad_f32_dy_H(const H* dy, ...)             as layer_norm_grad_f32
-//   layer_norm_grad_params_f32_dy_H(const H* dy, ...)      as layer_norm_grad_params_f32
 // The residual stream's gradient summed in (passes/layer_norm_grad_sum.rs), dy D: f32 bf16 f16:
 //   layer_norm_grad_acc_f32_dy_D_H(const D* dy, const f32* x, const f32* scale, const f32* mean,
-//                                  const f32* rstd, const f32* dres, f32* dx, H* dxh, i64 rows, i64 n)
+//                                  const f32* rstd, const f32* dres, f32* dx, H* dxh, f32* partial,
+//                                  i64 rows, i64 n)
 //       dx = layer_norm_grad_f32's dx + dres (one f32 add, as the Add kernel), dxh = dx rounded
-//       to H (as the cast kernel); dres and dxh may be null
+//       to H (as the cast kernel), partial as layer_norm_grad_f32's; dres, dxh and partial may be
+//       null
 
 #include "prelude.cuh"
 
@@ -142,13 +149,56 @@ __device__ __forceinline__ f32 add_unfused(f32 a, f32 b) { return __fadd_rn(a, b
 __device__ __forceinline__ f64 add_unfused(f64 a, f64 b) { return __dadd_rn(a, b); }
 template <typename T> __device__ __forceinline__ T add_unfused(T a, T b) { return Num<T>::store(Num<T>::load(a) + Num<T>::load(b)); }
 
+// The parameter gradients from the dx kernel's per-block partials (see the top of the file).
+template <typename T> __device__ __forceinline__ void ln_params_reduce(const typename Num<T>::Acc* partial, T* dscale, T* dbias,
+                                                                       i64 chunks, i64 n) {
+    typedef typename Num<T>::Acc A;
+    ORT_SHARED(A, red, [2][32][33]);
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, lanes = blockDim.x >> 5;
+    const i64 groups = (n + 31) / 32;
+    for (i64 group = blockIdx.x; group < groups; group += gridDim.x) {
+        const i64 j = group * 32 + tx;
+        A s = (A)0, b = (A)0;
+        if (j < n) {
+            for (i64 c = ty; c < chunks; c += lanes) {
+                s += partial[(c * 2) * n + j];
+                b += partial[(c * 2 + 1) * n + j];
+            }
+        }
+        red[0][ty][tx] = s;
+        red[1][ty][tx] = b;
+        __syncthreads();  // every chunk lane's sums written
+        if (ty == 0 && j < n) {
+            for (int k = 1; k < lanes; ++k) {
+                s += red[0][k][tx];
+                b += red[1][k][tx];
+            }
+            if (dscale) dscale[j] = Num<T>::store(s);
+            if (dbias) dbias[j] = Num<T>::store(b);
+        }
+        __syncthreads();  // red read before the next group writes it
+    }
+}
+
 // ln_grad for a row of n <= LN_WARP_MAX by one warp: g = dy scale and h in registers, the two
-// sums by warp shuffles.
+// sums by warp shuffles. With `sums` (this warp's slice [2][n] of shared memory, or null) a lane
+// adds dy h and dy of its columns to it, row by row.
 template <typename T, typename D, typename H>
 __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
-                                             const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres, H* dxh) {
+                                             const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres, H* dxh,
+                                             typename Num<T>::Acc* sums) {
     typedef typename Num<T>::Acc A;
     const LnWarp w = ln_warp();
+    if (sums) {
+        // each lane clears the columns it will add to: no other lane touches them
+#pragma unroll
+        for (int k = 0; k < LN_PER_LANE; ++k) {
+            const i64 j = w.lane + 32 * k;
+            if (j >= n) break;
+            sums[j] = (A)0;
+            sums[n + j] = (A)0;
+        }
+    }
     for (i64 r = w.first; r < rows; r += w.stride) {
         const D* dr = dy + r * n;
         const T* xr = x + r * n;
@@ -159,10 +209,15 @@ __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* s
         for (int k = 0; k < LN_PER_LANE; ++k) {
             const i64 j = w.lane + 32 * k;
             const bool in = j < n;
-            gv[k] = in ? Num<D>::load(dr[j]) * Num<T>::load(scale[j]) : (A)0;
+            const A d = in ? Num<D>::load(dr[j]) : (A)0;
+            gv[k] = d * (in ? Num<T>::load(scale[j]) : (A)0);
             hv[k] = in ? (Num<T>::load(xr[j]) - mu) * rs : (A)0;
             a += gv[k];
             b += gv[k] * hv[k];
+            if (sums && in) {
+                sums[j] += d * hv[k];
+                sums[n + j] += d;
+            }
         }
         a = warp_reduce<OpSum>(a) / (A)n;
         b = warp_reduce<OpSum>(b) / (A)n;
@@ -179,17 +234,35 @@ __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* s
 }
 
 // dres (the residual stream's gradient, added to dx) and dxh (a 16-bit copy of the result) may be
-// null; only the accumulating kernels pass them (T = f32).
+// null; only the accumulating kernels pass them (T = f32). partial: see the top of the file.
 template <typename T, typename D = T, typename H = T>
 __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
-                                        const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres = nullptr,
-                                        H* dxh = nullptr) {
+                                        const typename Num<T>::Acc* rstd, T* dx, typename Num<T>::Acc* partial, i64 rows,
+                                        i64 n, const T* dres = nullptr, H* dxh = nullptr) {
     typedef typename Num<T>::Acc A;
     if (n <= LN_WARP_MAX) {
-        ln_grad_warp<T, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh);
+        ORT_DYNAMIC_SHARED(unsigned char, ln_smem);
+        A* slices = reinterpret_cast<A*>(ln_smem);
+        ln_grad_warp<T, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh, partial ? slices + (threadIdx.x >> 5) * 2 * n : nullptr);
+        if (!partial) return;
+        __syncthreads();  // every warp's slice summed
+        const int warps = blockDim.x >> 5;
+        for (i64 c = threadIdx.x; c < 2 * n; c += blockDim.x) {
+            A s = (A)0;
+            for (int v = 0; v < warps; ++v) s += slices[v * 2 * n + c];
+            partial[blockIdx.x * 2 * n + c] = s;
+        }
         return;
     }
     ORT_SHARED(A, scratch, [32]);
+    // this block's sums; thread t owns columns t + blockDim.x k in both passes over a row
+    A* sums = partial ? partial + blockIdx.x * 2 * n : nullptr;
+    if (sums) {
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            sums[j] = (A)0;
+            sums[n + j] = (A)0;
+        }
+    }
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const D* dr = dy + r * n;
         const T* xr = x + r * n;
@@ -203,51 +276,20 @@ __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale,
         a = block_reduce<OpSum>(a, scratch) / (A)n;
         b = block_reduce<OpSum>(b, scratch) / (A)n;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            const A g = Num<D>::load(dr[j]) * Num<T>::load(scale[j]);
+            const A d = Num<D>::load(dr[j]);
+            const A g = d * Num<T>::load(scale[j]);
             const A h = (Num<T>::load(xr[j]) - mu) * rs;
-            T d = Num<T>::store(rs * (g - a - h * b));
+            T e = Num<T>::store(rs * (g - a - h * b));
             // the sum the separate Add kernel computes: rounded dx plus dres, never an FMA with
             // the product above
-            if (dres) d = add_unfused(d, dres[r * n + j]);
-            dx[r * n + j] = d;
-            if (dxh) dxh[r * n + j] = Num<H>::store(Num<T>::load(d));
+            if (dres) e = add_unfused(e, dres[r * n + j]);
+            dx[r * n + j] = e;
+            if (dxh) dxh[r * n + j] = Num<H>::store(Num<T>::load(e));
+            if (sums) {
+                sums[j] += d * h;
+                sums[n + j] += d;
+            }
         }
-    }
-}
-
-template <typename T, typename D = T> __device__ __forceinline__ void ln_grad_params(const D* dy, const T* x, const typename Num<T>::Acc* mean,
-                                                                     const typename Num<T>::Acc* rstd, typename Num<T>::Acc* partial,
-                                                                     i64 rows, i64 n, i64 rows_per_chunk) {
-    typedef typename Num<T>::Acc A;
-    ORT_SHARED(A, ds, [8][33]);
-    ORT_SHARED(A, db, [8][33]);
-    if (n <= 0 || rows_per_chunk <= 0) return;
-    // lane tx owns column j; row lane ty strides over the chunk's rows
-    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, lanes = blockDim.x >> 5;
-    const i64 col_blocks = (n + 31) / 32;
-    const i64 j = (i64)(blockIdx.x % col_blocks) * 32 + tx;
-    const i64 chunk = blockIdx.x / col_blocks;
-    if (chunk >= (rows + rows_per_chunk - 1) / rows_per_chunk) return;  // the whole block
-    const i64 r0 = chunk * rows_per_chunk;
-    const i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    A s = (A)0, b = (A)0;
-    if (j < n) {
-        for (i64 r = r0 + ty; r < r1; r += lanes) {
-            const A d = Num<D>::load(dy[r * n + j]);
-            s += d * (Num<T>::load(x[r * n + j]) - mean[r]) * rstd[r];
-            b += d;
-        }
-    }
-    ds[ty][tx] = s;
-    db[ty][tx] = b;
-    __syncthreads();
-    if (ty == 0 && j < n) {
-        for (int k = 1; k < lanes; ++k) {
-            s += ds[k][tx];
-            b += db[k][tx];
-        }
-        partial[(chunk * 2) * n + j] = s;
-        partial[(chunk * 2 + 1) * n + j] = b;
     }
 }
 
@@ -260,25 +302,13 @@ template <typename T, typename D = T> __device__ __forceinline__ void ln_grad_pa
         ln_fwd<T, T>(x, nullptr, nullptr, nullptr, mean, rstd, rows, n, eps);                 \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
-                                                   const Num<T>::Acc* rstd, T* dx, i64 rows, i64 n) { \
-        ln_grad<T>(dy, x, scale, mean, rstd, dx, rows, n);                                    \
-    }                                                                                         \
-    extern "C" __global__ void layer_norm_grad_params_##T(const T* dy, const T* x, const Num<T>::Acc* mean, \
-                                                          const Num<T>::Acc* rstd, Num<T>::Acc* partial, \
-                                                          i64 rows, i64 n, i64 rows_per_chunk) { \
-        ln_grad_params<T>(dy, x, mean, rstd, partial, rows, n, rows_per_chunk);               \
+                                                   const Num<T>::Acc* rstd, T* dx, Num<T>::Acc* partial, i64 rows, \
+                                                   i64 n) {                                   \
+        ln_grad<T>(dy, x, scale, mean, rstd, dx, partial, rows, n);                           \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_params_reduce_##T(const Num<T>::Acc* partial, T* dscale, T* dbias, \
                                                                  i64 chunks, i64 n) {         \
-        ORT_GRID_LOOP(j, n) {                                                                 \
-            Num<T>::Acc s = 0, b = 0;                                                         \
-            for (i64 c = 0; c < chunks; ++c) {                                                \
-                s += partial[(c * 2) * n + j];                                                \
-                b += partial[(c * 2 + 1) * n + j];                                            \
-            }                                                                                 \
-            if (dscale) dscale[j] = Num<T>::store(s);                                         \
-            if (dbias) dbias[j] = Num<T>::store(b);                                           \
-        }                                                                                     \
+        ln_params_reduce<T>(partial, dscale, dbias, chunks, n);                               \
     }
 ORT_FLOATS(LAYER_NORM, _)
 
@@ -288,13 +318,8 @@ ORT_FLOATS(LAYER_NORM, _)
         ln_fwd<f32, H>(x, scale, bias, y, mean, rstd, rows, n, eps);                              \
     }                                                                                              \
     extern "C" __global__ void layer_norm_grad_f32_dy_##H(const H* dy, const f32* x, const f32* scale, const f32* mean, \
-                                                          const f32* rstd, f32* dx, i64 rows, i64 n) { \
-        ln_grad<f32, H>(dy, x, scale, mean, rstd, dx, rows, n);                                   \
-    }                                                                                              \
-    extern "C" __global__ void layer_norm_grad_params_f32_dy_##H(const H* dy, const f32* x, const f32* mean, \
-                                                                 const f32* rstd, f32* partial, i64 rows, i64 n, \
-                                                                 i64 rows_per_chunk) {             \
-        ln_grad_params<f32, H>(dy, x, mean, rstd, partial, rows, n, rows_per_chunk);              \
+                                                          const f32* rstd, f32* dx, f32* partial, i64 rows, i64 n) { \
+        ln_grad<f32, H>(dy, x, scale, mean, rstd, dx, partial, rows, n);                          \
     }
 LAYER_NORM_HALF_IO(bf16)
 LAYER_NORM_HALF_IO(f16)
@@ -304,8 +329,8 @@ LAYER_NORM_HALF_IO(f16)
 #define LAYER_NORM_GRAD_ACC(D, H)                                                                 \
     extern "C" __global__ void layer_norm_grad_acc_f32_dy_##D##_##H(const D* dy, const f32* x, const f32* scale, \
                                                                    const f32* mean, const f32* rstd, const f32* dres, \
-                                                                   f32* dx, H* dxh, i64 rows, i64 n) { \
-        ln_grad<f32, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh);                       \
+                                                                   f32* dx, H* dxh, f32* partial, i64 rows, i64 n) { \
+        ln_grad<f32, D, H>(dy, x, scale, mean, rstd, dx, partial, rows, n, dres, dxh);              \
     }
 LAYER_NORM_GRAD_ACC(f32, bf16)
 LAYER_NORM_GRAD_ACC(f32, f16)

@@ -1,7 +1,8 @@
 //! LayerNormalization and LayerNormGrad (kernels/layernorm.cu). The gradient op reads the row
 //! statistics the forward kernel saved (passes/layer_norm_stats.rs) or else recomputes them
-//! (layer_norm_stats into scratch), then dx per row, and the parameter gradients in two
-//! deterministic passes: per-chunk column partials, then their sum. A LayerNormalization with a
+//! (layer_norm_stats into scratch), then dx per row, the same kernel summing the parameter
+//! gradients' per-block column partials from the dy and x it loaded, and a deterministic
+//! reduction of those partials. A LayerNormalization with a
 //! 16-bit `y_type` (passes/layer_norm_half.rs) runs the mixed kernels: f32 x, 16-bit y and dy.
 //! A LayerNormGrad given the residual stream's gradient or asked for a 16-bit dx
 //! (passes/layer_norm_grad_sum.rs) runs the accumulating dx kernel.
@@ -34,6 +35,27 @@ fn stat_size(d: DType) -> usize {
     } else {
         4
     }
+}
+
+/// The dx kernel's launch when it also sums the parameter gradients' partials (one row of
+/// partials a block): rows up to WARP_ROW_MAX 4 rows to a block of 128 threads, each warp's
+/// column sums in shared memory (4 * 2 * n statistics), at most 3 blocks an SM (at the kernels'
+/// 151-168 registers, 12 warps an SM fit: sm_90, NVRTC 13.0); longer rows one block of 256 per
+/// row, at most 2 an SM. Fewer blocks mean fewer partials for the reduction to add.
+fn partial_grid(rows: usize, n: usize, stat: usize, sms: u32) -> Grid {
+    let sms = sms.max(1) as usize;
+    if n <= WARP_ROW_MAX {
+        let blocks = rows.div_ceil(4).clamp(1, 3 * sms) as u32;
+        Grid { blocks, threads: 128, shared: (4 * 2 * n * stat) as u32 }
+    } else {
+        Grid::new(rows.clamp(1, 2 * sms) as u32, 256)
+    }
+}
+
+/// The reduction of `partial_grid`'s partials: a block of 32 columns x 32 chunk lanes per 32
+/// columns (the partials number a few hundred: each thread adds about a tenth of them).
+fn reduce_grid(n: usize) -> Grid {
+    Grid::new(n.div_ceil(32).clamp(1, 65535) as u32, 1024)
 }
 
 fn align(v: usize) -> usize {
@@ -116,25 +138,25 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     }
     let eps = node.attrs.float("epsilon", 1e-5)?;
     let sfx = float_suffix(node, x.dtype)?;
-    // the dx and partial kernels read dy (16-bit beside f32 x after layer_norm_half)
+    // the dx kernel reads dy (16-bit beside f32 x after layer_norm_half)
     let dy_sfx = io_suffix(node, x.dtype, dy.dtype, "dy")?;
     let a = stat_size(x.dtype);
     let saved = saved_stats(node, ins, x, rows)?;
-    // 8 row lanes per block, chunks of rows small enough to fill the GPU with blocks
-    let col_blocks = n.div_ceil(32);
-    let rows_per_chunk = (rows.div_ceil((4 * ctx.rt.sms as usize).div_ceil(col_blocks).max(1))).max(8);
-    let chunks = rows.div_ceil(rows_per_chunk);
+    let dscale = outs.get(1).map_or(0, |o| o.ptr);
+    let dbias = outs.get(2).map_or(0, |o| o.ptr);
+    let with_params = dscale != 0 || dbias != 0;
+    let grid = if with_params { partial_grid(rows, n, a, ctx.rt.sms) } else { rows_grid(rows, n) };
     let stats_bytes = if saved.is_some() { 0 } else { align(rows * a) };
-    let base = ctx.rt.scratch(2 * stats_bytes + align(chunks * 2 * n * a))?;
-    let partial = base + 2 * stats_bytes as u64;
+    let partial_bytes = if with_params { grid.blocks as usize * 2 * n * a } else { 0 };
+    let base = ctx.rt.scratch(2 * stats_bytes + align(partial_bytes))?;
+    let partial = if with_params { base + 2 * stats_bytes as u64 } else { 0 };
     let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
-    let grid = rows_grid(rows, n);
     let (mean, rstd) = match saved {
         Some(stats) => stats,
         None => {
             let (mean, rstd) = (base, base + stats_bytes as u64);
             let args = [p(x.ptr), p(mean), p(rstd), i(rows), i(n), KArg::F32(eps)];
-            ctx.rt.launch(ctx.stream, &format!("layer_norm_stats_{sfx}"), grid, &args)?;
+            ctx.rt.launch(ctx.stream, &format!("layer_norm_stats_{sfx}"), rows_grid(rows, n), &args)?;
             (mean, rstd)
         }
     };
@@ -144,37 +166,51 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
         // passes/layer_norm_grad_sum.rs: the residual gradient summed in, a 16-bit copy written
         let kernel = accumulating_kernel(node, x, dy, dres, dx_half)?;
         let (dres, dxh) = (dres.map_or(0, |v| v.ptr), dx_half.map_or(0, |v| v.ptr));
-        let args = [p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(dres), p(outs[0].ptr), p(dxh), i(rows), i(n)];
+        let args = [p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(dres), p(outs[0].ptr), p(dxh), p(partial), i(rows), i(n)];
         ctx.rt.launch(ctx.stream, &kernel, grid, &args)?;
     } else {
         ctx.rt.launch(
             ctx.stream,
             &format!("layer_norm_grad_{dy_sfx}"),
             grid,
-            &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), i(rows), i(n)],
+            &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), p(partial), i(rows), i(n)],
         )?;
     }
-    let dscale = outs.get(1).map_or(0, |o| o.ptr);
-    let dbias = outs.get(2).map_or(0, |o| o.ptr);
-    if dscale == 0 && dbias == 0 {
+    if !with_params {
         return Ok(());
     }
-    let blocks = u32::try_from(col_blocks * chunks).map_err(|_| node.err("LayerNorm gradient grid too large"))?;
-    ctx.rt.launch(
-        ctx.stream,
-        &format!("layer_norm_grad_params_{dy_sfx}"),
-        Grid::new(blocks, 256),
-        &[p(dy.ptr), p(x.ptr), p(mean), p(rstd), p(partial), i(rows), i(n), i(rows_per_chunk)],
-    )?;
     ctx.rt.launch(
         ctx.stream,
         &format!("layer_norm_grad_params_reduce_{sfx}"),
-        ctx.rt.elementwise_grid(n),
-        &[p(partial), p(dscale), p(dbias), i(chunks), i(n)],
+        reduce_grid(n),
+        &[p(partial), p(dscale), p(dbias), i(grid.blocks as usize), i(n)],
     )
 }
 
 pub fn register(t: &mut CudaTable) {
     t.add("LayerNormalization", layer_norm);
     t.add("LayerNormGrad", layer_norm_grad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// GPT-2's LayerNormGrad on an H200 (132 SMs): 16 x 1024 rows of 768 take 396 blocks of 4
+    /// warps (3 an SM), 24 KiB of shared memory each (4 warps x 2 x 768 f32 sums); short inputs
+    /// take a block per 4 rows; f64 sums take twice the memory; rows over 1024 a block per row,
+    /// 2 an SM, no shared memory. The reduction: 24 blocks of 32 columns x 32 chunk lanes.
+    #[test]
+    fn the_partial_summing_launch_fills_the_gpu_with_few_blocks() {
+        let g = partial_grid(16 * 1024, 768, 4, 132);
+        assert_eq!((g.blocks, g.threads, g.shared), (396, 128, 24576));
+        assert_eq!(partial_grid(37, 768, 4, 132).blocks, 10);
+        assert_eq!(partial_grid(1, 1024, 8, 132).shared, 65536);
+        let long = partial_grid(16 * 1024, 4096, 4, 132);
+        assert_eq!((long.blocks, long.threads, long.shared), (264, 256, 0));
+        assert_eq!(partial_grid(3, 4096, 4, 132).blocks, 3);
+        let r = reduce_grid(768);
+        assert_eq!((r.blocks, r.threads, r.shared), (24, 1024, 0));
+        assert_eq!(reduce_grid(1).blocks, 1);
+    }
 }

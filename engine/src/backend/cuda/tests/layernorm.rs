@@ -1,10 +1,10 @@
 //! layernorm.cu: LayerNormalization forward (with and without bias, with and without the saved
 //! statistics), layer_norm_stats, the input gradient and the deterministic parameter gradients
-//! (per-chunk partial sums, then their reduction), for rows of 1, 200, 1023 and 4096 elements
-//! and every float dtype, against the CPU kernels (engine/src/backend/cpu/norm.rs, in f64 on the
-//! rounded inputs). The CPU backend has no op for the statistics alone nor for the per-chunk
-//! partials: those references are computed here in f64, mirroring cpu::norm's `stats` and the
-//! dscale/dbias sums of its LayerNormGrad.
+//! (per-block partial sums written by the dx kernel, then their reduction), for rows of 1, 200,
+//! 1023 and 4096 elements and every float dtype, against the CPU kernels
+//! (engine/src/backend/cpu/norm.rs, in f64 on the rounded inputs). The CPU backend has no op for
+//! the statistics alone nor for the per-block partials: those references are computed here in
+//! f64, mirroring cpu::norm's `stats` and the dscale/dbias sums of its LayerNormGrad.
 
 use super::support::*;
 use crate::backend::cpu::testutil;
@@ -26,25 +26,30 @@ fn stats_args(x: u64, mean: u64, rstd: u64, rows: usize, n: usize) -> Vec<KArg> 
     vec![KArg::Ptr(x), KArg::Ptr(mean), KArg::Ptr(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(EPS)]
 }
 
-/// `layer_norm_grad_T(dy, x, scale, mean, rstd, dx, i64 rows, i64 n)`
+/// `layer_norm_grad_T(dy, x, scale, mean, rstd, dx, partial, i64 rows, i64 n)`
 #[allow(clippy::too_many_arguments)]
-fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, rows: usize, n: usize) -> Vec<KArg> {
+fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, partial: u64, rows: usize, n: usize) -> Vec<KArg> {
     let p = KArg::Ptr;
-    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), KArg::I64(rows as i64), KArg::I64(n as i64)]
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64)]
 }
 
-/// `layer_norm_grad_acc_f32_dy_D_H(dy, x, scale, mean, rstd, dres, dx, dxh, i64 rows, i64 n)`
+/// `layer_norm_grad_acc_f32_dy_D_H(dy, x, scale, mean, rstd, dres, dx, dxh, partial, i64 rows, i64 n)`
 #[allow(clippy::too_many_arguments)]
-fn acc_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dres: u64, dx: u64, dxh: u64, rows: usize, n: usize) -> Vec<KArg> {
+fn acc_args(
+    dy: u64,
+    x: u64,
+    scale: u64,
+    mean: u64,
+    rstd: u64,
+    dres: u64,
+    dx: u64,
+    dxh: u64,
+    partial: u64,
+    rows: usize,
+    n: usize,
+) -> Vec<KArg> {
     let p = KArg::Ptr;
-    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dres), p(dx), p(dxh), KArg::I64(rows as i64), KArg::I64(n as i64)]
-}
-
-/// `layer_norm_grad_params_T(dy, x, mean, rstd, partial, i64 rows, i64 n, i64 rows_per_chunk)`
-#[allow(clippy::too_many_arguments)]
-fn params_args(dy: u64, x: u64, mean: u64, rstd: u64, partial: u64, rows: usize, n: usize, rpc: usize) -> Vec<KArg> {
-    let p = KArg::Ptr;
-    vec![p(dy), p(x), p(mean), p(rstd), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::I64(rpc as i64)]
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dres), p(dx), p(dxh), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64)]
 }
 
 /// `layer_norm_grad_params_reduce_T(partial, dscale, dbias, i64 chunks, i64 n)`
@@ -52,23 +57,36 @@ fn reduce_args(partial: u64, dscale: u64, dbias: u64, chunks: usize, n: usize) -
     vec![KArg::Ptr(partial), KArg::Ptr(dscale), KArg::Ptr(dbias), KArg::I64(chunks as i64), KArg::I64(n as i64)]
 }
 
-/// The grad_params launch (layernorm.cu): blockDim 32·k (k row lanes), ceil(n / 32) blocks per
-/// chunk of `rpc` rows.
-fn params_grid(rows: usize, n: usize, rpc: usize, threads: u32) -> (usize, Grid) {
-    let chunks = rows.div_ceil(rpc);
-    (chunks, Grid::new((n.div_ceil(32) * chunks) as u32, threads))
+/// The dx kernel's launch summing the parameter-gradient partials (layernorm.cu): rows up to
+/// 1024 a warp per row, each warp's column sums in `threads / 32 * 2 * n` statistics of shared
+/// memory; longer rows a block per row, the sums in the partials themselves.
+fn partial_grid(n: usize, stat: &str, blocks: u32, threads: u32) -> Grid {
+    let shared = if n <= 1024 { threads as usize / 32 * 2 * n * size_of(stat) } else { 0 };
+    Grid { blocks, threads, shared: shared as u32 }
 }
 
-/// Row length, threads of the row kernels, threads of grad_params (1, 2 and 8 row lanes). Rows
-/// up to 1024 go one warp per row (16 blocks of 1 or 2 warps walk the 37 rows grid-stride),
-/// longer ones one block per row, of at most 256 threads (kernels/layernorm.cu: the warp path's
-/// registers leave no room for 1024).
-const CASES: &[(usize, u32, u32)] = &[(1, 32, 32), (200, 64, 64), (1023, 256, 256), (4096, 256, 256)];
-/// 37 rows in chunks of 8: 5 chunks, the last of 5 rows; 16 blocks for the row kernels
-/// (the grid-stride row loop).
+/// The block of a `grid` launch that handles row `r`: warps walk the rows grid-stride (a row a
+/// warp), or whole blocks for rows over 1024.
+fn block_of_row(r: usize, n: usize, grid: Grid) -> usize {
+    let blocks = grid.blocks as usize;
+    if n <= 1024 {
+        let warps = grid.threads as usize / 32;
+        r % (blocks * warps) / warps
+    } else {
+        r % blocks
+    }
+}
+
+/// Row length, threads of the row kernels, threads of the dx kernel summing the partials (1 and
+/// 4 warps, rows a warp each; 256 threads, a row a block). Rows up to 1024 go one warp per row
+/// (16 blocks of 1 or 2 warps walk the 37 rows grid-stride), longer ones one block per row, of
+/// at most 256 threads (kernels/layernorm.cu: the warp path's registers leave no room for 1024).
+const CASES: &[(usize, u32, u32)] = &[(1, 32, 32), (200, 64, 128), (1023, 256, 128), (4096, 256, 256)];
+/// 37 rows; 16 blocks for the row kernels (the grid-stride row loop). The partial-summing launch
+/// takes 3 blocks (every warp a few rows) and 16 (blocks or warps without a row: zero partials).
 const ROWS: usize = 37;
-const RPC: usize = 8;
 const ROW_BLOCKS: u32 = 16;
+const PARTIAL_BLOCKS: [u32; 2] = [3, 16];
 
 fn eps_attr() -> Attrs {
     Attrs::default().with("epsilon", Attr::Float(EPS)).with("axis", Attr::Int(-1))
@@ -90,15 +108,14 @@ fn layernorm_argument_lists_match_the_registry() {
     let mut checked = Vec::new();
     for t in FLOATS {
         for &(n, _, _) in CASES {
-            let (chunks, _) = params_grid(ROWS, n, RPC, 256);
             let ks = [
                 ("layer_norm", ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
                 ("layer_norm", ln_args(1, 1, 0, 1, 0, 0, ROWS, n)),
                 ("layer_norm_stats", stats_args(1, 1, 1, ROWS, n)),
-                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, ROWS, n)),
-                ("layer_norm_grad_params", params_args(1, 1, 1, 1, 1, ROWS, n, RPC)),
-                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 1, chunks, n)),
-                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 0, chunks, n)),
+                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, 1, ROWS, n)),
+                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, 0, ROWS, n)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 1, 3, n)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 0, 3, n)),
             ];
             for (op, args) in ks {
                 check(&format!("{op}_{t}"), &args);
@@ -110,8 +127,7 @@ fn layernorm_argument_lists_match_the_registry() {
         let n = CASES[0].0;
         let ks = [
             (format!("layer_norm_f32_y_{h}"), ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
-            (format!("layer_norm_grad_f32_dy_{h}"), grad_args(1, 1, 1, 1, 1, 1, ROWS, n)),
-            (format!("layer_norm_grad_params_f32_dy_{h}"), params_args(1, 1, 1, 1, 1, ROWS, n, RPC)),
+            (format!("layer_norm_grad_f32_dy_{h}"), grad_args(1, 1, 1, 1, 1, 1, 1, ROWS, n)),
         ];
         for (k, args) in ks {
             check(&k, &args);
@@ -119,19 +135,11 @@ fn layernorm_argument_lists_match_the_registry() {
         }
         for d in ["f32", "bf16", "f16"] {
             let k = format!("layer_norm_grad_acc_f32_dy_{d}_{h}");
-            check(&k, &acc_args(1, 1, 1, 1, 1, 1, 1, 1, ROWS, n));
+            check(&k, &acc_args(1, 1, 1, 1, 1, 1, 1, 1, 1, ROWS, n));
             checked.push(k);
         }
     }
     assert_covers("layernorm", &checked);
-}
-
-#[test]
-fn the_grad_params_grid_covers_every_column_of_every_chunk() {
-    // 1023 columns: 32 column blocks; 37 rows in chunks of 8: 5 chunks
-    let (chunks, grid) = params_grid(37, 1023, 8, 256);
-    assert_eq!((chunks, grid.blocks, grid.threads), (5, 160, 256));
-    assert_eq!(params_grid(37, 1, 8, 32).1.blocks, 5);
 }
 
 #[test]
@@ -186,60 +194,88 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
             let (wdx, wds, wdb) = (wgrad[0].to_f64_vec(), wgrad[1].to_f64_vec(), wgrad[2].to_f64_vec());
             let kg = format!("layer_norm_grad_{t}");
             let dx = zeros_as(g, t, len);
-            run(g, &kg, row_grid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), ROWS, n));
+            run(g, &kg, row_grid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), 0, ROWS, n));
+            let gdx = host_as(&dx, t);
             // dx = rstd (g - mean(g) - h mean(g h)) cancels (to exactly 0 for rows of 1 element,
             // where an FMA may leave the rounding residue of dy·scale): the error is relative to
             // the terms, rstd·|dy·scale|
             let terms = wrstd.iter().fold(0f64, |m, &v| m.max(v)) * max_abs(&dy) * max_abs(&scale);
-            assert_close(&format!("{kg} dx, {case}"), &host_as(&dx, t), &rounded(t, &wdx), rtol(t), rtol(t) * terms);
-
-            let kp = format!("layer_norm_grad_params_{t}");
-            let (chunks, pgrid) = params_grid(ROWS, n, RPC, pthreads);
-            // NaN-filled, so an element the kernel does not write fails
-            let partial = dev_as(g, a, &vec![f64::NAN; chunks * 2 * n]);
-            run(g, &kp, pgrid, &params_args(ddy.ptr(), dxb.ptr(), mean.ptr(), rstd.ptr(), partial.ptr(), ROWS, n, RPC));
-            let gpart = host_as(&partial, a);
-            // reference partials: [chunk][dscale, dbias][column], in f64 with the f64 statistics
-            // and the sums of |terms|, the scale of their rounding errors
-            let (mut wpart, mut wabs) = (vec![0f64; chunks * 2 * n], vec![0f64; chunks * 2 * n]);
-            let (mut abs_ds, mut abs_db) = (vec![0f64; n], vec![0f64; n]);
-            for r in 0..ROWS {
-                let c = r / RPC;
-                for j in 0..n {
-                    let (d, h) = (dy[r * n + j], (x[r * n + j] - wmean[r]) * wrstd[r]);
-                    wpart[c * 2 * n + j] += d * h;
-                    wpart[(c * 2 + 1) * n + j] += d;
-                    wabs[c * 2 * n + j] += (d * h).abs();
-                    wabs[(c * 2 + 1) * n + j] += d.abs();
-                    abs_ds[j] += (d * h).abs();
-                    abs_db[j] += d.abs();
-                }
-            }
-            let pcase = format!("{case}, {chunks} chunks of {RPC} rows, grid {} x {pthreads}", pgrid.blocks);
-            let what = format!("{kp} partial [chunk][dscale, dbias][column], {pcase}");
-            assert_close(&what, &gpart, &wpart, rtol(a), rtol(a) * max_abs(&wabs));
+            assert_close(&format!("{kg} dx, {case}"), &gdx, &rounded(t, &wdx), rtol(t), rtol(t) * terms);
 
             let kr = format!("layer_norm_grad_params_reduce_{t}");
-            let (ds, db) = (zeros_as(g, t, n), zeros_as(g, t, n));
-            // at most 2 blocks of 256 threads: the grid-stride column loop for n = 1023 and 4096
-            let rgrid = Grid::elementwise(n as i64, 2);
-            run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds.ptr(), db.ptr(), chunks, n));
-            let (gds, gdb) = (host_as(&ds, t), host_as(&db, t));
-            // against the CPU gradient (sums over 37 rows that cancel: relative to the terms)
-            let what = format!("{kr} dscale vs LayerNormGrad, {pcase}");
-            assert_close(&what, &gds, &rounded(t, &wds), rtol(t), rtol(t) * max_abs(&abs_ds));
-            let what = format!("{kr} dbias vs LayerNormGrad, {pcase}");
-            assert_close(&what, &gdb, &rounded(t, &wdb), rtol(t), rtol(t) * max_abs(&abs_db));
-            // and against the sum of the kernel's own partials: one rounding to T
-            let sum_of = |which: usize| -> Vec<f64> { (0..n).map(|j| (0..chunks).map(|c| gpart[(c * 2 + which) * n + j]).sum()).collect() };
-            assert_close(&format!("{kr} dscale vs its partials, {pcase}"), &gds, &rounded(t, &sum_of(0)), rtol(t), atol(t));
-            assert_close(&format!("{kr} dbias vs its partials, {pcase}"), &gdb, &rounded(t, &sum_of(1)), rtol(t), atol(t));
-            // dbias null: dscale alone, the same values
-            let ds2 = zeros_as(g, t, n);
-            run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds2.ptr(), 0, chunks, n));
-            assert_eq!(host_as(&ds2, t), gds, "{kr} with dbias null: dscale differs, {pcase}");
+            let (abs_ds, abs_db) = abs_sums(&dy, &x, &wmean, &wrstd, n);
+            for blocks in PARTIAL_BLOCKS {
+                let pgrid = partial_grid(n, a, blocks, pthreads);
+                let pcase = format!("{case}, dx kernel summing partials on {blocks} x {pthreads}");
+                let chunks = blocks as usize;
+                // NaN-filled, so an element the kernel does not write fails
+                let (dx2, partial) = (zeros_as(g, t, len), dev_as(g, a, &vec![f64::NAN; chunks * 2 * n]));
+                run(g, &kg, pgrid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx2.ptr(), partial.ptr(), ROWS, n));
+                assert_eq!(host_as(&dx2, t), gdx, "{kg} dx summing the partials vs without, {pcase}");
+                let gpart = host_as(&partial, a);
+                let (wpart, wabs) = ref_partials(&dy, &x, &wmean, &wrstd, n, pgrid);
+                let what = format!("{kg} partial [block][dscale, dbias][column], {pcase}");
+                assert_close(&what, &gpart, &wpart, rtol(a), rtol(a) * max_abs(&wabs));
+
+                // at most 2 blocks of 1024 (32 chunk lanes) or 64 threads (2): the grid-stride
+                // loop over groups of 32 columns, chunk lanes with one chunk or none
+                for (rblocks, rthreads) in [(2, 1024), (1, 64)] {
+                    let rgrid = Grid::new(rblocks, rthreads);
+                    let rcase = format!("{pcase}, reduced on {rblocks} x {rthreads}");
+                    let (ds, db) = (zeros_as(g, t, n), zeros_as(g, t, n));
+                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds.ptr(), db.ptr(), chunks, n));
+                    let (gds, gdb) = (host_as(&ds, t), host_as(&db, t));
+                    // against the CPU gradient (sums over 37 rows that cancel: relative to the terms)
+                    let what = format!("{kr} dscale vs LayerNormGrad, {rcase}");
+                    assert_close(&what, &gds, &rounded(t, &wds), rtol(t), rtol(t) * max_abs(&abs_ds));
+                    let what = format!("{kr} dbias vs LayerNormGrad, {rcase}");
+                    assert_close(&what, &gdb, &rounded(t, &wdb), rtol(t), rtol(t) * max_abs(&abs_db));
+                    // and against the sum of the kernel's own partials: one rounding to T
+                    let sum_of =
+                        |which: usize| -> Vec<f64> { (0..n).map(|j| (0..chunks).map(|c| gpart[(c * 2 + which) * n + j]).sum()).collect() };
+                    assert_close(&format!("{kr} dscale vs its partials, {rcase}"), &gds, &rounded(t, &sum_of(0)), rtol(t), atol(t));
+                    assert_close(&format!("{kr} dbias vs its partials, {rcase}"), &gdb, &rounded(t, &sum_of(1)), rtol(t), atol(t));
+                    // dbias null: dscale alone, the same values
+                    let ds2 = zeros_as(g, t, n);
+                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds2.ptr(), 0, chunks, n));
+                    assert_eq!(host_as(&ds2, t), gds, "{kr} with dbias null: dscale differs, {rcase}");
+                }
+            }
         }
     }
+}
+
+/// The sums over rows of |dy·h| and |dy| per column: the scale of dscale's and dbias's rounding
+/// errors.
+fn abs_sums(dy: &[f64], x: &[f64], mean: &[f64], rstd: &[f64], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut ds, mut db) = (vec![0f64; n], vec![0f64; n]);
+    for r in 0..dy.len() / n {
+        for j in 0..n {
+            let (d, h) = (dy[r * n + j], (x[r * n + j] - mean[r]) * rstd[r]);
+            ds[j] += (d * h).abs();
+            db[j] += d.abs();
+        }
+    }
+    (ds, db)
+}
+
+/// Reference partials of a `grid` launch, [block][dscale, dbias][column], in f64 with the f64
+/// statistics, and the sums of |terms| (the scale of their rounding errors), each block over the
+/// rows `block_of_row` gives it.
+fn ref_partials(dy: &[f64], x: &[f64], mean: &[f64], rstd: &[f64], n: usize, grid: Grid) -> (Vec<f64>, Vec<f64>) {
+    let len = grid.blocks as usize * 2 * n;
+    let (mut part, mut abs) = (vec![0f64; len], vec![0f64; len]);
+    for r in 0..dy.len() / n {
+        let b = block_of_row(r, n, grid);
+        for j in 0..n {
+            let (d, h) = (dy[r * n + j], (x[r * n + j] - mean[r]) * rstd[r]);
+            part[b * 2 * n + j] += d * h;
+            part[(b * 2 + 1) * n + j] += d;
+            abs[b * 2 * n + j] += (d * h).abs();
+            abs[(b * 2 + 1) * n + j] += d.abs();
+        }
+    }
+    (part, abs)
 }
 
 /// CUDA sessions keep LayerNorm's statistics for its gradient (passes/layer_norm_stats.rs): in
@@ -275,7 +311,8 @@ fn gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast() {
         let (dx_in, dsc, dbi) = (dev_as(g, "f32", &x), dev_as(g, "f32", &scale), dev_as(g, "f32", &bias));
         let (y, mean, rstd) = (zeros_as(g, "f32", len), zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
         run(g, "layer_norm_f32", row_grid, &ln_args(dx_in.ptr(), dsc.ptr(), dbi.ptr(), y.ptr(), mean.ptr(), rstd.ptr(), ROWS, n));
-        let (chunks, pgrid) = params_grid(ROWS, n, RPC, pthreads);
+        let pgrid = partial_grid(n, "f32", PARTIAL_BLOCKS[0], pthreads);
+        let chunks = pgrid.blocks as usize;
         for h in HALVES {
             let case = format!("{ROWS} rows of {n}, {threads} threads, {h}");
             let k = format!("layer_norm_f32_y_{h}");
@@ -288,28 +325,17 @@ fn gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast() {
             // dy representable in 16 bits, given as 16 bits and as its f32 widening
             let dy = rand_as(&mut rng, h, len, -1.0, 1.0);
             let (dy_h, dy_f) = (dev_as(g, h, &dy), dev_as(g, "f32", &dy));
-            let (dx_h, dx_f) = (zeros_as(g, "f32", len), zeros_as(g, "f32", len));
             let kg = format!("layer_norm_grad_f32_dy_{h}");
-            run(g, &kg, row_grid, &grad_args(dy_h.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx_h.ptr(), ROWS, n));
-            run(
-                g,
-                "layer_norm_grad_f32",
-                row_grid,
-                &grad_args(dy_f.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx_f.ptr(), ROWS, n),
-            );
-            assert_eq!(host_as(&dx_h, "f32"), host_as(&dx_f, "f32"), "{kg} dx vs layer_norm_grad_f32's, {case}");
-            let kp = format!("layer_norm_grad_params_f32_dy_{h}");
-            let (part_h, part_f) = (dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]), dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]));
-            run(g, &kp, pgrid, &params_args(dy_h.ptr(), dx_in.ptr(), mean.ptr(), rstd.ptr(), part_h.ptr(), ROWS, n, RPC));
-            run(
-                g,
-                "layer_norm_grad_params_f32",
-                pgrid,
-                &params_args(dy_f.ptr(), dx_in.ptr(), mean.ptr(), rstd.ptr(), part_f.ptr(), ROWS, n, RPC),
-            );
-            let (ph, pf) = (host_as(&part_h, "f32"), host_as(&part_f, "f32"));
-            assert!(ph.iter().all(|v| v.is_finite()), "{kp}: a partial was not written, {case}");
-            assert_eq!(ph, pf, "{kp} partials vs layer_norm_grad_params_f32's, {case}");
+            let mut outs = Vec::new();
+            for (k, dy) in [(kg.as_str(), &dy_h), ("layer_norm_grad_f32", &dy_f)] {
+                let (dx, partial) = (zeros_as(g, "f32", len), dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]));
+                run(g, k, pgrid, &grad_args(dy.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), partial.ptr(), ROWS, n));
+                outs.push((host_as(&dx, "f32"), host_as(&partial, "f32")));
+            }
+            let ((dx_h, part_h), (dx_f, part_f)) = (&outs[0], &outs[1]);
+            assert_eq!(dx_h, dx_f, "{kg} dx vs layer_norm_grad_f32's, {case}");
+            assert!(part_h.iter().all(|v| v.is_finite()), "{kg}: a partial was not written, {case}");
+            assert_eq!(part_h, part_f, "{kg} partials vs layer_norm_grad_f32's, {case}");
         }
     }
 }
@@ -345,8 +371,10 @@ fn sixteen_bit_layer_norm_outputs_need_no_cast() {
 fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
     let Some(g) = gpu("gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast") else { return };
     let mut rng = Rng::new(43);
-    for &(n, threads, _) in CASES {
+    for &(n, threads, pthreads) in CASES {
         let (len, row_grid) = (ROWS * n, Grid::new(ROW_BLOCKS, threads));
+        let pgrid = partial_grid(n, "f32", PARTIAL_BLOCKS[1], pthreads);
+        let chunks = pgrid.blocks as usize;
         let x = dev_as(g, "f32", &rand_as(&mut rng, "f32", len, -1.3, 2.7));
         let scale = dev_as(g, "f32", &rand_as(&mut rng, "f32", n, 0.5, 1.5));
         let (mean, rstd) = (zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
@@ -355,18 +383,27 @@ fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
         let dres = dev_as(g, "f32", &dres_v);
         for d in ["f32", "bf16", "f16"] {
             let dy = dev_as(g, d, &rand_as(&mut rng, d, len, -1.0, 1.0));
-            let plain = zeros_as(g, "f32", len);
+            let (plain, partial) = (zeros_as(g, "f32", len), zeros_as(g, "f32", chunks * 2 * n));
             let k = if d == "f32" { "layer_norm_grad_f32".to_string() } else { format!("layer_norm_grad_f32_dy_{d}") };
-            run(g, &k, row_grid, &grad_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), plain.ptr(), ROWS, n));
-            let plain = host_as(&plain, "f32");
+            run(g, &k, pgrid, &grad_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), plain.ptr(), partial.ptr(), ROWS, n));
+            let (plain, partial) = (host_as(&plain, "f32"), host_as(&partial, "f32"));
             let summed: Vec<f64> = plain.iter().zip(&dres_v).map(|(&a, &b)| (a as f32 + b as f32) as f64).collect();
             for h in HALVES {
                 let case = format!("{ROWS} rows of {n}, {threads} threads, dy {d}, copy {h}");
                 let acc = format!("layer_norm_grad_acc_f32_dy_{d}_{h}");
-                for (with_dres, with_copy) in [(true, true), (true, false), (false, true)] {
+                // the row kernels' launch without partials, then the partial-summing one
+                for (with_dres, with_copy, sums) in [(true, true, false), (true, false, true), (false, true, true)] {
                     let (dx, dxh) = (dev_as(g, "f32", &vec![f64::NAN; len]), dev_as(g, h, &vec![f64::NAN; len]));
+                    let part = dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]);
                     let (r, c) = (if with_dres { dres.ptr() } else { 0 }, if with_copy { dxh.ptr() } else { 0 });
-                    run(g, &acc, row_grid, &acc_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), r, dx.ptr(), c, ROWS, n));
+                    let (grid, p) = if sums { (pgrid, part.ptr()) } else { (row_grid, 0) };
+                    run(g, &acc, grid, &acc_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), r, dx.ptr(), c, p, ROWS, n));
+                    let got_part = host_as(&part, "f32");
+                    if sums {
+                        assert_eq!(got_part, partial, "{acc} partials vs {k}'s (dres {with_dres}), {case}");
+                    } else {
+                        assert!(got_part.iter().all(|v| v.is_nan()), "{acc} wrote partials it was not given, {case}");
+                    }
                     let want = if with_dres { &summed } else { &plain };
                     let got = host_as(&dx, "f32");
                     assert_eq!(&got, want, "{acc} dx (dres {with_dres}), {case}");
