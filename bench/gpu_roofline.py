@@ -119,13 +119,15 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
         elif op == "LayerNormGrad":
             # backend/cuda/ops/norm.rs: the statistics (recomputed from x unless the forward's
             # are inputs 3 and 4), then dx from dy and x, the same kernel writing the parameter
-            # gradients' f32 column partials (a row of dscale and one of dbias for each of its
-            # 3 blocks an SM on these 132-SM GPUs), which the reduction reads; the dx kernel also
-            # reads the residual gradient (input 5) and writes dx's 16-bit copy (output 3) where
-            # passes/layer_norm_grad_sum.rs put them there
+            # gradients' f32 column partials (a row of dscale and one of dbias, and one of dx's
+            # column sums where passes/layer_norm_grad_col_sum.rs asked for them as a 1-D last
+            # output, for each of its 3 blocks an SM on these 132-SM GPUs), which the reduction
+            # reads; the dx kernel also reads the residual gradient (input 5) and writes dx's
+            # 16-bit copy (output 3) where passes/layer_norm_grad_sum.rs put them there
             x_b = in_b[1]
             n = ins[2][1][-1] if ins[2][1] else 1
-            partials = 3 * 132 * 2 * n * 4
+            parts = 3 if any(len(o[2]) == 1 for o in outs[3:]) else 2
+            partials = 3 * 132 * parts * n * 4
             if len(in_b) < 5 or not in_b[3]:
                 rows.append((op + " stats", name, x_b, 0, None))
             rows.append((op, name, sum(in_b) + out_b[0] + sum(out_b[3:]) + partials, 0, None))

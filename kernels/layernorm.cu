@@ -16,22 +16,27 @@
 //                                                          (the backward's input when the
 //                                                          forward's statistics were not kept)
 //   layer_norm_grad_T(const T* dy, const T* x, const T* scale, const A* mean, const A* rstd,
-//                     T* dx, A* partial, i64 rows, i64 n)  dx = rstd (g - mean(g) - h mean(g h)),
+//                     T* dx, A* partial, i64 parts, i64 rows, i64 n)
+//                                                          dx = rstd (g - mean(g) - h mean(g h)),
 //                                                          g = dy scale, h = (x - mean) rstd
 // dscale = sum over rows of dy h and dbias = sum of dy, without atomics (deterministic), summed
 // by the dx kernel from the dy and x it has loaded (one read of each, as llm.c's
-// layernorm_backward): with `partial` non-null, block b writes partial[b][2][n], the sums over
-// the rows it handled (zeros where none). Rows of n <= LN_WARP_MAX: each warp sums its rows'
-// columns into its slice [2][n] of the block's dynamic shared memory (blockDim.x / 32 * 2 * n
-// A values: the launch's `shared`), a lane the columns it owns; then the block adds the slices
-// in warp order. Longer rows: a thread owns columns tid + blockDim.x k of every row and sums
-// them in its block's partial row in global memory (no shared memory). With partial null the
-// launch needs no shared memory.
-//   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, i64 chunks, i64 n)
-//       dscale[j] = sum over c < chunks of partial[c][0][j], dbias of partial[c][1][j];
-//       blockDim.x = 32 k (k <= 32 chunk lanes: lane tx a column, lane ty the chunks ty, ty + k,
-//       ...; the k lanes' sums then added in order), block b the columns [32 b, +32) (grid-stride
-//       over the ceil(n / 32) groups); dscale or dbias may be null
+// layernorm_backward): with `partial` non-null, block b writes partial[b][parts][n], the sums
+// over the rows it handled (zeros where none) of dy h, dy and, with parts = 3, of dx as stored
+// (the column sums of dx: a following Linear's bias gradient, passes/layer_norm_grad_col_sum.rs);
+// parts is 2 or 3. Rows of n <= LN_WARP_MAX: each warp sums its rows' columns into its slice
+// [parts][n] of the block's dynamic shared memory (blockDim.x / 32 * parts * n A values: the
+// launch's `shared`), a lane the columns it owns; then the block adds the slices in warp order.
+// Longer rows: a thread owns columns tid + blockDim.x k of every row and sums them in its
+// block's partial row in global memory (no shared memory). With partial null the launch needs
+// no shared memory and parts is not read.
+//   layer_norm_grad_params_reduce_T(const A* partial, T* dscale, T* dbias, T* dsum, i64 parts,
+//                                   i64 chunks, i64 n)
+//       dscale[j] = sum over c < chunks of partial[c][0][j], dbias of partial[c][1][j], dsum
+//       (parts = 3) of partial[c][2][j]; blockDim.x = 32 k (k <= 32 chunk lanes: lane tx a
+//       column, lane ty the chunks ty, ty + k, ...; the k lanes' sums then added in order),
+//       block b the columns [32 b, +32) (grid-stride over the ceil(n / 32) groups); dscale,
+//       dbias or dsum may be null
 // T: f32 f64 bf16 f16.
 // Mixed precision (passes/layer_norm_half.rs), x f32 and y / dy 16-bit (H: bf16 f16), the same
 // arithmetic (the f32 y rounded once on store; dy widened exactly on load):
@@ -41,7 +46,7 @@
 // The residual stream's gradient summed in (passes/layer_norm_grad_sum.rs), dy D: f32 bf16 f16:
 //   layer_norm_grad_acc_f32_dy_D_H(const D* dy, const f32* x, const f32* scale, const f32* mean,
 //                                  const f32* rstd, const f32* dres, f32* dx, H* dxh, f32* partial,
-//                                  i64 rows, i64 n)
+//                                  i64 parts, i64 rows, i64 n)
 //       dx = layer_norm_grad_f32's dx + dres (one f32 add, as the Add kernel), dxh = dx rounded
 //       to H (as the cast kernel), partial as layer_norm_grad_f32's; dres, dxh and partial may be
 //       null
@@ -150,43 +155,45 @@ __device__ __forceinline__ f64 add_unfused(f64 a, f64 b) { return __dadd_rn(a, b
 template <typename T> __device__ __forceinline__ T add_unfused(T a, T b) { return Num<T>::store(Num<T>::load(a) + Num<T>::load(b)); }
 
 // The parameter gradients from the dx kernel's per-block partials (see the top of the file).
-template <typename T> __device__ __forceinline__ void ln_params_reduce(const typename Num<T>::Acc* partial, T* dscale, T* dbias,
-                                                                       i64 chunks, i64 n) {
+template <typename T>
+__device__ __forceinline__ void ln_params_reduce(const typename Num<T>::Acc* partial, T* dscale, T* dbias, T* dsum, i64 parts,
+                                                 i64 chunks, i64 n) {
     typedef typename Num<T>::Acc A;
-    ORT_SHARED(A, red, [2][32][33]);
+    ORT_SHARED(A, red, [3][32][33]);
+    T* const outs[3] = {dscale, dbias, parts > 2 ? dsum : nullptr};
     const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5, lanes = blockDim.x >> 5;
     const i64 groups = (n + 31) / 32;
     for (i64 group = blockIdx.x; group < groups; group += gridDim.x) {
         const i64 j = group * 32 + tx;
-        A s = (A)0, b = (A)0;
+        A s[3] = {(A)0, (A)0, (A)0};
         if (j < n) {
             for (i64 c = ty; c < chunks; c += lanes) {
-                s += partial[(c * 2) * n + j];
-                b += partial[(c * 2 + 1) * n + j];
+#pragma unroll
+                for (int p = 0; p < 3; ++p)
+                    if (p < parts) s[p] += partial[(c * parts + p) * n + j];
             }
         }
-        red[0][ty][tx] = s;
-        red[1][ty][tx] = b;
+#pragma unroll
+        for (int p = 0; p < 3; ++p) red[p][ty][tx] = s[p];
         __syncthreads();  // every chunk lane's sums written
         if (ty == 0 && j < n) {
-            for (int k = 1; k < lanes; ++k) {
-                s += red[0][k][tx];
-                b += red[1][k][tx];
+#pragma unroll
+            for (int p = 0; p < 3; ++p) {
+                for (int k = 1; k < lanes; ++k) s[p] += red[p][k][tx];
+                if (outs[p]) outs[p][j] = Num<T>::store(s[p]);
             }
-            if (dscale) dscale[j] = Num<T>::store(s);
-            if (dbias) dbias[j] = Num<T>::store(b);
         }
         __syncthreads();  // red read before the next group writes it
     }
 }
 
 // ln_grad for a row of n <= LN_WARP_MAX by one warp: g = dy scale and h in registers, the two
-// sums by warp shuffles. With `sums` (this warp's slice [2][n] of shared memory, or null) a lane
-// adds dy h and dy of its columns to it, row by row.
+// sums by warp shuffles. With `sums` (this warp's slice [parts][n] of shared memory, or null) a
+// lane adds dy h, dy and (parts = 3) the stored dx of its columns to it, row by row.
 template <typename T, typename D, typename H>
 __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
                                              const typename Num<T>::Acc* rstd, T* dx, i64 rows, i64 n, const T* dres, H* dxh,
-                                             typename Num<T>::Acc* sums) {
+                                             typename Num<T>::Acc* sums, i64 parts) {
     typedef typename Num<T>::Acc A;
     const LnWarp w = ln_warp();
     if (sums) {
@@ -195,10 +202,10 @@ __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* s
         for (int k = 0; k < LN_PER_LANE; ++k) {
             const i64 j = w.lane + 32 * k;
             if (j >= n) break;
-            sums[j] = (A)0;
-            sums[n + j] = (A)0;
+            for (int p = 0; p < parts; ++p) sums[p * n + j] = (A)0;
         }
     }
+    const bool dx_sums = sums && parts > 2;
     for (i64 r = w.first; r < rows; r += w.stride) {
         const D* dr = dy + r * n;
         const T* xr = x + r * n;
@@ -229,6 +236,7 @@ __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* s
             if (dres) d = add_unfused(d, dres[r * n + j]);
             dx[r * n + j] = d;
             if (dxh) dxh[r * n + j] = Num<H>::store(Num<T>::load(d));
+            if (dx_sums) sums[2 * n + j] += Num<T>::load(d);
         }
     }
 }
@@ -237,31 +245,30 @@ __device__ __forceinline__ void ln_grad_warp(const D* dy, const T* x, const T* s
 // null; only the accumulating kernels pass them (T = f32). partial: see the top of the file.
 template <typename T, typename D = T, typename H = T>
 __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale, const typename Num<T>::Acc* mean,
-                                        const typename Num<T>::Acc* rstd, T* dx, typename Num<T>::Acc* partial, i64 rows,
-                                        i64 n, const T* dres = nullptr, H* dxh = nullptr) {
+                                        const typename Num<T>::Acc* rstd, T* dx, typename Num<T>::Acc* partial, i64 parts,
+                                        i64 rows, i64 n, const T* dres = nullptr, H* dxh = nullptr) {
     typedef typename Num<T>::Acc A;
     if (n <= LN_WARP_MAX) {
         ORT_DYNAMIC_SHARED(unsigned char, ln_smem);
         A* slices = reinterpret_cast<A*>(ln_smem);
-        ln_grad_warp<T, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh, partial ? slices + (threadIdx.x >> 5) * 2 * n : nullptr);
+        A* mine = partial ? slices + (threadIdx.x >> 5) * parts * n : nullptr;
+        ln_grad_warp<T, D, H>(dy, x, scale, mean, rstd, dx, rows, n, dres, dxh, mine, parts);
         if (!partial) return;
         __syncthreads();  // every warp's slice summed
         const int warps = blockDim.x >> 5;
-        for (i64 c = threadIdx.x; c < 2 * n; c += blockDim.x) {
+        for (i64 c = threadIdx.x; c < parts * n; c += blockDim.x) {
             A s = (A)0;
-            for (int v = 0; v < warps; ++v) s += slices[v * 2 * n + c];
-            partial[blockIdx.x * 2 * n + c] = s;
+            for (int v = 0; v < warps; ++v) s += slices[v * parts * n + c];
+            partial[blockIdx.x * parts * n + c] = s;
         }
         return;
     }
     ORT_SHARED(A, scratch, [32]);
     // this block's sums; thread t owns columns t + blockDim.x k in both passes over a row
-    A* sums = partial ? partial + blockIdx.x * 2 * n : nullptr;
+    A* sums = partial ? partial + blockIdx.x * parts * n : nullptr;
     if (sums) {
-        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            sums[j] = (A)0;
-            sums[n + j] = (A)0;
-        }
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x)
+            for (int p = 0; p < parts; ++p) sums[p * n + j] = (A)0;
     }
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const D* dr = dy + r * n;
@@ -288,6 +295,7 @@ __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale,
             if (sums) {
                 sums[j] += d * h;
                 sums[n + j] += d;
+                if (parts > 2) sums[2 * n + j] += Num<T>::load(e);
             }
         }
     }
@@ -302,13 +310,13 @@ __device__ __forceinline__ void ln_grad(const D* dy, const T* x, const T* scale,
         ln_fwd<T, T>(x, nullptr, nullptr, nullptr, mean, rstd, rows, n, eps);                 \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_##T(const T* dy, const T* x, const T* scale, const Num<T>::Acc* mean, \
-                                                   const Num<T>::Acc* rstd, T* dx, Num<T>::Acc* partial, i64 rows, \
-                                                   i64 n) {                                   \
-        ln_grad<T>(dy, x, scale, mean, rstd, dx, partial, rows, n);                           \
+                                                   const Num<T>::Acc* rstd, T* dx, Num<T>::Acc* partial, i64 parts, \
+                                                   i64 rows, i64 n) {                         \
+        ln_grad<T>(dy, x, scale, mean, rstd, dx, partial, parts, rows, n);                    \
     }                                                                                         \
     extern "C" __global__ void layer_norm_grad_params_reduce_##T(const Num<T>::Acc* partial, T* dscale, T* dbias, \
-                                                                 i64 chunks, i64 n) {         \
-        ln_params_reduce<T>(partial, dscale, dbias, chunks, n);                               \
+                                                                 T* dsum, i64 parts, i64 chunks, i64 n) { \
+        ln_params_reduce<T>(partial, dscale, dbias, dsum, parts, chunks, n);                  \
     }
 ORT_FLOATS(LAYER_NORM, _)
 
@@ -318,8 +326,9 @@ ORT_FLOATS(LAYER_NORM, _)
         ln_fwd<f32, H>(x, scale, bias, y, mean, rstd, rows, n, eps);                              \
     }                                                                                              \
     extern "C" __global__ void layer_norm_grad_f32_dy_##H(const H* dy, const f32* x, const f32* scale, const f32* mean, \
-                                                          const f32* rstd, f32* dx, f32* partial, i64 rows, i64 n) { \
-        ln_grad<f32, H>(dy, x, scale, mean, rstd, dx, partial, rows, n);                          \
+                                                          const f32* rstd, f32* dx, f32* partial, i64 parts, i64 rows, \
+                                                          i64 n) {                                 \
+        ln_grad<f32, H>(dy, x, scale, mean, rstd, dx, partial, parts, rows, n);                   \
     }
 LAYER_NORM_HALF_IO(bf16)
 LAYER_NORM_HALF_IO(f16)
@@ -329,8 +338,9 @@ LAYER_NORM_HALF_IO(f16)
 #define LAYER_NORM_GRAD_ACC(D, H)                                                                 \
     extern "C" __global__ void layer_norm_grad_acc_f32_dy_##D##_##H(const D* dy, const f32* x, const f32* scale, \
                                                                    const f32* mean, const f32* rstd, const f32* dres, \
-                                                                   f32* dx, H* dxh, f32* partial, i64 rows, i64 n) { \
-        ln_grad<f32, D, H>(dy, x, scale, mean, rstd, dx, partial, rows, n, dres, dxh);              \
+                                                                   f32* dx, H* dxh, f32* partial, i64 parts, i64 rows, \
+                                                                   i64 n) {                       \
+        ln_grad<f32, D, H>(dy, x, scale, mean, rstd, dx, partial, parts, rows, n, dres, dxh);       \
     }
 LAYER_NORM_GRAD_ACC(f32, bf16)
 LAYER_NORM_GRAD_ACC(f32, f16)

@@ -207,6 +207,10 @@ impl PySession {
             .unzip();
         d.set_item("steps", steps)?;
         d.set_item("step_inputs", step_io)?;
+        // the inputs' value names, for tools that follow a value from producer to readers
+        let input_names: Vec<Vec<Option<String>>> =
+            plan.steps.iter().map(|n| g.nodes[n.0].inputs.iter().map(|v| v.map(|v| g.values[v.0].name.clone())).collect()).collect();
+        d.set_item("step_input_names", input_names)?;
         let (step, live, values) = plan.peak();
         let at_peak: Vec<(String, String, String, Vec<usize>, usize)> = values
             .iter()

@@ -192,6 +192,12 @@ pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usiz
     norm::layer_norm_layout(node, shape)
 }
 
+/// LayerNormGrad's optional outputs' indices: dx's 16-bit copy, dx's column sums (shared with
+/// backends).
+pub fn layer_norm_grad_extras_of(node: &Node) -> Result<(Option<usize>, Option<usize>)> {
+    norm::layer_norm_grad_extras(node)
+}
+
 /// Conv's (group, window) for input and weight shapes (shared with backends).
 pub fn conv_geometry_of(node: &Node, x: &[usize], w: &[usize]) -> Result<(usize, window::Window)> {
     conv::conv_geometry(node, x, w)

@@ -6,7 +6,9 @@
 //! Y a 16-bit tensor computed in the input's precision and rounded once; its gradient's dy is
 //! then 16-bit too. Two more internal parts of LayerNormGrad (passes/layer_norm_grad_sum.rs):
 //! input 5, `dres`, the rest of the input's gradient (the residual stream's), of x's type and
-//! shape, added to dx; and output 3, dx (with dres) rounded to the 16-bit `dx_half_type`.
+//! shape, added to dx; and output 3, dx (with dres) rounded to the 16-bit `dx_half_type`. With
+//! `dx_col_sum` = 1 (passes/layer_norm_grad_col_sum.rs) a last output holds the column sums of
+//! dx (with dres) viewed as [rows, n]: n values of x's type, a following Linear's bias gradient.
 
 use super::util::{input, norm_axis};
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -31,6 +33,19 @@ fn half_type(node: &Node, attr: &str, x: DType) -> Result<Option<DType>> {
             _ => Err(node.err(format!("{attr} {code} on a {} input: only bf16 (16) or fp16 (10) from f32", x.name()))),
         },
     }
+}
+
+/// The output indices of LayerNormGrad's optional outputs after (dx, dscale, dbias), as its
+/// attributes ask for them: dx's 16-bit copy (`dx_half_type`), then dx's column sums
+/// (`dx_col_sum`).
+pub fn layer_norm_grad_extras(node: &Node) -> Result<(Option<usize>, Option<usize>)> {
+    let half = node.attrs.int("dx_half_type", 0)? != 0;
+    let col_sum = match node.attrs.int("dx_col_sum", 0)? {
+        0 => false,
+        1 => true,
+        v => return Err(node.err(format!("dx_col_sum is {v}: 0 or 1"))),
+    };
+    Ok((half.then_some(3), col_sum.then_some(3 + half as usize)))
 }
 
 /// The element type of a LayerNormalization's Y: `y_type` if given, else X's.
@@ -95,9 +110,24 @@ impl OpDef for LayerNormGrad {
             }
         }
         let mut outs = vec![TypeOut::like(x), TypeOut::like(s), TypeOut::like(s)];
-        if node.outputs.len() > 3 {
-            let half = half_type(node, "dx_half_type", x.dtype)?.ok_or_else(|| node.err("a fourth output needs dx_half_type"))?;
+        let (half, col_sum) = layer_norm_grad_extras(node)?;
+        let want = 3 + half.is_some() as usize + col_sum.is_some() as usize;
+        // (a probe node without outputs asks for the types alone)
+        if !node.outputs.is_empty() && node.outputs.len() != want {
+            return Err(node.err(format!(
+                "{} outputs; dx, dscale, dbias{}{} make {want}",
+                node.outputs.len(),
+                if half.is_some() { ", dx's 16-bit copy (dx_half_type)" } else { "" },
+                if col_sum.is_some() { ", dx's column sums (dx_col_sum)" } else { "" }
+            )));
+        }
+        if half.is_some() {
+            let half = half_type(node, "dx_half_type", x.dtype)?.ok_or_else(|| node.err("dx_half_type is 0"))?;
             outs.push(TypeOut::new(half, x.shape.to_vec()));
+        }
+        if col_sum.is_some() {
+            let (_, n) = layer_norm_layout(node, x.shape)?;
+            outs.push(TypeOut::new(x.dtype, vec![n]));
         }
         Ok(outs)
     }

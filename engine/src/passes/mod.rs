@@ -16,6 +16,7 @@ mod fuse_linear;
 mod fuse_linear_cross_entropy;
 mod fuse_linear_gelu;
 mod fuse_residual_linear;
+mod layer_norm_grad_col_sum;
 mod layer_norm_grad_sum;
 mod layer_norm_half;
 mod layer_norm_stats;
@@ -116,6 +117,9 @@ const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
     // CUDA only: the residual stream's gradient summed, and rounded to 16 bits, in
     // LayerNormGrad's dx kernel instead of an Add and a cast after it
     ("layer_norm_grad_sum", layer_norm_grad_sum::run, Runs::CudaOnly),
+    // CUDA only, after layer_norm_grad_sum (whose dx is the residual stream's gradient): a
+    // following Linear's bias gradient, SumRows of that dx, summed by LayerNormGrad's dx kernel
+    ("layer_norm_grad_col_sum", layer_norm_grad_col_sum::run, Runs::CudaOnly),
     // CUDA only: a tanh GELU's gradient applied by cuBLASLt's epilogue as the product that
     // feeds it is written (the CPU has no such epilogue to gain from)
     ("matmul_gelu_grad", matmul_gelu_grad::run, Runs::CudaOnly),

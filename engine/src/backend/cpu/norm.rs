@@ -87,7 +87,22 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
     let eps = node.attrs.float("epsilon", 1e-5)? as f64;
     let dres = inputs.get(5).and_then(|v| v.as_ref());
     let (_, n) = layer_norm_layout_of(node, x.shape)?;
-    fn go<T: FloatElem>(dy: &In, x: &In, scale: &In, dres: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+    let (half, col_sum) = crate::ops::layer_norm_grad_extras_of(node)?;
+    let want = 3 + half.is_some() as usize + col_sum.is_some() as usize;
+    if out.len() < want {
+        return Err(node.err(format!("{} outputs given, {want} asked for by its attributes", out.len())));
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn go<T: FloatElem>(
+        dy: &In,
+        x: &In,
+        scale: &In,
+        dres: Option<&In>,
+        out: &mut [Out],
+        n: usize,
+        eps: f64,
+        extras: (Option<usize>, Option<usize>),
+    ) -> Result<()> {
         let (dv, xv, sv) = (dy.slice::<T>()?, x.slice::<T>()?, scale.slice::<T>()?);
         let (dx, rest) = out.split_first_mut().expect("three outputs");
         let dxv = dx.slice::<T>()?;
@@ -128,20 +143,29 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
         if let Some(dres) = dres {
             dxv.iter_mut().zip(dres.slice::<T>()?).for_each(|(d, r)| *d = *d + *r);
         }
-        let (ds_out, db_out) = rest.split_at_mut(1);
-        let dsv = ds_out[0].slice::<T>()?;
-        let dbv = db_out[0].slice::<T>()?;
-        for j in 0..n {
-            dsv[j] = T::from_f64(partial.iter().map(|p| p.0[j]).sum());
-            dbv[j] = T::from_f64(partial.iter().map(|p| p.1[j]).sum());
+        // rest is outputs 1.. (output k at k - 1)
+        for (j, d) in rest[0].slice::<T>()?.iter_mut().enumerate() {
+            *d = T::from_f64(partial.iter().map(|p| p.0[j]).sum());
+        }
+        for (j, d) in rest[1].slice::<T>()?.iter_mut().enumerate() {
+            *d = T::from_f64(partial.iter().map(|p| p.1[j]).sum());
         }
         // dx_half_type's copy (widen.rs rounds it to 16 bits)
-        if let Some(copy) = db_out.get_mut(1) {
-            copy.slice::<T>()?.copy_from_slice(dxv);
+        if let Some(k) = extras.0 {
+            rest[k - 1].slice::<T>()?.copy_from_slice(dxv);
+        }
+        // dx_col_sum: SumRows of dx viewed as [rows, n], summed as its kernel sums (row by row in
+        // f64, rounded once)
+        if let Some(k) = extras.1 {
+            let mut acc = vec![0f64; n];
+            for row in dxv.chunks_exact(n) {
+                acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v.as_());
+            }
+            rest[k - 1].slice::<T>()?.iter_mut().zip(&acc).for_each(|(o, &a)| *o = T::from_f64(a));
         }
         Ok(())
     }
-    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, dres, out, n, eps))
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, dres, out, n, eps, (half, col_sum)))
 }
 
 pub fn register(t: &mut KernelTable) {

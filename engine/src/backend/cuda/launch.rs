@@ -132,8 +132,19 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
         *p = v.as_param();
     }
     let params = &mut params[..args.len()];
-    // more than 48 KiB of dynamic shared memory must be asked for per function (Hopper: 227 KiB)
-    if grid.shared > 48 * 1024 {
+    // more than 48 KiB of shared memory in a block, static (with the 1 KiB sm_80+ reserves) and
+    // dynamic together, must be asked for per function (Hopper: 227 KiB)
+    let static_shared = if grid.shared > 0 {
+        // SAFETY: the function handle is live (owned by `func`'s module); the query writes one int.
+        unsafe {
+            result::function::get_function_attribute(func.cu_function(), sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        }
+        .map_err(|e| Error::Cuda(format!("{kernel}: its static shared memory: {e}")))?
+        .max(0) as u32
+    } else {
+        0
+    };
+    if grid.shared + static_shared > 48 * 1024 {
         // SAFETY: the function handle is live (owned by `func`'s module); the attribute only
         // raises the function's dynamic shared memory limit.
         unsafe {

@@ -192,14 +192,14 @@ pub static FAMILIES: &[Family] = &[
         [
             g(&["layer_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
             g(&["layer_norm_stats"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32]),
-            g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
-            g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64]),
+            g(&["layer_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
+            g(&["layer_norm_grad_params_reduce"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
             g(&["layer_norm_f32_y"], HALVES, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
-            g(&["layer_norm_grad_f32_dy"], HALVES, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
+            g(&["layer_norm_grad_f32_dy"], HALVES, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64]),
             g(
                 &["layer_norm_grad_acc_f32_dy_f32", "layer_norm_grad_acc_f32_dy_bf16", "layer_norm_grad_acc_f32_dy_f16"],
                 HALVES,
-                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64],
+                &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64],
             ),
         ]
     ),

@@ -5,7 +5,8 @@
 //! reduction of those partials. A LayerNormalization with a
 //! 16-bit `y_type` (passes/layer_norm_half.rs) runs the mixed kernels: f32 x, 16-bit y and dy.
 //! A LayerNormGrad given the residual stream's gradient or asked for a 16-bit dx
-//! (passes/layer_norm_grad_sum.rs) runs the accumulating dx kernel.
+//! (passes/layer_norm_grad_sum.rs) runs the accumulating dx kernel; one asked for dx's column
+//! sums (passes/layer_norm_grad_col_sum.rs) has them summed as a third row of partials.
 
 use super::softmax::row_grid;
 use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
@@ -39,14 +40,14 @@ fn stat_size(d: DType) -> usize {
 
 /// The dx kernel's launch when it also sums the parameter gradients' partials (one row of
 /// partials a block): rows up to WARP_ROW_MAX 4 rows to a block of 128 threads, each warp's
-/// column sums in shared memory (4 * 2 * n statistics), at most 3 blocks an SM (at the kernels'
+/// column sums in shared memory (4 * parts * n statistics), at most 3 blocks an SM (at the kernels'
 /// 151-168 registers, 12 warps an SM fit: sm_90, NVRTC 13.0); longer rows one block of 256 per
 /// row, at most 2 an SM. Fewer blocks mean fewer partials for the reduction to add.
-fn partial_grid(rows: usize, n: usize, stat: usize, sms: u32) -> Grid {
+fn partial_grid(rows: usize, n: usize, parts: usize, stat: usize, sms: u32) -> Grid {
     let sms = sms.max(1) as usize;
     if n <= WARP_ROW_MAX {
         let blocks = rows.div_ceil(4).clamp(1, 3 * sms) as u32;
-        Grid { blocks, threads: 128, shared: (4 * 2 * n * stat) as u32 }
+        Grid { blocks, threads: 128, shared: (4 * parts * n * stat) as u32 }
     } else {
         Grid::new(rows.clamp(1, 2 * sms) as u32, 256)
     }
@@ -128,7 +129,8 @@ fn accumulating_kernel(node: &Node, x: &DView, dy: &DView, dres: Option<&DView>,
     Ok(format!("layer_norm_grad_acc_f32_dy_{}_{}", float_suffix(node, dy.dtype)?, float_suffix(node, half)?))
 }
 
-/// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?, dres?) -> (dx, dscale, dbias, dx_half?).
+/// LayerNormGrad(dy, x, scale, mean?, inv_std_dev?, dres?) -> (dx, dscale, dbias, dx_half?,
+/// dx_col_sum?).
 fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, x, scale) = (input(node, ins, 0)?, input(node, ins, 1)?, input(node, ins, 2)?);
     same_type(node, x, &[("scale", Some(scale))])?;
@@ -142,12 +144,15 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
     let dy_sfx = io_suffix(node, x.dtype, dy.dtype, "dy")?;
     let a = stat_size(x.dtype);
     let saved = saved_stats(node, ins, x, rows)?;
+    let (half_at, col_sum_at) = crate::ops::layer_norm_grad_extras_of(node)?;
     let dscale = outs.get(1).map_or(0, |o| o.ptr);
     let dbias = outs.get(2).map_or(0, |o| o.ptr);
-    let with_params = dscale != 0 || dbias != 0;
-    let grid = if with_params { partial_grid(rows, n, a, ctx.rt.sms) } else { rows_grid(rows, n) };
+    let dsum = col_sum_at.and_then(|k| outs.get(k)).map_or(0, |o| o.ptr);
+    let with_params = dscale != 0 || dbias != 0 || dsum != 0;
+    let parts = if dsum != 0 { 3 } else { 2 };
+    let grid = if with_params { partial_grid(rows, n, parts, a, ctx.rt.sms) } else { rows_grid(rows, n) };
     let stats_bytes = if saved.is_some() { 0 } else { align(rows * a) };
-    let partial_bytes = if with_params { grid.blocks as usize * 2 * n * a } else { 0 };
+    let partial_bytes = if with_params { grid.blocks as usize * parts * n * a } else { 0 };
     let base = ctx.rt.scratch(2 * stats_bytes + align(partial_bytes))?;
     let partial = if with_params { base + 2 * stats_bytes as u64 } else { 0 };
     let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
@@ -161,19 +166,20 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
         }
     };
     let dres = ins.get(5).and_then(|v| v.as_ref());
-    let dx_half = outs.get(3);
+    let dx_half = half_at.and_then(|k| outs.get(k));
     if dres.is_some() || dx_half.is_some() {
         // passes/layer_norm_grad_sum.rs: the residual gradient summed in, a 16-bit copy written
         let kernel = accumulating_kernel(node, x, dy, dres, dx_half)?;
         let (dres, dxh) = (dres.map_or(0, |v| v.ptr), dx_half.map_or(0, |v| v.ptr));
-        let args = [p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(dres), p(outs[0].ptr), p(dxh), p(partial), i(rows), i(n)];
+        let args =
+            [p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(dres), p(outs[0].ptr), p(dxh), p(partial), i(parts), i(rows), i(n)];
         ctx.rt.launch(ctx.stream, &kernel, grid, &args)?;
     } else {
         ctx.rt.launch(
             ctx.stream,
             &format!("layer_norm_grad_{dy_sfx}"),
             grid,
-            &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), p(partial), i(rows), i(n)],
+            &[p(dy.ptr), p(x.ptr), p(scale.ptr), p(mean), p(rstd), p(outs[0].ptr), p(partial), i(parts), i(rows), i(n)],
         )?;
     }
     if !with_params {
@@ -183,7 +189,7 @@ fn layer_norm_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut
         ctx.stream,
         &format!("layer_norm_grad_params_reduce_{sfx}"),
         reduce_grid(n),
-        &[p(partial), p(dscale), p(dbias), i(grid.blocks as usize), i(n)],
+        &[p(partial), p(dscale), p(dbias), p(dsum), i(parts), i(grid.blocks as usize), i(n)],
     )
 }
 
@@ -197,18 +203,20 @@ mod tests {
     use super::*;
 
     /// GPT-2's LayerNormGrad on an H200 (132 SMs): 16 x 1024 rows of 768 take 396 blocks of 4
-    /// warps (3 an SM), 24 KiB of shared memory each (4 warps x 2 x 768 f32 sums); short inputs
+    /// warps (3 an SM), 24 KiB of shared memory each (4 warps x 2 x 768 f32 sums, 36 KiB with
+    /// dx's column sums); short inputs
     /// take a block per 4 rows; f64 sums take twice the memory; rows over 1024 a block per row,
     /// 2 an SM, no shared memory. The reduction: 24 blocks of 32 columns x 32 chunk lanes.
     #[test]
     fn the_partial_summing_launch_fills_the_gpu_with_few_blocks() {
-        let g = partial_grid(16 * 1024, 768, 4, 132);
+        let g = partial_grid(16 * 1024, 768, 2, 4, 132);
         assert_eq!((g.blocks, g.threads, g.shared), (396, 128, 24576));
-        assert_eq!(partial_grid(37, 768, 4, 132).blocks, 10);
-        assert_eq!(partial_grid(1, 1024, 8, 132).shared, 65536);
-        let long = partial_grid(16 * 1024, 4096, 4, 132);
+        assert_eq!(partial_grid(16 * 1024, 768, 3, 4, 132).shared, 36864, "with dx's column sums");
+        assert_eq!(partial_grid(37, 768, 2, 4, 132).blocks, 10);
+        assert_eq!(partial_grid(1, 1024, 2, 8, 132).shared, 65536);
+        let long = partial_grid(16 * 1024, 4096, 3, 4, 132);
         assert_eq!((long.blocks, long.threads, long.shared), (264, 256, 0));
-        assert_eq!(partial_grid(3, 4096, 4, 132).blocks, 3);
+        assert_eq!(partial_grid(3, 4096, 2, 4, 132).blocks, 3);
         let r = reduce_grid(768);
         assert_eq!((r.blocks, r.threads, r.shared), (24, 1024, 0));
         assert_eq!(reduce_grid(1).blocks, 1);

@@ -26,14 +26,19 @@ fn stats_args(x: u64, mean: u64, rstd: u64, rows: usize, n: usize) -> Vec<KArg> 
     vec![KArg::Ptr(x), KArg::Ptr(mean), KArg::Ptr(rstd), KArg::I64(rows as i64), KArg::I64(n as i64), KArg::F32(EPS)]
 }
 
-/// `layer_norm_grad_T(dy, x, scale, mean, rstd, dx, partial, i64 rows, i64 n)`
+/// `layer_norm_grad_T(dy, x, scale, mean, rstd, dx, partial, i64 parts, i64 rows, i64 n)`;
+/// `partial` is (its address, parts).
 #[allow(clippy::too_many_arguments)]
-fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, partial: u64, rows: usize, n: usize) -> Vec<KArg> {
-    let p = KArg::Ptr;
-    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64)]
+fn grad_args(dy: u64, x: u64, scale: u64, mean: u64, rstd: u64, dx: u64, partial: (u64, usize), rows: usize, n: usize) -> Vec<KArg> {
+    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dx), p(partial.0), i(partial.1), i(rows), i(n)]
 }
 
-/// `layer_norm_grad_acc_f32_dy_D_H(dy, x, scale, mean, rstd, dres, dx, dxh, partial, i64 rows, i64 n)`
+/// No partials (a row kernel's launch).
+const NO_PARTIALS: (u64, usize) = (0, 2);
+
+/// `layer_norm_grad_acc_f32_dy_D_H(dy, x, scale, mean, rstd, dres, dx, dxh, partial, i64 parts,
+/// i64 rows, i64 n)`
 #[allow(clippy::too_many_arguments)]
 fn acc_args(
     dy: u64,
@@ -44,24 +49,26 @@ fn acc_args(
     dres: u64,
     dx: u64,
     dxh: u64,
-    partial: u64,
+    partial: (u64, usize),
     rows: usize,
     n: usize,
 ) -> Vec<KArg> {
-    let p = KArg::Ptr;
-    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dres), p(dx), p(dxh), p(partial), KArg::I64(rows as i64), KArg::I64(n as i64)]
+    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    vec![p(dy), p(x), p(scale), p(mean), p(rstd), p(dres), p(dx), p(dxh), p(partial.0), i(partial.1), i(rows), i(n)]
 }
 
-/// `layer_norm_grad_params_reduce_T(partial, dscale, dbias, i64 chunks, i64 n)`
-fn reduce_args(partial: u64, dscale: u64, dbias: u64, chunks: usize, n: usize) -> Vec<KArg> {
-    vec![KArg::Ptr(partial), KArg::Ptr(dscale), KArg::Ptr(dbias), KArg::I64(chunks as i64), KArg::I64(n as i64)]
+/// `layer_norm_grad_params_reduce_T(partial, dscale, dbias, dsum, i64 parts, i64 chunks, i64 n)`;
+/// `outs` is (dscale, dbias, dsum).
+fn reduce_args(partial: u64, outs: (u64, u64, u64), parts: usize, chunks: usize, n: usize) -> Vec<KArg> {
+    let (p, i) = (KArg::Ptr, |v: usize| KArg::I64(v as i64));
+    vec![p(partial), p(outs.0), p(outs.1), p(outs.2), i(parts), i(chunks), i(n)]
 }
 
-/// The dx kernel's launch summing the parameter-gradient partials (layernorm.cu): rows up to
-/// 1024 a warp per row, each warp's column sums in `threads / 32 * 2 * n` statistics of shared
+/// The dx kernel's launch summing `parts` rows of partials (layernorm.cu): rows up to 1024 a
+/// warp per row, each warp's column sums in `threads / 32 * parts * n` statistics of shared
 /// memory; longer rows a block per row, the sums in the partials themselves.
-fn partial_grid(n: usize, stat: &str, blocks: u32, threads: u32) -> Grid {
-    let shared = if n <= 1024 { threads as usize / 32 * 2 * n * size_of(stat) } else { 0 };
+fn partial_grid(n: usize, parts: usize, stat: &str, blocks: u32, threads: u32) -> Grid {
+    let shared = if n <= 1024 { threads as usize / 32 * parts * n * size_of(stat) } else { 0 };
     Grid { blocks, threads, shared: shared as u32 }
 }
 
@@ -112,10 +119,10 @@ fn layernorm_argument_lists_match_the_registry() {
                 ("layer_norm", ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
                 ("layer_norm", ln_args(1, 1, 0, 1, 0, 0, ROWS, n)),
                 ("layer_norm_stats", stats_args(1, 1, 1, ROWS, n)),
-                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, 1, ROWS, n)),
-                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, 0, ROWS, n)),
-                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 1, 3, n)),
-                ("layer_norm_grad_params_reduce", reduce_args(1, 1, 0, 3, n)),
+                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, (1, 3), ROWS, n)),
+                ("layer_norm_grad", grad_args(1, 1, 1, 1, 1, 1, NO_PARTIALS, ROWS, n)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, (1, 1, 1), 3, 3, n)),
+                ("layer_norm_grad_params_reduce", reduce_args(1, (1, 0, 0), 2, 3, n)),
             ];
             for (op, args) in ks {
                 check(&format!("{op}_{t}"), &args);
@@ -127,7 +134,7 @@ fn layernorm_argument_lists_match_the_registry() {
         let n = CASES[0].0;
         let ks = [
             (format!("layer_norm_f32_y_{h}"), ln_args(1, 1, 1, 1, 1, 1, ROWS, n)),
-            (format!("layer_norm_grad_f32_dy_{h}"), grad_args(1, 1, 1, 1, 1, 1, 1, ROWS, n)),
+            (format!("layer_norm_grad_f32_dy_{h}"), grad_args(1, 1, 1, 1, 1, 1, (1, 2), ROWS, n)),
         ];
         for (k, args) in ks {
             check(&k, &args);
@@ -135,7 +142,7 @@ fn layernorm_argument_lists_match_the_registry() {
         }
         for d in ["f32", "bf16", "f16"] {
             let k = format!("layer_norm_grad_acc_f32_dy_{d}_{h}");
-            check(&k, &acc_args(1, 1, 1, 1, 1, 1, 1, 1, 1, ROWS, n));
+            check(&k, &acc_args(1, 1, 1, 1, 1, 1, 1, 1, (1, 3), ROWS, n));
             checked.push(k);
         }
     }
@@ -194,7 +201,7 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
             let (wdx, wds, wdb) = (wgrad[0].to_f64_vec(), wgrad[1].to_f64_vec(), wgrad[2].to_f64_vec());
             let kg = format!("layer_norm_grad_{t}");
             let dx = zeros_as(g, t, len);
-            run(g, &kg, row_grid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), 0, ROWS, n));
+            run(g, &kg, row_grid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), NO_PARTIALS, ROWS, n));
             let gdx = host_as(&dx, t);
             // dx = rstd (g - mean(g) - h mean(g h)) cancels (to exactly 0 for rows of 1 element,
             // where an FMA may leave the rounding residue of dy·scale): the error is relative to
@@ -204,17 +211,20 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
 
             let kr = format!("layer_norm_grad_params_reduce_{t}");
             let (abs_ds, abs_db) = abs_sums(&dy, &x, &wmean, &wrstd, n);
-            for blocks in PARTIAL_BLOCKS {
-                let pgrid = partial_grid(n, a, blocks, pthreads);
-                let pcase = format!("{case}, dx kernel summing partials on {blocks} x {pthreads}");
+            // dx's column sums (the third row of partials, parts 3): dsum, against dx's own
+            let (wsum, abs_sum) = column_sums(&gdx, n);
+            for (blocks, parts) in PARTIAL_BLOCKS.iter().flat_map(|&b| [(b, 2), (b, 3)]) {
+                let pgrid = partial_grid(n, parts, a, blocks, pthreads);
+                let pcase = format!("{case}, dx kernel summing {parts} rows of partials on {blocks} x {pthreads}");
                 let chunks = blocks as usize;
                 // NaN-filled, so an element the kernel does not write fails
-                let (dx2, partial) = (zeros_as(g, t, len), dev_as(g, a, &vec![f64::NAN; chunks * 2 * n]));
-                run(g, &kg, pgrid, &grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx2.ptr(), partial.ptr(), ROWS, n));
+                let (dx2, partial) = (zeros_as(g, t, len), dev_as(g, a, &vec![f64::NAN; chunks * parts * n]));
+                let args = grad_args(ddy.ptr(), dxb.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx2.ptr(), (partial.ptr(), parts), ROWS, n);
+                run(g, &kg, pgrid, &args);
                 assert_eq!(host_as(&dx2, t), gdx, "{kg} dx summing the partials vs without, {pcase}");
                 let gpart = host_as(&partial, a);
-                let (wpart, wabs) = ref_partials(&dy, &x, &wmean, &wrstd, n, pgrid);
-                let what = format!("{kg} partial [block][dscale, dbias][column], {pcase}");
+                let (wpart, wabs) = ref_partials(&dy, &x, &wmean, &wrstd, &gdx, n, parts, pgrid);
+                let what = format!("{kg} partial [block][dscale, dbias, dx][column], {pcase}");
                 assert_close(&what, &gpart, &wpart, rtol(a), rtol(a) * max_abs(&wabs));
 
                 // at most 2 blocks of 1024 (32 chunk lanes) or 64 threads (2): the grid-stride
@@ -222,27 +232,47 @@ fn gpu_layer_norm_forward_statistics_and_gradients_match_the_cpu_kernels() {
                 for (rblocks, rthreads) in [(2, 1024), (1, 64)] {
                     let rgrid = Grid::new(rblocks, rthreads);
                     let rcase = format!("{pcase}, reduced on {rblocks} x {rthreads}");
-                    let (ds, db) = (zeros_as(g, t, n), zeros_as(g, t, n));
-                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds.ptr(), db.ptr(), chunks, n));
-                    let (gds, gdb) = (host_as(&ds, t), host_as(&db, t));
+                    let (ds, db, dsum) = (zeros_as(g, t, n), zeros_as(g, t, n), dev_as(g, t, &vec![f64::NAN; n]));
+                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), (ds.ptr(), db.ptr(), dsum.ptr()), parts, chunks, n));
+                    let (gds, gdb, gsum) = (host_as(&ds, t), host_as(&db, t), host_as(&dsum, t));
                     // against the CPU gradient (sums over 37 rows that cancel: relative to the terms)
                     let what = format!("{kr} dscale vs LayerNormGrad, {rcase}");
                     assert_close(&what, &gds, &rounded(t, &wds), rtol(t), rtol(t) * max_abs(&abs_ds));
                     let what = format!("{kr} dbias vs LayerNormGrad, {rcase}");
                     assert_close(&what, &gdb, &rounded(t, &wdb), rtol(t), rtol(t) * max_abs(&abs_db));
                     // and against the sum of the kernel's own partials: one rounding to T
-                    let sum_of =
-                        |which: usize| -> Vec<f64> { (0..n).map(|j| (0..chunks).map(|c| gpart[(c * 2 + which) * n + j]).sum()).collect() };
+                    let sum_of = |which: usize| -> Vec<f64> {
+                        (0..n).map(|j| (0..chunks).map(|c| gpart[(c * parts + which) * n + j]).sum()).collect()
+                    };
                     assert_close(&format!("{kr} dscale vs its partials, {rcase}"), &gds, &rounded(t, &sum_of(0)), rtol(t), atol(t));
                     assert_close(&format!("{kr} dbias vs its partials, {rcase}"), &gdb, &rounded(t, &sum_of(1)), rtol(t), atol(t));
-                    // dbias null: dscale alone, the same values
+                    if parts == 3 {
+                        let what = format!("{kr} dsum vs dx's column sums, {rcase}");
+                        assert_close(&what, &gsum, &rounded(t, &wsum), rtol(t), rtol(t) * max_abs(&abs_sum));
+                        assert_close(&format!("{kr} dsum vs its partials, {rcase}"), &gsum, &rounded(t, &sum_of(2)), rtol(t), atol(t));
+                    } else {
+                        assert!(gsum.iter().all(|v| v.is_nan()), "{kr} wrote dsum from 2 rows of partials, {rcase}");
+                    }
+                    // dbias and dsum null: dscale alone, the same values
                     let ds2 = zeros_as(g, t, n);
-                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), ds2.ptr(), 0, chunks, n));
+                    run(g, &kr, rgrid, &reduce_args(partial.ptr(), (ds2.ptr(), 0, 0), parts, chunks, n));
                     assert_eq!(host_as(&ds2, t), gds, "{kr} with dbias null: dscale differs, {rcase}");
                 }
             }
         }
     }
+}
+
+/// The column sums of `dx` [rows, n] in f64, and of their absolute values.
+fn column_sums(dx: &[f64], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut s, mut a) = (vec![0f64; n], vec![0f64; n]);
+    for row in dx.chunks(n) {
+        for j in 0..n {
+            s[j] += row[j];
+            a[j] += row[j].abs();
+        }
+    }
+    (s, a)
 }
 
 /// The sums over rows of |dy·h| and |dy| per column: the scale of dscale's and dbias's rounding
@@ -259,20 +289,25 @@ fn abs_sums(dy: &[f64], x: &[f64], mean: &[f64], rstd: &[f64], n: usize) -> (Vec
     (ds, db)
 }
 
-/// Reference partials of a `grid` launch, [block][dscale, dbias][column], in f64 with the f64
-/// statistics, and the sums of |terms| (the scale of their rounding errors), each block over the
-/// rows `block_of_row` gives it.
-fn ref_partials(dy: &[f64], x: &[f64], mean: &[f64], rstd: &[f64], n: usize, grid: Grid) -> (Vec<f64>, Vec<f64>) {
-    let len = grid.blocks as usize * 2 * n;
+/// Reference partials of a `grid` launch, [block][dscale, dbias, dx (parts 3)][column], in f64
+/// with the f64 statistics and the kernel's stored `dx`, and the sums of |terms| (the scale of
+/// their rounding errors), each block over the rows `block_of_row` gives it.
+#[allow(clippy::too_many_arguments)]
+fn ref_partials(dy: &[f64], x: &[f64], mean: &[f64], rstd: &[f64], dx: &[f64], n: usize, parts: usize, grid: Grid) -> (Vec<f64>, Vec<f64>) {
+    let len = grid.blocks as usize * parts * n;
     let (mut part, mut abs) = (vec![0f64; len], vec![0f64; len]);
     for r in 0..dy.len() / n {
         let b = block_of_row(r, n, grid);
         for j in 0..n {
             let (d, h) = (dy[r * n + j], (x[r * n + j] - mean[r]) * rstd[r]);
-            part[b * 2 * n + j] += d * h;
-            part[(b * 2 + 1) * n + j] += d;
-            abs[b * 2 * n + j] += (d * h).abs();
-            abs[(b * 2 + 1) * n + j] += d.abs();
+            let mut terms = vec![d * h, d];
+            if parts > 2 {
+                terms.push(dx[r * n + j]);
+            }
+            for (p, v) in terms.into_iter().enumerate() {
+                part[(b * parts + p) * n + j] += v;
+                abs[(b * parts + p) * n + j] += v.abs();
+            }
         }
     }
     (part, abs)
@@ -311,7 +346,7 @@ fn gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast() {
         let (dx_in, dsc, dbi) = (dev_as(g, "f32", &x), dev_as(g, "f32", &scale), dev_as(g, "f32", &bias));
         let (y, mean, rstd) = (zeros_as(g, "f32", len), zeros_as(g, "f32", ROWS), zeros_as(g, "f32", ROWS));
         run(g, "layer_norm_f32", row_grid, &ln_args(dx_in.ptr(), dsc.ptr(), dbi.ptr(), y.ptr(), mean.ptr(), rstd.ptr(), ROWS, n));
-        let pgrid = partial_grid(n, "f32", PARTIAL_BLOCKS[0], pthreads);
+        let pgrid = partial_grid(n, 3, "f32", PARTIAL_BLOCKS[0], pthreads);
         let chunks = pgrid.blocks as usize;
         for h in HALVES {
             let case = format!("{ROWS} rows of {n}, {threads} threads, {h}");
@@ -328,8 +363,13 @@ fn gpu_mixed_layer_norm_kernels_are_the_f32_kernels_around_a_cast() {
             let kg = format!("layer_norm_grad_f32_dy_{h}");
             let mut outs = Vec::new();
             for (k, dy) in [(kg.as_str(), &dy_h), ("layer_norm_grad_f32", &dy_f)] {
-                let (dx, partial) = (zeros_as(g, "f32", len), dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]));
-                run(g, k, pgrid, &grad_args(dy.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), partial.ptr(), ROWS, n));
+                let (dx, partial) = (zeros_as(g, "f32", len), dev_as(g, "f32", &vec![f64::NAN; chunks * 3 * n]));
+                run(
+                    g,
+                    k,
+                    pgrid,
+                    &grad_args(dy.ptr(), dx_in.ptr(), dsc.ptr(), mean.ptr(), rstd.ptr(), dx.ptr(), (partial.ptr(), 3), ROWS, n),
+                );
                 outs.push((host_as(&dx, "f32"), host_as(&partial, "f32")));
             }
             let ((dx_h, part_h), (dx_f, part_f)) = (&outs[0], &outs[1]);
@@ -373,7 +413,7 @@ fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
     let mut rng = Rng::new(43);
     for &(n, threads, pthreads) in CASES {
         let (len, row_grid) = (ROWS * n, Grid::new(ROW_BLOCKS, threads));
-        let pgrid = partial_grid(n, "f32", PARTIAL_BLOCKS[1], pthreads);
+        let pgrid = partial_grid(n, 3, "f32", PARTIAL_BLOCKS[1], pthreads);
         let chunks = pgrid.blocks as usize;
         let x = dev_as(g, "f32", &rand_as(&mut rng, "f32", len, -1.3, 2.7));
         let scale = dev_as(g, "f32", &rand_as(&mut rng, "f32", n, 0.5, 1.5));
@@ -383,9 +423,9 @@ fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
         let dres = dev_as(g, "f32", &dres_v);
         for d in ["f32", "bf16", "f16"] {
             let dy = dev_as(g, d, &rand_as(&mut rng, d, len, -1.0, 1.0));
-            let (plain, partial) = (zeros_as(g, "f32", len), zeros_as(g, "f32", chunks * 2 * n));
+            let (plain, partial) = (zeros_as(g, "f32", len), zeros_as(g, "f32", chunks * 3 * n));
             let k = if d == "f32" { "layer_norm_grad_f32".to_string() } else { format!("layer_norm_grad_f32_dy_{d}") };
-            run(g, &k, pgrid, &grad_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), plain.ptr(), partial.ptr(), ROWS, n));
+            run(g, &k, pgrid, &grad_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), plain.ptr(), (partial.ptr(), 3), ROWS, n));
             let (plain, partial) = (host_as(&plain, "f32"), host_as(&partial, "f32"));
             let summed: Vec<f64> = plain.iter().zip(&dres_v).map(|(&a, &b)| (a as f32 + b as f32) as f64).collect();
             for h in HALVES {
@@ -394,13 +434,26 @@ fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
                 // the row kernels' launch without partials, then the partial-summing one
                 for (with_dres, with_copy, sums) in [(true, true, false), (true, false, true), (false, true, true)] {
                     let (dx, dxh) = (dev_as(g, "f32", &vec![f64::NAN; len]), dev_as(g, h, &vec![f64::NAN; len]));
-                    let part = dev_as(g, "f32", &vec![f64::NAN; chunks * 2 * n]);
+                    let part = dev_as(g, "f32", &vec![f64::NAN; chunks * 3 * n]);
                     let (r, c) = (if with_dres { dres.ptr() } else { 0 }, if with_copy { dxh.ptr() } else { 0 });
-                    let (grid, p) = if sums { (pgrid, part.ptr()) } else { (row_grid, 0) };
+                    let (grid, p) = if sums { (pgrid, (part.ptr(), 3)) } else { (row_grid, NO_PARTIALS) };
                     run(g, &acc, grid, &acc_args(dy.ptr(), x.ptr(), scale.ptr(), mean.ptr(), rstd.ptr(), r, dx.ptr(), c, p, ROWS, n));
                     let got_part = host_as(&part, "f32");
                     if sums {
-                        assert_eq!(got_part, partial, "{acc} partials vs {k}'s (dres {with_dres}), {case}");
+                        // dscale's and dbias's rows as the plain kernel's, dx's the sums of this dx
+                        let rows_of =
+                            |v: &[f64], p: usize| -> Vec<f64> { (0..chunks).flat_map(|b| v[(b * 3 + p) * n..][..n].to_vec()).collect() };
+                        for p in 0..2 {
+                            assert_eq!(
+                                rows_of(&got_part, p),
+                                rows_of(&partial, p),
+                                "{acc} partial row {p} vs {k}'s (dres {with_dres}), {case}"
+                            );
+                        }
+                        let want = if with_dres { &summed } else { &plain };
+                        let (wpart, wabs) = ref_partials(want, want, &[0.0; ROWS], &[0.0; ROWS], want, n, 3, pgrid);
+                        let what = format!("{acc} dx's column-sum partials (dres {with_dres}), {case}");
+                        assert_close(&what, &rows_of(&got_part, 2), &rows_of(&wpart, 2), rtol("f32"), rtol("f32") * max_abs(&wabs));
                     } else {
                         assert!(got_part.iter().all(|v| v.is_nan()), "{acc} wrote partials it was not given, {case}");
                     }
@@ -421,9 +474,10 @@ fn gpu_accumulating_layer_norm_grad_is_the_dx_kernel_then_add_and_cast() {
 
 /// The LayerNormGrads of a pre-norm residual stack sum the residual stream's gradient
 /// themselves (input 5) and, in bf16 sessions, write the 16-bit copy the matmul before them
-/// reads (output 3): no Add or cast step reads their dx. fp32: the two blocks' sums; bf16: those
-/// and two copies (the first block's sum flows on in f32, to the position term), the step within bf16's precision of the fp32 one (on a GPU, the GPU's of
-/// the CPU's). The fp32 step's parity is gpu_train_step_matches_the_cpu_executor's and
+/// reads (output 3): no Add or cast step reads their dx. fp32: the two blocks' sums; bf16: those,
+/// two copies (the first block's sum flows on in f32, to the position term) and the first
+/// block's bias gradient, the step within bf16's precision of the fp32 one (on a GPU, the GPU's
+/// of the CPU's). The fp32 step's parity is gpu_train_step_matches_the_cpu_executor's and
 /// recomputed_activations_give_the_same_train_step's (the model is one of exec_models::models).
 #[test]
 fn residual_gradients_sum_in_the_layer_norm_gradient() {
@@ -439,7 +493,14 @@ fn residual_gradients_sum_in_the_layer_norm_gradient() {
         assert_eq!(grads.len(), 3, "{precision:?}: LayerNormGrad steps");
         let summing = grads.iter().filter(|n| n.input(5).is_some()).count();
         assert_eq!(summing, 2, "{precision:?}: LayerNormGrads summing the residual gradient");
-        let with_copy: Vec<_> = grads.iter().filter(|n| n.outputs.len() == 4).collect();
+        // bf16: the first block's projection adds the residual itself (fuse_residual_linear), its
+        // bias gradient the column sums of the second LayerNorm's dx, summed by that
+        // LayerNormGrad (passes/layer_norm_grad_col_sum.rs); fp32: the Gemm's own rule
+        let col_sums = grads.iter().filter(|n| n.attrs.int("dx_col_sum", 0).ok() == Some(1)).count();
+        let sum_rows = steps.iter().filter(|n| n.op_type == "SumRows").count();
+        let want = if precision == MatmulPrecision::Bf16 { 1 } else { 0 };
+        assert_eq!((col_sums, sum_rows), (want, 0), "{precision:?}: dx column sums, SumRows");
+        let with_copy: Vec<_> = grads.iter().filter(|n| n.attrs.int("dx_half_type", 0).ok().is_some_and(|t| t != 0)).collect();
         assert_eq!(with_copy.len(), copies, "{precision:?}: LayerNormGrads writing a 16-bit dx");
         for n in &with_copy {
             assert_eq!(plan.dtype(n.outputs[3]), Some(DType::BF16), "{precision:?}: {}'s copy", n.name);
