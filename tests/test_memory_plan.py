@@ -25,6 +25,13 @@ def test_planned_peak_is_what_the_executor_allocates():
     text = ortrain.explain(model)
     mib = float(re.search(r"peak arena ([0-9.]+) MiB", text).group(1))
     assert abs(mib - planned / 2**20) < 0.06
+    # each step's inputs by name (tools follow values from producer to readers): one name per
+    # input, and a value a step computes is read only after it
+    names, inputs = info["step_input_names"], info["step_inputs"]
+    assert [len(n) for n in names] == [len(ins) for ins, _ in inputs]
+    made_at = {out[0]: i for i, (_, _, outs) in enumerate(info["steps"]) for out in outs}
+    for i, step_names in enumerate(names):
+        assert all(made_at.get(n, -1) < i for n in step_names if n), (info["steps"][i], step_names)
 
 
 def test_arena_is_reused_between_steps():
