@@ -198,6 +198,11 @@ pub fn layer_norm_grad_extras_of(node: &Node) -> Result<(Option<usize>, Option<u
     norm::layer_norm_grad_extras(node)
 }
 
+/// How many outputs those extras make (shared with backends).
+pub fn layer_norm_grad_output_count_of(extras: (Option<usize>, Option<usize>)) -> usize {
+    norm::layer_norm_grad_output_count(extras)
+}
+
 /// Conv's (group, window) for input and weight shapes (shared with backends).
 pub fn conv_geometry_of(node: &Node, x: &[usize], w: &[usize]) -> Result<(usize, window::Window)> {
     conv::conv_geometry(node, x, w)

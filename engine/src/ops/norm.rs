@@ -48,6 +48,11 @@ pub fn layer_norm_grad_extras(node: &Node) -> Result<(Option<usize>, Option<usiz
     Ok((half.then_some(3), col_sum.then_some(3 + half as usize)))
 }
 
+/// How many outputs a LayerNormGrad with these `layer_norm_grad_extras` has.
+pub fn layer_norm_grad_output_count(extras: (Option<usize>, Option<usize>)) -> usize {
+    extras.1.or(extras.0).map_or(3, |last| last + 1)
+}
+
 /// The element type of a LayerNormalization's Y: `y_type` if given, else X's.
 fn y_type(node: &Node, x: DType) -> Result<DType> {
     Ok(half_type(node, "y_type", x)?.unwrap_or(x))
@@ -111,7 +116,7 @@ impl OpDef for LayerNormGrad {
         }
         let mut outs = vec![TypeOut::like(x), TypeOut::like(s), TypeOut::like(s)];
         let (half, col_sum) = layer_norm_grad_extras(node)?;
-        let want = 3 + half.is_some() as usize + col_sum.is_some() as usize;
+        let want = layer_norm_grad_output_count((half, col_sum));
         // (a probe node without outputs asks for the types alone)
         if !node.outputs.is_empty() && node.outputs.len() != want {
             return Err(node.err(format!(

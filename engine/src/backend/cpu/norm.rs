@@ -88,7 +88,7 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
     let dres = inputs.get(5).and_then(|v| v.as_ref());
     let (_, n) = layer_norm_layout_of(node, x.shape)?;
     let (half, col_sum) = crate::ops::layer_norm_grad_extras_of(node)?;
-    let want = 3 + half.is_some() as usize + col_sum.is_some() as usize;
+    let want = crate::ops::layer_norm_grad_output_count_of((half, col_sum));
     if out.len() < want {
         return Err(node.err(format!("{} outputs given, {want} asked for by its attributes", out.len())));
     }
@@ -154,14 +154,10 @@ fn layer_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut 
         if let Some(k) = extras.0 {
             rest[k - 1].slice::<T>()?.copy_from_slice(dxv);
         }
-        // dx_col_sum: SumRows of dx viewed as [rows, n], summed as its kernel sums (row by row in
-        // f64, rounded once)
+        // dx_col_sum: the SumRows kernel's column sums of dx viewed as [rows, n]
         if let Some(k) = extras.1 {
-            let mut acc = vec![0f64; n];
-            for row in dxv.chunks_exact(n) {
-                acc.iter_mut().zip(row).for_each(|(a, &v)| *a += v.as_());
-            }
-            rest[k - 1].slice::<T>()?.iter_mut().zip(&acc).for_each(|(o, &a)| *o = T::from_f64(a));
+            let rows = [dxv.len() / n, n];
+            super::linear::column_sums::<T>(&dx.reshaped(&rows).as_input(), &mut rest[k - 1])?;
         }
         Ok(())
     }

@@ -106,13 +106,33 @@ pub fn check_against(kernel: &str, sig: &[Arg], args: &[KArg]) -> Result<()> {
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn launch(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
     check_args(kernel, args)?;
-    launch_unchecked_args(func, kernel, stream, grid, args)
+    let static_shared = if grid.shared > 0 { static_shared(func, kernel)? } else { 0 };
+    launch_unchecked_args(func, kernel, static_shared, stream, grid, args)
 }
 
-/// As [`launch`], for arguments the caller has checked against the kernel's signature.
+/// The static shared memory of `func` (the kernel `kernel`), with the 1 KiB sm_80+ reserves:
+/// beside a launch's dynamic shared memory it counts toward the 48 KiB a block has unasked.
+pub(crate) fn static_shared(func: &CudaFunction, kernel: &str) -> Result<u32> {
+    // SAFETY: the function handle is live (owned by `func`'s module); the query writes one int.
+    let bytes = unsafe {
+        result::function::get_function_attribute(func.cu_function(), sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+    }
+    .map_err(|e| Error::Cuda(format!("{kernel}: its static shared memory: {e}")))?;
+    Ok(bytes.max(0) as u32)
+}
+
+/// As [`launch`], for arguments the caller has checked against the kernel's signature and the
+/// kernel's `static_shared` memory (0 serves launches without dynamic shared memory).
 // the stream is an opaque handle passed to the driver, never dereferenced here
 #[allow(clippy::not_unsafe_ptr_arg_deref)]
-pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: sys::CUstream, grid: Grid, args: &[KArg]) -> Result<()> {
+pub(crate) fn launch_unchecked_args(
+    func: &CudaFunction,
+    kernel: &str,
+    static_shared: u32,
+    stream: sys::CUstream,
+    grid: Grid,
+    args: &[KArg],
+) -> Result<()> {
     // gridDim.x is at most 2^31 - 1 blocks, a block at most 1024 threads
     if grid.blocks == 0 || grid.blocks > i32::MAX as u32 || grid.threads == 0 || grid.threads > 1024 {
         return Err(Error::Cuda(format!("{kernel}: bad launch geometry {grid:?}")));
@@ -132,19 +152,9 @@ pub(crate) fn launch_unchecked_args(func: &CudaFunction, kernel: &str, stream: s
         *p = v.as_param();
     }
     let params = &mut params[..args.len()];
-    // more than 48 KiB of shared memory in a block, static (with the 1 KiB sm_80+ reserves) and
-    // dynamic together, must be asked for per function (Hopper: 227 KiB)
-    let static_shared = if grid.shared > 0 {
-        // SAFETY: the function handle is live (owned by `func`'s module); the query writes one int.
-        unsafe {
-            result::function::get_function_attribute(func.cu_function(), sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-        }
-        .map_err(|e| Error::Cuda(format!("{kernel}: its static shared memory: {e}")))?
-        .max(0) as u32
-    } else {
-        0
-    };
-    if grid.shared + static_shared > 48 * 1024 {
+    // more than 48 KiB of shared memory in a block, static and dynamic together, must be asked
+    // for per function (Hopper: 227 KiB)
+    if grid.shared > 0 && grid.shared + static_shared > 48 * 1024 {
         // SAFETY: the function handle is live (owned by `func`'s module); the attribute only
         // raises the function's dynamic shared memory limit.
         unsafe {

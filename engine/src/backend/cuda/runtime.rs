@@ -18,11 +18,14 @@ use super::loader::{self, Loaded};
 use super::{cache, half_gemm, nvrtc};
 use crate::error::{Error, Result};
 
+/// A resolved kernel: its function, registered signature and static shared memory.
+type Resolved = (CudaFunction, &'static [Arg], u32);
+
 pub struct CudaRuntime {
     pub loaded: Loaded,
     pub blas: Blas,
-    /// Resolved kernels with their registered signatures, by name.
-    functions: Mutex<HashMap<String, (CudaFunction, &'static [Arg])>>,
+    /// Resolved kernels by name.
+    functions: Mutex<HashMap<String, Resolved>>,
     /// Multiprocessors: the grid-size cap of grid-stride kernels is a few blocks per SM.
     pub sms: u32,
     /// Scratch memory for kernels' temporaries (row statistics, per-sample losses), grown on
@@ -110,20 +113,22 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
 impl CudaRuntime {
     /// Launches `kernel` on `stream` (arguments checked against the registry).
     pub fn launch(&self, stream: CUstream, kernel: &str, grid: Grid, args: &[KArg]) -> Result<()> {
-        let (f, sig) = {
+        let (f, sig, static_shared) = {
             let mut fns = self.functions.lock().unwrap_or_else(|p| p.into_inner());
             match fns.get(kernel) {
                 Some(f) => f.clone(),
                 None => {
                     let sig = super::registry::signature(kernel).ok_or_else(|| Error::Cuda(format!("no CUDA kernel named {kernel}")))?;
-                    let f = (self.loaded.function(kernel)?, sig);
+                    let func = self.loaded.function(kernel)?;
+                    let shared = launch::static_shared(&func, kernel)?;
+                    let f = (func, sig, shared);
                     fns.insert(kernel.to_string(), f.clone());
                     f
                 }
             }
         };
         launch::check_against(kernel, sig, args)?;
-        launch::launch_unchecked_args(&f, kernel, stream, grid, args)
+        launch::launch_unchecked_args(&f, kernel, static_shared, stream, grid, args)
     }
     /// Records which kernels `node` (an Attention) launched: ops/attention.rs `Path`.
     pub fn note_attention(&self, node: &crate::ir::Node, path: &'static str) {

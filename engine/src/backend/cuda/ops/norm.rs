@@ -204,9 +204,9 @@ mod tests {
 
     /// GPT-2's LayerNormGrad on an H200 (132 SMs): 16 x 1024 rows of 768 take 396 blocks of 4
     /// warps (3 an SM), 24 KiB of shared memory each (4 warps x 2 x 768 f32 sums, 36 KiB with
-    /// dx's column sums); short inputs
-    /// take a block per 4 rows; f64 sums take twice the memory; rows over 1024 a block per row,
-    /// 2 an SM, no shared memory. The reduction: 24 blocks of 32 columns x 32 chunk lanes.
+    /// dx's column sums); short inputs take a block per 4 rows; f64 sums take twice the memory;
+    /// rows over 1024 a block per row, 2 an SM, no shared memory. The reduction: 24 blocks of 32
+    /// columns x 32 chunk lanes.
     #[test]
     fn the_partial_summing_launch_fills_the_gpu_with_few_blocks() {
         let g = partial_grid(16 * 1024, 768, 2, 4, 132);
