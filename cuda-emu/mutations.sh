@@ -55,6 +55,19 @@ mutate "block_reduce without the barrier between writing and reading its scratch
     "    if (lane == 0) scratch[warp] = v;" \
     backend::cuda::tests::softmax
 
+mutate "the radix sort's digit slots moved on before every thread has read them" kernels/sort.cu \
+    "            __syncthreads();
+            if (live && last) next[d] += rank + 1;" \
+    "            if (live && last) next[d] += rank + 1;" \
+    backend::cuda::tests::sort
+
+mutate "the radix sort unstable: equal digits of a round in reverse order" kernels/sort.cu \
+    "                if (u < t) rank += same;
+                else if (u > t && same) last = false;" \
+    "                if (u > t) rank += same;
+                else if (u < t && same) last = false;" \
+    backend::cuda::tests::gather::gpu_gather_grad "GatherGrad f32 case"
+
 mutate "LayerNorm's warp slices of the parameter-gradient sums added before every warp has written" kernels/layernorm.cu \
     "        __syncthreads();  // every warp's slice summed" \
     "" \

@@ -9,10 +9,16 @@
 //   gather_W(const W* x, const i64* idx, W* y, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err)
 //       x viewed as [outer, dim, inner], y as [outer, n_idx, inner], n = outer * n_idx * inner;
 //       by element width W: u8 u16 u32 u64
-//   gather_grad_T(const T* dy, const i64* idx, T* dx, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err)
-//       dx (zeroed by the caller) += dy scattered back; float atomics, so the summation order
-//       of repeated indices varies run to run. T: f32 f64 (bf16/f16 gradients are accumulated
-//       in an f32 buffer and cast)
+//   GatherGrad without atomics (engine/src/backend/cuda/ops/gather.rs), so that a step gives
+//   the same bits every run, and the CPU's (rows summed in position order from 0):
+//   gather_grad_keys_i64(const i64* idx, u32* keys, u32* pos, i64 n_idx, i64 dim, i32* err)
+//       keys[j] = idx[j] normalised into [0, dim) (dim where out of range: sorted last and
+//       summed nowhere), pos[j] = j; then sorted by key, stably (kernels/sort.cu)
+//   gather_grad_rows_T(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner)
+//       a warp a (outer slice, sorted slot, 32 columns): where the slot starts a run of equal
+//       keys below dim, each lane sums its column of dy's rows at the run's positions, in
+//       position order, in the accumulation type from 0, and writes it to dx's row `key`
+//       (dx zeroed by the caller: rows no index names). T: f32 f64 bf16 f16
 //   gather_elements_W(const W* x, const i64* idx, W* y, Strides s, i64 n, i32 axis, i64 dim, i32* err)
 //       s.dims is the index tensor's shape (and y's), s.stride[0] the strides of x, s.base[0] 0:
 //       y[p] = x[coords of p, with idx[p] on `axis`]
@@ -93,13 +99,55 @@ __device__ __forceinline__ i64 nd_src(i64 e, const i64* idx, const Strides& s, i
     }
 ORT_WIDTHS(GATHER, _)
 
+extern "C" __global__ void gather_grad_keys_i64(const i64* idx, u32* keys, u32* pos, i64 n_idx, i64 dim, i32* err) {
+    ORT_GRID_LOOP(j, n_idx) {
+        const i64 id = checked_index(idx[j], dim, err);
+        keys[j] = (u32)(id < 0 ? dim : id);
+        pos[j] = (u32)j;
+    }
+}
+
+// The first slot past `s` whose key is not `key` (keys sorted).
+__device__ __forceinline__ i64 run_end(const u32* keys, i64 s, i64 n, u32 key) {
+    i64 lo = s + 1, hi = n;
+    while (lo < hi) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if (keys[mid] == key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+template <typename T>
+__device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner) {
+    typedef typename Num<T>::Acc A;
+    const i64 tiles = (inner + 31) / 32, items = outer * n_idx * tiles;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const int lane = threadIdx.x & 31;
+    for (i64 w = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += warps) {
+        const i64 tile = w % tiles, rest = w / tiles;
+        const i64 s = rest % n_idx, o = rest / n_idx;
+        const u32 key = keys[s];
+        const i64 k = tile * 32 + lane;
+        if ((i64)key >= dim || (s > 0 && keys[s - 1] == key) || k >= inner) continue;
+        const i64 end = run_end(keys, s, n_idx, key);
+        const T* src = dy + o * n_idx * inner + k;
+        A acc = 0;
+        // the bound is known before the loop: the loads of several rows are in flight at once
+#pragma unroll 4
+        for (i64 r = s; r < end; ++r) acc += Num<T>::load(src[(i64)pos[r] * inner]);
+        dx[(o * dim + key) * inner + k] = Num<T>::store(acc);
+    }
+}
+
+#define GATHER_GRAD_ROWS(op, T)                                                               \
+    extern "C" __global__ void gather_grad_rows_##T(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, \
+                                                    i64 inner) {                              \
+        gather_grad_rows<T>(dy, keys, pos, dx, outer, n_idx, dim, inner);                     \
+    }
+ORT_FLOATS(GATHER_GRAD_ROWS, _)
+
 #define GATHER_GRAD(op, T)                                                                    \
-    extern "C" __global__ void gather_grad_##T(const T* dy, const i64* idx, T* dx, i64 n, i64 dim, i64 n_idx, i64 inner, i32* err) { \
-        ORT_GRID_LOOP(e, n) {                                                                 \
-            const i64 dst = gather_src(e, idx, dim, n_idx, inner, err);                       \
-            if (dst >= 0) atomic_add(dx + dst, dy[e]);                                        \
-        }                                                                                     \
-    }                                                                                         \
     extern "C" __global__ void gather_elements_grad_##T(const T* dy, const i64* idx, T* dx, Strides s, i64 n, i32 axis, i64 dim, i32* err) { \
         ORT_GRID_LOOP(p, n) {                                                                 \
             const i64 dst = elements_src(s, p, idx, axis, dim, err);                          \

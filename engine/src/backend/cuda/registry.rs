@@ -30,6 +30,7 @@ pub mod types {
     pub const ATTENTION_MMA: &[&str] = &["f32", "f32f16", "bf16", "f16"];
     pub const F64: &[&str] = &["f64"];
     pub const U8: &[&str] = &["u8"];
+    pub const U32: &[&str] = &["u32"];
     pub const I64: &[&str] = &["i64"];
 }
 
@@ -226,13 +227,22 @@ pub static FAMILIES: &[Family] = &[
         [
             g(&["gather"], WIDTHS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
             g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
-            g(&["gather_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
+            g(&["gather_grad_keys"], I64, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
+            g(&["gather_grad_rows"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64]),
             g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
             g(&["gather_nd"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
             g(&["gather_nd_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
         ]
     ),
     family!("scan", [g(&["cumsum"], ARITH, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI32])]),
+    family!(
+        "sort",
+        [
+            g(&["radix_hist"], U32, &[Ptr, Ptr, AI64, AI32, AI64]),
+            g(&["radix_scan"], U32, &[Ptr, AI64]),
+            g(&["radix_scatter"], U32, &[Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI32, AI64]),
+        ]
+    ),
     family!("conv", [g(&["im2col", "col2im"], FLOATS, &[Ptr, Ptr, Win2d, AI64])]),
     family!(
         "pool",
@@ -379,14 +389,14 @@ mod tests {
         assert_eq!(family_of("exp_bf16").map(|f| f.name), Some("elementwise"));
         assert_eq!(family_of("layer_norm_grad_f32").map(|f| f.name), Some("layernorm"));
         assert_eq!(family_of("adam_bf16").map(|f| f.name), Some("optim"));
-        assert!(family_of("gather_grad_bf16").is_none());
+        assert_eq!(family_of("gather_grad_rows_bf16").map(|f| f.name), Some("gather"));
+        assert_eq!(family_of("radix_scatter_u32").map(|f| f.name), Some("sort"));
         assert_eq!(kernel_name("add", dtype_suffix(crate::tensor::DType::Bool)), "add_u8");
     }
 
     /// Kernels instantiated for f32 but not for both 16-bit types, each run on widened f32
     /// copies by its dispatcher (ops/widen.rs) when a 16-bit plan reaches it.
     const WIDENED: &[(&str, &str)] = &[
-        ("gather_grad", "ops/gather.rs gather_grad"),
         ("gather_elements_grad", "ops/gather.rs gather_elements_grad"),
         ("gather_nd_grad", "ops/gather_nd.rs gather_nd_grad"),
         ("max_pool_grad", "ops/pool.rs max_pool_grad"),

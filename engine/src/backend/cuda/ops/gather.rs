@@ -6,13 +6,17 @@
 //! Where the CPU kernel fails on an index out of range, a device kernel cannot: it writes 0
 //! (drops the gradient) and sets the i32 at `CudaCtx::error_flag` (null allowed: gather.cu
 //! checks it), which the executor reads after the step. Indices must be int64 (what PyTorch
-//! exports); int32 indices are an error naming the node. The gradients accumulate with float
-//! atomics: f32 and f64 only, and the order of sums over repeated indices varies run to run.
+//! exports); int32 indices are an error naming the node.
+//!
+//! GatherGrad (an embedding's gradient) sorts its indices (radix_sort.rs) and sums each row's
+//! repeats in position order, as the CPU does: the same bits every run, in every float type.
+//! GatherElementsGrad still adds with float atomics (f32 and f64; 16-bit widened), so the
+//! order of its sums over repeated indices varies run to run.
 
 use super::strides::contiguous;
-use super::{float_suffix, input, widen, CudaCtx, CudaTable, DView};
+use super::{float_suffix, input, radix_sort, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::{Strides, MAX_DIMS};
-use crate::backend::cuda::launch::KArg;
+use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::util::norm_axis;
@@ -71,38 +75,53 @@ fn gather(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &gather_args(x.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag))
 }
 
-/// The launch arguments shared by gather_W and gather_grad_T: `n` elements moved between `src`
-/// and `dst` along a dimension of `dim` with `inner` elements after it.
+/// gather_W's launch arguments: `n` elements moved from `src` to `dst` along a dimension of
+/// `dim` with `inner` elements after it.
 fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usize, flag: u64) -> [KArg; 8] {
     let i = |v: usize| KArg::I64(v as i64);
     [KArg::Ptr(src), KArg::Ptr(idx.ptr), KArg::Ptr(dst), i(n), i(dim), i(idx.numel()), i(inner), KArg::Ptr(flag)]
 }
 
-/// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x.
+/// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x. The
+/// indices are sorted with their positions (out-of-range ones as `dim`, past every row), then a
+/// warp sums each run of equal indices, 32 columns at a time, in position order.
 fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
-    if dy.dtype.is_half() {
-        // float atomics: the scatter kernels exist for f32 and f64 only
-        return widen::widened(node, ins, outs, ctx, gather_grad);
-    }
     int64_indices(node, idx)?;
     let o = &outs[0];
     let sfx = float_suffix(node, dy.dtype)?;
     let (outer, dim, inner) = gather_geometry(node, o.shape, node.attrs.int("axis", 0)?)?;
+    let n_idx = idx.numel();
     let n = dy.numel();
-    if n != outer * idx.numel() * inner {
+    if n != outer * n_idx * inner {
         return Err(node.err(format!("dy {:?} does not match indices {:?} into {:?}", dy.shape, idx.shape, o.shape)));
     }
+    // keys are u32 with `dim` itself marking an index out of range
+    let max_key = match u32::try_from(dim) {
+        Ok(d) if d < u32::MAX && u32::try_from(n_idx).is_ok() => d,
+        _ => return Err(node.err(format!("{n_idx} indices into an axis of {dim}: the CUDA kernel sorts both as u32, below {}", u32::MAX))),
+    };
     super::movement::zero(ctx, o)?;
     if n == 0 {
         return Ok(());
     }
+    let i = |v: usize| KArg::I64(v as i64);
+    let (keys, pos) = radix_sort::sort_pairs(ctx, n_idx, max_key, |keys, pos| {
+        let args = [KArg::Ptr(idx.ptr), KArg::Ptr(keys), KArg::Ptr(pos), i(n_idx), i(dim), KArg::Ptr(ctx.error_flag)];
+        ctx.rt.launch(ctx.stream, "gather_grad_keys_i64", ctx.rt.elementwise_grid(n_idx), &args)
+    })?;
     ctx.rt.launch(
         ctx.stream,
-        &format!("gather_grad_{sfx}"),
-        ctx.rt.elementwise_grid(n),
-        &gather_args(dy.ptr, idx, o.ptr, n, dim, inner, ctx.error_flag),
+        &format!("gather_grad_rows_{sfx}"),
+        rows_grid(outer * n_idx * inner.div_ceil(32), ctx.rt.sms),
+        &[KArg::Ptr(dy.ptr), KArg::Ptr(keys), KArg::Ptr(pos), KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner)],
     )
+}
+
+/// gather_grad_rows' grid: a warp an item (outer slice, sorted slot, 32 columns), 8 warps a
+/// block, at most 16 blocks an SM (the warps loop over the rest).
+fn rows_grid(items: usize, sms: u32) -> Grid {
+    Grid::new(items.div_ceil(8).clamp(1, (sms * 16) as usize) as u32, 256)
 }
 
 /// The launch arguments shared by gather_elements_W and gather_elements_grad_T.

@@ -32,6 +32,7 @@ mod matmul;
 pub(crate) mod movement;
 mod norm;
 mod pool;
+pub(crate) mod radix_sort;
 mod random;
 mod reduce;
 mod softmax;

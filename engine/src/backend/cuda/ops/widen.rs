@@ -1,5 +1,5 @@
 //! 16-bit tensors for kernels instantiated for f32 only (the SIMT attention kernels, the
-//! tensor-core ones for fp16 or head sizes they lack, and the scatter-add gradients of Gather,
+//! tensor-core ones for fp16 or head sizes they lack, and the scatter-add gradients of
 //! GatherElements, GatherND and MaxPool, whose float atomics exist for f32 and f64): the 16-bit operands are cast to f32
 //! copies in the runtime's scratch, the kernel runs on those, and its 16-bit outputs are
 //! rounded back from f32 copies, as the CPU's widen.rs does. Only for kernels that use no

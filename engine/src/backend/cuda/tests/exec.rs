@@ -313,8 +313,7 @@ pub(super) fn half_step_matches(
 
 /// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:
 /// - `qkv_select`, the tutorial's q/k/v split: its three GatherGrads get bf16 gradients, which
-///   the CUDA scatter kernels (float atomics: f32 and f64 only) take as widened f32 copies
-///   (ops/widen.rs) instead of failing to find `gather_grad_bf16`;
+///   `gather_grad_rows_bf16` sums in f32 (it once failed to find a `gather_grad_bf16`);
 /// - `conv_net`: bf16 Convs, whose weight and bias gradients sum by products with the runtime's
 ///   ones, which must be bf16 ones (they were f32 ones read as bf16 pairs: 0, 1, 0, 1, …).
 ///

@@ -4,18 +4,23 @@
 //! optional (a null flag). The CPU kernels fail on an out-of-range index, so the reference for
 //! those cases is the CPU result on the indices with the bad ones replaced by 0, with the
 //! affected outputs zeroed (forward) or their dy zeroed (gradients). Forward kernels only move
-//! bits (CPU reference on I64 tensors, exact); the gradients sum with float atomics in any order.
+//! bits (CPU reference on I64 tensors, exact); GatherGrad sums in the CPU's order (exact too),
+//! GatherElementsGrad with float atomics in any order.
 
 use super::support::*;
 use crate::backend::cpu::testutil::run as cpu;
 use crate::backend::cuda::abi::Strides;
+use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
+use crate::backend::cuda::loader::Loaded;
+use crate::backend::cuda::ops::{kernel, CudaCtx, DView};
 use crate::backend::cuda::registry::{self, types};
-use crate::ir::{Attr, Attrs};
+use crate::ir::{Attr, Attrs, Node};
+use crate::tensor::DType;
 
 // ---- argument lists: built here for the GPU tests and for the registry check below ----------
 
-/// gather_W(x, idx, y, n, dim, n_idx, inner, err) and gather_grad_T(dy, idx, dx, ...).
+/// gather_W(x, idx, y, n, dim, n_idx, inner, err).
 #[allow(clippy::too_many_arguments)]
 fn gather_args(x: u64, idx: u64, y: u64, n: i64, dim: i64, n_idx: i64, inner: i64, err: u64) -> Vec<KArg> {
     vec![KArg::Ptr(x), KArg::Ptr(idx), KArg::Ptr(y), KArg::I64(n), KArg::I64(dim), KArg::I64(n_idx), KArg::I64(inner), KArg::Ptr(err)]
@@ -36,7 +41,11 @@ fn gather_nd_args(x: u64, idx: u64, y: u64, s: Strides, n: i64, slice: i64, tupl
 fn args_of(op: &str) -> Vec<KArg> {
     match op {
         "gather_nd" | "gather_nd_grad" => gather_nd_args(1, 2, 3, Strides::default(), 4, 5, 6, 7, 8),
-        "gather" | "gather_grad" => gather_args(1, 2, 3, 4, 5, 6, 7, 8),
+        "gather" => gather_args(1, 2, 3, 4, 5, 6, 7, 8),
+        "gather_grad_keys" => vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::I64(4), KArg::I64(5), KArg::Ptr(6)],
+        "gather_grad_rows" => {
+            vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::Ptr(4), KArg::I64(5), KArg::I64(6), KArg::I64(7), KArg::I64(8)]
+        }
         "gather_elements" | "gather_elements_grad" => gather_elements_args(1, 2, 3, Strides::default(), 4, 0, 5, 6),
         _ => panic!("gather: no test launches {op}"),
     }
@@ -171,41 +180,76 @@ fn gpu_gather_matches_cpu_and_flags_bad_indices() {
     }
 }
 
+/// GatherGrad through its dispatcher (ops/gather.rs: the indices radix-sorted, each row's
+/// repeats summed in position order) on `dy` (values of type `t`) and indices `idx` shaped
+/// `is` into x shaped `xs` on `axis`: (dx's bytes, the error flag).
+fn gather_grad_on_gpu(g: &'static Loaded, t: &str, (xs, axis, is): (&[usize], usize, &[usize]), dy: &[f64], idx: &[i64]) -> (Vec<u8>, i32) {
+    let dy_shape: &[usize] = &xs[..axis].iter().chain(is).chain(&xs[axis + 1..]).copied().collect::<Vec<_>>();
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let (ddy, di, ddx, err) =
+        (dev(g, &encode(t, dy)), dev(g, &narrow("u64", idx)), zeros::<u8>(g, numel(xs) * size_of(t)), zeros::<i32>(g, 1));
+    let dtype = match t {
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        _ => cpu_dtype(t),
+    };
+    let ins = [
+        Some(DView { dtype, shape: dy_shape, ptr: ddy.ptr(), host: None }),
+        Some(DView { dtype: DType::I64, shape: is, ptr: di.ptr(), host: None }),
+    ];
+    let outs = [DView { dtype, shape: xs, ptr: ddx.ptr(), host: None }];
+    let node = Node {
+        name: "embedding/grad".into(),
+        op_type: "GatherGrad".into(),
+        inputs: vec![],
+        outputs: vec![],
+        attrs: Attrs::default().with("axis", Attr::Int(axis as i64)),
+    };
+    let mut ctx =
+        CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: err.ptr(), error_base: 0 };
+    kernel("GatherGrad").expect("GatherGrad")(&node, &ins, &outs, &mut ctx).unwrap_or_else(|e| panic!("GatherGrad: {e}"));
+    g.synchronize().expect("sync");
+    (host::<u8>(&ddx), host::<i32>(&err)[0])
+}
+
+/// GatherGrad on the GPU gives the CPU's bits in every float type (the same rows summed in the
+/// same order from 0, so the same step every run): the Gather cases above, indices negative and
+/// out of range (dropped, flag set), and an embedding of 70000 rows (three sort passes) with
+/// 3000 indices (three tiles), one of them repeated 1500 times, into rows of 40 (two column
+/// groups, the second partial).
 #[test]
-fn gpu_gather_grad_matches_cpu_and_flags_bad_indices() {
-    let g = Target::of("gpu_gather_grad_matches_cpu_and_flags_bad_indices");
+fn gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices() {
+    let Some(g) = gpu("gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices") else { return };
     let mut rng = Rng::new(22);
-    for &t in types::FLOATS_F32_F64 {
-        let k = registry::kernel_name("gather_grad", t);
-        for (case, &(xs, axis, is)) in GATHERS.iter().enumerate() {
+    let embedding: (&[usize], usize, &[usize]) = (&[70000, 40], 0, &[30, 100]);
+    for &t in types::FLOATS {
+        for (case, &(xs, axis, is)) in GATHERS.iter().chain([&embedding]).enumerate() {
             let (outer, dim, inner) = geometry(xs, axis);
             let n_idx = numel(is);
-            let n = outer * n_idx * inner;
             let dy_shape: Vec<usize> = xs[..axis].iter().chain(is).chain(&xs[axis + 1..]).copied().collect();
-            let dyv: Vec<f64> = rng.f32s(n, -1.0, 1.0).into_iter().map(f64::from).collect();
-            let attrs = Attrs::default().with("axis", Attr::Int(axis as i64));
-            let (good, bad_idx, bad) = indices(&mut rng, n_idx.max(3), dim);
+            let dy = rand_as(&mut rng, t, outer * n_idx * inner, -1.0, 1.0);
+            let (mut good, bad_idx, bad) = indices(&mut rng, n_idx.max(3), dim);
+            if n_idx > 1000 {
+                // a padding-like token: a run of 1500 equal keys, spread over the tiles
+                for j in (0..n_idx).step_by(2) {
+                    good[j] = 7;
+                }
+            }
             let (good, bad_idx, bad) = (&good[..n_idx], &bad_idx[..n_idx], &bad[..n_idx]);
             for (idx, flagged) in [(good, false), (bad_idx, true)] {
-                let what = format!("{k} case {case}: x {xs:?} axis {axis} indices {idx:?}");
-                // the device gets all of dy; the reference drops the rows of bad indices
-                let dyb = encode(t, &dyv);
+                let what = format!("GatherGrad {t} case {case}: x {xs:?} axis {axis} indices {is:?}, out of range: {flagged}");
+                // the reference drops the rows of bad indices
                 let ref_dy: Vec<f64> =
-                    dyv.iter().enumerate().map(|(e, &v)| if flagged && bad[(e / inner) % n_idx] { 0.0 } else { v }).collect();
-                let (ddy, di, ddx, err) = (g.up(&dyb), g.up(&narrow("u64", idx)), g.zeros(numel(xs) * size_of(t)), g.zeros(4));
-                g.run(
-                    &k,
-                    Grid::elementwise(n as i64, 2),
-                    &gather_args(ddy.ptr(), di.ptr(), ddx.ptr(), n as i64, dim as i64, n_idx as i64, inner as i64, err.ptr()),
-                );
+                    dy.iter().enumerate().map(|(e, &v)| if flagged && bad[(e / inner) % n_idx] { 0.0 } else { v }).collect();
                 let cpu_idx = if flagged { sanitized(idx, bad) } else { idx.to_vec() };
                 let want = cpu(
                     "GatherGrad",
-                    attrs.clone(),
+                    Attrs::default().with("axis", Attr::Int(axis as i64)),
                     &[&cpu_tensor(t, &dy_shape, &encode(t, &ref_dy)), &i64_tensor(is, cpu_idx), &shape_tensor(xs)],
                 );
-                g.close(&what, t, &ddx, &cpu_bytes(t, &want[0]), if t == "f32" { 1e-6 } else { 1e-14 });
-                check_flag(g, &what, &err, flagged as i32);
+                let (got, flag) = gather_grad_on_gpu(g, t, (xs, axis, is), &dy, idx);
+                assert_same(&what, t, &got, &cpu_bytes(t, &want[0]));
+                assert_eq!(flag, flagged as i32, "{what}: the error flag");
             }
         }
     }

@@ -57,7 +57,8 @@ fn step(
 }
 
 /// Op types whose CUDA kernels add with float atomics (their summation order varies per run).
-const ATOMIC_OPS: [&str; 4] = ["GatherGrad", "GatherElementsGrad", "GatherNDGrad", "MaxPoolGrad"];
+/// Not GatherGrad (sorted, ops/gather.rs): the embedding models' steps must repeat bit for bit.
+const ATOMIC_OPS: [&str; 3] = ["GatherElementsGrad", "GatherNDGrad", "MaxPoolGrad"];
 
 fn sums_with_atomics(g: &Graph) -> bool {
     g.nodes.iter().any(|n| ATOMIC_OPS.contains(&n.op_type.as_str()))

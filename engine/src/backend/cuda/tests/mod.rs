@@ -35,5 +35,6 @@ mod reduce;
 mod residual;
 mod smoke;
 mod softmax;
+mod sort;
 mod spatial;
 mod support;
