@@ -137,10 +137,15 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
         elif op == "GatherGrad":
             # backend/cuda/ops/gather.rs: dx zeroed, the indices as u32 keys with their positions,
             # a radix sort of 8 bits a pass (a count, a scan, a scatter of keys and positions;
-            # axis 0 assumed, as an embedding's), then dy's rows summed into dx's rows in order
+            # axis 0 assumed, as an embedding's), then dy's rows summed into dx's rows in order;
+            # up to 32 indices no sort
             n_idx = math.prod(ins[1][1])
             dim = outs[0][2][0] if outs[0][2] else 1
             rows.append((op + " zero", name, out_b[0], 0, None))
+            if n_idx <= 32:
+                # gather_grad_small: no sort for a few indices (a select's one)
+                rows.append((op + " rows", name, in_b[0] + min(out_b[0], in_b[0]), 0, None))
+                continue
             rows.append((op + " keys", name, 16 * n_idx, 0, None))
             for _ in range(max(1, math.ceil(dim.bit_length() / 8))):
                 rows.append((op + " sort count", name, 4 * n_idx, 0, None))

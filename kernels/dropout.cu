@@ -14,6 +14,10 @@
 //       (the host computes the same key for dropout_T from the step's seed and salt =
 //       splitmix64(node id), so both draw the same masks). A CUDA graph bakes kernel arguments;
 //       this variant lets a replayed step draw fresh masks from a seed written before the replay.
+//   dropout_add_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
+//   dropout_add_slot_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//       DropoutAdd (passes/fuse_dropout_add.rs): y = dropout(x) + res, the dropped value
+//       rounded to T before the add, as the Dropout and Add it replaces; ratio 0 for inference
 //   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
 //       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
 // T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy).
@@ -38,7 +42,9 @@ __device__ __forceinline__ U4 philox4x32_10(U4 c, u32 k0, u32 k1) {
 // Uniform in [0, 1) from the top 24 bits (exact in f32).
 __device__ __forceinline__ f32 uniform24(u32 r) { return (f32)(r >> 8) * (1.0f / 16777216.0f); }
 
-template <typename T> __device__ __forceinline__ void dropout_fwd(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
+// res: null, or a tensor like x added to the output (DropoutAdd).
+template <typename T>
+__device__ __forceinline__ void dropout_fwd(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
     typedef typename Num<T>::Acc A;
     const A scale = (A)1 / ((A)1 - (A)ratio);
     const i64 groups = (n + 3) / 4;
@@ -51,7 +57,8 @@ template <typename T> __device__ __forceinline__ void dropout_fwd(const T* x, T*
             const i64 i = g * 4 + k;
             if (i < n) {
                 const bool keep = uniform24(rs[k]) >= ratio;
-                y[i] = keep ? Num<T>::store(Num<T>::load(x[i]) * scale) : Num<T>::store((A)0);
+                const T dropped = keep ? Num<T>::store(Num<T>::load(x[i]) * scale) : Num<T>::store((A)0);
+                y[i] = res ? Num<T>::store(Num<T>::load(dropped) + Num<T>::load(res[i])) : dropped;
                 if (mask) mask[i] = keep ? 1 : 0;
             }
         }
@@ -68,10 +75,17 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 
 #define DROPOUT(op, T)                                                                        \
     extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
-        dropout_fwd<T>(x, y, mask, n, ratio, seed, offset);                                   \
+        dropout_fwd<T>(x, nullptr, y, mask, n, ratio, seed, offset);                          \
     }                                                                                         \
     extern "C" __global__ void dropout_slot_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt) { \
-        dropout_fwd<T>(x, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);                    \
+        dropout_fwd<T>(x, nullptr, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);           \
+    }                                                                                         \
+    extern "C" __global__ void dropout_add_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
+        dropout_fwd<T>(x, res, y, mask, n, ratio, seed, offset);                              \
+    }                                                                                         \
+    extern "C" __global__ void dropout_add_slot_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, \
+                                                    u64 salt) {                               \
+        dropout_fwd<T>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);               \
     }                                                                                         \
     extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
         typedef Num<T>::Acc A;                                                                \

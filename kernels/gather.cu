@@ -19,6 +19,9 @@
 //       keys below dim, each lane sums its column of dy's rows at the run's positions, in
 //       position order, in the accumulation type from 0, and writes it to dx's row `key`
 //       (dx zeroed by the caller: rows no index names). T: f32 f64 bf16 f16
+//   gather_grad_small_T(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, i32* err)
+//       the same sums without the sort, for a few indices (a select's one): a warp a (outer
+//       slice, position, 32 columns) scans the indices before and after its position
 //   gather_elements_W(const W* x, const i64* idx, W* y, Strides s, i64 n, i32 axis, i64 dim, i32* err)
 //       s.dims is the index tensor's shape (and y's), s.stride[0] the strides of x, s.base[0] 0:
 //       y[p] = x[coords of p, with idx[p] on `axis`]
@@ -140,10 +143,40 @@ __device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, c
     }
 }
 
+// A few indices (at most GATHER_GRAD_SMALL, ops/gather.rs): no sort. A warp a (outer slice,
+// position j, 32 columns): where j is the first position of its index, the lanes sum dy's rows
+// at j and every later position of that index, in position order.
+template <typename T>
+__device__ __forceinline__ void gather_grad_small(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, i32* err) {
+    typedef typename Num<T>::Acc A;
+    const i64 tiles = (inner + 31) / 32, items = outer * n_idx * tiles;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const int lane = threadIdx.x & 31;
+    for (i64 w = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += warps) {
+        const i64 tile = w % tiles, rest = w / tiles;
+        const i64 j = rest % n_idx, o = rest / n_idx;
+        const i64 id = checked_index(idx[j], dim, err);
+        const i64 k = tile * 32 + lane;
+        if (id < 0 || k >= inner) continue;
+        bool first = true;
+        for (i64 e = 0; e < j && first; ++e) first = checked_index(idx[e], dim, nullptr) != id;
+        if (!first) continue;
+        const T* src = dy + o * n_idx * inner + k;
+        A acc = 0;
+        for (i64 e = j; e < n_idx; ++e)
+            if (checked_index(idx[e], dim, nullptr) == id) acc += Num<T>::load(src[e * inner]);
+        dx[(o * dim + id) * inner + k] = Num<T>::store(acc);
+    }
+}
+
 #define GATHER_GRAD_ROWS(op, T)                                                               \
     extern "C" __global__ void gather_grad_rows_##T(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, \
                                                     i64 inner) {                              \
         gather_grad_rows<T>(dy, keys, pos, dx, outer, n_idx, dim, inner);                     \
+    }                                                                                         \
+    extern "C" __global__ void gather_grad_small_##T(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, \
+                                                     i32* err) {                              \
+        gather_grad_small<T>(dy, idx, dx, outer, n_idx, dim, inner, err);                     \
     }
 ORT_FLOATS(GATHER_GRAD_ROWS, _)
 

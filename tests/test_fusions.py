@@ -29,6 +29,16 @@ def _tutorial():
     return model, inputs, loss_fn
 
 
+def _tutorial_dropout():
+    """The tutorial with its dropout of 0.2: the masks come from the engine's random stream,
+    the same with the pass on and off."""
+    model, inputs, _ = models.tutorial_transformer(500, dropout=0.2)
+
+    def loss_fn(out, x):
+        return torch.nn.functional.cross_entropy(out.view(-1, 500), x.reshape(-1))
+    return model, inputs, loss_fn
+
+
 # model builder; the pass; how many rewrites it must at least make in that model
 CASES = {
     "tutorial-fuse_linear": (_tutorial, "fuse_linear", 5),
@@ -45,6 +55,11 @@ CASES = {
     "tutorial-cse": (_tutorial, "cse", 3),
     # GPT-2's NewGELUActivation, written out as Pow/Mul/Add/Tanh, becomes Gelu(approximate="tanh")
     "gpt2-fuse_gelu_tanh": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_gelu_tanh", 2),
+    # a residual branch's dropout and its add: the encoder layers' dropout1/dropout2, GPT-2's
+    # resid_dropout and MLP dropout, BERT's hidden dropouts before each LayerNorm
+    "tutorial-fuse_dropout_add": (_tutorial_dropout, "fuse_dropout_add", 4),
+    "gpt2-fuse_dropout_add": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fuse_dropout_add", 2),
+    "bert-fuse_dropout_add": (lambda: models.bert_small(vocab=200, dropout=0.1), "fuse_dropout_add", 2),
 }
 
 
@@ -55,6 +70,8 @@ def _train(model, inputs, loss_fn, disable: str | None, monkeypatch):
         monkeypatch.setenv("ORTRAIN_DISABLE_PASSES", disable)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ortrain.accelerate(model, opt, strict=True)
+    # the steps' dropout seeds come from torch's generator: both runs draw the same ones
+    torch.manual_seed(1234)
     losses, grads = [], None
     for step in range(STEPS):
         opt.zero_grad()

@@ -1,5 +1,7 @@
 //! Dropout (opset 12+: ratio and training_mode inputs; the mask output is always materialised,
-//! because the gradient needs it) and its internal gradient DropoutGrad(dy, mask, ratio, mode).
+//! because the gradient needs it), its internal gradient DropoutGrad(dy, mask, ratio, mode),
+//! and the internal DropoutAdd(x, residual, ratio, mode) -> (Dropout(x) + residual, mask) of
+//! passes/fuse_dropout_add.rs (a residual branch's dropout and its add in one pass over memory).
 
 use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -38,6 +40,37 @@ impl OpDef for Dropout {
     }
 }
 
+struct DropoutAdd;
+impl OpDef for DropoutAdd {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        let (x, r) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
+        if x.shape != r.shape || x.dtype != r.dtype {
+            return Err(node.err(format!(
+                "the residual ({:?} {:?}) must have the dropped tensor's shape and type ({:?} {:?})",
+                r.dtype, r.shape, x.dtype, x.shape
+            )));
+        }
+        Ok(vec![TypeOut::like(x), TypeOut::new(DType::Bool, x.shape.to_vec())])
+    }
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            let mask = g.y(1);
+            let d = g.op_n("DropoutGrad", vec![Some(dy), Some(mask), node.input(2), node.input(3)], node.attrs.clone(), 1)[0];
+            g.set(0, d);
+            // the residual's shape is y's: its gradient is dy itself
+            g.set(1, dy);
+            Ok(())
+        })
+    }
+    fn is_random(&self) -> bool {
+        true
+    }
+    fn non_differentiable_inputs(&self) -> &'static [usize] {
+        &[2, 3]
+    }
+}
+
 struct DropoutGrad;
 impl OpDef for DropoutGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
@@ -48,4 +81,5 @@ impl OpDef for DropoutGrad {
 pub fn register(r: &mut Registry) {
     r.add("Dropout", Dropout);
     r.internal("DropoutGrad", DropoutGrad);
+    r.internal("DropoutAdd", DropoutAdd);
 }

@@ -11,6 +11,7 @@ mod attention_packed_qkv;
 mod autocast;
 mod cse;
 mod fuse_attention;
+mod fuse_dropout_add;
 mod fuse_gelu_tanh;
 mod fuse_linear;
 mod fuse_linear_cross_entropy;
@@ -95,6 +96,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
     // to f32 (backend/cpu/widen.rs): a reference, not a fast path.
     ("autocast", |g, c| c.half.map_or(Ok(0), |h| autocast::run(g, h)), Runs::OptIn),
+    // after autocast (which leaves a 16-bit residual branch's Dropout and its widened copy apart):
+    // a dropout whose only reader adds it to a residual of its shape and type, one DropoutAdd
+    ("fuse_dropout_add", |g, _| Ok(fuse_dropout_add::run(g)), Runs::Both),
     // after autocast (a no-op without its casts): LayerNorm writes the 16-bit copy its matmul
     // reads, and its gradient reads the 16-bit dy
     ("layer_norm_half", |g, _| Ok(layer_norm_half::run(g)), Runs::CudaOnly),

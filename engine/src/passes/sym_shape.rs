@@ -122,8 +122,11 @@ fn shape_within(graph: &Graph, v: ValueId, depth: usize) -> Option<Vec<SymDim>> 
     }
     let node = &graph.nodes[graph.value(v).producer?.0];
     let up = |i: usize| depth.checked_sub(1).and_then(|d| shape_within(graph, node.input(i)?, d));
+    let first_output = node.outputs.first() == Some(&v);
     match node.op_type.as_str() {
         "Cast" | "Identity" => up(0),
+        // shaped like their input (output 0: LayerNormalization's statistics are not)
+        "Dropout" | "LayerNormalization" | "Relu" | "Gelu" | "Tanh" | "Sigmoid" | "Neg" | "Softmax" if first_output => up(0),
         // a Linear adding a residual (passes/fuse_residual_linear.rs) has the residual's shape
         "Linear" if node.input(3).is_some() => up(3),
         "Add" | "Sub" | "Mul" | "Div" if node.inputs.len() == 2 => broadcast(&up(0)?, &up(1)?),

@@ -137,8 +137,34 @@ fn dropout_params(node: &Node, inputs: &[Option<In>], ratio_at: usize) -> Result
 }
 
 fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    let x = first(node, inputs)?;
-    let (ratio, training) = dropout_params(node, inputs, 1)?;
+    dropout_of(node, first(node, inputs)?, inputs, 1, out, ctx)
+}
+
+/// DropoutAdd(x, residual, ratio, mode): Dropout's output and mask (the same draw as a Dropout
+/// in its place), then the residual added to the output, as the Add it replaces.
+fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    let r = inputs.get(1).and_then(|r| r.as_ref()).ok_or_else(|| node.err("the residual (input 1) is missing"))?;
+    dropout_of(node, first(node, inputs)?, inputs, 2, out, ctx)?;
+    fn add<T: FloatElem>(r: &In, y: &mut Out) -> Result<()> {
+        let (r, y) = (r.slice::<T>()?, y.slice::<T>()?);
+        if y.len() >= PAR_MIN {
+            y.par_chunks_mut(DROPOUT_CHUNK)
+                .zip(r.par_chunks(DROPOUT_CHUNK))
+                .for_each(|(y, r)| y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r));
+        } else {
+            y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r);
+        }
+        Ok(())
+    }
+    if r.shape != out[0].shape || r.dtype != out[0].dtype {
+        return Err(node.err(format!("the residual {:?} must be shaped and typed like the output {:?}", r.shape, out[0].shape)));
+    }
+    crate::dispatch_float!(r.dtype, node, add::<T>(r, &mut out[0]))
+}
+
+/// Dropout of `x` with (ratio, training_mode) at inputs `ratio_at` and after it.
+fn dropout_of(node: &Node, x: &In, inputs: &[Option<In>], ratio_at: usize, out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    let (ratio, training) = dropout_params(node, inputs, ratio_at)?;
     let key = ctx.rng.next_key();
     let threshold = drop_threshold(ratio);
     /// The kernel around `apply(y, mask, x, start)`, which fills one chunk's output and mask
@@ -220,6 +246,7 @@ fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
 pub fn register(t: &mut KernelTable) {
     t.add("Dropout", dropout);
     t.add("DropoutGrad", dropout_grad);
+    t.add("DropoutAdd", dropout_add);
 }
 
 #[cfg(test)]

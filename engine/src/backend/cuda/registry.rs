@@ -229,6 +229,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["gather_elements"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
             g(&["gather_grad_keys"], I64, &[Ptr, Ptr, Ptr, AI64, AI64, Ptr]),
             g(&["gather_grad_rows"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64]),
+            g(&["gather_grad_small"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AI64, AI64, AI64, Ptr]),
             g(&["gather_elements_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI32, AI64, Ptr]),
             g(&["gather_nd"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
             g(&["gather_nd_grad"], FLOATS_F32_F64, &[Ptr, Ptr, Ptr, Strides, AI64, AI64, AI64, AI64, Ptr]),
@@ -266,6 +267,8 @@ pub static FAMILIES: &[Family] = &[
         [
             g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
             g(&["dropout_slot"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
+            g(&["dropout_add"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
+            g(&["dropout_add_slot"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
             g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
         ]
     ),

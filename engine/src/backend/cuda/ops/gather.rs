@@ -84,7 +84,8 @@ fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usi
 
 /// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x. The
 /// indices are sorted with their positions (out-of-range ones as `dim`, past every row), then a
-/// warp sums each run of equal indices, 32 columns at a time, in position order.
+/// warp sums each run of equal indices, 32 columns at a time, in position order; up to `SMALL`
+/// indices, a warp finds its index's other positions by scanning them instead.
 fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
     int64_indices(node, idx)?;
@@ -106,6 +107,12 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
         return Ok(());
     }
     let i = |v: usize| KArg::I64(v as i64);
+    let grid = rows_grid(outer * n_idx * inner.div_ceil(32), ctx.rt.sms);
+    if n_idx <= SMALL {
+        let args =
+            [KArg::Ptr(dy.ptr), KArg::Ptr(idx.ptr), KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner), KArg::Ptr(ctx.error_flag)];
+        return ctx.rt.launch(ctx.stream, &format!("gather_grad_small_{sfx}"), grid, &args);
+    }
     let (keys, pos) = radix_sort::sort_pairs(ctx, n_idx, max_key, |keys, pos| {
         let args = [KArg::Ptr(idx.ptr), KArg::Ptr(keys), KArg::Ptr(pos), i(n_idx), i(dim), KArg::Ptr(ctx.error_flag)];
         ctx.rt.launch(ctx.stream, "gather_grad_keys_i64", ctx.rt.elementwise_grid(n_idx), &args)
@@ -113,12 +120,16 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
     ctx.rt.launch(
         ctx.stream,
         &format!("gather_grad_rows_{sfx}"),
-        rows_grid(outer * n_idx * inner.div_ceil(32), ctx.rt.sms),
+        grid,
         &[KArg::Ptr(dy.ptr), KArg::Ptr(keys), KArg::Ptr(pos), KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner)],
     )
 }
 
-/// gather_grad_rows' grid: a warp an item (outer slice, sorted slot, 32 columns), 8 warps a
+/// Up to this many indices (a select's one, a few fixed rows) GatherGrad finds repeats by
+/// scanning them (gather_grad_small_T), one kernel where the sort takes seven.
+const SMALL: usize = 32;
+
+/// gather_grad_rows' and gather_grad_small's grid: a warp an item (outer slice, sorted slot, 32 columns), 8 warps a
 /// block, at most 16 blocks an SM (the warps loop over the rest).
 fn rows_grid(items: usize, sms: u32) -> Grid {
     Grid::new(items.div_ceil(8).clamp(1, (sms * 16) as usize) as u32, 256)

@@ -1,4 +1,4 @@
-//! Dropout and DropoutGrad (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
+//! Dropout, DropoutGrad and DropoutAdd (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
 //! step's seed mixed with the node's name (`salt_of`), so every Dropout node of a step draws its
 //! own stream and a replay with the same seed draws the same masks, in the model's own graph as
 //! in the model-and-loss graph that numbers its values differently (they differ from the CPU
@@ -78,20 +78,41 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
         }
         return Ok(());
     }
+    launch(node, ctx, x, None, outs[0].ptr, mask, ratio)
+}
+
+/// DropoutAdd(x, residual, ratio?, training_mode?) -> (Dropout(x) + residual, mask): the mask
+/// a Dropout of this name draws; outside training, x + residual (ratio 0 keeps everything).
+fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let (x, r) = (input(node, ins, 0)?, input(node, ins, 1)?);
+    let (ratio, training) = params(node, ins, 2)?;
+    if r.shape != x.shape || r.dtype != x.dtype || outs[0].shape != x.shape {
+        return Err(node.err(format!("the residual {:?} must be shaped and typed like x {:?}", r.shape, x.shape)));
+    }
+    if x.numel() == 0 {
+        return Ok(());
+    }
+    let mask = outs.get(1).map_or(0, |m| m.ptr);
+    launch(node, ctx, x, Some(r), outs[0].ptr, mask, if training { ratio } else { 0.0 })
+}
+
+/// The dropout kernel of `node` over x (plus `res`) into y and `mask` (0: none): keyed by the
+/// step's seed, or by the seed slot a recorded step reads.
+fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64, mask: u64, ratio: f64) -> Result<()> {
     let salt = salt_of(node);
     let t = float_suffix(node, x.dtype)?;
+    let op = if res.is_some() { "dropout_add" } else { "dropout" };
     // the Philox key, or the seed's address and the salt the kernel mixes into it
     let (kernel, key, last) = if ctx.seed_slot != 0 {
-        (format!("dropout_slot_{t}"), KArg::Ptr(ctx.seed_slot), KArg::U64(salt))
+        (format!("{op}_slot_{t}"), KArg::Ptr(ctx.seed_slot), KArg::U64(salt))
     } else {
-        (format!("dropout_{t}"), KArg::U64(random_key(ctx.seed, salt)), KArg::U64(0))
+        (format!("{op}_{t}"), KArg::U64(random_key(ctx.seed, salt)), KArg::U64(0))
     };
-    ctx.rt.launch(
-        ctx.stream,
-        &kernel,
-        ctx.rt.elementwise_grid(n.div_ceil(4)),
-        &[KArg::Ptr(x.ptr), KArg::Ptr(outs[0].ptr), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), key, last],
-    )
+    let n = x.numel();
+    let mut args = vec![KArg::Ptr(x.ptr)];
+    args.extend(res.map(|r| KArg::Ptr(r.ptr)));
+    args.extend([KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), key, last]);
+    ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n.div_ceil(4)), &args)
 }
 
 /// DropoutGrad(dy, mask, ratio?, training_mode?).
@@ -115,6 +136,7 @@ fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cu
 pub fn register(t: &mut CudaTable) {
     t.add("Dropout", dropout);
     t.add("DropoutGrad", dropout_grad);
+    t.add("DropoutAdd", dropout_add);
 }
 
 #[cfg(test)]

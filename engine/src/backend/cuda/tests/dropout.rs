@@ -49,6 +49,14 @@ fn dropout_argument_lists_match_the_registry() {
         check(&format!("dropout_{t}"), &fwd_args(1, 1, 0, N, RATIO, SEED, OFFSET));
         check(&format!("dropout_slot_{t}"), &slot_args(1, 1, 1, N, RATIO, 1, SEED));
         check(&format!("dropout_grad_{t}"), &bwd_args(1, 1, 1, N, 2.0));
+        // DropoutAdd's: the residual after x (exec_fusions.rs runs them against the unfused step)
+        let mut with_residual = |k: String, mut args: Vec<KArg>| {
+            args.insert(1, KArg::Ptr(1));
+            check(&k, &args);
+            checked.push(k);
+        };
+        with_residual(format!("dropout_add_{t}"), fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
+        with_residual(format!("dropout_add_slot_{t}"), slot_args(1, 1, 1, N, RATIO, 1, SEED));
         checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
     assert_covers("dropout", &checked);

@@ -82,7 +82,7 @@ pub(super) fn download_f32(g: &crate::backend::cuda::loader::Loaded, addr: u64, 
 }
 
 /// (outputs, gradients) of one step on the GPU, through the CUDA executor.
-fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+pub(super) fn gpu_step(s: &Session, x: &[u8], sig: &Sig, weights: &[Vec<f32>], seeds: &[Vec<f32>]) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
     gpu_step_in(s, x, sig, weights, seeds, F32Mode::Exact, LEGACY)
 }
 

@@ -2,7 +2,7 @@
 //! executor (the reference the GPU is compared with in exec.rs): each fusion is found where it
 //! should be, and the fused train step gives the unfused one's outputs and gradients.
 
-use super::exec::{cpu_step, session, session_for, weight_data};
+use super::exec::{cpu_step, gpu_step, session, session_for, weight_data};
 use super::exec_models::*;
 use super::support::*;
 use crate::session::Session;
@@ -120,4 +120,33 @@ fn recomputed_activations_give_the_same_train_step() {
         }
     }
     assert!(recomputed >= 2, "the test models recompute {recomputed} activations");
+}
+
+/// A residual branch's Dropout and Add become one DropoutAdd (passes/fuse_dropout_add.rs) on
+/// both backends, named as the Dropout; it draws the unfused graph's masks and gives its step
+/// bit for bit: on the CPU executor, and on the GPU (the Philox stream keyed by the name).
+#[test]
+fn dropout_add_draws_the_unfused_masks_and_gives_the_unfused_step() {
+    let mut rng = Rng::new(47);
+    let (fused_model, plain_model) = (residual_dropout(&mut Rng::new(5), true), residual_dropout(&mut Rng::new(5), false));
+    for target in [crate::session::Target::Cpu, crate::session::Target::Cuda] {
+        let (fused, plain) = (session_for(&fused_model, target), session_for(&plain_model, target));
+        let ops = |s: &Session| s.graph.nodes.iter().map(|n| n.op_type.clone()).collect::<Vec<_>>();
+        let dropout_add = fused.graph.nodes.iter().find(|n| n.op_type == "DropoutAdd");
+        assert_eq!(dropout_add.map(|n| n.name.as_str()), Some("drop"), "{target:?}: {:?}", ops(&fused));
+        assert!(!ops(&fused).contains(&"Dropout".to_string()), "{target:?}: {:?}", ops(&fused));
+        assert!(ops(&plain).contains(&"Dropout".to_string()) && !ops(&plain).contains(&"DropoutAdd".to_string()), "{:?}", ops(&plain));
+        if target == crate::session::Target::Cpu {
+            let ((fo, fg), (po, pg)) = cpu_steps(&fused_model, &fused, &plain, &mut rng);
+            assert_eq!((fo, fg), (po, pg), "the CPU's fused step differs from the unfused one");
+        }
+    }
+    let Some(_) = gpu("dropout_add_draws_the_unfused_masks_and_gives_the_unfused_step") else { return };
+    let (fused, plain) = (session(&fused_model), session(&plain_model));
+    let x = fused_model.input_bytes(&mut rng);
+    let plan = fused.plan(&[fused_model.sig()], true).expect("plan");
+    let seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+    let got = gpu_step(&fused, &x, &fused_model.sig(), &weight_data(&fused_model), &seeds);
+    let want = gpu_step(&plain, &x, &plain_model.sig(), &weight_data(&plain_model), &seeds);
+    assert_eq!(got, want, "the GPU's fused step differs from the unfused one");
 }

@@ -43,6 +43,9 @@ fn args_of(op: &str) -> Vec<KArg> {
         "gather_nd" | "gather_nd_grad" => gather_nd_args(1, 2, 3, Strides::default(), 4, 5, 6, 7, 8),
         "gather" => gather_args(1, 2, 3, 4, 5, 6, 7, 8),
         "gather_grad_keys" => vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::I64(4), KArg::I64(5), KArg::Ptr(6)],
+        "gather_grad_small" => {
+            vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::I64(4), KArg::I64(5), KArg::I64(6), KArg::I64(7), KArg::Ptr(8)]
+        }
         "gather_grad_rows" => {
             vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::Ptr(4), KArg::I64(5), KArg::I64(6), KArg::I64(7), KArg::I64(8)]
         }
@@ -214,16 +217,19 @@ fn gather_grad_on_gpu(g: &'static Loaded, t: &str, (xs, axis, is): (&[usize], us
 
 /// GatherGrad on the GPU gives the CPU's bits in every float type (the same rows summed in the
 /// same order from 0, so the same step every run): the Gather cases above, indices negative and
-/// out of range (dropped, flag set), and an embedding of 70000 rows (three sort passes) with
-/// 3000 indices (three tiles), one of them repeated 1500 times, into rows of 40 (two column
-/// groups, the second partial).
+/// out of range (dropped, flag set; up to 32 indices, gather_grad_small), an embedding of 70000
+/// rows (three sort passes) with 3000 indices (three tiles), one of them repeated 1500 times,
+/// into rows of 40 (two column groups, the second partial), and 40 indices on axis 1 of
+/// [3, 50, 5] (sorted, three outer slices).
 #[test]
 fn gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices() {
     let Some(g) = gpu("gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices") else { return };
     let mut rng = Rng::new(22);
     let embedding: (&[usize], usize, &[usize]) = (&[70000, 40], 0, &[30, 100]);
+    // past gather_grad_small's 32 indices: sorted, with outer slices and rows of 5
+    let sorted: (&[usize], usize, &[usize]) = (&[3, 50, 5], 1, &[40]);
     for &t in types::FLOATS {
-        for (case, &(xs, axis, is)) in GATHERS.iter().chain([&embedding]).enumerate() {
+        for (case, &(xs, axis, is)) in GATHERS.iter().chain([&embedding, &sorted]).enumerate() {
             let (outer, dim, inner) = geometry(xs, axis);
             let n_idx = numel(is);
             let dy_shape: Vec<usize> = xs[..axis].iter().chain(is).chain(&xs[axis + 1..]).copied().collect();

@@ -70,6 +70,7 @@ fn gpu_graphed_steps_match_launched_steps_bit_for_bit() {
     let mut rng = Rng::new(23);
     let mut all = models();
     all.push(("dropout_mlp", dropout_mlp(&mut rng)));
+    all.push(("residual_dropout", residual_dropout(&mut rng, true)));
     for (name, m) in all {
         let s = session(&m);
         let plan = s.plan(&[m.sig()], true).expect("plan");
