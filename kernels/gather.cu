@@ -121,18 +121,25 @@ __device__ __forceinline__ i64 run_end(const u32* keys, i64 s, i64 n, u32 key) {
     return lo;
 }
 
-template <typename T>
-__device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner) {
-    typedef typename Num<T>::Acc A;
+// GatherGrad's work items, a warp each: (outer slice o, slot s of the n_idx, 32 columns);
+// f(o, s, k) for each lane's column k below inner, over a grid-stride loop of warps.
+template <typename F> __device__ __forceinline__ void for_each_row_tile(i64 outer, i64 n_idx, i64 inner, F f) {
     const i64 tiles = (inner + 31) / 32, items = outer * n_idx * tiles;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const int lane = threadIdx.x & 31;
     for (i64 w = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += warps) {
         const i64 tile = w % tiles, rest = w / tiles;
-        const i64 s = rest % n_idx, o = rest / n_idx;
-        const u32 key = keys[s];
         const i64 k = tile * 32 + lane;
-        if ((i64)key >= dim || (s > 0 && keys[s - 1] == key) || k >= inner) continue;
+        if (k < inner) f(rest / n_idx, rest % n_idx, k);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner) {
+    typedef typename Num<T>::Acc A;
+    for_each_row_tile(outer, n_idx, inner, [&](i64 o, i64 s, i64 k) {
+        const u32 key = keys[s];
+        if ((i64)key >= dim || (s > 0 && keys[s - 1] == key)) return;
         const i64 end = run_end(keys, s, n_idx, key);
         const T* src = dy + o * n_idx * inner + k;
         A acc = 0;
@@ -140,33 +147,25 @@ __device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, c
 #pragma unroll 4
         for (i64 r = s; r < end; ++r) acc += Num<T>::load(src[(i64)pos[r] * inner]);
         dx[(o * dim + key) * inner + k] = Num<T>::store(acc);
-    }
+    });
 }
 
-// A few indices (at most GATHER_GRAD_SMALL, ops/gather.rs): no sort. A warp a (outer slice,
-// position j, 32 columns): where j is the first position of its index, the lanes sum dy's rows
-// at j and every later position of that index, in position order.
+// A few indices (at most ops/gather.rs `SMALL`): no sort. Where position j is the first of its
+// index, the lanes sum dy's rows at j and every later position of that index, in order.
 template <typename T>
 __device__ __forceinline__ void gather_grad_small(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, i32* err) {
     typedef typename Num<T>::Acc A;
-    const i64 tiles = (inner + 31) / 32, items = outer * n_idx * tiles;
-    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-    const int lane = threadIdx.x & 31;
-    for (i64 w = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); w < items; w += warps) {
-        const i64 tile = w % tiles, rest = w / tiles;
-        const i64 j = rest % n_idx, o = rest / n_idx;
+    for_each_row_tile(outer, n_idx, inner, [&](i64 o, i64 j, i64 k) {
         const i64 id = checked_index(idx[j], dim, err);
-        const i64 k = tile * 32 + lane;
-        if (id < 0 || k >= inner) continue;
-        bool first = true;
-        for (i64 e = 0; e < j && first; ++e) first = checked_index(idx[e], dim, nullptr) != id;
-        if (!first) continue;
+        if (id < 0) return;
+        for (i64 e = 0; e < j; ++e)
+            if (checked_index(idx[e], dim, nullptr) == id) return;
         const T* src = dy + o * n_idx * inner + k;
         A acc = 0;
         for (i64 e = j; e < n_idx; ++e)
             if (checked_index(idx[e], dim, nullptr) == id) acc += Num<T>::load(src[e * inner]);
         dx[(o * dim + id) * inner + k] = Num<T>::store(acc);
-    }
+    });
 }
 
 #define GATHER_GRAD_ROWS(op, T)                                                               \
