@@ -1,4 +1,5 @@
-//! ortrain-internal helper ops that gradient rules emit: ReduceSumTo (undo broadcasting),
+//! ortrain-internal helper ops that gradient rules emit: ReduceSumTo (undo broadcasting; with
+//! `to`, f32 sums of 16-bit rows),
 //! Affine (alpha·x + beta in x's dtype), MaskSelect (cond ? x : 0), ErfGrad.
 
 use super::util::{const_ints, input};
@@ -20,7 +21,8 @@ impl OpDef for ReduceSumTo {
                 return Err(node.err(format!("cannot sum {:?} down to {:?}", x.shape, shape)));
             }
         }
-        Ok(vec![TypeOut::new(x.dtype, shape)])
+        // f32 from 16-bit rows where passes/wgrad_f32.rs asked (a bias gradient): attribute `to`
+        Ok(vec![TypeOut::new(super::matmul::fused_output_type(node, x.dtype)?, shape)])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut crate::autodiff::GradCtx) -> Result<()>> {
         Some(|_, g| {
@@ -38,6 +40,10 @@ impl OpDef for ReduceSumTo {
     }
     fn is_view(&self) -> bool {
         true
+    }
+    fn is_view_for(&self, node: &Node, _inputs: &[Option<InferIn>]) -> bool {
+        // one that changes the type converts, even where it sums nothing
+        node.attrs.get("to").is_none()
     }
 }
 

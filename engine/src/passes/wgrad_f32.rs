@@ -4,7 +4,10 @@
 //! itself (FusedMatMul's `to`, ops/matmul.rs): cuBLAS accumulates in f32 anyway, so the 16-bit
 //! result and the kernel widening it go, and the gradient is no longer rounded to 16 bits on
 //! its way to the f32 weight (PyTorch's autocast rounds it: ortrain's is the more exact).
-//! GPT-2 124M, bf16: 48 kernels fewer a step (bench/gpu_roofline.py).
+//! GPT-2 124M, bf16: 48 kernels fewer a step (bench/gpu_roofline.py). The same for a bias
+//! whose gradient is a sum of 16-bit rows, `CastLike(ReduceSumTo(dY, shape), b)` (GPT-2's
+//! c_attn bias: 12 kernels): the sum, a product with ones on CUDA, writes f32 (ReduceSumTo's
+//! `to`, ops/internal.rs).
 //!
 //! The product's result is 16-bit because it is the gradient of the forward Cast of W to a
 //! 16-bit type (a value's gradient has the value's type). Only where that Cast exists, W is
@@ -35,7 +38,9 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
         let Some(p) = graph.value(v).producer.filter(|p| p.0 >= n_fwd) else { continue };
         let mm = &graph.nodes[p.0];
         let sole = consumers[v.0] == [(NodeId(c), 0)] && !graph.outputs.contains(&v);
-        if mm.op_type == "FusedMatMul" && mm.outputs.len() == 1 && mm.attrs.get("to").is_none() && sole {
+        // a weight's product, or a bias's sum over rows (ReduceSumTo: the same product with ones)
+        let writes_f32 = matches!(mm.op_type.as_str(), "FusedMatMul" | "ReduceSumTo");
+        if writes_f32 && mm.outputs.len() == 1 && mm.attrs.get("to").is_none() && sole {
             folds.push((p.0, c));
         }
     }
@@ -86,6 +91,32 @@ mod tests {
         let mm = &g.nodes[g.value(grad).producer.expect("written").0];
         assert_eq!(mm.op_type, "FusedMatMul");
         assert_eq!(mm.attrs.int("to", 0).ok(), Some(DType::F32.onnx_code() as i64));
+    }
+
+    /// x·w16 + Cast(b [16] f32 → bf16): the bias's gradient is a ReduceSumTo of the bf16 dY
+    /// rows, cast back to f32; it sums into f32 itself, as the weight's product does.
+    #[test]
+    fn the_bias_gradients_sum_writes_f32() {
+        let mut g = Graph::default();
+        let dims = |d: &[usize]| Some(d.iter().map(|&v| Dim::Known(v)).collect());
+        let x = g.add_value("x", ValueKind::Input, Some(DType::BF16), dims(&[4, 8]));
+        let w = g.add_value("w", ValueKind::Weight, Some(DType::F32), dims(&[8, 16]));
+        let b = g.add_value("b", ValueKind::Weight, Some(DType::F32), dims(&[16]));
+        g.inputs.push(x);
+        let to = || Attrs::default().with("to", Attr::Int(DType::BF16.onnx_code() as i64));
+        let w16 = g.add_node("w_cast", "Cast", vec![Some(w)], to(), 1)[0];
+        let b16 = g.add_node("b_cast", "Cast", vec![Some(b)], to(), 1)[0];
+        let mm = g.add_node("mm", "MatMul", vec![Some(x), Some(w16)], Attrs::default(), 1)[0];
+        let y = g.add_node("bias", "Add", vec![Some(mm), Some(b16)], Attrs::default(), 1)[0];
+        g.outputs.push(y);
+        let n_fwd = g.nodes.len();
+        let seed = g.add_value("grad:y", ValueKind::Input, Some(DType::BF16), None);
+        let grads = crate::autodiff::build(&mut g, &[y], &[Some(seed)], &[w, b]).expect("autodiff").grads;
+        assert_eq!(run(&mut g, n_fwd), 2, "the weight's product and the bias's sum");
+        assert!(g.nodes.iter().all(|n| n.op_type != "CastLike"));
+        let db = &g.nodes[g.value(grads[1].expect("db")).producer.expect("written").0];
+        assert_eq!(db.op_type, "ReduceSumTo");
+        assert_eq!(db.attrs.int("to", 0).ok(), Some(DType::F32.onnx_code() as i64));
     }
 
     #[test]

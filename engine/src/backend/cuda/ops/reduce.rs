@@ -17,12 +17,24 @@ use crate::tensor::DType;
 /// thread (or block) per output, which starves the GPU when a bias gradient sums 16k rows into
 /// 768 columns; a gemm uses every SM (and f32 accumulates like the kernels do).
 #[allow(clippy::too_many_arguments)]
-fn sum_by_gemm(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, m: usize, n: usize, over_rows: bool, scale: f64) -> Result<()> {
-    // 16-bit sums (autocast's bias gradients) too: 16-bit operands and result, f32 accumulation
+fn sum_by_gemm(
+    node: &Node,
+    ctx: &mut CudaCtx,
+    x: &DView,
+    out: (u64, DType),
+    m: usize,
+    n: usize,
+    over_rows: bool,
+    scale: f64,
+) -> Result<()> {
+    // 16-bit sums (autocast's bias gradients) too: 16-bit operands and result (or f32: a
+    // ReduceSumTo with `to`), f32 accumulation
     let t = super::matmul::gemm_type(node, x.dtype)?;
     let ones = ctx.rt.ones(ctx.stream, t, if over_rows { m } else { n })?;
     let mut g = if over_rows { Gemm::contiguous(1, 1, n, m, false, false, t) } else { Gemm::contiguous(1, m, 1, n, false, false, t) };
+    g.c_type = super::matmul::gemm_type(node, out.1)?;
     g.alpha = scale;
+    let out = out.0;
     let (a, b) = if over_rows { (ones, x.ptr) } else { (x.ptr, ones) };
     ctx.rt.gemm(ctx.stream, &g, a, b, out)
 }
@@ -38,7 +50,7 @@ pub(super) fn column_sums(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64) -
         return Ok(());
     }
     if m > 0 && matches!(x.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16) {
-        return sum_by_gemm(node, ctx, x, out, m, n, true, 1.0);
+        return sum_by_gemm(node, ctx, x, (out, x.dtype), m, n, true, 1.0);
     }
     let mut l = Reduce { out_rank: 1, red_rank: 1, outputs: n as i64, count: m as i64, ..Default::default() };
     l.out_dims[0] = n as i64;
@@ -114,6 +126,12 @@ pub(super) fn launch_reduce(
 /// ones, as a bias gradient over rows, or all after them) are one [m, n] matrix summed by a
 /// matrix product; the rest go to the reduction kernels.
 pub(super) fn sum_over(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, reduced: &[bool], scale: f64) -> Result<()> {
+    sum_over_into(node, ctx, x, (out, x.dtype), reduced, scale)
+}
+
+/// `sum_over` into an output of type `out.1`: x's, or f32 over 16-bit x where the reduced and
+/// kept dimensions form two blocks (a product with ones writes f32); else an error.
+fn sum_over_into(node: &Node, ctx: &mut CudaCtx, x: &DView, out: (u64, DType), reduced: &[bool], scale: f64) -> Result<()> {
     let marks: Vec<bool> = reduced.iter().zip(x.shape).filter(|(_, &n)| n != 1).map(|(&r, _)| r).collect();
     let split = marks.iter().position(|&r| r != marks[0]).unwrap_or(marks.len());
     let two_blocks = !marks.is_empty() && marks[split..].iter().all(|&r| r != marks[0]);
@@ -126,8 +144,16 @@ pub(super) fn sum_over(node: &Node, ctx: &mut CudaCtx, x: &DView, out: u64, redu
             sum_by_gemm(node, ctx, x, out, kept, red, false, scale)
         };
     }
+    if out.1 != x.dtype {
+        return Err(node.err(format!(
+            "a {} sum of {} {:?} over {reduced:?}: only over leading or trailing dimensions",
+            out.1.name(),
+            x.dtype.name(),
+            x.shape
+        )));
+    }
     let l = layout(node, x.shape, reduced)?;
-    launch_reduce(node, ctx, "sum", x, out, l, innermost_reduced(x.shape, reduced), scale)
+    launch_reduce(node, ctx, "sum", x, out.0, l, innermost_reduced(x.shape, reduced), scale)
 }
 
 /// Whether the innermost dimension of size > 1 is a reduced one (picks the kernel shape).
@@ -148,12 +174,20 @@ fn reduce_sum_to(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut C
     if o.numel() == 0 {
         return Ok(());
     }
+    if x.numel() == 0 {
+        return super::movement::zero(ctx, o);
+    }
     let lead = x.shape.len().checked_sub(o.shape.len()).ok_or_else(|| node.err(format!("cannot sum {:?} to {:?}", x.shape, o.shape)))?;
     let reduced: Vec<bool> = (0..x.shape.len()).map(|d| d < lead || (o.shape[d - lead] == 1 && x.shape[d] != 1)).collect();
-    if !reduces_anything(x.shape, &reduced) {
+    if !reduces_anything(x.shape, &reduced) && o.dtype == x.dtype {
         return super::movement::view_copy(node, ins, outs, ctx);
     }
-    sum_over(node, ctx, x, o.ptr, &reduced, 1.0)
+    if !reduces_anything(x.shape, &reduced) {
+        // `to` with nothing to sum: a conversion
+        let args = [KArg::Ptr(x.ptr), KArg::Ptr(o.ptr), KArg::I64(o.numel() as i64)];
+        return ctx.rt.launch(ctx.stream, &super::elementwise::cast_kernel(x.dtype, o.dtype), ctx.rt.elementwise_grid(o.numel()), &args);
+    }
+    sum_over_into(node, ctx, x, (o.ptr, o.dtype), &reduced, 1.0)
 }
 
 /// The axes a ReduceSum/Mean/Max/Min or ReduceGrad node reduces over a tensor of rank `rank`,
