@@ -200,6 +200,9 @@ def cases() -> list[Case]:
     # ortrain-internal ops with their own gradient rules (gradients of gradients)
     add(Case("Affine", [x234], {"alpha": 0.7, "beta": -0.2}))
     add(Case("ReduceSumTo", [x234, C([3, 1], np.int64)]))
+    # a residual branch's dropout and its add (passes/fuse_dropout_add.rs); output 1 the mask
+    add(Case("DropoutAdd", [x234, W((2, 3, 4)), C(0.5, np.float64), C(True)], n_out=2, label="train"))
+    add(Case("DropoutAdd", [x234, W((2, 3, 4))], n_out=2, label="inference"))
     # Linear (made by the fuse_linear pass): X[..., K] · op(W) + b
     add(Case("Linear", [W((2, 3, 4)), W((5, 4)), W((5,))], {"transB": 1}, label="3d-bias-transB"))
     add(Case("Linear", [W((3, 4)), W((4, 5))], {"transB": 0}, label="2d-nobias"))
