@@ -144,6 +144,9 @@ fn dropout(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx
 /// in its place), then the residual added to the output, as the Add it replaces.
 fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let r = inputs.get(1).and_then(|r| r.as_ref()).ok_or_else(|| node.err("the residual (input 1) is missing"))?;
+    if r.shape != out[0].shape || r.dtype != out[0].dtype {
+        return Err(node.err(format!("the residual {:?} must be shaped and typed like the output {:?}", r.shape, out[0].shape)));
+    }
     dropout_of(node, first(node, inputs)?, inputs, 2, out, ctx)?;
     fn add<T: FloatElem>(r: &In, y: &mut Out) -> Result<()> {
         let (r, y) = (r.slice::<T>()?, y.slice::<T>()?);
@@ -155,9 +158,6 @@ fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut Cp
             y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r);
         }
         Ok(())
-    }
-    if r.shape != out[0].shape || r.dtype != out[0].dtype {
-        return Err(node.err(format!("the residual {:?} must be shaped and typed like the output {:?}", r.shape, out[0].shape)));
     }
     crate::dispatch_float!(r.dtype, node, add::<T>(r, &mut out[0]))
 }

@@ -129,8 +129,8 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
 /// scanning them (gather_grad_small_T), one kernel where the sort takes seven.
 const SMALL: usize = 32;
 
-/// gather_grad_rows' and gather_grad_small's grid: a warp an item (outer slice, sorted slot, 32 columns), 8 warps a
-/// block, at most 16 blocks an SM (the warps loop over the rest).
+/// gather_grad_rows' and gather_grad_small's grid: a warp an item (outer slice, slot, 32
+/// columns), 8 warps a block, at most 16 blocks an SM (the warps loop over the rest).
 fn rows_grid(items: usize, sms: u32) -> Grid {
     Grid::new(items.div_ceil(8).clamp(1, (sms * 16) as usize) as u32, 256)
 }

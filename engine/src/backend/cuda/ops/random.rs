@@ -1,5 +1,5 @@
-//! Dropout, DropoutGrad and DropoutAdd (kernels/dropout.cu). Masks come from Philox4x32-10 keyed by the
-//! step's seed mixed with the node's name (`salt_of`), so every Dropout node of a step draws its
+//! Dropout, DropoutGrad and DropoutAdd (kernels/dropout.cu). Masks come from Philox4x32-10
+//! keyed by the step's seed mixed with the node's name (`salt_of`), so every Dropout node of a step draws its
 //! own stream and a replay with the same seed draws the same masks, in the model's own graph as
 //! in the model-and-loss graph that numbers its values differently (they differ from the CPU
 //! backend's masks, as PyTorch's CPU and CUDA masks differ). In a step recorded into a CUDA

@@ -179,13 +179,13 @@ fn reduce_sum_to(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut C
     }
     let lead = x.shape.len().checked_sub(o.shape.len()).ok_or_else(|| node.err(format!("cannot sum {:?} to {:?}", x.shape, o.shape)))?;
     let reduced: Vec<bool> = (0..x.shape.len()).map(|d| d < lead || (o.shape[d - lead] == 1 && x.shape[d] != 1)).collect();
-    if !reduces_anything(x.shape, &reduced) && o.dtype == x.dtype {
-        return super::movement::view_copy(node, ins, outs, ctx);
-    }
     if !reduces_anything(x.shape, &reduced) {
-        // `to` with nothing to sum: a conversion
-        let args = [KArg::Ptr(x.ptr), KArg::Ptr(o.ptr), KArg::I64(o.numel() as i64)];
-        return ctx.rt.launch(ctx.stream, &super::elementwise::cast_kernel(x.dtype, o.dtype), ctx.rt.elementwise_grid(o.numel()), &args);
+        // nothing to sum: a view, or with `to` a conversion
+        return if o.dtype == x.dtype {
+            super::movement::view_copy(node, ins, outs, ctx)
+        } else {
+            super::widen::cast(ctx, x.dtype, o.dtype, x.ptr, o.ptr, o.numel())
+        };
     }
     sum_over_into(node, ctx, x, (o.ptr, o.dtype), &reduced, 1.0)
 }

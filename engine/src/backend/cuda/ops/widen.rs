@@ -15,7 +15,8 @@ use crate::tensor::DType;
 /// Scratch regions start at this alignment (the runtime's own).
 const ALIGN: usize = 256;
 
-fn cast(ctx: &CudaCtx, from: DType, to: DType, src: u64, dst: u64, n: usize) -> Result<()> {
+/// Queues the conversion of n `from` elements at `src` into `to` elements at `dst`.
+pub(super) fn cast(ctx: &CudaCtx, from: DType, to: DType, src: u64, dst: u64, n: usize) -> Result<()> {
     if n == 0 {
         return Ok(());
     }

@@ -5,7 +5,9 @@
 use super::exec::{cpu_step, gpu_step, session, session_for, weight_data};
 use super::exec_models::*;
 use super::support::*;
+use crate::ir::Attrs;
 use crate::session::Session;
+use crate::tensor::{DType, Tensor};
 
 type Values = Vec<Vec<f64>>;
 
@@ -120,6 +122,32 @@ fn recomputed_activations_give_the_same_train_step() {
         }
     }
     assert!(recomputed >= 2, "the test models recompute {recomputed} activations");
+}
+
+/// A residual branch's dropout, `Tanh(Dropout(h) + r)` with h and r products of x ([4, 48]
+/// each), the DropoutAdd of passes/fuse_dropout_add.rs where `provable` (both reshaped to a
+/// constant shape, so the pass proves them alike); without it the same arithmetic stays a
+/// Dropout and an Add (the products' shapes are not known to the pass).
+pub(super) fn residual_dropout(rng: &mut Rng, provable: bool) -> Model {
+    let input = vec![4, 64];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[64, 48], rng);
+    let v = weight(&mut g, &mut ws, "v", &[64, 48], rng);
+    let mut h = op(&mut g, "mm_h", "MatMul", &[x, w], Attrs::default());
+    let mut r = op(&mut g, "mm_r", "MatMul", &[x, v], Attrs::default());
+    if provable {
+        let shape = ints(&mut g, "shape", &[4, 48]);
+        h = op(&mut g, "view_h", "Reshape", &[h, shape], Attrs::default());
+        r = op(&mut g, "view_r", "Reshape", &[r, shape], Attrs::default());
+    }
+    let ratio = g.add_const("ratio", Tensor::from_f32(vec![], vec![0.3]));
+    let training = g.add_const("training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![1])).expect("bool"));
+    let d = g.add_node("drop", "Dropout", vec![Some(h), Some(ratio), Some(training)], Attrs::default(), 1)[0];
+    let sum = op(&mut g, "residual", "Add", &[r, d], Attrs::default());
+    let y = op(&mut g, "tanh", "Tanh", &[sum], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
 /// A residual branch's Dropout and Add become one DropoutAdd (passes/fuse_dropout_add.rs) on

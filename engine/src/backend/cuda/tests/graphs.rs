@@ -7,6 +7,7 @@
 //! memory is refused.
 
 use super::exec::{download_f32, session, weight_data};
+use super::exec_fusions::residual_dropout;
 use super::exec_models::*;
 use super::support::*;
 use crate::backend::cuda::launch::DeviceBuffer;
