@@ -137,8 +137,9 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
         elif op == "GatherGrad":
             # backend/cuda/ops/gather.rs: dx zeroed, the indices as u32 keys with their positions,
             # a radix sort of 8 bits a pass (a count, a scan, a scatter of keys and positions;
-            # axis 0 assumed, as an embedding's), then dy's rows summed into dx's rows in order;
-            # up to 32 indices no sort
+            # axis 0 assumed, as an embedding's), then dy's rows summed into dx's rows in order
+            # (a run of more than 32 by segments, whose sums a last kernel adds: random tokens
+            # have no such runs, so that kernel only reads the keys); up to 32 indices no sort
             n_idx = math.prod(ins[1][1])
             dim = outs[0][2][0] if outs[0][2] else 1
             rows.append((op + " zero", name, out_b[0], 0, None))
@@ -152,6 +153,7 @@ def cost_steps(steps, step_inputs, precision: str, causal: bool = True):
                 rows.append((op + " sort scan", name, 8 * 256 * math.ceil(n_idx / 1024), 0, None))
                 rows.append((op + " sort scatter", name, 16 * n_idx, 0, None))
             rows.append((op + " rows", name, in_b[0] + 8 * n_idx + min(out_b[0], in_b[0] // max(1, n_idx) * n_idx), 0, None))
+            rows.append((op + " runs", name, 8 * n_idx, 0, None))
         else:
             rows.append((op, name, sum(in_b) + sum(out_b), 0, None))
     return rows

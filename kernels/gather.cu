@@ -14,11 +14,16 @@
 //   gather_grad_keys_i64(const i64* idx, u32* keys, u32* pos, i64 n_idx, i64 dim, i32* err)
 //       keys[j] = idx[j] normalised into [0, dim) (dim where out of range: sorted last and
 //       summed nowhere), pos[j] = j; then sorted by key, stably (kernels/sort.cu)
-//   gather_grad_rows_T(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner)
+//   gather_grad_rows_T(const T* dy, const u32* keys, const u32* pos, T* dx, A* partials, i64 outer, i64 n_idx, i64 dim, i64 inner)
 //       a warp a (outer slice, sorted slot, 32 columns): where the slot starts a run of equal
-//       keys below dim, each lane sums its column of dy's rows at the run's positions, in
-//       position order, in the accumulation type from 0, and writes it to dx's row `key`
-//       (dx zeroed by the caller: rows no index names). T: f32 f64 bf16 f16
+//       keys below dim, or one of its segments of ROWS_PER_SEGMENT slots, each lane sums its
+//       column of dy's rows at those positions, in position order, in the accumulation type A
+//       from 0 (f32; f64 for f64), and writes it to dx's row `key` (a run of one segment; dx
+//       zeroed by the caller: rows no index names) or to the segment's row of partials
+//       (outer × 2·ceil(n_idx / ROWS_PER_SEGMENT) rows of `inner`). T: f32 f64 bf16 f16
+//   gather_grad_runs_T(const u32* keys, const A* partials, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner)
+//       then, a warp a (outer slice, slot, 32 columns) starting a run of more than one
+//       segment: the segments' partials added in order from 0, written to dx's row `key`
 //   gather_grad_small_T(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, i32* err)
 //       the same sums without the sort, for a few indices (a select's one): a warp a (outer
 //       slice, position, 32 columns) scans the indices before and after its position
@@ -134,18 +139,74 @@ template <typename F> __device__ __forceinline__ void for_each_row_tile(i64 oute
     }
 }
 
+// A run of equal keys longer than this (a padding token's, BERT's all-zero token types) is
+// summed a segment of this many rows at a time, the segments on warps of their own, and then
+// the segments' sums in order (gather_grad_runs_T): the CPU adds in the same order
+// (engine/src/backend/cpu/movement.rs `GATHER_GRAD_SEGMENT`, which must equal it).
+#define ROWS_PER_SEGMENT 32
+
+// The first slot of the run that holds slot s (keys sorted).
+__device__ __forceinline__ i64 run_begin(const u32* keys, i64 s, u32 key) {
+    i64 lo = 0, hi = s;
+    while (lo < hi) {
+        const i64 mid = lo + (hi - lo) / 2;
+        if (keys[mid] == key) hi = mid;
+        else lo = mid + 1;
+    }
+    return lo;
+}
+
+// Where the sum of the segment starting at slot s is kept, among an outer slice's
+// 2 * ceil(n_idx / ROWS_PER_SEGMENT) rows of partials: a run's full segments are disjoint
+// ROWS_PER_SEGMENT-slot spans, so their s / ROWS_PER_SEGMENT differ, and so do those of the
+// last segments of runs longer than one segment (more than ROWS_PER_SEGMENT slots apart).
+__device__ __forceinline__ i64 partial_row(i64 s, bool last) {
+    return 2 * (s / ROWS_PER_SEGMENT) + (last ? 1 : 0);
+}
+
 template <typename T>
-__device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner) {
+__device__ __forceinline__ void gather_grad_rows(const T* dy, const u32* keys, const u32* pos, T* dx, typename Num<T>::Acc* partials,
+                                                 i64 outer, i64 n_idx, i64 dim, i64 inner) {
     typedef typename Num<T>::Acc A;
+    const i64 rows = 2 * ((n_idx + ROWS_PER_SEGMENT - 1) / ROWS_PER_SEGMENT);
+    for_each_row_tile(outer, n_idx, inner, [&](i64 o, i64 s, i64 k) {
+        const u32 key = keys[s];
+        if ((i64)key >= dim) return;
+        bool whole = true;
+        if (s > 0 && keys[s - 1] == key) {
+            // inside a run: s starts a segment where the run began a multiple of its length before
+            if (s < ROWS_PER_SEGMENT || keys[s - ROWS_PER_SEGMENT] != key) return;
+            if ((s - run_begin(keys, s, key)) % ROWS_PER_SEGMENT) return;
+            whole = false;
+        }
+        const i64 span = min(n_idx, s + ROWS_PER_SEGMENT);
+        const i64 stop = run_end(keys, s, span, key);
+        const bool last = stop < span || span == n_idx || keys[span] != key;
+        const T* src = dy + o * n_idx * inner + k;
+        A acc = 0;
+#pragma unroll 8
+        for (i64 r = s; r < stop; ++r) acc += Num<T>::load(src[(i64)pos[r] * inner]);
+        if (whole && last) dx[(o * dim + key) * inner + k] = Num<T>::store(acc);
+        else partials[(o * rows + partial_row(s, last)) * inner + k] = acc;
+    });
+}
+
+// The runs longer than a segment: their segments' sums (gather_grad_rows_T) added in order.
+template <typename T>
+__device__ __forceinline__ void gather_grad_runs(const u32* keys, const typename Num<T>::Acc* partials, T* dx, i64 outer, i64 n_idx,
+                                                 i64 dim, i64 inner) {
+    typedef typename Num<T>::Acc A;
+    const i64 rows = 2 * ((n_idx + ROWS_PER_SEGMENT - 1) / ROWS_PER_SEGMENT);
     for_each_row_tile(outer, n_idx, inner, [&](i64 o, i64 s, i64 k) {
         const u32 key = keys[s];
         if ((i64)key >= dim || (s > 0 && keys[s - 1] == key)) return;
+        if (s + ROWS_PER_SEGMENT >= n_idx || keys[s + ROWS_PER_SEGMENT] != key) return;
         const i64 end = run_end(keys, s, n_idx, key);
-        const T* src = dy + o * n_idx * inner + k;
+        const A* part = partials + o * rows * inner + k;
         A acc = 0;
-        // the bound is known before the loop: the loads of several rows are in flight at once
-#pragma unroll 4
-        for (i64 r = s; r < end; ++r) acc += Num<T>::load(src[(i64)pos[r] * inner]);
+        // the bound is known before the loop: the loads of several segments are in flight at once
+#pragma unroll 8
+        for (i64 t = s; t < end; t += ROWS_PER_SEGMENT) acc += part[partial_row(t, t + ROWS_PER_SEGMENT >= end) * inner];
         dx[(o * dim + key) * inner + k] = Num<T>::store(acc);
     });
 }
@@ -169,9 +230,13 @@ __device__ __forceinline__ void gather_grad_small(const T* dy, const i64* idx, T
 }
 
 #define GATHER_GRAD_ROWS(op, T)                                                               \
-    extern "C" __global__ void gather_grad_rows_##T(const T* dy, const u32* keys, const u32* pos, T* dx, i64 outer, i64 n_idx, i64 dim, \
-                                                    i64 inner) {                              \
-        gather_grad_rows<T>(dy, keys, pos, dx, outer, n_idx, dim, inner);                     \
+    extern "C" __global__ void gather_grad_rows_##T(const T* dy, const u32* keys, const u32* pos, T* dx, Num<T>::Acc* partials, \
+                                                    i64 outer, i64 n_idx, i64 dim, i64 inner) { \
+        gather_grad_rows<T>(dy, keys, pos, dx, partials, outer, n_idx, dim, inner);           \
+    }                                                                                         \
+    extern "C" __global__ void gather_grad_runs_##T(const u32* keys, const Num<T>::Acc* partials, T* dx, i64 outer, i64 n_idx,    \
+                                                    i64 dim, i64 inner) {                     \
+        gather_grad_runs<T>(keys, partials, dx, outer, n_idx, dim, inner);                    \
     }                                                                                         \
     extern "C" __global__ void gather_grad_small_##T(const T* dy, const i64* idx, T* dx, i64 outer, i64 n_idx, i64 dim, i64 inner, \
                                                      i32* err) {                              \

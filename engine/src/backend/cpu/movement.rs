@@ -1,6 +1,7 @@
 //! CPU kernels of ops/movement.rs. Most are dtype-agnostic copies of contiguous byte runs.
 
 use rayon::prelude::*;
+use std::collections::HashMap;
 
 use super::broadcast::bcast_strides;
 use super::elementwise::{first, identity, Arith};
@@ -307,6 +308,11 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     gather_grad_into(node, inputs, out, true)
 }
 
+/// GatherGrad adds an index's rows in position order a segment of this many at a time, each
+/// segment from zero, and then the segments in order: the CUDA kernels' order (kernels/gather.cu
+/// `ROWS_PER_SEGMENT`, which must equal it), where a long run's segments are summed apart.
+const GATHER_GRAD_SEGMENT: usize = 32;
+
 /// GatherGrad's scatter-add of `dy` rows at the indices into the output; `zero_first`: the
 /// output starts from zeros (the op), else the rows are added to what it holds (in_place.rs).
 pub(super) fn gather_grad_into(node: &Node, inputs: &[Option<In>], out: &mut [Out], zero_first: bool) -> Result<()> {
@@ -330,12 +336,39 @@ pub(super) fn gather_grad_into(node: &Node, inputs: &[Option<In>], out: &mut [Ou
             dst.iter_mut().for_each(|v| *v = T::zero());
         }
         let n = ids.len();
+        let add = |to: &mut [T], row: &[T]| to.iter_mut().zip(row).for_each(|(t, &r)| *t = *t + r);
+        let mut seen = vec![0usize; if n > GATHER_GRAD_SEGMENT { dim } else { 0 }];
+        // the open segment of each index seen more than GATHER_GRAD_SEGMENT times
+        let mut open: HashMap<usize, Vec<T>> = HashMap::new();
         for i in 0..outer {
+            seen.iter_mut().for_each(|c| *c = 0);
             for (j, &id) in ids.iter().enumerate() {
-                let s = (i * n + j) * inner;
+                let row = &src[(i * n + j) * inner..][..inner];
                 let d = (i * dim + id) * inner;
-                for k in 0..inner {
-                    dst[d + k] = dst[d + k] + src[s + k];
+                let occurrence = match seen.get_mut(id) {
+                    Some(c) => {
+                        *c += 1;
+                        *c - 1
+                    }
+                    None => 0,
+                };
+                if occurrence < GATHER_GRAD_SEGMENT {
+                    add(&mut dst[d..d + inner], row);
+                    continue;
+                }
+                let seg = open.entry(id).or_insert_with(|| vec![T::zero(); inner]);
+                if occurrence % GATHER_GRAD_SEGMENT == 0 {
+                    seg.iter_mut().for_each(|v| *v = T::zero());
+                }
+                add(seg, row);
+                if occurrence % GATHER_GRAD_SEGMENT == GATHER_GRAD_SEGMENT - 1 {
+                    add(&mut dst[d..d + inner], seg);
+                }
+            }
+            // the segments still open: each index's last, when not full
+            for (id, seg) in open.drain() {
+                if seen[id] % GATHER_GRAD_SEGMENT != 0 {
+                    add(&mut dst[(i * dim + id) * inner..][..inner], &seg);
                 }
             }
         }
@@ -430,4 +463,66 @@ pub fn register(t: &mut KernelTable) {
     t.add("GatherElements", gather_elements);
     t.add("GatherElementsGrad", gather_elements_grad);
     t.add("Trilu", trilu);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::run;
+    use super::GATHER_GRAD_SEGMENT;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::Tensor;
+
+    /// GatherGrad's sums are the CUDA kernels' (kernels/gather.cu): each index's rows a segment
+    /// at a time from zero, then the segments in order; and they are the sums.
+    #[test]
+    fn gather_grad_adds_long_runs_by_segments() {
+        // x [2, 5, 3] gathered on axis 1 by 150 indices: 100 of them 3 (a padding token's run),
+        // 33 of them -1 (4), the rest 0 and 1
+        let (outer, dim, inner, n) = (2usize, 5usize, 3usize, 150usize);
+        let idx: Vec<i64> = (0..n)
+            .map(|j| {
+                if j % 3 != 2 {
+                    3
+                } else if j < 100 {
+                    -1
+                } else {
+                    (j % 2) as i64
+                }
+            })
+            .collect();
+        // values whose sums depend on the order they are added in
+        let dy: Vec<f32> = (0..outer * n * inner).map(|e| (e as f32 * 0.7).sin() * 10f32.powi((e % 7) as i32 - 3)).collect();
+        let attrs = Attrs::default().with("axis", Attr::Int(1));
+        let got = run(
+            "GatherGrad",
+            attrs,
+            &[
+                &Tensor::from_f32(vec![outer, n, inner], dy.clone()),
+                &Tensor::from_i64(vec![n], idx.clone()),
+                &Tensor::from_i64(vec![3], vec![2, 5, 3]),
+            ],
+        )[0]
+        .to_f64_vec();
+        let mut order_mattered = false;
+        for o in 0..outer {
+            for row in 0..dim {
+                for k in 0..inner {
+                    let rows: Vec<f32> =
+                        (0..n).filter(|&j| (idx[j] + dim as i64) as usize % dim == row).map(|j| dy[(o * n + j) * inner + k]).collect();
+                    let segmented = rows.chunks(GATHER_GRAD_SEGMENT).map(|c| c.iter().fold(0f32, |a, &v| a + v)).fold(0f32, |a, v| a + v);
+                    let in_turn = rows.iter().fold(0f32, |a, &v| a + v);
+                    let exact: f64 = rows.iter().map(|&v| v as f64).sum();
+                    let at = (o * dim + row) * inner + k;
+                    assert_eq!(got[at], segmented as f64, "row {row} column {k} of slice {o}");
+                    assert!(
+                        (got[at] - exact).abs() <= 1e-5 * rows.iter().map(|v| v.abs() as f64).sum::<f64>(),
+                        "row {row}: {} vs {exact}",
+                        got[at]
+                    );
+                    order_mattered |= segmented != in_turn;
+                }
+            }
+        }
+        assert!(order_mattered, "the test's values should tell the two orders apart");
+    }
 }

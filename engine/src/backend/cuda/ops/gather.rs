@@ -84,7 +84,8 @@ fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usi
 
 /// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x. The
 /// indices are sorted with their positions (out-of-range ones as `dim`, past every row), then a
-/// warp sums each run of equal indices, 32 columns at a time, in position order; up to `SMALL`
+/// warp sums each run of equal indices, 32 columns at a time, in position order (a run longer
+/// than `SEGMENT`: its segments on warps of their own, then their sums in order); up to `SMALL`
 /// indices, a warp finds its index's other positions by scanning them instead.
 fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
@@ -113,21 +114,43 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
             [KArg::Ptr(dy.ptr), KArg::Ptr(idx.ptr), KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner), KArg::Ptr(ctx.error_flag)];
         return ctx.rt.launch(ctx.stream, &format!("gather_grad_small_{sfx}"), grid, &args);
     }
-    let (keys, pos) = radix_sort::sort_pairs(ctx, n_idx, max_key, |keys, pos| {
+    let acc_bytes = if dy.dtype == DType::F64 { 8 } else { 4 };
+    let partials = outer * segment_partial_rows(n_idx) * inner * acc_bytes;
+    let sorted = radix_sort::sort_pairs(ctx, n_idx, max_key, partials, |keys, pos| {
         let args = [KArg::Ptr(idx.ptr), KArg::Ptr(keys), KArg::Ptr(pos), i(n_idx), i(dim), KArg::Ptr(ctx.error_flag)];
         ctx.rt.launch(ctx.stream, "gather_grad_keys_i64", ctx.rt.elementwise_grid(n_idx), &args)
     })?;
+    let (keys, pos, part) = (KArg::Ptr(sorted.keys), KArg::Ptr(sorted.vals), KArg::Ptr(sorted.extra));
     ctx.rt.launch(
         ctx.stream,
         &format!("gather_grad_rows_{sfx}"),
         grid,
-        &[KArg::Ptr(dy.ptr), KArg::Ptr(keys), KArg::Ptr(pos), KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner)],
+        &[KArg::Ptr(dy.ptr), keys, pos, KArg::Ptr(o.ptr), part, i(outer), i(n_idx), i(dim), i(inner)],
+    )?;
+    ctx.rt.launch(
+        ctx.stream,
+        &format!("gather_grad_runs_{sfx}"),
+        grid,
+        &[keys, part, KArg::Ptr(o.ptr), i(outer), i(n_idx), i(dim), i(inner)],
     )
 }
 
+/// A run of equal indices longer than this is summed this many rows at a time, each segment on
+/// warps of its own, then the segments in order (kernels/gather.cu `ROWS_PER_SEGMENT`; the
+/// CPU's order too): a padding token's thousands of rows are not one warp's sequential sum.
+const SEGMENT: usize = 32;
+
+/// Rows of `inner` partial sums an outer slice of `n_idx` indices may need
+/// (kernels/gather.cu `partial_row`): two per SEGMENT slots.
+fn segment_partial_rows(n_idx: usize) -> usize {
+    2 * n_idx.div_ceil(SEGMENT)
+}
+
 /// Up to this many indices (a select's one, a few fixed rows) GatherGrad finds repeats by
-/// scanning them (gather_grad_small_T), one kernel where the sort takes seven.
+/// scanning them (gather_grad_small_T), one kernel where the sorted path takes nine (two passes).
 const SMALL: usize = 32;
+// gather_grad_small sums a whole run at once: the sorted path's order only up to a segment
+const _: () = assert!(SMALL <= SEGMENT);
 
 /// gather_grad_rows' and gather_grad_small's grid: a warp an item (outer slice, slot, 32
 /// columns), 8 warps a block, at most 16 blocks an SM (the warps loop over the rest).

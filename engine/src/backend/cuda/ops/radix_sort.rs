@@ -23,37 +23,48 @@ pub(crate) fn passes(max_key: u32) -> u32 {
 }
 
 /// Where the sort's arrays lie in one scratch region: keys and values twice (the passes move
-/// them back and forth) and the digit counts.
+/// them back and forth), the digit counts, and the caller's `extra` bytes after them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Layout {
     pub keys: [u64; 2],
     pub vals: [u64; 2],
     pub hist: u64,
+    pub extra: u64,
     pub tiles: usize,
     pub bytes: usize,
 }
 
 impl Layout {
-    pub(super) fn at(base: u64, n: usize) -> Self {
+    pub(super) fn at(base: u64, n: usize, extra: usize) -> Self {
         let array = (n * 4).div_ceil(ALIGN) * ALIGN;
         let tiles = n.div_ceil(TILE).max(1);
         let at = |k: usize| base + (k * array) as u64;
+        let hist = (DIGITS * tiles * 4).div_ceil(ALIGN) * ALIGN;
         Layout {
             keys: [at(0), at(1)],
             vals: [at(2), at(3)],
             hist: at(4),
+            extra: at(4) + hist as u64,
             tiles,
-            bytes: 4 * array + (DIGITS * tiles * 4).div_ceil(ALIGN) * ALIGN,
+            bytes: 4 * array + hist + extra,
         }
     }
 }
 
+/// A sort's result in the runtime's scratch, valid until the scratch is next asked for.
+pub(crate) struct Sorted {
+    pub keys: u64,
+    pub vals: u64,
+    /// the `extra` bytes the caller asked for beside the sort's arrays (256-byte aligned)
+    pub extra: u64,
+}
+
 /// Sorts n (key, value) pairs stably by key on `ctx`'s stream, in the runtime's scratch:
 /// `fill(keys, values)` queues what writes them (n u32 each, no key above `max_key`). Returns
-/// the addresses of the sorted keys and values, valid until the scratch is next asked for.
-pub(crate) fn sort_pairs(ctx: &CudaCtx, n: usize, max_key: u32, fill: impl FnOnce(u64, u64) -> Result<()>) -> Result<(u64, u64)> {
-    let base = ctx.rt.scratch(Layout::at(0, n).bytes)?;
-    let l = Layout::at(base, n);
+/// the addresses of the sorted keys and values and of `extra` more bytes of scratch.
+pub(crate) fn sort_pairs(ctx: &CudaCtx, n: usize, max_key: u32, extra: usize, fill: impl FnOnce(u64, u64) -> Result<()>) -> Result<Sorted> {
+    let base = ctx.rt.scratch(Layout::at(0, n, extra).bytes)?;
+    let l = Layout::at(base, n, extra);
     fill(l.keys[0], l.vals[0])?;
     let tiles = l.tiles as i64;
     let blocks = (l.tiles as u32).min(ctx.rt.sms * 8);
@@ -86,7 +97,7 @@ pub(crate) fn sort_pairs(ctx: &CudaCtx, n: usize, max_key: u32, fill: impl FnOnc
         )?;
         from = 1 - from;
     }
-    Ok((l.keys[from], l.vals[from]))
+    Ok(Sorted { keys: l.keys[from], vals: l.vals[from], extra: l.extra })
 }
 
 #[cfg(test)]
@@ -106,15 +117,16 @@ mod tests {
 
     #[test]
     fn layout_regions_do_not_overlap() {
-        for n in [0, 1, 700, 1024, 1025, 16384] {
-            let l = Layout::at(4096, n);
+        for (n, extra) in [(0, 0), (1, 8), (700, 0), (1024, 4096), (1025, 1), (16384, 1 << 20)] {
+            let l = Layout::at(4096, n, extra);
             let mut starts = [l.keys[0], l.keys[1], l.vals[0], l.vals[1], l.hist];
             starts.sort();
             for w in starts.windows(2) {
                 assert!(w[1] - w[0] >= (n * 4) as u64, "n {n}: {l:?}");
             }
-            assert!(starts.iter().all(|s| s % ALIGN as u64 == 0), "n {n}: {l:?}");
-            assert!(4096 + l.bytes as u64 >= l.hist + (DIGITS * l.tiles * 4) as u64, "n {n}: {l:?}");
+            assert!(starts.iter().chain([&l.extra]).all(|s| s % ALIGN as u64 == 0), "n {n}: {l:?}");
+            assert!(l.extra >= l.hist + (DIGITS * l.tiles * 4) as u64, "n {n}: {l:?}");
+            assert_eq!(4096 + l.bytes as u64, l.extra + extra as u64, "n {n}: {l:?}");
         }
     }
 }

@@ -53,7 +53,6 @@ fn node(op: &str, layout: Option<&str>) -> Node {
 #[test]
 fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
     let Some(g) = gpu("gpu_attention_in_layout_bshd_is_bhsd_transposed") else { return };
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(47);
     let (b, h, t) = (2usize, 3usize, 70usize);
     for s_len in [70usize, 45] {
@@ -74,7 +73,7 @@ fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
                 permute(&v, keys, heads_out),
                 permute(&dout, rows, heads_out),
             );
-            let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+            let (mut ctx, _claim) = direct_ctx(mode, 0);
             let mut results = Vec::new();
             // (layout, Q, Kt or K, V, dO, and their shapes)
             for (layout, ins, shapes) in [
@@ -165,7 +164,6 @@ fn run_both(
 #[test]
 fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
     let Some(g) = gpu("gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts") else { return };
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(53);
     let (b, h, t) = (2usize, 3usize, 70usize);
     for (dt, d, mode) in [
@@ -183,7 +181,7 @@ fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
         // X's row (b, t): Q's row, K's, V's
         let x: Vec<f64> =
             (0..b * t).flat_map(|r| [&q, &k, &v].into_iter().flat_map(move |p| p[r * hd..(r + 1) * hd].iter().copied())).collect();
-        let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+        let (mut ctx, _claim) = direct_ctx(mode, 0);
         let rows = [b, t, h, d];
         let bshd = |op: &str| node(op, Some("BSHD"));
         let bs3hd = |op: &str| {

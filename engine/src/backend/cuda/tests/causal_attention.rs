@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::DeviceBuffer;
-use crate::backend::cuda::ops::{attention_path as path, kernel, CudaCtx, DView};
+use crate::backend::cuda::ops::{attention_path as path, kernel, DView};
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
 
@@ -31,8 +31,7 @@ fn run(ins: &[Vec<f64>; 4], dt: &str, dims: [usize; 3], dmask: &DeviceBuffer, ho
     let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
     let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
     let m = Some(DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host });
-    let mut ctx =
-        CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: F32Mode::Bf16, error_flag: 0, error_base: 0 };
+    let (mut ctx, _claim) = direct_ctx(F32Mode::Bf16, 0);
     let (o, lse) = (zeros_as(g, dt, b * h * t * d), zeros_as(g, "f32", b * h * t));
     let lse_shape = [b, h, t];
     let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };

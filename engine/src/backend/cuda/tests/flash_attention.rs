@@ -10,7 +10,7 @@ use std::sync::Arc;
 use super::attention_reference::{attention_reference, AttnDims};
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::ops::{kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};
+use crate::backend::cuda::ops::{kernel, DView, ENV_FLASH, ENV_FLASH_ROWS};
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
 
@@ -51,7 +51,6 @@ fn reference(c: Case, q: &[f64], k: &[f64], v: &[f64], dout: &[f64]) -> [Vec<f64
 /// as a constant with its host copy).
 fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
     let g = gpu_or_reason().expect("under gpu()");
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let Case { b, h, t, s, d, causal } = c;
     let shapes = [[b, t, h, d], [b, s, h, d], [b, s, h, d], [b, t, h, d]];
     let (dtype, mode) = if dt == "f16" { (DType::F16, F32Mode::F16) } else { (DType::BF16, F32Mode::Bf16) };
@@ -62,7 +61,7 @@ fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
     let dmask = dev(g, &mask_values);
     let mask_shape = [1, 1, t, t];
     let m = causal.then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let (mut ctx, _claim) = direct_ctx(mode, 0);
     let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
     let lse_shape = [b, h, t];
     let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };

@@ -13,7 +13,7 @@ use crate::backend::cuda::abi::Strides;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::loader::Loaded;
-use crate::backend::cuda::ops::{kernel, CudaCtx, DView};
+use crate::backend::cuda::ops::{kernel, DView};
 use crate::backend::cuda::registry::{self, types};
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::DType;
@@ -47,8 +47,19 @@ fn args_of(op: &str) -> Vec<KArg> {
             vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::I64(4), KArg::I64(5), KArg::I64(6), KArg::I64(7), KArg::Ptr(8)]
         }
         "gather_grad_rows" => {
-            vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::Ptr(4), KArg::I64(5), KArg::I64(6), KArg::I64(7), KArg::I64(8)]
+            vec![
+                KArg::Ptr(1),
+                KArg::Ptr(2),
+                KArg::Ptr(3),
+                KArg::Ptr(4),
+                KArg::Ptr(5),
+                KArg::I64(6),
+                KArg::I64(7),
+                KArg::I64(8),
+                KArg::I64(9),
+            ]
         }
+        "gather_grad_runs" => vec![KArg::Ptr(1), KArg::Ptr(2), KArg::Ptr(3), KArg::I64(4), KArg::I64(5), KArg::I64(6), KArg::I64(7)],
         "gather_elements" | "gather_elements_grad" => gather_elements_args(1, 2, 3, Strides::default(), 4, 0, 5, 6),
         _ => panic!("gather: no test launches {op}"),
     }
@@ -188,7 +199,6 @@ fn gpu_gather_matches_cpu_and_flags_bad_indices() {
 /// `is` into x shaped `xs` on `axis`: (dx's bytes, the error flag).
 fn gather_grad_on_gpu(g: &'static Loaded, t: &str, (xs, axis, is): (&[usize], usize, &[usize]), dy: &[f64], idx: &[i64]) -> (Vec<u8>, i32) {
     let dy_shape: &[usize] = &xs[..axis].iter().chain(is).chain(&xs[axis + 1..]).copied().collect::<Vec<_>>();
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let (ddy, di, ddx, err) =
         (dev(g, &encode(t, dy)), dev(g, &narrow("u64", idx)), zeros::<u8>(g, numel(xs) * size_of(t)), zeros::<i32>(g, 1));
     let dtype = match t {
@@ -208,8 +218,7 @@ fn gather_grad_on_gpu(g: &'static Loaded, t: &str, (xs, axis, is): (&[usize], us
         outputs: vec![],
         attrs: Attrs::default().with("axis", Attr::Int(axis as i64)),
     };
-    let mut ctx =
-        CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: err.ptr(), error_base: 0 };
+    let (mut ctx, _claim) = direct_ctx(F32Mode::Exact, err.ptr());
     kernel("GatherGrad").expect("GatherGrad")(&node, &ins, &outs, &mut ctx).unwrap_or_else(|e| panic!("GatherGrad: {e}"));
     g.synchronize().expect("sync");
     (host::<u8>(&ddx), host::<i32>(&err)[0])
@@ -218,16 +227,17 @@ fn gather_grad_on_gpu(g: &'static Loaded, t: &str, (xs, axis, is): (&[usize], us
 /// GatherGrad on the GPU gives the CPU's bits in every float type (the same rows summed in the
 /// same order from 0, so the same step every run): the Gather cases above, indices negative and
 /// out of range (dropped, flag set; up to 32 indices, gather_grad_small), an embedding of 70000
-/// rows (three sort passes) with 3000 indices (three tiles), one of them repeated 1500 times,
-/// into rows of 40 (two column groups, the second partial), and 40 indices on axis 1 of
-/// [3, 50, 5] (sorted, three outer slices).
+/// rows (three sort passes) with 3000 indices (three tiles), one of them repeated 1500 times and
+/// two others 64 and 33 times (summed in segments of 32), into rows of 40 (two column groups,
+/// the second partial), and 80 indices on axis 1 of [3, 50, 5] (sorted, three outer slices,
+/// one index 40 times).
 #[test]
 fn gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices() {
     let Some(g) = gpu("gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices") else { return };
     let mut rng = Rng::new(22);
     let embedding: (&[usize], usize, &[usize]) = (&[70000, 40], 0, &[30, 100]);
     // past gather_grad_small's 32 indices: sorted, with outer slices and rows of 5
-    let sorted: (&[usize], usize, &[usize]) = (&[3, 50, 5], 1, &[40]);
+    let sorted: (&[usize], usize, &[usize]) = (&[3, 50, 5], 1, &[80]);
     for &t in types::FLOATS {
         for (case, &(xs, axis, is)) in GATHERS.iter().chain([&embedding, &sorted]).enumerate() {
             let (outer, dim, inner) = geometry(xs, axis);
@@ -235,10 +245,19 @@ fn gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices() {
             let dy_shape: Vec<usize> = xs[..axis].iter().chain(is).chain(&xs[axis + 1..]).copied().collect();
             let dy = rand_as(&mut rng, t, outer * n_idx * inner, -1.0, 1.0);
             let (mut good, bad_idx, bad) = indices(&mut rng, n_idx.max(3), dim);
-            if n_idx > 1000 {
-                // a padding-like token: a run of 1500 equal keys, spread over the tiles
-                for j in (0..n_idx).step_by(2) {
-                    good[j] = 7;
+            if n_idx > 32 {
+                // a padding-like token: a run of half the indices (1500 spread over the tiles,
+                // summed in 47 segments of 32; 40 in each of 3 outer slices); beside it in
+                // sorted order runs of 64 (two whole segments) and 33 (a segment and a row),
+                // their segments' partials side by side
+                for j in 0..n_idx {
+                    match j {
+                        _ if j % 2 == 0 => good[j] = 7,
+                        _ if n_idx < 1000 => {}
+                        _ if j < 128 => good[j] = 8,
+                        _ if j < 128 + 66 => good[j] = 6 - dim as i64,
+                        _ => {}
+                    }
                 }
             }
             let (good, bad_idx, bad) = (&good[..n_idx], &bad_idx[..n_idx], &bad[..n_idx]);

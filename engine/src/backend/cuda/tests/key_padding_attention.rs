@@ -12,7 +12,7 @@ use std::sync::Arc;
 use super::attention_reference::{attention_reference, AttnDims};
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::ops::{attention_path, kernel, CudaCtx, DView, ENV_FLASH, ENV_FLASH_ROWS};
+use crate::backend::cuda::ops::{attention_path, kernel, DView, ENV_FLASH, ENV_FLASH_ROWS};
 use crate::ir::{Attr, Node};
 use crate::tensor::{DType, Data, Tensor};
 
@@ -106,7 +106,7 @@ fn run(c: Case, mask: Mask, dt: &str, kp: &[u8], ins: &[Vec<f64>; 4]) -> ([Vec<f
     let kp_shape = [b, 1, 1, t];
     let m = (mask != Mask::Absent).then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
     let flags = Some(DView { dtype: DType::Bool, shape: &kp_shape, ptr: dflags.ptr(), host: None });
-    let mut ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: mode, error_flag: 0, error_base: 0 };
+    let (mut ctx, _claim) = direct_ctx(mode, 0);
     let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
     let lse_shape = [b, h, t];
     let o_view = DView { dtype, shape: &shape, ptr: o.ptr(), host: None };

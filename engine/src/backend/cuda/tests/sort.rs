@@ -8,7 +8,6 @@ use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::launch::KArg;
 use crate::backend::cuda::ops::radix_sort::{passes, sort_pairs};
-use crate::backend::cuda::ops::CudaCtx;
 
 fn args_of(op: &str) -> Vec<KArg> {
     let (p, i) = (KArg::Ptr, KArg::I64);
@@ -29,7 +28,7 @@ fn sort_test_argument_lists_match_the_registry() {
 fn gpu_radix_sort_is_stable_and_sorted() {
     let Some(g) = gpu("gpu_radix_sort_is_stable_and_sorted") else { return };
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let ctx = CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode: F32Mode::Exact, error_flag: 0, error_base: 0 };
+    let (ctx, _claim) = direct_ctx(F32Mode::Exact, 0);
     let mut rng = Rng::new(31);
     for (n, dim) in
         [(0usize, 5usize), (1, 1), (700, 200), (1024, 256), (1025, 257), (5000, 70000), (3000, 3), (2100, (u32::MAX - 1) as usize)]
@@ -37,7 +36,7 @@ fn gpu_radix_sort_is_stable_and_sorted() {
         let idx: Vec<i64> = (0..n).map(|j| if j % 3 == 0 { (dim / 2) as i64 } else { rng.int(0, dim as i64) }).collect();
         let max_key = dim as u32;
         let di = dev(g, &idx);
-        let (keys, vals) = sort_pairs(&ctx, n, max_key, |k, v| {
+        let sorted = sort_pairs(&ctx, n, max_key, 0, |k, v| {
             let args = [KArg::Ptr(di.ptr()), KArg::Ptr(k), KArg::Ptr(v), KArg::I64(n as i64), KArg::I64(dim as i64), KArg::Ptr(0)];
             rt.launch(ctx.stream, "gather_grad_keys_i64", rt.elementwise_grid(n), &args)
         })
@@ -45,7 +44,7 @@ fn gpu_radix_sort_is_stable_and_sorted() {
         g.synchronize().expect("sync");
         // u32s as f32 bits (the copy moves bits only)
         let down = |addr: u64| -> Vec<u32> { download_f32(g, addr, n).iter().map(|v| v.to_bits()).collect() };
-        let (got_keys, got_vals) = (down(keys), down(vals));
+        let (got_keys, got_vals) = (down(sorted.keys), down(sorted.vals));
         let mut want: Vec<(u32, u32)> = idx.iter().enumerate().map(|(j, &k)| (k as u32, j as u32)).collect();
         want.sort_by_key(|&(k, _)| k);
         let what = format!("n {n}, keys below {dim} ({} passes)", passes(max_key));

@@ -5,8 +5,11 @@
 use std::path::PathBuf;
 
 use super::gpu_lock;
+use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::claim::Claim;
 use crate::backend::cuda::launch::{DeviceBuffer, Grid, KArg};
 use crate::backend::cuda::loader::Loaded;
+use crate::backend::cuda::ops::CudaCtx;
 use crate::backend::cuda::probe;
 use crate::backend::cuda::runtime::{self, CudaRuntime};
 
@@ -20,6 +23,16 @@ pub fn runtime_or_reason() -> Result<&'static CudaRuntime, String> {
         dirs.push(if p.is_dir() { p } else { p.parent().map(PathBuf::from).unwrap_or_default() });
     }
     runtime::runtime(&dirs).map_err(|e| e.to_string())
+}
+
+/// A context for calling an op's kernels directly on the legacy stream, and the claim on the
+/// runtime's shared buffers (claim.rs) to hold until the results are downloaded: the tests run on
+/// parallel threads, and two direct calls using the one scratch region (GatherGrad's sort, the
+/// flash backward's Δ) would otherwise read each other's data.
+pub fn direct_ctx(f32_mode: F32Mode, error_flag: u64) -> (CudaCtx<'static>, Claim<'static>) {
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let claim = rt.claim(std::ptr::null_mut()).unwrap_or_else(|e| panic!("claiming the shared buffers: {e}"));
+    (CudaCtx { rt, stream: std::ptr::null_mut(), seed: 1, seed_slot: 0, f32_mode, error_flag, error_base: 0 }, claim)
 }
 
 /// The kernels loaded on GPU 0, or why not.
