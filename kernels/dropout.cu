@@ -18,6 +18,10 @@
 //   dropout_add_slot_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
 //       DropoutAdd (passes/fuse_dropout_add.rs): y = dropout(x) + res, the dropped value
 //       rounded to T before the add, as the Dropout and Add it replaces; ratio 0 for inference
+//   dropout_add_wide_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
+//   dropout_add_wide_slot_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//       the same for a 16-bit x joining an f32 residual (T: bf16 f16): the dropped value
+//       rounded to T, then widened and added in f32, as Dropout, Cast and Add did
 //   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
 //       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
 // T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy).
@@ -42,9 +46,10 @@ __device__ __forceinline__ U4 philox4x32_10(U4 c, u32 k0, u32 k1) {
 // Uniform in [0, 1) from the top 24 bits (exact in f32).
 __device__ __forceinline__ f32 uniform24(u32 r) { return (f32)(r >> 8) * (1.0f / 16777216.0f); }
 
-// res: null, or a tensor like x added to the output (DropoutAdd).
-template <typename T>
-__device__ __forceinline__ void dropout_fwd(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
+// res: null, or a tensor like x added to the output (DropoutAdd), of x's type or, for a
+// 16-bit x, f32 (R: the residual's and the output's type).
+template <typename T, typename R = T>
+__device__ __forceinline__ void dropout_fwd(const T* x, const R* res, R* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
     typedef typename Num<T>::Acc A;
     const A scale = (A)1 / ((A)1 - (A)ratio);
     const i64 groups = (n + 3) / 4;
@@ -58,7 +63,8 @@ __device__ __forceinline__ void dropout_fwd(const T* x, const T* res, T* y, u8* 
             if (i < n) {
                 const bool keep = uniform24(rs[k]) >= ratio;
                 const T dropped = keep ? Num<T>::store(Num<T>::load(x[i]) * scale) : Num<T>::store((A)0);
-                y[i] = res ? Num<T>::store(Num<T>::load(dropped) + Num<T>::load(res[i])) : dropped;
+                if (res) y[i] = Num<R>::store(Num<R>::load(res[i]) + (typename Num<R>::Acc)Num<T>::load(dropped));
+                else reinterpret_cast<T*>(y)[i] = dropped;  // no residual: R is T
                 if (mask) mask[i] = keep ? 1 : 0;
             }
         }
@@ -75,17 +81,17 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
 
 #define DROPOUT(op, T)                                                                        \
     extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
-        dropout_fwd<T>(x, nullptr, y, mask, n, ratio, seed, offset);                          \
+        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, seed, offset);                          \
     }                                                                                         \
     extern "C" __global__ void dropout_slot_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt) { \
-        dropout_fwd<T>(x, nullptr, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);           \
+        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);           \
     }                                                                                         \
     extern "C" __global__ void dropout_add_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
-        dropout_fwd<T>(x, res, y, mask, n, ratio, seed, offset);                              \
+        dropout_fwd<T, T>(x, res, y, mask, n, ratio, seed, offset);                              \
     }                                                                                         \
     extern "C" __global__ void dropout_add_slot_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, \
                                                     u64 salt) {                               \
-        dropout_fwd<T>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);               \
+        dropout_fwd<T, T>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);               \
     }                                                                                         \
     extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
         typedef Num<T>::Acc A;                                                                \
@@ -93,3 +99,16 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
         ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(dy[i]) * s : (A)0);  \
     }
 ORT_FLOATS(DROPOUT, _)
+
+// DropoutAdd of a 16-bit branch into an f32 stream (the Cast between them fused too).
+#define DROPOUT_ADD_WIDE(op, T)                                                               \
+    extern "C" __global__ void dropout_add_wide_##T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, u64 seed,      \
+                                                    u64 offset) {                             \
+        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, seed, offset);                         \
+    }                                                                                         \
+    extern "C" __global__ void dropout_add_wide_slot_##T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio,           \
+                                                         const u64* seed, u64 salt) {         \
+        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);          \
+    }
+DROPOUT_ADD_WIDE(_, bf16)
+DROPOUT_ADD_WIDE(_, f16)

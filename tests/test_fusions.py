@@ -63,13 +63,13 @@ CASES = {
 }
 
 
-def _train(model, inputs, loss_fn, disable: str | None, monkeypatch):
+def _train(model, inputs, loss_fn, disable: str | None, monkeypatch, precision: str = "fp32"):
     if disable is None:
         monkeypatch.delenv("ORTRAIN_DISABLE_PASSES", raising=False)
     else:
         monkeypatch.setenv("ORTRAIN_DISABLE_PASSES", disable)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    ortrain.accelerate(model, opt, strict=True)
+    ortrain.accelerate(model, opt, strict=True, precision=precision)
     # the steps' dropout seeds come from torch's generator: both runs draw the same ones
     torch.manual_seed(1234)
     losses, grads = [], None
@@ -107,6 +107,25 @@ def test_pass_matches_unfused(case, monkeypatch):
         assert diff <= 1e-4, f"{n}: fused gradient differs by {diff:.2e} (relative to its max)"
     for a, b in zip(fused, plain):
         assert abs(a - b) <= 1e-4 * abs(b), f"loss curves diverge: {fused} vs {plain}"
+
+
+def test_a_bf16_branch_dropout_fuses_into_the_f32_stream_with_its_cast(monkeypatch):
+    """GPT-2 in bf16 with autocast keeps its residual stream in f32 while each block's branch
+    (attention and MLP outputs, their dropouts) is bf16, joined to the stream by a Cast:
+    fuse_dropout_add takes the Cast too, and the steps are the unfused ones bit for bit (the
+    dropped value rounded to bf16 before the f32 add, as the Dropout stored it)."""
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "autocast")
+    torch.manual_seed(0)
+    model, inputs, loss_fn = models.gpt2_small(vocab=200, dropout=0.1)
+    fused, fused_grads, rewrites = _train(copy.deepcopy(model), inputs, loss_fn, None, monkeypatch, "bf16")
+    plain, plain_grads, plain_rewrites = _train(copy.deepcopy(model), inputs, loss_fn, "fuse_dropout_add", monkeypatch, "bf16")
+    layers = sum(1 for m in model.modules() if type(m).__name__ == "GPT2Block")
+    assert layers and rewrites.get("fuse_dropout_add", 0) >= 2 * layers, rewrites
+    assert "fuse_dropout_add" not in plain_rewrites and plain_rewrites.get("autocast"), plain_rewrites
+    print(f"\nbf16 GPT-2, dropout 0.1: {rewrites}; losses {fused}")
+    assert fused == plain, f"the fused bf16 steps differ: {fused} vs {plain}"
+    for n, g in plain_grads.items():
+        assert torch.equal(fused_grads[n], g), f"{n}: the fused bf16 gradient differs"
 
 
 def test_unknown_pass_name_is_a_clear_error(monkeypatch):

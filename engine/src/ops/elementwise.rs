@@ -100,6 +100,11 @@ impl OpDef for Cast {
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[1]
     }
+    /// A cast to the type the input has already moves nothing (a CastLike gradient of a value
+    /// that was never narrowed, an exporter's Cast to int64 of an int64).
+    fn is_view_for(&self, node: &Node, inputs: &[Option<InferIn>]) -> bool {
+        self.infer(node, inputs).is_ok_and(|outs| inputs.first().and_then(|x| x.as_ref()).is_some_and(|x| outs[0].dtype == x.dtype))
+    }
 }
 
 fn grad_add(_: &Node, g: &mut GradCtx) -> Result<()> {

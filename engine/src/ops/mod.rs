@@ -16,7 +16,7 @@ pub mod matmul_gelu_grad;
 mod movement;
 mod norm;
 mod pool;
-mod random;
+pub(crate) mod random;
 mod reduce;
 pub(crate) mod shape_ops;
 mod softmax;

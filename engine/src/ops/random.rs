@@ -7,7 +7,7 @@ use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
-use crate::ir::Node;
+use crate::ir::{Attrs, Node};
 use crate::tensor::DType;
 
 struct Dropout;
@@ -40,23 +40,38 @@ impl OpDef for Dropout {
     }
 }
 
+/// DropoutAdd's attribute naming x's element type (an ONNX code) where x is 16-bit: the
+/// dropped value is rounded to it before the add, as the Dropout it replaces stored it (the
+/// CPU computes 16-bit values widened to f32, so its kernel reads the type from here).
+pub const DROPPED_TYPE: &str = "dropped_type";
+
 struct DropoutAdd;
 impl OpDef for DropoutAdd {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (x, r) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
-        if x.shape != r.shape || x.dtype != r.dtype {
+        // a 16-bit branch may join an f32 stream (the Cast between them fused too)
+        let joins = x.dtype == r.dtype || (x.dtype.is_half() && r.dtype == DType::F32);
+        if x.shape != r.shape || !joins {
             return Err(node.err(format!(
-                "the residual ({:?} {:?}) must have the dropped tensor's shape and type ({:?} {:?})",
+                "the residual ({:?} {:?}) must have the dropped tensor's shape and its type or f32 ({:?} {:?})",
                 r.dtype, r.shape, x.dtype, x.shape
             )));
         }
-        Ok(vec![TypeOut::like(x), TypeOut::new(DType::Bool, x.shape.to_vec())])
+        let dropped = node.attrs.int(DROPPED_TYPE, 0)?;
+        let want = if x.dtype.is_half() { x.dtype.onnx_code() as i64 } else { 0 };
+        if dropped != want {
+            return Err(node.err(format!("attribute {DROPPED_TYPE} is {dropped}: x is {:?}, so it must be {want}", x.dtype)));
+        }
+        Ok(vec![TypeOut::like(r), TypeOut::new(DType::Bool, x.shape.to_vec())])
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
             let mask = g.y(1);
-            let d = g.op_n("DropoutGrad", vec![Some(dy), Some(mask), node.input(2), node.input(3)], node.attrs.clone(), 1)[0];
+            // dy in x's type first, as the Cast's gradient did (a view where the types agree)
+            let x = g.x(0)?;
+            let dy_x = g.op("CastLike", &[dy, x], Attrs::default());
+            let d = g.op_n("DropoutGrad", vec![Some(dy_x), Some(mask), node.input(2), node.input(3)], node.attrs.clone(), 1)[0];
             g.set(0, d);
             // the residual's shape is y's: its gradient is dy itself
             g.set(1, dy);

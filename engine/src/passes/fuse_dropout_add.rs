@@ -10,10 +10,14 @@
 //! r. The bias before the dropout is already in the product's epilogue (fuse_linear).
 //!
 //! Only where the Add does not broadcast (x's and r's shapes proven equal, passes/sym_shape.rs),
-//! both have one type, and the Dropout's output has no other reader.
+//! both have one type, and the Dropout's output has no other reader. A 16-bit branch joined to
+//! an f32 stream, `Add(Cast(Dropout(x16), f32), r32)` as autocast writes GPT-2's blocks, fuses
+//! with its Cast: the dropped value rounded to x's type, then widened and added in f32.
 
 use super::sym_shape::shape_of;
-use crate::ir::{Graph, Node, ValueId};
+use crate::ir::{Attr, Graph, Node, NodeId, ValueId};
+use crate::ops::random::DROPPED_TYPE;
+use crate::tensor::DType;
 
 /// Rewrites the graph; returns how many Dropout + Add pairs became one DropoutAdd.
 pub fn run(graph: &mut Graph) -> usize {
@@ -22,29 +26,50 @@ pub fn run(graph: &mut Graph) -> usize {
     let random = |n: &Node| crate::ops::lookup(&n.op_type).is_some_and(|op| op.is_random());
     // (the Dropout's index, the Add's index, the DropoutAdd that replaces the Add)
     let mut fused: Vec<(usize, usize, Node)> = Vec::new();
+    // the Casts between a 16-bit dropout and an f32 add, gone with them
+    let mut casts: Vec<usize> = Vec::new();
     for (a, add) in graph.nodes.iter().enumerate() {
         if add.op_type != "Add" || add.inputs.len() != 2 || add.outputs.len() != 1 {
             continue;
         }
         for slot in 0..2 {
-            let (Some(dropped), Some(r)) = (add.input(slot), add.input(1 - slot)) else { continue };
+            let (Some(joined), Some(r)) = (add.input(slot), add.input(1 - slot)) else { continue };
+            let only_reader =
+                |v: ValueId, node: usize, slot: usize| consumers[v.0] == [(NodeId(node), slot)] && !graph.outputs.contains(&v);
+            if !only_reader(joined, a, slot) {
+                continue;
+            }
+            // the dropped value itself, or its Cast to the stream's type (a 16-bit branch)
+            let Some(p) = graph.value(joined).producer else { continue };
+            let (dropped, cast) = match graph.nodes[p.0].op_type.as_str() {
+                "Cast" => match graph.nodes[p.0].input(0) {
+                    Some(v) if only_reader(v, p.0, 0) => (v, Some(p.0)),
+                    _ => continue,
+                },
+                _ => (joined, None),
+            };
             let Some(d) = graph.value(dropped).producer else { continue };
             let dropout = &graph.nodes[d.0];
-            let only_reader = consumers[dropped.0] == [(crate::ir::NodeId(a), slot)] && !graph.outputs.contains(&dropped);
-            if dropout.op_type != "Dropout" || dropout.outputs.first() != Some(&dropped) || !only_reader || fused.iter().any(|f| f.0 == d.0)
-            {
+            if dropout.op_type != "Dropout" || dropout.outputs.first() != Some(&dropped) || fused.iter().any(|f| f.0 == d.0) {
                 continue;
             }
             let Some(x) = dropout.input(0) else { continue };
-            let same_type = types[x.0].is_some() && types[x.0] == types[r.0];
+            let Some(x_type) = types[x.0] else { continue };
+            let joins = match cast {
+                None => types[r.0] == Some(x_type),
+                Some(_) => x_type.is_half() && types[joined.0] == Some(DType::F32) && types[r.0] == Some(DType::F32),
+            };
             let same_shape = shape_of(graph, x).is_some_and(|s| Some(&s) == shape_of(graph, r).as_ref());
             // the CPU's random stream advances node by node: nothing random may run in between
             let between = graph.nodes[d.0 + 1..a.max(d.0 + 1)].iter().any(random);
-            if !same_type || !same_shape || between || d.0 > a {
+            if !joins || !same_shape || between || d.0 > a {
                 continue;
             }
             let mask = dropout.outputs.get(1).copied();
-            fused.push((d.0, a, fused_node(dropout, x, r, add.outputs[0], mask)));
+            fused.push((d.0, a, fused_node(dropout, x, x_type, r, add.outputs[0], mask)));
+            if let Some(c) = cast {
+                casts.push(c);
+            }
             break;
         }
     }
@@ -57,15 +82,23 @@ pub fn run(graph: &mut Graph) -> usize {
         graph.nodes[a] = node;
         gone[d] = true;
     }
+    for c in casts {
+        gone[c] = true;
+    }
     super::drop_nodes(graph, &gone);
     count
 }
 
-/// DropoutAdd(x, r, ratio, mode) named as the Dropout, writing the Add's output and the mask.
-fn fused_node(dropout: &Node, x: ValueId, r: ValueId, sum: ValueId, mask: Option<ValueId>) -> Node {
+/// DropoutAdd(x, r, ratio, mode) named as the Dropout, writing the Add's output and the mask;
+/// a 16-bit x's type in its `dropped_type` (ops/random.rs).
+fn fused_node(dropout: &Node, x: ValueId, x_type: DType, r: ValueId, sum: ValueId, mask: Option<ValueId>) -> Node {
     let inputs = vec![Some(x), Some(r), dropout.input(1), dropout.input(2)];
     let outputs = std::iter::once(sum).chain(mask).collect();
-    Node { name: dropout.name.clone(), op_type: "DropoutAdd".into(), inputs, outputs, attrs: dropout.attrs.clone() }
+    let mut attrs = dropout.attrs.clone();
+    if x_type.is_half() {
+        attrs.set(DROPPED_TYPE, Attr::Int(x_type.onnx_code() as i64));
+    }
+    Node { name: dropout.name.clone(), op_type: "DropoutAdd".into(), inputs, outputs, attrs }
 }
 
 #[cfg(test)]
@@ -130,5 +163,51 @@ mod tests {
         let r = g.find("r").expect("r");
         g.values[r.0].dtype = Some(DType::F64);
         assert_eq!(run(&mut g), 0, "another type");
+    }
+
+    /// `Add(Cast(Dropout(x), to), r)` over [2, 3], x of `x_type` and r of `to`, as autocast
+    /// leaves GPT-2's blocks (bf16 into f32); the Cast's output read by `spy` too when asked.
+    fn widened_block(x_type: DType, to: DType, cast_read_elsewhere: bool) -> Graph {
+        let mut g = Graph::default();
+        let dims = Some(vec![Dim::Known(2), Dim::Known(3)]);
+        let x = g.add_value("x", ValueKind::Input, Some(x_type), dims.clone());
+        let r = g.add_value("r", ValueKind::Input, Some(to), dims);
+        g.inputs.extend([x, r]);
+        let ratio = g.add_const("ratio", Tensor::from_f32(vec![], vec![0.1]));
+        let mode = g.add_const("mode", Tensor::from_bytes(DType::Bool, vec![], &[1]).expect("bool"));
+        let d = g.add_node("drop", "Dropout", vec![Some(x), Some(ratio), Some(mode)], Attrs::default(), 2);
+        g.outputs.push(d[1]);
+        let cast = g.add_node("cast", "Cast", vec![Some(d[0])], Attrs::default().with("to", Attr::Int(to.onnx_code() as i64)), 1)[0];
+        let sum = g.add_node("add", "Add", vec![Some(cast), Some(r)], Attrs::default(), 1)[0];
+        g.outputs.push(sum);
+        if cast_read_elsewhere {
+            let spy = g.add_node("spy", "Neg", vec![Some(cast)], Attrs::default(), 1)[0];
+            g.outputs.push(spy);
+        }
+        g
+    }
+
+    #[test]
+    fn a_16_bit_dropout_cast_into_an_f32_stream_fuses_with_its_cast() {
+        for x_type in [DType::BF16, DType::F16] {
+            let mut g = widened_block(x_type, DType::F32, false);
+            assert_eq!(run(&mut g), 1, "{x_type:?}");
+            let ops: Vec<&str> = g.nodes.iter().map(|n| n.op_type.as_str()).collect();
+            assert_eq!(ops, ["DropoutAdd"], "{x_type:?}: the Cast goes too");
+            let node = &g.nodes[0];
+            assert_eq!(node.input(0).map(|v| g.value(v).name.clone()), Some("x".into()));
+            assert_eq!(node.attrs.int(DROPPED_TYPE, 0).expect("int"), x_type.onnx_code() as i64, "rounded to x's type first");
+        }
+        // the same-type 16-bit fusion names its type too (the CPU computes it widened)
+        let mut g = block(&[2, 3], true, false, false);
+        for v in ["x", "r"] {
+            let id = g.find(v).expect("value");
+            g.values[id.0].dtype = Some(DType::BF16);
+        }
+        assert_eq!(run(&mut g), 1);
+        assert_eq!(g.nodes[0].attrs.int(DROPPED_TYPE, 0).expect("int"), DType::BF16.onnx_code() as i64);
+        assert_eq!(run(&mut widened_block(DType::BF16, DType::F32, true)), 0, "the widened value has another reader");
+        assert_eq!(run(&mut widened_block(DType::F32, DType::F32, false)), 0, "an f32 branch's Cast: not autocast's");
+        assert_eq!(run(&mut widened_block(DType::BF16, DType::F64, false)), 0, "into an f64 stream");
     }
 }

@@ -3,6 +3,7 @@
 //! per-element hash is 32-bit (murmur3's finalizer, twice, keyed by the draw's 64-bit key) so
 //! that it vectorises: AVX2 has 32-bit but no 64-bit lane multiplies.
 
+use num_traits::AsPrimitive;
 use rayon::prelude::*;
 
 use super::elementwise::{first, FloatElem};
@@ -11,6 +12,7 @@ use super::{CpuCtx, KernelTable, PAR_MIN};
 use crate::error::Result;
 use crate::ir::Node;
 use crate::simd::multiversion;
+use crate::tensor::DType;
 
 pub struct Rng {
     seed: u64,
@@ -147,19 +149,30 @@ fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut Cp
     if r.shape != out[0].shape || r.dtype != out[0].dtype {
         return Err(node.err(format!("the residual {:?} must be shaped and typed like the output {:?}", r.shape, out[0].shape)));
     }
+    // a 16-bit x arrives widened (widen.rs): the dropped value is rounded to its type first
+    let code = node.attrs.int(crate::ops::random::DROPPED_TYPE, 0)?;
+    let round: fn(f32) -> f32 = match DType::from_onnx(code as i32) {
+        None if code == 0 => |v| v,
+        Some(DType::BF16) => |v| half::bf16::from_f32(v).to_f32(),
+        Some(DType::F16) => |v| half::f16::from_f32(v).to_f32(),
+        _ => return Err(node.err(format!("{} {code} is not a 16-bit float type", crate::ops::random::DROPPED_TYPE))),
+    };
     dropout_of(node, first(node, inputs)?, inputs, 2, out, ctx)?;
-    fn add<T: FloatElem>(r: &In, y: &mut Out) -> Result<()> {
+    fn add<T: FloatElem>(r: &In, y: &mut Out, round: Option<fn(f32) -> f32>) -> Result<()> {
         let (r, y) = (r.slice::<T>()?, y.slice::<T>()?);
+        let add = |y: &mut [T], r: &[T]| match round {
+            Some(f) => y.iter_mut().zip(r).for_each(|(y, &r)| *y = T::from_f64(f(AsPrimitive::<f64>::as_(*y) as f32) as f64) + r),
+            None => y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r),
+        };
         if y.len() >= PAR_MIN {
-            y.par_chunks_mut(DROPOUT_CHUNK)
-                .zip(r.par_chunks(DROPOUT_CHUNK))
-                .for_each(|(y, r)| y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r));
+            y.par_chunks_mut(DROPOUT_CHUNK).zip(r.par_chunks(DROPOUT_CHUNK)).for_each(|(y, r)| add(y, r));
         } else {
-            y.iter_mut().zip(r).for_each(|(y, &r)| *y = *y + r);
+            add(y, r);
         }
         Ok(())
     }
-    crate::dispatch_float!(r.dtype, node, add::<T>(r, &mut out[0]))
+    let round = (code != 0).then_some(round);
+    crate::dispatch_float!(r.dtype, node, add::<T>(r, &mut out[0], round))
 }
 
 /// Dropout of `x` with (ratio, training_mode) at inputs `ratio_at` and after it.

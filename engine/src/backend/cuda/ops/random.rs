@@ -11,6 +11,7 @@ use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
 use crate::error::{Error, Result};
 use crate::ir::Node;
+use crate::tensor::DType;
 
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -86,8 +87,12 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
 fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, r) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let (ratio, training) = params(node, ins, 2)?;
-    if r.shape != x.shape || r.dtype != x.dtype || outs[0].shape != x.shape {
-        return Err(node.err(format!("the residual {:?} must be shaped and typed like x {:?}", r.shape, x.shape)));
+    let joins = r.dtype == x.dtype || (x.dtype.is_half() && r.dtype == DType::F32);
+    if r.shape != x.shape || !joins || outs[0].shape != x.shape || outs[0].dtype != r.dtype {
+        return Err(node.err(format!(
+            "the residual {:?} {:?} must be shaped like x {:?} and typed like it (or f32 for a 16-bit x)",
+            r.dtype, r.shape, x.shape
+        )));
     }
     if x.numel() == 0 {
         return Ok(());
@@ -101,7 +106,11 @@ fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
 fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64, mask: u64, ratio: f64) -> Result<()> {
     let salt = salt_of(node);
     let t = float_suffix(node, x.dtype)?;
-    let op = if res.is_some() { "dropout_add" } else { "dropout" };
+    let op = match res {
+        Some(r) if r.dtype != x.dtype => "dropout_add_wide",
+        Some(_) => "dropout_add",
+        None => "dropout",
+    };
     // the Philox key, or the seed's address and the salt the kernel mixes into it
     let (kernel, key, last) = if ctx.seed_slot != 0 {
         (format!("{op}_slot_{t}"), KArg::Ptr(ctx.seed_slot), KArg::U64(salt))

@@ -8,7 +8,7 @@ use super::support::*;
 use crate::backend::cpu::testutil;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::philox::dropout_keep;
-use crate::backend::cuda::registry::types::FLOATS;
+use crate::backend::cuda::registry::types::{FLOATS, HALVES};
 use crate::ir::Attrs;
 use crate::tensor::{Data, Tensor};
 
@@ -57,6 +57,11 @@ fn dropout_argument_lists_match_the_registry() {
         };
         with_residual(format!("dropout_add_{t}"), fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
         with_residual(format!("dropout_add_slot_{t}"), slot_args(1, 1, 1, N, RATIO, 1, SEED));
+        if HALVES.contains(t) {
+            // a 16-bit branch into an f32 stream: the same arguments, res and y f32
+            with_residual(format!("dropout_add_wide_{t}"), fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
+            with_residual(format!("dropout_add_wide_slot_{t}"), slot_args(1, 1, 1, N, RATIO, 1, SEED));
+        }
         checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
     assert_covers("dropout", &checked);

@@ -2,9 +2,11 @@
 //! executor (the reference the GPU is compared with in exec.rs): each fusion is found where it
 //! should be, and the fused train step gives the unfused one's outputs and gradients.
 
-use super::exec::{cpu_step, gpu_step, session, session_for, weight_data};
+use super::exec::{cpu_step, gpu_step_in, session, session_for, session_with, weight_data, LEGACY};
 use super::exec_models::*;
 use super::support::*;
+use crate::backend::cpu::bf16::MatmulPrecision;
+use crate::backend::cuda::blas::F32Mode;
 use crate::ir::Attrs;
 use crate::session::Session;
 use crate::tensor::{DType, Tensor};
@@ -129,15 +131,26 @@ fn recomputed_activations_give_the_same_train_step() {
 /// constant shape, so the pass proves them alike); without it the same arithmetic stays a
 /// Dropout and an Add (the products' shapes are not known to the pass).
 pub(super) fn residual_dropout(rng: &mut Rng, provable: bool) -> Model {
+    residual_dropout_of(rng, provable, false)
+}
+
+/// residual_dropout, or with `stream` the residual x itself ([4, 64], h then x times a
+/// [64, 64] weight): in a 16-bit session h is a 16-bit product and x stays f32, so autocast
+/// joins them by a Cast of the dropped h (a 16-bit branch into an f32 stream).
+pub(super) fn residual_dropout_of(rng: &mut Rng, provable: bool, stream: bool) -> Model {
     let input = vec![4, 64];
     let (mut g, x) = new_model(&input);
     let mut ws = Vec::new();
-    let w = weight(&mut g, &mut ws, "w", &[64, 48], rng);
-    let v = weight(&mut g, &mut ws, "v", &[64, 48], rng);
+    let width = if stream { 64 } else { 48 };
+    let w = weight(&mut g, &mut ws, "w", &[64, width], rng);
     let mut h = op(&mut g, "mm_h", "MatMul", &[x, w], Attrs::default());
-    let mut r = op(&mut g, "mm_r", "MatMul", &[x, v], Attrs::default());
+    let mut r = x;
+    if !stream {
+        let v = weight(&mut g, &mut ws, "v", &[64, 48], rng);
+        r = op(&mut g, "mm_r", "MatMul", &[x, v], Attrs::default());
+    }
     if provable {
-        let shape = ints(&mut g, "shape", &[4, 48]);
+        let shape = ints(&mut g, "shape", &[4, width as i64]);
         h = op(&mut g, "view_h", "Reshape", &[h, shape], Attrs::default());
         r = op(&mut g, "view_r", "Reshape", &[r, shape], Attrs::default());
     }
@@ -152,29 +165,40 @@ pub(super) fn residual_dropout(rng: &mut Rng, provable: bool) -> Model {
 
 /// A residual branch's Dropout and Add become one DropoutAdd (passes/fuse_dropout_add.rs) on
 /// both backends, named as the Dropout; it draws the unfused graph's masks and gives its step
-/// bit for bit: on the CPU executor, and on the GPU (the Philox stream keyed by the name).
+/// bit for bit: on the CPU executor, and on the GPU (the Philox stream keyed by the name). In
+/// f32; in bf16 (the dropped value rounded to bf16 before the add, as the Dropout stored it: the
+/// CPU computes 16-bit kernels widened); and a bf16 branch into an f32 stream, its Cast fused too.
 #[test]
 fn dropout_add_draws_the_unfused_masks_and_gives_the_unfused_step() {
     let mut rng = Rng::new(47);
-    let (fused_model, plain_model) = (residual_dropout(&mut Rng::new(5), true), residual_dropout(&mut Rng::new(5), false));
-    for target in [crate::session::Target::Cpu, crate::session::Target::Cuda] {
-        let (fused, plain) = (session_for(&fused_model, target), session_for(&plain_model, target));
-        let ops = |s: &Session| s.graph.nodes.iter().map(|n| n.op_type.clone()).collect::<Vec<_>>();
-        let dropout_add = fused.graph.nodes.iter().find(|n| n.op_type == "DropoutAdd");
-        assert_eq!(dropout_add.map(|n| n.name.as_str()), Some("drop"), "{target:?}: {:?}", ops(&fused));
-        assert!(!ops(&fused).contains(&"Dropout".to_string()), "{target:?}: {:?}", ops(&fused));
-        assert!(ops(&plain).contains(&"Dropout".to_string()) && !ops(&plain).contains(&"DropoutAdd".to_string()), "{:?}", ops(&plain));
-        if target == crate::session::Target::Cpu {
-            let ((fo, fg), (po, pg)) = cpu_steps(&fused_model, &fused, &plain, &mut rng);
-            assert_eq!((fo, fg), (po, pg), "the CPU's fused step differs from the unfused one");
+    for (precision, stream) in [(MatmulPrecision::Fp32, false), (MatmulPrecision::Bf16, false), (MatmulPrecision::Bf16, true)] {
+        let case = format!("{precision:?}, residual {}", if stream { "an f32 stream" } else { "a product" });
+        let fused_model = residual_dropout_of(&mut Rng::new(5), true, stream);
+        let plain_model = residual_dropout_of(&mut Rng::new(5), false, stream);
+        for target in [crate::session::Target::Cpu, crate::session::Target::Cuda] {
+            let (fused, plain) = (session_with(&fused_model, target, precision), session_with(&plain_model, target, precision));
+            let ops = |s: &Session| s.graph.nodes.iter().map(|n| n.op_type.clone()).collect::<Vec<_>>();
+            let dropout_add = fused.graph.nodes.iter().find(|n| n.op_type == "DropoutAdd");
+            assert_eq!(dropout_add.map(|n| n.name.as_str()), Some("drop"), "{case}, {target:?}: {:?}", ops(&fused));
+            assert!(!ops(&fused).contains(&"Dropout".to_string()), "{case}, {target:?}: {:?}", ops(&fused));
+            let casts = |s: &Session| s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "Cast").count();
+            if stream {
+                assert_eq!(casts(&fused) + 1, casts(&plain), "{case}, {target:?}: the Cast into the stream fused too");
+            }
+            assert!(ops(&plain).contains(&"Dropout".to_string()) && !ops(&plain).contains(&"DropoutAdd".to_string()), "{:?}", ops(&plain));
+            if target == crate::session::Target::Cpu {
+                let ((fo, fg), (po, pg)) = cpu_steps(&fused_model, &fused, &plain, &mut rng);
+                assert_eq!((fo, fg), (po, pg), "{case}: the CPU's fused step differs from the unfused one");
+            }
         }
+        let Some(_) = gpu("dropout_add_draws_the_unfused_masks_and_gives_the_unfused_step") else { continue };
+        let target = crate::session::Target::Cuda;
+        let (fused, plain) = (session_with(&fused_model, target, precision), session_with(&plain_model, target, precision));
+        let x = fused_model.input_bytes(&mut rng);
+        let plan = fused.plan(&[fused_model.sig()], true).expect("plan");
+        let seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let mode = if precision == MatmulPrecision::Bf16 { F32Mode::Bf16 } else { F32Mode::Exact };
+        let step = |s: &Session, m: &Model| gpu_step_in(s, &x, &m.sig(), &weight_data(m), &seeds, mode, LEGACY);
+        assert_eq!(step(&fused, &fused_model), step(&plain, &plain_model), "{case}: the GPU's fused step differs from the unfused one");
     }
-    let Some(_) = gpu("dropout_add_draws_the_unfused_masks_and_gives_the_unfused_step") else { return };
-    let (fused, plain) = (session(&fused_model), session(&plain_model));
-    let x = fused_model.input_bytes(&mut rng);
-    let plan = fused.plan(&[fused_model.sig()], true).expect("plan");
-    let seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
-    let got = gpu_step(&fused, &x, &fused_model.sig(), &weight_data(&fused_model), &seeds);
-    let want = gpu_step(&plain, &x, &plain_model.sig(), &weight_data(&plain_model), &seeds);
-    assert_eq!(got, want, "the GPU's fused step differs from the unfused one");
 }

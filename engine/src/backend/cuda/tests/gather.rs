@@ -250,12 +250,12 @@ fn gpu_gather_grad_matches_cpu_bit_for_bit_and_flags_bad_indices() {
                 // summed in 47 segments of 32; 40 in each of 3 outer slices); beside it in
                 // sorted order runs of 64 (two whole segments) and 33 (a segment and a row),
                 // their segments' partials side by side
-                for j in 0..n_idx {
+                for (j, id) in good.iter_mut().enumerate().take(n_idx) {
                     match j {
-                        _ if j % 2 == 0 => good[j] = 7,
+                        _ if j % 2 == 0 => *id = 7,
                         _ if n_idx < 1000 => {}
-                        _ if j < 128 => good[j] = 8,
-                        _ if j < 128 + 66 => good[j] = 6 - dim as i64,
+                        _ if j < 128 => *id = 8,
+                        _ if j < 128 + 66 => *id = 6 - dim as i64,
                         _ => {}
                     }
                 }

@@ -6,10 +6,11 @@
 //! with float atomics, which no two runs order alike, within 1e-5), and a replay over other
 //! memory is refused.
 
-use super::exec::{download_f32, session, weight_data};
-use super::exec_fusions::residual_dropout;
+use super::exec::{download_f32, session_with, weight_data};
+use super::exec_fusions::{residual_dropout, residual_dropout_of};
 use super::exec_models::*;
 use super::support::*;
+use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::launch::DeviceBuffer;
 use crate::ir::Graph;
 use crate::session::cuda_graph::{GraphSlot, Graphed, PhaseRun};
@@ -69,11 +70,13 @@ fn sums_with_atomics(g: &Graph) -> bool {
 fn gpu_graphed_steps_match_launched_steps_bit_for_bit() {
     let Some(g) = gpu_alone("gpu_graphed_steps_match_launched_steps_bit_for_bit") else { return };
     let mut rng = Rng::new(23);
-    let mut all = models();
-    all.push(("dropout_mlp", dropout_mlp(&mut rng)));
-    all.push(("residual_dropout", residual_dropout(&mut rng, true)));
-    for (name, m) in all {
-        let s = session(&m);
+    let mut all: Vec<_> = models().into_iter().map(|(name, m)| (name, m, MatmulPrecision::Fp32)).collect();
+    all.push(("dropout_mlp", dropout_mlp(&mut rng), MatmulPrecision::Fp32));
+    all.push(("residual_dropout", residual_dropout(&mut rng, true), MatmulPrecision::Fp32));
+    // a bf16 branch's dropout into an f32 stream: dropout_add_wide_slot_bf16
+    all.push(("residual_dropout bf16 into f32", residual_dropout_of(&mut rng, true, true), MatmulPrecision::Bf16));
+    for (name, m, precision) in all {
+        let s = session_with(&m, crate::session::Target::Cuda, precision);
         let plan = s.plan(&[m.sig()], true).expect("plan");
         let mem = Memory {
             weights: weight_data(&m).iter().map(|w| dev(g, w)).collect(),
