@@ -142,7 +142,7 @@ template <typename F> __device__ __forceinline__ void for_each_row_tile(i64 oute
 // A run of equal keys longer than this (a padding token's, BERT's all-zero token types) is
 // summed a segment of this many rows at a time, the segments on warps of their own, and then
 // the segments' sums in order (gather_grad_runs_T): the CPU adds in the same order
-// (engine/src/backend/cpu/movement.rs `GATHER_GRAD_SEGMENT`, which must equal it).
+// (engine/src/ops/movement.rs `GATHER_GRAD_SEGMENT`, which must equal it).
 #define ROWS_PER_SEGMENT 32
 
 // The first slot of the run that holds slot s (keys sorted).

@@ -13,7 +13,7 @@ pub mod linear;
 mod loss;
 mod matmul;
 pub mod matmul_gelu_grad;
-mod movement;
+pub(crate) mod movement;
 mod norm;
 mod pool;
 pub(crate) mod random;

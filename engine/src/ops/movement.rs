@@ -448,6 +448,11 @@ impl OpDef for Gather {
     }
 }
 
+/// GatherGrad adds an index's rows in position order a segment of this many at a time, each
+/// segment from zero, then the segments in order: both backends' order (the CUDA kernels sum a
+/// long run's segments apart; kernels/gather.cu `ROWS_PER_SEGMENT` must equal it).
+pub const GATHER_GRAD_SEGMENT: usize = 32;
+
 /// GatherGrad(dy, indices, x_shape): scatter-add of dy rows into zeros of x's shape.
 struct ShapedBy(usize);
 impl OpDef for ShapedBy {

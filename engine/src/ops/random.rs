@@ -45,13 +45,17 @@ impl OpDef for Dropout {
 /// CPU computes 16-bit values widened to f32, so its kernel reads the type from here).
 pub const DROPPED_TYPE: &str = "dropped_type";
 
+/// Whether DropoutAdd may add a residual of type `r` to a dropped x of type `x`: the same type,
+/// or f32 for a 16-bit x (a 16-bit branch joining an f32 stream, its Cast fused too).
+pub fn residual_joins(x: DType, r: DType) -> bool {
+    x == r || (x.is_half() && r == DType::F32)
+}
+
 struct DropoutAdd;
 impl OpDef for DropoutAdd {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let (x, r) = (input(node, inputs, 0)?, input(node, inputs, 1)?);
-        // a 16-bit branch may join an f32 stream (the Cast between them fused too)
-        let joins = x.dtype == r.dtype || (x.dtype.is_half() && r.dtype == DType::F32);
-        if x.shape != r.shape || !joins {
+        if x.shape != r.shape || !residual_joins(x.dtype, r.dtype) {
             return Err(node.err(format!(
                 "the residual ({:?} {:?}) must have the dropped tensor's shape and its type or f32 ({:?} {:?})",
                 r.dtype, r.shape, x.dtype, x.shape

@@ -28,14 +28,13 @@ pub fn run(graph: &mut Graph) -> usize {
     let mut fused: Vec<(usize, usize, Node)> = Vec::new();
     // the Casts between a 16-bit dropout and an f32 add, gone with them
     let mut casts: Vec<usize> = Vec::new();
+    let only_reader = |v: ValueId, node: usize, slot: usize| consumers[v.0] == [(NodeId(node), slot)] && !graph.outputs.contains(&v);
     for (a, add) in graph.nodes.iter().enumerate() {
         if add.op_type != "Add" || add.inputs.len() != 2 || add.outputs.len() != 1 {
             continue;
         }
         for slot in 0..2 {
             let (Some(joined), Some(r)) = (add.input(slot), add.input(1 - slot)) else { continue };
-            let only_reader =
-                |v: ValueId, node: usize, slot: usize| consumers[v.0] == [(NodeId(node), slot)] && !graph.outputs.contains(&v);
             if !only_reader(joined, a, slot) {
                 continue;
             }

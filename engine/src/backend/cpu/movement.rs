@@ -9,6 +9,7 @@ use super::tensor_view::{Elem, In, Out};
 use super::{CpuCtx, KernelTable, PAR_MIN};
 use crate::error::Result;
 use crate::ir::Node;
+use crate::ops::movement::GATHER_GRAD_SEGMENT;
 use crate::ops::util::{norm_axis, numel, strides};
 
 fn nth<'a, 'b>(node: &Node, inputs: &'b [Option<In<'a>>], i: usize) -> Result<&'b In<'a>> {
@@ -308,11 +309,6 @@ fn gather_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuC
     gather_grad_into(node, inputs, out, true)
 }
 
-/// GatherGrad adds an index's rows in position order a segment of this many at a time, each
-/// segment from zero, and then the segments in order: the CUDA kernels' order (kernels/gather.cu
-/// `ROWS_PER_SEGMENT`, which must equal it), where a long run's segments are summed apart.
-const GATHER_GRAD_SEGMENT: usize = 32;
-
 /// GatherGrad's scatter-add of `dy` rows at the indices into the output; `zero_first`: the
 /// output starts from zeros (the op), else the rows are added to what it holds (in_place.rs).
 pub(super) fn gather_grad_into(node: &Node, inputs: &[Option<In>], out: &mut [Out], zero_first: bool) -> Result<()> {
@@ -468,8 +464,8 @@ pub fn register(t: &mut KernelTable) {
 #[cfg(test)]
 mod tests {
     use super::super::testutil::run;
-    use super::GATHER_GRAD_SEGMENT;
     use crate::ir::{Attr, Attrs};
+    use crate::ops::movement::GATHER_GRAD_SEGMENT;
     use crate::tensor::Tensor;
 
     /// GatherGrad's sums are the CUDA kernels' (kernels/gather.cu): each index's rows a segment

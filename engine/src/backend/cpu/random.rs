@@ -151,10 +151,10 @@ fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut Cp
     }
     // a 16-bit x arrives widened (widen.rs): the dropped value is rounded to its type first
     let code = node.attrs.int(crate::ops::random::DROPPED_TYPE, 0)?;
-    let round: fn(f32) -> f32 = match DType::from_onnx(code as i32) {
-        None if code == 0 => |v| v,
-        Some(DType::BF16) => |v| half::bf16::from_f32(v).to_f32(),
-        Some(DType::F16) => |v| half::f16::from_f32(v).to_f32(),
+    let round: Option<fn(f32) -> f32> = match DType::from_onnx(code as i32) {
+        None if code == 0 => None,
+        Some(DType::BF16) => Some(|v| half::bf16::from_f32(v).to_f32()),
+        Some(DType::F16) => Some(|v| half::f16::from_f32(v).to_f32()),
         _ => return Err(node.err(format!("{} {code} is not a 16-bit float type", crate::ops::random::DROPPED_TYPE))),
     };
     dropout_of(node, first(node, inputs)?, inputs, 2, out, ctx)?;
@@ -171,7 +171,6 @@ fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut Cp
         }
         Ok(())
     }
-    let round = (code != 0).then_some(round);
     crate::dispatch_float!(r.dtype, node, add::<T>(r, &mut out[0], round))
 }
 

@@ -19,6 +19,7 @@ use crate::backend::cuda::abi::{Strides, MAX_DIMS};
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::error::Result;
 use crate::ir::Node;
+use crate::ops::movement::GATHER_GRAD_SEGMENT;
 use crate::ops::util::norm_axis;
 use crate::tensor::DType;
 
@@ -85,7 +86,7 @@ fn gather_args(src: u64, idx: &DView, dst: u64, n: usize, dim: usize, inner: usi
 /// GatherGrad(dy, indices, x_shape): dy scattered (added) into zeros shaped like x. The
 /// indices are sorted with their positions (out-of-range ones as `dim`, past every row), then a
 /// warp sums each run of equal indices, 32 columns at a time, in position order (a run longer
-/// than `SEGMENT`: its segments on warps of their own, then their sums in order); up to `SMALL`
+/// than `GATHER_GRAD_SEGMENT`: its segments on warps of their own, then their sums in order); up to `SMALL`
 /// indices, a warp finds its index's other positions by scanning them instead.
 fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, idx) = (input(node, ins, 0)?, input(node, ins, 1)?);
@@ -135,22 +136,19 @@ fn gather_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
     )
 }
 
-/// A run of equal indices longer than this is summed this many rows at a time, each segment on
-/// warps of its own, then the segments in order (kernels/gather.cu `ROWS_PER_SEGMENT`; the
-/// CPU's order too): a padding token's thousands of rows are not one warp's sequential sum.
-const SEGMENT: usize = 32;
-
 /// Rows of `inner` partial sums an outer slice of `n_idx` indices may need
-/// (kernels/gather.cu `partial_row`): two per SEGMENT slots.
+/// (kernels/gather.cu `partial_row`): two per segment's slots. A run of equal indices longer
+/// than a segment is summed a segment at a time, each on warps of its own, then the segments
+/// in order: a padding token's thousands of rows are not one warp's sequential sum.
 fn segment_partial_rows(n_idx: usize) -> usize {
-    2 * n_idx.div_ceil(SEGMENT)
+    2 * n_idx.div_ceil(GATHER_GRAD_SEGMENT)
 }
 
 /// Up to this many indices (a select's one, a few fixed rows) GatherGrad finds repeats by
 /// scanning them (gather_grad_small_T), one kernel where the sorted path takes nine (two passes).
 const SMALL: usize = 32;
 // gather_grad_small sums a whole run at once: the sorted path's order only up to a segment
-const _: () = assert!(SMALL <= SEGMENT);
+const _: () = assert!(SMALL <= GATHER_GRAD_SEGMENT);
 
 /// gather_grad_rows' and gather_grad_small's grid: a warp an item (outer slice, slot, 32
 /// columns), 8 warps a block, at most 16 blocks an SM (the warps loop over the rest).

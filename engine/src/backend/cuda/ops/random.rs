@@ -11,7 +11,6 @@ use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
 use crate::error::{Error, Result};
 use crate::ir::Node;
-use crate::tensor::DType;
 
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -87,8 +86,7 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
 fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, r) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let (ratio, training) = params(node, ins, 2)?;
-    let joins = r.dtype == x.dtype || (x.dtype.is_half() && r.dtype == DType::F32);
-    if r.shape != x.shape || !joins || outs[0].shape != x.shape || outs[0].dtype != r.dtype {
+    if r.shape != x.shape || !crate::ops::random::residual_joins(x.dtype, r.dtype) || outs[0].shape != x.shape || outs[0].dtype != r.dtype {
         return Err(node.err(format!(
             "the residual {:?} {:?} must be shaped like x {:?} and typed like it (or f32 for a 16-bit x)",
             r.dtype, r.shape, x.shape
