@@ -103,11 +103,12 @@ pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kern
 
 /// Every header a kernel file may include, served to NVRTC from memory (and part of the cache
 /// key): the prelude, what the two attention families share, the tensor-core family's tile
-/// staging, and the flash kernels' templates (instantiated with and without key padding).
+/// staging, and the flash kernels' data movement and templates (instantiated with and without key padding).
 pub const HEADERS: &[(&str, &str)] = &[
     PRELUDE,
     ("attention.cuh", include_str!("../../../../kernels/attention.cuh")),
     ("attention_mma_stage.cuh", include_str!("../../../../kernels/attention_mma_stage.cuh")),
+    ("attention_flash_fragments.cuh", include_str!("../../../../kernels/attention_flash_fragments.cuh")),
     ("attention_flash.cuh", include_str!("../../../../kernels/attention_flash.cuh")),
 ];
 
