@@ -112,7 +112,7 @@ mutate "flash attention refilling a K/V buffer while other warps may still read 
     "" \
     backend::cuda::tests::flash_attention
 
-mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash.cuh \
+mutate "flash attention reading V's fragments with ldmatrix untransposed" kernels/attention_flash_fragments.cuh \
     "    fa_ldsm<true>(b, t + (k0 + (lane & 7)" \
     "    fa_ldsm<false>(b, t + (k0 + (lane & 7)" \
     backend::cuda::tests::flash_attention
