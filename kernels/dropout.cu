@@ -24,7 +24,10 @@
 //       rounded to T, then widened and added in f32, as Dropout, Cast and Add did
 //   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
 //       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
-// T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy).
+//   dropout_grad_wide_T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale)
+//       the same from an f32 dy (T: bf16 f16; dropout_add_wide's gradient), dy rounded to T
+//       first, as the Cast and DropoutGrad it replaces
+// T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy; not in the _wide kernels).
 
 #include "prelude.cuh"
 
@@ -109,6 +112,9 @@ ORT_FLOATS(DROPOUT, _)
     extern "C" __global__ void dropout_add_wide_slot_##T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio,           \
                                                          const u64* seed, u64 salt) {         \
         dropout_fwd<T, f32>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);          \
+    }                                                                                         \
+    extern "C" __global__ void dropout_grad_wide_##T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
+        ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(Num<T>::store(dy[i])) * scale : 0.f);         \
     }
 DROPOUT_ADD_WIDE(_, bf16)
 DROPOUT_ADD_WIDE(_, f16)

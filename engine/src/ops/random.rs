@@ -2,12 +2,15 @@
 //! because the gradient needs it), its internal gradient DropoutGrad(dy, mask, ratio, mode),
 //! and the internal DropoutAdd(x, residual, ratio, mode) -> (Dropout(x) + residual, mask) of
 //! passes/fuse_dropout_add.rs (a residual branch's dropout and its add in one pass over memory).
+//! DropoutAdd's gradient is a DropoutGrad carrying its `dropped_type`: dx in x's 16-bit type
+//! from an f32 dy (rounded to that type first, as the Cast it fused took dy there), so a bf16
+//! branch's gradient out of an f32 stream is one pass.
 
 use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
 use crate::autodiff::GradCtx;
 use crate::error::Result;
-use crate::ir::{Attrs, Node};
+use crate::ir::Node;
 use crate::tensor::DType;
 
 struct Dropout;
@@ -45,6 +48,16 @@ impl OpDef for Dropout {
 /// CPU computes 16-bit values widened to f32, so its kernel reads the type from here).
 pub const DROPPED_TYPE: &str = "dropped_type";
 
+/// The 16-bit type `node`'s `dropped_type` names, None where it is 0 (absent).
+pub fn dropped_type(node: &Node) -> Result<Option<DType>> {
+    let code = node.attrs.int(DROPPED_TYPE, 0)?;
+    match DType::from_onnx(code as i32) {
+        _ if code == 0 => Ok(None),
+        Some(t) if t.is_half() => Ok(Some(t)),
+        _ => Err(node.err(format!("attribute {DROPPED_TYPE} is {code}: not 0 or a 16-bit float type's ONNX code"))),
+    }
+}
+
 /// Whether DropoutAdd may add a residual of type `r` to a dropped x of type `x`: the same type,
 /// or f32 for a 16-bit x (a 16-bit branch joining an f32 stream, its Cast fused too).
 pub fn residual_joins(x: DType, r: DType) -> bool {
@@ -61,10 +74,10 @@ impl OpDef for DropoutAdd {
                 r.dtype, r.shape, x.dtype, x.shape
             )));
         }
-        let dropped = node.attrs.int(DROPPED_TYPE, 0)?;
-        let want = if x.dtype.is_half() { x.dtype.onnx_code() as i64 } else { 0 };
-        if dropped != want {
-            return Err(node.err(format!("attribute {DROPPED_TYPE} is {dropped}: x is {:?}, so it must be {want}", x.dtype)));
+        let want = x.dtype.is_half().then_some(x.dtype);
+        if dropped_type(node)? != want {
+            let code = want.map_or(0, |t| t.onnx_code());
+            return Err(node.err(format!("attribute {DROPPED_TYPE} must be {code} for x of type {:?}", x.dtype)));
         }
         Ok(vec![TypeOut::like(r), TypeOut::new(DType::Bool, x.shape.to_vec())])
     }
@@ -72,10 +85,8 @@ impl OpDef for DropoutAdd {
         Some(|node, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
             let mask = g.y(1);
-            // dy in x's type first, as the Cast's gradient did (a view where the types agree)
-            let x = g.x(0)?;
-            let dy_x = g.op("CastLike", &[dy, x], Attrs::default());
-            let d = g.op_n("DropoutGrad", vec![Some(dy_x), Some(mask), node.input(2), node.input(3)], node.attrs.clone(), 1)[0];
+            // dropped_type comes along: dx in x's type (an f32 dy rounded to it first)
+            let d = g.op_n("DropoutGrad", vec![Some(dy), Some(mask), node.input(2), node.input(3)], node.attrs.clone(), 1)[0];
             g.set(0, d);
             // the residual's shape is y's: its gradient is dy itself
             g.set(1, dy);
@@ -90,10 +101,17 @@ impl OpDef for DropoutAdd {
     }
 }
 
+/// dx = mask ? dy · scale : 0 in dy's type or, with a `dropped_type`, in that 16-bit type (dy
+/// of that type or f32, then rounded to it before the product).
 struct DropoutGrad;
 impl OpDef for DropoutGrad {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
-        Ok(vec![TypeOut::like(input(node, inputs, 0)?)])
+        let dy = input(node, inputs, 0)?;
+        match dropped_type(node)? {
+            None => Ok(vec![TypeOut::like(dy)]),
+            Some(t) if dy.dtype == t || dy.dtype == DType::F32 => Ok(vec![TypeOut::new(t, dy.shape.to_vec())]),
+            Some(t) => Err(node.err(format!("dy is {:?}: with {DROPPED_TYPE} {:?} it must be {t:?} or F32", dy.dtype, t))),
+        }
     }
 }
 

@@ -150,15 +150,9 @@ fn dropout_add(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut Cp
         return Err(node.err(format!("the residual {:?} must be shaped and typed like the output {:?}", r.shape, out[0].shape)));
     }
     // a 16-bit x arrives widened (widen.rs): the dropped value is rounded to its type first
-    let code = node.attrs.int(crate::ops::random::DROPPED_TYPE, 0)?;
-    let round: Option<fn(f32) -> f32> = match DType::from_onnx(code as i32) {
-        None if code == 0 => None,
-        Some(DType::BF16) => Some(|v| half::bf16::from_f32(v).to_f32()),
-        Some(DType::F16) => Some(|v| half::f16::from_f32(v).to_f32()),
-        _ => return Err(node.err(format!("{} {code} is not a 16-bit float type", crate::ops::random::DROPPED_TYPE))),
-    };
+    let round = dropped_rounding(node)?;
     dropout_of(node, first(node, inputs)?, inputs, 2, out, ctx)?;
-    fn add<T: FloatElem>(r: &In, y: &mut Out, round: Option<fn(f32) -> f32>) -> Result<()> {
+    fn add<T: FloatElem>(r: &In, y: &mut Out, round: Option<Rounding>) -> Result<()> {
         let (r, y) = (r.slice::<T>()?, y.slice::<T>()?);
         let add = |y: &mut [T], r: &[T]| match round {
             Some(f) => y.iter_mut().zip(r).for_each(|(y, &r)| *y = T::from_f64(f(AsPrimitive::<f64>::as_(*y) as f32) as f64) + r),
@@ -232,11 +226,31 @@ fn dropout_of(node: &Node, x: &In, inputs: &[Option<In>], ratio_at: usize, out: 
     crate::dispatch_float!(x.dtype, node, generic::<T>(x, out, ratio, training, key, threshold))
 }
 
+/// A value's rounding to a 16-bit type, in f32.
+type Rounding = fn(f32) -> f32;
+
+/// The rounding to the 16-bit type of `node`'s `dropped_type` (ops/random.rs), None without one:
+/// 16-bit values reach these kernels widened to f32, so the type to round a value to before an
+/// f32 add or product is read from there.
+fn dropped_rounding(node: &Node) -> Result<Option<Rounding>> {
+    Ok(crate::ops::random::dropped_type(node)?.map(|t| -> Rounding {
+        match t {
+            DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+            _ => |v| half::f16::from_f32(v).to_f32(),
+        }
+    }))
+}
+
 fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let dy = first(node, inputs)?;
     let mask = inputs.get(1).and_then(|x| x.as_ref()).ok_or_else(|| node.err("mask missing"))?;
     let (ratio, training) = dropout_params(node, inputs, 2)?;
     let scale = if training { 1.0 / (1.0 - ratio) } else { 1.0 };
+    // DropoutAdd's gradient: dx of a 16-bit x from dy rounded to x's type (an f32 dy is not yet)
+    if let Some(round) = dropped_rounding(node)? {
+        let s = scale as f32;
+        return super::broadcast::map2::<f32, u8, f32>(dy, mask, &mut out[0], move |d, m| if m != 0 { round(d) * s } else { 0.0 });
+    }
     fn go<T: FloatElem>(dy: &In, mask: &In, o: &mut Out, scale: f64) -> Result<()> {
         if dy.dtype == crate::tensor::DType::F32 && dy.shape == o.shape && mask.shape == o.shape {
             let (d, m, s) = (dy.slice::<f32>()?, mask.slice::<u8>()?, scale as f32);
@@ -367,5 +381,46 @@ mod tests {
                 assert_eq!(dx[0].to_f64_vec(), y, "n {n}, f64 {f64s}: the gradient masks and scales as the forward");
             }
         }
+    }
+
+    /// DropoutAdd's gradient for a 16-bit x: DropoutGrad with its `dropped_type` gives, from an
+    /// f32 dy, exactly the Cast to x's type followed by the plain DropoutGrad (dy rounded first,
+    /// then the product rounded), and from a dy of that type the plain one; any other dy or code
+    /// is an error naming the attribute.
+    #[test]
+    fn dropout_grad_with_a_dropped_type_is_the_cast_then_the_gradient() {
+        use super::super::testutil::{run, try_run};
+        use crate::ir::{Attr, Attrs};
+        use crate::ops::random::DROPPED_TYPE;
+        use crate::tensor::{DType, Data, Tensor};
+        let n = 3 * DROPOUT_CHUNK + 5;
+        // values between 16-bit neighbours, so that rounding dy first shows
+        let dy: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.618_034).sin() * (1.0 + 1.0 / 3.0)).collect();
+        let dy32 = Tensor::from_f32(vec![n], dy);
+        let m = Tensor::new(vec![n], Data::Bool((0..n).map(|i| (i % 3 != 0) as u8).collect())).unwrap_or_else(|e| panic!("{e}"));
+        let (ratio, training) = (Tensor::scalar_f32(0.1), Tensor::new(vec![], Data::Bool(vec![1])).unwrap_or_else(|e| panic!("{e}")));
+        for t in [DType::BF16, DType::F16] {
+            let attrs = Attrs::default().with(DROPPED_TYPE, Attr::Int(t.onnx_code() as i64));
+            let to = Attrs::default().with("to", Attr::Int(t.onnx_code() as i64));
+            let dy_t = run("Cast", to, &[&dy32]).remove(0);
+            let want = run("DropoutGrad", Attrs::default(), &[&dy_t, &m, &ratio, &training]).remove(0);
+            let got = run("DropoutGrad", attrs.clone(), &[&dy32, &m, &ratio, &training]).remove(0);
+            assert_eq!(got.dtype(), t);
+            assert_eq!(got.as_bytes(), want.as_bytes(), "{t:?}: from f32 dy");
+            // rounding only the product (dy unrounded) would differ: the test can fail
+            let once: Vec<f32> =
+                dy32.to_f64_vec().iter().zip(m.as_bytes()).map(|(&d, &k)| if k != 0 { d as f32 / 0.9 } else { 0.0 }).collect();
+            let once =
+                run("Cast", Attrs::default().with("to", Attr::Int(t.onnx_code() as i64)), &[&Tensor::from_f32(vec![n], once)]).remove(0);
+            assert_ne!(got.as_bytes(), once.as_bytes(), "{t:?}: dy must be rounded before the product");
+            let same = run("DropoutGrad", attrs.clone(), &[&dy_t, &m, &ratio, &training]).remove(0);
+            assert_eq!(same.as_bytes(), want.as_bytes(), "{t:?}: from dy of that type");
+            let dy64 = Tensor::new(vec![n], Data::F64(dy32.to_f64_vec())).unwrap_or_else(|e| panic!("{e}"));
+            let err = try_run("DropoutGrad", attrs, &[&dy64, &m, &ratio, &training]).expect_err("f64 dy refused").to_string();
+            assert!(err.contains(DROPPED_TYPE) && err.contains("F64"), "{err}");
+        }
+        let bad = Attrs::default().with(DROPPED_TYPE, Attr::Int(DType::F32.onnx_code() as i64));
+        let err = try_run("DropoutGrad", bad, &[&dy32, &m, &ratio, &training]).expect_err("f32 code refused").to_string();
+        assert!(err.contains(DROPPED_TYPE), "{err}");
     }
 }

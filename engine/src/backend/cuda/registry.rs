@@ -274,6 +274,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["dropout_add_wide"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
             g(&["dropout_add_wide_slot"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
             g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
+            g(&["dropout_grad_wide"], HALVES, &[Ptr, Ptr, Ptr, AI64, AF32]),
         ]
     ),
     family!(

@@ -11,6 +11,7 @@ use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
 use crate::error::{Error, Result};
 use crate::ir::Node;
+use crate::tensor::DType;
 
 fn splitmix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -122,7 +123,7 @@ fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n.div_ceil(4)), &args)
 }
 
-/// DropoutGrad(dy, mask, ratio?, training_mode?).
+/// DropoutGrad(dy, mask, ratio?, training_mode?), dx in dy's type or its `dropped_type`.
 fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, mask) = (input(node, ins, 0)?, input(node, ins, 1)?);
     let (ratio, training) = params(node, ins, 2)?;
@@ -131,7 +132,19 @@ fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cu
     if n == 0 {
         return Ok(());
     }
-    let kernel = format!("dropout_grad_{}", float_suffix(node, dy.dtype)?);
+    // DropoutAdd's gradient for a 16-bit x out of an f32 stream: dy rounded to dx's type first
+    let out = outs[0].dtype;
+    let kernel = match crate::ops::random::dropped_type(node)? {
+        Some(t) if dy.dtype == DType::F32 && out == t => format!("dropout_grad_wide_{}", float_suffix(node, t)?),
+        _ if dy.dtype == out => format!("dropout_grad_{}", float_suffix(node, dy.dtype)?),
+        _ => {
+            return Err(node.err(format!(
+                "dy is {:?} and dx {out:?}: they differ where no {} allows it",
+                dy.dtype,
+                crate::ops::random::DROPPED_TYPE
+            )))
+        }
+    };
     ctx.rt.launch(
         ctx.stream,
         &kernel,

@@ -1,7 +1,8 @@
 //! dropout.cu: the keep masks equal, bit for bit, to the host Philox reference
 //! (`philox::dropout_keep`, itself checked against Random123's known answers), y = x·mask/(1 -
 //! ratio), the mask-less and in-place launches, and the backward against the CPU kernel
-//! (engine/src/backend/cpu/random.rs DropoutGrad, in f64). The CPU Dropout draws other masks
+//! (engine/src/backend/cpu/random.rs DropoutGrad, in f64; the f32-dy one for a 16-bit dx bit
+//! for bit). The CPU Dropout draws other masks
 //! (SplitMix64), so the forward is checked against the identity, not against the CPU op.
 
 use super::support::*;
@@ -9,8 +10,9 @@ use crate::backend::cpu::testutil;
 use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::philox::dropout_keep;
 use crate::backend::cuda::registry::types::{FLOATS, HALVES};
-use crate::ir::Attrs;
-use crate::tensor::{Data, Tensor};
+use crate::ir::{Attr, Attrs};
+use crate::ops::random::DROPPED_TYPE;
+use crate::tensor::{DType, Data, Tensor};
 
 /// `dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)`
 #[allow(clippy::too_many_arguments)]
@@ -61,6 +63,9 @@ fn dropout_argument_lists_match_the_registry() {
             // a 16-bit branch into an f32 stream: the same arguments, res and y f32
             with_residual(format!("dropout_add_wide_{t}"), fwd_args(1, 1, 1, N, RATIO, SEED, OFFSET));
             with_residual(format!("dropout_add_wide_slot_{t}"), slot_args(1, 1, 1, N, RATIO, 1, SEED));
+            // and its gradient: dy f32, dx 16-bit
+            check(&format!("dropout_grad_wide_{t}"), &bwd_args(1, 1, 1, N, 2.0));
+            checked.push(format!("dropout_grad_wide_{t}"));
         }
         checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
@@ -111,6 +116,28 @@ fn gpu_dropout_masks_are_philox_and_the_gradient_matches_the_cpu_kernel() {
             let want = testutil::run("DropoutGrad", Attrs::default(), &[&t64(&[N], &dy), &mask_t, &Tensor::scalar_f32(0.5), &mode])[0]
                 .to_f64_vec();
             assert_close(&format!("{kg} scale {scale} (training {training}), n {N}"), &host_as(&dx, t), &rounded(t, &want), rtol(t), 0.0);
+        }
+        if HALVES.contains(t) {
+            // DropoutAdd's gradient out of an f32 stream: f32 dy (not 16-bit values), dx in t,
+            // bit for bit the CPU's DropoutGrad with that dropped_type
+            let kw = format!("dropout_grad_wide_{t}");
+            let dy = rand_as(&mut rng, "f32", N, -1.0, 1.0);
+            let ddy = dev_as(g, "f32", &dy);
+            let half = if *t == "bf16" { DType::BF16 } else { DType::F16 };
+            let attrs = Attrs::default().with(DROPPED_TYPE, Attr::Int(half.onnx_code() as i64));
+            // the scale as the dispatcher computes it (f64, then f32)
+            for (training, scale) in [(true, (1.0 / (1.0 - RATIO as f64)) as f32), (false, 1.0)] {
+                let dx = zeros_as(g, t, N);
+                run(g, &kw, Grid::elementwise(N as i64, 16), &bwd_args(ddy.ptr(), mask.ptr(), dx.ptr(), N, scale));
+                let mode = Tensor::new(vec![], Data::Bool(vec![training as u8])).expect("mode");
+                let dy_t = Tensor::from_f32(vec![N], dy.iter().map(|&v| v as f32).collect());
+                let want =
+                    testutil::run("DropoutGrad", attrs.clone(), &[&dy_t, &mask_t, &Tensor::scalar_f32(RATIO), &mode])[0].to_f64_vec();
+                let got = host_as(&dx, t);
+                if let Some(i) = (0..N).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                    panic!("{kw} scale {scale} (training {training}): element {i} is {}, the CPU's {}", got[i], want[i]);
+                }
+            }
         }
     }
 }
