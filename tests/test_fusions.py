@@ -60,6 +60,8 @@ CASES = {
     "tutorial-fuse_dropout_add": (_tutorial_dropout, "fuse_dropout_add", 4),
     "gpt2-fuse_dropout_add": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fuse_dropout_add", 2),
     "bert-fuse_dropout_add": (lambda: models.bert_small(vocab=200, dropout=0.1), "fuse_dropout_add", 2),
+    # nn.MultiheadAttention's `q, k, v = proj[0], proj[1], proj[2]`: one Split a layer
+    "tutorial-selects_to_split": (_tutorial_dropout, "selects_to_split", 2),
 }
 
 
@@ -126,6 +128,22 @@ def test_a_bf16_branch_dropout_fuses_into_the_f32_stream_with_its_cast(monkeypat
     assert fused == plain, f"the fused bf16 steps differ: {fused} vs {plain}"
     for n, g in plain_grads.items():
         assert torch.equal(fused_grads[n], g), f"{n}: the fused bf16 gradient differs"
+
+
+def test_packed_projection_selects_give_the_gather_steps_exactly(monkeypatch):
+    """The tutorial's attention takes q, k, v from its packed projection by three Gathers a
+    layer; selects_to_split makes them one Split, whose gradient is one Concat instead of three
+    scatters into zeros and their sum: the same losses and gradients, bit for bit (a zero's sign
+    aside, which torch.equal ignores)."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn = _tutorial_dropout()
+    split, split_grads, rewrites = _train(copy.deepcopy(model), inputs, loss_fn, None, monkeypatch)
+    gathers, gather_grads, plain_rewrites = _train(copy.deepcopy(model), inputs, loss_fn, "selects_to_split", monkeypatch)
+    assert rewrites.get("selects_to_split", 0) >= 2, rewrites
+    assert "selects_to_split" not in plain_rewrites, plain_rewrites
+    assert split == gathers, f"the steps differ: {split} vs {gathers}"
+    for n, g in gather_grads.items():
+        assert torch.equal(split_grads[n], g), f"{n}: the gradient through the Split differs"
 
 
 def test_unknown_pass_name_is_a_clear_error(monkeypatch):

@@ -23,6 +23,7 @@ mod layer_norm_half;
 mod layer_norm_stats;
 mod matmul_gelu_grad;
 mod recompute;
+mod selects_to_split;
 mod slice_before_linear;
 mod sym_shape;
 mod wgrad_f32;
@@ -71,6 +72,9 @@ enum Runs {
 /// rewrites it made.
 const PIPELINE: &[(&str, Pass, Runs)] = &[
     ("cse", |g, _| cse::run(g), Runs::Both),
+    // a tensor taken apart whole by constant-index Gathers (nn.MultiheadAttention's packed
+    // q, k, v): one Split, whose gradient is one Concat instead of n scatters and their sum
+    ("selects_to_split", |g, _| Ok(selects_to_split::run(g)), Runs::Both),
     // CUDA only, opt-in: the CPU's Attention kernel is a plain reference for the GPU's; on an
     // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
     // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)

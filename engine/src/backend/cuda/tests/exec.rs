@@ -312,8 +312,10 @@ pub(super) fn half_step_matches(
 }
 
 /// 16-bit plans (the autocast pass) of models whose kernels need more than a 16-bit instance:
-/// - `qkv_select`, the tutorial's q/k/v split: its three GatherGrads get bf16 gradients, which
-///   `gather_grad_rows_bf16` sums in f32 (it once failed to find a `gather_grad_bf16`);
+/// - `qkv_select`, three of four stacked parts taken by Gathers: their three GatherGrads get
+///   bf16 gradients, which `gather_grad_rows_bf16` sums in f32 (it once failed to find a
+///   `gather_grad_bf16`); `qkv_split`, the tutorial's q/k/v (all three parts), whose Gathers
+///   selects_to_split makes one Split: one bf16 Concat for the gradient;
 /// - `conv_net`: bf16 Convs, whose weight and bias gradients sum by products with the runtime's
 ///   ones, which must be bf16 ones (they were f32 ones read as bf16 pairs: 0, 1, 0, 1, …).
 ///
@@ -323,7 +325,12 @@ pub(super) fn half_step_matches(
 #[test]
 fn sixteen_bit_gathers_and_convs_match_the_cpu_executor() {
     let mut rng = Rng::new(29);
-    for (name, m, op, count) in [("qkv_select", qkv_select(&mut rng), "GatherGrad", 3), ("conv_net", conv_net(&mut rng), "ConvGradW", 1)] {
+    let cases = [
+        ("qkv_select", qkv_select(&mut rng, 4), "GatherGrad", 3),
+        ("qkv_split", qkv_select(&mut rng, 3), "Concat", 1),
+        ("conv_net", conv_net(&mut rng), "ConvGradW", 1),
+    ];
+    for (name, m, op, count) in cases {
         let s = session_with(&m, crate::session::Target::Cuda, MatmulPrecision::Bf16);
         let sig = m.sig();
         let plan = s.plan(std::slice::from_ref(&sig), true).expect("plan");

@@ -9,7 +9,7 @@
 //! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
-//! GatherND and their gradients), `qkv_select` (the tutorial's q/k/v split by scalar Gathers,
+//! GatherND and their gradients), `qkv_select` (q/k/v taken from stacked parts by scalar Gathers,
 //! for 16-bit plans), `pow_mixed` (Pow with int and f64 exponents). `dropout_mlp` (a training-mode Dropout: its masks differ
 //! between backends by design) is for tests comparing GPU runs with each other.
 
@@ -239,17 +239,19 @@ pub(super) fn embedding(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
 }
 
-/// The tutorial's attention input: one projection to stacked q, k, v, split by three Gathers with
-/// scalar indices (nn.MultiheadAttention's `unflatten(...).transpose(0, -2)...` then `unbind`), as
-/// the TorchScript exporter writes it; then q·k + v and an output projection.
-pub(super) fn qkv_select(rng: &mut Rng) -> Model {
+/// The tutorial's attention input: one projection to `parts` stacked slices, q, k, v the first
+/// three, taken by three Gathers with scalar indices (nn.MultiheadAttention's
+/// `unflatten(...).transpose(0, -2)...` then `unbind`), as the exporters write it; then q·k + v
+/// and an output projection. With 3 parts selects_to_split makes the Gathers one Split (as in
+/// the tutorial); with more they stay Gathers.
+pub(super) fn qkv_select(rng: &mut Rng, parts: usize) -> Model {
     let (t, w) = (5, 8);
     let input = vec![2, t, w];
     let (mut g, x) = new_model(&input);
     let mut ws = Vec::new();
-    let w_in = weight(&mut g, &mut ws, "w_in", &[w, 3 * w], rng);
+    let w_in = weight(&mut g, &mut ws, "w_in", &[w, parts * w], rng);
     let h = op(&mut g, "in_proj", "MatMul", &[x, w_in], Attrs::default());
-    let stacked = ints(&mut g, "stacked", &[2, t as i64, 3, w as i64]);
+    let stacked = ints(&mut g, "stacked", &[2, t as i64, parts as i64, w as i64]);
     let h = op(&mut g, "unflatten", "Reshape", &[h, stacked], Attrs::default());
     let h = op(&mut g, "qkv_first", "Transpose", &[h], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1, 3])));
     let mut pick = |name: &str, i: i64| {
