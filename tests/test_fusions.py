@@ -62,6 +62,12 @@ CASES = {
     "bert-fuse_dropout_add": (lambda: models.bert_small(vocab=200, dropout=0.1), "fuse_dropout_add", 2),
     # nn.MultiheadAttention's `q, k, v = proj[0], proj[1], proj[2]`: one Split a layer
     "tutorial-selects_to_split": (_tutorial_dropout, "selects_to_split", 2),
+    # an unfused attention's q·kᵀ with its scalings (torchlib's decomposition, the scale computed
+    # from q's declared head size, kᵀ as a merge-transpose-split of k; HF's k.transpose(-1, -2)):
+    # one FusedMatMul reading q and k
+    "tutorial-fold_matmul_transpose": (_tutorial_dropout, "fold_matmul_transpose", 2),
+    "gpt2-fold_matmul_transpose": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fold_matmul_transpose", 2),
+    "bert-fold_matmul_transpose": (lambda: models.bert_small(vocab=200, dropout=0.0), "fold_matmul_transpose", 2),
 }
 
 

@@ -115,6 +115,11 @@ def cases() -> list[Case]:
     add(Case("Gemm", [W((3, 4)), W((4, 2)), W((2,))], {"alpha": 0.7, "beta": 1.3}, label="bias-row"))
     add(Case("Gemm", [W((4, 3)), W((2, 4)), W((3, 1))], {"transA": 1, "transB": 1}, label="trans-bias-col"))
     add(Case("Gemm", [W((3, 4)), W((4, 2)), None], label="no-bias"))
+    # the internal FusedMatMul a forward pass folds transposes and scalings into
+    # (passes/fold_matmul_transpose.rs): batched, broadcast batches summed back
+    add(Case("FusedMatMul", [W((2, 3, 4)), W((2, 5, 4))], {"transB": 1, "alpha": 0.5}, label="batched-transB"))
+    add(Case("FusedMatMul", [W((2, 1, 4, 3)), W((3, 4, 5))], {"transA": 1, "alpha": -1.5}, label="broadcast-transA"))
+    add(Case("FusedMatMul", [W((4, 3)), W((5, 4))], {"transA": 1, "transB": 1}, label="2d-both"))
     # reductions
     add(Case("ReduceSum", [x234, C([1], np.int64)], {"keepdims": 1}, label="axis1-keep"))
     add(Case("ReduceSum", [x234, C([0, -1], np.int64)], {"keepdims": 0}, label="axes-drop"))

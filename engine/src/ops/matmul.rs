@@ -88,7 +88,8 @@ pub fn fused_shapes(node: &Node, a: &[usize], b: &[usize], target: Option<&[usiz
 }
 
 /// Adds FusedMatMul(a, b) whose result is summed to the shape of `like`: (value, which MatMul
-/// operand's gradient this is, see `fused_shapes`).
+/// operand's gradient this is, see `fused_shapes`; negative: operands of rank ≥ 2, no dims to
+/// restore, no `grad_of`).
 fn fused(
     g: &mut GradCtx,
     a: crate::ir::ValueId,
@@ -103,7 +104,8 @@ fn fused(
     match like {
         Some((l, which)) => {
             let s = g.shape_of(l);
-            g.op("FusedMatMul", &[a, b, s], attrs.with("grad_of", Attr::Int(which)))
+            let attrs = if which >= 0 { attrs.with("grad_of", Attr::Int(which)) } else { attrs };
+            g.op("FusedMatMul", &[a, b, s], attrs)
         }
         None => g.op("FusedMatMul", &[a, b], attrs),
     }
@@ -143,6 +145,31 @@ impl OpDef for FusedMatMul {
             return Ok(vec![TypeOut::new(out_type, target)]);
         }
         Ok(vec![TypeOut::new(out_type, matmul_shape(node, a.shape, b.shape, ta, tb)?)])
+    }
+    /// A forward FusedMatMul (passes/fold_matmul_transpose.rs: operands of rank ≥ 2, no target,
+    /// no `to`): Gemm's rule, each gradient summed to its operand's shape over broadcast batches.
+    fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
+        Some(|node, g| {
+            let Some(dy) = g.dy(0) else { return Ok(()) };
+            if node.input(2).is_some() || node.attrs.get("to").is_some() || node.attrs.get("grad_of").is_some() {
+                return Err(node.err("a gradient's own FusedMatMul (a target shape, `to` or `grad_of`) has no gradient rule"));
+            }
+            let (a, b) = (g.x(0)?, g.x(1)?);
+            let ta = node.attrs.int("transA", 0)? != 0;
+            let tb = node.attrs.int("transB", 0)? != 0;
+            let alpha = node.attrs.float("alpha", 1.0)?;
+            if g.wants(0) {
+                let like = Some((a, -1));
+                let d = if !ta { fused(g, dy, b, false, !tb, alpha, like) } else { fused(g, b, dy, tb, true, alpha, like) };
+                g.set(0, d);
+            }
+            if g.wants(1) {
+                let like = Some((b, -1));
+                let d = if !tb { fused(g, a, dy, !ta, false, alpha, like) } else { fused(g, dy, a, true, ta, alpha, like) };
+                g.set(1, d);
+            }
+            Ok(())
+        })
     }
     fn non_differentiable_inputs(&self) -> &'static [usize] {
         &[2]

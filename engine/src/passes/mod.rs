@@ -10,6 +10,7 @@ mod attention_layout;
 mod attention_packed_qkv;
 mod autocast;
 mod cse;
+mod fold_matmul_transpose;
 mod fuse_attention;
 mod fuse_dropout_add;
 mod fuse_gelu_tanh;
@@ -96,6 +97,10 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after fuse_linear: it matches the Linear that pass made; one name, chunks sized per backend
     ("fuse_linear_cross_entropy", |g, c| fuse_linear_cross_entropy::run_cpu(g, c.half.is_some()), Runs::CpuOnly),
     ("fuse_linear_cross_entropy", |g, _| fuse_linear_cross_entropy::run_cuda(g), Runs::CudaOnly),
+    // after the linear and attention fusions (which match the MatMuls it would take), fp32
+    // sessions only (autocast has no 16-bit rule for FusedMatMul): an unfused attention's
+    // scalings and kᵀ read by the product itself
+    ("fold_matmul_transpose", |g, c| Ok(if c.half.is_some() { 0 } else { fold_matmul_transpose::run(g) }), Runs::Both),
     // last, on the fused graph; opt-in until it has run on a GPU: 16-bit activations in
     // mixed-precision sessions (a no-op in fp32 ones). On the CPU, 16-bit values run widened
     // to f32 (backend/cpu/widen.rs): a reference, not a fast path.
@@ -299,7 +304,12 @@ pub(super) fn scalar_value(graph: &Graph, v: ValueId) -> Option<(f64, usize)> {
             "Div" => binary(|a, b| a / b),
             "Add" => binary(|a, b| a + b),
             "Sub" => binary(|a, b| a - b),
-            _ => None,
+            // an integer read from declared shapes (torchlib's attention scale divides by the
+            // head size, `Gather(Shape(q), -1)`)
+            _ => match sym_shape::values(graph, v)?.as_slice() {
+                [sym_shape::SymDim::Known(n)] => Some((*n as f64, 0)),
+                _ => None,
+            },
         }
     }
     eval(graph, v, 8)

@@ -9,12 +9,13 @@
 //! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
-//! GatherND and their gradients), `qkv_select` (q/k/v taken from stacked parts by scalar Gathers,
-//! for 16-bit plans), `pow_mixed` (Pow with int and f64 exponents). `dropout_mlp` (a training-mode Dropout: its masks differ
+//! GatherND and their gradients), `pow_mixed` (Pow with int and f64 exponents), and from
+//! exec_models_products.rs `qkv_select` and `folded_scores`. `dropout_mlp` (a training-mode Dropout: its masks differ
 //! between backends by design) is for tests comparing GPU runs with each other.
 
 use std::sync::Arc;
 
+pub(super) use super::exec_models_products::*;
 use super::support::*;
 use crate::ir::{Attr, Attrs, Dim, Graph, ValueId, ValueKind};
 use crate::session::Sig;
@@ -237,34 +238,6 @@ pub(super) fn embedding(rng: &mut Rng) -> Model {
     let y2 = op(&mut g, "pick", "Gather", &[h, rows], Attrs::default().with("axis", Attr::Int(-2)));
     g.outputs.push(y2);
     Model { graph: g, input, input_dtype: DType::I64, index_bound: vocab as i64, weights: ws }
-}
-
-/// The tutorial's attention input: one projection to `parts` stacked slices, q, k, v the first
-/// three, taken by three Gathers with scalar indices (nn.MultiheadAttention's
-/// `unflatten(...).transpose(0, -2)...` then `unbind`), as the exporters write it; then q·k + v
-/// and an output projection. With 3 parts selects_to_split makes the Gathers one Split (as in
-/// the tutorial); with more they stay Gathers.
-pub(super) fn qkv_select(rng: &mut Rng, parts: usize) -> Model {
-    let (t, w) = (5, 8);
-    let input = vec![2, t, w];
-    let (mut g, x) = new_model(&input);
-    let mut ws = Vec::new();
-    let w_in = weight(&mut g, &mut ws, "w_in", &[w, parts * w], rng);
-    let h = op(&mut g, "in_proj", "MatMul", &[x, w_in], Attrs::default());
-    let stacked = ints(&mut g, "stacked", &[2, t as i64, parts as i64, w as i64]);
-    let h = op(&mut g, "unflatten", "Reshape", &[h, stacked], Attrs::default());
-    let h = op(&mut g, "qkv_first", "Transpose", &[h], Attrs::default().with("perm", Attr::Ints(vec![2, 0, 1, 3])));
-    let mut pick = |name: &str, i: i64| {
-        let at = g.add_const(&format!("{name}_index"), Tensor::from_i64(vec![], vec![i]));
-        op(&mut g, name, "Gather", &[h, at], Attrs::default().with("axis", Attr::Int(0)))
-    };
-    let (q, k, v) = (pick("select_q", 0), pick("select_k", 1), pick("select_v", 2));
-    let qk = op(&mut g, "qk", "Mul", &[q, k], Attrs::default());
-    let y = op(&mut g, "plus_v", "Add", &[qk, v], Attrs::default());
-    let w_out = weight(&mut g, &mut ws, "w_out", &[w, 4], rng);
-    let y = op(&mut g, "out_proj", "MatMul", &[y, w_out], Attrs::default());
-    g.outputs.push(y);
-    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
 /// Pow with exponents of other types than the base (int64, int32 and float64 constants, as the
@@ -583,6 +556,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
         ("conv1d_scan_gather", conv1d_scan_gather(&mut rng)),
         ("pow_mixed", pow_mixed(&mut rng)),
         ("gelu_mlp_12", gelu_mlp(&mut rng, 12)),
+        ("folded_scores", folded_scores(&mut rng)),
     ]
 }
 

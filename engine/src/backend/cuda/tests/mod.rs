@@ -20,6 +20,7 @@ mod elementwise;
 mod exec;
 mod exec_fusions;
 mod exec_models;
+mod exec_models_products;
 mod flash_attention;
 mod gather;
 mod gpu_lock;
