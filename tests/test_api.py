@@ -71,10 +71,14 @@ def test_explain_shows_the_plan_before_the_first_step():
     text = ortrain.explain(model, x)
     assert "peak arena" in text and "MiB" in text and "exporter" in text
     assert model._ortrain_state.engine_calls == 0
-    # what fills the plan at its peak: the values alive then, grouped, largest first; the LM
-    # head's [35, 20, 1000] f32 logits are the largest single value of the tutorial's forward
+    # what fills the plan at its peak: the values alive then, grouped, largest group first; the
+    # LM head's [35, 20, 1000] f32 logits (the largest single value of the tutorial's forward)
+    # are among them, beside groups such as the attention's q, k, v kept for the backward pass
     peak = next(line for line in text.splitlines() if "alive at the peak" in line)
-    assert "largest: Linear float32 [35, 20, 1000] 2.7 MiB" in peak, peak
+    groups = peak.split("largest: ")[1].split("; ")
+    assert "Linear float32 [35, 20, 1000] 2.7 MiB" in groups, peak
+    sizes = [float(g.rsplit(" ", 2)[1]) for g in groups]
+    assert sizes == sorted(sizes, reverse=True), peak
     alive = float(peak.split(" MiB alive")[0])
     arena = float(text.split("peak arena ")[1].split(" MiB")[0])
     assert 0.5 * arena <= alive <= arena, (alive, arena)
