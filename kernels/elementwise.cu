@@ -182,10 +182,13 @@ template <typename A> __device__ __forceinline__ A rem(A x, A y) {
 __device__ __forceinline__ float rem(float x, float y) { return m_fmod(x, y); }
 __device__ __forceinline__ double rem(double x, double y) { return m_fmod(x, y); }
 struct Op_fmod { template <typename A> static __device__ A f(A x, A y) { return rem(x, y); } };
+// whether a remainder and its divisor have opposite signs (never for u8)
+template <typename A> __device__ __forceinline__ bool signs_differ(A r, A y) { return (r < (A)0) != (y < (A)0); }
+__device__ __forceinline__ bool signs_differ(u8, u8) { return false; }
 struct Op_mod {
     template <typename A> static __device__ A f(A x, A y) {
         A r = rem(x, y);
-        return (r != (A)0 && ((r < (A)0) != (y < (A)0))) ? r + y : r;
+        return (r != (A)0 && signs_differ(r, y)) ? r + y : r;
     }
 };
 // CPU: e == 2 -> x*x, otherwise powi/powf (rounding may differ from powf in the last bit)
@@ -213,14 +216,14 @@ template <typename T, typename Op> __device__ __forceinline__ void binary(const 
     extern "C" __global__ void op##_##T(const T* a, const T* b, T* y, Strides s, i64 n) {     \
         binary<T, Op_##op>(a, b, y, s, n);                                                    \
     }
-ORT_ARITH(BINARY, add)
-ORT_ARITH(BINARY, sub)
-ORT_ARITH(BINARY, mul)
-ORT_ARITH(BINARY, div)
-ORT_ARITH(BINARY, max)
-ORT_ARITH(BINARY, min)
-ORT_ARITH(BINARY, mod)
-ORT_ARITH(BINARY, fmod)
+ORT_NUMS(BINARY, add)
+ORT_NUMS(BINARY, sub)
+ORT_NUMS(BINARY, mul)
+ORT_NUMS(BINARY, div)
+ORT_NUMS(BINARY, max)
+ORT_NUMS(BINARY, min)
+ORT_NUMS(BINARY, mod)
+ORT_NUMS(BINARY, fmod)
 ORT_FLOATS(BINARY, pow)
 
 extern "C" __global__ void pow_i64(const i64* a, const i64* b, i64* y, Strides s, i64 n) {
@@ -244,12 +247,11 @@ struct Op_greater_equal { template <typename A> static __device__ bool f(A x, A 
             y[i] = Op_##op::f(Num<T>::load(a[o[0]]), Num<T>::load(b[o[1]])) ? 1 : 0;          \
         }                                                                                     \
     }
-ORT_ARITH(COMPARE, equal)
-ORT_ARITH(COMPARE, less)
-ORT_ARITH(COMPARE, greater)
-ORT_ARITH(COMPARE, less_equal)
-ORT_ARITH(COMPARE, greater_equal)
-COMPARE(equal, u8)
+ORT_NUMS(COMPARE, equal)
+ORT_NUMS(COMPARE, less)
+ORT_NUMS(COMPARE, greater)
+ORT_NUMS(COMPARE, less_equal)
+ORT_NUMS(COMPARE, greater_equal)
 
 #define LOGIC(op, expr)                                                                       \
     extern "C" __global__ void op##_u8(const u8* a, const u8* b, u8* y, Strides s, i64 n) {   \

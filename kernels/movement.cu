@@ -15,8 +15,9 @@
 //   copy_v16(const v16* x, v16* y, Strides s, i64 n)
 //       copy_W over 16-byte elements (the host's vector form of a copy, below)
 //   fill_W(W* y, i64 n, u64 bits)                    y[i] = the low bits of `bits`
-//   trilu_W(const W* x, W* y, i64 n, i64 rows, i64 cols, i32 upper, i64 k)
-//       keeps j - i >= k (upper) or j - i <= k (lower) of each [rows, cols] matrix, else 0
+//   trilu_W(const W* x, W* y, i64 n, i64 rows, i64 cols, i32 upper, i64 k, const i64* k_at)
+//       keeps j - i >= k (upper) or j - i <= k (lower) of each [rows, cols] matrix, else 0;
+//       k read from device memory at k_at when it is not null (a k computed in the step)
 
 #include "prelude.cuh"
 
@@ -32,7 +33,9 @@
         const W v = (W)bits;                                                                  \
         ORT_GRID_LOOP(i, n) y[i] = v;                                                         \
     }                                                                                         \
-    extern "C" __global__ void trilu_##W(const W* x, W* y, i64 n, i64 rows, i64 cols, i32 upper, i64 k) { \
+    extern "C" __global__ void trilu_##W(const W* x, W* y, i64 n, i64 rows, i64 cols, i32 upper, i64 k, \
+                                         const i64* k_at) {                                   \
+        if (k_at) k = *k_at;                                                                  \
         ORT_GRID_LOOP(p, n) {                                                                 \
             const i64 j = p % cols, i = (p / cols) % rows;                                    \
             const bool keep = upper ? (j - i >= k) : (j - i <= k);                            \

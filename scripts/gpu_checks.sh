@@ -9,7 +9,9 @@
 # list's order (the most needed first, since the deadline cuts the last ones):
 #   env        the GPU, driver, torch and the NVRTC/cuBLAS folder
 #   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
-#              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs)
+#              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs); the ONNX
+#              node cases of tests/conformance/manifest.txt (node_cases) and the float64 cases of
+#              tests/test_gradcheck.py (grad_cases) on the CUDA executor against onnx / the CPU
 #   gpt2       bench.gpu on GPT-2 124M (bf16): ortrain+fuse_attention+autocast (the engine's
 #              intended path), torch.compile and eager: issue 6's target rows (50 steps each,
 #              with every 5th step's loss: the loss curves side by side)
@@ -148,6 +150,16 @@ if has kernels; then
             grep -vE "^test .* ok$" "$LOG_DIR/cuda_lib.log" | tail -80
             note "engine CUDA unit tests: $(grep -E '^test result' "$LOG_DIR/cuda_lib.log" | tail -1) $(grep -c ' \.\.\. ok$' "$LOG_DIR/cuda_lib.log") ok, $(grep -c ' \.\.\. FAILED$' "$LOG_DIR/cuda_lib.log") FAILED so far"
             note "engine CUDA unit tests: $(grep -c SKIPPED "$LOG_DIR/cuda_lib.log") SKIPPED lines (must be 0 on a GPU)"
+        fi
+        if [ -f .gpu/op-cases.tar.gz ]; then
+            section "ONNX node cases and gradient-check cases on the CUDA executor"
+            rm -rf /tmp/node-cases /tmp/grad-cases && tar -xzf .gpu/op-cases.tar.gz -C /tmp
+            ORTRAIN_NODE_CASES=/tmp/node-cases capped 60 "ONNX node cases on CUDA" "$LOG_DIR/node-cases.log" \
+                .gpu/cuda_lib node_cases --ignored --nocapture
+            [ -f "$LOG_DIR/node-cases.log" ] && grep -E "FAIL|refused|cases give|test result" "$LOG_DIR/node-cases.log" | tail -40
+            ORTRAIN_GRAD_CASES=/tmp/grad-cases capped 60 "gradient-check cases on CUDA" "$LOG_DIR/grad-cases.log" \
+                .gpu/cuda_lib grad_cases --ignored --nocapture
+            [ -f "$LOG_DIR/grad-cases.log" ] && grep -E "FAIL|refused|cases give|test result" "$LOG_DIR/grad-cases.log" | tail -40
         fi
     else
         note "engine CUDA unit tests: .gpu/cuda_lib missing"; failed=$((failed + 1))

@@ -21,4 +21,9 @@ for line in sys.stdin:
 # debug info would push the unit-test binary past what the device tool carries (64 MiB)
 strip --strip-debug .gpu/cuda_*
 .venv/bin/maturin build --release -q -m pyext/Cargo.toml -o .gpu/
+# the ONNX node cases and the gradient-check cases for cuda_lib's node_cases and grad_cases
+# tests (tests/conformance/cuda_export.py, tests/gradcheck_export.py), packed
+.venv/bin/python -m tests.conformance.cuda_export target/node-cases
+.venv/bin/python tests/gradcheck_export.py target/grad-cases
+tar -czf .gpu/op-cases.tar.gz -C target node-cases grad-cases
 ls -la .gpu

@@ -29,6 +29,14 @@ echo "[test] an exported BERT masked-language model (2 layers, seq 256) called w
 .venv/bin/python -m bench.parity_model target/parity-bert-padded --model bert --padding --batch 3 --vocab 1000
 ORTRAIN_PARITY_MODEL="$root/target/parity-bert-padded" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
+echo "[test] the ONNX node cases of tests/conformance/manifest.txt on the CUDA executor (cuda-emu): onnx's expected outputs, as the CPU gives them"
+.venv/bin/python -m tests.conformance.cuda_export target/node-cases
+ORTRAIN_NODE_CASES="$root/target/node-cases" LD_LIBRARY_PATH="$emu_path" \
+    cargo test --release -q -p ortrain-engine --features cuda --lib node_cases -- --ignored --nocapture
+echo "[test] every gradient rule on the CUDA executor (cuda-emu): tests/test_gradcheck.py's float64 cases, one step each, as the CPU executor gives it"
+.venv/bin/python tests/gradcheck_export.py target/grad-cases
+ORTRAIN_GRAD_CASES="$root/target/grad-cases" LD_LIBRARY_PATH="$emu_path" \
+    cargo test --release -q -p ortrain-engine --features cuda --lib grad_cases -- --ignored --nocapture
 echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, key padding's queries without a key skipped or taken as causal, a reduction read before its barrier, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 

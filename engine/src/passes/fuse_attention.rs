@@ -3,12 +3,15 @@
 //! scaled_dot_product_attention), becomes one Attention(A, B, V, M) (ops/attention.rs): the
 //! [.., T, S] scores, the probabilities and their gradients are never stored. Only where each
 //! intermediate has no other reader, the scale is a one-element constant, and the mask depends
-//! on no weight (the fused op gives the mask no gradient). CUDA sessions only, opt-in
-//! (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU kernel is the reference.
+//! on no weight (the fused op gives the mask no gradient), and not in float64 (the CUDA attention
+//! kernels take f32, bf16 and fp16; an f64 attention keeps its products and softmax). CUDA
+//! sessions only, opt-in (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU
+//! kernel is the reference.
 
 use super::{computed_from, scalar_const, scalar_value, sole_producer};
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+use crate::tensor::DType;
 
 /// Whether any value `v` is computed from is a weight.
 fn depends_on_weight(graph: &Graph, v: ValueId) -> bool {
@@ -108,19 +111,54 @@ fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> O
 
 pub fn run(graph: &mut Graph) -> Result<usize> {
     let consumers = graph.consumers();
+    let types = super::autocast::forward_types(graph);
     let mut rewrites = 0;
     for n in 0..graph.nodes.len() {
         if graph.nodes[n].op_type != "MatMul" {
             continue;
         }
         let Some((inputs, scale, guard)) = match_at(graph, &consumers, &graph.nodes[n]) else { continue };
+        if inputs[..3].iter().flatten().any(|x| types[x.0] == Some(DType::F64)) {
+            continue;
+        }
         let name = graph.nodes[n].name.clone();
         let out = graph.nodes[n].outputs[0];
-        let lse = graph.add_value(&format!("{name}:lse"), ValueKind::Computed, Some(crate::tensor::DType::F32), None);
+        let lse = graph.add_value(&format!("{name}:lse"), ValueKind::Computed, Some(DType::F32), None);
         graph.values[lse.0].producer = Some(NodeId(n));
         let attrs = Attrs::default().with("scale", Attr::Float(scale as f32)).with("nan_guard", Attr::Int(guard as i64));
         graph.nodes[n] = Node { name, op_type: "Attention".into(), inputs, outputs: vec![out, lse], attrs };
         rewrites += 1;
     }
     Ok(rewrites)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Dim;
+
+    /// Softmax(q · k) · v over [2, 3, 4] q, [2, 4, 5] k and [2, 5, 4] v of type `t`.
+    fn attention(t: DType) -> Graph {
+        let mut g = Graph::default();
+        let dims = |d: &[usize]| Some(d.iter().map(|&x| Dim::Known(x)).collect());
+        let q = g.add_value("q", ValueKind::Input, Some(t), dims(&[2, 3, 4]));
+        let k = g.add_value("k", ValueKind::Input, Some(t), dims(&[2, 4, 5]));
+        let v = g.add_value("v", ValueKind::Input, Some(t), dims(&[2, 5, 4]));
+        g.inputs.extend([q, k, v]);
+        let s = g.add_node("scores", "MatMul", vec![Some(q), Some(k)], Attrs::default(), 1)[0];
+        let p = g.add_node("p", "Softmax", vec![Some(s)], Attrs::default().with("axis", Attr::Int(-1)), 1)[0];
+        let y = g.add_node("y", "MatMul", vec![Some(p), Some(v)], Attrs::default(), 1)[0];
+        g.outputs.push(y);
+        g
+    }
+
+    #[test]
+    fn float64_attention_keeps_its_products() {
+        let mut g = attention(DType::F32);
+        assert_eq!(run(&mut g).expect("run"), 1);
+        assert_eq!(g.nodes[2].op_type, "Attention");
+        let mut g = attention(DType::F64);
+        assert_eq!(run(&mut g).expect("run"), 0, "the CUDA attention kernels take no float64");
+        assert!(g.nodes.iter().all(|n| n.op_type != "Attention"));
+    }
 }

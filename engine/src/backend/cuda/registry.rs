@@ -149,11 +149,11 @@ pub static FAMILIES: &[Family] = &[
             g(CAST_OPS, CAST_TO, UNARY),
             g(&["cast_rows_f32"], HALVES, &[Ptr, Ptr, AI64, AI64, AI64, AI64]),
             g(&["is_inf"], FLOATS, &[Ptr, Ptr, AI64, AI32, AI32]),
-            g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], ARITH, BINARY),
+            g(&["add", "sub", "mul", "div", "max", "min", "mod", "fmod"], NUMS, BINARY),
             g(&["pow"], FLOATS, BINARY),
             g(&["pow"], I64, BINARY),
-            g(&["equal", "less", "greater", "less_equal", "greater_equal"], ARITH, BINARY),
-            g(&["and", "or", "xor", "equal"], U8, BINARY),
+            g(&["equal", "less", "greater", "less_equal", "greater_equal"], NUMS, BINARY),
+            g(&["and", "or", "xor"], U8, BINARY),
             g(&["where"], WIDTHS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64]),
             g(&["mask_select"], WIDTHS, &[Ptr, Ptr, Ptr, Strides, AI64, AI32]),
             g(&["min_max_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Strides, AI64, AI32, AI32]),
@@ -220,7 +220,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["copy"], WIDTHS, &[Ptr, Ptr, Strides, AI64]),
             g(&["copy"], V16, &[Ptr, Ptr, Strides, AI64]),
             g(&["fill"], WIDTHS, &[Ptr, AI64, AU64]),
-            g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64]),
+            g(&["trilu"], WIDTHS, &[Ptr, Ptr, AI64, AI64, AI64, AI32, AI64, Ptr]),
         ]
     ),
     family!(

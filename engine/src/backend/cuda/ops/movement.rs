@@ -12,7 +12,7 @@
 //!
 //! The layouts are computed by pure functions (unit-tested below against the CPU kernels
 //! through a host emulation of `copy_W`); the dispatchers only read the node and launch.
-//! Constant inputs (Slice's bounds, Trilu's k, ConcatGrad's shapes) are read from their host
+//! Constant inputs (Slice's bounds, Trilu's constant k, ConcatGrad's shapes) are read from their host
 //! copy; the CUDA backend needs them constant.
 
 use cudarc::driver::result;
@@ -24,6 +24,7 @@ use crate::backend::cuda::launch::KArg;
 use crate::error::{Error, Result};
 use crate::ir::Node;
 use crate::ops::util::norm_axis;
+use crate::tensor::DType;
 
 /// The copy kernel for an element size.
 pub(super) fn width(size: usize) -> &'static str {
@@ -259,11 +260,20 @@ fn split(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) 
     Ok(())
 }
 
-/// Trilu(x, k?): keeps j - i >= k (upper) or j - i <= k (lower) of each matrix.
+/// Trilu(x, k?): keeps j - i >= k (upper) or j - i <= k (lower) of each matrix. A constant k is
+/// passed by value, a computed one (an int64 scalar) read by the kernel from device memory.
 fn trilu(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let x = input(node, ins, 0)?;
     let upper = node.attrs.int("upper", 1)? != 0;
-    let k = const_ints(node, ins, 1, "k")?.and_then(|v| v.first().copied()).unwrap_or(0);
+    let (k, k_at) = match ins.get(1).and_then(|v| v.as_ref()) {
+        Some(kv) if kv.host.is_none() => {
+            if kv.dtype != DType::I64 || kv.numel() != 1 {
+                return Err(node.err(format!("k (input 1) must be one int64, got {} {:?}", kv.dtype.name(), kv.shape)));
+            }
+            (0, kv.ptr)
+        }
+        _ => (const_ints(node, ins, 1, "k")?.and_then(|v| v.first().copied()).unwrap_or(0), 0),
+    };
     let r = x.shape.len();
     if r < 2 {
         return Err(node.err("input must have rank ≥ 2"));
@@ -286,6 +296,7 @@ fn trilu(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) 
             KArg::I64(cols as i64),
             KArg::I32(upper as i32),
             KArg::I64(k),
+            KArg::Ptr(k_at),
         ],
     )
 }

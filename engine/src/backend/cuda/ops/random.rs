@@ -38,7 +38,8 @@ pub fn salt_of(node: &Node) -> u64 {
 }
 
 /// (ratio, training) from the optional constant inputs at `at` and `at + 1` (defaults 0.5 and
-/// false, as the CPU kernel).
+/// false, as the CPU kernel). Outside training the ratio is not used: it may then be computed
+/// (read on the device by no kernel; the CPU, which reads it, also checks its range).
 fn params(node: &Node, ins: &[Option<DView>], at: usize) -> Result<(f64, bool)> {
     let value = |i: usize, what: &str| -> Result<Option<f64>> {
         match ins.get(i).and_then(|x| x.as_ref()) {
@@ -49,11 +50,15 @@ fn params(node: &Node, ins: &[Option<DView>], at: usize) -> Result<(f64, bool)> 
                 .ok_or_else(|| node.err(format!("the CUDA backend needs Dropout's {what} (input {i}) to be a constant"))),
         }
     };
+    let training = value(at + 1, "training_mode")?.is_some_and(|v| v != 0.0);
+    let computed_ratio = ins.get(at).and_then(|x| x.as_ref()).is_some_and(|x| x.host.is_none());
+    if !training && computed_ratio {
+        return Ok((0.0, false));
+    }
     let ratio = match value(at, "ratio")? {
         Some(r) => r,
         None => node.attrs.float("ratio", 0.5)? as f64,
     };
-    let training = value(at + 1, "training_mode")?.is_some_and(|v| v != 0.0);
     if !(0.0..1.0).contains(&ratio) {
         return Err(node.err(format!("ratio {ratio} must be in [0, 1)")));
     }

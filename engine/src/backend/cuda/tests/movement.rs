@@ -23,15 +23,15 @@ fn fill_args(y: u64, n: i64, bits: u64) -> Vec<KArg> {
     vec![KArg::Ptr(y), KArg::I64(n), KArg::U64(bits)]
 }
 #[allow(clippy::too_many_arguments)]
-fn trilu_args(x: u64, y: u64, n: i64, rows: i64, cols: i64, upper: i32, k: i64) -> Vec<KArg> {
-    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::I64(n), KArg::I64(rows), KArg::I64(cols), KArg::I32(upper), KArg::I64(k)]
+fn trilu_args(x: u64, y: u64, n: i64, rows: i64, cols: i64, upper: i32, k: i64, k_at: u64) -> Vec<KArg> {
+    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::I64(n), KArg::I64(rows), KArg::I64(cols), KArg::I32(upper), KArg::I64(k), KArg::Ptr(k_at)]
 }
 
 fn args_of(op: &str) -> Vec<KArg> {
     match op {
         "copy" => copy_args(1, 2, Strides::default(), 3),
         "fill" => fill_args(1, 2, 3),
-        "trilu" => trilu_args(1, 2, 3, 4, 5, 1, -1),
+        "trilu" => trilu_args(1, 2, 3, 4, 5, 1, -1, 6),
         _ => panic!("movement: no test launches {op}"),
     }
 }
@@ -228,7 +228,8 @@ fn gpu_fill_and_trilu_match_cpu() {
         g.run(&k, Grid::elementwise(n as i64, 3), &fill_args(dy.ptr(), n as i64, bits));
         g.same(&format!("{k} bits {bits:#x}"), w, &dy, &narrow(w, &vec![bits as i64; n]));
 
-        // trilu: batches of matrices, wide, tall and square, both triangles, k on both sides
+        // trilu: batches of matrices, wide, tall and square, both triangles, k on both sides,
+        // passed by value and read from device memory (k_at: the by-value k is then ignored)
         let k = registry::kernel_name("trilu", w);
         for shape in [&[3usize, 5, 7][..], &[2, 8, 3], &[6, 6]] {
             let n = numel(shape);
@@ -237,15 +238,16 @@ fn gpu_fill_and_trilu_match_cpu() {
             let dx = g.up(&xb);
             for upper in [1, 0] {
                 for kk in [-10i64, -2, -1, 0, 1, 3, 10] {
-                    let dy = g.zeros(n * size_of(w));
-                    g.run(
-                        &k,
-                        Grid::elementwise(n as i64, 1),
-                        &trilu_args(dx.ptr(), dy.ptr(), n as i64, rows as i64, cols as i64, upper, kk),
-                    );
                     let attrs = Attrs::default().with("upper", Attr::Int(upper as i64));
                     let want = cpu("Trilu", attrs, &[&i64_tensor(shape, xv.clone()), &Tensor::from_i64(vec![], vec![kk])]);
-                    g.same(&format!("{k} {shape:?} upper {upper} k {kk}"), w, &dy, &narrow(w, &want[0].to_i64_vec().expect("i64")));
+                    let want = narrow(w, &want[0].to_i64_vec().expect("i64"));
+                    let k_dev = g.up(&kk.to_le_bytes());
+                    for (by, k_val, k_at) in [("value", kk, 0), ("device", 99 - kk, k_dev.ptr())] {
+                        let dy = g.zeros(n * size_of(w));
+                        let args = trilu_args(dx.ptr(), dy.ptr(), n as i64, rows as i64, cols as i64, upper, k_val, k_at);
+                        g.run(&k, Grid::elementwise(n as i64, 1), &args);
+                        g.same(&format!("{k} {shape:?} upper {upper} k {kk} by {by}"), w, &dy, &want);
+                    }
                 }
             }
         }
