@@ -10,8 +10,9 @@
 #   env        the GPU, driver, torch and the NVRTC/cuBLAS folder
 #   kernels    every kernel file compiled cold by NVRTC (fills the disk cache), then warm; the
 #              engine's CUDA unit tests (kernel parity, cuBLAS, the executor, graphs); the ONNX
-#              node cases of tests/conformance/manifest.txt (node_cases) and the float64 cases of
-#              tests/test_gradcheck.py (grad_cases) on the CUDA executor against onnx / the CPU
+#              node cases of tests/conformance/manifest.txt (node_cases) and the cases of
+#              tests/test_gradcheck.py in four float types (grad_cases) on the CUDA executor
+#              against onnx's outputs / the CPU executor's step
 #   gpt2       bench.gpu on GPT-2 124M (bf16): ortrain+fuse_attention+autocast (the engine's
 #              intended path), torch.compile and eager: issue 6's target rows (50 steps each,
 #              with every 5th step's loss: the loss curves side by side)

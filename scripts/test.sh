@@ -33,7 +33,7 @@ echo "[test] the ONNX node cases of tests/conformance/manifest.txt on the CUDA e
 .venv/bin/python -m tests.conformance.cuda_export target/node-cases
 ORTRAIN_NODE_CASES="$root/target/node-cases" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib node_cases -- --ignored --nocapture
-echo "[test] every gradient rule on the CUDA executor (cuda-emu): tests/test_gradcheck.py's float64 cases, one step each, as the CPU executor gives it"
+echo "[test] every gradient rule on the CUDA executor (cuda-emu): tests/test_gradcheck.py's cases in f64, f32, f16 and bf16, one step each, as the CPU executor gives it"
 .venv/bin/python tests/gradcheck_export.py target/grad-cases
 ORTRAIN_GRAD_CASES="$root/target/grad-cases" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib grad_cases -- --ignored --nocapture
