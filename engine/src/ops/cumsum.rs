@@ -22,7 +22,9 @@ struct CumSum;
 impl OpDef for CumSum {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
         let x = input(node, inputs, 0)?;
-        if !matches!(x.dtype, DType::F32 | DType::F64 | DType::I64 | DType::I32) {
+        // 16-bit floats sum in f32 (the CPU runs them widened, CUDA's kernel accumulates in f32),
+        // each running sum rounded once, as PyTorch's cumsum of a half tensor does
+        if !matches!(x.dtype, DType::F32 | DType::F64 | DType::I64 | DType::I32 | DType::BF16 | DType::F16) {
             return Err(node.err(format!("element type {} is not supported", x.dtype.name())));
         }
         cumsum_axis(node, inputs.get(1).unwrap_or(&None), x.shape.len())?;

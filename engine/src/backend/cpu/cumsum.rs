@@ -1,6 +1,6 @@
 //! CPU kernel of ops/cumsum.rs: running sums along one axis, each (outer, inner) line in turn
 //! (parallel over outer blocks for large inputs); float sums accumulate in the element type, as
-//! PyTorch's cumsum does.
+//! PyTorch's cumsum does (bf16 and f16 run widened, backend/cpu/widen.rs: they sum in f32).
 
 use rayon::prelude::*;
 
@@ -61,7 +61,7 @@ pub fn register(t: &mut KernelTable) {
 mod tests {
     use super::super::testutil::run;
     use crate::ir::{Attr, Attrs};
-    use crate::tensor::Tensor;
+    use crate::tensor::{DType, Data, Tensor};
 
     #[test]
     fn cumsum_modes() {
@@ -75,5 +75,22 @@ mod tests {
         assert_eq!(r(Attrs::default().with("reverse", Attr::Int(1)), 1), vec![6, 5, 3, 15, 11, 6]);
         let both = Attrs::default().with("reverse", Attr::Int(1)).with("exclusive", Attr::Int(1));
         assert_eq!(r(both, 1), vec![5, 3, 0, 11, 6, 0]);
+    }
+
+    /// A 16-bit CumSum sums in f32 and rounds each running sum once (as CUDA's kernel and
+    /// PyTorch's half cumsum): 300 ones reach 300 in bf16, where summing in bf16 stalls at 256
+    /// (256 + 1 rounds back to 256).
+    #[test]
+    fn sixteen_bit_cumsum_sums_in_f32() {
+        let ax = Tensor::from_i64(vec![], vec![0]);
+        let ones = Tensor::new(vec![300], Data::BF16(vec![half::bf16::ONE; 300])).expect("tensor");
+        let y = run("CumSum", Attrs::default(), &[&ones, &ax]).remove(0);
+        assert_eq!(y.dtype(), DType::BF16);
+        let v = y.to_f64_vec();
+        assert_eq!((v[255], v[299]), (256.0, 300.0));
+        assert_eq!(v[256], 256.0, "257 rounds to even in bf16");
+        let ones = Tensor::new(vec![3000], Data::F16(vec![half::f16::ONE; 3000])).expect("tensor");
+        let v = run("CumSum", Attrs::default(), &[&ones, &ax]).remove(0).to_f64_vec();
+        assert_eq!(v[2999], 3000.0, "f16 sums stall at 2048 when summed in f16");
     }
 }

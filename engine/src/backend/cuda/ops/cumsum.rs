@@ -12,12 +12,15 @@ fn cumsum(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     let x = input(node, ins, 0)?;
     let axis_in = super::infer_ins(node, ins, 1..2, "axis")?;
     let axis = crate::ops::cumsum_axis_of(node, &axis_in[0], x.shape.len())?;
+    // 16-bit floats accumulate in f32 (kernels/scan.cu), as the CPU's widened run does
     let sfx = match x.dtype {
         DType::F32 => "f32",
         DType::F64 => "f64",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
         DType::I64 => "i64",
         DType::I32 => "i32",
-        other => return Err(node.err(format!("CumSum on CUDA takes f32, f64, int64 or int32, got {}", other.name()))),
+        other => return Err(node.err(format!("CumSum on CUDA takes f32, f64, bf16, f16, int64 or int32, got {}", other.name()))),
     };
     let len = x.shape.get(axis).copied().unwrap_or(1);
     let inner: usize = x.shape.get(axis + 1..).map(|s| s.iter().product()).unwrap_or(1);
