@@ -15,13 +15,11 @@
 //! `ORTRAIN_GRAD_CASES=DIR cargo test --release -p ortrain-engine --features cuda --lib grad_cases -- --ignored --nocapture`
 //! (with cuda-emu's LD_LIBRARY_PATH where there is no GPU).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use prost::Message;
-
+use super::case_folders::{case_names, cases_dir, read_tensor, Tally};
 use super::gpu_run::LEGACY;
 use super::support::*;
-use crate::onnx::proto::TensorProto;
 use crate::session::cuda_graph::PhaseRun;
 use crate::session::{Session, SessionOptions, Target};
 use crate::tensor::{DType, Tensor};
@@ -49,12 +47,6 @@ struct GradCase {
     weights: Vec<Tensor>,
     /// The backward seed of each output (None: not a float64 output, no seed).
     seeds: Vec<Option<Tensor>>,
-}
-
-fn read_tensor(path: &Path) -> Option<Tensor> {
-    let bytes = std::fs::read(path).ok()?;
-    let proto = TensorProto::decode(bytes.as_slice()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    Some(crate::onnx::tensor_from_proto(&proto, None, &path.display().to_string()).unwrap_or_else(|e| panic!("{e}")))
 }
 
 fn read_case(dir: &Path) -> GradCase {
@@ -164,33 +156,23 @@ fn differs(what: &str, want: &[f64], got: &[f64], tol: f64) -> Option<String> {
     (bad > 0).then(|| format!("{what}: {bad}/{} differ, worst {worst:.3e} of the largest value", want.len()))
 }
 
-fn cases_dir() -> PathBuf {
-    PathBuf::from(
-        std::env::var("ORTRAIN_GRAD_CASES")
-            .unwrap_or_else(|_| panic!("set ORTRAIN_GRAD_CASES to a folder written by `python tests/gradcheck_export.py DIR`")),
-    )
-}
-
 #[test]
 #[ignore = "needs ORTRAIN_GRAD_CASES (python tests/gradcheck_export.py DIR)"]
 fn gpu_gradient_rules_match_the_cpu_executor() {
-    let dir = cases_dir();
+    let dir = cases_dir("ORTRAIN_GRAD_CASES", "python tests/gradcheck_export.py DIR");
     let Some(g) = gpu("gpu_gradient_rules_match_the_cpu_executor") else { return };
     // each op's own rule, as tests/test_gradcheck.py runs it: no pass rewrites the one-node model
     std::env::set_var(crate::passes::ENV_DISABLE, "all");
-    let list = std::fs::read_to_string(dir.join("cases.txt")).unwrap_or_else(|e| panic!("{}: {e}", dir.join("cases.txt").display()));
-    let ids: Vec<&str> = list.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert!(ids.len() > 50, "{}: only {} cases", dir.display(), ids.len());
-    let mut failed = Vec::new();
-    let mut unchecked = 0;
+    let ids = case_names(&dir, 50);
+    let (mut tally, mut random_runs) = (Tally::default(), 0);
     for id in &ids {
         let c = read_case(&dir.join(id));
         let random = id.starts_with("Dropout") && id.contains("-train");
-        let verdict = match (cpu_step(&c), gpu_step(g, &c)) {
+        let problem = match (cpu_step(&c), gpu_step(g, &c)) {
             (Err(e), _) => Some(format!("CPU: {}", e.lines().next().unwrap_or(""))),
             (_, Err(e)) => Some(format!("CUDA: {}", e.lines().next().unwrap_or(""))),
             (Ok(_), Ok(_)) if random => {
-                unchecked += 1;
+                random_runs += 1;
                 None
             }
             (Ok((co, cg)), Ok((go, gg))) => {
@@ -206,25 +188,14 @@ fn gpu_gradient_rules_match_the_cpu_executor() {
                 (!errs.is_empty()).then(|| errs.join("; "))
             }
         };
-        let refused = refused(id);
-        match (verdict, refused) {
-            (Some(why), Some(expected)) if why.contains(expected) => {
-                println!("refused as expected: {id}: {why}");
-                unchecked += 1;
-            }
-            (Some(why), _) => {
-                println!("FAIL {id}: {why}");
-                failed.push(format!("{id}: {why}"));
-            }
-            (None, Some(_)) => failed.push(format!("{id}: runs now; take it off `refused`")),
-            (None, None) => {}
-        }
+        tally.record(id, problem, refused(id));
     }
     println!(
         "{} of {} gradient-check cases give the CPU executor's outputs and gradients on the CUDA executor \
-         (the rest: {unchecked} with random masks run, not compared, or refused as expected)",
-        ids.len() - failed.len() - unchecked,
-        ids.len()
+         ({random_runs} with random masks run, not compared; {} refused as expected)",
+        ids.len() - tally.failed.len() - tally.refused - random_runs,
+        ids.len(),
+        tally.refused
     );
-    assert!(failed.is_empty(), "{} gradient-check cases differ on CUDA:\n{}", failed.len(), failed.join("\n"));
+    assert!(tally.failed.is_empty(), "{} gradient-check cases differ on CUDA:\n{}", tally.failed.len(), tally.failed.join("\n"));
 }

@@ -13,6 +13,7 @@ mod attention_layout;
 mod attention_reference;
 mod blas;
 mod blas_lt;
+mod case_folders;
 mod causal_attention;
 mod dropout;
 mod dry_target;

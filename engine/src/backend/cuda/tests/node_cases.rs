@@ -11,13 +11,11 @@
 //! `ORTRAIN_NODE_CASES=DIR cargo test --release -p ortrain-engine --features cuda --lib node_cases -- --ignored --nocapture`
 //! (with cuda-emu's LD_LIBRARY_PATH where there is no GPU).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use prost::Message;
-
+use super::case_folders::{case_names, cases_dir, read_tensor, Tally};
 use super::gpu_run::LEGACY;
 use super::support::*;
-use crate::onnx::proto::TensorProto;
 use crate::session::cuda_graph::PhaseRun;
 use crate::session::{Session, SessionOptions, Target};
 use crate::tensor::{DType, Tensor};
@@ -33,12 +31,6 @@ const REFUSED: &[(&str, &str)] = &[
     ("test_training_dropout_zero_ratio.0", "needs Dropout's training_mode (input 2) to be a constant"),
     ("test_training_dropout_zero_ratio_mask.0", "needs Dropout's training_mode (input 2) to be a constant"),
 ];
-
-fn read_tensor(path: &Path) -> Option<Tensor> {
-    let bytes = std::fs::read(path).ok()?;
-    let proto = TensorProto::decode(bytes.as_slice()).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    Some(crate::onnx::tensor_from_proto(&proto, None, &path.display().to_string()).unwrap_or_else(|e| panic!("{e}")))
-}
 
 /// `kind_0.pb`, `kind_1.pb`, ... of a case folder, in order.
 fn read_tensors(dir: &Path, kind: &str) -> Vec<Tensor> {
@@ -104,26 +96,17 @@ fn differs(k: usize, want: &Tensor, got: &Downloaded) -> Option<String> {
     (bad > 0).then(|| format!("output {k}: {bad}/{} differ, max |diff| {worst:.3e}", want.numel()))
 }
 
-fn cases_dir() -> PathBuf {
-    PathBuf::from(
-        std::env::var("ORTRAIN_NODE_CASES")
-            .unwrap_or_else(|_| panic!("set ORTRAIN_NODE_CASES to a folder written by `python -m tests.conformance.cuda_export DIR`")),
-    )
-}
-
 #[test]
 #[ignore = "needs ORTRAIN_NODE_CASES (python -m tests.conformance.cuda_export DIR)"]
 fn gpu_onnx_node_cases_give_onnx_outputs() {
-    let dir = cases_dir();
+    let dir = cases_dir("ORTRAIN_NODE_CASES", "python -m tests.conformance.cuda_export DIR");
     let Some(g) = gpu("gpu_onnx_node_cases_give_onnx_outputs") else { return };
-    let list = std::fs::read_to_string(dir.join("cases.txt")).unwrap_or_else(|e| panic!("{}: {e}", dir.join("cases.txt").display()));
-    let names: Vec<&str> = list.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert!(names.len() > 100, "{}: only {} cases", dir.display(), names.len());
-    let mut failed = Vec::new();
+    let names = case_names(&dir, 100);
+    let mut tally = Tally::default();
     for name in &names {
         let case = dir.join(name);
         let (inputs, want) = (read_tensors(&case, "input"), read_tensors(&case, "output"));
-        let verdict = match run_on_gpu(g, &case, &inputs) {
+        let problem = match run_on_gpu(g, &case, &inputs) {
             Err(e) => Some(format!("error: {}", e.lines().next().unwrap_or(""))),
             Ok(got) if got.len() != want.len() => Some(format!("{} outputs, expected {}", got.len(), want.len())),
             Ok(got) => {
@@ -131,22 +114,13 @@ fn gpu_onnx_node_cases_give_onnx_outputs() {
                 (!errs.is_empty()).then(|| errs.join("; "))
             }
         };
-        let refused = REFUSED.iter().find(|r| r.0 == *name).map(|r| r.1);
-        match (verdict, refused) {
-            (Some(why), Some(expected)) if why.contains(expected) => println!("refused as expected: {name}: {why}"),
-            (Some(why), _) => {
-                println!("FAIL {name}: {why}");
-                failed.push(format!("{name}: {why}"));
-            }
-            (None, Some(_)) => failed.push(format!("{name}: passes now; take it off REFUSED")),
-            (None, None) => {}
-        }
+        tally.record(name, problem, REFUSED.iter().find(|r| r.0 == name.as_str()).map(|r| r.1));
     }
-    let refused = names.iter().filter(|n| REFUSED.iter().any(|r| r.0 == **n)).count();
     println!(
-        "{} of {} ONNX node cases give onnx's outputs on the CUDA executor ({refused} refused with the expected error)",
-        names.len() - failed.len() - refused,
-        names.len()
+        "{} of {} ONNX node cases give onnx's outputs on the CUDA executor ({} refused with the expected error)",
+        names.len() - tally.failed.len() - tally.refused,
+        names.len(),
+        tally.refused
     );
-    assert!(failed.is_empty(), "{} node cases differ on CUDA:\n{}", failed.len(), failed.join("\n"));
+    assert!(tally.failed.is_empty(), "{} node cases differ on CUDA:\n{}", tally.failed.len(), tally.failed.join("\n"));
 }
