@@ -4,6 +4,7 @@
 
 use super::{input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
+use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
 use crate::tensor::DType;
@@ -13,15 +14,10 @@ fn cumsum(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     let axis_in = super::infer_ins(node, ins, 1..2, "axis")?;
     let axis = crate::ops::cumsum_axis_of(node, &axis_in[0], x.shape.len())?;
     // 16-bit floats accumulate in f32 (kernels/scan.cu), as the CPU's widened run does
-    let sfx = match x.dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        DType::I64 => "i64",
-        DType::I32 => "i32",
-        other => return Err(node.err(format!("CumSum on CUDA takes f32, f64, bf16, f16, int64 or int32, got {}", other.name()))),
-    };
+    if !matches!(x.dtype, DType::F32 | DType::F64 | DType::BF16 | DType::F16 | DType::I64 | DType::I32) {
+        return Err(node.err(format!("CumSum on CUDA takes f32, f64, bf16, f16, int64 or int32, got {}", x.dtype.name())));
+    }
+    let sfx = dtype_suffix(x.dtype);
     let len = x.shape.get(axis).copied().unwrap_or(1);
     let inner: usize = x.shape.get(axis + 1..).map(|s| s.iter().product()).unwrap_or(1);
     let outer: usize = x.shape[..axis.min(x.shape.len())].iter().product();

@@ -52,14 +52,14 @@ fn run_on_gpu(g: &crate::backend::cuda::loader::Loaded, dir: &Path, inputs: &[Te
     let arena = zeros::<u8>(g, arena_bytes.max(1));
     let feed: Vec<_> = sigs.iter().cloned().zip(bufs.iter().map(|b| b.ptr())).collect();
     // SAFETY: each input buffer holds its tensor's bytes and the arena the plan's bytes; all live
-    // until the outputs are downloaded below (the synchronize in download orders the reads).
+    // until the outputs are downloaded below (the synchronize before them orders the reads).
     let pending = unsafe { s.forward_cuda(rt, LEGACY, arena.ptr(), &feed, &[], false, 1, &[], false, PhaseRun::Launches) }
         .map_err(|e| e.to_string())?;
+    g.synchronize().map_err(|e| e.to_string())?;
     let mut outs = Vec::new();
     for k in 0..s.outputs.len() {
         let (addr, dt, shape) = s.output_cuda(&pending, k).map_err(|e| e.to_string())?;
         let n = numel(&shape) * dt.size();
-        g.synchronize().map_err(|e| e.to_string())?;
         let mut bytes = vec![0u8; n];
         if n > 0 {
             // SAFETY: addr holds the output's n planned bytes, in the arena or a constant, alive
