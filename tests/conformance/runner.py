@@ -31,6 +31,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import numpy_helper
@@ -48,7 +49,11 @@ DTYPES = {
     np.dtype(np.bool_): "bool",
     np.dtype(np.uint8): "uint8",
     np.dtype(np.int8): "int8",
+    np.dtype(np.float16): "float16",
+    np.dtype(ml_dtypes.bfloat16): "bfloat16",
 }
+# the 16-bit floats are compared in float32 (numpy has no bfloat16 arithmetic of its own)
+HALF_FLOATS = {np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)}
 NP_OF = {v: k for k, v in DTYPES.items()}
 
 TRAINING_DOMAIN = "ai.onnx.preview.training"
@@ -243,6 +248,8 @@ def compare(name: str, expected: np.ndarray, got: np.ndarray) -> str | None:
         return f"{name}: dtype {got.dtype}, expected {expected.dtype}"
     if expected.shape != got.shape:
         return f"{name}: shape {list(got.shape)}, expected {list(expected.shape)}"
+    if expected.dtype in HALF_FLOATS:
+        expected, got = expected.astype(np.float32), got.astype(np.float32)
     if expected.dtype.kind == "f":
         bad = ~np.isclose(got, expected, rtol=RTOL, atol=ATOL, equal_nan=True)
         if bad.any():

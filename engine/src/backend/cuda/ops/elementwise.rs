@@ -50,8 +50,8 @@ fn binary(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx)
     if ins.len() > 2 && matches!(node.op_type.as_str(), "Max" | "Min") {
         return Err(node.err(format!("{} of {} inputs is not supported (2 only, as on the CPU)", node.op_type, ins.len())));
     }
-    if node.op_type == "Mod" && !matches!(a.dtype, DType::F32 | DType::F64 | DType::I64 | DType::I32 | DType::U8 | DType::I8) {
-        return Err(node.err(format!("Mod of {} is not supported by the CUDA backend (f32, f64, i64, i32, u8, i8)", a.dtype.name())));
+    if node.op_type == "Mod" && a.dtype == DType::Bool {
+        return Err(node.err("Mod of bool is not supported (ONNX's Mod takes numbers)"));
     }
     let stem = binary_kernel(node)?.ok_or_else(|| node.err("no CUDA binary kernel"))?;
     let o = &outs[0];
