@@ -6,25 +6,33 @@
 // PyTorch's CPU and CUDA masks differ; their statistics and the y = x * mask / (1 - ratio)
 // identity are what a parity test checks.
 //
-//   dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
+// Every kernel ends with the rate's operands R = (const void* ratio_at, i32 ratio_type,
+// const u8* training_at, i32* err), for a Dropout whose ratio or training_mode is computed in
+// the step (null pointers: the constants given before them). ratio_at: the ratio, of type
+// ratio_type (0 f32, 1 f64, 2 bf16, 3 f16); training_at: training_mode (0: the Dropout keeps
+// everything, as outside training: y = x, mask all 1, dx = dy). A ratio read outside [0, 1)
+// (or NaN) in training cannot fail the launch: y is NaN, the mask 0, and *err is set to 1 (err
+// may be null); the executor reports the node after the step, as for an index out of range.
+//
+//   dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, R)
 //       keep where uniform >= ratio (as the CPU kernel); y = keep ? x / (1 - ratio) : 0;
 //       mask may be null. Training with ratio 0, or inference, is a copy (no launch needed).
-//   dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//   dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt, R)
 //       the same with the key read from device memory: key = splitmix64(*seed ^ salt), offset 0
 //       (the host computes the same key for dropout_T from the step's seed and salt =
 //       splitmix64(node id), so both draw the same masks). A CUDA graph bakes kernel arguments;
 //       this variant lets a replayed step draw fresh masks from a seed written before the replay.
-//   dropout_add_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
-//   dropout_add_slot_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//   dropout_add_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, R)
+//   dropout_add_slot_T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt, R)
 //       DropoutAdd (passes/fuse_dropout_add.rs): y = dropout(x) + res, the dropped value
 //       rounded to T before the add, as the Dropout and Add it replaces; ratio 0 for inference
-//   dropout_add_wide_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)
-//   dropout_add_wide_slot_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)
+//   dropout_add_wide_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, R)
+//   dropout_add_wide_slot_T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt, R)
 //       the same for a 16-bit x joining an f32 residual (T: bf16 f16): the dropped value
 //       rounded to T, then widened and added in f32, as Dropout, Cast and Add did
-//   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)
+//   dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale, R)
 //       dx = mask ? dy * scale : 0, scale = 1 / (1 - ratio) in training (1 otherwise)
-//   dropout_grad_wide_T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale)
+//   dropout_grad_wide_T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale, R)
 //       the same from an f32 dy (T: bf16 f16; dropout_add_wide's gradient), dy rounded to T
 //       first, as the Cast and DropoutGrad it replaces
 // T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy; not in the _wide kernels).
@@ -49,11 +57,42 @@ __device__ __forceinline__ U4 philox4x32_10(U4 c, u32 k0, u32 k1) {
 // Uniform in [0, 1) from the top 24 bits (exact in f32).
 __device__ __forceinline__ f32 uniform24(u32 r) { return (f32)(r >> 8) * (1.0f / 16777216.0f); }
 
+// The ratio at ratio_at, of type ratio_type (see the header).
+__device__ __forceinline__ f32 read_ratio(const void* at, i32 type) {
+    switch (type) {
+        case 1: return (f32)*(const f64*)at;
+        case 2: return Num<bf16>::load(*(const bf16*)at);
+        case 3: return Num<f16>::load(*(const f16*)at);
+        default: return *(const f32*)at;
+    }
+}
+// The ratio a launch applies: `ratio`, or the one read at ratio_at; 0 where training_at says
+// the Dropout is not training.
+__device__ __forceinline__ f32 dropout_rate(f32 ratio, const void* ratio_at, i32 ratio_type, const u8* training_at) {
+    if (training_at && !*training_at) return 0.f;
+    return ratio_at ? read_ratio(ratio_at, ratio_type) : ratio;
+}
+// The backward's scale: `scale`, or 1 / (1 - the ratio read), 1 outside training.
+__device__ __forceinline__ f32 dropout_grad_scale(f32 scale, const void* ratio_at, i32 ratio_type, const u8* training_at) {
+    if (training_at && !*training_at) return 1.f;
+    return ratio_at ? 1.f / (1.f - read_ratio(ratio_at, ratio_type)) : scale;
+}
+
 // res: null, or a tensor like x added to the output (DropoutAdd), of x's type or, for a
 // 16-bit x, f32 (R: the residual's and the output's type).
 template <typename T, typename R = T>
-__device__ __forceinline__ void dropout_fwd(const T* x, const R* res, R* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) {
+__device__ __forceinline__ void dropout_fwd(const T* x, const R* res, R* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset,
+                                            const void* ratio_at, i32 ratio_type, const u8* training_at, i32* err) {
     typedef typename Num<T>::Acc A;
+    ratio = dropout_rate(ratio, ratio_at, ratio_type, training_at);
+    if (!(ratio >= 0.f && ratio < 1.f)) {  // only a ratio read on the device gets here
+        if (err && blockIdx.x == 0 && threadIdx.x == 0) *err = 1;
+        ORT_GRID_LOOP(i, n) {
+            y[i] = Num<R>::store((typename Num<R>::Acc)__uint_as_float(0x7fc00000u));
+            if (mask) mask[i] = 0;
+        }
+        return;
+    }
     const A scale = (A)1 / ((A)1 - (A)ratio);
     const i64 groups = (n + 3) / 4;
     ORT_GRID_LOOP(g, groups) {
@@ -82,23 +121,29 @@ __device__ __forceinline__ u64 splitmix64(u64 z) {
     return z ^ (z >> 31);
 }
 
+// the rate's operands every kernel ends with (see the header)
+#define RATE_PARAMS const void *ratio_at, i32 ratio_type, const u8 *training_at, i32 *err
+#define RATE_ARGS ratio_at, ratio_type, training_at, err
+
 #define DROPOUT(op, T)                                                                        \
-    extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
-        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, seed, offset);                          \
+    extern "C" __global__ void dropout_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, RATE_PARAMS) { \
+        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, seed, offset, RATE_ARGS);               \
     }                                                                                         \
-    extern "C" __global__ void dropout_slot_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt) { \
-        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);           \
+    extern "C" __global__ void dropout_slot_##T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt,       \
+                                                RATE_PARAMS) {                                \
+        dropout_fwd<T, T>(x, nullptr, y, mask, n, ratio, splitmix64(*seed ^ salt), 0, RATE_ARGS); \
     }                                                                                         \
-    extern "C" __global__ void dropout_add_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset) { \
-        dropout_fwd<T, T>(x, res, y, mask, n, ratio, seed, offset);                              \
+    extern "C" __global__ void dropout_add_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, \
+                                               RATE_PARAMS) {                                 \
+        dropout_fwd<T, T>(x, res, y, mask, n, ratio, seed, offset, RATE_ARGS);                   \
     }                                                                                         \
     extern "C" __global__ void dropout_add_slot_##T(const T* x, const T* res, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, \
-                                                    u64 salt) {                               \
-        dropout_fwd<T, T>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);               \
+                                                    u64 salt, RATE_PARAMS) {                  \
+        dropout_fwd<T, T>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0, RATE_ARGS);    \
     }                                                                                         \
-    extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
+    extern "C" __global__ void dropout_grad_##T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale, RATE_PARAMS) { \
         typedef Num<T>::Acc A;                                                                \
-        const A s = (A)scale;                                                                 \
+        const A s = (A)dropout_grad_scale(scale, ratio_at, ratio_type, training_at);          \
         ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(dy[i]) * s : (A)0);  \
     }
 ORT_FLOATS(DROPOUT, _)
@@ -106,15 +151,16 @@ ORT_FLOATS(DROPOUT, _)
 // DropoutAdd of a 16-bit branch into an f32 stream (the Cast between them fused too).
 #define DROPOUT_ADD_WIDE(op, T)                                                               \
     extern "C" __global__ void dropout_add_wide_##T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio, u64 seed,      \
-                                                    u64 offset) {                             \
-        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, seed, offset);                         \
+                                                    u64 offset, RATE_PARAMS) {                \
+        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, seed, offset, RATE_ARGS);              \
     }                                                                                         \
     extern "C" __global__ void dropout_add_wide_slot_##T(const T* x, const f32* res, f32* y, u8* mask, i64 n, f32 ratio,           \
-                                                         const u64* seed, u64 salt) {         \
-        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0);          \
+                                                         const u64* seed, u64 salt, RATE_PARAMS) { \
+        dropout_fwd<T, f32>(x, res, y, mask, n, ratio, splitmix64(*seed ^ salt), 0, RATE_ARGS); \
     }                                                                                         \
-    extern "C" __global__ void dropout_grad_wide_##T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale) { \
-        ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(Num<T>::store(dy[i])) * scale : 0.f);         \
+    extern "C" __global__ void dropout_grad_wide_##T(const f32* dy, const u8* mask, T* dx, i64 n, f32 scale, RATE_PARAMS) { \
+        const f32 s = dropout_grad_scale(scale, ratio_at, ratio_type, training_at);           \
+        ORT_GRID_LOOP(i, n) dx[i] = Num<T>::store(mask[i] ? Num<T>::load(Num<T>::store(dy[i])) * s : 0.f);             \
     }
 DROPOUT_ADD_WIDE(_, bf16)
 DROPOUT_ADD_WIDE(_, f16)

@@ -1,6 +1,7 @@
 //! The index-error flags of a session's GPU steps. Kernels that read indices (Gather and its
 //! kin, GatherND, the losses' labels, MaxPoolGrad's saved indices) cannot fail: on an index out
-//! of range they write 0 (or drop the gradient) and set an i32 flag. Each graph node has its own
+//! of range they write 0 (or drop the gradient) and set an i32 flag; so do the dropout kernels on a
+//! ratio computed in the step outside [0, 1) (their output is then NaN). Each graph node has its own
 //! flag in one device buffer; after a step, an asynchronous copy of the buffer to pinned host
 //! memory and an event are queued, and [`ErrorFlags::take`] reads that copy once the event has
 //! completed, so checking never waits for the device. Flags stay set until they are reported,

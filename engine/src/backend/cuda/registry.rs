@@ -267,14 +267,14 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "dropout",
         [
-            g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
-            g(&["dropout_slot"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
-            g(&["dropout_add"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
-            g(&["dropout_add_slot"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
-            g(&["dropout_add_wide"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64]),
-            g(&["dropout_add_wide_slot"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64]),
-            g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32]),
-            g(&["dropout_grad_wide"], HALVES, &[Ptr, Ptr, Ptr, AI64, AF32]),
+            g(&["dropout"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_slot"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_add"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_add_slot"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_add_wide"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, AU64, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_add_wide_slot"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AI32, Ptr, Ptr]),
+            g(&["dropout_grad_wide"], HALVES, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AI32, Ptr, Ptr]),
         ]
     ),
     family!(

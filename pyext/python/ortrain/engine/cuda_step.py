@@ -30,10 +30,15 @@ def cuda_triple(t: torch.Tensor, what: str) -> tuple:
 
 def check_index_errors(session) -> None:
     """Raises IndexError when a recent GPU step of `session` met an index out of range (the
-    kernels cannot stop: they wrote 0 there and dropped those gradients). Checked at each step
-    from a copy that has already landed, so it never waits for the GPU; the report comes one
-    step or so after the bad batch, as PyTorch's own device-side asserts do."""
+    kernels cannot stop: they wrote 0 there and dropped those gradients), ValueError when a
+    Dropout's ratio computed in the step was outside [0, 1) (its output was NaN). Checked at
+    each step from a copy that has already landed, so it never waits for the GPU; the report
+    comes one step or so after the bad batch, as PyTorch's own device-side asserts do."""
     bad = _ortrain.cuda_index_errors(session)
+    ratios = [b for b in bad if b.startswith("Dropout")]
+    if ratios:
+        raise ValueError(f"ortrain: a dropout ratio computed on the GPU was outside [0, 1) in a recent step, in "
+                         f"{', '.join(ratios)}: its output was NaN there")
     if bad:
         raise IndexError(f"ortrain: an index was out of range in a recent step on the GPU, in {', '.join(bad)}: "
                          "those outputs were 0 and those gradients dropped (check the batch's ids or labels "

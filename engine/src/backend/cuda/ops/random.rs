@@ -37,43 +37,111 @@ pub fn salt_of(node: &Node) -> u64 {
     splitmix(fnv)
 }
 
-/// (ratio, training) from the optional constant inputs at `at` and `at + 1` (defaults 0.5 and
-/// false, as the CPU kernel). Outside training the ratio is not used: it may then be computed
-/// (read on the device by no kernel; the CPU, which reads it, also checks its range).
-fn params(node: &Node, ins: &[Option<DView>], at: usize) -> Result<(f64, bool)> {
-    let value = |i: usize, what: &str| -> Result<Option<f64>> {
-        match ins.get(i).and_then(|x| x.as_ref()) {
-            None => Ok(None),
-            Some(x) => x
-                .host
-                .map(|t| t.to_f64_vec().first().copied())
-                .ok_or_else(|| node.err(format!("the CUDA backend needs Dropout's {what} (input {i}) to be a constant"))),
+/// Whether a Dropout trains: known at plan time, or read on the device (a bool computed in the
+/// step, at this address).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Training {
+    Known(bool),
+    OnDevice(u64),
+}
+
+/// A Dropout's ratio and training mode from its optional inputs at `at` and `at + 1` (defaults:
+/// the `ratio` attribute or 0.5, and not training, as the CPU kernel). Each is a plan-time
+/// constant or a value computed in the step, which the kernels read on the device
+/// (kernels/dropout.cu, "the rate's operands").
+struct Rate {
+    /// The constant ratio (unused where `ratio_at` is set).
+    ratio: f64,
+    /// The computed ratio's address (0: none) and its type's code in the kernels.
+    ratio_at: u64,
+    ratio_type: i32,
+    training: Training,
+}
+
+impl Rate {
+    fn of(node: &Node, ins: &[Option<DView>], at: usize) -> Result<Rate> {
+        let given = |i: usize| ins.get(i).and_then(|x| x.as_ref());
+        let training = match given(at + 1) {
+            None => Training::Known(false),
+            Some(t) => match t.host {
+                Some(h) => Training::Known(h.to_f64_vec().first().is_some_and(|&v| v != 0.0)),
+                None if t.dtype == DType::Bool && t.numel() == 1 => Training::OnDevice(t.ptr),
+                None => {
+                    return Err(node.err(format!("training_mode (input {}) must be one bool, got {:?} {:?}", at + 1, t.dtype, t.shape)))
+                }
+            },
+        };
+        let (mut ratio, mut ratio_at, mut ratio_type) = (node.attrs.float("ratio", 0.5)? as f64, 0, 0);
+        match given(at) {
+            None => {}
+            Some(r) => match r.host {
+                Some(h) => ratio = h.to_f64_vec().first().copied().unwrap_or(ratio),
+                None if training == Training::Known(false) => {} // outside training the ratio is unused
+                None => {
+                    ratio_type = match r.dtype {
+                        DType::F32 => 0,
+                        DType::F64 => 1,
+                        DType::BF16 => 2,
+                        DType::F16 => 3,
+                        d => return Err(node.err(format!("ratio (input {at}) must be a float, got {}", d.name()))),
+                    };
+                    if r.numel() != 1 {
+                        return Err(node.err(format!("ratio (input {at}) must be one value, got shape {:?}", r.shape)));
+                    }
+                    ratio_at = r.ptr;
+                }
+            },
         }
-    };
-    let training = value(at + 1, "training_mode")?.is_some_and(|v| v != 0.0);
-    let computed_ratio = ins.get(at).and_then(|x| x.as_ref()).is_some_and(|x| x.host.is_none());
-    if !training && computed_ratio {
-        return Ok((0.0, false));
+        if ratio_at == 0 && !(0.0..1.0).contains(&ratio) {
+            return Err(node.err(format!("ratio {ratio} must be in [0, 1)")));
+        }
+        Ok(Rate { ratio, ratio_at, ratio_type, training })
     }
-    let ratio = match value(at, "ratio")? {
-        Some(r) => r,
-        None => node.attrs.float("ratio", 0.5)? as f64,
-    };
-    if !(0.0..1.0).contains(&ratio) {
-        return Err(node.err(format!("ratio {ratio} must be in [0, 1)")));
+
+    /// Nothing is dropped, whatever the device holds: outside training, or at a constant ratio 0.
+    fn keeps_everything(&self) -> bool {
+        self.training == Training::Known(false) || (self.ratio_at == 0 && self.ratio == 0.0 && self.training == Training::Known(true))
     }
-    Ok((ratio, training))
+
+    /// The ratio argument of a forward kernel (0 outside training).
+    fn forward_ratio(&self) -> f32 {
+        if self.training == Training::Known(false) {
+            0.0
+        } else {
+            self.ratio as f32
+        }
+    }
+
+    /// The scale argument of a backward kernel.
+    fn grad_scale(&self) -> f32 {
+        if self.training == Training::Known(false) {
+            1.0
+        } else {
+            (1.0 / (1.0 - self.ratio)) as f32
+        }
+    }
+
+    /// The kernels' trailing rate operands (ratio_at, ratio_type, training_at, err), null where
+    /// a constant stands; `err` (the error flag) is set by the forward kernels only.
+    fn args(&self, err: u64) -> [KArg; 4] {
+        let training_at = match self.training {
+            Training::OnDevice(p) => p,
+            Training::Known(_) => 0,
+        };
+        let ratio_at = if self.training == Training::Known(false) { 0 } else { self.ratio_at };
+        [KArg::Ptr(ratio_at), KArg::I32(self.ratio_type), KArg::Ptr(training_at), KArg::Ptr(err)]
+    }
 }
 
 fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let x = input(node, ins, 0)?;
-    let (ratio, training) = params(node, ins, 1)?;
+    let rate = Rate::of(node, ins, 1)?;
     let n = x.numel();
     if n == 0 {
         return Ok(());
     }
     let mask = outs.get(1).map_or(0, |m| m.ptr);
-    if !training || ratio == 0.0 {
+    if rate.keeps_everything() {
         if x.ptr != outs[0].ptr {
             // SAFETY: input and output hold n elements of the same type and do not overlap.
             unsafe { result::memcpy_dtod_async(outs[0].ptr, x.ptr, n * x.dtype.size(), ctx.stream) }
@@ -84,14 +152,14 @@ fn dropout(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx
         }
         return Ok(());
     }
-    launch(node, ctx, x, None, outs[0].ptr, mask, ratio)
+    launch(node, ctx, x, None, outs[0].ptr, mask, &rate)
 }
 
 /// DropoutAdd(x, residual, ratio?, training_mode?) -> (Dropout(x) + residual, mask): the mask
 /// a Dropout of this name draws; outside training, x + residual (ratio 0 keeps everything).
 fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (x, r) = (input(node, ins, 0)?, input(node, ins, 1)?);
-    let (ratio, training) = params(node, ins, 2)?;
+    let rate = Rate::of(node, ins, 2)?;
     if r.shape != x.shape || !crate::ops::random::residual_joins(x.dtype, r.dtype) || outs[0].shape != x.shape || outs[0].dtype != r.dtype {
         return Err(node.err(format!(
             "the residual {:?} {:?} must be shaped like x {:?} and typed like it (or f32 for a 16-bit x)",
@@ -102,12 +170,12 @@ fn dropout_add(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cud
         return Ok(());
     }
     let mask = outs.get(1).map_or(0, |m| m.ptr);
-    launch(node, ctx, x, Some(r), outs[0].ptr, mask, if training { ratio } else { 0.0 })
+    launch(node, ctx, x, Some(r), outs[0].ptr, mask, &rate)
 }
 
 /// The dropout kernel of `node` over x (plus `res`) into y and `mask` (0: none): keyed by the
 /// step's seed, or by the seed slot a recorded step reads.
-fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64, mask: u64, ratio: f64) -> Result<()> {
+fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64, mask: u64, rate: &Rate) -> Result<()> {
     let salt = salt_of(node);
     let t = float_suffix(node, x.dtype)?;
     let op = match res {
@@ -124,15 +192,15 @@ fn launch(node: &Node, ctx: &mut CudaCtx, x: &DView, res: Option<&DView>, y: u64
     let n = x.numel();
     let mut args = vec![KArg::Ptr(x.ptr)];
     args.extend(res.map(|r| KArg::Ptr(r.ptr)));
-    args.extend([KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio as f32), key, last]);
+    args.extend([KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(rate.forward_ratio()), key, last]);
+    args.extend(rate.args(ctx.error_flag));
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n.div_ceil(4)), &args)
 }
 
 /// DropoutGrad(dy, mask, ratio?, training_mode?), dx in dy's type or its `dropped_type`.
 fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
     let (dy, mask) = (input(node, ins, 0)?, input(node, ins, 1)?);
-    let (ratio, training) = params(node, ins, 2)?;
-    let scale = if training { 1.0 / (1.0 - ratio) } else { 1.0 };
+    let rate = Rate::of(node, ins, 2)?;
     let n = dy.numel();
     if n == 0 {
         return Ok(());
@@ -150,12 +218,9 @@ fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cu
             )))
         }
     };
-    ctx.rt.launch(
-        ctx.stream,
-        &kernel,
-        ctx.rt.elementwise_grid(n),
-        &[KArg::Ptr(dy.ptr), KArg::Ptr(mask.ptr), KArg::Ptr(outs[0].ptr), KArg::I64(n as i64), KArg::F32(scale as f32)],
-    )
+    let mut args = vec![KArg::Ptr(dy.ptr), KArg::Ptr(mask.ptr), KArg::Ptr(outs[0].ptr), KArg::I64(n as i64), KArg::F32(rate.grad_scale())];
+    args.extend(rate.args(0));
+    ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &args)
 }
 
 pub fn register(t: &mut CudaTable) {

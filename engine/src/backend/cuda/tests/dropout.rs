@@ -14,20 +14,53 @@ use crate::ir::{Attr, Attrs};
 use crate::ops::random::DROPPED_TYPE;
 use crate::tensor::{DType, Data, Tensor};
 
-/// `dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset)`
+/// The rate's operands every kernel ends with: (ratio_at, ratio_type, training_at, err);
+/// `DEVICE_NONE` for the constants before them.
+#[derive(Clone, Copy)]
+struct OnDevice {
+    ratio_at: u64,
+    ratio_type: i32,
+    training_at: u64,
+    err: u64,
+}
+const DEVICE_NONE: OnDevice = OnDevice { ratio_at: 0, ratio_type: 0, training_at: 0, err: 0 };
+
+impl OnDevice {
+    fn args(self) -> [KArg; 4] {
+        [KArg::Ptr(self.ratio_at), KArg::I32(self.ratio_type), KArg::Ptr(self.training_at), KArg::Ptr(self.err)]
+    }
+}
+
+/// `dropout_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, u64 seed, u64 offset, rate)`
 #[allow(clippy::too_many_arguments)]
 fn fwd_args(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, offset: u64) -> Vec<KArg> {
-    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::U64(seed), KArg::U64(offset)]
+    fwd_args_on(x, y, mask, n, ratio, seed, offset, DEVICE_NONE)
 }
 
-/// `dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt)`
+#[allow(clippy::too_many_arguments)]
+fn fwd_args_on(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, offset: u64, dev: OnDevice) -> Vec<KArg> {
+    let mut a =
+        vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::U64(seed), KArg::U64(offset)];
+    a.extend(dev.args());
+    a
+}
+
+/// `dropout_slot_T(const T* x, T* y, u8* mask, i64 n, f32 ratio, const u64* seed, u64 salt, rate)`
 fn slot_args(x: u64, y: u64, mask: u64, n: usize, ratio: f32, seed: u64, salt: u64) -> Vec<KArg> {
-    vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::Ptr(seed), KArg::U64(salt)]
+    let mut a = vec![KArg::Ptr(x), KArg::Ptr(y), KArg::Ptr(mask), KArg::I64(n as i64), KArg::F32(ratio), KArg::Ptr(seed), KArg::U64(salt)];
+    a.extend(DEVICE_NONE.args());
+    a
 }
 
-/// `dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale)`
+/// `dropout_grad_T(const T* dy, const u8* mask, T* dx, i64 n, f32 scale, rate)`
 fn bwd_args(dy: u64, mask: u64, dx: u64, n: usize, scale: f32) -> Vec<KArg> {
-    vec![KArg::Ptr(dy), KArg::Ptr(mask), KArg::Ptr(dx), KArg::I64(n as i64), KArg::F32(scale)]
+    bwd_args_on(dy, mask, dx, n, scale, DEVICE_NONE)
+}
+
+fn bwd_args_on(dy: u64, mask: u64, dx: u64, n: usize, scale: f32, dev: OnDevice) -> Vec<KArg> {
+    let mut a = vec![KArg::Ptr(dy), KArg::Ptr(mask), KArg::Ptr(dx), KArg::I64(n as i64), KArg::F32(scale)];
+    a.extend(dev.args());
+    a
 }
 
 /// Not a multiple of 4 (the last Philox group is partial).
@@ -162,6 +195,70 @@ fn gpu_dropout_with_the_seed_in_device_memory_draws_the_host_keyed_masks() {
             run(g, &format!("dropout_slot_{t}"), grid(), &slot_args(dx.ptr(), y2.ptr(), m2.ptr(), N, RATIO, slot.ptr(), salt));
             assert_eq!(host::<u8>(&m2), host::<u8>(&m1), "dropout_slot_{t} seed {seed:#x}: masks differ from dropout_{t} keyed {key:#x}");
             assert_eq!(host_as(&y2, t), host_as(&y1, t), "dropout_slot_{t} seed {seed:#x}: outputs differ");
+        }
+    }
+}
+
+/// A ratio and a training_mode computed in the step are read on the device (the rate's
+/// operands): a ratio read in any float type draws the masks and outputs of the same ratio
+/// given as a constant (the constant argument then unused), training_mode 0 keeps everything
+/// (y = x, mask all 1, dx = dy where kept), and a ratio read outside [0, 1) gives NaN, mask 0
+/// and sets the error flag, which the session reports after the step.
+#[test]
+fn gpu_dropout_reads_a_ratio_and_training_mode_computed_on_the_device() {
+    let Some(g) = gpu("gpu_dropout_reads_a_ratio_and_training_mode_computed_on_the_device") else { return };
+    const N: usize = 10_001;
+    const R: f64 = 0.25; // exact in every float type
+    let grid = || Grid::elementwise(N.div_ceil(4) as i64, 8);
+    let bgrid = || Grid::elementwise(N as i64, 8);
+    let mut rng = Rng::new(53);
+    let (off, on) = (dev(g, &[0u8]), dev(g, &[1u8]));
+    for t in FLOATS {
+        let k = format!("dropout_{t}");
+        let kg = format!("dropout_grad_{t}");
+        let x = rand_as(&mut rng, t, N, -2.0, 2.0);
+        let dx = dev_as(g, t, &x);
+        let dy = dev_as(g, t, &rand_as(&mut rng, t, N, -1.0, 1.0));
+        // the constant launches the device-read ones must match
+        let (y_c, m_c, g_c) = (zeros_as(g, t, N), zeros::<u8>(g, N), zeros_as(g, t, N));
+        run(g, &k, grid(), &fwd_args(dx.ptr(), y_c.ptr(), m_c.ptr(), N, R as f32, SEED, OFFSET));
+        run(g, &kg, bgrid(), &bwd_args(dy.ptr(), m_c.ptr(), g_c.ptr(), N, (1.0 / (1.0 - R)) as f32));
+        let (want_y, want_m, want_g) = (host_as(&y_c, t), host::<u8>(&m_c), host_as(&g_c, t));
+        let flag = zeros::<i32>(g, 1);
+        for (code, rt) in FLOATS.iter().enumerate() {
+            let ratio = dev_as(g, rt, &[R]);
+            let on_dev = OnDevice { ratio_at: ratio.ptr(), ratio_type: code as i32, training_at: 0, err: flag.ptr() };
+            let (y, m, d) = (zeros_as(g, t, N), zeros::<u8>(g, N), zeros_as(g, t, N));
+            // constant arguments that would give other results if they were used
+            run(g, &k, grid(), &fwd_args_on(dx.ptr(), y.ptr(), m.ptr(), N, 0.9, SEED, OFFSET, on_dev));
+            run(g, &kg, bgrid(), &bwd_args_on(dy.ptr(), m.ptr(), d.ptr(), N, 7.0, on_dev));
+            let what = format!("{k} with a {rt} ratio {R} read on the device");
+            assert_eq!(host::<u8>(&m), want_m, "{what}: masks differ from the constant ratio's");
+            assert_eq!(host_as(&y, t), want_y, "{what}: outputs differ from the constant ratio's");
+            assert_eq!(host_as(&d, t), want_g, "{kg} with a {rt} ratio read on the device: dx differs from the constant's");
+            // training_mode 1 on the device: the constant ratio's launch
+            let trains = OnDevice { ratio_at: ratio.ptr(), ratio_type: code as i32, training_at: on.ptr(), err: flag.ptr() };
+            run(g, &k, grid(), &fwd_args_on(dx.ptr(), y.ptr(), m.ptr(), N, 0.9, SEED, OFFSET, trains));
+            assert_eq!(host_as(&y, t), want_y, "{what}, training_mode 1 on the device: outputs differ");
+        }
+        assert_eq!(host::<i32>(&flag), vec![0], "{k}: valid ratios set the error flag");
+        // training_mode 0 on the device: nothing dropped, x through unscaled, dx = dy
+        let idle = OnDevice { ratio_at: 0, ratio_type: 0, training_at: off.ptr(), err: flag.ptr() };
+        let (y, m, d) = (zeros_as(g, t, N), zeros::<u8>(g, N), zeros_as(g, t, N));
+        run(g, &k, grid(), &fwd_args_on(dx.ptr(), y.ptr(), m.ptr(), N, RATIO, SEED, OFFSET, idle));
+        run(g, &kg, bgrid(), &bwd_args_on(dy.ptr(), m.ptr(), d.ptr(), N, 2.0, idle));
+        assert_eq!(host_as(&y, t), host_as(&dx, t), "{k}, training_mode 0 on the device: y is not x");
+        assert!(host::<u8>(&m).iter().all(|&v| v == 1), "{k}, training_mode 0 on the device: a mask element is 0");
+        assert_eq!(host_as(&d, t), host_as(&dy, t), "{kg}, training_mode 0 on the device: dx is not dy");
+        // ratios outside [0, 1): NaN, mask 0, the flag set
+        for bad in [1.0, -0.5, f64::NAN] {
+            let flag = zeros::<i32>(g, 1);
+            let ratio = dev_as(g, "f32", &[bad]);
+            let on_dev = OnDevice { ratio_at: ratio.ptr(), ratio_type: 0, training_at: 0, err: flag.ptr() };
+            run(g, &k, grid(), &fwd_args_on(dx.ptr(), y.ptr(), m.ptr(), N, RATIO, SEED, OFFSET, on_dev));
+            assert!(host_as(&y, t).iter().all(|v| v.is_nan()), "{k}, ratio {bad} read on the device: y is not all NaN");
+            assert!(host::<u8>(&m).iter().all(|&v| v == 0), "{k}, ratio {bad} read on the device: a mask element is 1");
+            assert_eq!(host::<i32>(&flag), vec![1], "{k}, ratio {bad} read on the device: the error flag is not set");
         }
     }
 }

@@ -15,6 +15,7 @@ mod blas;
 mod blas_lt;
 mod case_folders;
 mod causal_attention;
+mod computed_dropout;
 mod dropout;
 mod dry_target;
 mod elementwise;

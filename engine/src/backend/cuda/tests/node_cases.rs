@@ -23,14 +23,10 @@ use crate::tensor::{DType, Tensor};
 const RTOL: f64 = 1e-3;
 const ATOL: f64 = 1e-7;
 
-/// Cases the CUDA backend refuses, with (part of) the error it must give: a Dropout whose
-/// training_mode is computed in the step (the kernels take the ratio and the mode when they are
-/// enqueued; exporters write both as constants, and outside training a computed ratio is
-/// accepted, being unused). A case here that starts to pass must leave the list.
-const REFUSED: &[(&str, &str)] = &[
-    ("test_training_dropout_zero_ratio.0", "needs Dropout's training_mode (input 2) to be a constant"),
-    ("test_training_dropout_zero_ratio_mask.0", "needs Dropout's training_mode (input 2) to be a constant"),
-];
+/// Cases the CUDA backend refuses, with (part of) the error it must give; none since a
+/// Dropout's computed ratio and training_mode are read on the device (kernels/dropout.cu). A
+/// case here that starts to pass must leave the list.
+const REFUSED: &[(&str, &str)] = &[];
 
 /// `kind_0.pb`, `kind_1.pb`, ... of a case folder, in order.
 fn read_tensors(dir: &Path, kind: &str) -> Vec<Tensor> {
