@@ -1,6 +1,7 @@
 // Dropout forward (producing the keep mask) and backward (engine/src/ops/random.rs; CPU kernels
-// engine/src/backend/cpu/random.rs), with the Philox4x32-10 counter-based generator (Salmon et
-// al., SC 2011): element i draws from counter (offset + i / 4) under key `seed`, so a launch is
+// engine/src/backend/cpu/random.rs), and the random draws of engine/src/ops/random_draws.rs
+// (uniform, normal, Bernoulli; at the end of this header), with the Philox4x32-10
+// counter-based generator (Salmon et al., SC 2011): element i draws from counter (offset + i / 4) under key `seed`, so a launch is
 // deterministic for any grid, and the host advances `offset` by ceil(n / 4) per call for a
 // fresh stream. The masks differ from the CPU backend's (which hashes with SplitMix64), as
 // PyTorch's CPU and CUDA masks differ; their statistics and the y = x * mask / (1 - ratio)
@@ -36,6 +37,18 @@
 //       the same from an f32 dy (T: bf16 f16; dropout_add_wide's gradient), dy rounded to T
 //       first, as the Cast and DropoutGrad it replaces
 // T: f32 f64 bf16 f16. In-place allowed (y may alias x, dx dy; not in the _wide kernels).
+//
+// The random draws (T: f32 f64 bf16 f16; values computed in f64 for uniform, in T's compute
+// type for normal, then rounded to T once). `seed` null: `key` is the Philox key; else the key
+// is splitmix64(*seed ^ key) (key then the node's salt, as dropout_slot_T: a CUDA graph's
+// replay draws from the seed written before it). Counter g gives elements 4g..4g+3, one 32-bit
+// word each (f64 uniforms: elements 2g, 2g+1, 53 bits from two words each).
+//   random_uniform_T(T* y, i64 n, f64 low, f64 high, const u64* seed, u64 key)
+//       y = low + (high - low)·u, u uniform in [0, 1)
+//   random_normal_T(T* y, i64 n, f64 mean, f64 scale, const u64* seed, u64 key)
+//       y = mean + scale·z, z standard normal (Box-Muller over words (0, 1) and (2, 3))
+//   bernoulli_T(const T* p, T* y, i64 n, const u64* seed, u64 key)
+//       y = 1 where a 24-bit uniform < p, else 0
 
 #include "prelude.cuh"
 
@@ -164,3 +177,80 @@ ORT_FLOATS(DROPOUT, _)
     }
 DROPOUT_ADD_WIDE(_, bf16)
 DROPOUT_ADD_WIDE(_, f16)
+
+// ---- random draws ------------------------------------------------------------------------
+
+__device__ __forceinline__ u64 draw_key(const u64* seed, u64 key) { return seed ? splitmix64(*seed ^ key) : key; }
+__device__ __forceinline__ U4 draw_words(u64 key, u64 g) {
+    return philox4x32_10(U4{(u32)g, (u32)(g >> 32), 0u, 0u}, (u32)key, (u32)(key >> 32));
+}
+
+template <typename T> __device__ __forceinline__ void random_uniform(T* y, i64 n, f64 low, f64 high, u64 key) {
+    typedef typename Num<T>::Acc A;
+    const f64 span = high - low;
+    if constexpr (sizeof(A) == 8) {  // f64: 53 bits from two words per element
+        ORT_GRID_LOOP(g, (n + 1) / 2) {
+            const U4 r = draw_words(key, (u64)g);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const i64 i = 2 * g + k;
+                const f64 u = (f64)(((u64)w[2 * k] << 21) | (u64)(w[2 * k + 1] >> 11)) * (1.0 / 9007199254740992.0);
+                if (i < n) y[i] = Num<T>::store((A)(low + span * u));
+            }
+        }
+    } else {
+        ORT_GRID_LOOP(g, (n + 3) / 4) {
+            const U4 r = draw_words(key, (u64)g);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const i64 i = 4 * g + k;
+                if (i < n) y[i] = Num<T>::store((A)(low + span * (f64)uniform24(w[k])));
+            }
+        }
+    }
+}
+
+template <typename T> __device__ __forceinline__ void random_normal(T* y, i64 n, f64 mean, f64 scale, u64 key) {
+    typedef typename Num<T>::Acc A;
+    const A two_pi = (A)6.283185307179586;
+    ORT_GRID_LOOP(g, (n + 3) / 4) {
+        const U4 r = draw_words(key, (u64)g);
+        const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int k = 0; k < 4; k += 2) {
+            const A u1 = ((A)(w[k] >> 8) + (A)1) * (A)(1.0 / 16777216.0);  // (0, 1]: the log is finite
+            const A u2 = (A)(w[k + 1] >> 8) * (A)(1.0 / 16777216.0);
+            const A rad = m_sqrt((A)-2 * m_log(u1)), th = two_pi * u2;
+            const i64 i = 4 * g + k;
+            if (i < n) y[i] = Num<T>::store((A)mean + (A)scale * rad * m_cos(th));
+            if (i + 1 < n) y[i + 1] = Num<T>::store((A)mean + (A)scale * rad * m_sin(th));
+        }
+    }
+}
+
+template <typename T> __device__ __forceinline__ void bernoulli(const T* p, T* y, i64 n, u64 key) {
+    typedef typename Num<T>::Acc A;
+    ORT_GRID_LOOP(g, (n + 3) / 4) {
+        const U4 r = draw_words(key, (u64)g);
+        const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const i64 i = 4 * g + k;
+            if (i < n) y[i] = Num<T>::store((A)uniform24(w[k]) < Num<T>::load(p[i]) ? (A)1 : (A)0);
+        }
+    }
+}
+
+#define RANDOM_DRAWS(op, T)                                                                   \
+    extern "C" __global__ void random_uniform_##T(T* y, i64 n, f64 low, f64 high, const u64* seed, u64 key) { \
+        random_uniform<T>(y, n, low, high, draw_key(seed, key));                               \
+    }                                                                                         \
+    extern "C" __global__ void random_normal_##T(T* y, i64 n, f64 mean, f64 scale, const u64* seed, u64 key) { \
+        random_normal<T>(y, n, mean, scale, draw_key(seed, key));                              \
+    }                                                                                         \
+    extern "C" __global__ void bernoulli_##T(const T* p, T* y, i64 n, const u64* seed, u64 key) { \
+        bernoulli<T>(p, y, n, draw_key(seed, key));                                            \
+    }
+ORT_FLOATS(RANDOM_DRAWS, _)

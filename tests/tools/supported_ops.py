@@ -69,6 +69,9 @@ def render(table, counts) -> str:
         "  The manifest's forward cases also run on the CUDA executor (engine test `node_cases`, on",
         "  cuda-emu in CI) and must give the same outputs (in every element type the CPU runs them,",
         "  float16 and bfloat16 included); it refuses none of them.",
+        "  Ops that draw random numbers (Dropout in training, Bernoulli, RandomUniform(Like),",
+        "  RandomNormal(Like)) draw their own: onnx's cases for them expect numpy's draws and fail by",
+        "  design; tests/test_random_draws.py and the kernel tests check their laws instead.",
         "",
         f"{len(onnx_ops)} ONNX ops, {sum(g for _, g, _, _ in onnx_ops)} with gradients, "
         f"{sum(cu for _, _, _, cu in onnx_ops)} with a CUDA kernel; "

@@ -17,6 +17,7 @@ pub(crate) mod movement;
 mod norm;
 mod pool;
 pub(crate) mod random;
+pub(crate) mod random_draws;
 mod reduce;
 pub(crate) mod shape_ops;
 mod softmax;
@@ -120,6 +121,7 @@ fn registry() -> &'static Registry {
         norm::register(&mut r);
         pool::register(&mut r);
         random::register(&mut r);
+        random_draws::register(&mut r);
         reduce::register(&mut r);
         shape_ops::register(&mut r);
         softmax::register(&mut r);
@@ -142,10 +144,11 @@ pub fn all_op_types() -> Vec<(&'static str, bool)> {
 }
 
 /// Whether input `i` of an `op_type` node is read for its element type and shape only, never
-/// its data (Shape and Size of anything; CastLike's `target_type` operand). Plans neither keep
-/// such a value alive for the read nor widen it.
+/// its data (Shape and Size of anything; CastLike's `target_type` operand; the tensor a
+/// RandomUniformLike or RandomNormalLike draws like). Plans neither keep such a value alive for
+/// the read nor widen it.
 pub fn reads_type_only(op_type: &str, i: usize) -> bool {
-    matches!((op_type, i), ("Shape" | "Size", 0) | ("CastLike", 1))
+    matches!((op_type, i), ("Shape" | "Size" | "RandomUniformLike" | "RandomNormalLike", 0) | ("CastLike", 1))
 }
 
 /// Whether `op_type` is an ortrain-internal op (not importable from ONNX files).

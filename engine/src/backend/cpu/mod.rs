@@ -23,6 +23,7 @@ mod movement;
 mod norm;
 mod pool;
 mod random;
+mod random_draws;
 mod reduce;
 mod shape_ops;
 mod softmax;
@@ -87,6 +88,7 @@ pub fn kernels() -> &'static KernelTable {
         norm::register(&mut t);
         pool::register(&mut t);
         random::register(&mut t);
+        random_draws::register(&mut t);
         reduce::register(&mut t);
         shape_ops::register(&mut t);
         softmax::register(&mut t);

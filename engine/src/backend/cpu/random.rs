@@ -66,7 +66,7 @@ fn drop_threshold(ratio: f64) -> u32 {
 /// for all, so the loop runs on 32-bit lanes alone (LLVM vectorises it); the bits are those of
 /// `bits` either way.
 #[inline(always)]
-fn for_each_bits(len: usize, start: u64, key: u64, mut f: impl FnMut(usize, u32)) {
+pub(super) fn for_each_bits(len: usize, start: u64, key: u64, mut f: impl FnMut(usize, u32)) {
     let mut k = 0;
     while k < len {
         let i = start + k as u64;

@@ -275,6 +275,8 @@ pub static FAMILIES: &[Family] = &[
             g(&["dropout_add_wide_slot"], HALVES, &[Ptr, Ptr, Ptr, Ptr, AI64, AF32, Ptr, AU64, Ptr, AI32, Ptr, Ptr]),
             g(&["dropout_grad"], FLOATS, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AI32, Ptr, Ptr]),
             g(&["dropout_grad_wide"], HALVES, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AI32, Ptr, Ptr]),
+            g(&["random_uniform", "random_normal"], FLOATS, &[Ptr, AI64, AF64, AF64, Ptr, AU64]),
+            g(&["bernoulli"], FLOATS, &[Ptr, Ptr, AI64, Ptr, AU64]),
         ]
     ),
     family!(

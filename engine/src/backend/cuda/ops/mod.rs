@@ -34,6 +34,7 @@ mod norm;
 mod pool;
 pub(crate) mod radix_sort;
 mod random;
+mod random_draws;
 mod reduce;
 mod softmax;
 pub mod strides;
@@ -106,6 +107,7 @@ fn table() -> &'static CudaTable {
         softmax::register(&mut t);
         norm::register(&mut t);
         random::register(&mut t);
+        random_draws::register(&mut t);
         loss::register(&mut t);
         linear_cross_entropy::register(&mut t);
         gather::register(&mut t);

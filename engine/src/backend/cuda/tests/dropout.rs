@@ -102,6 +102,7 @@ fn dropout_argument_lists_match_the_registry() {
         }
         checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
+    checked.extend(super::random_draws::draw_kernels_checked()); // the family's random draws
     assert_covers("dropout", &checked);
 }
 

@@ -11,7 +11,8 @@
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
 //! GatherND and their gradients), `pow_mixed` (Pow with int and f64 exponents), and from
 //! exec_models_products.rs `qkv_select` and `folded_scores`. `dropout_mlp` (a training-mode Dropout: its masks differ
-//! between backends by design) is for tests comparing GPU runs with each other.
+//! between backends by design) and `random_draws_mlp` (the random-draw ops, likewise) are for
+//! tests comparing GPU runs with each other.
 
 use std::sync::Arc;
 
@@ -136,6 +137,33 @@ pub(super) fn dropout_mlp(rng: &mut Rng) -> Model {
     let training = g.add_const("training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![1])).expect("bool"));
     let d = g.add_node("drop", "Dropout", vec![Some(h), Some(ratio), Some(training)], Attrs::default(), 1)[0];
     let y = op(&mut g, "tanh", "Tanh", &[d], Attrs::default());
+    g.outputs.push(y);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
+/// The random draws in a training step: a DropPath-like mask (RandomUniformLike < 0.7), noise
+/// (RandomNormalLike), Bernoulli of a sigmoid and a RandomUniform of a fixed shape; gradients
+/// flow around them (none through them). Their numbers differ between backends, like Dropout's.
+pub(super) fn random_draws_mlp(rng: &mut Rng) -> Model {
+    let input = vec![4, 64];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let w = weight(&mut g, &mut ws, "w", &[64, 48], rng);
+    let h = op(&mut g, "mm", "MatMul", &[x, w], Attrs::default());
+    let u = op(&mut g, "uniform", "RandomUniformLike", &[h], Attrs::default().with("dtype", Attr::Int(1)));
+    let keep_p = g.add_const("keep_p", Tensor::from_f32(vec![], vec![0.7]));
+    let keep = op(&mut g, "keep", "Less", &[u, keep_p], Attrs::default());
+    let keep = op(&mut g, "keep_f", "Cast", &[keep], Attrs::default().with("to", Attr::Int(1)));
+    let kept = op(&mut g, "kept", "Mul", &[h, keep], Attrs::default());
+    let noise = op(&mut g, "noise", "RandomNormalLike", &[h], Attrs::default().with("scale", Attr::Float(0.1)));
+    let noisy = op(&mut g, "noisy", "Add", &[kept, noise], Attrs::default());
+    let p = op(&mut g, "p", "Sigmoid", &[h], Attrs::default());
+    let b = op(&mut g, "coin", "Bernoulli", &[p], Attrs::default());
+    let y = op(&mut g, "gated", "Mul", &[noisy, b], Attrs::default());
+    let shaped = Attrs::default().with("shape", Attr::Ints(vec![48])).with("low", Attr::Float(-0.5)).with("high", Attr::Float(0.5));
+    let r = op(&mut g, "offset", "RandomUniform", &[], shaped);
+    let y = op(&mut g, "shifted", "Add", &[y, r], Attrs::default());
+    let y = op(&mut g, "tanh", "Tanh", &[y], Attrs::default());
     g.outputs.push(y);
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }

@@ -72,6 +72,7 @@ fn gpu_graphed_steps_match_launched_steps_bit_for_bit() {
     let mut rng = Rng::new(23);
     let mut all: Vec<_> = models().into_iter().map(|(name, m)| (name, m, MatmulPrecision::Fp32)).collect();
     all.push(("dropout_mlp", dropout_mlp(&mut rng), MatmulPrecision::Fp32));
+    all.push(("random_draws_mlp", random_draws_mlp(&mut rng), MatmulPrecision::Fp32));
     all.push(("residual_dropout", residual_dropout(&mut rng, true), MatmulPrecision::Fp32));
     // a bf16 branch's dropout into an f32 stream: dropout_add_wide_slot_bf16
     all.push(("residual_dropout bf16 into f32", residual_dropout_of(&mut rng, true, true), MatmulPrecision::Bf16));

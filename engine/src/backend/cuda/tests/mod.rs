@@ -37,6 +37,7 @@ mod movement;
 mod node_cases;
 mod onnx_parity;
 mod optim;
+mod random_draws;
 mod reduce;
 mod residual;
 mod smoke;
