@@ -181,8 +181,11 @@ DROPOUT_ADD_WIDE(_, f16)
 // ---- random draws ------------------------------------------------------------------------
 
 __device__ __forceinline__ u64 draw_key(const u64* seed, u64 key) { return seed ? splitmix64(*seed ^ key) : key; }
-__device__ __forceinline__ U4 draw_words(u64 key, u64 g) {
-    return philox4x32_10(U4{(u32)g, (u32)(g >> 32), 0u, 0u}, (u32)key, (u32)(key >> 32));
+// The four 32-bit words of counter g under `key`.
+struct Words { u32 w[4]; };
+__device__ __forceinline__ Words draw_words(u64 key, u64 g) {
+    const U4 r = philox4x32_10(U4{(u32)g, (u32)(g >> 32), 0u, 0u}, (u32)key, (u32)(key >> 32));
+    return Words{{r.x, r.y, r.z, r.w}};
 }
 
 template <typename T> __device__ __forceinline__ void random_uniform(T* y, i64 n, f64 low, f64 high, u64 key) {
@@ -190,8 +193,8 @@ template <typename T> __device__ __forceinline__ void random_uniform(T* y, i64 n
     const f64 span = high - low;
     if constexpr (sizeof(A) == 8) {  // f64: 53 bits from two words per element
         ORT_GRID_LOOP(g, (n + 1) / 2) {
-            const U4 r = draw_words(key, (u64)g);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
+            const Words r = draw_words(key, (u64)g);
+            const u32* w = r.w;
 #pragma unroll
             for (int k = 0; k < 2; ++k) {
                 const i64 i = 2 * g + k;
@@ -201,8 +204,8 @@ template <typename T> __device__ __forceinline__ void random_uniform(T* y, i64 n
         }
     } else {
         ORT_GRID_LOOP(g, (n + 3) / 4) {
-            const U4 r = draw_words(key, (u64)g);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
+            const Words r = draw_words(key, (u64)g);
+            const u32* w = r.w;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const i64 i = 4 * g + k;
@@ -216,8 +219,8 @@ template <typename T> __device__ __forceinline__ void random_normal(T* y, i64 n,
     typedef typename Num<T>::Acc A;
     const A two_pi = (A)6.283185307179586;
     ORT_GRID_LOOP(g, (n + 3) / 4) {
-        const U4 r = draw_words(key, (u64)g);
-        const u32 w[4] = {r.x, r.y, r.z, r.w};
+        const Words r = draw_words(key, (u64)g);
+        const u32* w = r.w;
 #pragma unroll
         for (int k = 0; k < 4; k += 2) {
             const A u1 = ((A)(w[k] >> 8) + (A)1) * (A)(1.0 / 16777216.0);  // (0, 1]: the log is finite
@@ -233,8 +236,8 @@ template <typename T> __device__ __forceinline__ void random_normal(T* y, i64 n,
 template <typename T> __device__ __forceinline__ void bernoulli(const T* p, T* y, i64 n, u64 key) {
     typedef typename Num<T>::Acc A;
     ORT_GRID_LOOP(g, (n + 3) / 4) {
-        const U4 r = draw_words(key, (u64)g);
-        const u32 w[4] = {r.x, r.y, r.z, r.w};
+        const Words r = draw_words(key, (u64)g);
+        const u32* w = r.w;
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
             const i64 i = 4 * g + k;
