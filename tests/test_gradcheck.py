@@ -202,6 +202,11 @@ def cases() -> list[Case]:
     for op in ("Max", "Min"):
         add(Case(op, [W((2, 3, 4)), W((3, 1))], label="bcast"))
         add(Case(op, [W((4,)), W((2, 3, 4))], label="bcast2"))
+    # the variadic forms the importer rewrites into chains (onnx/variadic.rs): three inputs
+    # broadcast together, and one input
+    for op in ("Sum", "Mean", "Max", "Min"):
+        add(Case(op, [W((2, 3, 4)), W((3, 1)), W((4,))], label="three-bcast"))
+        add(Case(op, [W((2, 3))], label="one"))
     # ortrain-internal ops with their own gradient rules (gradients of gradients)
     add(Case("Affine", [x234], {"alpha": 0.7, "beta": -0.2}))
     add(Case("ReduceSumTo", [x234, C([3, 1], np.int64)]))

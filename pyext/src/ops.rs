@@ -11,13 +11,21 @@ use crate::session::to_py;
 /// op, sorted.
 #[pyfunction]
 fn op_table() -> Vec<(String, bool, bool, bool, bool)> {
-    ops::all_op_types()
+    let mut table: Vec<_> = ops::all_op_types()
         .into_iter()
         .map(|(op, internal)| {
             let grad = ops::lookup(op).is_some_and(|d| d.gradient().is_some());
             (op.to_string(), grad, cpu::kernel(op).is_some(), internal, cuda_kernel(op))
         })
-        .collect()
+        .collect();
+    // ops the importer rewrites into registered ones (onnx/variadic.rs): what those have
+    for (op, parts) in ortrain_engine::onnx::variadic::REWRITTEN {
+        let all = |f: &dyn Fn(&str) -> bool| parts.iter().all(|p| f(p));
+        let grad = all(&|p| ops::lookup(p).is_some_and(|d| d.gradient().is_some()));
+        table.push((op.to_string(), grad, all(&|p| cpu::kernel(p).is_some()), false, all(&cuda_kernel)));
+    }
+    table.sort();
+    table
 }
 
 /// Whether the CUDA backend has a dispatcher for `op` (false in a build without it).

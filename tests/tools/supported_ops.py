@@ -17,6 +17,9 @@ MANIFEST = ROOT / "tests" / "conformance" / "manifest.txt"
 
 # ops the importer handles itself (no registry entry): (op, how)
 IMPORTER_OPS = [("Constant", "folded into a constant at import")]
+# ops the importer rewrites into registered ones (engine/src/onnx/variadic.rs), in the table with
+# what those have
+REWRITTEN = {"Sum": "Adds at import", "Mean": "Adds and a scale at import"}
 # ai.onnx.preview.training ops: not importable, their node tests check the engine's equivalent
 TRAINING_OPS = [
     ("Adam", "`_ortrain.adam_step` (torch.optim.Adam arithmetic)"),
@@ -83,7 +86,10 @@ def render(table, counts) -> str:
     def cuda(op, cu):
         return YES if cu else "folded" if op in PLAN_TIME else NO
 
-    rows = [(op, YES, YES if g else NO, YES if c else NO, cuda(op, cu), conf(op)) for op, g, c, cu in onnx_ops]
+    def imported(op):
+        return f"{YES} ({REWRITTEN[op]})" if op in REWRITTEN else YES
+
+    rows = [(op, imported(op), YES if g else NO, YES if c else NO, cuda(op, cu), conf(op)) for op, g, c, cu in onnx_ops]
     rows += [(op, f"{YES} ({how})", NO, NO, NO, conf(op)) for op, how in IMPORTER_OPS]
     for r in sorted(rows):
         out.append("| " + " | ".join(r) + " |")

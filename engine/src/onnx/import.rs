@@ -229,7 +229,8 @@ fn import_node(
         };
         return seqs.sequence_at(graph, &name, &n.input[0], pos, out, opset);
     }
-    if ops::lookup(&n.op_type).is_none() && !opts.allow_unknown_ops {
+    let rewritten = super::variadic::rewrites(&n.op_type, n.input.len());
+    if ops::lookup(&n.op_type).is_none() && !rewritten && !opts.allow_unknown_ops {
         // define the outputs anyway, so that every unknown op is reported, not just the first
         for out in n.output.iter().filter(|o| !o.is_empty()) {
             graph.add_value(out, ValueKind::Computed, None, None);
@@ -262,6 +263,13 @@ fn import_node(
             return Err(Error::onnx(field.clone(), format!("output '{out_name}' is defined twice")));
         }
         outputs.push(graph.add_value(&out_name, ValueKind::Computed, None, None));
+    }
+    if rewritten {
+        // Sum, Mean, and Max/Min of other than two inputs: chains of the binary ops (variadic.rs)
+        let [output] = outputs[..] else {
+            return Err(Error::onnx(field, format!("{} has {} outputs, expected 1", n.op_type, outputs.len())));
+        };
+        return super::variadic::push(graph, &name, &n.op_type, &inputs, output, opset);
     }
     if n.op_type == "Dropout" && outputs.len() == 1 {
         // the gradient needs the mask: always materialise it

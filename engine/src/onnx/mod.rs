@@ -5,6 +5,7 @@ mod import;
 pub mod proto;
 mod sequence;
 mod tensor_proto;
+pub mod variadic;
 
 pub use export::export_model;
 pub use import::{import_bytes, import_file, ImportOptions};
