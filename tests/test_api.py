@@ -2,6 +2,7 @@
 shown before the first step, and running a model that starts as an ONNX file."""
 import numpy as np
 import onnx
+import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
@@ -63,6 +64,17 @@ def test_a_replaced_layer_or_frozen_weight_is_seen_by_the_next_call():
     acc(x)["logits"].sum().backward()
     assert acc.a.weight.grad is None and acc.a.bias.grad is not None
     assert len(acc._ortrain_state.runners) == 3
+
+
+def test_explain_with_example_inputs_holding_no_tensor_names_its_signature():
+    """A keyword explain() does not have (verbose=True) is an example input; holding no tensor,
+    it is an error that shows explain's signature, not an exporter's message."""
+    model = torch.nn.Linear(4, 2)
+    ortrain.accelerate(model)
+    with pytest.raises(TypeError, match=r"explain\(model, \*example_args, profile=False, \*\*example_kwargs\): "
+                                        r"the example inputs \(verbose=True\) hold no tensor"):
+        ortrain.explain(model, verbose=True)
+    assert "not called yet" in ortrain.explain(model)
 
 
 def test_explain_shows_the_plan_before_the_first_step():

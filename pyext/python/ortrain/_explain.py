@@ -22,6 +22,10 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     from ortrain.engine.cuda_graphs import describe_graphs
     from ortrain.engine.runner import Runner
 
+    if (example_args or example_kwargs) and not _holds_tensor((example_args, example_kwargs)):
+        given = ", ".join([repr(a) for a in example_args] + [f"{k}={v!r}" for k, v in example_kwargs.items()])
+        raise TypeError(f"explain(model, *example_args, profile=False, **example_kwargs): the example inputs ({given}) "
+                        "hold no tensor; pass the model's inputs (ortrain.explain(model, x)) or none")
     if example_args or example_kwargs:
         from ortrain.export import flatten_call
 
@@ -163,3 +167,16 @@ def _threads() -> str:
     n = runner._THREADS  # the pool's size, set when the first engine graph was built
     where = f"pinned to cores {', '.join(map(str, cores))}" if cores else "not pinned"
     return f"{n} engine threads, {where} (ORTRAIN_PIN_THREADS)"
+
+
+def _holds_tensor(value) -> bool:
+    """Whether a tensor is somewhere in nested tuples, lists and dicts."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensor(v) for v in value)
+    return False
