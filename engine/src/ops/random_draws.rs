@@ -41,11 +41,15 @@ pub fn law(node: &Node) -> Result<Law> {
     })
 }
 
-/// The bits of the `seed` attribute (0 without one), which backends mix into the node's stream.
-pub fn seed_bits(node: &Node) -> Result<u64> {
+/// The op types of this file, which each backend's one draw kernel serves.
+pub const DRAW_OPS: [&str; 5] = ["RandomUniformLike", "RandomNormalLike", "RandomUniform", "RandomNormal", "Bernoulli"];
+
+/// What a backend xors into the node's stream key: the `seed` attribute's bits spread by the
+/// golden-ratio constant (0 without one).
+pub fn seed_mix(node: &Node) -> Result<u64> {
     Ok(match node.attrs.get("seed") {
         None => 0,
-        Some(_) => node.attrs.float("seed", 0.0)?.to_bits() as u64,
+        Some(_) => (node.attrs.float("seed", 0.0)?.to_bits() as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
     })
 }
 
@@ -107,11 +111,12 @@ impl OpDef for DrawShaped {
 }
 
 pub fn register(r: &mut Registry) {
-    r.add("RandomUniformLike", DrawLike);
-    r.add("RandomNormalLike", DrawLike);
-    r.add("Bernoulli", DrawLike);
-    r.add("RandomUniform", DrawShaped);
-    r.add("RandomNormal", DrawShaped);
+    for op in DRAW_OPS {
+        match op {
+            "RandomUniform" | "RandomNormal" => r.add(op, DrawShaped),
+            _ => r.add(op, DrawLike),
+        }
+    }
 }
 
 #[cfg(test)]

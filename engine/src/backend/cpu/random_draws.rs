@@ -14,7 +14,7 @@ use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable, PAR_MIN};
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::random_draws::{law, seed_bits, Law};
+use crate::ops::random_draws::{law, seed_mix, Law, DRAW_OPS};
 use crate::tensor::DType;
 
 /// Elements per parallel task (even: normal pairs never straddle two tasks).
@@ -101,7 +101,7 @@ fn draw_typed<T: Drawn>(y: &mut [T], p: &[T], key: u64, law: Law) {
 
 fn draw(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
     let law = law(node)?;
-    let key = ctx.rng.next_key() ^ seed_bits(node)?.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let key = ctx.rng.next_key() ^ seed_mix(node)?;
     let p = match law {
         Law::Bernoulli => Some(inputs.first().and_then(|x| x.as_ref()).ok_or_else(|| node.err("the probabilities (input 0) are missing"))?),
         _ => None,
@@ -121,7 +121,7 @@ fn draw(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -
 }
 
 pub fn register(t: &mut KernelTable) {
-    for op in ["RandomUniformLike", "RandomNormalLike", "RandomUniform", "RandomNormal", "Bernoulli"] {
+    for op in DRAW_OPS {
         t.add(op, draw);
     }
 }

@@ -34,15 +34,19 @@ def check_index_errors(session) -> None:
     Dropout's ratio computed in the step was outside [0, 1) (its output was NaN). Checked at
     each step from a copy that has already landed, so it never waits for the GPU; the report
     comes one step or so after the bad batch, as PyTorch's own device-side asserts do."""
-    bad = _ortrain.cuda_index_errors(session)
+    bad = _ortrain.cuda_index_errors(session)  # read once: the flags are cleared by reading them
     ratios = [b for b in bad if b.startswith("Dropout")]
+    indices = [b for b in bad if b not in ratios]
+    parts = []
+    if indices:
+        parts.append(f"ortrain: an index was out of range in a recent step on the GPU, in {', '.join(indices)}: "
+                     "those outputs were 0 and those gradients dropped (check the batch's ids or labels "
+                     "against the embedding size or the number of classes)")
     if ratios:
-        raise ValueError(f"ortrain: a dropout ratio computed on the GPU was outside [0, 1) in a recent step, in "
-                         f"{', '.join(ratios)}: its output was NaN there")
-    if bad:
-        raise IndexError(f"ortrain: an index was out of range in a recent step on the GPU, in {', '.join(bad)}: "
-                         "those outputs were 0 and those gradients dropped (check the batch's ids or labels "
-                         "against the embedding size or the number of classes)")
+        parts.append(f"ortrain: a dropout ratio computed on the GPU was outside [0, 1) in a recent step, in "
+                     f"{', '.join(ratios)}: its output was NaN there")
+    if parts:
+        raise (IndexError if indices else ValueError)("; ".join(parts))
 
 
 class CudaStep:

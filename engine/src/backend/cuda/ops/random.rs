@@ -122,14 +122,14 @@ impl Rate {
     }
 
     /// The kernels' trailing rate operands (ratio_at, ratio_type, training_at, err), null where
-    /// a constant stands; `err` (the error flag) is set by the forward kernels only.
+    /// a constant stands (`of` leaves ratio_at 0 outside training); `err` (the error flag) is
+    /// set by the forward kernels only.
     fn args(&self, err: u64) -> [KArg; 4] {
         let training_at = match self.training {
             Training::OnDevice(p) => p,
             Training::Known(_) => 0,
         };
-        let ratio_at = if self.training == Training::Known(false) { 0 } else { self.ratio_at };
-        [KArg::Ptr(ratio_at), KArg::I32(self.ratio_type), KArg::Ptr(training_at), KArg::Ptr(err)]
+        [KArg::Ptr(self.ratio_at), KArg::I32(self.ratio_type), KArg::Ptr(training_at), KArg::Ptr(err)]
     }
 }
 

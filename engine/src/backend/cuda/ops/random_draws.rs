@@ -9,7 +9,7 @@ use super::{float_suffix, input, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::random_draws::{law, seed_bits, Law};
+use crate::ops::random_draws::{law, seed_mix, Law, DRAW_OPS};
 use crate::tensor::DType;
 
 fn draw(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
@@ -20,7 +20,7 @@ fn draw(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -
     if n == 0 {
         return Ok(());
     }
-    let salt = salt_of(node) ^ seed_bits(node)?.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let salt = salt_of(node) ^ seed_mix(node)?;
     // (the seed's device address or null, the key or, with a seed address, the salt)
     let (seed, key) = if ctx.seed_slot != 0 { (ctx.seed_slot, salt) } else { (0, random_key(ctx.seed, salt)) };
     let (name, mut args, groups) = match law {
@@ -48,7 +48,7 @@ fn draw(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -
 }
 
 pub fn register(t: &mut CudaTable) {
-    for op in ["RandomUniformLike", "RandomNormalLike", "RandomUniform", "RandomNormal", "Bernoulli"] {
+    for op in DRAW_OPS {
         t.add(op, draw);
     }
 }
