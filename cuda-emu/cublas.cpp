@@ -48,6 +48,8 @@ EXPORT int cublasGemmStridedBatchedEx(Handle* h, int transa, int transb, int m, 
     const double al = f64 ? *static_cast<const double*>(alpha) : *static_cast<const float*>(alpha);
     const double be = f64 ? *static_cast<const double*>(beta) : *static_cast<const float*>(beta);
     ort_emu::Lock lock;
+    for (const void* p : {A, B, static_cast<const void*>(C)})
+        if (ort_emu::foreign_pointer("cublasGemmStridedBatchedEx", p)) return EXECUTION_FAILED;
     // the handle's stream was destroyed: EXECUTION_FAILED
     const int queued = ort_emu::enqueue(h->stream, [=] {
         for (int bi = 0; bi < batch; ++bi) {

@@ -223,6 +223,8 @@ EXPORT int cublasLtMatmul(LtHandle*, Desc* d, const void* alpha, const void* A, 
         if (d->epilogue == E_DGELU_BGRAD) p.bias_grad = const_cast<void*>(d->bias);
     }
     ort_emu::Lock lock;
+    for (const void* q : {A, B, C, static_cast<const void*>(D)})
+        if (ort_emu::foreign_pointer("cublasLtMatmul", q)) return EXECUTION_FAILED;
     return ort_emu::enqueue(stream, [p] {
                p.run();
                return 0;

@@ -57,6 +57,7 @@ struct Allocation {
     void* map;
     size_t map_bytes;
     size_t bytes;
+    int device;  // the device of the context current when it was allocated
 };
 
 // A graph's work is shared with its launches still queued: the driver lets a graph be
@@ -80,7 +81,30 @@ State& state() {
 thread_local std::vector<Stream*> captures_on_this_thread;
 std::vector<Stream*> captures_anywhere;
 
-int context_marker;
+// Devices: ORT_EMU_DEVICES of them (1 to 8, default 1), each with one (primary) context. A
+// thread's current context is device 0's until it sets another, as the engine's contexts are
+// PyTorch's primary ones.
+constexpr int MAX_DEVICES = 8;
+struct Context {
+    int device;
+};
+Context contexts[MAX_DEVICES] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
+thread_local std::vector<Context*> context_stack;  // back(): the current context
+
+int device_count() {
+    static const int n = [] {
+        const char* v = getenv("ORT_EMU_DEVICES");
+        const int k = v ? atoi(v) : 1;
+        return k < 1 ? 1 : k > MAX_DEVICES ? MAX_DEVICES : k;
+    }();
+    return n;
+}
+Context* current_context() { return context_stack.empty() ? &contexts[0] : context_stack.back(); }
+Context* as_context(void* ctx) {
+    for (Context& c : contexts)
+        if (&c == ctx && c.device < device_count()) return &c;
+    return nullptr;
+}
 int module_marker;
 
 bool is_legacy(CUstream h) { return h == nullptr || h == reinterpret_cast<CUstream>(1); }
@@ -182,6 +206,24 @@ std::string describe_address(uintptr_t addr) {
     return b;
 }
 
+int current_device() { return current_context()->device; }
+
+int device_of(uintptr_t addr) {
+    auto& allocs = state().allocations;
+    auto it = allocs.upper_bound(addr);
+    if (it == allocs.begin()) return -1;
+    --it;
+    return addr < it->first + it->second.bytes ? it->second.device : -1;
+}
+
+int foreign_pointer(const char* what, const void* p) {
+    const int d = device_of(reinterpret_cast<uintptr_t>(p));
+    if (d < 0 || d == current_device()) return 0;
+    fprintf(stderr, "cuda-emu: %s reads or writes %p, memory of device %d, from a context of device %d (no peer access: a fault on a GPU)\n",
+            what, p, d, current_device());
+    return 1;
+}
+
 }  // namespace ort_emu
 
 using namespace ort_emu;
@@ -196,12 +238,12 @@ EXPORT CUresult cuDriverGetVersion(int* v) {
     return OK;
 }
 EXPORT CUresult cuDeviceGetCount(int* n) {
-    *n = 1;
+    *n = device_count();
     return OK;
 }
 EXPORT CUresult cuDeviceGet(CUdevice* d, int ordinal) {
-    if (ordinal != 0) return INVALID_DEVICE;
-    *d = 0;
+    if (ordinal < 0 || ordinal >= device_count()) return INVALID_DEVICE;
+    *d = ordinal;
     return OK;
 }
 EXPORT CUresult cuDeviceGetAttribute(int* v, int attribute, CUdevice) {
@@ -221,23 +263,36 @@ EXPORT CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     *total = (size_t)80 << 30;
     return OK;
 }
-EXPORT CUresult cuDevicePrimaryCtxRetain(void** ctx, CUdevice) {
-    *ctx = &context_marker;
+EXPORT CUresult cuDevicePrimaryCtxRetain(void** ctx, CUdevice d) {
+    if (d < 0 || d >= device_count()) return INVALID_DEVICE;
+    *ctx = &contexts[d];
     return OK;
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice) { return OK; }
-EXPORT CUresult cuCtxSetCurrent(void*) { return OK; }
-EXPORT CUresult cuCtxGetCurrent(void** ctx) {
-    *ctx = &context_marker;
+EXPORT CUresult cuCtxSetCurrent(void* ctx) {
+    Context* c = ctx ? as_context(ctx) : &contexts[0];
+    if (!c) return INVALID_VALUE;
+    if (context_stack.empty()) context_stack.push_back(c);
+    else context_stack.back() = c;
     return OK;
 }
-EXPORT CUresult cuCtxPushCurrent_v2(void*) { return OK; }
+EXPORT CUresult cuCtxGetCurrent(void** ctx) {
+    *ctx = current_context();
+    return OK;
+}
+EXPORT CUresult cuCtxPushCurrent_v2(void* ctx) {
+    Context* c = as_context(ctx);
+    if (!c) return INVALID_VALUE;
+    context_stack.push_back(c);
+    return OK;
+}
 EXPORT CUresult cuCtxPopCurrent_v2(void** ctx) {
-    if (ctx) *ctx = &context_marker;
+    if (ctx) *ctx = current_context();
+    if (!context_stack.empty()) context_stack.pop_back();
     return OK;
 }
 EXPORT CUresult cuCtxGetDevice(CUdevice* d) {
-    *d = 0;
+    *d = current_context()->device;
     return OK;
 }
 EXPORT CUresult cuCtxSynchronize() {
@@ -293,7 +348,7 @@ EXPORT CUresult cuMemAlloc_v2(CUdeviceptr* p, size_t bytes) {
     mprotect(guard, page, PROT_NONE);
     char* start = guard - rounded;  // 256-byte aligned, ending at the guard page
     memset(start, 0xff, rounded);
-    state().allocations[reinterpret_cast<uintptr_t>(start)] = Allocation{m, map_bytes, bytes};
+    state().allocations[reinterpret_cast<uintptr_t>(start)] = Allocation{m, map_bytes, bytes, current_context()->device};
     *p = reinterpret_cast<CUdeviceptr>(start);
     return OK;
 }
@@ -661,6 +716,17 @@ EXPORT CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, u
     for (int i = 0; i < k->param_count; ++i) {
         const unsigned char* p = static_cast<const unsigned char*>(params[i]);
         copies->emplace_back(p, p + k->param_sizes[i]);
+        void* as_pointer = nullptr;
+        if (k->param_sizes[i] == sizeof as_pointer) memcpy(&as_pointer, p, sizeof as_pointer);
+        if (as_pointer && foreign_pointer(k->name, as_pointer)) return ILLEGAL_ADDRESS;
+    }
+    if (!is_legacy(s) && s != reinterpret_cast<CUstream>(2)) {
+        const Stream* st = stream_of(s);
+        if (st && st->device != current_device()) {
+            fprintf(stderr, "cuda-emu: kernel %s launched on a stream of device %d from a context of device %d\n", k->name, st->device,
+                    current_device());
+            return INVALID_HANDLE;
+        }
     }
     const Dim grid{gx, gy, gz}, block{bx, by, bz};
     return enqueue(s, [k, grid, block, shared, copies] {

@@ -42,6 +42,12 @@ int run_kernel(const Kernel& k, Dim grid, Dim block, size_t dynamic_shared, void
 // Where a faulting address lies relative to the device allocations (driver.cpp).
 std::string describe_address(uintptr_t addr);
 
+// The device of the calling thread's current context (ORT_EMU_DEVICES devices; driver.cpp).
+int current_device();
+// Whether `p` lies in memory of another device than the current context's: 1 after printing
+// that `what` would fault there (no peer access), else 0. Called with the Lock held.
+int foreign_pointer(const char* what, const void* p);
+
 // Queues `work` on `stream` (queues.cpp: it runs when the host waits for it), or, while the
 // stream is being captured, records it into the capture; the driver's launches, copies and
 // memsets and cuBLAS's products all go through here. 0, or CUDA_ERROR_INVALID_HANDLE for a

@@ -132,6 +132,7 @@ Stream* stream_of(void* h) {
 Stream* new_stream(unsigned flags) {
     Stream* st = new Stream();
     st->blocking = (flags & 1) == 0;  // CU_STREAM_NON_BLOCKING
+    st->device = current_device();
     queues().streams.push_back(st);
     return st;
 }

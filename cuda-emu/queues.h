@@ -43,6 +43,7 @@ struct Stream {
     bool legacy = false;     // the legacy default stream (handle 0 or 1)
     bool blocking = true;    // ordered with the legacy stream (created without CU_STREAM_NON_BLOCKING)
     bool destroyed = false;  // kept, so a handle used after cuStreamDestroy is refused, not reused
+    int device = 0;          // the device of the context it was created in
 };
 
 struct Event {

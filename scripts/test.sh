@@ -15,7 +15,8 @@ cargo test --release -q -p ortrain-engine --features cuda --test cuda_kernels ev
 echo "[test] the CUDA backend's GPU tests on cuda-emu: kernels/*.cu compiled by g++ and run on the CPU (emulated, not a GPU)"
 emu_path="$(bash cuda-emu/build.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 target/cuda-emu/selftest
-LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
+# two emulated GPUs: backend::cuda::tests::multi_device trains on cuda:1 too
+ORT_EMU_DEVICES=2 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --lib backend::cuda::
 LD_LIBRARY_PATH="$emu_path" cargo test --release -q -p ortrain-engine --features cuda --test cuda_gpu
 echo "[test] an exported GPT-2 with its loss (2 layers, seq 256, vocab 50257): one step on cuda-emu at bf16 and at fp16 as close to the CPU's f32 step as the CPU's bf16 step"
 .venv/bin/python -m bench.parity_model target/parity-gpt2

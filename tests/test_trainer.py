@@ -68,8 +68,8 @@ def test_options_are_validated():
         make({"mixed_precision": {"enabled": True, "dtype": "fp16"}})
     with pytest.raises(ValueError, match="loss_scaler.*bf16 needs no loss scaling; fp16 .* runs on CUDA"):
         make({"mixed_precision": {"enabled": True, "loss_scaler": "dynamic"}})
-    with pytest.raises(UnsupportedError, match="world_size.*not supported yet"):
-        make({"distributed": {"world_size": 4}})
+    with pytest.raises(UnsupportedError, match="enable_adasum.*not supported yet"):
+        make({"distributed": {"world_size": 4, "enable_adasum": True}})
     with pytest.raises(ValueError, match=r"frozen_weights'\] names unknown parameters"):
         make({"utils": {"frozen_weights": ["nope"]}})
     make({"distributed": {"world_size": 1}, "utils": {"grad_norm_clip": False}})  # neutral values are fine

@@ -1,7 +1,8 @@
 //! The GPU step from Python: functions over a Session whose tensors are PyTorch CUDA tensors
-//! (device addresses from `data_ptr()`), queued on PyTorch's current stream (its handle from
-//! `torch.cuda.current_stream().cuda_stream`), with the arena a CUDA tensor the caller
-//! allocates. Nothing here synchronises the device.
+//! (device addresses from `data_ptr()`), queued on PyTorch's current stream of their GPU (its
+//! handle from `torch.cuda.current_stream(device).cuda_stream`), with the arena a CUDA tensor the
+//! caller allocates. `device` is the GPU's ordinal (`cuda:<device>`; 0 when not given). Nothing
+//! here synchronises the device.
 
 use std::sync::Arc;
 
@@ -43,8 +44,8 @@ impl PyCudaGraph {
     }
 }
 
-fn rt() -> PyResult<&'static CudaRuntime> {
-    runtime::runtime(&[]).map_err(to_py)
+fn rt(device: usize) -> PyResult<&'static CudaRuntime> {
+    runtime::runtime(device, &[]).map_err(to_py)
 }
 
 fn sigs(v: Vec<(String, Vec<usize>)>) -> PyResult<Vec<Sig>> {
@@ -86,7 +87,7 @@ fn cuda_attention_paths(session: &PySession) -> Vec<(String, Option<&'static str
 /// this CudaGraph (recording it on its first use) with the seed written to the u64 at device
 /// address `seed_slot` first.
 #[pyfunction]
-#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None, tf32=false, graph=None, seed_slot=0))]
+#[pyo3(signature = (session, inputs, weights, backward, seed, stream, arena, outputs=None, tf32=false, graph=None, seed_slot=0, device=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_forward(
     py: Python<'_>,
@@ -101,11 +102,12 @@ fn cuda_forward(
     tf32: bool,
     graph: Option<&PyCudaGraph>,
     seed_slot: usize,
+    device: usize,
 ) -> PyResult<PyCudaPending> {
     if graph.is_some() && seed_slot == 0 {
         return Err(PyRuntimeError::new_err("a graphed forward pass needs a seed_slot (device address of a u64)"));
     }
-    let rt = rt()?;
+    let rt = rt(device)?;
     let mut feed = Vec::with_capacity(inputs.len());
     for (addr, dt, shape) in inputs {
         feed.push(((dtype(&dt)?, shape), addr as u64));
@@ -135,7 +137,7 @@ fn cuda_forward(
 /// `grads` one address per weight (0: not wanted); `graph`: through this CudaGraph (recorded on
 /// its first use).
 #[pyfunction]
-#[pyo3(signature = (session, pending, weights, seeds, grads, stream, graph=None))]
+#[pyo3(signature = (session, pending, weights, seeds, grads, stream, graph=None, device=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_backward(
     py: Python<'_>,
@@ -146,8 +148,9 @@ fn cuda_backward(
     grads: Vec<usize>,
     stream: usize,
     graph: Option<&PyCudaGraph>,
+    device: usize,
 ) -> PyResult<()> {
-    let rt = rt()?;
+    let rt = rt(device)?;
     let mut p = pending
         .inner
         .take()
@@ -189,20 +192,22 @@ impl PyCudaPending {
     }
 }
 
-/// Device bytes ortrain's CUDA runtime holds outside PyTorch's allocator (scratch and operand
-/// buffers, cuBLAS's workspace): what torch.cuda's memory statistics do not see. 0 before the
-/// runtime exists.
+/// Device bytes ortrain's CUDA runtime of GPU `device` holds outside PyTorch's allocator
+/// (scratch and operand buffers, cuBLAS's workspace): what torch.cuda's memory statistics do not
+/// see. 0 before that runtime exists.
 #[pyfunction]
-fn cuda_runtime_bytes() -> usize {
-    runtime::loaded_runtime().map_or(0, |rt| rt.own_bytes())
+#[pyo3(signature = (device=0))]
+fn cuda_runtime_bytes(device: usize) -> usize {
+    runtime::loaded_runtime(device).map_or(0, |rt| rt.own_bytes())
 }
 
 /// Queues a copy of `bytes` bytes from device address `src` to `dst` on `stream`.
 #[pyfunction]
-fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize) -> PyResult<()> {
+#[pyo3(signature = (dst, src, bytes, stream, device=0))]
+fn cuda_copy(dst: usize, src: usize, bytes: usize, stream: usize, device: usize) -> PyResult<()> {
     // SAFETY: the Python caller passes two live CUDA allocations of at least `bytes` bytes that
     // do not overlap, and PyTorch's current stream.
-    unsafe { rt()?.copy(stream as _, dst as u64, src as u64, bytes) }.map_err(to_py)
+    unsafe { rt(device)?.copy(stream as _, dst as u64, src as u64, bytes) }.map_err(to_py)
 }
 
 /// The engine's view of a multi-tensor launch's table and chunk lists (device addresses).
@@ -222,6 +227,7 @@ fn cuda_optim_chunks(sizes: Vec<usize>) -> (Vec<i32>, Vec<i64>) {
 /// exp_avg_sq addresses, numel) rows; `chunk_tensor` / `chunk_start` are device copies of
 /// cuda_optim_chunks(numels), `chunks` their length; `step` is the step count after this update.
 #[pyfunction]
+#[pyo3(signature = (table, chunk_tensor, chunk_start, chunks, lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step, stream, device=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_adam_step(
     table: usize,
@@ -237,12 +243,13 @@ fn cuda_adam_step(
     maximize: bool,
     step: u64,
     stream: usize,
+    device: usize,
 ) -> PyResult<()> {
     let h = AdamHyper { lr, beta1, beta2, eps, weight_decay, decoupled, maximize, step };
     // SAFETY: the Python caller (engine/optimizer.py) passes device tensors it keeps alive in
     // stream order: the table of live, distinct f32 tensors and the chunk lists made for them.
     unsafe {
-        ortrain_engine::backend::cuda::optim::adam_f32(rt()?, stream as _, &tensor_list(table, chunk_tensor, chunk_start, chunks), &h)
+        ortrain_engine::backend::cuda::optim::adam_f32(rt(device)?, stream as _, &tensor_list(table, chunk_tensor, chunk_start, chunks), &h)
     }
     .map_err(to_py)
 }
@@ -252,6 +259,7 @@ fn cuda_adam_step(
 /// for cuda_adam_step; `partial` a device f64 tensor of `chunks` elements; the total norm and the
 /// clip coefficient are written to the device f32s at `norm` and `coef`.
 #[pyfunction]
+#[pyo3(signature = (table, chunk_tensor, chunk_start, chunks, max_norm, partial, norm, coef, stream, device=0))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_clip_grad_norm(
     table: usize,
@@ -263,13 +271,14 @@ fn cuda_clip_grad_norm(
     norm: usize,
     coef: usize,
     stream: usize,
+    device: usize,
 ) -> PyResult<()> {
     // SAFETY: the Python caller (engine/clip.py) passes device tensors it keeps alive in stream
     // order: the table of live, distinct f32 gradients, the chunk lists made for them, and the
     // partial sums, norm and coefficient buffers, which alias none of them.
     unsafe {
         ortrain_engine::backend::cuda::optim::clip_f32(
-            rt()?,
+            rt(device)?,
             stream as _,
             &tensor_list(table, chunk_tensor, chunk_start, chunks),
             max_norm,

@@ -10,15 +10,15 @@ mod tracking;
 
 use pyo3::prelude::*;
 
-/// (usable, reason): whether the engine can train on CUDA here, and what was found or why not.
-/// Loads the kernels on GPU 0 the first time. `lib_dirs`: folders holding NVRTC and cuBLAS
-/// (`site-packages/nvidia/cu13/lib`). Never raises: a missing driver or a build without the
-/// CUDA backend is an answer, not an error.
+/// (usable, reason): whether the engine can train on CUDA GPU `device` here, and what was found
+/// or why not. Loads the kernels on that GPU the first time. `lib_dirs`: folders holding NVRTC
+/// and cuBLAS (`site-packages/nvidia/cu13/lib`). Never raises: a missing driver or a build
+/// without the CUDA backend is an answer, not an error.
 #[pyfunction]
-#[pyo3(signature = (lib_dirs=Vec::new()))]
-fn cuda_status(py: Python<'_>, lib_dirs: Vec<String>) -> (bool, String) {
+#[pyo3(signature = (lib_dirs=Vec::new(), device=0))]
+fn cuda_status(py: Python<'_>, lib_dirs: Vec<String>, device: usize) -> (bool, String) {
     let dirs: Vec<std::path::PathBuf> = lib_dirs.into_iter().map(Into::into).collect();
-    match py.detach(move || ortrain_engine::backend::cuda_status(&dirs)) {
+    match py.detach(move || ortrain_engine::backend::cuda_status(device, &dirs)) {
         Ok(found) => (true, found),
         Err(ortrain_engine::Error::CudaUnavailable(why)) => (false, why),
         Err(e) => (false, e.to_string()),

@@ -6,7 +6,7 @@
 //! the constants' device copies are made once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUstream;
 
@@ -37,6 +37,8 @@ pub struct CudaState {
     plans: Mutex<HashMap<usize, Arc<CudaPlan>>>,
     /// One index-error flag per node (made with the first GPU step).
     errors: Mutex<Option<ErrorFlags>>,
+    /// The GPU (device ordinal) of the first step: the constants and flags above live there.
+    device: OnceLock<usize>,
 }
 
 /// A forward pass on the GPU whose backward pass may still come.
@@ -63,6 +65,19 @@ impl CudaPending {
 }
 
 impl Session {
+    /// Checks that `rt` is the GPU this session's device state lives on (binds it on the first
+    /// step).
+    fn check_device(&self, rt: &CudaRuntime) -> Result<()> {
+        let first = *self.cuda.device.get_or_init(|| rt.ordinal);
+        if first != rt.ordinal {
+            return Err(Error::other(format!(
+                "this engine session keeps its GPU state (constants, error flags) on cuda:{first}, so it cannot run a step on cuda:{}; a model moved to another GPU needs accelerate() anew",
+                rt.ordinal
+            )));
+        }
+        Ok(())
+    }
+
     fn cuda_plan(&self, rt: &CudaRuntime, plan: &Arc<Plan>) -> Result<Arc<CudaPlan>> {
         let key = Arc::as_ptr(plan) as usize;
         let mut plans = self.cuda.plans.lock().map_err(|_| Error::other("CUDA plan cache poisoned"))?;
@@ -97,7 +112,7 @@ impl Session {
     /// Per fused Attention node of the graph, its name and the kernels its last GPU launch chose
     /// (backend/cuda/ops/attention.rs `path`), or None before its first launch.
     pub fn attention_paths_cuda(&self) -> Vec<(String, Option<&'static str>)> {
-        let rt = crate::backend::cuda::runtime::loaded_runtime();
+        let rt = self.cuda.device.get().and_then(|&d| crate::backend::cuda::runtime::loaded_runtime(d));
         self.graph
             .nodes
             .iter()
@@ -140,6 +155,7 @@ impl Session {
         tf32: bool,
         run: PhaseRun,
     ) -> Result<CudaPending> {
+        self.check_device(rt)?;
         let sigs: Vec<Sig> = inputs.iter().map(|(s, _)| s.clone()).collect();
         let out_bound: Vec<bool> = outputs.iter().map(|&p| p != 0).collect();
         let plan = self.plan_bound(&sigs, backward, if out_bound.iter().any(|&b| b) { &out_bound } else { &[] })?;
@@ -232,6 +248,7 @@ impl Session {
         grads: &[u64],
         graph: Option<&GraphSlot>,
     ) -> Result<()> {
+        self.check_device(rt)?;
         self.bind_weights_cuda(&mut p.bind, weights)?;
         for (s, &a) in self.seeds.iter().zip(seeds) {
             if let (Some(s), false) = (s, a == 0) {

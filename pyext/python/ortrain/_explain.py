@@ -15,6 +15,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     and the slowest nodes, averaged over the steps run so far (`ortrain.reset_profile(model)`
     starts a new measurement).
     """
+    from ortrain.data_parallel import unwrap
+
+    model = unwrap(model)  # a DistributedDataParallel's module is the one accelerated
     state = getattr(model, "__dict__", {}).get("_ortrain_state")
     if state is None:
         return f"{type(model).__name__}: not accelerated"
@@ -152,7 +155,9 @@ def _training_memory(state, runner, info) -> list:
 
 def reset_profile(model) -> None:
     """Starts a new profile measurement for `explain(model, profile=True)`."""
-    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    from ortrain.data_parallel import unwrap
+
+    state = getattr(unwrap(model), "__dict__", {}).get("_ortrain_state")
     if state is not None:
         from ortrain._profile import reset
 

@@ -92,12 +92,15 @@ def gpu_training_estimate(module, optimizer, arena_bytes: int) -> str:
     parts, total = _tensor_parts(module, optimizer, arena_bytes, "cuda")
     from ortrain import _ortrain
 
-    own = _ortrain.cuda_runtime_bytes()  # 0 only before the CUDA runtime exists (accelerate makes it)
+    from ortrain.engine.cuda_device import model_gpu
+
+    gpu = model_gpu(module)
+    own = _ortrain.cuda_runtime_bytes(gpu.index)  # 0 only before the GPU's runtime exists (accelerate makes it)
     outside = (f"; ortrain's runtime holds {own * _MIB:.1f} MiB more outside PyTorch's allocator (cuBLAS's "
                "workspace, scratch)" if own else "; plus ortrain's runtime buffers outside PyTorch's allocator "
                "(cuBLAS's 32 MiB workspace, scratch), from the first GPU step")
     return (f"GPU memory planned: {' + '.join(parts)} = {total * _MIB:.1f} MiB "
-            "(torch.cuda.max_memory_allocated() during a later step)" + outside)
+            f"(torch.cuda.max_memory_allocated({gpu}) during a later step)" + outside)
 
 
 def peak_summary(info: dict, top: int = 4) -> str:

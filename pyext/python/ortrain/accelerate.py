@@ -221,9 +221,12 @@ class _State:
 
     def _deferred(self, runner, flat, args, kwargs):
         """A LazyOutput where the loss may be fused into the engine graph: training with
-        gradients, one float output, no buffers updated as a side effect."""
+        gradients, one float output, no buffers updated as a side effect, no DDP around the call
+        that needs the output's autograd graph (data_parallel.py)."""
+        from ortrain import data_parallel
+
         if not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
-                and runner.n_user_outputs == 1 and not runner.buffer_outputs):
+                and runner.n_user_outputs == 1 and not runner.buffer_outputs) or data_parallel.outputs_traced():
             return None
         from ortrain.engine.lazy import Deferred, LazyOutput
 
@@ -330,7 +333,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
                cuda_graphs: bool | None = None):
     """Runs `model`'s forward and backward (and `optimizer.step()`) in the ortrain engine.
 
-    The module is changed in place and returned. `strict=True` turns every fallback to PyTorch
+    The module is changed in place and returned. Inside a DistributedDataParallel (or a
+    one-device DataParallel) the wrapped module is the one taken over, before or after the
+    wrapper is made, so that the wrapper still all-reduces the gradients. `strict=True` turns every fallback to PyTorch
     into an error. `exporter`: "auto" | "dynamo" | "legacy". `fuse_loss`: in training, the
     output is returned lazily so that `F.cross_entropy` / `nn.CrossEntropyLoss` on it runs inside
     the engine with the model (the logits and their gradient never pass through PyTorch); any
@@ -341,7 +346,8 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
     fp32); on CUDA each f32 matmul rounds its operands to bf16 and runs on bf16 tensor cores
     with an f32 result. "fp16" (CUDA only): the same at fp16, with the dynamic loss scaler. `explain()` says which matmul path runs.
     None (the default) keeps what an earlier call set ("fp32" at first). `device="cuda"`: the
-    model's parameters on cuda:0; the engine runs on PyTorch's current stream. None (the
+    model's parameters on one GPU (any `cuda:N`); the engine runs on PyTorch's current stream
+    of that GPU. None (the
     default) is "cpu" for a model not yet accelerated and the model's device otherwise; another
     device than the model's is an error (deaccelerate it first).
     `dynamic`: the input sizes the exported graph takes. "auto" exports the first call with its
@@ -365,6 +371,9 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"accelerate() takes an nn.Module, got {type(model).__name__}")
+    from ortrain import data_parallel
+
+    wrapper, model = model, data_parallel.to_accelerate(model)
     state = getattr(model, "_ortrain_state", None)
     if device is None:
         device = state.device if state is not None else "cpu"
@@ -376,11 +385,15 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
     if device == "cuda":
         from ortrain.cuda import cuda_available, unavailable_message
 
-        if not cuda_available()[0]:
-            raise OrtrainError(unavailable_message("device='cuda'"))
         if not torch.cuda.is_available():
+            if not cuda_available(0)[0]:  # no driver or no GPU: the reason, before PyTorch's view
+                raise OrtrainError(unavailable_message("device='cuda'"))
             raise OrtrainError("device='cuda': PyTorch sees no CUDA device (torch.cuda.is_available() is False)")
-        _check_gpu_zero(model)
+        from ortrain.engine.cuda_device import model_gpu
+
+        gpu = model_gpu(model)  # one GPU holds the whole model; only its runtime is made
+        if not cuda_available(gpu.index)[0]:
+            raise OrtrainError(unavailable_message(f"device='cuda' ({gpu})", gpu.index))
     if exporter not in ("auto", "dynamo", "legacy"):
         raise ValueError(f"exporter={exporter!r} is not one of auto, dynamo, legacy")
     if precision is not None and precision not in _VALID_PRECISIONS:
@@ -425,12 +438,14 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
     _apply_loss_scale(state)
     if cuda_graphs is not None and cuda_graphs != state.cuda_graphs:
         state.set_cuda_graphs(cuda_graphs)
-    return model
+    return wrapper
 
 
 def _check_mixed_precision(model, optimizer, device, precision, loss_scale) -> None:
     """Refuses fp16 off CUDA and loss scaling without an optimizer before anything changes."""
-    state = model.__dict__.get("_ortrain_state")
+    from ortrain import data_parallel
+
+    state = data_parallel.unwrap(model).__dict__.get("_ortrain_state")
     device = state.device if state is not None else device
     precision = precision if precision is not None else (state.precision if state is not None else "fp32")
     if precision == "fp16" and device != "cuda":
@@ -459,35 +474,27 @@ def _apply_loss_scale(state) -> None:
         return
     scaler = state.loss_scaler
     if scaler is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if state.device == "cuda" else torch.device("cpu")
+        from ortrain.engine.cuda_device import model_gpu
+
+        device = model_gpu(state.module) if state.device == "cuda" else torch.device("cpu")
         scaler = ls.DynamicLossScaler(device)
     ls.guard(state.optimizer, scaler)
     state.set_loss_scaler(scaler)
 
 
-def _check_gpu_zero(model) -> None:
-    """The CUDA engine runs on GPU 0 (its runtime lives in that device's primary context): a
-    model on another GPU, or another current device (a data-parallel rank > 0), is an error
-    that says so, not kernels launched with another device's addresses."""
-    current = torch.cuda.current_device()
-    elsewhere = sorted({str(t.device) for t in list(model.parameters()) + list(model.buffers())
-                        if t.device.type == "cuda" and t.device.index != 0})
-    if current != 0 or elsewhere:
-        where = f"the current CUDA device is cuda:{current}" if current != 0 else f"the model has tensors on {', '.join(elsewhere)}"
-        raise OrtrainError(f"device='cuda': ortrain's CUDA engine runs on cuda:0 only, but {where}; "
-                           "train on cuda:0 (e.g. CUDA_VISIBLE_DEVICES to pick the GPU), or use device='cpu'")
-
-
 def loss_scale(model) -> dict | None:
     """The dynamic loss scaler's state of an accelerated model (scale, steps, skipped_steps,
     growth_interval), or None where loss scaling is off."""
-    state = getattr(model, "__dict__", {}).get("_ortrain_state")
+    state = _state_of(model)
     scaler = getattr(state, "loss_scaler", None)
     return None if scaler is None else scaler.state()
 
 
 def deaccelerate(model: torch.nn.Module):
     """Restores plain PyTorch (same parameters, same optimizer state)."""
+    from ortrain import data_parallel
+
+    wrapper, model = model, data_parallel.unwrap(model)
     state = model.__dict__.pop("_ortrain_state", None)
     model.__dict__.pop("forward", None)
     from ortrain.engine import clip
@@ -499,8 +506,18 @@ def deaccelerate(model: torch.nn.Module):
 
         unguard(state.optimizer)
         restore_optimizer(state.optimizer)
-    return model
+    return wrapper
 
 
 def is_accelerated(model) -> bool:
-    return isinstance(getattr(model, "__dict__", {}).get("_ortrain_state"), _State)
+    return isinstance(_state_of(model), _State)
+
+
+def _state_of(model):
+    """The acceleration state of `model`, or of the module a data-parallel wrapper holds (None
+    when not accelerated)."""
+    from ortrain import data_parallel
+
+    if not isinstance(model, torch.nn.Module):
+        return None
+    return data_parallel.unwrap(model).__dict__.get("_ortrain_state")

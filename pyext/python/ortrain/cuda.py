@@ -1,6 +1,6 @@
 """Whether ortrain can train on CUDA here, and the message users see when it cannot.
 
-`cuda_available()` probes the NVIDIA driver and GPU 0, then loads ortrain's CUDA kernels (NVRTC
+`cuda_available(device=0)` probes the NVIDIA driver and that GPU, then loads ortrain's CUDA kernels (NVRTC
 compiles them once per machine, then a disk cache serves them) and cuBLAS, both found in the
 `nvidia/cu13/lib` folders of PyTorch's CUDA wheels. It answers False, with the reason, where any
 of that is missing (no driver, a driver older than CUDA 13.0, no GPU, no NVRTC/cuBLAS). The CUDA
@@ -27,23 +27,24 @@ def nvidia_lib_dirs() -> list[str]:
     return dirs
 
 
-@functools.lru_cache(maxsize=1)
-def _status() -> tuple[bool, str]:
+@functools.lru_cache(maxsize=None)
+def _status(device: int) -> tuple[bool, str]:
     try:
         from ortrain import _ortrain
     except ImportError as e:  # a source tree without a built extension
         return False, f"the ortrain engine extension is not built: {e}"
-    ok, why = _ortrain.cuda_status(nvidia_lib_dirs())
+    ok, why = _ortrain.cuda_status(nvidia_lib_dirs(), device=device)
     return bool(ok), str(why)
 
 
-def cuda_available() -> tuple[bool, str]:
-    """(usable, what was found or why not). Never raises, whatever the machine (no driver, no
-    GPU, old driver, no NVRTC); the answer is computed once per process."""
-    return _status()
+def cuda_available(device: int = 0) -> tuple[bool, str]:
+    """(usable, what was found or why not) for GPU `device` (`cuda:<device>`). Never raises,
+    whatever the machine (no driver, no GPU, old driver, no NVRTC); the answer is computed once
+    per process and GPU."""
+    return _status(int(device))
 
 
-def unavailable_message(what: str) -> str:
+def unavailable_message(what: str, device: int = 0) -> str:
     """`what`: the CUDA backend is not available: <why>; <status>. Use the CPU."""
-    _, why = cuda_available()
+    _, why = cuda_available(device)
     return f"{what}: the CUDA backend is not available: {why}; {STATUS}. Use the CPU (device='cpu', model.cpu())"

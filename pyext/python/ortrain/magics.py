@@ -124,7 +124,9 @@ class OrtMagics(Magics):
                               cuda_graphs=False if args.no_cuda_graphs else None)
         except ValueError as exc:
             raise UsageError(f"%ort accelerate: {exc}") from None
-        device = model.__dict__["_ortrain_state"].device
+        from ortrain.data_parallel import unwrap
+
+        device = unwrap(model).__dict__["_ortrain_state"].device
         self.accelerated[name] = (model, opt, device)
         nparams = sum(p.numel() for p in model.parameters())
         explain = (eng["explain"](model) or "").strip().splitlines()

@@ -104,7 +104,9 @@ def check_parity(model: torch.nn.Module, *args, rtol: float = RTOL, atol: float 
     from ortrain.export.dynamo import capture_programs
     from ortrain.export.inputs import flatten_call
     from ortrain.export.outputs import flatten_outputs
+    from ortrain.data_parallel import unwrap
 
+    model = unwrap(model)  # a DistributedDataParallel: the module it holds
     device = "cuda" if any(p.is_cuda for p in model.parameters()) else "cpu"
     with _plain(model) as plain:
         ref = copy.deepcopy(plain)

@@ -2,6 +2,10 @@
 optimizer update — in the engine, with ONNX Runtime Training's API (model_desc, optim_config,
 loss_fn, options; train_step, eval_step, save_as_onnx, state_dict, load_state_dict).
 
+`options['distributed']` (world_rank, world_size, allreduce_post_accumulation) trains data
+parallel over torch.distributed as ORT did: rank 0's weights broadcast at construction, the
+gradients averaged over the ranks before each update (data_parallel.py `TrainerGroup`).
+
 `register_train_step_hook(fn)` calls `fn(trainer, loss, inputs)` after every `train_step` (the
 step boundary `%%ort` records), and inside `pytorch_baseline()` train_step runs the forward and
 backward in PyTorch eager with the same update: the baseline half of `%%ort compare`."""
@@ -14,7 +18,7 @@ import torch
 
 from ortrain import _ortrain
 from ortrain import optim as _optim
-from ortrain import trainer_options
+from ortrain import data_parallel, trainer_options
 from ortrain._trainer_hooks import in_pytorch_baseline, pytorch_baseline, register_train_step_hook, run_step_hooks  # noqa: F401 (public here too)
 from ortrain.engine.function import grad_addresses, read_outputs, run_inference
 from ortrain.engine.tensors import triple
@@ -88,6 +92,10 @@ class ORTTrainer:
         for n, p in model.named_parameters():
             if n in frozen:
                 p.requires_grad_(False)
+        # data parallel: every rank starts from rank 0's weights; gradients averaged over ranks
+        self._group = data_parallel.TrainerGroup.from_options(self.options["distributed"])
+        if self._group is not None:
+            self._group.broadcast(list(model.parameters()) + list(model.buffers()))
         self._module = _WithLoss(model, loss_fn, _n_forward_args(model)) if loss_fn else model
         self._prefix = "model." if loss_fn else ""
         self._loss_index = 0 if loss_fn else next(i for i, o in enumerate(model_desc["outputs"]) if len(o) > 2 and o[2])
@@ -203,6 +211,9 @@ class ORTTrainer:
 
     def _accumulate(self, named: list) -> None:
         accum = self.options["batch"]["gradient_accumulation_steps"]
+        group = self._group
+        if group is not None and not (group.post_accumulation and accum > 1):
+            group.average([g for _, _, g in named])
         for name, _, g in named:
             if name in self._accum:
                 self._accum[name].add_(g)
@@ -210,6 +221,8 @@ class ORTTrainer:
                 self._accum[name] = g
         self._micro += 1
         if self._micro % accum == 0:
+            if group is not None and group.post_accumulation and accum > 1:
+                group.average([self._accum[n] for n, _, _ in named])
             self._update([(n, w, self._accum[n].div_(accum) if accum > 1 else self._accum[n]) for n, w, _ in named])
             self._accum = {}
 

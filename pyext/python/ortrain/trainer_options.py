@@ -10,8 +10,12 @@ _BOOL = lambda v: None if isinstance(v, bool) else "must be True or False"  # no
 _FP16_ELSEWHERE = ("fp16 with the dynamic loss scaler runs on CUDA, through "
                    "ortrain.accelerate(model, optimizer, device='cuda', precision='fp16'); ORTTrainer runs on the CPU")
 
+def _int_at_least(low: int):
+    return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= low else f"must be an int ≥ {low}"
+
+
 SUPPORTED = {
-    "batch": {"gradient_accumulation_steps": (1, lambda v: None if isinstance(v, int) and v >= 1 else "must be an int ≥ 1")},
+    "batch": {"gradient_accumulation_steps": (1, _int_at_least(1))},
     "device": {"id": ("cpu", lambda v: None if v in ("cpu", "cpu:0") else "only 'cpu' is supported yet")},
     "utils": {"grad_norm_clip": (True, lambda v: None if isinstance(v, (bool, int, float)) else "must be a bool or a max norm"),
               "frozen_weights": ([], lambda v: None if isinstance(v, (list, tuple)) else "must be a list of parameter names")},
@@ -24,15 +28,21 @@ SUPPORTED = {
                         "dtype": ("bf16", lambda v: None if v == "bf16" else _FP16_ELSEWHERE if v == "fp16" else "must be 'bf16'"),
                         "loss_scaler": (None, lambda v: None if v is None else
                                         "bf16 needs no loss scaling; " + _FP16_ELSEWHERE)},
+    # data parallel over torch.distributed (data_parallel.py TrainerGroup): every rank one copy
+    # of the model, gradients averaged; data_parallel_size 1 means the whole world
+    "distributed": {"world_rank": (0, _int_at_least(0)), "world_size": (1, _int_at_least(1)),
+                    "local_rank": (0, _int_at_least(0)), "data_parallel_size": (1, _int_at_least(1)),
+                    "allreduce_post_accumulation": (False, _BOOL)},
 }
 
 # what ORT offered and ortrain does not have yet: the value that means "off"
 NOT_YET = {
-    "distributed": {"world_rank": 0, "world_size": 1, "local_rank": 0, "data_parallel_size": 1,
-                    "horizontal_parallel_size": 1, "pipeline_parallel": {}, "allreduce_post_accumulation": False,
-                    "deepspeed_zero_optimization": {}, "enable_adasum": False},
+    "distributed": {"horizontal_parallel_size": 1, "pipeline_parallel": {}, "deepspeed_zero_optimization": {},
+                    "enable_adasum": False},
     "graph_transformer": {"attn_dropout_recompute": False, "gelu_recompute": False,
                           "transformer_layer_recompute": False, "number_recompute_layers": 0},
+    "device": {"mem_limit": 0},
+    "debug": {"check_model_export": False, "graph_save_paths": {}},
 }
 
 
@@ -50,31 +60,35 @@ def validate(options: dict | None) -> dict:
                 raise ValueError("options['lr_scheduler'] must be an ortrain.optim.*LRScheduler or None")
             out["lr_scheduler"] = value
             continue
-        if section in NOT_YET:
-            for key, v in (value or {}).items():
-                if key not in NOT_YET[section]:
-                    raise ValueError(f"options['{section}']: unknown key '{key}' (valid: {', '.join(sorted(NOT_YET[section]))})")
-                if v not in (NOT_YET[section][key], None) and v != {}:
-                    raise UnsupportedError(f"options['{section}']['{key}'] = {v!r}: not supported yet")
-            continue
-        if section == "debug" and isinstance(value, dict):
-            for key in ("check_model_export", "graph_save_paths"):
-                if value.get(key):
-                    raise UnsupportedError(f"options['debug']['{key}']: not supported yet")
-            value = {k: v for k, v in value.items() if k not in ("check_model_export", "graph_save_paths")}
-        if section == "device" and isinstance(value, dict) and value.get("mem_limit"):
-            raise UnsupportedError("options['device']['mem_limit']: not supported yet")
-        if section == "device" and isinstance(value, dict):
-            value = {k: v for k, v in value.items() if k != "mem_limit"}
-        if section not in SUPPORTED:
+        if section not in valid_sections:
             raise ValueError(f"options: unknown section '{section}' (valid: {', '.join(valid_sections)})")
+        if value is None:
+            continue
         if not isinstance(value, dict):
             raise ValueError(f"options['{section}'] must be a dict")
+        supported, not_yet = SUPPORTED.get(section) or {}, NOT_YET.get(section, {})
         for key, v in value.items():
-            if key not in SUPPORTED[section]:
-                raise ValueError(f"options['{section}']: unknown key '{key}' (valid: {', '.join(sorted(SUPPORTED[section]))})")
-            err = SUPPORTED[section][key][1](v)
+            if key in not_yet:
+                if v not in (not_yet[key], None) and v != {}:
+                    raise UnsupportedError(f"options['{section}']['{key}'] = {v!r}: not supported yet")
+                continue
+            if key not in supported:
+                valid = sorted(set(supported) | set(not_yet))
+                raise ValueError(f"options['{section}']: unknown key '{key}' (valid: {', '.join(valid)})")
+            err = supported[key][1](v)
             if err:
                 raise ValueError(f"options['{section}']['{key}'] = {v!r}: {err}")
             out[section][key] = v
+    _check_distributed(out["distributed"])
     return out
+
+
+def _check_distributed(d: dict) -> None:
+    """The data-parallel keys agree with each other."""
+    if d["world_rank"] >= d["world_size"]:
+        raise ValueError(f"options['distributed']['world_rank'] = {d['world_rank']}: must be below world_size "
+                         f"({d['world_size']})")
+    if d["data_parallel_size"] not in (1, d["world_size"]):
+        raise UnsupportedError(f"options['distributed']['data_parallel_size'] = {d['data_parallel_size']} with "
+                               f"world_size {d['world_size']}: data-parallel groups smaller than the world need "
+                               "horizontal or pipeline parallelism, not supported yet (leave it 1 or world_size)")

@@ -1,6 +1,7 @@
-//! One GPU, ready to run plans: its kernels loaded into the primary context (the one PyTorch
-//! uses), a cuBLAS handle, and the resolved kernel functions, once per process. The executor
-//! and the op dispatchers (ops/) launch through it on the caller's stream.
+//! One GPU, ready to run plans: its kernels loaded into its primary context (the one PyTorch
+//! uses), a cuBLAS handle, and the resolved kernel functions, once per process and GPU. The
+//! executor and the op dispatchers (ops/) launch through it on the caller's stream (one of
+//! PyTorch's streams of that GPU).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -22,6 +23,8 @@ use crate::error::{Error, Result};
 type Resolved = (CudaFunction, &'static [Arg], u32);
 
 pub struct CudaRuntime {
+    /// The GPU's device ordinal (PyTorch's `cuda:<ordinal>`).
+    pub ordinal: usize,
     pub loaded: Loaded,
     pub blas: Blas,
     /// Resolved kernels by name.
@@ -65,27 +68,39 @@ pub struct CaptureStream(pub CUstream);
 // only under its mutex.
 unsafe impl Send for CaptureStream {}
 
-static RT: OnceLock<CudaRuntime> = OnceLock::new();
+/// The most GPUs one process drives (device ordinals 0..MAX_DEVICES).
+pub const MAX_DEVICES: usize = 64;
 
-/// The runtime if something has created it (never creates it).
-pub fn loaded_runtime() -> Option<&'static CudaRuntime> {
-    RT.get()
+/// Each GPU's runtime, made on first use of that GPU.
+static RTS: [OnceLock<CudaRuntime>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+
+/// Every runtime something has created, by device ordinal (never creates one).
+pub fn loaded_runtimes() -> impl Iterator<Item = &'static CudaRuntime> {
+    RTS.iter().filter_map(OnceLock::get)
 }
 
-/// GPU 0's runtime, created on first use; `dirs` are extra folders holding NVRTC and cuBLAS
-/// (the Python package passes `site-packages/nvidia/cu13/lib`). A failure is returned every
-/// time (with its reason) and retried on the next call.
-pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
+/// GPU `ordinal`'s runtime if something has created it (never creates it).
+pub fn loaded_runtime(ordinal: usize) -> Option<&'static CudaRuntime> {
+    RTS.get(ordinal).and_then(OnceLock::get)
+}
+
+/// GPU `ordinal`'s runtime (PyTorch's `cuda:<ordinal>`), created on first use; `dirs` are
+/// extra folders holding NVRTC and cuBLAS (the Python package passes
+/// `site-packages/nvidia/cu13/lib`). A failure is returned every time (with its reason) and
+/// retried on the next call.
+pub fn runtime(ordinal: usize, dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
     static INIT: Mutex<()> = Mutex::new(());
-    if let Some(rt) = RT.get() {
+    let slot =
+        RTS.get(ordinal).ok_or_else(|| Error::Cuda(format!("cuda:{ordinal}: ortrain drives GPUs cuda:0 to cuda:{}", MAX_DEVICES - 1)))?;
+    if let Some(rt) = slot.get() {
         return Ok(rt);
     }
     let _guard = INIT.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(rt) = RT.get() {
+    if let Some(rt) = slot.get() {
         return Ok(rt);
     }
     let nv = nvrtc::load(dirs)?;
-    let loaded = loader::load_all(0, nv, cache::default_dir().as_deref())?;
+    let loaded = loader::load_all(ordinal, nv, cache::default_dir().as_deref())?;
     loaded.ctx.bind_to_thread().map_err(|e| Error::Cuda(format!("binding the context: {e}")))?;
     blas::load(dirs)?;
     let blas = Blas::new(&loaded.ctx)?;
@@ -93,7 +108,8 @@ pub fn runtime(dirs: &[PathBuf]) -> Result<&'static CudaRuntime> {
         .ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
         .map_err(|e| Error::Cuda(format!("multiprocessor count: {e}")))? as u32;
-    Ok(RT.get_or_init(|| CudaRuntime {
+    Ok(slot.get_or_init(|| CudaRuntime {
+        ordinal,
         loaded,
         blas,
         functions: Mutex::new(HashMap::new()),

@@ -107,7 +107,7 @@ def step_group(opt, index: int, keep: dict, hyper: tuple) -> list | None:
     from .optimizer import gpu_adam_rows
 
     left = gpu_adam_rows(opt, [(p, g.data_ptr(), m, v, n) for (p, m, v, n), g in zip(plan.rows, grads)], steps,
-                         hyper)
+                         hyper, torch.device("cuda", plan.device))
     if left:
         forget(opt, index)
         torch._foreach_sub_([plan.state[i][2] for i in left], 1)  # PyTorch's step counts them

@@ -33,7 +33,8 @@ import weakref
 import torch
 
 from ortrain import _ortrain
-from ortrain.engine.gpu_tables import GPU, device_tables
+from ortrain.engine.cuda_device import engine_device
+from ortrain.engine.gpu_tables import device_tables
 
 _F32 = torch.float32
 _STRIDED = torch.strided
@@ -119,31 +120,31 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
 
 
 def _gpu_why_not(device: torch.device, error_if_nonfinite: bool) -> str:
-    """Why the engine cannot clip gradients on `device`, or ""."""
-    if device != GPU:
-        return f"gradients on {device}, not the engine's {GPU}"
+    """Why the engine cannot clip gradients on GPU `device`, or ""."""
     if error_if_nonfinite:
         return "error_if_nonfinite=True on the GPU"
     if not _GPU_CLIP_WORKS[0]:
         return "the engine's GPU clip failed earlier in this process"
     from ortrain.cuda import cuda_available
 
-    ok, why = cuda_available()
-    return "" if ok else f"the engine's CUDA runtime is unavailable ({why})"
+    ok, why = cuda_available(device.index)
+    return "" if ok else f"the engine's CUDA runtime is unavailable on {device} ({why})"
 
 
 def _gpu_clip(grads: list, max_norm: float):
     """The engine's clip of f32 gradients on the GPU, queued on the current stream: the 0-dim
     total norm (a device tensor, as torch's), or None where the launch failed (warned once; torch
     clips from then on)."""
-    table, chunk_tensor, chunk_start = device_tables(_GPU_TABLES, tuple((g.data_ptr(), g.numel()) for g in grads))
+    device = grads[0].device  # one GPU: _engine_grads checked it
+    table, chunk_tensor, chunk_start = device_tables(_GPU_TABLES, tuple((g.data_ptr(), g.numel()) for g in grads), device)
     chunks = chunk_tensor.numel()
-    partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=GPU)
-    out = torch.empty(2, dtype=torch.float32, device=GPU)  # the norm, the coefficient
+    partial = torch.empty(max(chunks, 1), dtype=torch.float64, device=device)
+    out = torch.empty(2, dtype=torch.float32, device=device)  # the norm, the coefficient
     try:
-        _ortrain.cuda_clip_grad_norm(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunks,
-                                     float(max_norm), partial.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
-                                     torch.cuda.current_stream(GPU).cuda_stream)
+        with engine_device(device):
+            _ortrain.cuda_clip_grad_norm(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunks,
+                                         float(max_norm), partial.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
+                                         torch.cuda.current_stream(device).cuda_stream, device=device.index)
     except _ortrain.EngineError as exc:
         _GPU_CLIP_WORKS[0] = False
         from ortrain._warn import warn

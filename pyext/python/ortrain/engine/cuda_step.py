@@ -1,6 +1,7 @@
 """The engine step on a CUDA device: the same Runner and autograd.Function as on the CPU, with
-every tensor a CUDA tensor (inputs, parameters, output-gradient seeds and gradients, all
-zero-copy), the work queued on PyTorch's current stream, and the engine's arena a uint8 CUDA
+every tensor a CUDA tensor on the runner's GPU (inputs, parameters, output-gradient seeds and
+gradients, all zero-copy), the work queued on PyTorch's current stream of that GPU (with it
+PyTorch's current device for the call: cuda_device.py), and the engine's arena a uint8 CUDA
 tensor from PyTorch's caching allocator, kept alive with the step until its backward pass has
 been queued (stream order makes its later reuse safe). f32 matmuls follow PyTorch's
 `torch.backends.cuda.matmul.allow_tf32` (off by default), read at each step's forward. With the
@@ -12,19 +13,16 @@ import torch
 
 from ortrain import _ortrain
 
+from .cuda_device import engine_device, stream as _stream
 from .tensors import engine_dtype, torch_dtype
 
 
-def _stream() -> int:
-    return torch.cuda.current_stream().cuda_stream
-
-
-def cuda_triple(t: torch.Tensor, what: str) -> tuple:
-    """(device address, dtype, shape) of a contiguous tensor on the current CUDA device."""
-    if t.device.type != "cuda":
+def cuda_triple(t: torch.Tensor, what: str, device: torch.device) -> tuple:
+    """(device address, dtype, shape) of a contiguous tensor on GPU `device`."""
+    if t.device != device:
         from ortrain.errors import UnsupportedError
 
-        raise UnsupportedError(f"{what}: tensor on {t.device}; the model runs on CUDA")
+        raise UnsupportedError(f"{what}: tensor on {t.device}; the model runs on {device}")
     return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
 
 
@@ -64,9 +62,10 @@ class CudaStep:
         nbytes = runner.arena_sizes.get(key)
         if nbytes is None:
             nbytes = runner.arena_sizes[key] = _ortrain.cuda_arena_bytes(runner.session, sigs, backward, out_bound)
-        feed = [cuda_triple(x, n) for x, n in zip(inputs, runner.input_names)]
+        device = runner.device
+        feed = [cuda_triple(x, n, device) for x, n in zip(inputs, runner.input_names)]
         tf32 = bool(torch.backends.cuda.matmul.allow_tf32)
-        stream = _stream()
+        stream = _stream(device)
         cache = self.cache = getattr(runner, "graphs", None)
         self.graph_key = self.entry = None
         if cache is not None and weights is None and not bound:
@@ -75,9 +74,11 @@ class CudaStep:
             self.entry = cache.entry(self.graph_key, nbytes)
         if self.entry is not None:
             try:
-                self.pending = _ortrain.cuda_forward(runner.session, feed, weights, backward, seed, stream,
-                                                     self.entry.arena.data_ptr(), None, tf32=tf32,
-                                                     graph=self.entry.forward, seed_slot=self.entry.seed_slot.data_ptr())
+                with engine_device(device):
+                    self.pending = _ortrain.cuda_forward(runner.session, feed, weights, backward, seed, stream,
+                                                         self.entry.arena.data_ptr(), None, tf32=tf32,
+                                                         graph=self.entry.forward,
+                                                         seed_slot=self.entry.seed_slot.data_ptr(), device=device.index)
                 self.arena = self.entry.arena
                 self.entry.busy = True
                 cache.replays += 1
@@ -87,22 +88,26 @@ class CudaStep:
                 self.entry = None
         self.arena = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=runner.device)
         addrs = [bound[k].data_ptr() if k in bound else 0 for k in range(runner.n_outputs)] if bound else None
-        self.pending = _ortrain.cuda_forward(runner.session, feed,
-                                             runner.weight_addresses() if weights is None else weights, backward, seed,
-                                             stream, self.arena.data_ptr(), addrs, tf32=tf32)
+        with engine_device(device):
+            self.pending = _ortrain.cuda_forward(runner.session, feed,
+                                                 runner.weight_addresses() if weights is None else weights, backward,
+                                                 seed, stream, self.arena.data_ptr(), addrs, tf32=tf32,
+                                                 device=device.index)
         if cache is not None:
             cache.ran_without_graph(self.graph_key, "forward")
 
     def outputs(self, bound: dict | None = None) -> list:
         """The outputs as new CUDA tensors (copies queued on the stream), except bound ones."""
         outs = []
+        device = self.runner.device
         for k in range(self.runner.n_outputs):
             if bound and k in bound:
                 outs.append(bound[k])
                 continue
             addr, dt, shape = self.pending.output(k)
-            t = torch.empty(shape, dtype=torch_dtype(dt), device=self.runner.device)
-            _ortrain.cuda_copy(t.data_ptr(), addr, t.numel() * t.element_size(), _stream())
+            t = torch.empty(shape, dtype=torch_dtype(dt), device=device)
+            with engine_device(device):
+                _ortrain.cuda_copy(t.data_ptr(), addr, t.numel() * t.element_size(), _stream(device), device=device.index)
             outs.append(t)
         return outs
 
@@ -111,6 +116,7 @@ class CudaStep:
         returns the weights' gradients (None where a weight gets none): through the entry's
         graph when the step has one and its memory is free, else into fresh tensors."""
         runner, entry, cache = self.runner, self.entry, self.cache
+        device = runner.device
         try:
             if entry is not None and cache.backward_ready(self.graph_key):
                 grads = cache.static_grads(runner.weights, runner.wants_grad())
@@ -120,18 +126,21 @@ class CudaStep:
                     static = None
                 if static is not None:
                     try:
-                        _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
-                                               [0 if s is None else s.data_ptr() for s in static],
-                                               [0 if g is None else g.data_ptr() for g in grads], _stream(),
-                                               graph=entry.backward)
+                        with engine_device(device):
+                            _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
+                                                   [0 if s is None else s.data_ptr() for s in static],
+                                                   [0 if g is None else g.data_ptr() for g in grads], _stream(device),
+                                                   graph=entry.backward, device=device.index)
                         cache.replays += 1
                         return grads
                     except Exception as exc:  # noqa: BLE001 - a failed recording queued nothing: run it below
                         cache.fail(self.graph_key, exc)
             grads = runner.new_grad_buffers()
-            _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
-                                   [0 if s is None else s.data_ptr() for s in seeds],
-                                   [0 if g is None else g.data_ptr() for g in grads], _stream())
+            with engine_device(device):
+                _ortrain.cuda_backward(runner.session, self.pending, runner.weight_addresses(),
+                                       [0 if s is None else s.data_ptr() for s in seeds],
+                                       [0 if g is None else g.data_ptr() for g in grads], _stream(device),
+                                       device=device.index)
             if cache is not None:
                 cache.ran_without_graph(self.graph_key, "backward")
             return grads

@@ -9,21 +9,20 @@ import torch
 
 from ortrain import _ortrain
 
-#: the GPU the engine's CUDA runtime uses
-GPU = torch.device("cuda", 0)
 #: sets of rows a cache keeps (gradients reallocated at new addresses: the latest few)
 _KEEP = 8
 
 
-def device_tables(cache: dict, rows: tuple) -> tuple:
-    """(table, chunk_tensor, chunk_start) on GPU for `rows` (tuples of int64s, each ending with its
-    tensor's numel), from `cache` or uploaded into it."""
-    hit = cache.get(rows)
+def device_tables(cache: dict, rows: tuple, device: torch.device) -> tuple:
+    """(table, chunk_tensor, chunk_start) on `device` (the GPU of the rows' tensors) for `rows`
+    (tuples of int64s, each ending with its tensor's numel), from `cache` or uploaded into it."""
+    key = (device.index, rows)
+    hit = cache.get(key)
     if hit is None:
         if len(cache) >= _KEEP:
             cache.clear()
         tensor_of, start = _ortrain.cuda_optim_chunks([r[-1] for r in rows])
-        hit = cache[rows] = (torch.tensor(rows, dtype=torch.int64).pin_memory().to(GPU, non_blocking=True),
-                             torch.tensor(tensor_of, dtype=torch.int32, device=GPU),
-                             torch.tensor(start, dtype=torch.int64, device=GPU))
+        hit = cache[key] = (torch.tensor(rows, dtype=torch.int64).pin_memory().to(device, non_blocking=True),
+                            torch.tensor(tensor_of, dtype=torch.int32, device=device),
+                            torch.tensor(start, dtype=torch.int64, device=device))
     return hit

@@ -11,7 +11,8 @@ import torch
 from ortrain import _ortrain
 from ortrain._warn import warn
 from ortrain.engine import adam_plan
-from ortrain.engine.gpu_tables import GPU, device_tables
+from ortrain.engine.cuda_device import engine_device
+from ortrain.engine.gpu_tables import device_tables
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -82,40 +83,41 @@ def _state_tensors_ok(p: torch.Tensor, state: dict, moments: tuple) -> bool:
 
 
 def _gpu_ok(p: torch.Tensor) -> bool:
-    """An f32 parameter with a dense f32 gradient on the GPU the engine's CUDA runtime uses (GPU 0),
-    while the engine's GPU update works in this process."""
+    """An f32 parameter with a dense f32 gradient on its GPU, while the engine's GPU update works
+    in this process and the engine's CUDA runtime works on that GPU."""
     g = p.grad
-    if not (_GPU_UPDATE_WORKS[0] and p.device == GPU and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
-            and g.dtype == torch.float32 and g.is_contiguous() and g.device == GPU):
+    if not (_GPU_UPDATE_WORKS[0] and p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
+            and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
         return False
     from ortrain.cuda import cuda_available
 
-    return cuda_available()[0]
+    return cuda_available(p.device.index)[0]
 
 
 #: False once a launch of the engine's GPU update failed: PyTorch's step takes those parameters
 _GPU_UPDATE_WORKS = [True]
 
 
-def gpu_adam_rows(opt, rows: list, steps: list, hyper: tuple) -> list:
-    """One engine launch per step count updates the GPU parameters given as `rows` ((param, grad,
-    exp_avg, exp_avg_sq addresses, numel) each, at step count `steps[i]`, with `hyper` (lr,
-    beta1, beta2, eps, weight_decay, decoupled, maximize)): kernels/optim.cu's multi-tensor Adam,
-    queued on the current stream, instead of torch's foreach kernels, over the descriptor table
-    and chunk lists gpu_tables.py keeps per set of rows. Returns the indices of the rows it did
-    not update: none, or (a launch failed: warned once, and the engine's GPU update is off for
-    the process) those of that launch and the ones after it."""
-    stream = torch.cuda.current_stream(GPU).cuda_stream
+def gpu_adam_rows(opt, rows: list, steps: list, hyper: tuple, device: torch.device) -> list:
+    """One engine launch per step count updates the parameters on GPU `device` given as `rows`
+    ((param, grad, exp_avg, exp_avg_sq addresses, numel) each, at step count `steps[i]`, with
+    `hyper` (lr, beta1, beta2, eps, weight_decay, decoupled, maximize)): kernels/optim.cu's
+    multi-tensor Adam, queued on the device's current stream, instead of torch's foreach kernels,
+    over the descriptor table and chunk lists gpu_tables.py keeps per set of rows. Returns the
+    indices of the rows it did not update: none, or (a launch failed: warned once, and the
+    engine's GPU update is off for the process) those of that launch and the ones after it."""
+    stream = torch.cuda.current_stream(device).cuda_stream
     cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})  # rows -> gpu_tables.device_tables
     by_step: dict = {}
     for i, t in enumerate(steps):
         by_step.setdefault(t, []).append(i)
     groups = list(by_step.items())
     for k, (step, idx) in enumerate(groups):
-        table, chunk_tensor, chunk_start = device_tables(cache, tuple(rows[i] for i in idx))
+        table, chunk_tensor, chunk_start = device_tables(cache, tuple(rows[i] for i in idx), device)
         try:
-            _ortrain.cuda_adam_step(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunk_tensor.numel(),
-                                    *hyper, step, stream)
+            with engine_device(device):
+                _ortrain.cuda_adam_step(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunk_tensor.numel(),
+                                        *hyper, step, stream, device=device.index)
         except _ortrain.EngineError as exc:
             _GPU_UPDATE_WORKS[0] = False
             warn(f"ortrain: the engine's GPU Adam update failed ({str(exc).splitlines()[0]}); PyTorch's step updates "
@@ -133,10 +135,16 @@ def adam_hyper(group: dict, decoupled: bool) -> tuple:
 
 
 def _gpu_adam(opt, todo: list, hyper: tuple) -> list:
-    """gpu_adam_rows over `todo` ((param, grad, exp_avg, exp_avg_sq, step) each). Returns the
-    parameters it did not update, their step counts taken back for PyTorch's step to count them."""
-    rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in todo]
-    left = [todo[i][0] for i in gpu_adam_rows(opt, rows, [t[4] for t in todo], hyper)]
+    """gpu_adam_rows over `todo` ((param, grad, exp_avg, exp_avg_sq, step) each), per GPU. Returns
+    the parameters it did not update, their step counts taken back for PyTorch's step to count
+    them."""
+    by_device: dict = {}
+    for t in todo:
+        by_device.setdefault(t[0].device, []).append(t)
+    left = []
+    for device, part in by_device.items():
+        rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in part]
+        left += [part[i][0] for i in gpu_adam_rows(opt, rows, [t[4] for t in part], hyper, device)]
     if left:
         torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
     return left
@@ -239,8 +247,10 @@ def _engine_step(self, closure=None):
                     for i in kept:
                         del keep[i]
                     # every parameter updated, all on one device
-                    if not left and not (todo and gpu) and len(todo) + len(gpu) == len(group["params"]):
-                        adam_plan.remember(self, index, -1 if todo else GPU.index)
+                    gpus = {t[0].device for t in gpu}
+                    if (not left and not (todo and gpu) and len(gpus) <= 1
+                            and len(todo) + len(gpu) == len(group["params"])):
+                        adam_plan.remember(self, index, -1 if todo else gpus.pop().index)
                 except BaseException:
                     for moment in created:  # never leave uninitialised moments behind
                         moment.zero_()

@@ -14,6 +14,7 @@ from ortrain.errors import UnsupportedError
 from ortrain.export.graph import strip_bound_weights
 
 from . import malloc
+from .cuda_device import model_gpu
 from .function import EngineFunction, run_inference
 from .tensors import engine_dtype
 
@@ -78,9 +79,10 @@ class Runner:
     def __init__(self, module: torch.nn.Module, exported, precision: str = "fp32", device: str = "cpu"):
         """`precision`: "fp32", "bf16" for matmul products in bf16 with f32 accumulation, or
         "fp16" (CUDA only) for the same at fp16.
-        `device`: "cpu", or "cuda" (every parameter on the current CUDA device)."""
+        `device`: "cpu", or "cuda" (every parameter on one GPU, the runner's; the current CUDA
+        device for a module without parameters)."""
         self.on_cuda = device == "cuda"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
+        self.device = model_gpu(module) if self.on_cuda else torch.device("cpu")
         self.arena_sizes: dict = {}  # CUDA: (input types, backward, bound outputs) -> arena bytes
         # the runner keeps the graph without the parameters' data: the engine binds the live
         # tensors, and the complete export (model-sized) can be freed

@@ -34,6 +34,7 @@ mod layernorm;
 mod lce;
 mod loss;
 mod movement;
+mod multi_device;
 mod node_cases;
 mod onnx_parity;
 mod optim;

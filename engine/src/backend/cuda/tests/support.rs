@@ -19,13 +19,18 @@ use crate::tensor::Tensor;
 /// GPU 0's runtime (kernels, cuBLAS), the one the executor uses, or why not. NVRTC and cuBLAS
 /// come from the pinned wheels' folder, or ORTRAIN_NVRTC_LIB's folder, or the loader's path.
 pub fn runtime_or_reason() -> Result<&'static CudaRuntime, String> {
+    runtime_on(0)
+}
+
+/// GPU `ordinal`'s runtime, or why not (as [`runtime_or_reason`]).
+pub fn runtime_on(ordinal: usize) -> Result<&'static CudaRuntime, String> {
     probe().map_err(|e| e.to_string())?;
     let mut dirs = vec![PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.cuda-wheels/nvidia/cu13/lib")];
     if let Some(p) = std::env::var_os("ORTRAIN_NVRTC_LIB") {
         let p = PathBuf::from(p);
         dirs.push(if p.is_dir() { p } else { p.parent().map(PathBuf::from).unwrap_or_default() });
     }
-    runtime::runtime(&dirs).map_err(|e| e.to_string())
+    runtime::runtime(ordinal, &dirs).map_err(|e| e.to_string())
 }
 
 /// A context for calling an op's kernels directly on the legacy stream, and the claim on the

@@ -1,0 +1,135 @@
+"""Data-parallel wrappers around an accelerated module.
+
+`DistributedDataParallel` (one process per device, as torchrun and Spark's TorchDistributor
+start them) all-reduces gradients from hooks on the parameters' gradient accumulators, which
+fire when the engine's backward hands PyTorch the weight gradients. So ortrain takes over the
+module *inside* the wrapper, in either order (`DDP(accelerate(m, opt))` or
+`accelerate(DDP(m), opt)`), and the wrapper's forward (broadcasts, reducer bookkeeping) still
+runs around it. Taking over the wrapper itself would bypass that forward: every rank would
+train on its own gradients, silently.
+
+A DDP that looks for the parameters its output was computed from (`find_unused_parameters=True`,
+and `static_graph=True` in its first step) walks the output's autograd graph, which a deferred
+output (engine/lazy.py) does not have yet; under such a wrapper the module returns computed
+outputs, and the loss runs in PyTorch."""
+from __future__ import annotations
+
+import torch
+
+from ortrain.errors import OrtrainError
+
+
+def _ddp_class():
+    return getattr(torch.nn.parallel, "DistributedDataParallel", None)
+
+
+def unwrap(model):
+    """The module a data-parallel wrapper holds (`.module`), else `model`."""
+    ddp = _ddp_class()
+    if (ddp is not None and isinstance(model, ddp)) or isinstance(model, torch.nn.DataParallel):
+        return model.module
+    return model
+
+
+def to_accelerate(model):
+    """The module ortrain takes over when asked to accelerate `model`: [`unwrap`]'s.
+
+    `nn.DataParallel` over several GPUs copies the module to each GPU in every forward (the
+    copies would not be accelerated, and the CUDA engine runs on one GPU): an error that says to
+    use DistributedDataParallel. Over one device or none it calls its module directly."""
+    if isinstance(model, torch.nn.DataParallel) and len(model.device_ids) > 1:
+        raise OrtrainError(f"nn.DataParallel over {len(model.device_ids)} GPUs ({model.device_ids}) copies the "
+                           "model to each GPU in every forward, and ortrain's engine runs one copy on one device; "
+                           "use DistributedDataParallel, one process per GPU (torchrun, TorchDistributor)")
+    return unwrap(model)
+
+
+def outputs_traced() -> bool:
+    """Whether the DistributedDataParallel whose forward is running now looks for the
+    parameters its output was computed from in the output's autograd graph (DDP's `_DDPSink`:
+    `find_unused_parameters=True`, or `static_graph=True`)."""
+    ddp = _ddp_class()
+    active = getattr(ddp, "_active_ddp_module", None) if ddp is not None else None
+    if active is None:
+        return False
+    return bool(getattr(active, "find_unused_parameters", False) or getattr(active, "static_graph", False))
+
+
+#: gradients are all-reduced in flat buckets of about this many bytes (DDP's default bucket size)
+_BUCKET_BYTES = 25 << 20
+
+
+class TrainerGroup:
+    """ORTTrainer's data parallelism (`options['distributed']`), as ONNX Runtime Training's was:
+    every rank holds the whole model, trains on its own batches, and the gradients are averaged
+    over the ranks before each update: after every micro-batch, or once after the accumulated
+    ones with `allreduce_post_accumulation` (the same average, fewer all-reduces). The ranks
+    talk through torch.distributed: a process group made by the caller (torchrun,
+    TorchDistributor) or, when none is, one made here from the options' rank and size and the
+    environment's MASTER_ADDR / MASTER_PORT (gloo: ORTTrainer runs on the CPU)."""
+
+    def __init__(self, options: dict):
+        import os
+
+        import torch.distributed as dist
+
+        self.rank, self.size = options["world_rank"], options["world_size"]
+        self.post_accumulation = options["allreduce_post_accumulation"]
+        where = f"options['distributed'] (world_rank {self.rank}, world_size {self.size})"
+        if not dist.is_available():
+            raise OrtrainError(f"{where}: this PyTorch build has no torch.distributed")
+        if not dist.is_initialized():
+            missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+            if missing:
+                raise OrtrainError(f"{where}: torch.distributed has no process group and {' and '.join(missing)} "
+                                   f"{'is' if len(missing) == 1 else 'are'} not set; start the script with torchrun "
+                                   "(or TorchDistributor), or call torch.distributed.init_process_group() first")
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.size)
+        if (dist.get_rank(), dist.get_world_size()) != (self.rank, self.size):
+            raise OrtrainError(f"{where}: the torch.distributed process group has rank {dist.get_rank()} of "
+                               f"{dist.get_world_size()}; pass world_rank=dist.get_rank(), "
+                               "world_size=dist.get_world_size()")
+        self._dist = dist
+
+    @staticmethod
+    def from_options(options: dict) -> "TrainerGroup | None":
+        """The group of `options['distributed']`, or None for a single process."""
+        return TrainerGroup(options) if options["world_size"] > 1 else None
+
+    def broadcast(self, tensors) -> None:
+        """Rank 0's values into every rank's `tensors` (the weights every rank starts from)."""
+        for bucket in _buckets([t.detach() for t in tensors]):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            self._dist.broadcast(flat, 0)
+            _scatter(flat, bucket)
+
+    def average(self, grads) -> None:
+        """Every rank's `grads` become their mean over the ranks, in place."""
+        for bucket in _buckets([g for g in grads if g is not None]):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            self._dist.all_reduce(flat)
+            flat.div_(self.size)
+            _scatter(flat, bucket)
+
+
+def _buckets(tensors):
+    """`tensors` in consecutive groups of one dtype and at most about _BUCKET_BYTES."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > _BUCKET_BYTES or t.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _scatter(flat, tensors) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view_as(t))
+            offset += n

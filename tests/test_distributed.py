@@ -1,0 +1,157 @@
+"""Data-parallel training: ortrain under DistributedDataParallel, two ranks started by torchrun
+(gloo on the CPU, as Spark's TorchDistributor starts them on a CPU cluster), against plain
+PyTorch DDP from the same initial weights on the same batches."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ortrain
+from ortrain.errors import OrtrainError, UnsupportedError
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+FUSED = {"accelerate_then_wrap", "wrap_then_accelerate", "bucket_views_sgd", "no_sync_accumulation_clip"}
+
+
+def _torchrun(out: Path, ranks: int, device: str) -> list:
+    """Runs the worker's scenarios on `ranks` processes; each rank's results."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", ORTRAIN_TEST_DEVICE=device)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(WORKER),
+           str(out)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"torchrun failed ({run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
+    return [json.loads((out / f"rank{k}.json").read_text()) for k in range(ranks)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("ddp"), 2, "cpu")
+
+
+def _scenarios():
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from distributed_worker import SCENARIOS
+    finally:
+        sys.path.pop(0)
+    return list(SCENARIOS)
+
+
+def _check_scenario(ranks: list, name: str, rel: float) -> None:
+    errors = [r["results"][name].get("error") for r in ranks]
+    assert not any(errors), "\n".join(e for e in errors if e)
+    eager = [r["results"][name]["eager"] for r in ranks]
+    ours = [r["results"][name]["ortrain"] for r in ranks]
+    if len(ranks) > 1:
+        # every rank ends with the same weights: the gradients were all-reduced
+        assert ours[0]["params"] == ours[1]["params"] and ours[0]["param_abs"] == ours[1]["param_abs"]
+        # each rank trained on its own batches
+        assert ours[0]["losses"] != ours[1]["losses"]
+    for e, o in zip(eager, ours):
+        assert o["losses"] == pytest.approx(e["losses"], rel=rel)
+        assert o["params"] == pytest.approx(e["params"], rel=rel, abs=rel)
+        assert o["param_abs"] == pytest.approx(e["param_abs"], rel=rel)
+        # the whole model ran in the engine, and the wrapper is seen as accelerated
+        assert o["calls"] > 0 and o["engine_calls"] == o["calls"]
+        assert o["is_accelerated"] and not o["after_deaccelerate"]
+        assert o["explain"].startswith("TinyLM")
+        # the loss joins the engine graph unless DDP needs the output's autograd graph
+        assert (o["fused_loss_calls"] > 0) == (name in FUSED)
+
+
+@pytest.mark.parametrize("name", _scenarios())
+def test_ddp_ranks_train_as_pytorch_ddp(ranks, name):
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    _check_scenario(ranks, name, 1e-5)
+
+
+@pytest.mark.gpu
+def test_ddp_on_cuda_trains_as_pytorch_ddp(tmp_path):
+    """Every scenario on the GPU (NCCL): one rank per GPU, at most two."""
+    from conftest import require_cuda
+
+    require_cuda()
+    ranks = _torchrun(tmp_path, min(2, torch.cuda.device_count()), "cuda")
+    for name in _scenarios():
+        _check_scenario(ranks, name, 1e-4)
+
+
+@pytest.mark.parametrize("name", ["trainer_every_micro_batch", "trainer_post_accumulation", "trainer_no_accumulation"])
+def test_ort_trainer_data_parallel_averages_the_ranks_gradients(ranks, name):
+    """ORTTrainer's options['distributed'] on two ranks trains as one process on both ranks'
+    batches side by side (mean loss: the gradient is the ranks' average)."""
+    errors = [r["results"][name].get("error") for r in ranks]
+    assert not any(errors), "\n".join(e for e in errors if e)
+    world = [r["results"][name]["ranks"] for r in ranks]
+    alone = ranks[0]["results"][name]["alone"]
+    assert world[0]["params"] == world[1]["params"] and world[0]["param_abs"] == world[1]["param_abs"]
+    assert world[0]["steps"] == alone["steps"] == 4
+    assert world[0]["losses"] != world[1]["losses"]
+    for k, loss in enumerate(alone["losses"]):  # the joint batch's loss is the ranks' mean loss
+        assert loss == pytest.approx((world[0]["losses"][k] + world[1]["losses"][k]) / 2, rel=1e-4)
+    assert world[0]["params"] == pytest.approx(alone["params"], rel=1e-4, abs=1e-4)
+    assert world[0]["param_abs"] == pytest.approx(alone["param_abs"], rel=1e-4)
+
+
+def test_ort_trainer_distributed_options_name_what_is_wrong():
+    model = torch.nn.Linear(4, 2)
+    desc = {"inputs": [("x", ["b", 4])], "outputs": [("loss", [], True)]}
+    make = lambda d: ortrain.ORTTrainer(model, desc, ortrain.optim.SGDConfig(lr=0.1),  # noqa: E731
+                                        loss_fn=lambda out: out.sum(), options={"distributed": d})
+    env = {k: os.environ.pop(k) for k in ("MASTER_ADDR", "MASTER_PORT") if k in os.environ}
+    try:
+        with pytest.raises(OrtrainError, match=r"world_rank 1, world_size 2.*MASTER_ADDR and MASTER_PORT are not set.*torchrun"):
+            make({"world_rank": 1, "world_size": 2})
+    finally:
+        os.environ.update(env)
+    with pytest.raises(ValueError, match=r"world_rank'\] = 2: must be below world_size \(2\)"):
+        make({"world_rank": 2, "world_size": 2})
+    with pytest.raises(UnsupportedError, match=r"data_parallel_size'\] = 2 with world_size 4.*horizontal or pipeline"):
+        make({"world_size": 4, "data_parallel_size": 2})
+    with pytest.raises(UnsupportedError, match=r"horizontal_parallel_size'\] = 2: not supported yet"):
+        make({"horizontal_parallel_size": 2})
+
+
+def test_a_ddp_left_unsynchronised_is_not_what_accelerate_returns(ranks):
+    """Before, accelerate(DDP(m)) took over the wrapper's forward: the ranks' weights drifted
+    apart silently. Now the weights of both ranks are equal after wrap_then_accelerate."""
+    a, b = (r["results"]["wrap_then_accelerate"]["ortrain"]["params"] for r in ranks)
+    assert a == b
+
+
+def test_data_parallel_without_gpus_calls_its_module_in_the_engine():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    wrapped = torch.nn.DataParallel(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    assert ortrain.accelerate(wrapped, opt, strict=True) is wrapped
+    assert ortrain.is_accelerated(wrapped) and ortrain.is_accelerated(model)
+    for step in range(3):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+        for m, o in ((wrapped, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    assert model.__dict__["_ortrain_state"].engine_calls == 3
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    ortrain.deaccelerate(wrapped)
+    assert not ortrain.is_accelerated(model)
+
+
+def test_data_parallel_over_several_gpus_is_refused_with_what_to_use():
+    model = torch.nn.Linear(3, 3)
+    wrapped = torch.nn.DataParallel.__new__(torch.nn.DataParallel)  # no GPUs here to build one over two
+    torch.nn.Module.__init__(wrapped)
+    wrapped.module, wrapped.device_ids = model, [0, 1]
+    with pytest.raises(OrtrainError, match=r"DataParallel over 2 GPUs.*use DistributedDataParallel, one process per GPU"):
+        ortrain.accelerate(wrapped)
+    assert not ortrain.is_accelerated(model)
