@@ -104,18 +104,15 @@ def test_bad_arguments_are_refused():
         ortrain.accelerate(_Atan(), device="cuda")
 
 
-def test_a_model_off_gpu_zero_is_refused_by_name(monkeypatch):
-    """The CUDA engine runs on cuda:0 (its runtime is that device's primary context): another
-    current device, as on a data-parallel rank > 0, is an error naming it. No machine here has
-    two GPUs, so torch's current device is set by monkeypatch; the check itself is the real one."""
-    import importlib
+def test_a_model_without_gpu_tensors_runs_on_the_current_gpu(monkeypatch):
+    """The CUDA engine runs a model on the GPU its tensors are on (one runtime per GPU): a
+    data-parallel rank k > 0 on cuda:k is no longer refused. A module with no CUDA tensor yet
+    goes to PyTorch's current device. No machine here has a GPU, so the current device is set by
+    monkeypatch; tests/test_cuda_multi_gpu.py trains on cuda:1 where there are two."""
+    from ortrain.engine.cuda_device import model_gpu
 
-    acc = importlib.import_module("ortrain.accelerate")  # the module, not the function of that name
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    with pytest.raises(ortrain.OrtrainError, match=r"runs on cuda:0 only, but the current CUDA device is cuda:1"):
-        acc._check_gpu_zero(_Atan())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    acc._check_gpu_zero(_Atan())  # CPU tensors and current device 0: nothing to refuse
+    assert model_gpu(_Atan()) == torch.device("cuda", 1)
 
 
 def test_reaccelerating_on_another_device_is_refused_and_no_device_keeps_the_models():

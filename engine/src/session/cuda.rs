@@ -112,13 +112,10 @@ impl Session {
     /// Per fused Attention node of the graph, its name and the kernels its last GPU launch chose
     /// (backend/cuda/ops/attention.rs `path`), or None before its first launch.
     pub fn attention_paths_cuda(&self) -> Vec<(String, Option<&'static str>)> {
-        let rt = self.cuda.device.get().and_then(|&d| crate::backend::cuda::runtime::loaded_runtime(d));
-        self.graph
-            .nodes
-            .iter()
-            .filter(|n| n.op_type == "Attention")
-            .map(|n| (n.name.clone(), rt.and_then(|rt| rt.attention_path(n))))
-            .collect()
+        // the runtime of whichever GPU launched it (a step may also run outside forward_cuda,
+        // without binding the session to a device)
+        let path = |n| crate::backend::cuda::runtime::loaded_runtimes().find_map(|rt| rt.attention_path(n));
+        self.graph.nodes.iter().filter(|n| n.op_type == "Attention").map(|n| (n.name.clone(), path(n))).collect()
     }
 
     /// The arena bytes a GPU step with these inputs needs (the caller allocates them).

@@ -52,6 +52,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     where_step = "in the engine" if state.optimizer_in_engine else "in PyTorch"
     for key, r in state.runners.items():
         mode = "train" if key[1] else "eval"
+        if key[0][1] is not None:  # exported under a torch.autocast the session does not cover
+            mode += f", under autocast {str(key[0][1]).replace('torch.', '')}"
         if isinstance(r, Runner):
             e = r.exported
             fwd, bwd = r.session.node_count

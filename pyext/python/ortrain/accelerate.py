@@ -5,7 +5,7 @@ do not change. Whatever the engine cannot take runs in PyTorch, with one warning
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -64,6 +64,7 @@ class _State:
         self.cuda_graphs = True  # accelerate's `cuda_graphs`
         self.setup_bytes = None  # resident size that exporting and building the runners added
         self._params: tuple = (-1, [])  # (registration count, module.parameters()) when listed
+        self.warned_autocast = False  # autocast_covered's warning was given
 
     def adopt(self, runner):
         """A new runner (or the exception that prevented it), given the loss scaler and, on CUDA,
@@ -129,7 +130,10 @@ class _State:
         # which tensors the graph binds (a layer replaced after accelerate() brings new ones) and
         # which of them train
         mask = tuple((id(p), p.requires_grad) for p in self.parameters())
-        base = (signature(args, kwargs), self.module.training, mask)
+        # a call under an autocast the session does not cover exports another graph (its casts)
+        kind = "cuda" if self.device == "cuda" else "cpu"
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        base = ((signature(args, kwargs), autocast), self.module.training, mask)
         fixed = base + (sizes(args, kwargs),)
         key = base if self.any_sizes.get(base, self.dynamic is True) else fixed
         if key not in self.runners:
@@ -190,11 +194,36 @@ class _State:
             raise OrtrainError(f"ortrain (strict): {type(self.module).__name__} cannot run in the engine: {exc}") from exc
         warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}")
 
+    def autocast_covered(self):
+        """A user's `torch.autocast` around the call. Of the session's own 16-bit type (bf16 with
+        precision="bf16", fp16 with "fp16"), it asks for what the session's matmuls already do:
+        the context returned turns it off for the export and the engine, which then run the
+        graph they run without it (f32 outputs). Any other is exported into the graph (its
+        casts), with one warning saying how to get the faster graph; nullcontext then."""
+        kind = "cuda" if self.device == "cuda" else "cpu"
+        if not torch.is_autocast_enabled(kind):
+            return nullcontext()
+        dtype = torch.get_autocast_dtype(kind)
+        if (self.precision, dtype) in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+            return torch.autocast(kind, enabled=False)
+        if not self.warned_autocast:
+            self.warned_autocast = True
+            name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+            faster = (f"ortrain.accelerate(model, optimizer, precision='{name}') without the autocast runs the same "
+                      f"matmul precision on the session's faster graph" if name else "")
+            warn(f"ortrain: {type(self.module).__name__} runs under torch.autocast({kind}, {str(dtype).replace('torch.', '')}): "
+                 f"its casts are exported into the engine graph" + (f"; {faster}" if faster else ""))
+        return nullcontext()
+
     def forward(self, *args, **kwargs):
+        self.calls += 1
+        with self.autocast_covered():
+            return self._forward(args, kwargs)
+
+    def _forward(self, args, kwargs):
         from ortrain.export import flat_tensors, unflatten_outputs
         from ortrain.engine.runner import Runner
 
-        self.calls += 1
         runner = self.runner_for(args, kwargs)
         if not isinstance(runner, Runner):
             with self.plain():
@@ -273,6 +302,10 @@ class _State:
 
     def run_now(self, call) -> torch.Tensor:
         """Runs a deferred call as a plain engine forward (PyTorch if the engine fails)."""
+        with self.autocast_covered():
+            return self._run_now(call)
+
+    def _run_now(self, call) -> torch.Tensor:
         from ortrain._ortrain import EngineError
 
         try:
@@ -290,6 +323,10 @@ class _State:
     def run_cross_entropy(self, call, slices, target, ignore_index: int, reduction: str):
         """The loss of a deferred call computed in the engine with the model (None: not possible,
         the caller computes it in PyTorch)."""
+        with self.autocast_covered():
+            return self._run_cross_entropy(call, slices, target, ignore_index, reduction)
+
+    def _run_cross_entropy(self, call, slices, target, ignore_index: int, reduction: str):
         from ortrain.engine.cross_entropy import CrossEntropyRunner
         from ortrain._ortrain import EngineError
 
