@@ -116,3 +116,28 @@ def test_ortrainer_train_step_is_the_step_boundary(shell, engine_api, capsys):
     assert abs(lb[0] - la[0]) <= 1e-5 * abs(lb[0]), (lb, la)
     for i in range(5):
         assert abs(lb[i] - la[i]) <= 1e-3 * abs(lb[i]), (i, lb, la)
+
+
+def test_accelerate_finds_a_ddp_model_and_accelerates_the_module_inside(shell, engine_api, capsys, tmp_path):
+    """`%ort accelerate` in a notebook whose model is wrapped in DistributedDataParallel (a
+    one-rank gloo group here): the wrapper is the model it picks (its module is a child), the
+    module inside is what runs in the engine, and DDP's forward still runs around it."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert shell.run_cell(SETUP).success
+        assert shell.run_cell("from torch.nn.parallel import DistributedDataParallel as DDP\nddp = DDP(model)").success
+        shell.run_cell("%ort accelerate")
+        out = capsys.readouterr().out
+        assert "ortrain: ddp (DistributedDataParallel, 1,640 parameters) runs in the engine on cpu" in out, out
+        inner = shell.user_ns["model"]
+        assert engine_api["is_accelerated"](shell.user_ns["ddp"]) and engine_api["is_accelerated"](inner)
+        assert "_ortrain_state" not in shell.user_ns["ddp"].__dict__
+        assert shell.run_cell(LOOP.format(n=3, extra="").replace("model(x)", "ddp(x)")).success
+        state = inner.__dict__["_ortrain_state"]
+        assert state.calls == state.engine_calls == 3
+        shell.run_cell("%ort off")
+        assert not engine_api["is_accelerated"](inner)
+    finally:
+        dist.destroy_process_group()
