@@ -131,9 +131,7 @@ class _State:
         # which of them train
         mask = tuple((id(p), p.requires_grad) for p in self.parameters())
         # a call under an autocast the session does not cover exports another graph (its casts)
-        kind = "cuda" if self.device == "cuda" else "cpu"
-        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        base = ((signature(args, kwargs), autocast), self.module.training, mask)
+        base = ((signature(args, kwargs), self._autocast_dtype()), self.module.training, mask)
         fixed = base + (sizes(args, kwargs),)
         key = base if self.any_sizes.get(base, self.dynamic is True) else fixed
         if key not in self.runners:
@@ -194,16 +192,22 @@ class _State:
             raise OrtrainError(f"ortrain (strict): {type(self.module).__name__} cannot run in the engine: {exc}") from exc
         warn(f"ortrain: {type(self.module).__name__} runs in PyTorch: {_first_line(exc)}")
 
+    def _autocast_dtype(self):
+        """The dtype of a `torch.autocast` enabled around this call for the session's device
+        type, or None."""
+        kind = "cuda" if self.device == "cuda" else "cpu"
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
     def autocast_covered(self):
         """A user's `torch.autocast` around the call. Of the session's own 16-bit type (bf16 with
         precision="bf16", fp16 with "fp16"), it asks for what the session's matmuls already do:
         the context returned turns it off for the export and the engine, which then run the
         graph they run without it (f32 outputs). Any other is exported into the graph (its
         casts), with one warning saying how to get the faster graph; nullcontext then."""
-        kind = "cuda" if self.device == "cuda" else "cpu"
-        if not torch.is_autocast_enabled(kind):
+        dtype = self._autocast_dtype()
+        if dtype is None:
             return nullcontext()
-        dtype = torch.get_autocast_dtype(kind)
+        kind = "cuda" if self.device == "cuda" else "cpu"
         if (self.precision, dtype) in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
             return torch.autocast(kind, enabled=False)
         if not self.warned_autocast:

@@ -98,18 +98,24 @@ class TrainerGroup:
 
     def broadcast(self, tensors) -> None:
         """Rank 0's values into every rank's `tensors` (the weights every rank starts from)."""
-        for bucket in _buckets([t.detach() for t in tensors]):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            self._dist.broadcast(flat, 0)
-            _scatter(flat, bucket)
+        _in_flat_buckets([t.detach() for t in tensors], lambda flat: self._dist.broadcast(flat, 0))
 
     def average(self, grads) -> None:
         """Every rank's `grads` become their mean over the ranks, in place."""
-        for bucket in _buckets([g for g in grads if g is not None]):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
+        def mean(flat):
             self._dist.all_reduce(flat)
             flat.div_(self.size)
-            _scatter(flat, bucket)
+
+        _in_flat_buckets([g for g in grads if g is not None], mean)
+
+
+def _in_flat_buckets(tensors, op) -> None:
+    """Applies the in-place collective `op` to `tensors` bucket by bucket: each bucket copied
+    into one flat tensor, `op` on it, the result copied back."""
+    for bucket in _buckets(tensors):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        op(flat)
+        _scatter(flat, bucket)
 
 
 def _buckets(tensors):

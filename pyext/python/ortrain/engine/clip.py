@@ -33,7 +33,7 @@ import weakref
 import torch
 
 from ortrain import _ortrain
-from ortrain.engine.cuda_device import engine_device
+from ortrain.engine.cuda_device import engine_device, stream
 from ortrain.engine.gpu_tables import device_tables
 
 _F32 = torch.float32
@@ -144,7 +144,7 @@ def _gpu_clip(grads: list, max_norm: float):
         with engine_device(device):
             _ortrain.cuda_clip_grad_norm(table.data_ptr(), chunk_tensor.data_ptr(), chunk_start.data_ptr(), chunks,
                                          float(max_norm), partial.data_ptr(), out.data_ptr(), out.data_ptr() + 4,
-                                         torch.cuda.current_stream(device).cuda_stream, device=device.index)
+                                         stream(device), device=device.index)
     except _ortrain.EngineError as exc:
         _GPU_CLIP_WORKS[0] = False
         from ortrain._warn import warn

@@ -100,15 +100,15 @@ class CudaStep:
         """The outputs as new CUDA tensors (copies queued on the stream), except bound ones."""
         outs = []
         device = self.runner.device
-        for k in range(self.runner.n_outputs):
-            if bound and k in bound:
-                outs.append(bound[k])
-                continue
-            addr, dt, shape = self.pending.output(k)
-            t = torch.empty(shape, dtype=torch_dtype(dt), device=device)
-            with engine_device(device):
+        with engine_device(device):
+            for k in range(self.runner.n_outputs):
+                if bound and k in bound:
+                    outs.append(bound[k])
+                    continue
+                addr, dt, shape = self.pending.output(k)
+                t = torch.empty(shape, dtype=torch_dtype(dt), device=device)
                 _ortrain.cuda_copy(t.data_ptr(), addr, t.numel() * t.element_size(), _stream(device), device=device.index)
-            outs.append(t)
+                outs.append(t)
         return outs
 
     def backward(self, seeds: list) -> list:

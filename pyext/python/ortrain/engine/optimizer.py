@@ -11,7 +11,7 @@ import torch
 from ortrain import _ortrain
 from ortrain._warn import warn
 from ortrain.engine import adam_plan
-from ortrain.engine.cuda_device import engine_device
+from ortrain.engine.cuda_device import engine_device, stream as device_stream
 from ortrain.engine.gpu_tables import device_tables
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -106,7 +106,7 @@ def gpu_adam_rows(opt, rows: list, steps: list, hyper: tuple, device: torch.devi
     over the descriptor table and chunk lists gpu_tables.py keeps per set of rows. Returns the
     indices of the rows it did not update: none, or (a launch failed: warned once, and the
     engine's GPU update is off for the process) those of that launch and the ones after it."""
-    stream = torch.cuda.current_stream(device).cuda_stream
+    stream = device_stream(device)
     cache = opt.__dict__.setdefault("_ortrain_gpu_chunks", {})  # rows -> gpu_tables.device_tables
     by_step: dict = {}
     for i, t in enumerate(steps):
