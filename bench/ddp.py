@@ -1,11 +1,13 @@
 """Data-parallel training, PyTorch eager vs torch.compile vs ortrain, in one torchrun run.
 
-    python -m bench.ddp [--ranks 2] [--threads 1] [--steps 30] [--warmup 5]
+    python -m bench.ddp [--ranks 2] [--threads 1] [--steps 30] [--warmup 5] [--wrap ddp|fsdp]
                         [--systems eager,compile,ortrain] [--workload tutorial] [--json PATH]
 
 Starts `--ranks` processes with torchrun (gloo, CPU; as Spark's TorchDistributor starts them
 in local mode), each with `--threads` threads. Every rank trains the workload (bench/workloads.py)
-with each system in turn, wrapped in DistributedDataParallel, from the same initial weights,
+with each system in turn, wrapped in DistributedDataParallel (`--wrap fsdp`: FSDP2's
+fully_shard on each transformer layer and on the model, the optimizer over the shards; ortrain
+accelerates the sharded model), from the same initial weights,
 rank r on batches r, r + ranks, r + 2 ranks, ... of the workload's stream, so that the ranks
 together train on what one process would. A step is the user's loop (zero_grad, forward + loss,
 backward with DDP's all-reduce, clip_grad_norm_ where the workload clips, optimizer.step(),
@@ -31,7 +33,35 @@ ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("eager", "compile", "ortrain")
 
 
-def _train(system: str, workload: str, steps: int, warmup: int) -> dict:
+#: the modules `--wrap fsdp` shards one by one (then the whole model): the workloads' layers
+_LAYERS = ("TransformerEncoderLayer", "GPT2Block", "BertLayer")
+
+
+def _wrap(model, optimizer, wrap: str):
+    """(the model DDP or FSDP2 trains, its optimizer)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for m in list(model.modules()):
+            if type(m).__name__ in _LAYERS:
+                fully_shard(m)
+        fully_shard(model)
+        # fully_shard made new (DTensor) parameters: the optimizer is made again over them
+        rebuilt = type(optimizer)(model.parameters(), **optimizer.defaults)
+        return model, rebuilt
+    with warnings.catch_warnings():
+        # torch 2.15 deprecates the flag, but its replacement still syncs buffers at init
+        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+        # broadcast_buffers=False: the tutorial model's `pe` buffer is a transposed view, which
+        # DDP's buffer broadcast cannot write into (eager DDP fails the same way); every rank
+        # builds the same buffers and weights from the workload's seed
+        return DDP(model, broadcast_buffers=False), optimizer
+
+
+def _train(system: str, workload: str, steps: int, warmup: int, wrap: str) -> dict:
     """One system's run on this rank: per-step times (seconds) and losses."""
     import torch
     import torch.distributed as dist
@@ -46,18 +76,19 @@ def _train(system: str, workload: str, steps: int, warmup: int) -> dict:
     model = job.model
     # bf16: autocast around forward + loss for eager and compile, precision="bf16" for ortrain
     autocast = contextlib.nullcontext if system == "ortrain" else bench_systems._autocast(w.precision)
-    # broadcast_buffers=False: the tutorial model's `pe` buffer is a transposed view, which DDP's
-    # buffer broadcast cannot write into (eager DDP fails the same way); every rank builds the
-    # same buffers and weights from the workload's seed
-    if system == "ortrain":
+    optimizer = job.optimizer
+    if system == "ortrain" and wrap == "ddp":
         import ortrain
 
         kwargs = {} if w.precision == "fp32" else {"precision": w.precision}
-        ortrain.accelerate(model, job.optimizer, strict=True, **kwargs)
-    with warnings.catch_warnings():
-        # torch 2.15 deprecates the flag, but its replacement still syncs buffers at init
-        warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-        model = DDP(model, broadcast_buffers=False)
+        ortrain.accelerate(model, optimizer, strict=True, **kwargs)
+    model, optimizer = _wrap(model, optimizer, wrap)
+    if system == "ortrain" and wrap == "fsdp":
+        import ortrain
+
+        kwargs = {} if w.precision == "fp32" else {"precision": w.precision}
+        # not strict: the optimizer's step over the DTensor shards stays in PyTorch
+        ortrain.accelerate(model, optimizer, **kwargs)
     if system == "compile":
         model = torch.compile(model)
     times, losses = [], []
@@ -65,13 +96,13 @@ def _train(system: str, workload: str, steps: int, warmup: int) -> dict:
         batch = job.batch(step * size + rank)
         dist.barrier()  # every rank starts the step together: its time is the step's, not a wait
         t0 = time.perf_counter()
-        job.optimizer.zero_grad()
+        optimizer.zero_grad()
         with autocast():
             loss = job.forward_loss(model, batch)
         loss.backward()
         if job.clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip)
-        job.optimizer.step()
+        optimizer.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
     tokens = sum(t.numel() for t in job.batch(0)[:1])
@@ -88,7 +119,7 @@ def _worker(args) -> None:
     out = {}
     for system in args.systems.split(","):
         try:
-            out[system] = _train(system, args.workload, args.steps, args.warmup)
+            out[system] = _train(system, args.workload, args.steps, args.warmup, args.wrap)
         except Exception as exc:  # noqa: BLE001 - reported in the table
             out[system] = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"}
         dist.barrier()
@@ -111,7 +142,8 @@ def _table(result: dict) -> str:
         per_step = [max(r[system]["times"][k] for r in ranks) for k in range(len(ranks[0][system]["times"]))]
         medians[system] = statistics.median(per_step)
         rows.append((system, ranks[0][system], None))
-    lines = [f"DistributedDataParallel, {len(ranks)} ranks x {args['threads']} thread(s), gloo; workload "
+    wrapper = "FSDP2 (fully_shard)" if args.get("wrap") == "fsdp" else "DistributedDataParallel"
+    lines = [f"{wrapper}, {len(ranks)} ranks x {args['threads']} thread(s), gloo; workload "
              f"{args['workload']}; median of {args['steps']} steps after {args['warmup']} warm-up",
              f"{'system':<10} {'ms/step':>9} {'tokens/s':>10} {'vs eager':>9} {'vs compile':>11} {'first step s':>13} "
              f"{'last loss':>10}"]
@@ -135,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--workload", default="tutorial")
+    p.add_argument("--wrap", choices=("ddp", "fsdp"), default="ddp",
+                   help="DistributedDataParallel, or FSDP2's fully_shard on each layer and the model")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -152,7 +186,7 @@ def main(argv=None) -> int:
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}",
            "-m", "bench.ddp", "--worker", "--threads", str(args.threads), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--systems", args.systems, "--workload", args.workload, "--json", args.json]
+           "--warmup", str(args.warmup), "--systems", args.systems, "--workload", args.workload, "--wrap", args.wrap, "--json", args.json]
     run = subprocess.run(cmd, env=env, cwd=ROOT)
     if run.returncode != 0:
         print(f"bench.ddp: torchrun failed ({run.returncode})", file=sys.stderr)

@@ -104,6 +104,96 @@ def _train(name, accelerated: bool) -> dict:
     return out
 
 
+#: FSDP2 scenarios: name -> (modules given to fully_shard before the model itself, optimizer,
+#: micro-batches per step, clip)
+FSDP_SCENARIOS = {
+    "fsdp_root": ((), "adamw", 1, 0.5),
+    "fsdp_layers": (("emb", "hidden", "head"), "sgd", 2, None),
+}
+
+
+def _train_fsdp(name, accelerated: bool) -> dict:
+    """fully_shard (FSDP2) around the model, then (`accelerated`) ortrain.accelerate on it:
+    the shards are gathered into whole parameters for the engine, the gradients reduce-scattered
+    back by FSDP. Ends with an inference call under no_grad."""
+    import ortrain
+    from torch.distributed.fsdp import fully_shard
+
+    layers, opt_kind, micro, clip = FSDP_SCENARIOS[name]
+    torch.manual_seed(300)  # FSDP2 shards the weights as they are: the same on every rank
+    model = TinyLM(unused_layer=False).to(DEVICE)
+    for layer in layers:
+        fully_shard(getattr(model, layer))
+    fully_shard(model)
+    opt = _optimizer(opt_kind, model.parameters())
+    if accelerated:
+        # not strict: the optimizer's step stays in PyTorch (its parameters are DTensor shards)
+        assert ortrain.accelerate(model, opt, device="cpu" if DEVICE == "cpu" else "cuda") is model
+    data = torch.Generator().manual_seed(9 + dist.get_rank())
+    losses, logits_read = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        for _ in range(micro):
+            x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
+            y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
+            logits = model(x)
+            loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1)) / micro
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        # the last call's output read after the step, as accuracy code does: the forward's values
+        # (ortrain replays the fused call from the parameters it kept before FSDP freed them)
+        logits_read.append(logits.detach().double().sum().item())
+    with torch.no_grad():
+        x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
+        inference = model(x).double().sum().item()
+    from torch.distributed.tensor import DTensor
+
+    # FSDP reshards the layers after an inference call (the root keeps its parameters gathered)
+    inner = [p for layer in layers for p in getattr(model, layer).parameters()]
+    whole = {k: v.full_tensor().double() for k, v in model.state_dict().items()}  # state_dict reshards
+    out = {"losses": losses, "logits_read": logits_read, "inference": inference, "layers_sharded": all(isinstance(p, DTensor) for p in inner),
+           "params": [v.sum().item() for v in whole.values()], "param_abs": [v.abs().sum().item() for v in whole.values()]}
+    if accelerated:
+        state = model.__dict__["_ortrain_state"]
+        out.update(engine_calls=state.engine_calls, calls=state.calls, fused_loss_calls=state.fused_loss_calls,
+                   is_accelerated=ortrain.is_accelerated(model), explain=ortrain.explain(model))
+        ortrain.deaccelerate(model)
+        out["after_deaccelerate"] = ortrain.is_accelerated(model)
+    return out
+
+
+def _refusals() -> dict:
+    """What strict accelerate() says of shards it cannot take: fully_shard on a layer but not on
+    the model, and a tensor-parallel layer (DTensor parameters without FSDP); and that without
+    strict both train in PyTorch."""
+    import ortrain
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh(torch.device(DEVICE).type, (dist.get_world_size(),))
+    layer_only = TinyLM(unused_layer=False).to(DEVICE)
+    fully_shard(layer_only.hidden)
+    parallel = parallelize_module(TinyLM(unused_layer=False).to(DEVICE), mesh, {"head": ColwiseParallel()})
+    x = torch.randint(0, VOCAB, (BATCH, SEQ)).to(DEVICE)
+    out = {}
+    for name, model in (("layer_only", layer_only), ("tensor_parallel", parallel)):
+        ortrain.accelerate(model, device="cpu" if DEVICE == "cpu" else "cuda", strict=True)
+        try:
+            model(x).sum().backward()
+            out[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            out[name] = str(exc)
+        ortrain.deaccelerate(model)
+        ortrain.accelerate(model, device="cpu" if DEVICE == "cpu" else "cuda")
+        model(x).sum().backward()
+        out[name + "_calls"] = [model.__dict__["_ortrain_state"].calls, model.__dict__["_ortrain_state"].engine_calls]
+    return out
+
+
 #: ORTTrainer scenarios: name -> (gradient_accumulation_steps, allreduce_post_accumulation)
 TRAINER_SCENARIOS = {
     "trainer_every_micro_batch": (2, False),
@@ -154,18 +244,27 @@ def _train_trainer(name: str, world: bool) -> dict:
 
 def main() -> None:
     out_dir = sys.argv[1]
-    names = sys.argv[2:] or list(SCENARIOS)
+    names = sys.argv[2:] or [*SCENARIOS, *FSDP_SCENARIOS]
     if DEVICE != "cpu":
         torch.cuda.set_device(torch.device(DEVICE))
     dist.init_process_group("gloo" if DEVICE == "cpu" else "nccl")
     results = {}
     for name in names:
+        train = _train_fsdp if name in FSDP_SCENARIOS else _train
         try:
-            results[name] = {"eager": _train(name, False), "ortrain": _train(name, True)}
+            results[name] = {"eager": train(name, False), "ortrain": train(name, True)}
         except Exception:  # noqa: BLE001 - reported by the test, scenario by scenario
             import traceback
 
             results[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    if not sys.argv[2:]:
+        try:
+            results["refusals"] = _refusals()
+        except Exception:  # noqa: BLE001
+            import traceback
+
+            results["refusals"] = {"error": traceback.format_exc()}
         dist.barrier()
     if not sys.argv[2:] and DEVICE == "cpu":
         for name in TRAINER_SCENARIOS:

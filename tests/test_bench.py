@@ -113,17 +113,21 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def test_ddp_bench_trains_each_system_on_two_ranks(tmp_path):
-    """`python -m bench.ddp` (torchrun, two gloo ranks): eager and ortrain rows with a time and a
-    loss each, ortrain without falling back (accelerate(strict=True) inside DDP), the raw times
-    of every rank in the JSON. No timing is asserted."""
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_ddp_bench_trains_each_system_on_two_ranks(tmp_path, wrap):
+    """`python -m bench.ddp` (torchrun, two gloo ranks), under DistributedDataParallel and under
+    FSDP2: eager and ortrain rows with a time and a loss each, ortrain without falling back
+    (accelerate(strict=True) inside DDP), the raw times of every rank in the JSON. No timing is
+    asserted."""
     out_json = tmp_path / "ddp.json"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "bench.ddp", "--steps", "2", "--warmup", "1", "--systems", "eager,ortrain",
-                           "--json", str(out_json)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                           "--wrap", wrap, "--json", str(out_json)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
     print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("FSDP2 (fully_shard)" if wrap == "fsdp" else "DistributedDataParallel"), proc.stdout
     rows = {line.split()[0]: line for line in proc.stdout.splitlines() if line.split()[:1] in (["eager"], ["ortrain"])}
     assert set(rows) == {"eager", "ortrain"}, proc.stdout
     for system, line in rows.items():

@@ -34,13 +34,17 @@ def ranks(tmp_path_factory):
     return _torchrun(tmp_path_factory.mktemp("ddp"), 2, "cpu")
 
 
-def _scenarios():
+def _worker():
     sys.path.insert(0, str(WORKER.parent))
     try:
-        from distributed_worker import SCENARIOS
+        import distributed_worker
     finally:
         sys.path.pop(0)
-    return list(SCENARIOS)
+    return distributed_worker
+
+
+def _scenarios(kind: str = "SCENARIOS") -> list:
+    return list(getattr(_worker(), kind))
 
 
 def _check_scenario(ranks: list, name: str, rel: float) -> None:
@@ -80,6 +84,55 @@ def test_ddp_on_cuda_trains_as_pytorch_ddp(tmp_path):
     ranks = _torchrun(tmp_path, min(2, torch.cuda.device_count()), "cuda")
     for name in _scenarios():
         _check_scenario(ranks, name, 1e-4)
+    for name in _scenarios("FSDP_SCENARIOS"):
+        _check_fsdp(ranks, name, 1e-4)
+
+
+def _check_fsdp(ranks: list, name: str, rel: float) -> None:
+    errors = [r["results"][name].get("error") for r in ranks]
+    assert not any(errors), "\n".join(e for e in errors if e)
+    eager = [r["results"][name]["eager"] for r in ranks]
+    ours = [r["results"][name]["ortrain"] for r in ranks]
+    if len(ranks) > 1:
+        # the whole weights (gathered from the shards) are the same on every rank, each rank
+        # trained on its own batches
+        assert ours[0]["params"] == ours[1]["params"] and ours[0]["param_abs"] == ours[1]["param_abs"]
+        assert ours[0]["losses"] != ours[1]["losses"]
+    for e, o in zip(eager, ours):
+        assert o["losses"] == pytest.approx(e["losses"], rel=rel)
+        assert o["params"] == pytest.approx(e["params"], rel=rel, abs=rel)
+        assert o["param_abs"] == pytest.approx(e["param_abs"], rel=rel)
+        assert o["inference"] == pytest.approx(e["inference"], rel=rel)
+        assert o["logits_read"] == pytest.approx(e["logits_read"], rel=rel)
+        # every call (training and the last one under no_grad) ran in the engine, every training
+        # loss fused into it (FSDP's backward hook on the lazy output ran at the loss), and the
+        # layers were resharded after the inference call as FSDP's own post-forward does
+        assert o["calls"] > 0 and o["engine_calls"] == o["calls"] and o["fused_loss_calls"] == o["calls"] - 1
+        assert e["layers_sharded"] and o["layers_sharded"]
+        assert o["is_accelerated"] and not o["after_deaccelerate"]
+        first, *rest = o["explain"].splitlines()
+        assert first.startswith("FSDPTinyLM:") and first.endswith("optimizer in PyTorch")
+        layers = len(_worker().FSDP_SCENARIOS[name][0])
+        assert f"FSDP2 (fully_shard on {1 + layers} module" in rest[0]
+
+
+@pytest.mark.parametrize("name", _scenarios("FSDP_SCENARIOS"))
+def test_fsdp2_model_trains_in_the_engine_as_pytorch_fsdp2(ranks, name):
+    """fully_shard on the model (and on its layers): the engine gathers the shards, runs the
+    step, FSDP reduce-scatters the gradients; losses, weights and an inference call as PyTorch
+    FSDP2's. Before, the engine's optimizer read the DTensor shards at address 0 (a segfault)
+    and the export failed on the DTensors (every call in PyTorch)."""
+    _check_fsdp(ranks, name, 1e-5)
+
+
+def test_shards_nothing_gathers_are_refused_by_name(ranks):
+    for r in ranks:
+        out = r["results"]["refusals"]
+        assert "error" not in out, out.get("error")
+        assert "fully_shard was applied to 'hidden' but not to TinyLM itself; apply it to the model too" in out["layer_only"]
+        assert "parameter 'head.weight' is a DTensor, a shard (tensor parallelism" in out["tensor_parallel"]
+        # without strict, the call runs in PyTorch
+        assert out["layer_only_calls"] == [1, 0] and out["tensor_parallel_calls"] == [1, 0]
 
 
 @pytest.mark.parametrize("name", ["trainer_every_micro_batch", "trainer_post_accumulation", "trainer_no_accumulation"])

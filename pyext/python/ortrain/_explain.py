@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ortrain.accelerate import _first_line
+from ortrain import fully_sharded
 
 
 def explain(model, *example_args, profile: bool = False, **example_kwargs) -> str:
@@ -38,6 +39,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     n_params = sum(p.numel() for p in model.parameters())
     lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
              f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"]
+    sharded = fully_sharded.describe(model)
+    if sharded:
+        lines.append("  " + sharded)
     if state.loss_scaler is not None:
         ls = state.loss_scaler.state()
         lines.append(f"  dynamic loss scale {ls['scale']:g}: {ls['skipped_steps']} of {ls['steps']} optimizer steps "

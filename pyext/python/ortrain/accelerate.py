@@ -9,6 +9,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from ortrain import fully_sharded
 from ortrain._warn import warn
 from ortrain.errors import OrtrainError
 
@@ -71,7 +72,8 @@ class _State:
         its graph cache (engine/cuda_graphs.py) while `cuda_graphs` is on."""
         if not isinstance(runner, Exception):
             runner.loss_scaler = self.loss_scaler
-            if not (self.cuda_graphs and getattr(runner, "on_cuda", False)):
+            # FSDP2 gathers the parameters into fresh memory every step: no graph replays them
+            if not (self.cuda_graphs and getattr(runner, "on_cuda", False)) or fully_sharded.is_sharded_root(self.module):
                 runner.graphs = None
             elif getattr(runner, "graphs", None) is None:
                 from ortrain.engine.cuda_graphs import GraphCache, enabled_by_environment
@@ -90,8 +92,9 @@ class _State:
             self.adopt(r)
 
     def parameters(self) -> list:
-        """module.parameters(), listed again only after a parameter or submodule was registered."""
-        if self._params[0] != _REGISTRATIONS[0]:
+        """module.parameters(), listed again only after a parameter or submodule was registered
+        (and at every call under FSDP2, which swaps shards and whole tensors without registering)."""
+        if self._params[0] != _REGISTRATIONS[0] or fully_sharded.is_sharded_root(self.module):
             self._params = (_REGISTRATIONS[0], list(self.module.parameters()))
         return self._params[1]
 
@@ -171,7 +174,8 @@ class _State:
         from ortrain.engine.runner import Runner
 
         try:
-            with self.plain():
+            fully_sharded.check_bindable(self.module)
+            with self.plain(), fully_sharded.hooks_off(self.module):
                 exported = export_cached(self.module, args, kwargs, training=self.module.training,
                                          exporter=self.exporter, dynamic=dynamic)
             return self.adopt(Runner(self.module, exported, self.precision, self.device))
@@ -228,6 +232,9 @@ class _State:
         from ortrain.export import flat_tensors, unflatten_outputs
         from ortrain.engine.runner import Runner
 
+        sharded = fully_sharded.is_sharded_root(self.module)
+        if sharded:
+            fully_sharded.gather(self.module)
         runner = self.runner_for(args, kwargs)
         if not isinstance(runner, Runner):
             with self.plain():
@@ -249,17 +256,23 @@ class _State:
             with self.plain():
                 return self.module.forward(*args, **kwargs)
         self.engine_calls += 1
+        if sharded and not (torch.is_grad_enabled() and runner.trainable_params):
+            fully_sharded.release(self.module)
         return unflatten_outputs(runner.exported.output_structure, outs)
 
 
     def _deferred(self, runner, flat, args, kwargs):
         """A LazyOutput where the loss may be fused into the engine graph: training with
         gradients, one float output, no buffers updated as a side effect, no DDP around the call
-        that needs the output's autograd graph (data_parallel.py)."""
+        that needs the output's autograd graph (data_parallel.py), no frozen parameter under
+        FSDP2."""
         from ortrain import data_parallel
 
-        if not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
-                and runner.n_user_outputs == 1 and not runner.buffer_outputs) or data_parallel.outputs_traced():
+        if (not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
+                 and runner.n_user_outputs == 1 and not runner.buffer_outputs) or data_parallel.outputs_traced()
+                or (runner.weights_may_be_freed and not all(p.requires_grad for p in self.parameters()))):
+            # FSDP2 frees frozen parameters too after the backward pass, and a later read of the
+            # logits replays the forward from a copy of the trainable ones only
             return None
         from ortrain.engine.lazy import Deferred, LazyOutput
 
@@ -358,6 +371,7 @@ class _State:
             warn(f"ortrain: the loss runs in PyTorch: {_first_line(exc)}")
             return None
         runner.last_inputs = [x.detach() for x in call.inputs] + [target.detach()]  # for explain()
+        call.move_backward_hooks(loss)
         call.fused_lazily()  # the logits are computed if and when they are read
         self.fused_loss_calls += 1
         return loss

@@ -35,6 +35,7 @@ import torch
 from ortrain import _ortrain
 from ortrain.engine.cuda_device import engine_device, stream
 from ortrain.engine.gpu_tables import device_tables
+from ortrain.engine.tensors import addressable
 
 _F32 = torch.float32
 _STRIDED = torch.strided
@@ -98,6 +99,8 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
             ours = True
         elif not why:
             why = "parameters of models that are not accelerated among them"
+        if not why and not addressable(g):
+            why = f"a {type(g).__name__} gradient (a shard: FSDP2, tensor parallelism)"
         if not why and not (g.dtype is _F32 and g.layout is _STRIDED and (g.is_cpu or g.is_cuda) and g.is_contiguous()):
             why = f"a {g.dtype} {g.layout} gradient on {g.device}, not a contiguous float32 one"
         d = g.get_device()

@@ -14,7 +14,7 @@ import torch
 from ortrain import _ortrain
 
 from .cuda_device import engine_device, stream as _stream
-from .tensors import engine_dtype, torch_dtype
+from .tensors import check_addressable, engine_dtype, torch_dtype
 
 
 def cuda_triple(t: torch.Tensor, what: str, device: torch.device) -> tuple:
@@ -23,6 +23,7 @@ def cuda_triple(t: torch.Tensor, what: str, device: torch.device) -> tuple:
         from ortrain.errors import UnsupportedError
 
         raise UnsupportedError(f"{what}: tensor on {t.device}; the model runs on {device}")
+    check_addressable(t, what)
     return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
 
 

@@ -22,6 +22,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from ortrain.fully_sharded import is_fsdp_hook
+
 from .function import EngineFunction, new_seed, run_inference
 
 #: fused calls whose logits were not computed yet and whose output is still referenced
@@ -44,7 +46,8 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
              torch.Tensor.__len__, torch.Tensor.is_contiguous,
              torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
-             torch.Tensor.is_sparse.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__}
+             torch.Tensor.is_sparse.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
+             torch.Tensor._base.__get__}
 
 
 class Deferred:
@@ -60,6 +63,37 @@ class Deferred:
         self.fused = False  # a fused loss ran on this call
         self.snapshot = None  # the trainable parameters as of the forward pass, once they changed
         self.value = None  # the materialised output (with autograd history)
+        self.backward_hooks: list = []  # FSDP's hooks on the output, for where its backward starts
+        # FSDP2 frees the whole parameters at the end of each backward pass: a copy for a replay
+        # of the logits is kept then, not at the optimizer step
+        self.sharded = runner.weights_may_be_freed
+
+    def add_backward_hook(self, hook):
+        """FSDP's pre-backward hook registered on the output (fully_sharded.py), kept without
+        computing the output: it goes on the tensor whose backward pass the output's stands for
+        (the fused loss, or the output once materialised). FSDP's hook returns the gradient it
+        is given, whatever its shape. Returns a handle whose remove() drops it."""
+        if self.value is not None:
+            return self.value.register_hook(hook)
+        self.backward_hooks.append(hook)
+        return _HookHandle(self.backward_hooks, hook)
+
+    def move_backward_hooks(self, tensor: torch.Tensor) -> None:
+        """The hooks kept so far now registered on `tensor`. Under FSDP2, `tensor`'s backward
+        pass also keeps a copy of the parameters for a later replay of the logits, at its end,
+        before FSDP's post-backward callback (queued after this one) frees them."""
+        if self.sharded and self.backward_hooks:
+            tensor.register_hook(self._keep_before_reshard)
+        for hook in self.backward_hooks:
+            tensor.register_hook(hook)
+        self.backward_hooks = []
+
+    def _keep_before_reshard(self, grad):
+        torch.autograd.Variable._execution_engine.queue_callback(self._keep_whole_parameters)
+
+    def _keep_whole_parameters(self):
+        if self in _AWAITING and self.fused_logits is None and self.snapshot is None and self._unchanged():
+            self.snapshot = self.runner.snapshot_params()
 
     def fused_lazily(self):
         """A fused loss ran without writing the logits: they are replayed if read."""
@@ -75,7 +109,7 @@ class Deferred:
         """Before an optimizer step: a copy of the parameters for a later replay of the logits.
         The engine's Adam/AdamW writes the copy in its own pass over the parameters (one read of
         them less); any other optimizer gets it copied here."""
-        if self.fused_logits is None and self.snapshot is None and self._unchanged():
+        if self.fused_logits is None and self.snapshot is None and self._unchanged() and not self.sharded:
             from . import optimizer as engine_optimizer
 
             in_step = optimizer is not None and engine_optimizer.step_keeps_copies(optimizer)
@@ -90,12 +124,12 @@ class Deferred:
         """The fused run's logits: the model's forward again, same inputs, dropout seed and
         parameter values (the copy kept before an optimizer step, where there was one)."""
         weights = None
-        if not self._unchanged():
-            if self.snapshot is None:
-                raise RuntimeError("ortrain: the model output of a fused cross-entropy call was read after the "
-                                   "parameters changed outside an optimizer step; read it before changing them, or "
-                                   "use ortrain.accelerate(..., fuse_loss=False)")
+        if self.snapshot is not None:
             weights = self.runner.addresses_with(self.snapshot)
+        elif not self._unchanged():
+            raise RuntimeError("ortrain: the model output of a fused cross-entropy call was read after the "
+                               "parameters changed outside an optimizer step; read it before changing them, or "
+                               "use ortrain.accelerate(..., fuse_loss=False)")
         inputs = [x.detach().contiguous() for x in self.inputs]
         (logits,) = run_inference(self.runner, inputs, seed=self.seed, weights=weights)
         self.snapshot = None
@@ -110,6 +144,8 @@ class Deferred:
                 self.value = _Replay.apply(self, self.fused_logits, *self.runner.trainable_params)
             else:
                 self.value = self.state.run_now(self)
+            if self.value.requires_grad:
+                self.move_backward_hooks(self.value)
         return self.value
 
     def replay_backward(self, grad: torch.Tensor):
@@ -121,6 +157,15 @@ class Deferred:
         with torch.enable_grad():
             (out,) = self.runner(self.inputs, True, seed=self.seed)
             torch.autograd.backward(out, grad)
+
+
+class _HookHandle:
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self):
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 class _Replay(torch.autograd.Function):
@@ -178,6 +223,8 @@ class LazyOutput(torch.Tensor):
             sliced = _lazy_slice(args[0], args[1])
             if sliced is not None:
                 return sliced
+        if func is torch.Tensor.register_hook and isinstance(args[0], LazyOutput) and is_fsdp_hook(args[1]):
+            return args[0]._call.add_backward_hook(args[1])
         if func is F.cross_entropy:
             loss = _fused_cross_entropy(*args, **kwargs)
             if loss is not None:

@@ -13,6 +13,7 @@ from ortrain._warn import warn
 from ortrain.engine import adam_plan
 from ortrain.engine.cuda_device import engine_device, stream as device_stream
 from ortrain.engine.gpu_tables import device_tables
+from ortrain.engine.tensors import addressable
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -43,8 +44,8 @@ def drop_stale_copies() -> None:
 
 def _engine_ok(p: torch.Tensor) -> bool:
     g = p.grad
-    return (p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and g is not None
-            and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
+    return (g is not None and addressable(p) and addressable(g) and p.device.type == "cpu" and p.dtype == torch.float32
+            and p.is_contiguous() and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
 #: Adam options whose update only PyTorch has: amsgrad (a third state the engine lacks),
@@ -86,8 +87,8 @@ def _gpu_ok(p: torch.Tensor) -> bool:
     """An f32 parameter with a dense f32 gradient on its GPU, while the engine's GPU update works
     in this process and the engine's CUDA runtime works on that GPU."""
     g = p.grad
-    if not (_GPU_UPDATE_WORKS[0] and p.is_cuda and p.dtype == torch.float32 and p.is_contiguous() and g is not None and not g.is_sparse
-            and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
+    if not (_GPU_UPDATE_WORKS[0] and g is not None and addressable(p) and addressable(g) and p.is_cuda
+            and p.dtype == torch.float32 and p.is_contiguous() and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
         return False
     from ortrain.cuda import cuda_available
 
@@ -316,6 +317,16 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
     if not isinstance(opt, _SUPPORTED) or type(opt) not in _SUPPORTED:
         msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch (the engine has "
                "Adam, AdamW and SGD); gradients still land in each parameter's .grad")
+        if strict:
+            from ortrain.errors import UnsupportedError
+            raise UnsupportedError(msg)
+        warn(msg)
+        return False
+    shard = next((p for g in opt.param_groups for p in g["params"] if not addressable(p)), None)
+    if shard is not None:
+        msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch: its parameters are "
+               f"{type(shard).__name__}s (shards of FSDP2's fully_shard or of tensor parallelism), which the "
+               "engine's update does not take")
         if strict:
             from ortrain.errors import UnsupportedError
             raise UnsupportedError(msg)

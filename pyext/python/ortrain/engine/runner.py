@@ -9,14 +9,16 @@ import sys
 import onnx
 import torch
 
-from ortrain import _ortrain
-from ortrain.errors import UnsupportedError
+from ortrain import _ortrain, fully_sharded
+from ortrain.errors import OrtrainError, UnsupportedError
 from ortrain.export.graph import strip_bound_weights
+
+from ortrain import fully_sharded
 
 from . import malloc
 from .cuda_device import model_gpu
 from .function import EngineFunction, run_inference
-from .tensors import engine_dtype
+from .tensors import check_addressable, engine_dtype
 
 
 def _with_buffer_outputs(exported) -> tuple[bytes, list]:
@@ -98,6 +100,7 @@ class Runner:
             if t is None:
                 raise UnsupportedError(f"initializer '{onnx_name}' maps to '{key}', which the module does not have")
             engine_dtype(t, f"parameter '{key}'")
+            check_addressable(t, f"parameter '{key}'")
             if t.device != self.device:
                 if t.device.type == "cuda" and not self.on_cuda:
                     raise UnsupportedError(f"parameter '{key}' is on {t.device}: pass device='cuda' to ortrain.accelerate")
@@ -119,6 +122,10 @@ class Runner:
                                         device="cuda" if self.on_cuda else "cpu")
         self.seeded = self.session.seeded
         self.weights = tensors
+        self.weight_keys = list(exported.param_map.values())
+        # FSDP2 frees the gathered parameters after each backward pass (fully_sharded.py): their
+        # memory is checked before the engine reads it
+        self.weights_may_be_freed = fully_sharded.is_sharded_root(module)
         self.trainable = trainable
         self.has_grad = self.session.has_grad
         self.input_names = list(exported.input_names)
@@ -133,7 +140,15 @@ class Runner:
         self.graphs = None  # CUDA: the graph cache (engine/cuda_graphs.py), set by accelerate
 
     def weight_addresses(self) -> list:
+        if self.weights_may_be_freed:
+            self._check_not_freed(self.weights)
         return [t.data_ptr() for t in self.weights]
+
+    def _check_not_freed(self, tensors) -> None:
+        for t, key in zip(tensors, self.weight_keys):
+            if t is not None and t.numel() and t.untyped_storage().size() == 0:
+                raise OrtrainError(f"ortrain: parameter '{key}' has no memory now: FSDP2 freed the whole parameter "
+                                   "after the backward pass, and gathers it again at the model's next call")
 
     def snapshot_params(self, copy: bool = True) -> list:
         """Copies of the trainable parameters (in `trainable_params` order), in memory reused
@@ -155,6 +170,8 @@ class Runner:
 
     def addresses_with(self, snapshot: list) -> list:
         """weight_addresses() with the trainable parameters read from `snapshot`."""
+        if self.weights_may_be_freed:
+            self._check_not_freed([None if tr else t for t, tr in zip(self.weights, self.trainable)])
         it = iter(snapshot)
         return [next(it).data_ptr() if tr else t.data_ptr() for t, tr in zip(self.weights, self.trainable)]
 

@@ -26,6 +26,23 @@ def engine_dtype(t: torch.Tensor, what: str) -> str:
         raise UnsupportedError(f"{what}: element type {t.dtype} is not supported by the engine yet") from None
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def addressable(t: torch.Tensor) -> bool:
+    """Whether `t.data_ptr()` is where its elements are: not a wrapper tensor subclass (a
+    DTensor, the shards FSDP2's fully_shard and tensor parallelism make parameters of), whose
+    data_ptr() is 0 and whose elements live in tensors it holds."""
+    return type(t).__torch_dispatch__ is _PLAIN_DISPATCH
+
+
+def check_addressable(t: torch.Tensor, what: str) -> None:
+    if not addressable(t):
+        raise UnsupportedError(f"{what} is a {type(t).__name__}, a tensor subclass whose elements are not at its "
+                               "address (a DTensor is a shard of a tensor spread over processes); the engine "
+                               "reads plain tensors")
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return _TO_TORCH[name]
 
@@ -36,6 +53,7 @@ def triple(t: torch.Tensor, what: str) -> tuple:
         raise UnsupportedError(f"{what}: tensor on {t.device}; the engine's CPU backend needs CPU tensors")
     if not t.is_contiguous():
         raise UnsupportedError(f"{what}: tensor is not contiguous")
+    check_addressable(t, what)
     return (t.data_ptr(), engine_dtype(t, what), list(t.shape))
 
 
