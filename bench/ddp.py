@@ -87,8 +87,7 @@ def _train(system: str, workload: str, steps: int, warmup: int, wrap: str) -> di
         import ortrain
 
         kwargs = {} if w.precision == "fp32" else {"precision": w.precision}
-        # not strict: the optimizer's step over the DTensor shards stays in PyTorch
-        ortrain.accelerate(model, optimizer, **kwargs)
+        ortrain.accelerate(model, optimizer, strict=True, **kwargs)
     if system == "compile":
         model = torch.compile(model)
     times, losses = [], []

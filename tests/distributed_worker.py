@@ -127,8 +127,7 @@ def _train_fsdp(name, accelerated: bool) -> dict:
     fully_shard(model)
     opt = _optimizer(opt_kind, model.parameters())
     if accelerated:
-        # not strict: the optimizer's step stays in PyTorch (its parameters are DTensor shards)
-        assert ortrain.accelerate(model, opt, device="cpu" if DEVICE == "cpu" else "cuda") is model
+        assert ortrain.accelerate(model, opt, device="cpu" if DEVICE == "cpu" else "cuda", strict=True) is model
     data = torch.Generator().manual_seed(9 + dist.get_rank())
     losses, logits_read = [], []
     for _ in range(STEPS):

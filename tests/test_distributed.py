@@ -111,9 +111,9 @@ def _check_fsdp(ranks: list, name: str, rel: float) -> None:
         assert e["layers_sharded"] and o["layers_sharded"]
         assert o["is_accelerated"] and not o["after_deaccelerate"]
         first, *rest = o["explain"].splitlines()
-        assert first.startswith("FSDPTinyLM:") and first.endswith("optimizer in PyTorch")
+        assert first.startswith("FSDPTinyLM:") and first.endswith("optimizer in the engine")
         layers = len(_worker().FSDP_SCENARIOS[name][0])
-        assert f"FSDP2 (fully_shard on {1 + layers} module" in rest[0]
+        assert f"FSDP2 (fully_shard on {1 + layers} module" in rest[0] and "the engine steps each rank's shards" in rest[0]
 
 
 @pytest.mark.parametrize("name", _scenarios("FSDP_SCENARIOS"))

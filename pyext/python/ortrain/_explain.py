@@ -24,6 +24,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
         return f"{type(model).__name__}: not accelerated"
     from ortrain._memory import peak_summary
     from ortrain.engine.cuda_graphs import describe_graphs
+    from ortrain.engine.optimizer import describe_last_step
     from ortrain.engine.runner import Runner
 
     if (example_args or example_kwargs) and not _holds_tensor((example_args, example_kwargs)):
@@ -38,8 +39,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
 
     n_params = sum(p.numel() for p in model.parameters())
     lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
-             f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"]
-    sharded = fully_sharded.describe(model)
+             f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"
+             + (describe_last_step(state.optimizer) if state.optimizer_in_engine else "")]
+    sharded = fully_sharded.describe(model, state.optimizer_in_engine)
     if sharded:
         lines.append("  " + sharded)
     if state.loss_scaler is not None:

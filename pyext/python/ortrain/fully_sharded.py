@@ -14,7 +14,8 @@ output, engine/lazy.py, FSDP's hook runs where the backward pass starts: at the 
 and after the backward pass reduce-scatter and reshard every group (FSDP's post-backward callback covers
 groups whose modules did not run forward). The whole model is gathered from the forward pass to
 the end of the backward pass (the memory of `reshard_after_forward=False`); gradients and
-optimizer state stay sharded. The export runs with FSDP's forward and state_dict hooks taken off
+optimizer state stay sharded, and the engine's optimizer updates each rank's shards
+(engine/optimizer.py: the update is elementwise). The export runs with FSDP's forward and state_dict hooks taken off
 the modules, so tracing sees plain tensors and starts no collective."""
 from __future__ import annotations
 
@@ -81,14 +82,15 @@ def release(module: torch.nn.Module) -> None:
         m.reshard()
 
 
-def describe(module: torch.nn.Module) -> str | None:
+def describe(module: torch.nn.Module, optimizer_in_engine: bool) -> str | None:
     """explain()'s line for a model under fully_shard, else None."""
     if not is_sharded_root(module):
         return None
     n = 1 + len(_inner(module))
+    step = "the engine steps each rank's shards" if optimizer_in_engine else "the optimizer's step runs in PyTorch"
     return (f"FSDP2 (fully_shard on {n} module{'s' if n > 1 else ''}): the parameters are gathered whole for each "
-            "engine forward and kept until its backward pass ends; FSDP reduce-scatters the gradients into the "
-            "shards, whose optimizer step runs in PyTorch")
+            f"engine forward and kept until its backward pass ends; FSDP reduce-scatters the gradients into the "
+            f"shards, and {step}")
 
 
 def is_fsdp_hook(hook) -> bool:

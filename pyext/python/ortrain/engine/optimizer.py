@@ -13,7 +13,7 @@ from ortrain._warn import warn
 from ortrain.engine import adam_plan
 from ortrain.engine.cuda_device import engine_device, stream as device_stream
 from ortrain.engine.gpu_tables import device_tables
-from ortrain.engine.tensors import addressable
+from ortrain.engine.tensors import addressable, local_part
 
 _SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -42,10 +42,26 @@ def drop_stale_copies() -> None:
     _DEFERRED.clear()
 
 
-def _engine_ok(p: torch.Tensor) -> bool:
+def _parts(p: torch.Tensor) -> tuple:
+    """(p, its gradient) as the plain tensors the update reads and writes (a DTensor's local
+    shards, engine/tensors.py `local_part`), or (None, None) where they are not such a pair."""
     g = p.grad
-    return (g is not None and addressable(p) and addressable(g) and p.device.type == "cpu" and p.dtype == torch.float32
-            and p.is_contiguous() and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
+    if g is None:
+        return None, None
+    if addressable(p) and addressable(g):
+        return p, g
+    if addressable(p) or addressable(g) or getattr(p, "placements", None) != getattr(g, "placements", None):
+        return None, None
+    lp, lg = local_part(p), local_part(g)
+    if lp is None or lg is None or lp.shape != lg.shape:
+        return None, None
+    return lp, lg
+
+
+def _engine_ok(p: torch.Tensor) -> bool:
+    p, g = _parts(p)
+    return (g is not None and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and not g.is_sparse
+            and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
 #: Adam options whose update only PyTorch has: amsgrad (a third state the engine lacks),
@@ -78,6 +94,12 @@ def _state_tensors_ok(p: torch.Tensor, state: dict, moments: tuple) -> bool:
         if not (isinstance(t, torch.Tensor) and t.device == p.device and t.dtype == torch.float32
                 and t.shape == p.shape and t.is_contiguous() and not t.is_sparse):
             return False
+        # a DTensor parameter's state: shards laid out as the parameter's (FSDP2), whole otherwise
+        if getattr(t, "placements", None) != getattr(p, "placements", None):
+            return False
+        part = local_part(t)
+        if part is None or part.shape != local_part(p).shape or not part.is_contiguous():
+            return False
     step = state.get("step")
     return step is None or (isinstance(step, torch.Tensor) and step.device.type == "cpu"
                             and step.dtype == torch.float32 and step.numel() == 1)
@@ -86,8 +108,8 @@ def _state_tensors_ok(p: torch.Tensor, state: dict, moments: tuple) -> bool:
 def _gpu_ok(p: torch.Tensor) -> bool:
     """An f32 parameter with a dense f32 gradient on its GPU, while the engine's GPU update works
     in this process and the engine's CUDA runtime works on that GPU."""
-    g = p.grad
-    if not (_GPU_UPDATE_WORKS[0] and g is not None and addressable(p) and addressable(g) and p.is_cuda
+    p, g = _parts(p)
+    if not (_GPU_UPDATE_WORKS[0] and g is not None and p.is_cuda
             and p.dtype == torch.float32 and p.is_contiguous() and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
         return False
     from ortrain.cuda import cuda_available
@@ -144,7 +166,8 @@ def _gpu_adam(opt, todo: list, hyper: tuple) -> list:
         by_device.setdefault(t[0].device, []).append(t)
     left = []
     for device, part in by_device.items():
-        rows = [(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel()) for p, g, m, v, _ in part]
+        rows = [(lp.data_ptr(), lg.data_ptr(), local_part(m).data_ptr(), local_part(v).data_ptr(), lp.numel())
+                for lp, lg, m, v in ((*_parts(p), m, v) for p, _, m, v, _ in part)]
         left += [part[i][0] for i in gpu_adam_rows(opt, rows, [t[4] for t in part], hyper, device)]
     if left:
         torch._foreach_sub_([opt.state[p]["step"] for p in left], 1)
@@ -200,8 +223,8 @@ def _adam_group(opt, group, created: list, keep: dict) -> tuple:
     if counts:
         torch._foreach_add_(counts, 1)
     steps = [int(c.item()) for c in counts]
-    todo = [(p.data_ptr(), p.grad.data_ptr(), st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), p.numel(), t)
-            for p, st, t in zip(cpu, states, steps)]
+    todo = [(lp.data_ptr(), lg.data_ptr(), local_part(st["exp_avg"]).data_ptr(), local_part(st["exp_avg_sq"]).data_ptr(),
+             lp.numel(), t) for (lp, lg), st, t in zip(map(_parts, cpu), states, steps)]
     gpu_todo = [(p, p.grad, st["exp_avg"], st["exp_avg_sq"], t)
                 for p, st, t in zip(gpu, states[len(cpu):], steps[len(cpu):])]
     return todo, fresh, keeps, kept, rest, gpu_todo
@@ -250,7 +273,8 @@ def _engine_step(self, closure=None):
                     # every parameter updated, all on one device
                     gpus = {t[0].device for t in gpu}
                     if (not left and not (todo and gpu) and len(gpus) <= 1
-                            and len(todo) + len(gpu) == len(group["params"])):
+                            and len(todo) + len(gpu) == len(group["params"])
+                            and all(addressable(p) for p in group["params"])):
                         adam_plan.remember(self, index, -1 if todo else gpus.pop().index)
                 except BaseException:
                     for moment in created:  # never leave uninitialised moments behind
@@ -264,10 +288,21 @@ def _engine_step(self, closure=None):
                 c.copy_(p)
     # the engine wrote the parameters through their addresses: bump their autograd versions as an
     # in-place torch update would, so that stale saved tensors are detected like in PyTorch
-    torch.autograd.graph.increment_version([p for g in self.param_groups for p in g["params"] if p.grad is not None])
+    stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+    torch.autograd.graph.increment_version(stepped)
+    # (parameters the engine updated, parameters updated) in this step, for explain()
+    self.__dict__["_ortrain_last_step"] = (len(stepped) - len(leftovers), len(stepped))
     if leftovers:
         _torch_step_for(self, leftovers)
     return loss
+
+
+def describe_last_step(opt) -> str:
+    """Empty where the engine updated every parameter of the optimizer's last step, else how many."""
+    done, total = getattr(opt, "__dict__", {}).get("_ortrain_last_step", (0, 0))
+    if done == total:
+        return ""
+    return f" ({done} of {total} parameters in its last step, the others in PyTorch)"
 
 
 def _sgd_group(opt, group) -> list:
@@ -290,8 +325,9 @@ def _sgd_group(opt, group) -> list:
                 buf = torch.empty_like(p)
                 state["momentum_buffer"] = buf
                 first = True
-            buf_addr = buf.data_ptr()
-        todo.append((p.data_ptr(), p.grad.data_ptr(), buf_addr, p.numel(), first))
+            buf_addr = local_part(buf).data_ptr()
+        lp, lg = _parts(p)
+        todo.append((lp.data_ptr(), lg.data_ptr(), buf_addr, lp.numel(), first))
     _ortrain.sgd_step(todo, float(group["lr"]), momentum, float(group["dampening"]),
                       float(group["weight_decay"]), bool(group["nesterov"]), bool(group.get("maximize", False)))
     return rest
@@ -322,11 +358,10 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
             raise UnsupportedError(msg)
         warn(msg)
         return False
-    shard = next((p for g in opt.param_groups for p in g["params"] if not addressable(p)), None)
+    shard = next((p for g in opt.param_groups for p in g["params"] if local_part(p) is None), None)
     if shard is not None:
         msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch: its parameters are "
-               f"{type(shard).__name__}s (shards of FSDP2's fully_shard or of tensor parallelism), which the "
-               "engine's update does not take")
+               f"{type(shard).__name__}s, a tensor subclass whose elements the engine's update cannot reach")
         if strict:
             from ortrain.errors import UnsupportedError
             raise UnsupportedError(msg)

@@ -36,6 +36,20 @@ def addressable(t: torch.Tensor) -> bool:
     return type(t).__torch_dispatch__ is _PLAIN_DISPATCH
 
 
+def local_part(t: torch.Tensor):
+    """The plain tensor holding the elements of `t` this process has: `t` itself, or a
+    DTensor's local shard (FSDP2 shards a parameter, its gradient and its optimizer state alike,
+    so an elementwise update of the whole is the same update of each process's shards); None
+    for another wrapper subclass."""
+    if addressable(t):
+        return t
+    to_local = getattr(t, "to_local", None)
+    if to_local is None:
+        return None
+    part = to_local()
+    return part if addressable(part) else None
+
+
 def check_addressable(t: torch.Tensor, what: str) -> None:
     if not addressable(t):
         raise UnsupportedError(f"{what} is a {type(t).__name__}, a tensor subclass whose elements are not at its "
