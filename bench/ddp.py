@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import statistics
@@ -50,7 +51,8 @@ def _wrap(model, optimizer, wrap: str):
                 fully_shard(m)
         fully_shard(model)
         # fully_shard made new (DTensor) parameters: the optimizer is made again over them
-        rebuilt = type(optimizer)(model.parameters(), **optimizer.defaults)
+        accepted = inspect.signature(type(optimizer)).parameters
+        rebuilt = type(optimizer)(model.parameters(), **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         return model, rebuilt
     with warnings.catch_warnings():
         # torch 2.15 deprecates the flag, but its replacement still syncs buffers at init

@@ -105,10 +105,13 @@ def _train(name, accelerated: bool) -> dict:
 
 
 #: FSDP2 scenarios: name -> (modules given to fully_shard before the model itself, optimizer,
-#: micro-batches per step, clip)
+#: micro-batches per step, clip, gradients reduced after the last micro-batch only, the
+#: parameters' dtype in forward and backward: MixedPrecisionPolicy's param_dtype)
 FSDP_SCENARIOS = {
-    "fsdp_root": ((), "adamw", 1, 0.5),
-    "fsdp_layers": (("emb", "hidden", "head"), "sgd", 2, None),
+    "fsdp_root": ((), "adamw", 1, 0.5, False, None),
+    "fsdp_layers": (("emb", "hidden", "head"), "sgd", 2, None, False, None),
+    "fsdp_accumulate_unsynced": (("hidden", "head"), "adamw", 2, 0.5, True, None),
+    "fsdp_bf16_parameters": (("hidden",), "adamw", 1, None, False, torch.bfloat16),
 }
 
 
@@ -117,24 +120,27 @@ def _train_fsdp(name, accelerated: bool) -> dict:
     the shards are gathered into whole parameters for the engine, the gradients reduce-scattered
     back by FSDP. Ends with an inference call under no_grad."""
     import ortrain
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    layers, opt_kind, micro, clip = FSDP_SCENARIOS[name]
+    layers, opt_kind, micro, clip, unsynced, param_dtype = FSDP_SCENARIOS[name]
     torch.manual_seed(300)  # FSDP2 shards the weights as they are: the same on every rank
     model = TinyLM(unused_layer=False).to(DEVICE)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in layers:
-        fully_shard(getattr(model, layer))
-    fully_shard(model)
+        fully_shard(getattr(model, layer), mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
     opt = _optimizer(opt_kind, model.parameters())
     if accelerated:
         assert ortrain.accelerate(model, opt, device="cpu" if DEVICE == "cpu" else "cuda", strict=True) is model
     data = torch.Generator().manual_seed(9 + dist.get_rank())
-    losses, logits_read = [], []
+    losses, logits_read, logits_abs = [], [], []
     for _ in range(STEPS):
         opt.zero_grad()
-        for _ in range(micro):
+        for k in range(micro):
             x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
             y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
+            if unsynced:  # FSDP2's no_sync: the gradients stay whole until the last micro-batch
+                model.set_requires_gradient_sync(k == micro - 1)
             logits = model(x)
             loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1)) / micro
             loss.backward()
@@ -144,16 +150,19 @@ def _train_fsdp(name, accelerated: bool) -> dict:
         opt.step()
         # the last call's output read after the step, as accuracy code does: the forward's values
         # (ortrain replays the fused call from the parameters it kept before FSDP freed them)
-        logits_read.append(logits.detach().double().sum().item())
+        read = logits.detach().double()
+        logits_read.append(read.sum().item())
+        logits_abs.append(read.abs().sum().item())
     with torch.no_grad():
         x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
-        inference = model(x).double().sum().item()
+        inference = model(x).double()
     from torch.distributed.tensor import DTensor
 
     # FSDP reshards the layers after an inference call (the root keeps its parameters gathered)
     inner = [p for layer in layers for p in getattr(model, layer).parameters()]
     whole = {k: v.full_tensor().double() for k, v in model.state_dict().items()}  # state_dict reshards
-    out = {"losses": losses, "logits_read": logits_read, "inference": inference, "layers_sharded": all(isinstance(p, DTensor) for p in inner),
+    out = {"losses": losses, "logits_read": logits_read, "logits_abs": logits_abs,
+           "inference": inference.sum().item(), "inference_abs": inference.abs().sum().item(), "layers_sharded": all(isinstance(p, DTensor) for p in inner),
            "params": [v.sum().item() for v in whole.values()], "param_abs": [v.abs().sum().item() for v in whole.values()]}
     if accelerated:
         state = model.__dict__["_ortrain_state"]

@@ -47,22 +47,29 @@ def _scenarios(kind: str = "SCENARIOS") -> list:
     return list(getattr(_worker(), kind))
 
 
-def _check_scenario(ranks: list, name: str, rel: float) -> None:
+def _as_pytorch(ranks: list, name: str, rel: float) -> list:
+    """(eager, ortrain) results of each rank for scenario `name`, after checking what holds for
+    every scenario: no error, the same whole weights on every rank (gradients averaged) after
+    training on its own batches, losses and weights within `rel` of PyTorch's, and every call in
+    the engine."""
     errors = [r["results"][name].get("error") for r in ranks]
     assert not any(errors), "\n".join(e for e in errors if e)
     eager = [r["results"][name]["eager"] for r in ranks]
     ours = [r["results"][name]["ortrain"] for r in ranks]
     if len(ranks) > 1:
-        # every rank ends with the same weights: the gradients were all-reduced
         assert ours[0]["params"] == ours[1]["params"] and ours[0]["param_abs"] == ours[1]["param_abs"]
-        # each rank trained on its own batches
         assert ours[0]["losses"] != ours[1]["losses"]
     for e, o in zip(eager, ours):
         assert o["losses"] == pytest.approx(e["losses"], rel=rel)
         assert o["params"] == pytest.approx(e["params"], rel=rel, abs=rel)
         assert o["param_abs"] == pytest.approx(e["param_abs"], rel=rel)
-        # the whole model ran in the engine, and the wrapper is seen as accelerated
         assert o["calls"] > 0 and o["engine_calls"] == o["calls"]
+    return list(zip(eager, ours))
+
+
+def _check_scenario(ranks: list, name: str, rel: float) -> None:
+    for _, o in _as_pytorch(ranks, name, rel):
+        # the wrapper is seen as accelerated
         assert o["is_accelerated"] and not o["after_deaccelerate"]
         assert o["explain"].startswith("TinyLM")
         # the loss joins the engine graph unless DDP needs the output's autograd graph
@@ -89,25 +96,17 @@ def test_ddp_on_cuda_trains_as_pytorch_ddp(tmp_path):
 
 
 def _check_fsdp(ranks: list, name: str, rel: float) -> None:
-    errors = [r["results"][name].get("error") for r in ranks]
-    assert not any(errors), "\n".join(e for e in errors if e)
-    eager = [r["results"][name]["eager"] for r in ranks]
-    ours = [r["results"][name]["ortrain"] for r in ranks]
-    if len(ranks) > 1:
-        # the whole weights (gathered from the shards) are the same on every rank, each rank
-        # trained on its own batches
-        assert ours[0]["params"] == ours[1]["params"] and ours[0]["param_abs"] == ours[1]["param_abs"]
-        assert ours[0]["losses"] != ours[1]["losses"]
-    for e, o in zip(eager, ours):
-        assert o["losses"] == pytest.approx(e["losses"], rel=rel)
-        assert o["params"] == pytest.approx(e["params"], rel=rel, abs=rel)
-        assert o["param_abs"] == pytest.approx(e["param_abs"], rel=rel)
-        assert o["inference"] == pytest.approx(e["inference"], rel=rel)
-        assert o["logits_read"] == pytest.approx(e["logits_read"], rel=rel)
-        # every call (training and the last one under no_grad) ran in the engine, every training
-        # loss fused into it (FSDP's backward hook on the lazy output ran at the loss), and the
-        # layers were resharded after the inference call as FSDP's own post-forward does
-        assert o["calls"] > 0 and o["engine_calls"] == o["calls"] and o["fused_loss_calls"] == o["calls"] - 1
+    for e, o in _as_pytorch(ranks, name, rel):  # the weights there: gathered from the shards
+        # sums of logits of either sign: within `rel` of the sum of their sizes
+        assert o["inference_abs"] == pytest.approx(e["inference_abs"], rel=rel)
+        assert o["inference"] == pytest.approx(e["inference"], abs=rel * e["inference_abs"])
+        assert o["logits_abs"] == pytest.approx(e["logits_abs"], rel=rel)
+        for got, want, size in zip(o["logits_read"], e["logits_read"], e["logits_abs"]):
+            assert got == pytest.approx(want, abs=rel * size)
+        # every training loss fused into the engine (FSDP's backward hook on the lazy output ran
+        # at the loss; the last call is under no_grad), and the layers were resharded after the
+        # inference call as FSDP's own post-forward does
+        assert o["fused_loss_calls"] == o["calls"] - 1
         assert e["layers_sharded"] and o["layers_sharded"]
         assert o["is_accelerated"] and not o["after_deaccelerate"]
         first, *rest = o["explain"].splitlines()
@@ -121,8 +120,11 @@ def test_fsdp2_model_trains_in_the_engine_as_pytorch_fsdp2(ranks, name):
     """fully_shard on the model (and on its layers): the engine gathers the shards, runs the
     step, FSDP reduce-scatters the gradients; losses, weights and an inference call as PyTorch
     FSDP2's. Before, the engine's optimizer read the DTensor shards at address 0 (a segfault)
-    and the export failed on the DTensors (every call in PyTorch)."""
-    _check_fsdp(ranks, name, 1e-5)
+    and the export failed on the DTensors (every call in PyTorch). With bf16 parameters
+    (MixedPrecisionPolicy) the engine runs the bf16 graph: its matmuls sum in another order than
+    torch's, and bf16 rounds those differences up to a few parts in a thousand a step."""
+    bf16 = _worker().FSDP_SCENARIOS[name][5] is not None
+    _check_fsdp(ranks, name, 3e-2 if bf16 else 1e-5)
 
 
 def test_shards_nothing_gathers_are_refused_by_name(ranks):
