@@ -153,6 +153,7 @@ def _train_fsdp(name, accelerated: bool) -> dict:
         read = logits.detach().double()
         logits_read.append(read.sum().item())
         logits_abs.append(read.abs().sum().item())
+    memory = _fsdp_memory(model, opt) if accelerated else None
     with torch.no_grad():
         x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
         inference = model(x).double()
@@ -167,10 +168,24 @@ def _train_fsdp(name, accelerated: bool) -> dict:
     if accelerated:
         state = model.__dict__["_ortrain_state"]
         out.update(engine_calls=state.engine_calls, calls=state.calls, fused_loss_calls=state.fused_loss_calls,
-                   is_accelerated=ortrain.is_accelerated(model), explain=ortrain.explain(model))
+                   is_accelerated=ortrain.is_accelerated(model), explain=ortrain.explain(model), memory=memory)
         ortrain.deaccelerate(model)
         out["after_deaccelerate"] = ortrain.is_accelerated(model)
     return out
+
+
+def _fsdp_memory(model, opt) -> list:
+    """[explain()'s memory estimate without the arena, in bytes; what this rank holds at the
+    backward pass's peak, counted from the tensors]: the shards it keeps, the whole parameters
+    and gradients it holds until FSDP reduce-scatters, the optimizer state's shards."""
+    from ortrain._memory import _tensor_parts
+
+    params = list(model.parameters())
+    held = sum(p.to_local().numel() * p.element_size() for p in params)
+    whole = sum(p.numel() * p.element_size() for p in params)
+    state = sum(t.to_local().numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                if hasattr(t, "to_local"))
+    return [_tensor_parts(model, opt, 0, torch.device(DEVICE).type)[1], held + 2 * whole + state]
 
 
 def _refusals() -> dict:

@@ -108,6 +108,10 @@ def _check_fsdp(ranks: list, name: str, rel: float) -> None:
         # inference call as FSDP's own post-forward does
         assert o["fused_loss_calls"] == o["calls"] - 1
         assert e["layers_sharded"] and o["layers_sharded"]
+        # explain's training memory counts each rank's shards, not the whole model (before, every
+        # DTensor's address 0 made them one tensor), plus the gathered parameters and gradients
+        estimate, held = o["memory"]
+        assert estimate == held
         assert o["is_accelerated"] and not o["after_deaccelerate"]
         first, *rest = o["explain"].splitlines()
         assert first.startswith("FSDPTinyLM:") and first.endswith("optimizer in the engine")

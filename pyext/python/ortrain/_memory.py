@@ -25,9 +25,14 @@ def rss_bytes() -> int | None:
 
 
 def _bytes(tensors, device_type: str = "cpu") -> int:
+    """The bytes of `tensors` on `device_type`, each memory counted once; of a DTensor (an FSDP2
+    shard), the part this process holds."""
+    from ortrain.engine.tensors import local_part
+
     seen, total = set(), 0
     for t in tensors:
-        if t.device.type == device_type and t.data_ptr() not in seen:
+        t = local_part(t)
+        if t is not None and t.device.type == device_type and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
@@ -59,10 +64,23 @@ _MIB = 1 / 2**20
 def _tensor_parts(module, optimizer, arena_bytes: int, device_type: str) -> tuple[list, int]:
     """The parts every estimate has (the module's tensors, gradients, optimizer state, the peak
     arena) on `device_type`, as text, and their sum in bytes."""
+    from ortrain import fully_sharded
+
     tensors = _bytes(list(module.parameters()) + list(module.buffers()), device_type)
-    grads = _bytes([p for p in module.parameters() if p.requires_grad], device_type)
     state, kind = optimizer_state_bytes(optimizer, device_type)
-    parts = [f"parameters and buffers {tensors * _MIB:.1f}", f"gradients {grads * _MIB:.1f}"]
+    if fully_sharded.is_sharded_root(module):
+        # FSDP2: during the backward pass the whole parameters (gathered for the engine) and their
+        # whole gradients (until FSDP reduce-scatters them) are held beside the shards
+        whole = [p for p in module.parameters() if p.device.type == device_type]
+        gathered = sum(p.numel() * p.element_size() for p in whole)
+        grads = sum(p.numel() * p.element_size() for p in whole if p.requires_grad)
+        parts = [f"parameter shards and buffers {tensors * _MIB:.1f}",
+                 f"whole parameters gathered for the step {gathered * _MIB:.1f}",
+                 f"whole gradients until FSDP reduce-scatters them {grads * _MIB:.1f}"]
+        tensors += gathered
+    else:
+        grads = _bytes([p for p in module.parameters() if p.requires_grad], device_type)
+        parts = [f"parameters and buffers {tensors * _MIB:.1f}", f"gradients {grads * _MIB:.1f}"]
     total = tensors + grads + arena_bytes
     if state is None:
         parts.append(f"optimizer state not estimated ({kind})")
