@@ -217,11 +217,13 @@ def _refusals() -> dict:
     return out
 
 
-#: ORTTrainer scenarios: name -> (gradient_accumulation_steps, allreduce_post_accumulation)
+#: ORTTrainer scenarios: name -> (gradient_accumulation_steps, allreduce_post_accumulation,
+#: ZeRO stage)
 TRAINER_SCENARIOS = {
-    "trainer_every_micro_batch": (2, False),
-    "trainer_post_accumulation": (2, True),
-    "trainer_no_accumulation": (1, False),
+    "trainer_every_micro_batch": (2, False, 0),
+    "trainer_post_accumulation": (2, True, 0),
+    "trainer_no_accumulation": (1, False, 0),
+    "trainer_zero_stage1": (2, True, 1),
 }
 
 
@@ -242,14 +244,15 @@ def _train_trainer(name: str, world: bool) -> dict:
     import ortrain
     from ortrain import optim
 
-    accum, post = TRAINER_SCENARIOS[name]
+    accum, post, zero = TRAINER_SCENARIOS[name]
     rank, size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(200 + rank if world else 200)  # the group broadcasts rank 0's weights
     model = TinyLM(unused_layer=False)
     desc = {"inputs": [("x", ["batch", "seq"]), ("target", ["n"])], "outputs": [("loss", [], True), ("logits", ["batch", "seq", VOCAB])]}
     options = {"batch": {"gradient_accumulation_steps": accum}, "utils": {"grad_norm_clip": 0.5}}
     if world:
-        options["distributed"] = {"world_rank": rank, "world_size": size, "allreduce_post_accumulation": post}
+        options["distributed"] = {"world_rank": rank, "world_size": size, "allreduce_post_accumulation": post,
+                                  "deepspeed_zero_optimization": {"stage": zero}}
     trainer = ortrain.ORTTrainer(model, desc, optim.AdamConfig(lr=0.01), loss_fn=_trainer_loss, options=options)
     per_rank = [_trainer_batches(r, STEPS * accum) for r in range(size)]
     losses = []
@@ -260,7 +263,8 @@ def _train_trainer(name: str, world: bool) -> dict:
             x = torch.cat([b[k][0] for b in per_rank])
             y = torch.cat([b[k][1] for b in per_rank])
         losses.append(trainer.train_step(x, y)[0].item())
-    return {"losses": losses, "steps": trainer.step,
+    return {"losses": losses, "steps": trainer.step, "state_kept": sorted(trainer.state_dict()["optimizer"]["state"]),
+            "parameters": [n for n, _ in model.named_parameters()],
             "params": [p.detach().double().sum().item() for p in model.parameters()],
             "param_abs": [p.detach().double().abs().sum().item() for p in model.parameters()]}
 

@@ -141,7 +141,7 @@ def test_shards_nothing_gathers_are_refused_by_name(ranks):
         assert out["layer_only_calls"] == [1, 0] and out["tensor_parallel_calls"] == [1, 0]
 
 
-@pytest.mark.parametrize("name", ["trainer_every_micro_batch", "trainer_post_accumulation", "trainer_no_accumulation"])
+@pytest.mark.parametrize("name", _scenarios("TRAINER_SCENARIOS"))
 def test_ort_trainer_data_parallel_averages_the_ranks_gradients(ranks, name):
     """ORTTrainer's options['distributed'] on two ranks trains as one process on both ranks'
     batches side by side (mean loss: the gradient is the ranks' average)."""
@@ -156,6 +156,12 @@ def test_ort_trainer_data_parallel_averages_the_ranks_gradients(ranks, name):
         assert loss == pytest.approx((world[0]["losses"][k] + world[1]["losses"][k]) / 2, rel=1e-4)
     assert world[0]["params"] == pytest.approx(alone["params"], rel=1e-4, abs=1e-4)
     assert world[0]["param_abs"] == pytest.approx(alone["param_abs"], rel=1e-4)
+    kept = [set(w["state_kept"]) for w in world]
+    if _worker().TRAINER_SCENARIOS[name][2] == 1:
+        # ZeRO stage 1: each rank keeps the optimizer state of its part of the parameters only
+        assert kept[0] and kept[1] and not kept[0] & kept[1] and kept[0] | kept[1] == set(alone["parameters"])
+    else:
+        assert kept[0] == kept[1] == set(alone["parameters"])
 
 
 def test_ort_trainer_distributed_options_name_what_is_wrong():
@@ -175,6 +181,11 @@ def test_ort_trainer_distributed_options_name_what_is_wrong():
         make({"world_size": 4, "data_parallel_size": 2})
     with pytest.raises(UnsupportedError, match=r"horizontal_parallel_size'\] = 2: not supported yet"):
         make({"horizontal_parallel_size": 2})
+    with pytest.raises(UnsupportedError, match=r"deepspeed_zero_optimization'\] = \{'stage': 2\}: stage 2 is not "
+                                               r"supported yet.*fully_shard"):
+        make({"deepspeed_zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match=r"deepspeed_zero_optimization'\] = \{'stage': 5\}: 'stage' must be"):
+        make({"deepspeed_zero_optimization": {"stage": 5}})
 
 
 def test_a_ddp_left_unsynchronised_is_not_what_accelerate_returns(ranks):

@@ -66,7 +66,12 @@ class TrainerGroup:
     ones with `allreduce_post_accumulation` (the same average, fewer all-reduces). The ranks
     talk through torch.distributed: a process group made by the caller (torchrun,
     TorchDistributor) or, when none is, one made here from the options' rank and size and the
-    environment's MASTER_ADDR / MASTER_PORT (gloo: ORTTrainer runs on the CPU)."""
+    environment's MASTER_ADDR / MASTER_PORT (gloo: ORTTrainer runs on the CPU).
+
+    ZeRO stage 1 (`deepspeed_zero_optimization: {"stage": 1}`): the parameters are split into
+    one part per rank (`owns`); each rank keeps the optimizer state of its part only and updates
+    only it, then every part is broadcast from its rank (`share_updates`). The averaged
+    gradients are on every rank, so clipping is the same everywhere."""
 
     def __init__(self, options: dict):
         import os
@@ -75,6 +80,8 @@ class TrainerGroup:
 
         self.rank, self.size = options["world_rank"], options["world_size"]
         self.post_accumulation = options["allreduce_post_accumulation"]
+        self.zero_stage = options["deepspeed_zero_optimization"].get("stage", 0)
+        self._owners: dict = {}  # names -> the rank of each, by owns()
         where = f"options['distributed'] (world_rank {self.rank}, world_size {self.size})"
         if not dist.is_available():
             raise OrtrainError(f"{where}: this PyTorch build has no torch.distributed")
@@ -99,6 +106,29 @@ class TrainerGroup:
     def broadcast(self, tensors) -> None:
         """Rank 0's values into every rank's `tensors` (the weights every rank starts from)."""
         _in_flat_buckets([t.detach() for t in tensors], lambda flat: self._dist.broadcast(flat, 0))
+
+    def owners(self, named: list) -> list:
+        """The rank whose part each of `named` ((name, tensor) pairs, the same order on every rank)
+        is in: parameters in order, each to the rank with the fewest elements so far, so the
+        parts are about equal and every rank computes the same split."""
+        key = tuple(n for n, _ in named)
+        if key not in self._owners:
+            load = [0] * self.size
+            out = []
+            for _, t in named:
+                r = min(range(self.size), key=lambda k: load[k])
+                load[r] += t.numel()
+                out.append(r)
+            self._owners[key] = out
+        return self._owners[key]
+
+    def share_updates(self, named: list) -> None:
+        """After each rank updated its part of `named` ((name, parameter) pairs): every rank gets
+        every part, broadcast from the rank that updated it."""
+        owners = self.owners(named)
+        for r in range(self.size):
+            part = [t.detach() for (_, t), o in zip(named, owners) if o == r]
+            _in_flat_buckets(part, lambda flat, src=r: self._dist.broadcast(flat, src))
 
     def average(self, grads) -> None:
         """Every rank's `grads` become their mean over the ranks, in place."""

@@ -241,6 +241,11 @@ class ORTTrainer:
         self.step += 1
         lr_factor = self._lr() / self.optim_config.lr
         cfg = self.optim_config
+        group = self._group
+        everyone = named
+        if group is not None and group.zero_stage == 1:
+            owners = group.owners([(n, w) for n, w, _ in named])
+            named = [t for t, o in zip(named, owners) if o == group.rank]
         for name, w, g in named:
             hp = cfg.for_param(name)
             st = self._state.setdefault(name, {})
@@ -262,6 +267,8 @@ class ORTTrainer:
             else:
                 _ortrain.lamb_step(t, hp["lr"] * lr_factor, hp["alpha"], hp["beta"], hp["epsilon"], hp["lambda_coef"],
                                    hp["do_bias_correction"], hp["ratio_min"], hp["ratio_max"])
+        if group is not None and group.zero_stage == 1:
+            group.share_updates([(n, w) for n, w, _ in everyone])
 
     def eval_step(self, *inputs):
         """Forward (with the loss, if loss_fn was given) in eval mode; no update."""

@@ -10,6 +10,19 @@ _BOOL = lambda v: None if isinstance(v, bool) else "must be True or False"  # no
 _FP16_ELSEWHERE = ("fp16 with the dynamic loss scaler runs on CUDA, through "
                    "ortrain.accelerate(model, optimizer, device='cuda', precision='fp16'); ORTTrainer runs on the CPU")
 
+def _zero_stage(v):
+    if not (isinstance(v, dict) and set(v) <= {"stage"}):
+        return "must be a dict {'stage': 0 or 1}"
+    stage = v.get("stage", 0)
+    if stage in (0, 1) and not isinstance(stage, bool):
+        return None
+    if stage in (2, 3):
+        raise UnsupportedError(f"options['distributed']['deepspeed_zero_optimization'] = {v!r}: stage {stage} is not "
+                               "supported yet (stage 1 partitions the optimizer state over the ranks; for sharded "
+                               "parameters and gradients use FSDP2's fully_shard with ortrain.accelerate)")
+    return "'stage' must be 0, 1, 2 or 3"
+
+
 def _int_at_least(low: int):
     return lambda v: None if isinstance(v, int) and not isinstance(v, bool) and v >= low else f"must be an int ≥ {low}"
 
@@ -32,13 +45,14 @@ SUPPORTED = {
     # of the model, gradients averaged; data_parallel_size 1 means the whole world
     "distributed": {"world_rank": (0, _int_at_least(0)), "world_size": (1, _int_at_least(1)),
                     "local_rank": (0, _int_at_least(0)), "data_parallel_size": (1, _int_at_least(1)),
-                    "allreduce_post_accumulation": (False, _BOOL)},
+                    "allreduce_post_accumulation": (False, _BOOL),
+                    # ZeRO stage 1: each rank keeps and updates the optimizer state of its part
+                    "deepspeed_zero_optimization": ({"stage": 0}, _zero_stage)},
 }
 
 # what ORT offered and ortrain does not have yet: the value that means "off"
 NOT_YET = {
-    "distributed": {"horizontal_parallel_size": 1, "pipeline_parallel": {}, "deepspeed_zero_optimization": {},
-                    "enable_adasum": False},
+    "distributed": {"horizontal_parallel_size": 1, "pipeline_parallel": {}, "enable_adasum": False},
     "graph_transformer": {"attn_dropout_recompute": False, "gelu_recompute": False,
                           "transformer_layer_recompute": False, "number_recompute_layers": 0},
     "device": {"mem_limit": 0},
