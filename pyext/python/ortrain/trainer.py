@@ -2,9 +2,11 @@
 optimizer update — in the engine, with ONNX Runtime Training's API (model_desc, optim_config,
 loss_fn, options; train_step, eval_step, save_as_onnx, state_dict, load_state_dict).
 
-`options['distributed']` (world_rank, world_size, allreduce_post_accumulation) trains data
-parallel over torch.distributed as ORT did: rank 0's weights broadcast at construction, the
-gradients averaged over the ranks before each update (data_parallel.py `TrainerGroup`).
+`options['distributed']` (world_rank, world_size, allreduce_post_accumulation,
+deepspeed_zero_optimization) trains data parallel over torch.distributed as ORT did: rank 0's
+weights broadcast at construction, the gradients averaged over the ranks before each update,
+with ZeRO stage 1 the optimizer state split over the ranks (data_parallel.py `TrainerGroup`). A
+state_dict() under ZeRO stage 1 holds the optimizer state of this rank's part.
 
 `register_train_step_hook(fn)` calls `fn(trainer, loss, inputs)` after every `train_step` (the
 step boundary `%%ort` records), and inside `pytorch_baseline()` train_step runs the forward and
