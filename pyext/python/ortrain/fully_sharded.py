@@ -11,12 +11,12 @@ the accelerated forward first unshards every fully_shard module inside it (`unsh
 public call), and the engine binds the whole tensors. The root's own hooks still run around the
 accelerated forward: they gather the root's parameters, hook the output's backward (on a lazy
 output, engine/lazy.py, FSDP's hook runs where the backward pass starts: at the fused loss),
-and after the backward pass reduce-scatter and reshard every group (FSDP's post-backward callback covers
-groups whose modules did not run forward). The whole model is gathered from the forward pass to
-the end of the backward pass (the memory of `reshard_after_forward=False`); gradients and
-optimizer state stay sharded, and the engine's optimizer updates each rank's shards
-(engine/optimizer.py: the update is elementwise). The export runs with FSDP's forward and state_dict hooks taken off
-the modules, so tracing sees plain tensors and starts no collective."""
+and after the backward pass reduce-scatter and reshard every group (FSDP's post-backward
+callback covers groups whose modules did not run forward). The whole model is gathered from the
+forward pass to the end of the backward pass (the memory of `reshard_after_forward=False`);
+gradients and optimizer state stay sharded, and the engine's optimizer updates each rank's
+shards (engine/optimizer.py: the update is elementwise). The export runs with FSDP's forward and
+state_dict hooks taken off the modules, so tracing sees plain tensors and starts no collective."""
 from __future__ import annotations
 
 from contextlib import contextmanager

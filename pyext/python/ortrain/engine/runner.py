@@ -13,8 +13,6 @@ from ortrain import _ortrain, fully_sharded
 from ortrain.errors import OrtrainError, UnsupportedError
 from ortrain.export.graph import strip_bound_weights
 
-from ortrain import fully_sharded
-
 from . import malloc
 from .cuda_device import model_gpu
 from .function import EngineFunction, run_inference
