@@ -73,7 +73,8 @@ class _State:
         if not isinstance(runner, Exception):
             runner.loss_scaler = self.loss_scaler
             # FSDP2 gathers the parameters into fresh memory every step: no graph replays them
-            if not (self.cuda_graphs and getattr(runner, "on_cuda", False)) or fully_sharded.is_sharded_root(self.module):
+            on_cuda = getattr(runner, "on_cuda", False)
+            if not (self.cuda_graphs and on_cuda) or fully_sharded.is_sharded_root(self.module):
                 runner.graphs = None
             elif getattr(runner, "graphs", None) is None:
                 from ortrain.engine.cuda_graphs import GraphCache, enabled_by_environment

@@ -69,7 +69,7 @@ class TrainerGroup:
     environment's MASTER_ADDR / MASTER_PORT (gloo: ORTTrainer runs on the CPU).
 
     ZeRO stage 1 (`deepspeed_zero_optimization: {"stage": 1}`): the parameters are split into
-    one part per rank (`owns`); each rank keeps the optimizer state of its part only and updates
+    one part per rank (`owners`); each rank keeps the optimizer state of its part only and updates
     only it, then every part is broadcast from its rank (`share_updates`). The averaged
     gradients are on every rank, so clipping is the same everywhere."""
 
@@ -81,7 +81,7 @@ class TrainerGroup:
         self.rank, self.size = options["world_rank"], options["world_size"]
         self.post_accumulation = options["allreduce_post_accumulation"]
         self.zero_stage = options["deepspeed_zero_optimization"].get("stage", 0)
-        self._owners: dict = {}  # names -> the rank of each, by owns()
+        self._owners: dict = {}  # names -> the rank of each (owners())
         where = f"options['distributed'] (world_rank {self.rank}, world_size {self.size})"
         if not dist.is_available():
             raise OrtrainError(f"{where}: this PyTorch build has no torch.distributed")

@@ -19,6 +19,7 @@ shards (engine/optimizer.py: the update is elementwise). The export runs with FS
 state_dict hooks taken off the modules, so tracing sees plain tensors and starts no collective."""
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -27,6 +28,7 @@ from ortrain.engine.tensors import addressable
 from ortrain.errors import UnsupportedError
 
 
+@functools.cache  # asked at every accelerated call: the import looked up once
 def _fsdp_module_class():
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -60,8 +60,8 @@ def _parts(p: torch.Tensor) -> tuple:
 
 def _engine_ok(p: torch.Tensor) -> bool:
     p, g = _parts(p)
-    return (g is not None and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() and not g.is_sparse
-            and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
+    return (g is not None and p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+            and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device.type == "cpu")
 
 
 #: Adam options whose update only PyTorch has: amsgrad (a third state the engine lacks),
@@ -109,8 +109,8 @@ def _gpu_ok(p: torch.Tensor) -> bool:
     """An f32 parameter with a dense f32 gradient on its GPU, while the engine's GPU update works
     in this process and the engine's CUDA runtime works on that GPU."""
     p, g = _parts(p)
-    if not (_GPU_UPDATE_WORKS[0] and g is not None and p.is_cuda
-            and p.dtype == torch.float32 and p.is_contiguous() and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
+    if not (_GPU_UPDATE_WORKS[0] and g is not None and p.is_cuda and p.dtype == torch.float32 and p.is_contiguous()
+            and not g.is_sparse and g.dtype == torch.float32 and g.is_contiguous() and g.device == p.device):
         return False
     from ortrain.cuda import cuda_available
 
@@ -346,39 +346,35 @@ def _torch_step_for(opt, params: list) -> None:
             g["params"] = ps
 
 
+def _stays_in_pytorch(msg: str, strict: bool) -> bool:
+    """accelerate_optimizer's refusal: an UnsupportedError under `strict`, else a warning and False."""
+    if strict:
+        from ortrain.errors import UnsupportedError
+        raise UnsupportedError(msg)
+    warn(msg)
+    return False
+
+
 def accelerate_optimizer(opt, strict: bool = False) -> bool:
     """Makes `opt.step()` run in the engine. Returns False (with a warning) where it cannot."""
     if getattr(opt, "_ortrain_base", None) is not None:
         return True
     if not isinstance(opt, _SUPPORTED) or type(opt) not in _SUPPORTED:
-        msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch (the engine has "
-               "Adam, AdamW and SGD); gradients still land in each parameter's .grad")
-        if strict:
-            from ortrain.errors import UnsupportedError
-            raise UnsupportedError(msg)
-        warn(msg)
-        return False
+        return _stays_in_pytorch(f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch (the engine has "
+                                 "Adam, AdamW and SGD); gradients still land in each parameter's .grad", strict)
     shard = next((p for g in opt.param_groups for p in g["params"] if local_part(p) is None), None)
     if shard is not None:
-        msg = (f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch: its parameters are "
-               f"{type(shard).__name__}s, a tensor subclass whose elements the engine's update cannot reach")
-        if strict:
-            from ortrain.errors import UnsupportedError
-            raise UnsupportedError(msg)
-        warn(msg)
-        return False
+        return _stays_in_pytorch(f"ortrain: {type(opt).__name__}.step() keeps running in PyTorch: its parameters are "
+                                 f"{type(shard).__name__}s, a tensor subclass whose elements the engine's update "
+                                 "cannot reach", strict)
     for g in opt.param_groups:
         # amsgrad: a third state the engine lacks; fused/capturable: torch's own kernels, which
         # expect their step counts on the device (the engine keeps them on the CPU, as torch's
         # default Adam does), so a later fallback step could not take over the state
         option = next((o for o in _TORCH_ONLY_OPTIONS if g.get(o)), None)
         if option is not None:
-            msg = f"ortrain: {type(opt).__name__}({option}=True) is not supported by the engine; step() stays in PyTorch"
-            if strict:
-                from ortrain.errors import UnsupportedError
-                raise UnsupportedError(msg)
-            warn(msg)
-            return False
+            return _stays_in_pytorch(f"ortrain: {type(opt).__name__}({option}=True) is not supported by the engine; "
+                                     "step() stays in PyTorch", strict)
     base = type(opt)
     cls = type(f"Ortrain{base.__name__}", (base,), {"step": _engine_step, "__module__": __name__,
                                                      "__qualname__": f"Ortrain{base.__name__}"})
