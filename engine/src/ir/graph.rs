@@ -78,7 +78,19 @@ pub struct Graph {
     pub outputs: Vec<ValueId>,
     /// Weights in declaration order, with their initial data from the file (if any).
     pub weights: Vec<(ValueId, Option<Arc<Tensor>>)>,
+    /// The model's checkpointed parts, recomputed in the backward pass (passes/recompute_segments.rs).
+    pub recompute: Vec<RecomputeSegment>,
     by_name: HashMap<String, ValueId>,
+}
+
+/// A checkpointed part of the model (`torch.utils.checkpoint` around a module): the module's
+/// input and output value names, from the ModelProto metadata `ortrain.recompute_segments`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RecomputeSegment {
+    /// The module's path in the PyTorch model (for reports).
+    pub name: String,
+    pub inputs: Vec<String>,
+    pub outputs: Vec<String>,
 }
 
 impl Graph {

@@ -4,4 +4,4 @@ mod attrs;
 mod graph;
 
 pub use attrs::{Attr, Attrs};
-pub use graph::{Dim, Graph, Node, NodeId, Value, ValueId, ValueKind};
+pub use graph::{Dim, Graph, Node, NodeId, RecomputeSegment, Value, ValueId, ValueKind};

@@ -99,6 +99,9 @@ pub fn import_bytes(bytes: &[u8], base_dir: Option<&Path>, opts: &ImportOptions)
         return Err(Error::UnknownOps { op_types: types.join(", "), nodes: list.join(", ") });
     }
     keep_declared_shapes(&mut graph, &g.value_info);
+    for entry in model.metadata_props.iter().filter(|e| e.key == super::recompute_meta::KEY) {
+        graph.recompute.extend(super::recompute_meta::parse(&entry.value)?);
+    }
     for (i, vi) in g.output.iter().enumerate() {
         let v = graph
             .find(&vi.name)

@@ -3,6 +3,7 @@
 mod export;
 mod import;
 pub mod proto;
+pub mod recompute_meta;
 mod sequence;
 mod tensor_proto;
 pub mod variadic;

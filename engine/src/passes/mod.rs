@@ -24,6 +24,7 @@ mod layer_norm_half;
 mod layer_norm_stats;
 mod matmul_gelu_grad;
 mod recompute;
+mod recompute_segments;
 mod selects_to_split;
 mod slice_before_linear;
 mod sym_shape;
@@ -124,6 +125,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
 /// Passes over the train graph, after autodiff (forward nodes first, `n_fwd` of them).
 type TrainPass = fn(&mut Graph, usize) -> usize;
 const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
+    // first, on both backends: the parts the user checkpointed (torch.utils.checkpoint)
+    // recomputed in the backward pass, as PyTorch would; a no-op for models without any
+    ("recompute_segments", recompute_segments::run, Runs::Both),
     // CUDA only: on the CPU, memory is not where the targets are short, and the recomputation
     // would cost step time
     ("recompute", recompute::run, Runs::CudaOnly),

@@ -82,6 +82,8 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines += _attention_lines(r)
             if e.dropout_fixes:
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
+            if key[1]:
+                lines += _checkpoint_lines(e, dict(r.session.passes).get("recompute_segments", 0))
             if key == state.last_key and state.last_inputs is not None:
                 info = r.plan_info(state.last_inputs, bool(key[1]) and bool(r.trainable_params))
                 shapes = ", ".join(str(list(x.shape)) for x in state.last_inputs)
@@ -115,6 +117,26 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
 
         lines += format_profile(state)
     return "\n".join(lines)
+
+
+def _checkpoint_lines(exported, recomputed: int) -> list:
+    """explain()'s line on torch.utils.checkpoint: which checkpointed modules the engine
+    recomputes in the backward pass, and what it could not."""
+    seen, marked = getattr(exported, "checkpointed", []), getattr(exported, "recomputed", [])
+    unmatched = getattr(exported, "checkpoints_unmatched", 0)
+    if not seen and not unmatched:
+        return []
+    shown = ", ".join(marked[:4]) + (f", ... ({len(marked)} in all)" if len(marked) > 4 else "")
+    line = (f"    torch.utils.checkpoint: {recomputed} of {len(marked)} checkpointed module(s) recomputed in the "
+            f"backward pass ({shown}), their intermediate values not kept" if marked else
+            "    torch.utils.checkpoint: no checkpointed module's nodes found in the graph")
+    missed = [p for p in seen if p not in marked and not any(p.startswith(q + ".") for q in marked)]
+    if missed:
+        line += f"; not found in the graph, kept: {', '.join(missed[:4])}"
+    if unmatched:
+        line += ("; checkpointed calls of functions that are no module of the model (a closure, "
+                 "checkpoint_sequential): their values are kept; checkpoint a module to have it recomputed")
+    return [line]
 
 
 def _attention_lines(runner) -> list:

@@ -24,6 +24,7 @@ import onnx
 import torch
 
 from ortrain.errors import ExportError
+from ortrain.export import checkpoints as _checkpoints
 from ortrain.export import dynamo as _dynamo
 from ortrain.export import graph as _graph
 from ortrain.export import legacy as _legacy
@@ -72,6 +73,12 @@ class ExportedGraph:
     weights: bool = True  # False: param_map's initializers carry no data (external at ortrain:bound)
     from_cache: bool = False  # returned by export.cache.export_cached without exporting again
     in_child: bool = False  # exported in a forked child process (export/isolated.py)
+    # torch.utils.checkpoint: module paths the trace saw checkpointed, those whose parts the
+    # graph marks for recomputation (export/checkpoints.py), and checkpointed functions that
+    # are no module of the model (not recomputed)
+    checkpointed: list = field(default_factory=list)
+    recomputed: list = field(default_factory=list)
+    checkpoints_unmatched: int = 0
 
     def model(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.onnx_bytes)
@@ -158,7 +165,7 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
     if model is None:
         reasons = "; ".join(f"{n}: {r}" for n, r in attempts)
         raise ExportError(f"could not export {type(module).__name__} to ONNX: {reasons}")
-    model, wrapper, notes = model
+    model, wrapper, notes, checkpointed = model
     record = _RECORDS.pop(wrapper.key)
     _graph.strip_prefix(model, _PREFIX)
     _graph.name_outputs(model, record["names"] or [])
@@ -169,6 +176,7 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
     input_names = list(spec.input_names)
     if not weights:
         _graph.mark_bound(model, pmap)
+    recomputed = _checkpoints.mark(model, checkpointed.paths, _PREFIX) if training else []
     _graph.check(model)
     onnx_bytes = model.SerializeToString()
     seconds = time.perf_counter() - t0
@@ -179,7 +187,8 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
         opset=_graph.opset_of(model), attempts=attempts, dropout_fixes=fixes, batchnorm_fixes=bn_fixes, seconds=seconds,
         training=training, constants=spec.constants, signature=sig, buffer_updates=updates,
         unused_params=unused, notes=notes, static_dims=_graph.static_input_dims(model, input_names),
-        weights=weights)
+        weights=weights, checkpointed=checkpointed.paths, recomputed=recomputed,
+        checkpoints_unmatched=checkpointed.unmatched)
 
 
 @contextlib.contextmanager
@@ -215,11 +224,11 @@ def _attempt(backend, module, spec, flat, training, dynamic, opset, quiet_logs, 
     wrapper = _Wrapper(module, spec)
     try:
         module.train(training)
-        with quiet(quiet_logs):
+        with quiet(quiet_logs), _checkpoints.recording(module) as checkpointed:
             model, notes = backend.export(wrapper, flat, list(spec.input_names), [], training=training,
                                           dynamic=dynamic, opset=opset, bound=bound)
         attempts.append((backend.NAME, None))
-        return model, wrapper, notes
+        return model, wrapper, notes, checkpointed
     except Exception as exc:  # recorded, reported in ExportError if every exporter fails
         attempts.append((backend.NAME, _reason(exc)))
         _RECORDS.pop(wrapper.key, None)

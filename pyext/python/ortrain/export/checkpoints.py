@@ -1,0 +1,147 @@
+"""Which parts of a model run under `torch.utils.checkpoint`, found while it is exported, and
+their mark in the ONNX model for the engine, which recomputes them in the backward pass
+(engine passes/recompute_segments.rs) as PyTorch would.
+
+The exporters trace through a checkpoint as through any call, so the graph alone does not say
+that the user asked to keep less memory. `recording(module)` watches torch's checkpoint entry
+points during the trace and notes each checkpointed function that is a module of the model (the
+module, its bound forward / __call__, functools.partial of those: `checkpoint(layer, x)`,
+Hugging Face's `gradient_checkpointing_enable()`); a function that is not (a closure,
+checkpoint_sequential's slices) is counted and left as it is, and explain says so.
+`mark(model, paths)` then finds each module's nodes (the dynamo exporter's `namespace` node
+metadata, the legacy exporter's node-name scopes), the values going into and out of them, and
+writes them as the ModelProto metadata entry `ortrain.recompute_segments`
+(engine onnx/recompute_meta.rs reads it)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import onnx
+import torch
+
+KEY = "ortrain.recompute_segments"
+_NAMES = "\x1f"
+
+
+@dataclass
+class Checkpointed:
+    """What a trace saw: module paths checkpointed (in call order, once each), and how many
+    checkpointed calls were of functions that are no module of the model (an exporter may run
+    the forward more than once: a count of calls, not of functions)."""
+    paths: list = field(default_factory=list)
+    unmatched: int = 0
+
+
+def _owner(fn, paths_by_id: dict):
+    """The model path of the module `fn` runs, or None."""
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif hasattr(fn, "function") and callable(fn.function):  # torch's _CheckpointedFunction
+            fn = fn.function
+        elif isinstance(getattr(fn, "__self__", None), torch.nn.Module):
+            fn = fn.__self__
+        else:
+            break
+    return paths_by_id.get(id(fn)) if isinstance(fn, torch.nn.Module) else None
+
+
+@contextlib.contextmanager
+def recording(module: torch.nn.Module, prefix: str = ""):
+    """Yields a Checkpointed filled while the body traces `module` (module paths without
+    `prefix`)."""
+    import torch.utils.checkpoint as ckpt
+
+    seen = Checkpointed()
+    paths_by_id = {id(m): name[len(prefix):] if name.startswith(prefix) else name for name, m in module.named_modules()}
+
+    def note(fn):
+        path = _owner(fn, paths_by_id)
+        if path is None or path == "":
+            seen.unmatched += 1
+        elif path not in seen.paths:
+            seen.paths.append(path)
+
+    patched = {}
+    impl = getattr(ckpt, "_checkpoint_impl", None)
+    if impl is not None:  # torch >= 2.12: every checkpoint call goes through it
+        def checkpoint_impl(function, *args, **kwargs):
+            note(function)
+            return impl(function, *args, **kwargs)
+        patched["_checkpoint_impl"] = checkpoint_impl
+    else:  # older torch: the reentrant and non-reentrant entry points
+        generator = getattr(ckpt, "_checkpoint_without_reentrant_generator", None)
+        function_cls = getattr(ckpt, "CheckpointFunction", None)
+        if generator is not None:
+            def without_reentrant(fn, *args, **kwargs):
+                note(fn)
+                return generator(fn, *args, **kwargs)
+            patched["_checkpoint_without_reentrant_generator"] = without_reentrant
+        if function_cls is not None:
+            class Reentrant:
+                @staticmethod
+                def apply(function, *args):
+                    note(function)
+                    return function_cls.apply(function, *args)
+            patched["CheckpointFunction"] = Reentrant
+    saved = {name: getattr(ckpt, name) for name in patched}
+    try:
+        for name, fn in patched.items():
+            setattr(ckpt, name, fn)
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(ckpt, name, fn)
+
+
+def _outermost(paths: list) -> list:
+    """`paths` without those inside another one (a checkpoint within a checkpointed module)."""
+    return [p for p in paths if not any(p != q and p.startswith(q + ".") for q in paths)]
+
+
+def _scopes(node: onnx.NodeProto, prefix: str) -> list:
+    """The module paths a node was made in, outermost first."""
+    for entry in node.metadata_props:  # dynamo: ": Wrapper/inner: M/inner.layers.0: Layer/op: aten.op"
+        if entry.key == "namespace":
+            scopes = [part.split(": ")[0] for part in entry.value.split("/")]
+            return [s[len(prefix):] if s.startswith(prefix) else s for s in scopes]
+    parts = node.name.split("/")[1:-1]  # legacy: "/layers.0/attn/proj/Gemm"
+    return [".".join(parts[: k + 1]) for k in range(len(parts))]
+
+
+def _inside(node: onnx.NodeProto, path: str, prefix: str) -> bool:
+    return path in _scopes(node, prefix)
+
+
+def mark(model: onnx.ModelProto, paths: list, prefix: str = "") -> list:
+    """Writes the metadata entry for the checkpointed modules `paths`; returns the paths whose
+    nodes were found (in order)."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer}
+    graph_outputs = {o.name for o in graph.output}
+    lines, found = [], []
+    for path in _outermost(paths):
+        inside = [n for n in graph.node if _inside(n, path, prefix)]
+        if not inside:
+            continue
+        made = {o for n in inside for o in n.output if o}
+        constants = {o for n in inside if n.op_type == "Constant" for o in n.output}
+        inputs = []
+        for n in inside:
+            for v in n.input:
+                if v and v not in made and v not in inputs and v not in initializers:
+                    inputs.append(v)
+        members = {id(n) for n in inside}
+        read_outside = {v for n in graph.node if id(n) not in members for v in n.input}
+        outputs = [o for n in inside for o in n.output if o and o not in constants and (o in read_outside or o in graph_outputs)]
+        names = inputs + outputs + [path]
+        if not outputs or any("\t" in s or "\n" in s or _NAMES in s for s in names):
+            continue
+        lines.append(f"{path}\t{_NAMES.join(inputs)}\t{_NAMES.join(outputs)}")
+        found.append(path)
+    if lines:
+        entry = model.metadata_props.add()
+        entry.key, entry.value = KEY, "\n".join(lines)
+    return found

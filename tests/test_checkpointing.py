@@ -1,0 +1,105 @@
+"""torch.utils.checkpoint in an accelerated model: the engine recomputes the checkpointed
+modules in the backward pass as PyTorch does, so a user who checkpoints to fit a bigger batch
+keeps that memory under ortrain, with the same numbers."""
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import ortrain
+from ortrain.engine.tensors import engine_dtype
+
+VOCAB = 100
+
+
+class Encoder(torch.nn.Module):
+    """Embedding, three Transformer encoder layers (dropout inside), an LM head; `how` says
+    how each layer is called: "plain", "module" (checkpoint(layer, h)), "method"
+    (checkpoint(layer.__call__) through functools.partial, as Hugging Face does) or "closure"."""
+
+    def __init__(self, how: str, dropout: float, reentrant: bool = False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, 64)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(64, 4, 128, dropout, batch_first=True) for _ in range(3))
+        self.head = torch.nn.Linear(64, VOCAB)
+        self.how, self.reentrant = how, reentrant
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            if self.how == "plain":
+                h = layer(h)
+            elif self.how == "module":
+                h = checkpoint(layer, h, use_reentrant=self.reentrant)
+            elif self.how == "method":
+                h = functools.partial(checkpoint, use_reentrant=self.reentrant)(layer.__call__, h)
+            else:
+                h = checkpoint(lambda t, layer=layer: layer(t), h, use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _train(how: str, dropout: float, *, reentrant=False, accelerated=True, steps=4, exporter="auto"):
+    torch.manual_seed(0)
+    model = Encoder(how, dropout, reentrant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if accelerated:
+        ortrain.accelerate(model, opt, strict=True, exporter=exporter)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randint(0, VOCAB, (8, 32), generator=g), torch.randint(0, VOCAB, (8, 32), generator=g)
+        loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses, (x, y)
+
+
+def _peak_arena(model, x, y) -> int:
+    runner = next(iter(model._ortrain_state.loss_runners.values()))
+    sigs = [(engine_dtype(t, n), list(t.shape)) for t, n in zip([x, y.reshape(-1)], runner.input_names)]
+    return runner.session.plan_info(sigs, True, True)["arena_bytes"]
+
+
+@pytest.mark.parametrize("how,reentrant,exporter", [("module", False, "auto"), ("method", False, "auto"),
+                                                    ("module", True, "auto"), ("module", False, "legacy")])
+def test_checkpointed_layers_train_bit_for_bit_as_without_in_less_memory(how, reentrant, exporter):
+    plain, plain_losses, (x, y) = _train("plain", 0.1, exporter=exporter)
+    ckpt, ckpt_losses, _ = _train(how, 0.1, reentrant=reentrant, exporter=exporter)
+    # the same dropout masks (drawn once, in the forward pass) and the same kernels on the same
+    # inputs: bit for bit
+    assert ckpt_losses == plain_losses
+    for (name, p), q in zip(ckpt.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    text = ortrain.explain(ckpt)
+    assert ("torch.utils.checkpoint: 3 of 3 checkpointed module(s) recomputed in the backward pass "
+            "(layers.0, layers.1, layers.2)") in text, text
+    assert "checkpoint" not in ortrain.explain(plain)
+    with_ckpt, without = _peak_arena(ckpt, x, y), _peak_arena(plain, x, y)
+    assert with_ckpt < 0.6 * without, (with_ckpt, without)
+
+
+def test_checkpointed_layers_match_pytorch_checkpointing():
+    ours, our_losses, _ = _train("module", 0.0)
+    eager, eager_losses, _ = _train("module", 0.0, accelerated=False)
+    assert our_losses == pytest.approx(eager_losses, rel=1e-5, abs=1e-6)
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        if name.endswith("in_proj_bias"):
+            # its key third has a gradient of rounding noise only (softmax ignores a shift of
+            # the scores), which AdamW turns into full-size steps either way
+            p, q = p[:64], q[:64]
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_checkpointed_closure_is_kept_and_explain_says_so():
+    plain, plain_losses, _ = _train("plain", 0.1)
+    closure, closure_losses, _ = _train("closure", 0.1)
+    assert closure_losses == plain_losses
+    text = ortrain.explain(closure)
+    assert ("torch.utils.checkpoint: no checkpointed module's nodes found in the graph; checkpointed calls of "
+            "functions that are no module of the model (a closure, checkpoint_sequential): their values are kept") in text, text
+    assert "recomputed in the backward pass" not in text
