@@ -76,6 +76,7 @@ pub fn export_model(graph: &Graph, n_nodes: usize, weights: &HashMap<String, Ten
         producer_name: "ortrain".into(),
         producer_version: env!("CARGO_PKG_VERSION").into(),
         graph: Some(g),
+        metadata_props: super::recompute_meta::entry(&graph.recompute).into_iter().collect(),
         ..Default::default()
     };
     Ok(model.encode_to_vec())

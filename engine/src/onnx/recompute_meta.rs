@@ -3,6 +3,7 @@
 //! `module path TAB input names TAB output names`, the names separated by U+001F. Read into
 //! `Graph::recompute` for passes/recompute_segments.rs.
 
+use super::proto::StringStringEntryProto;
 use crate::error::{Error, Result};
 use crate::ir::RecomputeSegment;
 
@@ -26,6 +27,13 @@ pub fn parse(text: &str) -> Result<Vec<RecomputeSegment>> {
     Ok(out)
 }
 
+/// The metadata entry listing `parts` (None for none): what `parse` reads back.
+pub fn entry(parts: &[RecomputeSegment]) -> Option<StringStringEntryProto> {
+    let names = |v: &[String]| v.join(&NAMES.to_string());
+    let lines: Vec<String> = parts.iter().map(|p| format!("{}\t{}\t{}", p.name, names(&p.inputs), names(&p.outputs))).collect();
+    (!lines.is_empty()).then(|| StringStringEntryProto { key: KEY.into(), value: lines.join("\n") })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -36,6 +44,7 @@ mod tests {
         assert_eq!(parts.len(), 2);
         assert_eq!(parts[0].inputs, vec!["x", "mask"]);
         assert_eq!((parts[1].name.as_str(), parts[1].outputs.as_slice()), ("layers.1", &["add_1".to_string()][..]));
+        assert_eq!(parse(&entry(&parts).expect("entry").value).expect("read back"), parts);
         let e = parse("layers.0\tx").unwrap_err().to_string();
         assert!(e.contains("line 1") && e.contains("3 tab-separated fields"), "{e}");
     }

@@ -39,6 +39,7 @@ mod node_cases;
 mod onnx_parity;
 mod optim;
 mod random_draws;
+mod recompute_segments;
 mod reduce;
 mod residual;
 mod smoke;
