@@ -103,3 +103,46 @@ def test_a_checkpointed_closure_is_kept_and_explain_says_so():
     assert ("torch.utils.checkpoint: no checkpointed module's nodes found in the graph; checkpointed calls of "
             "functions that are no module of the model (a closure, checkpoint_sequential): their values are kept") in text, text
     assert "recomputed in the backward pass" not in text
+
+
+def _hf_gpt2(checkpointing: bool, accelerated: bool, steps=3):
+    """GPT2LMHeadModel as Hugging Face users train it: `model(input_ids, labels=...)`, whose loss
+    pads the labels (an ONNX Pad) and whose output holds a key/value cache (use_cache left on)."""
+    pytest.importorskip("transformers")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=200, n_layer=2, n_embd=64, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=199, eos_token_id=199)
+    model = GPT2LMHeadModel(cfg).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if accelerated:
+        ortrain.accelerate(model, opt, strict=True)
+    g = torch.Generator().manual_seed(1)
+    losses, out = [], None
+    for _ in range(steps):
+        ids = torch.randint(0, 200, (4, 32), generator=g)
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    return model, losses, out
+
+
+def test_hugging_face_gradient_checkpointing_is_recomputed():
+    plain, plain_losses, _ = _hf_gpt2(False, True)
+    ckpt, ckpt_losses, _ = _hf_gpt2(True, True)
+    eager, eager_losses, _ = _hf_gpt2(True, False)
+    assert ckpt_losses == plain_losses
+    assert ckpt_losses == pytest.approx(eager_losses, rel=1e-5)
+    for (name, p), q in zip(ckpt.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), name
+    text = ortrain.explain(ckpt)
+    assert ("torch.utils.checkpoint: 2 of 2 checkpointed module(s) recomputed in the backward pass "
+            "(transformer.h.0, transformer.h.1)") in text, text
+    peak = [float(line.split("peak arena ")[1].split(" MiB")[0]) for line in (text, ortrain.explain(plain))
+            for line in line.splitlines() if "plan for inputs" in line]
+    assert peak[0] < 0.7 * peak[1], peak

@@ -207,6 +207,14 @@ def cases() -> list[Case]:
     for op in ("Sum", "Mean", "Max", "Min"):
         add(Case(op, [W((2, 3, 4)), W((3, 1)), W((4,))], label="three-bcast"))
         add(Case(op, [W((2, 3))], label="one"))
+    # Pad, rewritten by the importer into Slices, Expands and Concats (onnx/pad.rs): each mode,
+    # a crop (negative pad) with a pad, and axes
+    add(Case("Pad", [x234, C([0, 1, 2, 1, 0, 1], np.int64), C(0.5, np.float64)], label="constant"))
+    add(Case("Pad", [x234, C([0, -1, 2, 0, 2, -1], np.int64)], label="crop-and-pad"))
+    add(Case("Pad", [x234, C([1, 2, 0, 1, 1, 1], np.int64)], {"mode": "edge"}, label="edge"))
+    add(Case("Pad", [x234, C([0, 2, 3, 0, 1, 2], np.int64)], {"mode": "reflect"}, label="reflect"))
+    add(Case("Pad", [x234, C([1, 0, 2, 1, 2, 1], np.int64)], {"mode": "wrap"}, label="wrap"))
+    add(Case("Pad", [x234, C([1, 3], np.int64), None, C([-1], np.int64)], label="axes"))
     # ortrain-internal ops with their own gradient rules (gradients of gradients)
     add(Case("Affine", [x234], {"alpha": 0.7, "beta": -0.2}))
     add(Case("ReduceSumTo", [x234, C([3, 1], np.int64)]))

@@ -18,8 +18,9 @@ fn op_table() -> Vec<(String, bool, bool, bool, bool)> {
             (op.to_string(), grad, cpu::kernel(op).is_some(), internal, cuda_kernel(op))
         })
         .collect();
-    // ops the importer rewrites into registered ones (onnx/variadic.rs): what those have
-    for (op, parts) in ortrain_engine::onnx::variadic::REWRITTEN {
+    // ops the importer rewrites into registered ones (onnx/variadic.rs, onnx/pad.rs): what those have
+    let pad: &[(&str, &[&str])] = &[("Pad", ortrain_engine::onnx::pad::PARTS)];
+    for (op, parts) in ortrain_engine::onnx::variadic::REWRITTEN.iter().chain(pad) {
         let all = |f: &dyn Fn(&str) -> bool| parts.iter().all(|p| f(p));
         let grad = all(&|p| ops::lookup(p).is_some_and(|d| d.gradient().is_some()));
         table.push((op.to_string(), grad, all(&|p| cpu::kernel(p).is_some()), false, all(&cuda_kernel)));

@@ -232,7 +232,7 @@ fn import_node(
         };
         return seqs.sequence_at(graph, &name, &n.input[0], pos, out, opset);
     }
-    let rewritten = super::variadic::rewrites(&n.op_type, n.input.len());
+    let rewritten = super::variadic::rewrites(&n.op_type, n.input.len()) || n.op_type == "Pad";
     if ops::lookup(&n.op_type).is_none() && !rewritten && !opts.allow_unknown_ops {
         // define the outputs anyway, so that every unknown op is reported, not just the first
         for out in n.output.iter().filter(|o| !o.is_empty()) {
@@ -268,10 +268,15 @@ fn import_node(
         outputs.push(graph.add_value(&out_name, ValueKind::Computed, None, None));
     }
     if rewritten {
-        // Sum, Mean, and Max/Min of other than two inputs: chains of the binary ops (variadic.rs)
+        // Sum, Mean, and Max/Min of other than two inputs: chains of the binary ops (variadic.rs);
+        // Pad
         let [output] = outputs[..] else {
             return Err(Error::onnx(field, format!("{} has {} outputs, expected 1", n.op_type, outputs.len())));
         };
+        if n.op_type == "Pad" {
+            // Slices, Expands and Concats (pad.rs)
+            return super::pad::push(graph, &name, &inputs, output, &attrs, opset);
+        }
         return super::variadic::push(graph, &name, &n.op_type, &inputs, output, opset);
     }
     if n.op_type == "Dropout" && outputs.len() == 1 {

@@ -2,6 +2,7 @@
 
 mod export;
 mod import;
+pub mod pad;
 pub mod proto;
 pub mod recompute_meta;
 mod sequence;

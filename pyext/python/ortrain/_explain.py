@@ -84,6 +84,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 lines.append(f"    attention dropout set to training mode: {len(e.dropout_fixes)} node(s)")
             if key[1]:
                 lines += _checkpoint_lines(e, dict(r.session.passes).get("recompute_segments", 0))
+            if getattr(e, "dropped_outputs", None):
+                lines.append(f"    returned as None: {', '.join(sorted(set(e.dropped_outputs)))} (a key/value cache: the "
+                             "engine keeps none; call the model with use_cache=False to have none asked for)")
             if key == state.last_key and state.last_inputs is not None:
                 info = r.plan_info(state.last_inputs, bool(key[1]) and bool(r.trainable_params))
                 shapes = ", ".join(str(list(x.shape)) for x in state.last_inputs)

@@ -79,6 +79,8 @@ class ExportedGraph:
     checkpointed: list = field(default_factory=list)
     recomputed: list = field(default_factory=list)
     checkpoints_unmatched: int = 0
+    # outputs returned as None: key/value caches (export/outputs.py is_kv_cache)
+    dropped_outputs: list = field(default_factory=list)
 
     def model(self) -> onnx.ModelProto:
         return onnx.load_from_string(self.onnx_bytes)
@@ -108,8 +110,9 @@ class _Wrapper(torch.nn.Module):
     def forward(self, *flat):
         args, kwargs = rebuild_call(self._spec, flat)
         out = getattr(self, _PREFIX[:-1])(*args, **kwargs)
-        structure, tensors, names = flatten_outputs(out)
-        _RECORDS[self.key].update(structure=structure, names=names)
+        dropped: list = []
+        structure, tensors, names = flatten_outputs(out, dropped=dropped)
+        _RECORDS[self.key].update(structure=structure, names=names, dropped=dropped)
         return tuple(tensors)
 
 
@@ -188,7 +191,7 @@ def export_module(module: torch.nn.Module, args=(), kwargs: dict | None = None, 
         training=training, constants=spec.constants, signature=sig, buffer_updates=updates,
         unused_params=unused, notes=notes, static_dims=_graph.static_input_dims(model, input_names),
         weights=weights, checkpointed=checkpointed.paths, recomputed=recomputed,
-        checkpoints_unmatched=checkpointed.unmatched)
+        checkpoints_unmatched=checkpointed.unmatched, dropped_outputs=record.get("dropped", []))
 
 
 @contextlib.contextmanager

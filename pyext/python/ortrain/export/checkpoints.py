@@ -5,8 +5,9 @@ their mark in the ONNX model for the engine, which recomputes them in the backwa
 The exporters trace through a checkpoint as through any call, so the graph alone does not say
 that the user asked to keep less memory. `recording(module)` watches torch's checkpoint entry
 points during the trace and notes each checkpointed function that is a module of the model (the
-module, its bound forward / __call__, functools.partial of those: `checkpoint(layer, x)`,
-Hugging Face's `gradient_checkpointing_enable()`); a function that is not (a closure,
+module, its bound forward / __call__, functools.partial of those or of its class's forward with
+the module as first argument: `checkpoint(layer, x)`, Hugging Face's
+`gradient_checkpointing_enable()`); a function that is not (a closure,
 checkpoint_sequential's slices) is counted and left as it is, and explain says so.
 `mark(model, paths)` then finds each module's nodes (the dynamo exporter's `namespace` node
 metadata, the legacy exporter's node-name scopes), the values going into and out of them, and
@@ -37,7 +38,9 @@ class Checkpointed:
 def _owner(fn, paths_by_id: dict):
     """The model path of the module `fn` runs, or None."""
     for _ in range(8):
-        if isinstance(fn, functools.partial):
+        if isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], torch.nn.Module):
+            fn = fn.args[0]  # partial(Layer.forward, layer, ...): transformers' GradientCheckpointingLayer
+        elif isinstance(fn, functools.partial):
             fn = fn.func
         elif hasattr(fn, "function") and callable(fn.function):  # torch's _CheckpointedFunction
             fn = fn.function

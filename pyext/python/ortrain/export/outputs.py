@@ -10,12 +10,26 @@ from collections.abc import Mapping
 import torch
 
 
-def flatten_outputs(value, path="output"):
-    """Returns (structure, tensors, names). Structure leaves: ("tensor", i) or ("const", v)."""
+def is_kv_cache(value) -> bool:
+    """Whether `value` is a Hugging Face key/value cache (transformers.cache_utils.Cache:
+    DynamicCache, StaticCache, ...), which a causal LM returns as `past_key_values` unless
+    called with use_cache=False."""
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(value).__mro__)
+
+
+def flatten_outputs(value, path="output", dropped: list | None = None):
+    """Returns (structure, tensors, names). Structure leaves: ("tensor", i) or ("const", v).
+
+    A key/value cache in the output (`is_kv_cache`) becomes None: the engine computes the step's
+    outputs, and keeps no cache for a next call. Its path is appended to `dropped`."""
     tensors: list = []
     names: list = []
 
     def walk(v, p):
+        if is_kv_cache(v):
+            if dropped is not None:
+                dropped.append(p)
+            return ("const", None)
         if isinstance(v, torch.Tensor):
             tensors.append(v)
             names.append(p)
