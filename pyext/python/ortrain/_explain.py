@@ -183,7 +183,8 @@ def _training_memory(state, runner, info) -> list:
             fused = None
     if fused is not None:
         return ["    with the loss fused (F.cross_entropy on the output), " + estimate(arena)]
-    return ["    " + estimate(info["arena_bytes"]) + ", plus the loss in PyTorch"]
+    in_graph = "loss" in getattr(runner.exported, "output_names", [])  # model(..., labels=...): its own loss
+    return ["    " + estimate(info["arena_bytes"]) + ("" if in_graph else ", plus the loss in PyTorch")]
 
 
 def reset_profile(model) -> None:
