@@ -105,3 +105,40 @@ def test_frozen_weights_do_not_move_and_state_round_trips(tmp_path):
     init = {t.name: onnx.numpy_helper.to_array(t) for t in saved.graph.initializer}
     w = model.state_dict()["decoder.weight"].numpy()
     assert any(v.shape == w.shape and (v == w).all() for v in init.values())
+
+
+def test_transformer_layer_recompute_trains_bit_for_bit_in_less_memory():
+    """options['graph_transformer']['transformer_layer_recompute']: each TransformerEncoderLayer
+    recomputed in the backward pass (as under torch.utils.checkpoint); with dropout on, the same
+    masks and kernels: the same losses and weights bit for bit, a smaller planned arena;
+    number_recompute_layers takes the first N."""
+    def train(graph_transformer):
+        torch.manual_seed(3)
+        model, _, _ = models.tutorial_transformer(NTOK, dropout=0.2)
+        torch.manual_seed(4)
+        trainer = ortrain.ORTTrainer(model, DESC, optim.AdamConfig(lr=1e-3), loss_fn=loss_fn,
+                                     options={"graph_transformer": graph_transformer})
+        losses = [trainer.train_step(x, y)[0].item() for x, y in _data(3)]
+        return trainer, losses
+
+    plain, plain_losses = train({})
+    every, every_losses = train({"transformer_layer_recompute": True})
+    first, first_losses = train({"transformer_layer_recompute": True, "number_recompute_layers": 1})
+    assert every_losses == plain_losses == first_losses
+    for (name, p), q in zip(every.model.named_parameters(), plain.model.parameters()):
+        assert torch.equal(p, q), name
+    peak = {}
+    for label, t in (("plain", plain), ("every", every), ("first", first)):
+        text = t.summary()
+        peak[label] = float(text.split("peak arena ")[1].split(" MiB")[0])
+        assert ("layer(s) recomputed" in text) == (label != "plain"), text
+    assert "2 layer(s) recomputed in the backward pass" in every.summary()
+    assert "1 layer(s) recomputed in the backward pass" in first.summary()
+    assert peak["every"] < peak["first"] < peak["plain"], peak
+    no_layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ValueError, match="transformer_layer_recompute.*Sequential has no layers to recompute"):
+        ortrain.ORTTrainer(no_layers, {"inputs": [("x", [2, 4]), ("y", [2])], "outputs": [("loss", [], True)]},
+                           optim.SGDConfig(), loss_fn=lambda o, y: o.sum(),
+                           options={"graph_transformer": {"transformer_layer_recompute": True}})
+    with pytest.raises(UnsupportedError, match="gelu_recompute.*not supported yet"):
+        train({"gelu_recompute": True})

@@ -8,6 +8,10 @@ weights broadcast at construction, the gradients averaged over the ranks before 
 with ZeRO stage 1 the optimizer state split over the ranks (data_parallel.py `TrainerGroup`). A
 state_dict() under ZeRO stage 1 holds the optimizer state of this rank's part.
 
+`options['graph_transformer']['transformer_layer_recompute']` recomputes each of the model's
+repeated layers (export/checkpoints.py `repeated_layers`; the first `number_recompute_layers`,
+0: all) in the backward pass: they are exported as if run under torch.utils.checkpoint.
+
 `register_train_step_hook(fn)` calls `fn(trainer, loss, inputs)` after every `train_step` (the
 step boundary `%%ort` records), and inside `pytorch_baseline()` train_step runs the forward and
 backward in PyTorch eager with the same update: the baseline half of `%%ort compare`."""
@@ -24,6 +28,7 @@ from ortrain import data_parallel, trainer_options
 from ortrain._trainer_hooks import in_pytorch_baseline, pytorch_baseline, register_train_step_hook, run_step_hooks  # noqa: F401 (public here too)
 from ortrain.engine.function import grad_addresses, read_outputs, run_inference
 from ortrain.engine.tensors import triple
+from ortrain.export import checkpoints
 
 
 def _check_model_desc(desc) -> dict:
@@ -98,6 +103,7 @@ class ORTTrainer:
         self._group = data_parallel.TrainerGroup.from_options(self.options["distributed"])
         if self._group is not None:
             self._group.broadcast(list(model.parameters()) + list(model.buffers()))
+        self._recomputed_layers()  # a bad graph_transformer option fails here, not at the first step
         self._module = _WithLoss(model, loss_fn, _n_forward_args(model)) if loss_fn else model
         self._prefix = "model." if loss_fn else ""
         self._loss_index = 0 if loss_fn else next(i for i, o in enumerate(model_desc["outputs"]) if len(o) > 2 and o[2])
@@ -119,10 +125,24 @@ class ORTTrainer:
         if key not in self._runners:
             _release_from_accelerate(self.model)
             self._module.train(training)
-            exported = export_cached(self._module, inputs, training=training)
+            with checkpoints.checkpointed_forwards(self._recomputed_layers() if training else []):
+                exported = export_cached(self._module, inputs, training=training)
             mp = self.options["mixed_precision"]
             self._runners[key] = Runner(self._module, exported, mp["dtype"] if mp["enabled"] else "fp32")
         return self._runners[key]
+
+    def _recomputed_layers(self) -> list:
+        """The layers options['graph_transformer'] asks to recompute in the backward pass."""
+        opts = self.options["graph_transformer"]
+        if not opts["transformer_layer_recompute"]:
+            return []
+        layers = checkpoints.repeated_layers(self.model)
+        if not layers:
+            raise ValueError(f"options['graph_transformer']['transformer_layer_recompute']: {type(self.model).__name__} "
+                             "has no layers to recompute (no ModuleList or Sequential of two or more modules of "
+                             "one class)")
+        n = opts["number_recompute_layers"]
+        return [m for _, m in (layers[:n] if n else layers)]
 
     def loss_kind(self) -> str | None:
         """What produced the loss: "CrossEntropyLoss" / "NllLoss" when it is such an op in the
@@ -141,8 +161,10 @@ class ORTTrainer:
         fwd, bwd = runner.session.node_count
         info = runner.plan_info(list(inputs), True)
         shapes = ", ".join(str(list(x.shape)) for x in inputs)
+        recomputed = dict(runner.session.passes).get("recompute_segments", 0)
+        again = f", {recomputed} layer(s) recomputed in the backward pass" if recomputed else ""
         return (f"{head}; exporter {e.exporter} (opset {e.opset}, {e.seconds:.2f} s), {fwd} forward + {bwd} gradient "
-                f"nodes; plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB")
+                f"nodes{again}; plan for inputs {shapes}: peak arena {info['arena_bytes'] / 2**20:.1f} MiB")
 
     def _find_loss_kind(self, key, runner) -> str | None:
         if key in self._loss_kinds:

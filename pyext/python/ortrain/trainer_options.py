@@ -48,13 +48,16 @@ SUPPORTED = {
                     "allreduce_post_accumulation": (False, _BOOL),
                     # ZeRO stage 1: each rank keeps and updates the optimizer state of its part
                     "deepspeed_zero_optimization": ({"stage": 0}, _zero_stage)},
+    # each transformer layer (export/checkpoints.py repeated_layers) recomputed in the backward
+    # pass, as if run under torch.utils.checkpoint; number_recompute_layers: the first N (0: all)
+    "graph_transformer": {"transformer_layer_recompute": (False, _BOOL),
+                          "number_recompute_layers": (0, _int_at_least(0))},
 }
 
 # what ORT offered and ortrain does not have yet: the value that means "off"
 NOT_YET = {
     "distributed": {"horizontal_parallel_size": 1, "pipeline_parallel": {}, "enable_adasum": False},
-    "graph_transformer": {"attn_dropout_recompute": False, "gelu_recompute": False,
-                          "transformer_layer_recompute": False, "number_recompute_layers": 0},
+    "graph_transformer": {"attn_dropout_recompute": False, "gelu_recompute": False},
     "device": {"mem_limit": 0},
     "debug": {"check_model_export": False, "graph_save_paths": {}},
 }

@@ -148,3 +148,41 @@ def mark(model: onnx.ModelProto, paths: list, prefix: str = "") -> list:
         entry = model.metadata_props.add()
         entry.key, entry.value = KEY, "\n".join(lines)
     return found
+
+
+def repeated_layers(model: torch.nn.Module) -> list:
+    """The model's transformer layers, as ORTTrainer's `transformer_layer_recompute` means them:
+    the children of the largest ModuleList (or Sequential) of two or more modules of one class,
+    in order, as (path, module)."""
+    best: list = []
+    for path, m in model.named_modules():
+        if not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        kids = list(m.named_children())
+        if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and len(kids) > len(best):
+            best = [(f"{path}.{name}" if path else name, k) for name, k in kids]
+    return best
+
+
+@contextlib.contextmanager
+def checkpointed_forwards(modules: list):
+    """While the body runs (an export), each of `modules` runs its forward under
+    torch.utils.checkpoint (non-reentrant), so that `recording` marks it for recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    saved = []
+    for m in modules:
+        forward = m.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+        saved.append((m, "forward" in vars(m), forward))
+        m.forward = checkpointed
+    try:
+        yield
+    finally:
+        for m, own, forward in reversed(saved):
+            if own:
+                m.forward = forward
+            else:
+                del m.forward
