@@ -108,6 +108,26 @@ def _build_gpt2(batch: int | None = None) -> Job:
     return Job(model, optimizer, lambda step: (batches[step % N_BATCHES],), forward_loss, clip=None)
 
 
+def _build_gpt2_checkpointed(batch: int | None = None) -> Job:
+    """GPT-2 as a memory-bound Hugging Face user trains it: gradient checkpointing on every block
+    (`gradient_checkpointing_enable()`), the loss from `labels=`; 4 blocks, seq 256."""
+    import models
+
+    seq, bsz = 256, batch or 8
+    model, _, _ = models.gpt2_small(vocab=GPT2_VOCAB, n_layer=4, n_embd=256, n_head=4, n_positions=seq,
+                                    dropout=0.1, batch=bsz, seq=seq, seed=SEED, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(SEED + 1)
+    batches = [torch.randint(0, GPT2_VOCAB, (bsz, seq), generator=g) for _ in range(N_BATCHES)]
+
+    def forward_loss(m, b):
+        (ids,) = b
+        return m(input_ids=ids, labels=ids).loss
+
+    return Job(model, optimizer, lambda step: (batches[step % N_BATCHES],), forward_loss, clip=None)
+
+
 # ---------------------------------------------------------------------------------------- bert
 def _build_bert(batch: int | None = None) -> Job:
     import models
@@ -144,6 +164,10 @@ WORKLOADS = {
                  _build_tutorial, 20),
         Workload("gpt2", "GPT2LMHeadModel (2 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention), "
                  f"vocab {GPT2_VOCAB}, seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2, 4),
+        Workload("gpt2-checkpointed", "GPT2LMHeadModel (4 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention) "
+                 "with gradient checkpointing on every block, loss from labels=, "
+                 f"vocab {GPT2_VOCAB}, seq 256 x batch 8, AdamW lr 1e-3, fp32", "fp32", True,
+                 _build_gpt2_checkpointed, 8),
         Workload("bert", "BertForMaskedLM (2 layers, hidden 256, 4 heads, dropout 0.1, sdpa attention), "
                  f"vocab {BERT_VOCAB}, seq 128 x batch 4, 15% masked, AdamW lr 1e-3, fp32", "fp32", True,
                  _build_bert, 4),

@@ -41,16 +41,16 @@ class Encoder(torch.nn.Module):
         return self.head(h)
 
 
-def _train(how: str, dropout: float, *, reentrant=False, accelerated=True, steps=4, exporter="auto"):
+def _train(how: str, dropout: float, *, reentrant=False, accelerated=True, steps=4, exporter="auto", device="cpu"):
     torch.manual_seed(0)
-    model = Encoder(how, dropout, reentrant)
+    model = Encoder(how, dropout, reentrant).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if accelerated:
-        ortrain.accelerate(model, opt, strict=True, exporter=exporter)
+        ortrain.accelerate(model, opt, strict=True, exporter=exporter, device=device)
     g = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(steps):
-        x, y = torch.randint(0, VOCAB, (8, 32), generator=g), torch.randint(0, VOCAB, (8, 32), generator=g)
+        x, y = (torch.randint(0, VOCAB, (8, 32), generator=g).to(device) for _ in range(2))
         loss = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -81,6 +81,21 @@ def test_checkpointed_layers_train_bit_for_bit_as_without_in_less_memory(how, re
     assert "checkpoint" not in ortrain.explain(plain)
     with_ckpt, without = _peak_arena(ckpt, x, y), _peak_arena(plain, x, y)
     assert with_ckpt < 0.6 * without, (with_ckpt, without)
+
+
+@pytest.mark.gpu
+def test_checkpointed_layers_train_on_the_gpu_as_without():
+    """On CUDA: the copies are launches of the forward's kernels in the backward phase, the
+    Dropout's copy reads the Philox mask drawn in the forward pass."""
+    from conftest import require_cuda
+
+    require_cuda()
+    plain, plain_losses, _ = _train("plain", 0.1, device="cuda")
+    ckpt, ckpt_losses, _ = _train("module", 0.1, device="cuda")
+    assert ckpt_losses == pytest.approx(plain_losses, rel=1e-6)
+    for (name, p), q in zip(ckpt.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert "3 of 3 checkpointed module(s) recomputed in the backward pass" in ortrain.explain(ckpt)
 
 
 def test_checkpointed_layers_match_pytorch_checkpointing():
