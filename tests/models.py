@@ -117,6 +117,36 @@ def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dro
     return model, (ids,), loss_fn
 
 
+def train_gpt2_with_labels(checkpointing: bool, accelerated: bool, steps: int = 3):
+    """A small GPT2LMHeadModel trained as Hugging Face users train it, `model(input_ids,
+    labels=ids).loss` (its loss pads the labels: an ONNX Pad; use_cache left on: a key/value
+    cache in the output), with `gradient_checkpointing_enable()` if `checkpointing`, under
+    `ortrain.accelerate(strict=True)` if `accelerated`. Returns (model, losses, last output)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import ortrain
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=200, n_layer=2, n_embd=64, n_head=4, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=199, eos_token_id=199)
+    model = GPT2LMHeadModel(cfg).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if accelerated:
+        ortrain.accelerate(model, opt, strict=True)
+    g = torch.Generator().manual_seed(1)
+    losses, out = [], None
+    for _ in range(steps):
+        ids = torch.randint(0, 200, (4, 32), generator=g)
+        out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(out.loss.item())
+    return model, losses, out
+
+
 def gpt2_inputs(vocab=1000, batch=4, seq=32, seed=0):
     g = torch.Generator().manual_seed(seed + 1)
     return (torch.randint(0, vocab, (batch, seq), generator=g),)

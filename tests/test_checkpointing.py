@@ -6,8 +6,9 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+import models
 import ortrain
 from ortrain.engine.tensors import engine_dtype
 
@@ -15,35 +16,51 @@ VOCAB = 100
 
 
 class Encoder(torch.nn.Module):
-    """Embedding, three Transformer encoder layers (dropout inside), an LM head; `how` says
-    how each layer is called: "plain", "module" (checkpoint(layer, h)), "method"
-    (checkpoint(layer.__call__) through functools.partial, as Hugging Face does) or "closure"."""
+    """Embedding, Transformer encoder layers (dropout inside), an LM head; `how` says how each
+    layer is called: "plain", "module" (checkpoint(layer, h)), "method" (checkpoint(layer.__call__)
+    through functools.partial, as Hugging Face does), "closure" (the create_custom_forward(layer)
+    idiom), "default-arg" (a lambda holding the layer as a default), "root-closure" (a lambda
+    reaching the layer through the model itself) or "sequential" (checkpoint_sequential over
+    the layers in 2 segments: the first half checkpointed as one part)."""
 
-    def __init__(self, how: str, dropout: float, reentrant: bool = False):
+    def __init__(self, how: str, dropout: float, reentrant: bool = False, layers: int = 3):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, 64)
         self.layers = torch.nn.ModuleList(
-            torch.nn.TransformerEncoderLayer(64, 4, 128, dropout, batch_first=True) for _ in range(3))
+            torch.nn.TransformerEncoderLayer(64, 4, 128, dropout, batch_first=True) for _ in range(layers))
         self.head = torch.nn.Linear(64, VOCAB)
         self.how, self.reentrant = how, reentrant
 
     def forward(self, x):
         h = self.emb(x)
-        for layer in self.layers:
+        if self.how == "sequential":
+            return self.head(checkpoint_sequential(list(self.layers), 2, h, use_reentrant=self.reentrant))
+        for i, layer in enumerate(self.layers):
             if self.how == "plain":
                 h = layer(h)
             elif self.how == "module":
                 h = checkpoint(layer, h, use_reentrant=self.reentrant)
             elif self.how == "method":
                 h = functools.partial(checkpoint, use_reentrant=self.reentrant)(layer.__call__, h)
-            else:
+            elif self.how == "closure":
+                h = checkpoint(_custom_forward(layer), h, use_reentrant=self.reentrant)
+            elif self.how == "default-arg":
                 h = checkpoint(lambda t, layer=layer: layer(t), h, use_reentrant=self.reentrant)
+            else:
+                h = checkpoint(lambda t, i=i: self.layers[i](t), h, use_reentrant=self.reentrant)
         return self.head(h)
 
 
-def _train(how: str, dropout: float, *, reentrant=False, accelerated=True, steps=4, exporter="auto", device="cpu"):
+def _custom_forward(module):
+    def custom_forward(*inputs):
+        return module(*inputs)
+    return custom_forward
+
+
+def _train(how: str, dropout: float, *, reentrant=False, accelerated=True, steps=4, exporter="auto", device="cpu",
+           layers=3):
     torch.manual_seed(0)
-    model = Encoder(how, dropout, reentrant).to(device)
+    model = Encoder(how, dropout, reentrant, layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if accelerated:
         ortrain.accelerate(model, opt, strict=True, exporter=exporter, device=device)
@@ -66,7 +83,8 @@ def _peak_arena(model, x, y) -> int:
 
 
 @pytest.mark.parametrize("how,reentrant,exporter", [("module", False, "auto"), ("method", False, "auto"),
-                                                    ("module", True, "auto"), ("module", False, "legacy")])
+                                                    ("module", True, "auto"), ("module", False, "legacy"),
+                                                    ("closure", False, "auto"), ("default-arg", True, "auto")])
 def test_checkpointed_layers_train_bit_for_bit_as_without_in_less_memory(how, reentrant, exporter):
     plain, plain_losses, (x, y) = _train("plain", 0.1, exporter=exporter)
     ckpt, ckpt_losses, _ = _train(how, 0.1, reentrant=reentrant, exporter=exporter)
@@ -110,47 +128,31 @@ def test_checkpointed_layers_match_pytorch_checkpointing():
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_checkpointed_closure_is_kept_and_explain_says_so():
+def test_a_checkpointed_closure_over_the_whole_model_is_kept_and_explain_says_so():
     plain, plain_losses, _ = _train("plain", 0.1)
-    closure, closure_losses, _ = _train("closure", 0.1)
+    closure, closure_losses, _ = _train("root-closure", 0.1)
     assert closure_losses == plain_losses
     text = ortrain.explain(closure)
     assert ("torch.utils.checkpoint: no checkpointed module's nodes found in the graph; checkpointed calls of "
-            "functions that are no module of the model (a closure, checkpoint_sequential): their values are kept") in text, text
+            "functions that hold no module of the model (or the whole model): their values are kept") in text, text
     assert "recomputed in the backward pass" not in text
 
 
-def _hf_gpt2(checkpointing: bool, accelerated: bool, steps=3):
-    """GPT2LMHeadModel as Hugging Face users train it: `model(input_ids, labels=...)`, whose loss
-    pads the labels (an ONNX Pad) and whose output holds a key/value cache (use_cache left on)."""
-    pytest.importorskip("transformers")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=200, n_layer=2, n_embd=64, n_head=4, n_positions=64, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=199, eos_token_id=199)
-    model = GPT2LMHeadModel(cfg).train()
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    if accelerated:
-        ortrain.accelerate(model, opt, strict=True)
-    g = torch.Generator().manual_seed(1)
-    losses, out = [], None
-    for _ in range(steps):
-        ids = torch.randint(0, 200, (4, 32), generator=g)
-        out = model(input_ids=ids, labels=ids)
-        opt.zero_grad()
-        out.loss.backward()
-        opt.step()
-        losses.append(out.loss.item())
-    return model, losses, out
+def test_checkpoint_sequential_recomputes_its_segment_as_one_part():
+    plain, plain_losses, (x, y) = _train("plain", 0.1, layers=4)
+    seq, seq_losses, _ = _train("sequential", 0.1, layers=4)
+    assert seq_losses == plain_losses
+    text = ortrain.explain(seq)
+    assert ("torch.utils.checkpoint: 1 of 1 checkpointed module(s) recomputed in the backward pass "
+            "(layers.0..layers.1)") in text, text
+    assert _peak_arena(seq, x, y) < _peak_arena(plain, x, y)
 
 
 def test_hugging_face_gradient_checkpointing_is_recomputed():
-    plain, plain_losses, _ = _hf_gpt2(False, True)
-    ckpt, ckpt_losses, _ = _hf_gpt2(True, True)
-    eager, eager_losses, _ = _hf_gpt2(True, False)
+    pytest.importorskip("transformers")
+    plain, plain_losses, _ = models.train_gpt2_with_labels(checkpointing=False, accelerated=True)
+    ckpt, ckpt_losses, _ = models.train_gpt2_with_labels(checkpointing=True, accelerated=True)
+    eager, eager_losses, _ = models.train_gpt2_with_labels(checkpointing=True, accelerated=False)
     assert ckpt_losses == plain_losses
     assert ckpt_losses == pytest.approx(eager_losses, rel=1e-5)
     for (name, p), q in zip(ckpt.named_parameters(), plain.parameters()):

@@ -213,29 +213,8 @@ def test_hugging_face_causal_lm_with_labels_trains_in_the_engine():
     """`model(input_ids, labels=ids).loss` as Hugging Face's examples train: the loss pads the
     labels (F.pad: an ONNX Pad, onnx/pad.rs) and the output holds a key/value cache (use_cache
     on), returned as None. Strict: the whole call in the engine, losses as PyTorch's."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    def train(accelerated):
-        torch.manual_seed(0)
-        cfg = GPT2Config(vocab_size=200, n_layer=2, n_embd=64, n_head=4, n_positions=64, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=199, eos_token_id=199)
-        model = GPT2LMHeadModel(cfg).train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        if accelerated:
-            ortrain.accelerate(model, opt, strict=True)
-        g = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, 200, (4, 32), generator=g)
-            out = model(input_ids=ids, labels=ids)
-            opt.zero_grad()
-            out.loss.backward()
-            opt.step()
-            losses.append(out.loss.item())
-        return model, losses, out
-
-    ours, our_losses, out = train(True)
-    _, eager_losses, eager_out = train(False)
+    ours, our_losses, out = models.train_gpt2_with_labels(checkpointing=False, accelerated=True)
+    _, eager_losses, eager_out = models.train_gpt2_with_labels(checkpointing=False, accelerated=False)
     assert our_losses == pytest.approx(eager_losses, rel=1e-5)
     assert eager_out.past_key_values is not None and out.past_key_values is None
     torch.testing.assert_close(out.logits, eager_out.logits, rtol=1e-4, atol=1e-4)

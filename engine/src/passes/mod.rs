@@ -214,6 +214,24 @@ pub fn run_on_train_graph(graph: &mut Graph, n_fwd: usize, target: Target, repor
     Ok(())
 }
 
+/// Inserts each `(at, nodes)` of `inserts` just before the node now at index `at` (several at
+/// one index in the order given), then renumbers producers: the recomputing passes' copies.
+fn insert_before(graph: &mut Graph, mut inserts: Vec<(usize, Vec<Node>)>) {
+    if inserts.is_empty() {
+        return;
+    }
+    inserts.sort_by_key(|(at, _)| *at);
+    let old = std::mem::take(&mut graph.nodes);
+    let mut pending = inserts.into_iter().peekable();
+    for (i, node) in old.into_iter().enumerate() {
+        while let Some((_, nodes)) = pending.next_if(|(at, _)| *at == i) {
+            graph.nodes.extend(nodes);
+        }
+        graph.nodes.push(node);
+    }
+    graph.renumber_producers();
+}
+
 /// Drops the nodes whose flag in `gone` is set (a fusion's replaced nodes), then renumbers
 /// producers.
 fn drop_nodes(graph: &mut Graph, gone: &[bool]) {

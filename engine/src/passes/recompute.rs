@@ -98,19 +98,7 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
             inserts.push((first, nodes));
         }
     }
-    if inserts.is_empty() {
-        return 0;
-    }
-    inserts.sort_by_key(|(at, _)| *at);
-    let old = std::mem::take(&mut graph.nodes);
-    let mut pending = inserts.into_iter().peekable();
-    for (i, node) in old.into_iter().enumerate() {
-        while let Some((_, nodes)) = pending.next_if(|(at, _)| *at == i) {
-            graph.nodes.extend(nodes);
-        }
-        graph.nodes.push(node);
-    }
-    graph.renumber_producers();
+    super::insert_before(graph, inserts);
     count
 }
 

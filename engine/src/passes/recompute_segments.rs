@@ -149,19 +149,7 @@ pub fn run(graph: &mut Graph, n_fwd: usize) -> usize {
         count += 1;
         inserts.push((first, added));
     }
-    if inserts.is_empty() {
-        return 0;
-    }
-    inserts.sort_by_key(|(at, _)| *at);
-    let old = std::mem::take(&mut graph.nodes);
-    let mut pending = inserts.into_iter().peekable();
-    for (i, node) in old.into_iter().enumerate() {
-        while let Some((_, nodes)) = pending.next_if(|(at, _)| *at == i) {
-            graph.nodes.extend(nodes);
-        }
-        graph.nodes.push(node);
-    }
-    graph.renumber_producers();
+    super::insert_before(graph, inserts);
     count
 }
 

@@ -133,12 +133,15 @@ def _checkpoint_lines(exported, recomputed: int) -> list:
     line = (f"    torch.utils.checkpoint: {recomputed} of {len(marked)} checkpointed module(s) recomputed in the "
             f"backward pass ({shown}), their intermediate values not kept" if marked else
             "    torch.utils.checkpoint: no checkpointed module's nodes found in the graph")
-    missed = [p for p in seen if p not in marked and not any(p.startswith(q + ".") for q in marked)]
+    from ortrain.export.checkpoints import part_name
+
+    names = [part_name(p) if isinstance(p, tuple) else p for p in seen]
+    missed = [p for p in names if p not in marked and not any(p.startswith(q + ".") for q in marked)]
     if missed:
         line += f"; not found in the graph, kept: {', '.join(missed[:4])}"
     if unmatched:
-        line += ("; checkpointed calls of functions that are no module of the model (a closure, "
-                 "checkpoint_sequential): their values are kept; checkpoint a module to have it recomputed")
+        line += ("; checkpointed calls of functions that hold no module of the model (or the whole model): "
+                 "their values are kept; checkpoint a module to have it recomputed")
     return [line]
 
 

@@ -7,8 +7,9 @@ that the user asked to keep less memory. `recording(module)` watches torch's che
 points during the trace and notes each checkpointed function that is a module of the model (the
 module, its bound forward / __call__, functools.partial of those or of its class's forward with
 the module as first argument: `checkpoint(layer, x)`, Hugging Face's
-`gradient_checkpointing_enable()`); a function that is not (a closure,
-checkpoint_sequential's slices) is counted and left as it is, and explain says so.
+`gradient_checkpointing_enable()`; a closure holding one module of the model; the modules of a
+checkpoint_sequential slice); a function that holds none (or only the whole model) is counted
+and left as it is, and explain says so.
 `mark(model, paths)` then finds each module's nodes (the dynamo exporter's `namespace` node
 metadata, the legacy exporter's node-name scopes), the values going into and out of them, and
 writes them as the ModelProto metadata entry `ortrain.recompute_segments`
@@ -28,15 +29,16 @@ _NAMES = "\x1f"
 
 @dataclass
 class Checkpointed:
-    """What a trace saw: module paths checkpointed (in call order, once each), and how many
+    """What a trace saw: the checkpointed parts, each a tuple of module paths (in call order,
+    once each; checkpoint_sequential's parts hold several modules), and how many
     checkpointed calls were of functions that are no module of the model (an exporter may run
     the forward more than once: a count of calls, not of functions)."""
     paths: list = field(default_factory=list)
     unmatched: int = 0
 
 
-def _owner(fn, paths_by_id: dict):
-    """The model path of the module `fn` runs, or None."""
+def _owners(fn, paths_by_id: dict) -> tuple:
+    """The model paths of the modules `fn` runs (one part), or () when they cannot be told."""
     for _ in range(8):
         if isinstance(fn, functools.partial) and fn.args and isinstance(fn.args[0], torch.nn.Module):
             fn = fn.args[0]  # partial(Layer.forward, layer, ...): transformers' GradientCheckpointingLayer
@@ -48,7 +50,39 @@ def _owner(fn, paths_by_id: dict):
             fn = fn.__self__
         else:
             break
-    return paths_by_id.get(id(fn)) if isinstance(fn, torch.nn.Module) else None
+    if isinstance(fn, torch.nn.Module):
+        path = paths_by_id.get(id(fn))
+        return (path,) if path else ()
+    return _closure_owners(fn, paths_by_id)
+
+
+def _closure_owners(fn, paths_by_id: dict) -> tuple:
+    """A closure's modules: checkpoint_sequential's `forward` over functions[start..end], or the
+    one module of the model a closure (or a default argument) holds, as in
+    `checkpoint(create_custom_forward(layer), x)` and `checkpoint(lambda t, layer=layer: layer(t), x)`.
+    Recomputing a module is the same arithmetic whatever else the closure does, so taking the
+    module it holds is safe; the root model itself is no part."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ()
+    cells = {}
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            cells[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    functions, start, end = cells.get("functions"), cells.get("start"), cells.get("end")
+    if isinstance(functions, (list, tuple)) and isinstance(start, int) and isinstance(end, int):
+        paths = tuple(paths_by_id.get(id(m)) for m in functions[start:end + 1])
+        return paths if paths and all(paths) else ()
+    held = list(cells.values()) + list(getattr(fn, "__defaults__", None) or ())
+    modules = {paths_by_id[id(v)] for v in held if isinstance(v, torch.nn.Module) and paths_by_id.get(id(v))}
+    return (modules.pop(),) if len(modules) == 1 else ()
+
+
+def part_name(paths: tuple) -> str:
+    """How explain and the metadata name a part: its module, or its first..last modules."""
+    return paths[0] if len(paths) == 1 else f"{paths[0]}..{paths[-1]}"
 
 
 @contextlib.contextmanager
@@ -61,11 +95,11 @@ def recording(module: torch.nn.Module, prefix: str = ""):
     paths_by_id = {id(m): name[len(prefix):] if name.startswith(prefix) else name for name, m in module.named_modules()}
 
     def note(fn):
-        path = _owner(fn, paths_by_id)
-        if path is None or path == "":
+        paths = _owners(fn, paths_by_id)
+        if not paths:
             seen.unmatched += 1
-        elif path not in seen.paths:
-            seen.paths.append(path)
+        elif paths not in seen.paths:
+            seen.paths.append(paths)
 
     patched = {}
     impl = getattr(ckpt, "_checkpoint_impl", None)
@@ -99,9 +133,14 @@ def recording(module: torch.nn.Module, prefix: str = ""):
             setattr(ckpt, name, fn)
 
 
-def _outermost(paths: list) -> list:
-    """`paths` without those inside another one (a checkpoint within a checkpointed module)."""
-    return [p for p in paths if not any(p != q and p.startswith(q + ".") for q in paths)]
+def _within(path: str, outer: str) -> bool:
+    return path == outer or path.startswith(outer + ".")
+
+
+def _outermost(parts: list) -> list:
+    """`parts` without those inside another one (a checkpoint within a checkpointed module)."""
+    return [p for p in parts
+            if not any(q != p and all(any(_within(a, b) for b in q) for a in p) for q in parts)]
 
 
 def _scopes(node: onnx.NodeProto, prefix: str) -> list:
@@ -118,15 +157,16 @@ def _inside(node: onnx.NodeProto, path: str, prefix: str) -> bool:
     return path in _scopes(node, prefix)
 
 
-def mark(model: onnx.ModelProto, paths: list, prefix: str = "") -> list:
-    """Writes the metadata entry for the checkpointed modules `paths`; returns the paths whose
-    nodes were found (in order)."""
+def mark(model: onnx.ModelProto, parts: list, prefix: str = "") -> list:
+    """Writes the metadata entry for the checkpointed `parts` (tuples of module paths); returns
+    the names (`part_name`) of those whose nodes were found, in order."""
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     graph_outputs = {o.name for o in graph.output}
     lines, found = [], []
-    for path in _outermost(paths):
-        inside = [n for n in graph.node if _inside(n, path, prefix)]
+    for paths in _outermost(parts):
+        path = part_name(paths)
+        inside = [n for n in graph.node if any(_inside(n, p, prefix) for p in paths)]
         if not inside:
             continue
         made = {o for n in inside for o in n.output if o}
