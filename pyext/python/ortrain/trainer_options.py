@@ -63,6 +63,13 @@ NOT_YET = {
 }
 
 
+_NOT_YET_HINTS = {
+    "gelu_recompute": " (transformer_layer_recompute recomputes whole layers, their GELUs included)",
+    "attn_dropout_recompute": " (transformer_layer_recompute recomputes whole layers, their attention dropout "
+                              "from its mask)",
+}
+
+
 def validate(options: dict | None) -> dict:
     """Returns a complete options dict (defaults filled in) or raises naming the bad key."""
     options = dict(options or {})
@@ -87,7 +94,8 @@ def validate(options: dict | None) -> dict:
         for key, v in value.items():
             if key in not_yet:
                 if v not in (not_yet[key], None) and v != {}:
-                    raise UnsupportedError(f"options['{section}']['{key}'] = {v!r}: not supported yet")
+                    hint = _NOT_YET_HINTS.get(key, "")
+                    raise UnsupportedError(f"options['{section}']['{key}'] = {v!r}: not supported yet{hint}")
                 continue
             if key not in supported:
                 valid = sorted(set(supported) | set(not_yet))
