@@ -135,7 +135,7 @@ def _checkpoint_lines(exported, recomputed: int) -> list:
             "    torch.utils.checkpoint: no checkpointed module's nodes found in the graph")
     from ortrain.export.checkpoints import part_name
 
-    names = [part_name(p) if isinstance(p, tuple) else p for p in seen]
+    names = [part_name(p) for p in seen]
     missed = [p for p in names if p not in marked and not any(p.startswith(q + ".") for q in marked)]
     if missed:
         line += f"; not found in the graph, kept: {', '.join(missed[:4])}"

@@ -153,32 +153,31 @@ def _scopes(node: onnx.NodeProto, prefix: str) -> list:
     return [".".join(parts[: k + 1]) for k in range(len(parts))]
 
 
-def _inside(node: onnx.NodeProto, path: str, prefix: str) -> bool:
-    return path in _scopes(node, prefix)
-
-
 def mark(model: onnx.ModelProto, parts: list, prefix: str = "") -> list:
     """Writes the metadata entry for the checkpointed `parts` (tuples of module paths); returns
     the names (`part_name`) of those whose nodes were found, in order."""
     graph = model.graph
     initializers = {t.name for t in graph.initializer}
     graph_outputs = {o.name for o in graph.output}
+    scopes = [set(_scopes(n, prefix)) for n in graph.node]  # once per node, not once per part
+    readers: dict = {}
+    for k, n in enumerate(graph.node):
+        for v in n.input:
+            readers.setdefault(v, set()).add(k)
     lines, found = [], []
     for paths in _outermost(parts):
         path = part_name(paths)
-        inside = [n for n in graph.node if any(_inside(n, p, prefix) for p in paths)]
-        if not inside:
+        members = [k for k, s in enumerate(scopes) if not s.isdisjoint(paths)]
+        if not members:
             continue
+        inside = [graph.node[k] for k in members]
         made = {o for n in inside for o in n.output if o}
         constants = {o for n in inside if n.op_type == "Constant" for o in n.output}
-        inputs = []
-        for n in inside:
-            for v in n.input:
-                if v and v not in made and v not in inputs and v not in initializers:
-                    inputs.append(v)
-        members = {id(n) for n in inside}
-        read_outside = {v for n in graph.node if id(n) not in members for v in n.input}
-        outputs = [o for n in inside for o in n.output if o and o not in constants and (o in read_outside or o in graph_outputs)]
+        inputs = list(dict.fromkeys(v for n in inside for v in n.input
+                                    if v and v not in made and v not in initializers))
+        member_set = set(members)
+        outputs = [o for n in inside for o in n.output if o and o not in constants
+                   and (readers.get(o, set()) - member_set or o in graph_outputs)]
         names = inputs + outputs + [path]
         if not outputs or any("\t" in s or "\n" in s or _NAMES in s for s in names):
             continue
