@@ -142,9 +142,16 @@ pub fn lce_chunk_rows(rows: usize, n: usize, k: usize, elem_bytes: usize, budget
     rows.div_ceil(chunks)
 }
 
+/// Whether a LinearCrossEntropy node computes dW₁: its `weight_grad` attribute (default 1), which
+/// passes/lce_weight_grad.rs sets to 0 where nothing reads dW₁ (a frozen LM head: LoRA): dW₁ is
+/// then an empty tensor and the kernels skip its product, a third of the node's work.
+pub fn lce_weight_grad(node: &Node) -> Result<bool> {
+    Ok(node.attrs.int("weight_grad", 1)? != 0)
+}
+
 /// LinearCrossEntropy(X[…, K], W, b?, labels[rows], class_weights?) -> (loss, dX₁, dW₁, db₁,
 /// scratch), where the `₁` outputs are the gradients for a loss seed of 1 (db₁ is [N] zeros when
-/// there is no bias) and `scratch` is the chunk's logits.
+/// there is no bias; dW₁ is empty with `weight_grad` 0) and `scratch` is the chunk's logits.
 struct LinearCrossEntropy;
 impl OpDef for LinearCrossEntropy {
     fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
@@ -171,7 +178,8 @@ impl OpDef for LinearCrossEntropy {
         if reduction != "mean" && reduction != "sum" {
             return Err(node.err(format!("reduction '{reduction}' is not one of sum, mean")));
         }
-        Ok(vec![TypeOut::new(x.dtype, vec![]), TypeOut::like(x), TypeOut::like(w), TypeOut::new(x.dtype, vec![n]), {
+        let dw = if lce_weight_grad(node)? { TypeOut::like(w) } else { TypeOut::new(w.dtype, vec![0]) };
+        Ok(vec![TypeOut::new(x.dtype, vec![]), TypeOut::like(x), dw, TypeOut::new(x.dtype, vec![n]), {
             let budget = LceBudget::of(node)?;
             let cols = n.next_multiple_of(budget.row_align.max(1));
             TypeOut::new(x.dtype, vec![lce_chunk_rows(rows, cols, k, x.dtype.size(), budget), cols])
@@ -180,6 +188,9 @@ impl OpDef for LinearCrossEntropy {
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
             let Some(dy) = g.dy(0) else { return Ok(()) };
+            if g.wants(1) && !lce_weight_grad(node)? {
+                return Err(node.err("the weight's gradient is wanted but weight_grad is 0"));
+            }
             for i in 0..3 {
                 if g.wants(i) && (i < 2 || node.input(2).is_some()) {
                     let unit = g.y(i + 1);

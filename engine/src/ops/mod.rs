@@ -10,7 +10,7 @@ mod elementwise;
 pub mod gather_nd;
 mod internal;
 pub mod linear;
-mod loss;
+pub mod loss;
 mod matmul;
 pub mod matmul_gelu_grad;
 pub(crate) mod movement;

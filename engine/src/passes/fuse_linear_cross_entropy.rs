@@ -7,6 +7,7 @@
 //! The node's `target` attribute sizes its chunks for the backend (`ops::LceBudget`): a few
 //! hundred rows on the CPU (fewer in a bf16/fp16 session: `cpu_half`), thousands on a GPU.
 
+use super::sym_shape::SymDim;
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
 
@@ -28,11 +29,11 @@ fn linear_under(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], scores: Value
     let (_, n) = crate::ops::linear::linear_dims(node, &ws).ok()?;
     let flattens = match r.op_type.as_str() {
         "FlattenRows" => true,
-        "Reshape" => {
-            let ValueKind::Const(t) = &graph.value(r.input(1)?).kind else { return None };
-            let shape = t.to_i64_vec()?;
-            shape.len() == 2 && shape[1] == n as i64 && (shape[0] == -1 || shape[0] > 0)
-        }
+        // the target shape a constant, or built from constants (HF's loss: Concat([-1], [n]))
+        "Reshape" => match super::sym_shape::values(graph, r.input(1)?)?.as_slice() {
+            [SymDim::Known(rows), SymDim::Known(cols)] => *cols == n as i64 && (*rows == -1 || *rows > 0),
+            _ => false,
+        },
         _ => false,
     };
     flattens.then_some(lin.0)
@@ -93,4 +94,52 @@ fn fuse(graph: &mut Graph, target: &str) -> Result<usize> {
         rewrites += 1;
     }
     Ok(rewrites)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ir::Dim;
+    use crate::tensor::{DType, Tensor};
+
+    /// loss = SoftmaxCrossEntropyLoss(Reshape(Linear(X, W), Concat([-1], [cols])), labels), as
+    /// Hugging Face's loss exports it; the logits a graph output if `logits_out`.
+    fn hf_loss(cols: i64, logits_out: bool) -> Graph {
+        let mut g = Graph::default();
+        let x = g.add_value("x", ValueKind::Input, Some(DType::F32), None);
+        let labels = g.add_value("labels", ValueKind::Input, Some(DType::I64), None);
+        g.inputs.extend([x, labels]);
+        let w = g.add_value("w", ValueKind::Weight, Some(DType::F32), Some(vec![Dim::Known(10), Dim::Known(4)]));
+        let logits = g.add_node("head", "Linear", vec![Some(x), Some(w)], Attrs::default().with("transB", Attr::Int(1)), 1)[0];
+        let rows = g.add_const("rows", Tensor::from_i64(vec![1], vec![-1]));
+        let classes = g.add_const("classes", Tensor::from_i64(vec![1], vec![cols]));
+        let shape = g.add_node("cat", "Concat", vec![Some(rows), Some(classes)], Attrs::default().with("axis", Attr::Int(0)), 1)[0];
+        let flat = g.add_node("view", "Reshape", vec![Some(logits), Some(shape)], Attrs::default(), 1)[0];
+        let loss = g.add_node("ce", "SoftmaxCrossEntropyLoss", vec![Some(flat), Some(labels)], Attrs::default(), 1)[0];
+        g.outputs.push(loss);
+        if logits_out {
+            g.outputs.push(logits);
+        }
+        g
+    }
+
+    fn op_of_loss(g: &Graph) -> &str {
+        &g.nodes[g.value(g.outputs[0]).producer.unwrap().0].op_type
+    }
+
+    #[test]
+    fn a_reshape_to_a_shape_built_from_constants_fuses() {
+        let mut g = hf_loss(10, false);
+        assert_eq!(run_cpu(&mut g, false).unwrap(), 1);
+        assert_eq!(op_of_loss(&g), "LinearCrossEntropy");
+    }
+
+    #[test]
+    fn logits_read_elsewhere_or_reshaped_to_other_rows_keep_the_graph() {
+        for (cols, logits_out) in [(10, true), (5, false)] {
+            let mut g = hf_loss(cols, logits_out);
+            assert_eq!(run_cpu(&mut g, false).unwrap(), 0, "cols {cols}, logits an output: {logits_out}");
+            assert_eq!(op_of_loss(&g), "SoftmaxCrossEntropyLoss");
+        }
+    }
 }

@@ -22,6 +22,7 @@ mod layer_norm_grad_col_sum;
 mod layer_norm_grad_sum;
 mod layer_norm_half;
 mod layer_norm_stats;
+mod lce_weight_grad;
 mod matmul_gelu_grad;
 mod recompute;
 mod recompute_segments;
@@ -125,7 +126,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
 /// Passes over the train graph, after autodiff (forward nodes first, `n_fwd` of them).
 type TrainPass = fn(&mut Graph, usize) -> usize;
 const TRAIN_PIPELINE: &[(&str, TrainPass, Runs)] = &[
-    // first, on both backends: the parts the user checkpointed (torch.utils.checkpoint)
+    // both backends: a frozen LM head's fused loss skips its weight gradient
+    ("lce_weight_grad", lce_weight_grad::run, Runs::Both),
+    // both backends: the parts the user checkpointed (torch.utils.checkpoint)
     // recomputed in the backward pass, as PyTorch would; a no-op for models without any
     ("recompute_segments", recompute_segments::run, Runs::Both),
     // CUDA only: on the CPU, memory is not where the targets are short, and the recomputation

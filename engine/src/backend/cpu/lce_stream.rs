@@ -40,10 +40,10 @@ pub(super) struct StreamRows<'a> {
 }
 
 /// Where a chunk's gradients go: dx ([r, k], overwritten), dW (accumulated when `accumulate_dw`,
-/// else overwritten), db (accumulated).
+/// else overwritten; None: not wanted, a frozen weight), db (accumulated).
 pub(super) struct ChunkOut<'a> {
     pub dx: &'a mut [f32],
-    pub dw: &'a mut [f32],
+    pub dw: Option<&'a mut [f32]>,
     pub db: &'a mut [f32],
     pub accumulate_dw: bool,
 }
@@ -190,7 +190,7 @@ fn grads_from_tiles(
 ) {
     let ChunkOut { dx, dw, db, accumulate_dw } = out;
     let (r, n, k) = (c.r, c.n, c.k);
-    let (dwp, dbp) = (dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
+    let (dwp, dbp) = (dw.map_or(0, |d| d.as_mut_ptr() as usize), db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
         || vec![0f32; r * k],
@@ -199,8 +199,8 @@ fn grads_from_tiles(
             // SAFETY: db's entries j0..j0 + cols belong to this tile alone.
             let dbt = unsafe { std::slice::from_raw_parts_mut((dbp as *mut f32).add(j0), cols) };
             let gm = tile_grad(buf, f, j, j0, cols, dbt);
-            // SAFETY: gm views the tile's r × cols gradient in buf; this tile's part of dW is
-            // written by this call alone.
+            // SAFETY: gm views the tile's r × cols gradient in buf; dwp is null (no dW) or
+            // dW's start, and this tile's part of dW is written by this call alone.
             unsafe { tile_products(c, j0, cols, gm, dwp as *mut f32, p, accumulate_dw) };
         },
     );

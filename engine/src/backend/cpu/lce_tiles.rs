@@ -92,13 +92,14 @@ pub(super) fn tile_count(n: usize) -> usize {
 }
 
 /// One tile's share of the gradient products: dW's rows (or columns) of the tile (+)= their
-/// product (accumulated when `accumulate_dw`), and the dX partial `p` ([r, k]) += G_tile ·
+/// product (accumulated when `accumulate_dw`; none when `dwp` is null: a frozen weight's
+/// gradient nobody reads), and the dX partial `p` ([r, k]) += G_tile ·
 /// op(W)ᵀ_tile. `gm` is G_tile seen as [r, cols]: stored by rows (rs = the row stride, cs = 1)
 /// or, as the fp32 path writes it, by columns (rs = 1, cs = r).
 ///
 /// # Safety
-/// `gm` covers r × cols elements at its strides; j0 + cols ≤ n; no other thread writes this
-/// tile's part of dW (at `dwp`, dW's start) while the call runs.
+/// `gm` covers r × cols elements at its strides; j0 + cols ≤ n; `dwp` is null or dW's start,
+/// and no other thread writes this tile's part of dW while the call runs.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
     c: &ChunkGrads<T>,
@@ -119,7 +120,9 @@ pub(super) unsafe fn tile_products<T: FloatElem + 'static>(
     // tile's dW part is written by this call alone.
     on_this_thread(|| unsafe {
         let xc = Mat { ptr: x, rs: k as isize, cs: 1 };
-        if c.trans_b {
+        if dwp.is_null() {
+            // no weight gradient wanted
+        } else if c.trans_b {
             // dW[j0.., :] (+)= G_tileᵀ · X_c
             let lhs = Mat { ptr: gm.ptr, rs: gm.cs, cs: gm.rs };
             gemm_call_ld(c.path, cols, k, r, dwp.add(j0 * k), k, lhs, xc, T::one(), accumulate_dw);
@@ -152,9 +155,17 @@ pub(super) fn sum_partials<T: FloatElem + Send + Sync>(dx: &mut [T], parts: &[Ve
 
 /// dX_c = G · op(W)ᵀ (overwritten), dW (+)= the chunk's G-product (accumulated when
 /// `accumulate_dw`), db += column sums of G.
-pub(super) fn chunk_grads<T: FloatElem + 'static>(c: &ChunkGrads<T>, dx: &mut [T], dw: &mut [T], db: &mut [T], accumulate_dw: bool) {
+/// `dw`: None where the weight's gradient is not wanted.
+pub(super) fn chunk_grads<T: FloatElem + 'static>(
+    c: &ChunkGrads<T>,
+    dx: &mut [T],
+    dw: Option<&mut [T]>,
+    db: &mut [T],
+    accumulate_dw: bool,
+) {
     let (r, n, k) = (c.r, c.n, c.k);
-    let (ga, dwa, dba) = (c.g.as_ptr() as usize, dw.as_mut_ptr() as usize, db.as_mut_ptr() as usize);
+    let dwa = dw.map_or(0, |d| d.as_mut_ptr() as usize);
+    let (ga, dba) = (c.g.as_ptr() as usize, db.as_mut_ptr() as usize);
     let parts = over_tiles(
         n,
         || vec![T::zero(); r * k],

@@ -30,6 +30,8 @@ struct Lce<'a> {
     k: usize,
     n: usize,
     trans_b: bool,
+    /// Whether dW is wanted (`weight_grad`, ops/loss.rs): else its output is empty, never written.
+    weight_grad: bool,
 }
 
 /// The same slice as f32 when T is f32 (for the vectorised row primitives).
@@ -138,7 +140,7 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
         if let (Some(f), Some(g32), Some(dx32), Some(dw32), Some(db32)) = f32s {
             let c = ChunkGrads { g: &[], x: f.x, w: f.w, r, n, k, trans_b: a.trans_b, path: a.path };
             let rows = StreamRows { targets: ids.iter().map(|&i| (a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect(), bias: f.b };
-            let out = ChunkOut { dx: dx32, dw: dw32, db: db32, accumulate_dw: c0 > 0 };
+            let out = ChunkOut { dx: dx32, dw: a.weight_grad.then_some(dw32), db: db32, accumulate_dw: c0 > 0 };
             // the whole chunk by vocabulary tiles (bf16 products on the bf16 path)
             total += lce_stream::chunk(&c, g32, &rows, out);
         } else {
@@ -148,7 +150,7 @@ fn lce_go<T: FloatElem + 'static>(a: &Lce, x: &In, w: &In, b: Option<&In>, out: 
                 g.par_chunks_mut(n).zip(ids.par_iter()).map(|(row, &i)| lce_row(row, bv, a.t[i].0, a.t[i].1, a.t[i].1 * a.scale)).collect();
             total += terms.iter().sum::<f64>();
             let c = ChunkGrads { g: &*g, x: x_rows, w: wv, r, n, k, trans_b: a.trans_b, path: a.path };
-            chunk_grads(&c, dx_rows, dw, db, c0 > 0);
+            chunk_grads(&c, dx_rows, a.weight_grad.then_some(&mut dw[..]), db, c0 > 0);
         }
         if compact {
             for (src, &i) in dxg.chunks_exact(k.max(1)).zip(ids) {
@@ -194,6 +196,7 @@ fn linear_cross_entropy(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx
         k,
         n,
         trans_b: node.attrs.int("transB", 0)? != 0,
+        weight_grad: crate::ops::loss::lce_weight_grad(node)?,
     };
     crate::dispatch_float!(x.dtype, node, lce_go::<T>(&a, x, w, b, out))
 }
@@ -335,6 +338,16 @@ mod tests {
                 let elem = if f64s { 8 } else { 4 };
                 assert_eq!(out[4].shape, vec![lce_chunk_rows(rows, n, k, elem, LceBudget::CPU), n], "case {case}: scratch");
             }
+            // a frozen weight (weight_grad 0, passes/lce_weight_grad.rs): the same loss, dX and
+            // db, and an empty dW
+            let mut ctx = CpuCtx::new(0).with_matmul(MatmulPath::Fp32);
+            let frozen = attrs.clone().with("weight_grad", Attr::Int(0));
+            let out = try_run_opt("LinearCrossEntropy", frozen, &ins, &mut ctx).unwrap_or_else(|e| panic!("case {case}: {e}"));
+            let tol = if f64s { 1e-12 } else { 2e-5 };
+            close(&format!("case {case} frozen: loss"), &out[0].to_f64_vec(), &[loss], tol);
+            close(&format!("case {case} frozen: dX"), &out[1].to_f64_vec(), &dx, tol);
+            close(&format!("case {case} frozen: db"), &out[3].to_f64_vec(), &db, tol);
+            assert_eq!(out[2].shape, vec![0], "case {case}: a frozen weight's dW");
         }
     }
 }
@@ -370,7 +383,7 @@ mod bench {
             .unwrap_or_else(|| vec![128, 256, 234, 350]);
         for round in 0..rounds {
             for path in paths.into_iter().flatten() {
-                let a = Lce { path, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true };
+                let a = Lce { path, t: &t, scale: 1.0 / rows as f64, nan: false, k, n, trans_b: true, weight_grad: true };
                 for &chunk in &chunks {
                     let shapes = [vec![], vec![rows, k], vec![n, k], vec![n], vec![chunk, n]];
                     let mut views: Vec<Out> = outs
@@ -425,7 +438,7 @@ mod bench {
                 let t3 = std::time::Instant::now();
                 let c = super::ChunkGrads { g: &[], x: xr, w: &w, r, n, k, trans_b: true, path };
                 let rows = super::StreamRows { targets, bias: None };
-                super::lce_stream::chunk(&c, gs, &rows, super::ChunkOut { dx: dxr, dw: &mut dw, db: &mut db, accumulate_dw: c0 > 0 });
+                super::lce_stream::chunk(&c, gs, &rows, super::ChunkOut { dx: dxr, dw: Some(&mut dw), db: &mut db, accumulate_dw: c0 > 0 });
                 t[3] += t3.elapsed().as_secs_f64() * 1e3;
                 for (acc, (a, b)) in t.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
                     *acc += (b - a).as_secs_f64() * 1e3;

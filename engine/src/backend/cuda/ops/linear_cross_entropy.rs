@@ -37,6 +37,8 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
     }
     let (k, n) = linear_dims(node, w.shape)?;
     let trans_b = node.attrs.int("transB", 0)? != 0;
+    // a frozen LM head's dW₁ is empty, its product skipped (passes/lce_weight_grad.rs)
+    let weight_grad = crate::ops::loss::lce_weight_grad(node)?;
     let rows = labels.numel();
     let mean = match node.attrs.string("reduction", "mean")?.as_str() {
         "mean" => true,
@@ -79,7 +81,9 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
     }
     if rows == 0 || n == 0 || chunk == 0 {
         zero(ctx, dx)?;
-        zero(ctx, dw)?;
+        if weight_grad {
+            zero(ctx, dw)?;
+        }
         zero(ctx, db)?;
         // no lce_rows: the loss terms are zeros (n = 0 leaves every label invalid: flagged)
         let acc = if stat == 8 { DType::F64 } else { DType::F32 };
@@ -189,7 +193,9 @@ fn linear_cross_entropy(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx:
                     }
                 };
                 ctx.rt.gemm(ctx.stream, &dx_g, gg, ww, dxc)?;
-                if trans_b {
+                if !weight_grad {
+                    // no weight gradient wanted
+                } else if trans_b {
                     // dW[n, k] (+)= Gᵀ · X_c
                     ctx.rt.gemm(ctx.stream, &dw_g, gg, xx, dw.ptr)?;
                 } else {

@@ -32,6 +32,7 @@ mod graphs;
 mod key_padding_attention;
 mod layernorm;
 mod lce;
+mod lce_frozen;
 mod loss;
 mod movement;
 mod multi_device;
