@@ -38,8 +38,12 @@ class TinyLM(torch.nn.Module):
         if unused_layer:
             self.unused = torch.nn.Linear(3, 3)  # never called: find_unused_parameters must cope
 
-    def forward(self, x):
-        return self.head(torch.tanh(self.hidden(self.emb(x))))
+    def forward(self, x, labels=None):
+        logits = self.head(torch.tanh(self.hidden(self.emb(x))))
+        if labels is None:
+            return logits
+        # the model's own loss, as Hugging Face's `labels=` (engine/model_loss.py)
+        return {"loss": F.cross_entropy(logits.view(-1, VOCAB), labels.view(-1)), "logits": logits}
 
 
 #: name -> (DDP keywords, accelerate before wrapping, optimizer, micro-batches per step, clip)
@@ -112,6 +116,8 @@ FSDP_SCENARIOS = {
     "fsdp_layers": (("emb", "hidden", "head"), "sgd", 2, None, False, None),
     "fsdp_accumulate_unsynced": (("hidden", "head"), "adamw", 2, 0.5, True, None),
     "fsdp_bf16_parameters": (("hidden",), "adamw", 1, None, False, torch.bfloat16),
+    # the model returns its own loss (`model(x, labels=y)`): the loss-only graph, logits lazy
+    "fsdp_root_labels": ((), "adamw", 1, 0.5, False, None),
 }
 
 
@@ -141,8 +147,12 @@ def _train_fsdp(name, accelerated: bool) -> dict:
             y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=data).to(DEVICE)
             if unsynced:  # FSDP2's no_sync: the gradients stay whole until the last micro-batch
                 model.set_requires_gradient_sync(k == micro - 1)
-            logits = model(x)
-            loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1)) / micro
+            if name.endswith("_labels"):
+                out = model(x, labels=y)
+                logits, loss = out["logits"], out["loss"] / micro
+            else:
+                logits = model(x)
+                loss = F.cross_entropy(logits.view(-1, VOCAB), y.view(-1)) / micro
             loss.backward()
             losses.append(loss.item())
         if clip is not None:
@@ -168,7 +178,8 @@ def _train_fsdp(name, accelerated: bool) -> dict:
     if accelerated:
         state = model.__dict__["_ortrain_state"]
         out.update(engine_calls=state.engine_calls, calls=state.calls, fused_loss_calls=state.fused_loss_calls,
-                   is_accelerated=ortrain.is_accelerated(model), explain=ortrain.explain(model), memory=memory)
+                   model_loss_calls=state.model_loss_calls, is_accelerated=ortrain.is_accelerated(model),
+                   explain=ortrain.explain(model), memory=memory)
         ortrain.deaccelerate(model)
         out["after_deaccelerate"] = ortrain.is_accelerated(model)
     return out

@@ -123,11 +123,11 @@ def test_one_pass_over_groups_follows_torch(kind):
             assert float(opt.state[p]["step"]) == float(opt_ref.state[q]["step"])
 
 
-@pytest.mark.parametrize("option", ["amsgrad", "fused"])
+@pytest.mark.parametrize("option", ["amsgrad"])
 def test_adam_options_the_engine_lacks_keep_the_step_in_pytorch(option):
-    """Adam(amsgrad=True) has a state the engine lacks; Adam(fused=True) (and capturable) is
-    torch's own kernel with its step counts on the device. accelerate() says so by the option's
-    name, and the step stays torch's: the result equals plain PyTorch's."""
+    """Adam(amsgrad=True) has a state the engine lacks (and capturable, and fused over GPU
+    parameters, are torch's own kernels with their step counts on the device). accelerate() says
+    so by the option's name, and the step stays torch's: the result equals plain PyTorch's."""
     x = torch.randn(4, 8)
     model, ref = _model(), _model()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, **{option: True})
@@ -229,3 +229,78 @@ def test_the_steps_plan_follows_torch_through_what_changes_between_steps(monkeyp
     for p, q in zip(model.parameters(), ref.parameters()):
         for key, atol in (("exp_avg", 1e-7), ("exp_avg_sq", 1e-9)):
             torch.testing.assert_close(opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("schedule", ["StepLR", "LambdaLR"])
+def test_a_scheduler_made_before_accelerate_keeps_the_step_in_the_engine(schedule):
+    """torch's LR schedulers wrap `opt.step` on the instance around the class's step of then:
+    accelerating the optimizer after making its scheduler (the usual order) left every step in
+    PyTorch. The engine steps, the scheduler's learning rates apply, the weights are torch's,
+    and after deaccelerate PyTorch steps again."""
+    x = torch.randn(5, 8)
+    models, opts, scheds = [], [], []
+    for _ in range(2):
+        m = _model()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = (torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule == "StepLR"
+                 else torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)))
+        models.append(m), opts.append(opt), scheds.append(sched)
+    ortrain.accelerate(models[0], opts[0])
+    n = len(list(models[0].parameters()))
+    for _ in range(3):
+        for m, opt, sched in zip(models, opts, scheds):
+            _step(m, opt, x)
+            sched.step()
+    assert opts[0].__dict__.get("_ortrain_last_step") == (n, n)  # the engine's step ran
+    assert opts[0].param_groups[0]["lr"] == opts[1].param_groups[0]["lr"] < 1e-2
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+    ortrain.deaccelerate(models[0])
+    del opts[0].__dict__["_ortrain_last_step"]
+    _step(models[0], opts[0], x)
+    assert "_ortrain_last_step" not in opts[0].__dict__  # PyTorch's step again
+
+
+def test_an_optimizer_made_after_accelerate_is_taken_at_its_first_step():
+    """accelerate(model) with no optimizer, then an AdamW and its scheduler made later (as
+    Hugging Face's Trainer makes them inside train()): its first step runs in PyTorch, the later
+    ones in the engine; the weights are those of the same loop in PyTorch. An optimizer of
+    another model is left alone."""
+    x = torch.randn(5, 8)
+    model, ref, other = _model(), _model(), _model()
+    ortrain.accelerate(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref, other)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    for _ in range(3):
+        for m, opt, sched in zip((model, ref, other), opts, scheds):
+            _step(m, opt, x)
+            sched.step()
+    n = len(list(model.parameters()))
+    assert opts[0].__dict__.get("_ortrain_last_step") == (n, n)  # the engine's step ran
+    assert type(opts[2]) is torch.optim.AdamW and "_ortrain_last_step" not in opts[2].__dict__
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+    head = ortrain.explain(model).splitlines()[0]
+    assert "optimizer in the engine (AdamW made after accelerate(): its first step ran in PyTorch" in head, head
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_fused_adam_over_cpu_parameters_is_stepped_by_the_engine(kind):
+    """fused=True over CPU parameters (Hugging Face's Trainer makes AdamW(fused=True)) is only
+    torch's kernel choice for the same update, its step counts on the CPU: the engine steps it,
+    and the weights and moments are those of torch's fused step."""
+    x = torch.randn(4, 8)
+    model, ref = _model(), _model()
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ref_opt = getattr(torch.optim, kind)(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    ortrain.accelerate(model, opt, strict=True)
+    assert model.__dict__["_ortrain_state"].optimizer_in_engine
+    for _ in range(3):
+        _step(model, opt, x)
+        _step(ref, ref_opt, x)
+    n = len(list(model.parameters()))
+    assert opt.__dict__.get("_ortrain_last_step") == (n, n)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[q]["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"]) == 3.0

@@ -93,6 +93,51 @@ def test_baseline_run_is_logged(shell, capsys):
     assert all(math.isfinite(v) for v in losses)
 
 
+KWARGS_MODEL_SETUP = """
+import torch
+torch.manual_seed(0)
+class ByName(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(40, 8), torch.nn.Linear(8, 40)
+    def forward(self, input_ids=None):
+        return self.head(self.emb(input_ids))
+model = ByName()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro_losses = []
+"""
+
+ACCUMULATING_LOOP = """
+g = torch.Generator().manual_seed(1)
+for step in range(3):
+    for micro in range(2):
+        ids = torch.randint(0, 40, (6, 4), generator=g)
+        logits = model(input_ids=ids)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, 40), ids.view(-1)) / 2
+        loss.backward()
+        micro_losses.append(loss.item())
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_accumulated_micro_batches_and_keyword_inputs_are_one_logged_step(shell):
+    """Gradient accumulation (two micro-batches a step, each loss halved) logs one step whose
+    loss is the step's mean loss, not the last micro-batch's half; a model called by keyword
+    (`model(input_ids=ids)`, as Hugging Face's) still gives the batch size and tokens."""
+    assert shell.run_cell(KWARGS_MODEL_SETUP).success
+    res = shell.run_cell("%%ort baseline --experiment m-accumulate --no-progress\n" + ACCUMULATING_LOOP)
+    assert res.success, res.error_in_exec
+    c = shell_client()
+    (run,) = runs_of(c, "m-accumulate")
+    micro = shell.user_ns["micro_losses"]
+    logged = [v for _, v, _ in c.get_metric_history(run["run_id"], "loss")]
+    assert logged == pytest.approx([micro[2 * k] + micro[2 * k + 1] for k in range(3)], rel=1e-6)
+    for key in ("samples_per_sec", "tokens_per_sec"):
+        assert [s for s, _, _ in c.get_metric_history(run["run_id"], key)] == [0, 1, 2], key
+    assert run["params"]["batch_shape"] == "6x4" and run["params"]["batch_size"] == "6"
+
+
 def test_cell_error_surfaces_and_run_fails(shell, capsys):
     setup(shell)
     body = LOOP.format(n=5, extra="\n    if i == 2:\n        raise ValueError('boom in user code')")

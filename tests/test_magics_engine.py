@@ -141,3 +141,44 @@ def test_accelerate_finds_a_ddp_model_and_accelerates_the_module_inside(shell, e
         assert not engine_api["is_accelerated"](inner)
     finally:
         dist.destroy_process_group()
+
+
+HF_LABELS_SETUP = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=200, n_layer=1, n_embd=32, n_head=2, n_positions=32,
+                                   bos_token_id=199, eos_token_id=199)).train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    for _ in range(n):
+        yield torch.randint(0, 200, (2, 16), generator=g)
+"""
+
+HF_LABELS_LOOP = """
+for ids in batches(4):
+    out = model(input_ids=ids, labels=ids)
+    opt.zero_grad()
+    out.loss.backward()
+    opt.step(){extra}
+"""
+
+
+def test_hugging_face_labels_loss_logs_perplexity_in_both_runs(shell, engine_api, capsys):
+    """`model(ids, labels=ids).loss` is a cross-entropy in PyTorch (NllLossBackward0) and in the
+    engine (the loss-only graph, and the whole graph once the loop reads the logits): both runs
+    of `%%ort compare` log ppl for every step."""
+    assert shell.run_cell(HF_LABELS_SETUP).success
+    c = shell_client()
+    for name, extra in (("m-hf-ppl", ""), ("m-hf-ppl-read", "\n    acc = (out.logits.argmax(-1) == ids).float().mean()")):
+        res = shell.run_cell(f"%%ort compare --experiment {name} --no-progress\n" + HF_LABELS_LOOP.format(extra=extra))
+        assert res.success, res.error_in_exec
+        runs = {r["tags"].get("ortrain.role"): r for r in runs_of(c, name)}
+        assert runs["accelerated"]["tags"]["ortrain.mode"] == "accelerated"
+        for role in ("baseline", "accelerated"):
+            ppl = c.get_metric_history(runs[role]["run_id"], "ppl")
+            assert [s for s, _, _ in ppl] == list(range(4)), (name, role, ppl)
+            assert all(150 < v < 260 for _, v, _ in ppl), (name, role, ppl)  # ~exp(ln 200) at the start
+        state = shell.user_ns["model"]._ortrain_state
+        assert bool(state.logits_read) == bool(extra), name

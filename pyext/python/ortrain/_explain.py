@@ -40,7 +40,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
     n_params = sum(p.numel() for p in model.parameters())
     lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
              f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"
-             + (describe_last_step(state.optimizer) if state.optimizer_in_engine else "")]
+             + (describe_last_step(state.optimizer) if state.optimizer_in_engine else "")
+             + (f" ({type(state.optimizer).__name__.removeprefix('Ortrain')} made after accelerate(): its first step "
+                "ran in PyTorch, the later ones in the engine)" if state.optimizer_taken_at_step else "")]
     sharded = fully_sharded.describe(model, state.optimizer_in_engine)
     if sharded:
         lines.append("  " + sharded)
@@ -100,6 +102,13 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
             lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
     if state.fused_loss_calls:
         lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
+    if state.model_loss_calls:
+        lines.append(f"  the model's own loss computed alone, its LM head fused into the loss: {state.model_loss_calls} "
+                     "call(s) (the logits returned lazily)")
+        if state.logits_read:
+            lines.append("    the logits were read: from then on that call runs the whole graph (logits and loss), "
+                         "which costs less than a replay of the forward pass per read")
+    if state.fused_loss_calls or state.model_loss_calls:
         for r in state.loss_runners.values():
             last = getattr(r, "last_inputs", None)
             if last is None:
@@ -185,7 +194,8 @@ def _training_memory(state, runner, info) -> list:
         except Exception:  # noqa: BLE001 - explain() never fails on a plan it only describes
             fused = None
     if fused is not None:
-        return ["    with the loss fused (F.cross_entropy on the output), " + estimate(arena)]
+        how = ("the model's own loss alone" if runner.n_user_outputs != 1 else "F.cross_entropy on the output")
+        return [f"    with the loss fused ({how}), " + estimate(arena)]
     in_graph = "loss" in getattr(runner.exported, "output_names", [])  # model(..., labels=...): its own loss
     return ["    " + estimate(info["arena_bytes"]) + ("" if in_graph else ", plus the loss in PyTorch")]
 

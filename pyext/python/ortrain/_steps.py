@@ -1,7 +1,11 @@
 """Step capture for `%%ort`: the step boundary is `optimizer.step()` (a global torch optimizer
-step post-hook) or `ORTTrainer.train_step` (ortrain.trainer's step hook), the loss is the scalar on which `backward()` ran (Tensor.backward is wrapped
-for the duration of the cell), the batch shape comes from a forward pre-hook on the model. The
-user's loop is not changed. Everything is removed again when the cell ends."""
+step post-hook) or `ORTTrainer.train_step` (ortrain.trainer's step hook), the loss is the sum of
+the scalars `backward()` ran on since the last step (Tensor.backward is wrapped for the duration
+of the cell; with gradient accumulation over micro-batches whose losses are divided by their
+count, as Hugging Face's Trainer does, that sum is the step's loss), the batch shape comes from a
+forward pre-hook on the model (the first tensor argument, else `input_ids` or the first tensor
+keyword argument: `model(**batch)`). The user's loop is not changed. Everything is removed again
+when the cell ends."""
 from __future__ import annotations
 
 import math
@@ -104,7 +108,8 @@ class StepRecorder:
 
         def backward(tensor, *args, **kwargs):
             if tensor.numel() == 1:
-                recorder._last_loss = tensor.detach()
+                loss = tensor.detach().reshape(())
+                recorder._last_loss = loss if recorder._last_loss is None else recorder._last_loss + loss
                 recorder._loss_kind = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else None
             return orig(tensor, *args, **kwargs)
 
@@ -134,7 +139,8 @@ class StepRecorder:
                 self._wrapped.append((opt, orig_step))
         for m in self.models:
             dim = _batch_dim(m)
-            self._handles.append(m.register_forward_pre_hook(lambda mod, args, d=dim: self._pre_forward(args, d)))
+            self._handles.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs, d=dim: self._pre_forward(args, kwargs, d), with_kwargs=True))
             p = next(m.parameters(), None)
             self._cuda = self._cuda or (p is not None and p.is_cuda)
         self._last_end = time.perf_counter()
@@ -154,11 +160,15 @@ class StepRecorder:
         """Excludes ortrain's own one-off work (creating the run) from the next batch time."""
         self._last_end = time.perf_counter()
 
-    def _pre_forward(self, args, batch_dim):
+    def _pre_forward(self, args, kwargs, batch_dim):
         torch = self._torch
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return  # an exporter tracing the model (symbolic shapes), not a real batch
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            named = kwargs.get("input_ids")
+            x = named if isinstance(named, torch.Tensor) else next(
+                (v for v in kwargs.values() if isinstance(v, torch.Tensor)), None)
         if x is not None:
             self._input = (tuple(x.shape), x.dtype, batch_dim)
 

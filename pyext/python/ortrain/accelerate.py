@@ -4,6 +4,7 @@ its parameters stay its own (the engine reads and writes their memory), and its 
 do not change. Whatever the engine cannot take runs in PyTorch, with one warning naming why."""
 from __future__ import annotations
 
+import functools
 import math
 from contextlib import contextmanager, nullcontext
 
@@ -57,8 +58,12 @@ class _State:
         self.engine_calls = 0
         self.optimizer_in_engine = False
         self.fuse_loss = fuse_loss
-        self.loss_runners: dict = {}  # (runner key, slices, classes, ignore_index, reduction) -> runner | Exception
+        # (runner key, slices, classes, ignore_index, reduction) or (runner key, "model loss") ->
+        # runner | Exception | None (a model loss graph that would not fuse the LM head)
+        self.loss_runners: dict = {}
         self.fused_loss_calls = 0
+        self.model_loss_calls = 0  # calls whose own loss ran alone, the logits lazy (model_loss.py)
+        self.logits_read: set = set()  # loss_runners keys of model losses whose logits the user read
         self.precision = "fp32"
         self.loss_scale_mode = None  # accelerate's `loss_scale`: None (dynamic for fp16) | "dynamic" | False
         self.loss_scaler = None  # engine/loss_scale.py's DynamicLossScaler while scaling is on
@@ -66,11 +71,12 @@ class _State:
         self.setup_bytes = None  # resident size that exporting and building the runners added
         self._params: tuple = (-1, [])  # (registration count, module.parameters()) when listed
         self.warned_autocast = False  # autocast_covered's warning was given
+        self.optimizer_taken_at_step = False  # made after accelerate(), taken at its first step (late_optimizer.py)
 
     def adopt(self, runner):
         """A new runner (or the exception that prevented it), given the loss scaler and, on CUDA,
         its graph cache (engine/cuda_graphs.py) while `cuda_graphs` is on."""
-        if not isinstance(runner, Exception):
+        if runner is not None and not isinstance(runner, Exception):
             runner.loss_scaler = self.loss_scaler
             # FSDP2 gathers the parameters into fresh memory every step: no graph replays them
             on_cuda = getattr(runner, "on_cuda", False)
@@ -172,6 +178,7 @@ class _State:
     def _export_and_build(self, args, kwargs, dynamic: bool):
         """A Runner for this call's graph, or the exception that prevented it."""
         from ortrain.export import export_cached
+        from ortrain.engine.model_loss import autograd_function
         from ortrain.engine.runner import Runner
 
         try:
@@ -179,7 +186,9 @@ class _State:
             with self.plain(), fully_sharded.hooks_off(self.module):
                 exported = export_cached(self.module, args, kwargs, training=self.module.training,
                                          exporter=self.exporter, dynamic=dynamic)
-            return self.adopt(Runner(self.module, exported, self.precision, self.device))
+            runner = Runner(self.module, exported, self.precision, self.device)
+            runner.function = autograd_function(runner.exported)
+            return self.adopt(runner)
         except Exception as exc:  # noqa: BLE001 - reported by the caller, then PyTorch runs the call
             return exc
 
@@ -262,25 +271,34 @@ class _State:
         return unflatten_outputs(runner.exported.output_structure, outs)
 
 
-    def _deferred(self, runner, flat, args, kwargs):
-        """A LazyOutput where the loss may be fused into the engine graph: training with
-        gradients, one float output, no buffers updated as a side effect, no DDP around the call
-        that needs the output's autograd graph (data_parallel.py), no frozen parameter under
-        FSDP2."""
+    def _may_defer(self, runner) -> bool:
+        """Whether an output of this call may be returned lazily: training with gradients, no
+        buffers updated as a side effect, no DDP around the call that needs the output's
+        autograd graph (data_parallel.py), no frozen parameter under FSDP2 (which frees frozen
+        parameters too after the backward pass, and a later read of the logits replays the
+        forward from a copy of the trainable ones only)."""
         from ortrain import data_parallel
 
-        if (not (self.fuse_loss and torch.is_grad_enabled() and self.module.training and runner.trainable_params
-                 and runner.n_user_outputs == 1 and not runner.buffer_outputs) or data_parallel.outputs_traced()
-                or (runner.weights_may_be_freed and not all(p.requires_grad for p in self.parameters()))):
-            # FSDP2 frees frozen parameters too after the backward pass, and a later read of the
-            # logits replays the forward from a copy of the trainable ones only
-            return None
-        from ortrain.engine.lazy import Deferred, LazyOutput
+        return (self.fuse_loss and torch.is_grad_enabled() and self.module.training and bool(runner.trainable_params)
+                and not runner.buffer_outputs and not data_parallel.outputs_traced()
+                and not (runner.weights_may_be_freed and not all(p.requires_grad for p in self.parameters())))
 
+    def _deferred(self, runner, flat, args, kwargs):
+        """A LazyOutput where the loss may be fused into the engine graph (one float output), or
+        the model's own loss with its logits lazy (model_loss.py); None otherwise."""
+        from ortrain.engine.model_loss import splittable
+
+        if not self._may_defer(runner) or (runner.n_user_outputs != 1 and not splittable(runner.exported.output_structure)):
+            return None  # (before output_types: a planning call every step for other multi-output models)
         try:
-            (dtype, shape), = runner.output_types(flat)
+            types = runner.output_types(flat)
         except Exception:  # noqa: BLE001 - planning errors surface on the normal path below
             return None
+        if runner.n_user_outputs != 1:
+            return self._model_loss(runner, flat, args, kwargs, types)
+        from ortrain.engine.lazy import Deferred, LazyOutput
+
+        (dtype, shape), = types
         if not dtype.is_floating_point or len(shape) < 2:
             return None
         from ortrain.export import unflatten_outputs
@@ -289,20 +307,80 @@ class _State:
         self.engine_calls += 1
         return unflatten_outputs(runner.exported.output_structure, [LazyOutput(call, shape)])
 
+    def model_loss_runner(self, runner, types):
+        """For a model returning its own loss and logits (Hugging Face's `labels=`): the runner
+        of its graph with the loss as the only output, built on first use; None where the model
+        does not return that pair or the engine would not fuse its LM head into the loss."""
+        from ortrain.engine.model_loss import ModelLossRunner, split_outputs
+
+        pair = split_outputs(runner.exported.output_structure, types)
+        if pair is None:
+            return None
+        key = (self.last_key, "model loss")
+        if key in self.logits_read:
+            return None
+        if key not in self.loss_runners:
+            try:
+                with self.counting_setup():
+                    loss_runner = ModelLossRunner(self.module, runner.exported, pair[0], self.precision, self.device)
+                self.loss_runners[key] = self.adopt(loss_runner) if loss_runner.fuses_lm_head() else None
+            except Exception as exc:  # noqa: BLE001 - the whole graph runs, as without this
+                self.loss_runners[key] = exc
+        loss_runner = self.loss_runners[key]
+        return None if loss_runner is None or isinstance(loss_runner, Exception) else (loss_runner, pair)
+
+    def _model_loss(self, runner, flat, args, kwargs, types):
+        """The model's own loss computed alone in the engine, its logits a LazyOutput; None
+        where that does not apply."""
+        found = self.model_loss_runner(runner, types)
+        if found is None:
+            return None
+        loss_runner, (loss_index, logits_index) = found
+        from ortrain._ortrain import EngineError
+        from ortrain.engine.lazy import Deferred, LazyOutput
+        from ortrain.export import unflatten_outputs
+
+        dtype, shape = types[logits_index]
+        call = Deferred(self, runner, self.last_key, flat, args, kwargs, shape, dtype, index=logits_index)
+        key = (self.last_key, "model loss")
+        # a loop that reads the logits would pay a replay of the forward pass every step: from
+        # the first read on, this kind of call runs the whole graph (logits and loss) instead
+        call.on_replay = lambda: self.logits_read.add(key)
+        try:
+            loss, = loss_runner(flat, True, seed=call.seed)
+        except (EngineError, OrtrainError) as exc:
+            if self.strict:
+                raise
+            self.loss_runners[key] = exc
+            return None  # the whole graph runs, as without this
+        loss_runner.last_inputs = [x.detach() for x in flat]  # for explain()
+        if call.sharded:  # FSDP2 frees the parameters after this backward: a copy for a read of the logits
+            loss.register_hook(call._keep_before_reshard)
+        call.fused_lazily()  # the logits are computed if and when they are read
+        self.engine_calls += 1
+        self.model_loss_calls += 1
+        outs = [None, None]
+        outs[loss_index], outs[logits_index] = loss, LazyOutput(call, shape)
+        return unflatten_outputs(runner.exported.output_structure, outs)
+
     def likely_loss_runner(self, runner, flat):
         """For explain() before the first step: the runner of the model + cross-entropy graph that
         the usual loss (`F.cross_entropy(output.view(-1, classes), target)`, mean, no slices)
-        would build on the first step, built now and kept for that step; None where the loss
-        would not be fused."""
+        would build on the first step, built now and kept for that step (for a model returning
+        its own loss and logits, its loss-only graph, model_loss.py); None where the loss would
+        not be fused."""
         from ortrain.engine.cross_entropy import CrossEntropyRunner
 
-        if not (self.fuse_loss and self.module.training and runner.trainable_params and runner.n_user_outputs == 1
-                and not runner.buffer_outputs):
+        if not (self.fuse_loss and self.module.training and runner.trainable_params and not runner.buffer_outputs):
             return None
         try:
-            (dtype, shape), = runner.output_types(flat)
+            types = runner.output_types(flat)
         except Exception:  # noqa: BLE001 - explain() only describes
             return None
+        if runner.n_user_outputs != 1:
+            found = self.model_loss_runner(runner, types)
+            return None if found is None else (found[0], list(flat))
+        (dtype, shape), = types
         if not dtype.is_floating_point or len(shape) < 2:
             return None
         key = (self.last_key, (), shape[-1], -100, "mean")
@@ -327,8 +405,7 @@ class _State:
         from ortrain._ortrain import EngineError
 
         try:
-            (out,) = call.runner(call.inputs, True, seed=call.seed)
-            return out
+            return call.runner(call.inputs, True, seed=call.seed)[call.index]
         except (EngineError, OrtrainError) as exc:
             self.runners[call.key] = exc
             self._fall_back(exc)
@@ -336,7 +413,7 @@ class _State:
 
             with self.plain():
                 out = self.module.forward(*call.args, **call.kwargs)
-            return flatten_outputs(out)[1][0]
+            return flatten_outputs(out)[1][call.index]
 
     def run_cross_entropy(self, call, slices, target, ignore_index: int, reduction: str):
         """The loss of a deferred call computed in the engine with the model (None: not possible,
@@ -391,8 +468,10 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
 
     The module is changed in place and returned. Inside a DistributedDataParallel (or a
     one-device DataParallel) the wrapped module is the one taken over, before or after the
-    wrapper is made, so that the wrapper still all-reduces the gradients. `strict=True` turns every fallback to PyTorch
-    into an error. `exporter`: "auto" | "dynamo" | "legacy". `fuse_loss`: in training, the
+    wrapper is made, so that the wrapper still all-reduces the gradients. Without `optimizer`, a
+    torch Adam, AdamW or SGD made later over the model's parameters (Hugging Face's Trainer makes
+    its AdamW inside `train()`) is taken into the engine at its first step (late_optimizer.py).
+    `strict=True` turns every fallback to PyTorch into an error. `exporter`: "auto" | "dynamo" | "legacy". `fuse_loss`: in training, the
     output is returned lazily so that `F.cross_entropy` / `nn.CrossEntropyLoss` on it runs inside
     the engine with the model (the logits and their gradient never pass through PyTorch); any
     other use of the output computes it as usual. `precision`: "fp32", or "bf16" for mixed
@@ -465,7 +544,7 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
     if state is None:
         state = _State(model, optimizer, device, strict, exporter, fuse_loss, "auto" if dynamic is None else dynamic)
         model.__dict__["_ortrain_state"] = state
-        model.__dict__["forward"] = state.forward
+        model.__dict__["forward"] = _engine_forward(state, model)
     if precision is not None and state.precision != precision:
         state.precision = precision
         state.runners.clear()  # sessions are built for one precision
@@ -489,12 +568,30 @@ def accelerate(model: torch.nn.Module, optimizer=None, *, device: str | None = N
         # on CUDA the engine has Adam/AdamW (one multi-tensor launch); SGD stays PyTorch's there
         engine_has_it = device == "cpu" or isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
         state.optimizer_in_engine = accelerate_optimizer(optimizer, strict) if engine_has_it else False
+    elif state.optimizer is None:
+        from ortrain import late_optimizer
+
+        late_optimizer.wait_for_optimizer(state)  # one made later (HF's Trainer) is taken at its first step
     if loss_scale is not None:
         state.loss_scale_mode = loss_scale
     _apply_loss_scale(state)
     if cuda_graphs is not None and cuda_graphs != state.cuda_graphs:
         state.set_cuda_graphs(cuda_graphs)
     return wrapper
+
+
+def _engine_forward(state, module):
+    """The accelerated module's `forward`: the engine's, with the name, docstring and signature
+    of the module's own (functools.wraps). Code that inspects `model.forward` sees the model's
+    parameters: Hugging Face's Trainer keeps only the dataset columns they name (and dropped
+    `input_ids` when it saw `*args, **kwargs`)."""
+    own = module.forward
+
+    @functools.wraps(own)
+    def forward(*args, **kwargs):
+        return state.forward(*args, **kwargs)
+
+    return forward
 
 
 def _check_mixed_precision(model, optimizer, device, precision, loss_scale) -> None:
@@ -553,6 +650,9 @@ def deaccelerate(model: torch.nn.Module):
     wrapper, model = model, data_parallel.unwrap(model)
     state = model.__dict__.pop("_ortrain_state", None)
     model.__dict__.pop("forward", None)
+    from ortrain import late_optimizer
+
+    late_optimizer.forget(state)
     from ortrain.engine import clip
 
     clip.forget(model)

@@ -53,8 +53,9 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
 class Deferred:
     """One model call not run yet: what it needs to run, and what it produced once it ran."""
 
-    def __init__(self, state, runner, key, inputs, args, kwargs, shape, dtype):
+    def __init__(self, state, runner, key, inputs, args, kwargs, shape, dtype, index=0):
         self.state, self.runner, self.key = state, runner, key
+        self.index = index  # which of the runner's outputs this call's output is
         self.inputs, self.args, self.kwargs = inputs, args, kwargs
         self.shape, self.dtype = tuple(shape), dtype
         self.seed = new_seed()
@@ -67,6 +68,7 @@ class Deferred:
         # FSDP2 frees the whole parameters at the end of each backward pass: a copy for a replay
         # of the logits is kept then, not at the optimizer step
         self.sharded = runner.weights_may_be_freed
+        self.on_replay = None  # called when the fused run's output is replayed (it was read)
 
     def add_backward_hook(self, hook):
         """FSDP's pre-backward hook registered on the output (fully_sharded.py), kept without
@@ -131,7 +133,7 @@ class Deferred:
                                "parameters changed outside an optimizer step; read it before changing them, or "
                                "use ortrain.accelerate(..., fuse_loss=False)")
         inputs = [x.detach().contiguous() for x in self.inputs]
-        (logits,) = run_inference(self.runner, inputs, seed=self.seed, weights=weights)
+        logits = run_inference(self.runner, inputs, seed=self.seed, weights=weights)[self.index]
         self.snapshot = None
         _AWAITING.discard(self)
         return logits
@@ -140,6 +142,8 @@ class Deferred:
         if self.value is None:
             if self.fused and self.fused_logits is None:
                 self.fused_logits = self._replay_logits()
+                if self.on_replay is not None:
+                    self.on_replay()
             if self.fused_logits is not None:
                 self.value = _Replay.apply(self, self.fused_logits, *self.runner.trainable_params)
             else:
@@ -155,7 +159,7 @@ class Deferred:
             raise RuntimeError("ortrain: a model output was backpropagated after the parameters changed (an "
                                "optimizer step since the forward pass); PyTorch refuses this too")
         with torch.enable_grad():
-            (out,) = self.runner(self.inputs, True, seed=self.seed)
+            out = self.runner(self.inputs, True, seed=self.seed)[self.index]
             torch.autograd.backward(out, grad)
 
 

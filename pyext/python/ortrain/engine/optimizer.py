@@ -5,6 +5,8 @@ parameters: Adam/AdamW and SGD in one parallel pass; GPU parameters: Adam/AdamW 
 multi-tensor kernel launch per group (kernels/optim.cu), SGD in PyTorch."""
 from __future__ import annotations
 
+import functools
+import weakref
 
 import torch
 
@@ -67,6 +69,17 @@ def _engine_ok(p: torch.Tensor) -> bool:
 #: Adam options whose update only PyTorch has: amsgrad (a third state the engine lacks),
 #: fused and capturable (torch's own kernels, which expect their step counts on the device)
 _TORCH_ONLY_OPTIONS = ("amsgrad", "fused", "capturable")
+
+
+def _torch_only_option(group: dict) -> str | None:
+    """The option of a param group whose update only PyTorch has, or None. `fused` over CPU
+    parameters is only torch's choice of kernel for the same update, its step counts on the CPU
+    as the engine keeps them: the engine steps such a group (Hugging Face's Trainer makes
+    AdamW(fused=True))."""
+    for option in _TORCH_ONLY_OPTIONS:
+        if group.get(option) and not (option == "fused" and all(p.device.type == "cpu" for p in group["params"])):
+            return option
+    return None
 
 
 def _state_ok(opt, p: torch.Tensor, state: dict, moments: tuple) -> bool:
@@ -247,7 +260,7 @@ def _engine_step(self, closure=None):
             _DEFERRED.clear()
             decoupled = isinstance(self, torch.optim.AdamW)
             for index, group in enumerate(self.param_groups):
-                if any(group.get(o) for o in _TORCH_ONLY_OPTIONS):
+                if _torch_only_option(group) is not None:
                     # a group added (or changed) after accelerate_optimizer with an option the
                     # engine lacks: PyTorch steps it
                     leftovers += [p for p in group["params"] if p.grad is not None]
@@ -355,6 +368,11 @@ def _stays_in_pytorch(msg: str, strict: bool) -> bool:
     return False
 
 
+def engine_type(opt) -> bool:
+    """Whether `opt` is a torch Adam, AdamW or SGD itself (not a subclass): what the engine steps."""
+    return type(opt) in _SUPPORTED
+
+
 def accelerate_optimizer(opt, strict: bool = False) -> bool:
     """Makes `opt.step()` run in the engine. Returns False (with a warning) where it cannot."""
     if getattr(opt, "_ortrain_base", None) is not None:
@@ -371,7 +389,7 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
         # amsgrad: a third state the engine lacks; fused/capturable: torch's own kernels, which
         # expect their step counts on the device (the engine keeps them on the CPU, as torch's
         # default Adam does), so a later fallback step could not take over the state
-        option = next((o for o in _TORCH_ONLY_OPTIONS if g.get(o)), None)
+        option = _torch_only_option(g)
         if option is not None:
             return _stays_in_pytorch(f"ortrain: {type(opt).__name__}({option}=True) is not supported by the engine; "
                                      "step() stays in PyTorch", strict)
@@ -381,7 +399,29 @@ def accelerate_optimizer(opt, strict: bool = False) -> bool:
     opt._ortrain_base = base
     opt.__class__ = cls
     opt._patch_step_function()  # torch wraps step() with its pre/post hook machinery
+    _follow_class_step(opt)
     return True
+
+
+def _follow_class_step(opt) -> None:
+    """An LR scheduler made before the optimizer was accelerated wrapped `opt.step` on the
+    instance around the class's step function of then (torch's `patch_track_step_called`): every
+    `opt.step()` kept running PyTorch's update. That wrapper becomes one that calls the step of
+    the optimizer's class at call time (the engine's now, PyTorch's again after
+    restore_optimizer), still marking the call for the scheduler's order check."""
+    wrapped = vars(opt).get("step")
+    if wrapped is None or not getattr(wrapped, "_wrapped_by_lr_sched", False):
+        return
+    opt_ref = weakref.ref(opt)
+
+    @functools.wraps(type(opt).step)
+    def step(*args, **kwargs):
+        owner = opt_ref()
+        owner._opt_called = True
+        return type(owner).step(owner, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    opt.step = step
 
 
 def restore_optimizer(opt) -> None:
