@@ -89,7 +89,9 @@ def _build_tutorial(batch: int | None = None) -> Job:
 
 
 # ---------------------------------------------------------------------------------------- gpt2
-def _build_gpt2(batch: int | None = None) -> Job:
+def _build_gpt2(batch: int | None = None, labels: bool = False) -> Job:
+    """`labels`: the loss from `model(input_ids, labels=ids).loss` (how Hugging Face's Trainer
+    and most HF loops train: the model computes it), else F.cross_entropy on the logits."""
     import models
 
     seq, bsz = 128, batch or 4
@@ -102,10 +104,16 @@ def _build_gpt2(batch: int | None = None) -> Job:
 
     def forward_loss(m, b):
         (ids,) = b
+        if labels:
+            return m(input_ids=ids, labels=ids).loss
         logits = m(ids).logits
         return criterion(logits[:, :-1].reshape(-1, GPT2_VOCAB), ids[:, 1:].reshape(-1))
 
     return Job(model, optimizer, lambda step: (batches[step % N_BATCHES],), forward_loss, clip=None)
+
+
+def _build_gpt2_labels(batch: int | None = None) -> Job:
+    return _build_gpt2(batch, labels=True)
 
 
 def _build_gpt2_checkpointed(batch: int | None = None) -> Job:
@@ -126,6 +134,36 @@ def _build_gpt2_checkpointed(batch: int | None = None) -> Job:
         return m(input_ids=ids, labels=ids).loss
 
     return Job(model, optimizer, lambda step: (batches[step % N_BATCHES],), forward_loss, clip=None)
+
+
+# ----------------------------------------------------------------------------------- llama-lora
+LLAMA_VOCAB = 32000
+
+
+def _build_llama_lora(batch: int | None = None) -> Job:
+    """LoRA fine-tuning (peft) as notebooks do it: a Llama-style model's weights frozen, rank-16
+    adapters on the attention projections, the loss from `labels=`."""
+    import peft
+    import transformers
+
+    seq, bsz = 256, batch or 4
+    torch.manual_seed(SEED)
+    cfg = transformers.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=512, intermediate_size=1376,
+                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                                   max_position_embeddings=seq, attn_implementation="sdpa")
+    base = transformers.LlamaForCausalLM(cfg)
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           lora_dropout=0.05, task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, lora)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    g = torch.Generator().manual_seed(SEED + 1)
+    batches = [torch.randint(0, LLAMA_VOCAB, (bsz, seq), generator=g) for _ in range(N_BATCHES)]
+
+    def forward_loss(m, b):
+        (ids,) = b
+        return m(input_ids=ids, labels=ids).loss
+
+    return Job(model, optimizer, lambda step: (batches[step % N_BATCHES],), forward_loss, clip=1.0)
 
 
 # ---------------------------------------------------------------------------------------- bert
@@ -164,10 +202,15 @@ WORKLOADS = {
                  _build_tutorial, 20),
         Workload("gpt2", "GPT2LMHeadModel (2 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention), "
                  f"vocab {GPT2_VOCAB}, seq 128 x batch 4, AdamW lr 1e-3, fp32", "fp32", True, _build_gpt2, 4),
+        Workload("gpt2-labels", "the gpt2 workload with the loss from labels= (as Hugging Face's Trainer computes it)",
+                 "fp32", True, _build_gpt2_labels, 4),
         Workload("gpt2-checkpointed", "GPT2LMHeadModel (4 layers, n_embd 256, 4 heads, dropout 0.1, sdpa attention) "
                  "with gradient checkpointing on every block, loss from labels=, "
                  f"vocab {GPT2_VOCAB}, seq 256 x batch 8, AdamW lr 1e-3, fp32", "fp32", True,
                  _build_gpt2_checkpointed, 8),
+        Workload("llama-lora", "LlamaForCausalLM (4 layers, hidden 512, 8 heads, 4 key/value heads, sdpa attention) "
+                 f"frozen, LoRA r=16 on q/k/v/o (peft, dropout 0.05), vocab {LLAMA_VOCAB}, seq 256 x batch 4, "
+                 "labels= loss, AdamW lr 1e-4 on the adapters, clip 1.0, fp32", "fp32", True, _build_llama_lora, 4),
         Workload("bert", "BertForMaskedLM (2 layers, hidden 256, 4 heads, dropout 0.1, sdpa attention), "
                  f"vocab {BERT_VOCAB}, seq 128 x batch 4, 15% masked, AdamW lr 1e-3, fp32", "fp32", True,
                  _build_bert, 4),
@@ -181,4 +224,6 @@ def preload(workload: Workload) -> None:
     import torch._dynamo  # noqa: F401
     if workload.needs_transformers:
         import transformers  # noqa: F401
-        from transformers import BertForMaskedLM, GPT2LMHeadModel  # noqa: F401
+        from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+    if workload.name == "llama-lora":
+        import peft  # noqa: F401

@@ -20,7 +20,7 @@
 #              seq 1024, batch 2) on the CPU in f32, on the CPU at bf16 and on this GPU at bf16:
 #              every weight gradient's distance from f32 (engine test onnx_parity;
 #              PARITY_ARGS replaces the model's size arguments)
-#   pytest     pytest -m gpu tests/test_cuda*.py tests/test_random_draws.py tests/test_distributed.py tests/test_checkpointing.py (the Python path: torch interop, training)
+#   pytest     pytest -m gpu tests/test_cuda*.py tests/test_random_draws.py tests/test_distributed.py tests/test_checkpointing.py tests/test_model_loss.py (the Python path: torch interop, training)
 #   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs; then
 #              bench.host_overhead on the GPU: the step's host time phase by phase against its
 #              wall time, eager and ortrain (host ~ wall: the host is what the step waits on),
@@ -237,7 +237,7 @@ if has padded; then
 fi
 if has pytest; then
     section "pytest -m gpu"
-    capped 180 "pytest -m gpu" "$LOG_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py tests/test_random_draws.py tests/test_distributed.py tests/test_checkpointing.py -rs ${PYTEST_ARGS:-}
+    capped 180 "pytest -m gpu" "$LOG_DIR/pytest-gpu.log" $PY -m pytest -q -m gpu tests/test_cuda*.py tests/test_random_draws.py tests/test_distributed.py tests/test_checkpointing.py tests/test_model_loss.py -rs ${PYTEST_ARGS:-}
     if [ -f "$LOG_DIR/pytest-gpu.log" ]; then
         tail -40 "$LOG_DIR/pytest-gpu.log"
         note "pytest -m gpu: $(tail -1 "$LOG_DIR/pytest-gpu.log")"
