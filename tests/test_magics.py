@@ -133,9 +133,38 @@ def test_accumulated_micro_batches_and_keyword_inputs_are_one_logged_step(shell)
     micro = shell.user_ns["micro_losses"]
     logged = [v for _, v, _ in c.get_metric_history(run["run_id"], "loss")]
     assert logged == pytest.approx([micro[2 * k] + micro[2 * k + 1] for k in range(3)], rel=1e-6)
+    # each half a cross-entropy divided by a number: the step's loss is still the mean
+    # cross-entropy, and its perplexity is logged
+    ppl = [v for _, v, _ in c.get_metric_history(run["run_id"], "ppl")]
+    assert ppl == pytest.approx([math.exp(v) for v in logged], rel=1e-6)
     for key in ("samples_per_sec", "tokens_per_sec"):
         assert [s for s, _, _ in c.get_metric_history(run["run_id"], key)] == [0, 1, 2], key
     assert run["params"]["batch_shape"] == "6x4" and run["params"]["batch_size"] == "6"
+
+
+@pytest.mark.parametrize("extra, logs_ppl", [
+    (" / torch.tensor(2.0)", True),  # DivBackward0 by a tensor without a gradient
+    (".double() * 3", True),  # a cast, then MulBackward1
+    (".reshape(1)", True),  # a one-element view
+    (" * temperature", False),  # times a trainable parameter: no longer a per-token loss
+    (" / crit(model(x), y).detach() + crit(model(x), y)", False),  # a sum of two losses
+])
+def test_perplexity_is_logged_for_a_scaled_cross_entropy(shell, extra, logs_ppl):
+    """A cross-entropy seen through casts, views and scalings by what has no gradient (HF's
+    sum / num_items_in_batch, a loop's loss / accumulation_steps) logs perplexity; a loss that
+    a trainable parameter scales, or a sum of losses, logs none."""
+    setup(shell)
+    assert shell.run_cell("temperature = torch.nn.Parameter(torch.tensor(1.5))\n"
+                          "opt.add_param_group({'params': [temperature]})").success
+    name = "m-ppl-" + re.sub(r"\W+", "-", extra).strip("-")
+    res = shell.run_cell(f"%%ort baseline --experiment {name} --no-progress\n" + LOOP.format(n=3, extra=extra))
+    assert res.success, res.error_in_exec
+    c = shell_client()
+    (run,) = runs_of(c, name)
+    losses = [v for _, v, _ in c.get_metric_history(run["run_id"], "loss")]
+    ppl = [v for _, v, _ in c.get_metric_history(run["run_id"], "ppl")]
+    assert len(losses) == 3
+    assert ppl == (pytest.approx([math.exp(v) for v in losses], rel=1e-6) if logs_ppl else [])
 
 
 def test_cell_error_surfaces_and_run_fails(shell, capsys):

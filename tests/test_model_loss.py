@@ -168,6 +168,44 @@ def test_a_loss_the_engine_cannot_fuse_runs_the_whole_graph_as_before():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+class _ScaledLoss(torch.nn.Module):
+    """A language model returning its own summed cross-entropy, scaled by `scale`: "tokens"
+    (divided by the token count, as HF's sum / num_items_in_batch) or "learned" (times a
+    trainable temperature)."""
+
+    def __init__(self, scale: str):
+        super().__init__()
+        self.scale = scale
+        self.emb, self.head = torch.nn.Embedding(V, 32), torch.nn.Linear(32, V)
+        self.temperature = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, ids, labels):
+        logits = self.head(self.emb(ids))
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        loss = ce / labels.numel() if self.scale == "tokens" else ce * self.temperature
+        return {"loss": loss, "logits": logits}
+
+
+@pytest.mark.parametrize("scale, per_token", [("tokens", True), ("learned", False)])
+def test_perplexity_is_logged_for_a_scaled_cross_entropy_as_in_pytorch(scale, per_token):
+    """A cross-entropy divided by the token count is still a per-token loss in the engine as in
+    PyTorch (its perplexity is logged in both runs); one that a trainable parameter scales is
+    not, in either."""
+    from ortrain._steps import is_cross_entropy, loss_kind
+
+    torch.manual_seed(0)
+    model = _ScaledLoss(scale)
+    ref = copy.deepcopy(model)
+    ortrain.accelerate(model, strict=True)
+    ids = _batches(1)[0]
+    out, ref_out = model(ids, ids), ref(ids, ids)
+    assert out["loss"].item() == pytest.approx(ref_out["loss"].item(), rel=1e-5)
+    assert is_cross_entropy(loss_kind(ref_out["loss"])) is per_token
+    assert is_cross_entropy(loss_kind(out["loss"])) is per_token
+    # either way the model's loss ran alone, its LM head fused
+    assert _state(model).model_loss_calls == 1 and type(out["logits"]) is LazyOutput
+
+
 def test_fuse_loss_false_keeps_the_whole_graph():
     model = _gpt2()
     ortrain.accelerate(model, strict=True, fuse_loss=False)

@@ -62,3 +62,6 @@ def test_lora_adapters_train_in_the_engine_as_in_pytorch():
     assert state.optimizer_in_engine and state.model_loss_calls == 3
     text = ortrain.explain(model)
     assert "] runs in PyTorch" not in text and "fuse_linear_cross_entropy ×1" in text, text
+    n_all = sum(p.numel() for p in model.parameters())
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert f"{n_all:,} parameters ({n_lora:,} trainable)" in text, text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ortrain.accelerate import _first_line
+from ortrain._warn import first_line
 from ortrain import fully_sharded
 
 
@@ -38,7 +38,9 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
         state.last_inputs = flatten_call(model, example_args, example_kwargs)[1]
 
     n_params = sum(p.numel() for p in model.parameters())
-    lines = [f"{type(model).__name__}: {n_params:,} parameters, device {state.device}, "
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = f" ({n_trainable:,} trainable)" if n_trainable != n_params else ""
+    lines = [f"{type(model).__name__}: {n_params:,} parameters{frozen}, device {state.device}, "
              f"optimizer {'in the engine' if state.optimizer_in_engine else 'in PyTorch' if state.optimizer else 'none given'}"
              + (describe_last_step(state.optimizer) if state.optimizer_in_engine else "")
              + (f" ({type(state.optimizer).__name__.removeprefix('Ortrain')} made after accelerate(): its first step "
@@ -99,7 +101,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                 if key[1] and r.trainable_params:
                     lines += _training_memory(state, r, info)
         else:
-            lines.append(f"  [{mode}] runs in PyTorch: {_first_line(r)}")
+            lines.append(f"  [{mode}] runs in PyTorch: {first_line(r)}")
     if state.fused_loss_calls:
         lines.append(f"  loss fused into the engine graph (cross-entropy): {state.fused_loss_calls} call(s)")
     if state.model_loss_calls:

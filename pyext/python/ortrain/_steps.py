@@ -110,7 +110,7 @@ class StepRecorder:
             if tensor.numel() == 1:
                 loss = tensor.detach().reshape(())
                 recorder._last_loss = loss if recorder._last_loss is None else recorder._last_loss + loss
-                recorder._loss_kind = type(tensor.grad_fn).__name__ if tensor.grad_fn is not None else None
+                recorder._loss_kind = loss_kind(tensor)
             return orig(tensor, *args, **kwargs)
 
         backward.__doc__ = orig.__doc__
@@ -219,6 +219,30 @@ class StepRecorder:
         self._last_end = time.perf_counter() if self.steps == 1 else now
         if self.max_steps is not None and self.steps >= self.max_steps:
             raise StopCell()
+
+
+#: grad_fns that re-type or reshape their one differentiable input
+_PASS_THROUGH = ("ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "ReshapeAliasBackward0",
+                 "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward4")
+#: grad_fns of a product or quotient by a number or by a tensor without a gradient
+_SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1")
+
+
+def loss_kind(loss) -> str | None:
+    """The name of the grad_fn that made `loss`, seen through casts, reshapes and scalings by
+    what has no gradient: HF's sum / num_items_in_batch and the Trainer's times the process
+    count, or a loop's loss / accumulation_steps, are still a per-token cross-entropy, whose
+    perplexity is logged (engine/model_loss.py applies the same rule to an exported loss)."""
+    fn = loss.grad_fn
+    while fn is not None and type(fn).__name__ in _PASS_THROUGH + _SCALINGS:
+        inputs = [f for f, _ in fn.next_functions]
+        if type(fn).__name__ == "DivBackward0" and inputs[1:2] != [None]:
+            break  # a quotient by something with a gradient, or of something without one
+        ahead = [f for f in inputs if f is not None]
+        if len(ahead) != 1:
+            break
+        fn = ahead[0]
+    return type(fn).__name__ if fn is not None else None
 
 
 def is_cross_entropy(loss_kind: str | None) -> bool:

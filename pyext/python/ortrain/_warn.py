@@ -34,3 +34,9 @@ def user_stacklevel() -> int:
 
 def warn(message: str) -> None:
     warnings.warn(message, stacklevel=user_stacklevel())
+
+
+def first_line(exc: Exception) -> str:
+    """The first line of an exception's message (its type's name if it has none), for a warning."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -26,7 +26,9 @@ from ortrain import _ortrain
 from ortrain import optim as _optim
 from ortrain import data_parallel, trainer_options
 from ortrain._trainer_hooks import in_pytorch_baseline, pytorch_baseline, register_train_step_hook, run_step_hooks  # noqa: F401 (public here too)
+from ortrain._steps import loss_kind
 from ortrain.engine.function import grad_addresses, read_outputs, run_inference
+from ortrain.engine.model_loss import loss_is_cross_entropy
 from ortrain.engine.tensors import triple
 from ortrain.export import checkpoints
 
@@ -43,8 +45,6 @@ def _check_model_desc(desc) -> dict:
     return desc
 
 
-#: ONNX op type producing the loss -> the loss kind `%%ort` logs perplexity for
-_LOSS_KINDS = {"SoftmaxCrossEntropyLoss": "CrossEntropyLoss", "NegativeLogLikelihoodLoss": "NllLoss"}
 
 
 def _release_from_accelerate(model) -> None:
@@ -170,9 +170,9 @@ class ORTTrainer:
         if key in self._loss_kinds:
             return self._loss_kinds[key]
         graph = onnx.load_from_string(runner.exported.onnx_bytes).graph
-        loss_name = graph.output[self._loss_index].name
-        producer = next((n.op_type for n in graph.node if loss_name in n.output), None)
-        self._loss_kinds[key] = _LOSS_KINDS.get(producer)
+        loss = graph.output[self._loss_index].name
+        # the kind `%%ort` logs perplexity for, as it would for PyTorch's loss
+        self._loss_kinds[key] = "CrossEntropyLoss" if loss_is_cross_entropy(graph, loss, runner.exported.param_map) else None
         return self._loss_kinds[key]
 
     def _param_name(self, onnx_name: str, runner) -> str:
@@ -229,8 +229,7 @@ class ORTTrainer:
         prefix = len(self._prefix)
         named = [(n[prefix:] if n.startswith(self._prefix) else n, p.detach(), g) for (n, p), g in zip(params, grads) if g is not None]
         self._accumulate(named)
-        grad_fn = outs[self._loss_index].grad_fn
-        self._last_loss_kind = type(grad_fn).__name__ if grad_fn is not None else None
+        self._last_loss_kind = loss_kind(outs[self._loss_index])
         return self._result(tuple(o.detach() for o in outs))
 
     def _accumulate(self, named: list) -> None:

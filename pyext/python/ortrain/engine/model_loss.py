@@ -23,10 +23,12 @@ from .runner import Runner
 
 #: ONNX ops whose output is a cross-entropy (perplexity is logged for it, ortrain/_steps.py)
 _CROSS_ENTROPY_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-#: ops between that op and a loss output that keep it a cross-entropy. Not Div or Mul: HF's
-#: sum / num_items_in_batch shows DivBackward0 in PyTorch, which logs no perplexity for it, and
-#: the accelerated run logs what the baseline logs
-_SCALINGS = ("Cast", "Identity")
+#: ops between that op and a loss output that keep it a per-token loss: casts, and a scaling by
+#: something no trainable parameter feeds (HF's sum / num_items_in_batch, a division by the
+#: accumulation steps). PyTorch's side of the same rule is ortrain/_steps.py's `loss_kind`: the
+#: accelerated run logs perplexity where the baseline does
+_CASTS = ("Cast", "Identity")
+_SCALINGS = ("Mul", "Div")
 
 
 def _loss_leaves(structure) -> dict | None:
@@ -59,13 +61,45 @@ def split_outputs(structure, types: list):
     return loss, other
 
 
-def _is_cross_entropy(graph, name: str) -> bool:
-    """Whether graph value `name` is a cross-entropy (through casts)."""
+def loss_is_cross_entropy(graph, name: str, params) -> bool:
+    """Whether graph value `name` is a cross-entropy, through casts and through scalings by
+    values that none of `params` (the trainable parameters' graph names) feeds."""
     producers = {out: node for node in graph.node for out in node.output}
     node = producers.get(name)
-    while node is not None and node.op_type in _SCALINGS:
-        node = producers.get(node.input[0])
+    while node is not None and node.op_type in _CASTS + _SCALINGS:
+        if node.op_type in _CASTS:
+            node = producers.get(node.input[0])
+            continue
+        # a Div scales its numerator; a Mul the one factor that is not a scale
+        if node.op_type == "Div":
+            scaled, scales = node.input[0], node.input[1:]
+        else:
+            losses = [i for i in node.input if not _is_scale(producers, i, params)]
+            if len(losses) != 1:
+                return False
+            scaled, scales = losses[0], [i for i in node.input if i != losses[0]]
+        if not all(_is_scale(producers, i, params) for i in scales):
+            return False
+        node = producers.get(scaled)
     return node is not None and node.op_type in _CROSS_ENTROPY_OPS
+
+
+def _is_scale(producers: dict, name: str, params) -> bool:
+    """Whether no trainable parameter and no cross-entropy feeds graph value `name`."""
+    seen, todo = set(), [name]
+    while todo:
+        value = todo.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        if value in params:
+            return False
+        node = producers.get(value)
+        if node is not None:
+            if node.op_type in _CROSS_ENTROPY_OPS:
+                return False
+            todo.extend(i for i in node.input if i)
+    return True
 
 
 def autograd_function(exported):
@@ -76,14 +110,15 @@ def autograd_function(exported):
     if leaves is None:
         return EngineFunction
     graph = onnx.load_from_string(exported.onnx_bytes).graph
-    return FusedCrossEntropyLoss if _is_cross_entropy(graph, graph.output[leaves["loss"]].name) else EngineFunction
+    loss = graph.output[leaves["loss"]].name
+    return FusedCrossEntropyLoss if loss_is_cross_entropy(graph, loss, exported.param_map) else EngineFunction
 
 
-def _loss_only(onnx_bytes: bytes, loss: int) -> tuple[bytes, bool]:
+def _loss_only(exported, loss: int) -> tuple[bytes, bool]:
     """The graph with output `loss` its only output; whether that output is a cross-entropy."""
-    model = onnx.load_from_string(onnx_bytes)
+    model = onnx.load_from_string(exported.onnx_bytes)
     g = model.graph
-    is_cross_entropy = _is_cross_entropy(g, g.output[loss].name)
+    is_cross_entropy = loss_is_cross_entropy(g, g.output[loss].name, exported.param_map)
     for o in [o for i, o in enumerate(g.output) if i != loss]:
         g.output.remove(o)
     return model.SerializeToString(), is_cross_entropy
@@ -96,7 +131,7 @@ class ModelLossRunner(Runner):
         # as CrossEntropyRunner: the CPU's fused LM head + loss writes the weight gradients in
         # the forward pass
         self.grads_at_forward = device == "cpu"
-        onnx_bytes, is_cross_entropy = _loss_only(exported.onnx_bytes, loss)
+        onnx_bytes, is_cross_entropy = _loss_only(exported, loss)
         # the loss's grad_fn names a cross-entropy where it is one, as the model's in PyTorch does
         self.function = FusedCrossEntropyLoss if is_cross_entropy else EngineFunction
         only = dataclasses.replace(exported, onnx_bytes=onnx_bytes, output_names=[exported.output_names[loss]])
