@@ -19,11 +19,12 @@ fn params(node: &Node) -> Result<(f64, f64, bool)> {
     Ok((alpha, beta, tanh))
 }
 
-/// Tanh of f32 by the vectorised kernel (libm's tanh is scalar, ~20 ns an element), by blocks.
-fn tanh_f32(x: &In, o: &mut Out) -> Result<()> {
+/// An f32 activation by its vectorised kernel (vmath.rs: libm's tanh and exp are scalar, ~20 ns
+/// an element), in parallel by blocks.
+fn f32_blocks(x: &In, o: &mut Out, kernel: fn(&mut [f32], &[f32])) -> Result<()> {
     const BLOCK: usize = 1 << 14;
     let xs = x.slice::<f32>()?;
-    o.slice::<f32>()?.par_chunks_mut(BLOCK).zip(xs.par_chunks(BLOCK)).for_each(|(o, x)| vmath::tanh_slice::call(o, x));
+    o.slice::<f32>()?.par_chunks_mut(BLOCK).zip(xs.par_chunks(BLOCK)).for_each(|(o, x)| kernel(o, x));
     Ok(())
 }
 
@@ -110,8 +111,9 @@ fn forward(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) 
         match op {
             "Relu" => map1::<T, T>(x, o, |v| if v > zero { v } else { zero }),
             "LeakyRelu" => map1::<T, T>(x, o, move |v| if v >= zero { v } else { a * v }),
-            "Tanh" if x.dtype == crate::tensor::DType::F32 => tanh_f32(x, o),
+            "Tanh" if x.dtype == crate::tensor::DType::F32 => f32_blocks(x, o, vmath::tanh_slice::call),
             "Tanh" => map1::<T, T>(x, o, |v| v.tanh()),
+            "Sigmoid" if x.dtype == crate::tensor::DType::F32 => f32_blocks(x, o, vmath::sigmoid_slice::call),
             "Sigmoid" => map1::<T, T>(x, o, move |v| one / (one + (-v).exp())),
             // the tanh approximation is `gelu_tanh`
             "Gelu" => {

@@ -1,4 +1,5 @@
-//! Vectorised f32 primitives: tanh (`tanh_slice`, for the Tanh op), and rows of softmax-style kernels: log-Σ-exp in one pass (online
+//! Vectorised f32 primitives: tanh and the logistic sigmoid (`tanh_slice`, `sigmoid_slice`, for
+//! the Tanh and Sigmoid ops), `exp_poly` (softmax.rs's rows), and rows of softmax-style kernels: log-Σ-exp in one pass (online
 //! max) and the scaled softmax row of the cross-entropy gradient, and the same for blocks stored
 //! column by column (the fp32 LM head's tiles): each row's shifted exps and sum, the scaled
 //! gradient with its column sums. `exp` is a branch-free polynomial (Cody–Waite range reduction, degree-6 Taylor on |r| ≤ ln2/2, relative error ≈ 2e-7) written so that LLVM vectorises it;
@@ -31,7 +32,7 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// e^x; with FMA the range reduction and the Horner steps are fused multiply-adds (0.62 vs 0.87
 /// ns per element of the softmax row pass on Zen 3, and no less accurate).
 #[inline(always)]
-fn exp_poly<const FMA: bool>(x: f32) -> f32 {
+pub(super) fn exp_poly<const FMA: bool>(x: f32) -> f32 {
     // comparisons keep this a plain select that vectorises (a NaN stays NaN either way)
     #[allow(clippy::manual_clamp)]
     let x = if x < -87.0 {
@@ -84,7 +85,17 @@ fn tanh_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
     }
 }
 
-const LANES: usize = 16;
+/// out[k] = 1 / (1 + e^(−x[k])), within 3 ULP of the exact value; below x = −88 `exp_poly`'s
+/// clamp gives 6·10⁻³⁹ where the exact value is a denormal or 0. NaN stays NaN.
+#[inline(always)]
+fn sigmoid_body<const FMA: bool>(out: &mut [f32], x: &[f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = 1.0 / (1.0 + exp_poly::<FMA>(-v));
+    }
+}
+
+/// f32 lanes of the row primitives' partial sums and maxima (one AVX-512 vector).
+pub(super) const LANES: usize = 16;
 
 /// One LANES-wide step of `lse_body`: each lane's running max and rescaled sum, and the NaN
 /// poison (v · 0 is NaN for a NaN or an infinity).
@@ -220,6 +231,7 @@ fn cols_scale_and_sum_body<const FMA: bool>(out: &mut [f32], e: &[f32], f: &[f32
 }
 
 multiversion!(tanh_slice, tanh_body, (out: &mut [f32], x: &[f32]) -> ());
+multiversion!(sigmoid_slice, sigmoid_body, (out: &mut [f32], x: &[f32]) -> ());
 
 multiversion!(row_lse_online, lse_body, (x: &[f32]) -> f32);
 multiversion!(row_scaled_softmax, scaled_softmax_body, (out: &mut [f32], x: &[f32], lse: f32, g: f32) -> ());
@@ -276,6 +288,21 @@ mod tests {
         let mut nan = [0f32; 3];
         tanh_slice::call(&mut nan, &[f32::NAN, f32::INFINITY, f32::NEG_INFINITY]);
         assert!(nan[0].is_nan() && nan[1] == 1.0 && nan[2] == -1.0);
+    }
+
+    #[test]
+    fn sigmoid_is_within_three_ulp_of_the_exact_value() {
+        let x: Vec<f32> = (-170_000..=200_000).map(|i| i as f32 * 5e-4).chain([-0.0, 1e-30, 1e30]).collect();
+        let mut got = vec![0f32; x.len()];
+        sigmoid_slice::call(&mut got, &x);
+        for (&v, &g) in x.iter().zip(&got) {
+            let exact = 1.0 / (1.0 + (-(v as f64)).exp());
+            let ulp = ((exact as f32).max(f32::MIN_POSITIVE) as f64) * f32::EPSILON as f64;
+            assert!(((g as f64) - exact).abs() <= 3.0 * ulp, "sigmoid({v}) = {g}, exact {exact}");
+        }
+        let mut ends = [0f32; 4];
+        sigmoid_slice::call(&mut ends, &[f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -1e30]);
+        assert!(ends[0].is_nan() && ends[1] == 1.0 && ends[2] < 1e-38 && ends[3] < 1e-38);
     }
 
     /// A block stored column by column, as the LM head's tiles are: per row, the shifted exps
