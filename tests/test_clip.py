@@ -105,6 +105,18 @@ def test_what_the_engine_does_not_cover_goes_to_torch(monkeypatch):
     assert calls == []
 
 
+def test_explain_counts_each_models_own_clips():
+    """explain() counts the clips of that model's gradients, not every accelerated model's."""
+    a, b, never = (_model_with_grads(accelerated=True) for _ in range(3))
+    for _ in range(3):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0)
+    torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0, norm_type=float("inf"))
+    assert "clip_grad_norm_ of its gradients: 3 call(s) in the engine\n" in ortrain.explain(a) + "\n"
+    assert "clip_grad_norm_ of its gradients: 1 call(s) in the engine, 1 in PyTorch (last: norm_type=inf)" in ortrain.explain(b)
+    assert "clip_grad_norm_" not in ortrain.explain(never)
+
+
 def test_single_tensors_generators_and_nonfinite_norms():
     model = _model_with_grads(accelerated=True)
     p = model.decoder.bias

@@ -84,7 +84,7 @@ def test_trainer_trains_an_accelerated_model_as_it_trains_the_plain_one():
     text = ortrain.explain(model)
     assert "] runs in PyTorch" not in text, text
     # (the clip line's counts are the process's: other tests' models clip too)
-    assert re.search(r"clip_grad_norm_ of accelerated gradients: \d+ call\(s\) in the engine", text), text
+    assert re.search(r"clip_grad_norm_ of its gradients: \d+ call\(s\) in the engine", text), text
     # the Trainer's own AdamW, made inside train(): stepped by the engine from its second step on
     assert "optimizer in the engine (AdamW made after accelerate()" in text.splitlines()[0], text
     for p, q in zip(model.parameters(), plain.parameters()):

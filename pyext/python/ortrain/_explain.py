@@ -54,7 +54,7 @@ def explain(model, *example_args, profile: bool = False, **example_kwargs) -> st
                      "skipped for inf/NaN gradients")
     from ortrain.engine import clip
 
-    clipped = clip.describe()
+    clipped = clip.describe(model)
     if clipped and state.device == "cpu":
         lines.append("  " + clipped)
     if not state.runners:

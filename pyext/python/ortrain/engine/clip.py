@@ -42,11 +42,12 @@ _STRIDED = torch.strided
 
 #: accelerated CPU models: their parameters' gradients are clipped in the engine
 _MODELS: weakref.WeakSet = weakref.WeakSet()
-#: ((registration count, models), ids of their parameters), rebuilt when either changes
-_PARAM_IDS: list = [None, frozenset()]
+#: ((registration count, models), {id of a parameter: its model}), rebuilt when either changes
+_PARAM_IDS: list = [None, {}]
 _ORIGINAL: list = []
-#: calls with accelerated models' gradients: in the engine, in torch's function (and why, last)
-_CALLS = {"engine": 0, "torch": 0, "why": ""}
+#: per accelerated model, the calls that clipped its gradients: {"engine": n, "torch": n, "why":
+#: why torch's function clipped them, the last time}
+_CALLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def install(model: torch.nn.Module) -> None:
@@ -68,14 +69,25 @@ def forget(model: torch.nn.Module) -> None:
     _MODELS.discard(model)
 
 
-def _accelerated_ids() -> frozenset:
+def _accelerated_ids() -> dict:
+    """{id of a parameter of an accelerated model: that model}."""
     from ortrain.accelerate import _REGISTRATIONS
 
     key = (_REGISTRATIONS[0], tuple(sorted(id(m) for m in _MODELS)))
     if _PARAM_IDS[0] != key:
         _PARAM_IDS[0] = key
-        _PARAM_IDS[1] = frozenset(id(p) for m in list(_MODELS) for p in m.parameters())
+        _PARAM_IDS[1] = {id(p): m for m in list(_MODELS) for p in m.parameters()}
     return _PARAM_IDS[1]
+
+
+def _count(owners: set, where: str, why: str = "") -> None:
+    """One clip of the gradients of the accelerated models `owners`, in the engine or in torch's
+    function (`why`)."""
+    for model in owners:
+        calls = _CALLS.setdefault(model, {"engine": 0, "torch": 0, "why": ""})
+        calls[where] += 1
+        if why:
+            calls["why"] = why
 
 
 #: whether the engine's GPU clip still works in this process
@@ -85,18 +97,20 @@ _GPU_TABLES: dict = {}
 
 
 def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
-    """(the gradients to clip in the engine, "") or (None, why torch's function clips them: empty
-    when no accelerated model's gradient is among them). One pass of identity and flag tests per
+    """(the gradients to clip in the engine, "", the accelerated models they belong to) or (None,
+    why torch's function clips them: empty when no accelerated model's gradient is among them,
+    those models). One pass of identity and flag tests per
     gradient: this runs every step (about 27 µs for the tutorial model's 27 on a 2-core AMD EPYC)."""
     ids = _accelerated_ids()
-    grads, ours, why = [], False, ""
+    grads, owners, why = [], set(), ""
     device = None  # the gradients' device index (-1: the CPU), False once they differ
     for p in params:
         g = p.grad
         if g is None:
             continue
-        if id(p) in ids:
-            ours = True
+        owner = ids.get(id(p))
+        if owner is not None:
+            owners.add(owner)
         elif not why:
             why = "parameters of models that are not accelerated among them"
         if not why and not addressable(g):
@@ -109,8 +123,8 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
         elif device is not False and d != device:
             device = False
         grads.append(g)
-    if not ours:
-        return None, ""
+    if not owners:
+        return None, "", owners
     if os.environ.get("ORTRAIN_ENGINE_CLIP", "1") == "0":
         why = "ORTRAIN_ENGINE_CLIP=0"
     elif float(norm_type) != 2.0:
@@ -119,7 +133,7 @@ def _engine_grads(params: list, norm_type, error_if_nonfinite: bool) -> tuple:
         why = why or f"gradients on {len({g.device for g in grads})} devices"
     elif device is not None and device >= 0 and not why:
         why = _gpu_why_not(torch.device("cuda", device), error_if_nonfinite)
-    return (None, why) if why else (grads, "")
+    return (None, why, owners) if why else (grads, "", owners)
 
 
 def _gpu_why_not(device: torch.device, error_if_nonfinite: bool) -> str:
@@ -158,13 +172,14 @@ def _gpu_clip(grads: list, max_norm: float):
     return out[0]
 
 
-def describe() -> str | None:
-    """explain()'s line: where clip_grad_norm_ ran for accelerated models' gradients, if it did."""
-    if not (_CALLS["engine"] or _CALLS["torch"]):
+def describe(model) -> str | None:
+    """explain()'s line: where clip_grad_norm_ ran for `model`'s gradients, if it did."""
+    calls = _CALLS.get(model)
+    if calls is None:
         return None
-    line = f"clip_grad_norm_ of accelerated gradients: {_CALLS['engine']} call(s) in the engine"
-    if _CALLS["torch"]:
-        line += f", {_CALLS['torch']} in PyTorch (last: {_CALLS['why']})"
+    line = f"clip_grad_norm_ of its gradients: {calls['engine']} call(s) in the engine"
+    if calls["torch"]:
+        line += f", {calls['torch']} in PyTorch (last: {calls['why']})"
     return line
 
 
@@ -172,16 +187,15 @@ def describe() -> str | None:
 def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
     is_generator = isinstance(parameters, types.GeneratorType)
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    grads, why = _engine_grads(params, norm_type, error_if_nonfinite)
+    grads, why, owners = _engine_grads(params, norm_type, error_if_nonfinite)
     if grads and grads[0].device.type == "cuda":
         total_norm = _gpu_clip(grads, max_norm)
         if total_norm is not None:
-            _CALLS["engine"] += 1
+            _count(owners, "engine")
             return total_norm
         grads, why = None, "the engine's GPU clip failed"
     if why:
-        _CALLS["torch"] += 1
-        _CALLS["why"] = why
+        _count(owners, "torch", why)
     if grads is None:
         # an emptied generator goes on as one, so that torch warns about it as it would
         again = (p for p in params) if is_generator else params
@@ -194,5 +208,5 @@ def _clip_grad_norm_(original, parameters, max_norm, norm_type=2.0, error_if_non
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
             "set `error_if_nonfinite=False`")
-    _CALLS["engine"] += 1
+    _count(owners, "engine")
     return total_norm
