@@ -117,6 +117,19 @@ def test_explain_counts_each_models_own_clips():
     assert "clip_grad_norm_" not in ortrain.explain(never)
 
 
+def test_a_dropped_model_is_freed_after_its_clips():
+    """The per-model clip counts and the parameter cache hold accelerated models weakly."""
+    import gc
+    import weakref
+
+    model = _model_with_grads(accelerated=True)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_single_tensors_generators_and_nonfinite_norms():
     model = _model_with_grads(accelerated=True)
     p = model.decoder.bias

@@ -42,7 +42,8 @@ _STRIDED = torch.strided
 
 #: accelerated CPU models: their parameters' gradients are clipped in the engine
 _MODELS: weakref.WeakSet = weakref.WeakSet()
-#: ((registration count, models), {id of a parameter: its model}), rebuilt when either changes
+#: ((registration count, models), {id of a parameter: a weak reference to its model}), rebuilt
+#: when either changes (weak: a model the user drops is freed, cache or not)
 _PARAM_IDS: list = [None, {}]
 _ORIGINAL: list = []
 #: per accelerated model, the calls that clipped its gradients: {"engine": n, "torch": n, "why":
@@ -70,20 +71,20 @@ def forget(model: torch.nn.Module) -> None:
 
 
 def _accelerated_ids() -> dict:
-    """{id of a parameter of an accelerated model: that model}."""
+    """{id of a parameter of an accelerated model: a weak reference to that model}."""
     from ortrain.accelerate import _REGISTRATIONS
 
     key = (_REGISTRATIONS[0], tuple(sorted(id(m) for m in _MODELS)))
     if _PARAM_IDS[0] != key:
         _PARAM_IDS[0] = key
-        _PARAM_IDS[1] = {id(p): m for m in list(_MODELS) for p in m.parameters()}
+        _PARAM_IDS[1] = {id(p): ref for m in list(_MODELS) for ref in (weakref.ref(m),) for p in m.parameters()}
     return _PARAM_IDS[1]
 
 
 def _count(owners: set, where: str, why: str = "") -> None:
-    """One clip of the gradients of the accelerated models `owners`, in the engine or in torch's
-    function (`why`)."""
-    for model in owners:
+    """One clip of the gradients of the accelerated models `owners` (weak references), in the
+    engine or in torch's function (`why`)."""
+    for model in filter(None, (ref() for ref in owners)):
         calls = _CALLS.setdefault(model, {"engine": 0, "torch": 0, "why": ""})
         calls[where] += 1
         if why:
