@@ -221,11 +221,11 @@ class StepRecorder:
             raise StopCell()
 
 
-#: grad_fns that re-type or reshape their one differentiable input
-_PASS_THROUGH = ("ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0", "ReshapeAliasBackward0",
-                 "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1", "SqueezeBackward4")
-#: grad_fns of a product or quotient by a number or by a tensor without a gradient
-_SCALINGS = ("MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1")
+#: grad_fns `loss_kind` looks through: those that re-type or reshape their one differentiable
+#: input, and a product or quotient by a number or by a tensor without a gradient
+_SEEN_THROUGH = frozenset(("ToCopyBackward0", "CloneBackward0", "AliasBackward0", "ViewBackward0",
+                           "ReshapeAliasBackward0", "UnsqueezeBackward0", "SqueezeBackward0", "SqueezeBackward1",
+                           "SqueezeBackward4", "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1"))
 
 
 def loss_kind(loss) -> str | None:
@@ -234,7 +234,7 @@ def loss_kind(loss) -> str | None:
     count, or a loop's loss / accumulation_steps, are still a per-token cross-entropy, whose
     perplexity is logged (engine/model_loss.py applies the same rule to an exported loss)."""
     fn = loss.grad_fn
-    while fn is not None and type(fn).__name__ in _PASS_THROUGH + _SCALINGS:
+    while fn is not None and type(fn).__name__ in _SEEN_THROUGH:
         inputs = [f for f, _ in fn.next_functions]
         if type(fn).__name__ == "DivBackward0" and inputs[1:2] != [None]:
             break  # a quotient by something with a gradient, or of something without one

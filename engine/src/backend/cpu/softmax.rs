@@ -2,18 +2,17 @@
 //! scores) take vectorised row kernels: `exp_poly` (vmath.rs) for libm's scalar exp, and 16-lane
 //! maxima and sums (a sequential f32 sum does not vectorise); the rest the generic loops.
 
-use std::any::TypeId;
-
 use rayon::prelude::*;
 
 use super::elementwise::{first, FloatElem};
-use super::vmath::{exp_poly, LANES};
-use crate::simd::multiversion;
 use super::tensor_view::{In, Out};
+use super::vmath::{exp_poly, LANES};
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::softmax_layout_of;
+use crate::simd::multiversion;
+use crate::tensor::DType;
 
 /// Runs `f(group_in..., group_out)` over each (outer index) block of n·inner elements.
 fn softmax_rows<T: FloatElem>(x: &[T], y: &mut [T], n: usize, inner: usize, log: bool) {
@@ -144,51 +143,32 @@ fn rows_per_task(n: usize) -> usize {
     ((1 << 14) / n.max(1)).max(1)
 }
 
-/// The f32 row kernels over rows of n along the last axis, where T is f32 and inner is 1.
-fn f32_rows<T: 'static>(x: &[T], y: &mut [T], n: usize, inner: usize, log: bool) -> bool {
-    if inner != 1 || n == 0 || TypeId::of::<T>() != TypeId::of::<f32>() {
-        return false;
-    }
-    // SAFETY: T is f32 (checked above): the same memory, length and element type.
-    let (x, y) = unsafe {
-        (std::slice::from_raw_parts(x.as_ptr() as *const f32, x.len()), std::slice::from_raw_parts_mut(y.as_mut_ptr() as *mut f32, y.len()))
-    };
+/// The f32 row kernels over rows of n (the last axis).
+fn f32_rows(x: &[f32], y: &mut [f32], n: usize, log: bool) {
     let task = rows_per_task(n) * n;
     x.par_chunks(task).zip(y.par_chunks_mut(task)).for_each(|(xs, ys)| {
         xs.chunks_exact(n).zip(ys.chunks_exact_mut(n)).for_each(|(xr, yr)| softmax_row::call(yr, xr, log));
     });
-    true
 }
 
 /// As `f32_rows`, for the gradient.
-fn f32_grad_rows<T: 'static>(dy: &[T], y: &[T], o: &mut [T], n: usize, inner: usize, log: bool) -> bool {
-    if inner != 1 || n == 0 || TypeId::of::<T>() != TypeId::of::<f32>() {
-        return false;
-    }
-    // SAFETY: T is f32 (checked above): the same memory, lengths and element type.
-    let (dy, y, o) = unsafe {
-        (
-            std::slice::from_raw_parts(dy.as_ptr() as *const f32, dy.len()),
-            std::slice::from_raw_parts(y.as_ptr() as *const f32, y.len()),
-            std::slice::from_raw_parts_mut(o.as_mut_ptr() as *mut f32, o.len()),
-        )
-    };
+fn f32_grad_rows(dy: &[f32], y: &[f32], o: &mut [f32], n: usize, log: bool) {
     let task = rows_per_task(n) * n;
     o.par_chunks_mut(task).zip(dy.par_chunks(task).zip(y.par_chunks(task))).for_each(|(os, (ds, ys))| {
         os.chunks_exact_mut(n).zip(ds.chunks_exact(n).zip(ys.chunks_exact(n))).for_each(|(o, (d, v))| softmax_grad_row::call(o, d, v, log));
     });
-    true
 }
 
 fn softmax(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let (_, n, inner) = softmax_layout_of(node, x.shape)?;
     let log = node.op_type == "LogSoftmax";
-    fn go<T: FloatElem + 'static>(x: &In, o: &mut Out, n: usize, inner: usize, log: bool) -> Result<()> {
-        let (xs, ys) = (x.slice::<T>()?, o.slice::<T>()?);
-        if !f32_rows(xs, ys, n, inner, log) {
-            softmax_rows(xs, ys, n, inner, log);
-        }
+    if x.dtype == DType::F32 && inner == 1 && n > 0 {
+        f32_rows(x.slice::<f32>()?, out[0].slice::<f32>()?, n, log);
+        return Ok(());
+    }
+    fn go<T: FloatElem>(x: &In, o: &mut Out, n: usize, inner: usize, log: bool) -> Result<()> {
+        softmax_rows(x.slice::<T>()?, o.slice::<T>()?, n, inner, log);
         Ok(())
     }
     crate::dispatch_float!(x.dtype, node, go::<T>(x, &mut out[0], n, inner, log))
@@ -199,10 +179,14 @@ fn softmax_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     let y = inputs.get(1).and_then(|v| v.as_ref()).ok_or_else(|| node.err("input 1 missing"))?;
     let (_, n, inner) = softmax_layout_of(node, dy.shape)?;
     let log = node.op_type == "LogSoftmaxGrad";
-    fn go<T: FloatElem + 'static>(dy: &In, y: &In, o: &mut Out, n: usize, inner: usize, log: bool) -> Result<()> {
+    if dy.dtype == DType::F32 && y.dtype == DType::F32 && inner == 1 && n > 0 {
+        f32_grad_rows(dy.slice::<f32>()?, y.slice::<f32>()?, out[0].slice::<f32>()?, n, log);
+        return Ok(());
+    }
+    fn go<T: FloatElem>(dy: &In, y: &In, o: &mut Out, n: usize, inner: usize, log: bool) -> Result<()> {
         let (dv, yv, ov) = (dy.slice::<T>()?, y.slice::<T>()?, o.slice::<T>()?);
         let block = n * inner;
-        if block == 0 || f32_grad_rows(dv, yv, ov, n, inner, log) {
+        if block == 0 {
             return Ok(());
         }
         let run = |((db, yb), ob): ((&[T], &[T]), &mut [T])| {
@@ -257,9 +241,9 @@ mod tests {
             let dy: Vec<f32> = (0..3).flat_map(|r| row(n, r + 11)).map(|v| v / 8.0).collect();
             for log in [false, true] {
                 let mut y = vec![0f32; 3 * n];
-                assert!(f32_rows(&x, &mut y, n, 1, log));
+                f32_rows(&x, &mut y, n, log);
                 let mut g = vec![0f32; 3 * n];
-                assert!(f32_grad_rows(&dy, &y, &mut g, n, 1, log));
+                f32_grad_rows(&dy, &y, &mut g, n, log);
                 for r in 0..3 {
                     let xr: Vec<f64> = x[r * n..(r + 1) * n].iter().map(|&v| v as f64).collect();
                     let m = xr.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -303,18 +287,10 @@ mod tests {
         x[n..].fill(f32::NEG_INFINITY);
         for log in [false, true] {
             let (mut fast, mut slow) = (vec![0f32; 2 * n], vec![0f32; 2 * n]);
-            assert!(f32_rows(&x, &mut fast, n, 1, log));
+            f32_rows(&x, &mut fast, n, log);
             softmax_rows(&x, &mut slow, n, 1, log);
             assert!(fast.iter().all(|v| v.is_nan()), "log {log}: {fast:?}");
             assert!(slow.iter().all(|v| v.is_nan()), "log {log}: {slow:?}");
         }
-    }
-
-    #[test]
-    fn other_layouts_and_types_take_the_generic_loop() {
-        let (x, mut y) = (vec![0f32; 8], vec![0f32; 8]);
-        assert!(!f32_rows(&x, &mut y, 4, 2, false));
-        let (x, mut y) = (vec![0f64; 8], vec![0f64; 8]);
-        assert!(!f32_rows(&x, &mut y, 8, 1, false));
     }
 }

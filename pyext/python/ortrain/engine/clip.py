@@ -77,7 +77,10 @@ def _accelerated_ids() -> dict:
     key = (_REGISTRATIONS[0], tuple(sorted(id(m) for m in _MODELS)))
     if _PARAM_IDS[0] != key:
         _PARAM_IDS[0] = key
-        _PARAM_IDS[1] = {id(p): ref for m in list(_MODELS) for ref in (weakref.ref(m),) for p in m.parameters()}
+        owners = {}
+        for m in list(_MODELS):
+            owners.update(dict.fromkeys(map(id, m.parameters()), weakref.ref(m)))
+        _PARAM_IDS[1] = owners
     return _PARAM_IDS[1]
 
 

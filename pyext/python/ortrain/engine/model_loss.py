@@ -70,17 +70,14 @@ def loss_is_cross_entropy(graph, name: str, params) -> bool:
         if node.op_type in _CASTS:
             node = producers.get(node.input[0])
             continue
-        # a Div scales its numerator; a Mul the one factor that is not a scale
+        # a Div scales its numerator by a scale; a Mul its one factor that is not a scale
         if node.op_type == "Div":
-            scaled, scales = node.input[0], node.input[1:]
+            scaled = [node.input[0]] if _is_scale(producers, node.input[1], params) else []
         else:
-            losses = [i for i in node.input if not _is_scale(producers, i, params)]
-            if len(losses) != 1:
-                return False
-            scaled, scales = losses[0], [i for i in node.input if i != losses[0]]
-        if not all(_is_scale(producers, i, params) for i in scales):
+            scaled = [i for i in node.input if not _is_scale(producers, i, params)]
+        if len(scaled) != 1:
             return False
-        node = producers.get(scaled)
+        node = producers.get(scaled[0])
     return node is not None and node.op_type in _CROSS_ENTROPY_OPS
 
 
