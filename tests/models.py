@@ -117,6 +117,25 @@ def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dro
     return model, (ids,), loss_fn
 
 
+def llama_small(vocab=200, n_layer=2, hidden=64, batch=2, seq=16, seed=0):
+    """LlamaForCausalLM from a small config (RMSNorm, rotary embeddings, grouped-query attention,
+    SwiGLU) with every weight trainable. Output: logits [batch, seq, vocab]."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=n_layer,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq, use_cache=False,
+                      attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).train()
+    (ids,) = gpt2_inputs(vocab, batch, seq, seed)
+
+    def loss_fn(output, input_ids):
+        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+        return _lm_loss(logits, input_ids)
+
+    return model, (ids,), loss_fn
+
+
 def train_gpt2_with_labels(checkpointing: bool, accelerated: bool, steps: int = 3):
     """A small GPT2LMHeadModel trained as Hugging Face users train it, `model(input_ids,
     labels=ids).loss` (its loss pads the labels: an ONNX Pad; use_cache left on: a key/value

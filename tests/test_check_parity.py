@@ -26,7 +26,8 @@ def test_check_parity_agrees_on_the_tutorial_model():
 
 def test_check_parity_names_the_first_diverging_op(monkeypatch):
     model, _, _ = tutorial_transformer(dropout=0.0, seq=8, batch=3)
-    monkeypatch.setenv("ORTRAIN_FAULT_INJECT", "Softmax")
+    # the engine runs the attention (its products and softmax) as one fused Attention node
+    monkeypatch.setenv("ORTRAIN_FAULT_INJECT", "Attention")
     report = ortrain.check_parity(model, *tutorial_inputs(seq=8, batch=3))
     assert not report.ok
     first = report.first

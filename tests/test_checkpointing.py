@@ -168,4 +168,6 @@ def test_hugging_face_gradient_checkpointing_is_recomputed():
             "(transformer.h.0, transformer.h.1)") in text, text
     peak = [float(line.split("peak arena ")[1].split(" MiB")[0]) for line in (text, ortrain.explain(plain))
             for line in line.splitlines() if "plan for inputs" in line]
-    assert peak[0] < 0.7 * peak[1], peak
+    # neither run keeps the attention's scores (the engine fuses the attention): what is left to
+    # save is each block's other activations
+    assert peak[0] < 0.8 * peak[1], peak

@@ -64,10 +64,18 @@ CASES = {
     "tutorial-selects_to_split": (_tutorial_dropout, "selects_to_split", 2),
     # an unfused attention's q·kᵀ with its scalings (torchlib's decomposition, the scale computed
     # from q's declared head size, kᵀ as a merge-transpose-split of k; HF's k.transpose(-1, -2)):
-    # one FusedMatMul reading q and k
+    # one FusedMatMul reading q and k (attentions with dropout on their probabilities: the others
+    # become fused attentions)
     "tutorial-fold_matmul_transpose": (_tutorial_dropout, "fold_matmul_transpose", 2),
-    "gpt2-fold_matmul_transpose": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fold_matmul_transpose", 2),
-    "bert-fold_matmul_transpose": (lambda: models.bert_small(vocab=200, dropout=0.0), "fold_matmul_transpose", 2),
+    "gpt2-fold_matmul_transpose": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2),
+    "bert-fold_matmul_transpose": (lambda: models.bert_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2),
+    # an attention without dropout: one Attention node (the CPU's blocked f32 kernels), reading
+    # Q, K, V in the projections' layout; BERT's attention_mask as one flag per key
+    "tutorial-fuse_attention": (_tutorial, "fuse_attention", 2),
+    "gpt2-fuse_attention": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_attention", 2),
+    "gpt2-attention_layout": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "attention_layout", 2),
+    "bert-attention_key_padding": (lambda: models.bert_small(vocab=200, dropout=0.0), "attention_key_padding", 2),
+    "llama-fuse_attention": (lambda: models.llama_small(), "fuse_attention", 2),
 }
 
 

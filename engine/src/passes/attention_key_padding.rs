@@ -1,4 +1,4 @@
-//! attention_key_padding (CUDA sessions, after fuse_attention): a fused attention whose mask is
+//! attention_key_padding (after fuse_attention): a fused attention whose mask is
 //! `Where(Expand?(And(C, KP)), z, f)`, with C computed from constants and shapes only (Hugging
 //! Face's causal matrix from positions) and KP a bool value of the step's data that is the same
 //! for every query (Hugging Face's attention_mask as [B, 1, 1, S]), takes the mask apart: the

@@ -1,4 +1,4 @@
-//! attention_layout (CUDA sessions, after fuse_attention): the fused Attention reads Q, K, V in
+//! attention_layout (after fuse_attention): the fused Attention reads Q, K, V in
 //! the layout the projections write them, [B, T, H, D] with the heads inside each row, and writes
 //! O in it (`layout = "BSHD"`, ops/attention.rs), where the graph moved the heads out with
 //! Transposes: Q = Transpose(Xq, [0, 2, 1, 3]), the same for V; Kᵀ = Transpose(Xk, [0, 2, 3, 1]),

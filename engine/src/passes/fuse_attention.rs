@@ -4,9 +4,9 @@
 //! [.., T, S] scores, the probabilities and their gradients are never stored. Only where each
 //! intermediate has no other reader, the scale is a one-element constant, and the mask depends
 //! on no weight (the fused op gives the mask no gradient), and not in float64 (the CUDA attention
-//! kernels take f32, bf16 and fp16; an f64 attention keeps its products and softmax). CUDA
-//! sessions only, opt-in (`ORTRAIN_ENABLE_PASSES=fuse_attention`, see passes/mod.rs); the CPU
-//! kernel is the reference.
+//! kernels take f32, bf16 and fp16, the CPU's fast ones f32; an f64 attention keeps its products
+//! and softmax). Every CPU session; CUDA sessions opt-in (`ORTRAIN_ENABLE_PASSES=fuse_attention`,
+//! see passes/mod.rs).
 
 use super::{computed_from, scalar_const, scalar_value, sole_producer};
 use crate::error::Result;

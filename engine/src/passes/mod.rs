@@ -64,9 +64,9 @@ enum Runs {
     Both,
     CpuOnly,
     CudaOnly,
-    /// CUDA sessions, only when named in `ORTRAIN_ENABLE_PASSES` (a fusion that is correct but
-    /// not yet faster everywhere).
-    CudaOptIn,
+    /// Every CPU session; CUDA sessions only when named in `ORTRAIN_ENABLE_PASSES` (a fusion
+    /// that is correct there but not yet faster everywhere).
+    CpuAndCudaOptIn,
     /// Every session, only when named in `ORTRAIN_ENABLE_PASSES`.
     OptIn,
 }
@@ -78,16 +78,16 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // a tensor taken apart whole by constant-index Gathers (nn.MultiheadAttention's packed
     // q, k, v): one Split, whose gradient is one Concat instead of n scatters and their sum
     ("selects_to_split", |g, _| Ok(selects_to_split::run(g)), Runs::Both),
-    // CUDA only, opt-in: the CPU's Attention kernel is a plain reference for the GPU's; on an
-    // H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by 38% but made its step
-    // slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
-    ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CudaOptIn),
+    // CPU sessions (backend/cpu/attention_f32.rs: blocked gemms, masked keys skipped); CUDA
+    // sessions opt-in: on an H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by
+    // 38% but made its step slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
+    ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CpuAndCudaOptIn),
     // after it: an attention_mask input's padding reaches the fused attention as one flag per
     // key, the rest of its mask a constant (a no-op without fused attentions)
-    ("attention_key_padding", |g, _| Ok(attention_key_padding::run(g)), Runs::CudaOnly),
+    ("attention_key_padding", |g, _| Ok(attention_key_padding::run(g)), Runs::Both),
     // after it: the fused attention reads Q, K, V and writes O with the heads inside the rows,
     // where the graph transposed them out and back
-    ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::CudaOnly),
+    ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::Both),
     // after it, before autocast renames the values whose shapes the exporter declared: a
     // self-attention over the three parts of one split projection reads the projection itself
     ("attention_packed_qkv", |g, _| Ok(attention_packed_qkv::run(g)), Runs::CudaOnly),
@@ -198,8 +198,8 @@ pub fn run(graph: &mut Graph, ctx: PassCtx) -> Result<PassReport> {
 /// ORTRAIN_DISABLE_PASSES / ORTRAIN_ENABLE_PASSES).
 fn wanted(name: &str, runs: Runs, target: Target, off: &[String], on: &[String]) -> bool {
     let skip = match (target, runs) {
-        (Target::Cpu, Runs::CudaOptIn | Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
-        (Target::Cuda, Runs::CudaOptIn) | (_, Runs::OptIn) => !on.iter().any(|n| n == name),
+        (Target::Cpu, Runs::CudaOnly) | (Target::Cuda, Runs::CpuOnly) => true,
+        (Target::Cuda, Runs::CpuAndCudaOptIn) | (_, Runs::OptIn) => !on.iter().any(|n| n == name),
         _ => false,
     };
     !skip && !off.iter().any(|n| n == name)

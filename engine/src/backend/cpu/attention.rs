@@ -1,13 +1,15 @@
-//! CPU kernels of ops/attention.rs: the reference the CUDA attention kernels are checked
-//! against. One score row at a time in f64 (two-pass softmax), parallel over batch matrices;
-//! the backward recomputes each row's probabilities from the saved LSE, as the GPU does.
-//! Layout BSHD runs the same kernels on copies permuted to BHSD (and back): a reference that
-//! shares nothing with the GPU kernels' strided reads. A row with no real score (every score at
+//! CPU kernels of ops/attention.rs. f32 attentions (and the 16-bit ones, which the CPU widens to
+//! f32) run attention_f32.rs's blocked kernels. The others run the reference here: one score
+//! row at a time in f64 (two-pass softmax), parallel over batch matrices; the backward
+//! recomputes each row's probabilities from the saved LSE, as the GPU does. The reference runs
+//! layout BSHD on copies permuted to BHSD (and back), sharing nothing with the strided reads of
+//! the fast kernels and of the GPU's. A row with no real score (every score at
 //! or below -1e38: all keys masked with finfo.min) gets its probabilities from its scores, not
 //! from its LSE, which f32 cannot hold for it (finfo.min + ln S rounds to finfo.min).
 
 use rayon::prelude::*;
 
+use super::attention_f32::{self, Grads, Operands};
 use super::elementwise::FloatElem;
 use super::tensor_view::{In, Out};
 use super::CpuCtx;
@@ -33,24 +35,24 @@ fn req<'v, 'a>(node: &Node, inputs: &'v [Option<In<'a>>], i: usize) -> Result<&'
 }
 
 /// A row whose LSE is at or below this has no real score (kernels/attention.cuh ATT_SETTLED).
-const SETTLED: f64 = -1.0e38;
+pub(super) const SETTLED: f64 = -1.0e38;
 
 /// The key-padding flags of a node (ops/attention.rs): the bytes, their strides per full batch
 /// dim and along S, and the mask value of a padded key.
-struct KeyPadding<'a> {
-    flags: &'a [u8],
-    batch: Vec<usize>,
-    s: usize,
-    value: f64,
+pub(super) struct KeyPadding<'a> {
+    pub flags: &'a [u8],
+    pub batch: Vec<usize>,
+    pub s: usize,
+    pub value: f64,
 }
 
 /// What a node's kernels need besides their operands.
-struct Params<'a> {
-    l: AttnLayout,
-    scale: f64,
+pub(super) struct Params<'a> {
+    pub l: AttnLayout,
+    pub scale: f64,
     /// `nan_guard`: a row of -inf scores gives 0, not NaN.
-    guard: bool,
-    kp: Option<KeyPadding<'a>>,
+    pub guard: bool,
+    pub kp: Option<KeyPadding<'a>>,
 }
 
 /// The [`Params`] of a node whose Q, Kt, V, mask start at input `first`.
@@ -175,7 +177,26 @@ fn permuted_shape(x: &[usize], perm: [usize; 4]) -> [usize; 4] {
     perm.map(|a| x.get(a).copied().unwrap_or(0))
 }
 
+/// The f32 operands (Q, Kt, V, mask) of a node whose Q is input `first`, if Q is f32.
+fn f32_operands<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<Option<Operands<'a>>> {
+    if req(node, inputs, first)?.dtype != crate::tensor::DType::F32 {
+        return Ok(None);
+    }
+    let sl = |i: usize| req(node, inputs, i).and_then(|x| x.slice::<f32>());
+    let mask = match inputs.get(first + 3).and_then(|m| m.as_ref()) {
+        Some(m) => Some(m.slice::<f32>()?),
+        None => None,
+    };
+    Ok(Some(Operands { q: sl(first)?, kt: sl(first + 1)?, v: sl(first + 2)?, mask }))
+}
+
 fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    via_copies(node)?; // BS3HD has no CPU kernel
+    if let Some(x) = f32_operands(node, inputs, 0)? {
+        let params = setup(node, inputs, 0)?;
+        let [o, lse] = out else { return Err(node.err("Attention has two outputs")) };
+        return attention_f32::forward(node, &params, &x, o.slice::<f32>()?, lse.slice::<f32>()?);
+    }
     if via_copies(node)? {
         let o = permuted_shape(out[0].shape, TO_BHSD);
         let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
@@ -224,6 +245,15 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE, KP?) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    via_copies(node)?; // BS3HD has no CPU kernel
+    if let Some(x) = f32_operands(node, inputs, 1)? {
+        let params = setup(node, inputs, 1)?;
+        let sl = |i: usize| req(node, inputs, i).and_then(|t| t.slice::<f32>());
+        let (dout, o, lse) = (sl(0)?, sl(5)?, sl(6)?);
+        let [dq, dk, dv] = out else { return Err(node.err("AttentionGrad has three outputs")) };
+        let g = Grads { dq: dq.slice::<f32>()?, dk: dk.slice::<f32>()?, dv: dv.slice::<f32>()? };
+        return attention_f32::backward(node, &params, &x, dout, o, lse, g);
+    }
     if via_copies(node)? {
         let outs = [
             Some((permuted_shape(out[0].shape, TO_BHSD), TO_BHSD)),

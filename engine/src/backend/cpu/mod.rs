@@ -4,6 +4,7 @@
 
 mod activation;
 mod attention;
+mod attention_f32;
 mod batchnorm;
 pub mod bf16;
 mod broadcast;

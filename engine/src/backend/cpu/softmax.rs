@@ -55,7 +55,7 @@ fn softmax_rows<T: FloatElem>(x: &[T], y: &mut [T], n: usize, inner: usize, log:
 /// e^d, and 0 where d < −87 (there e^d is a denormal or 0: `exp_poly` clamps at −87), so that
 /// masked scores (−∞ or finfo.min) get probability 0 as in PyTorch; NaN stays NaN.
 #[inline(always)]
-fn exp_or_zero<const FMA: bool>(d: f32) -> f32 {
+pub(super) fn exp_or_zero<const FMA: bool>(d: f32) -> f32 {
     let e = exp_poly::<FMA>(d);
     if d < -87.0 {
         0.0
@@ -66,7 +66,7 @@ fn exp_or_zero<const FMA: bool>(d: f32) -> f32 {
 
 /// The largest element (−∞ for none; a NaN never wins: its exp is NaN, and so is the row).
 #[inline(always)]
-fn row_max(x: &[f32]) -> f32 {
+pub(super) fn row_max(x: &[f32]) -> f32 {
     let mut lanes = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
@@ -80,7 +80,7 @@ fn row_max(x: &[f32]) -> f32 {
 
 /// Σ f(a[k], b[k]) in LANES partial sums.
 #[inline(always)]
-fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+pub(super) fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     let mut acc = [0f32; LANES];
     let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(&x, &y)| f(x, y)).sum();
