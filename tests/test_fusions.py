@@ -75,6 +75,9 @@ CASES = {
     "gpt2-fuse_attention": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_attention", 2),
     "gpt2-attention_layout": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "attention_layout", 2),
     "bert-attention_key_padding": (lambda: models.bert_small(vocab=200, dropout=0.0), "attention_key_padding", 2),
+    # Llama's RMSNorm, written out as Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul and its weight's Mul:
+    # one RmsNorm a norm (2 a layer, and the final one)
+    "llama-fuse_rms_norm": (lambda: models.llama_small(), "fuse_rms_norm", 5),
     "llama-fuse_attention": (lambda: models.llama_small(), "fuse_attention", 2),
 }
 

@@ -240,6 +240,10 @@ def cases() -> list[Case]:
     # K and V shared by the heads (broadcast batch: their gradients are summed), no mask
     add(Case("Attention", [W((2, 2, 3, 4)), W((2, 1, 4, 5)), W((2, 1, 5, 2))], {"scale": 1.0},
              extra_out=1, label="shared-kv"))
+    # Llama's RMS normalisation (made by passes/fuse_rms_norm.rs): output 1 (1/rms per row) is
+    # kept for the gradient, not differentiated
+    add(Case("RmsNorm", [W((2, 3, 4)), W((4,))], {"epsilon": 1e-5}, extra_out=1, label="scaled"))
+    add(Case("RmsNorm", [W((3, 5))], {"epsilon": 1e-6}, extra_out=1, label="unscaled"))
     return L
 
 

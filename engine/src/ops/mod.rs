@@ -19,6 +19,7 @@ mod pool;
 pub(crate) mod random;
 pub(crate) mod random_draws;
 mod reduce;
+mod rms_norm;
 pub(crate) mod shape_ops;
 mod softmax;
 pub mod window;
@@ -123,6 +124,7 @@ fn registry() -> &'static Registry {
         random::register(&mut r);
         random_draws::register(&mut r);
         reduce::register(&mut r);
+        rms_norm::register(&mut r);
         shape_ops::register(&mut r);
         softmax::register(&mut r);
         r
@@ -193,6 +195,11 @@ pub fn matmul_fused_shapes(node: &Node, a: &[usize], b: &[usize], target: Option
 /// LayerNormalization's (rows, row length) (shared with backends).
 pub fn layer_norm_layout_of(node: &Node, shape: &[usize]) -> Result<(usize, usize)> {
     norm::layer_norm_layout(node, shape)
+}
+
+/// RmsNorm's (rows, row length), checking the scale's shape (shared with backends).
+pub fn rms_norm_layout_of(node: &Node, x: &[usize], scale: Option<&[usize]>) -> Result<(usize, usize)> {
+    rms_norm::rms_norm_layout(node, x, scale)
 }
 
 /// LayerNormGrad's optional outputs' indices: dx's 16-bit copy, dx's column sums (shared with

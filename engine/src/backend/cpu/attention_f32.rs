@@ -304,7 +304,19 @@ pub(super) fn forward(node: &Node, p: &Params, x: &Operands, o: &mut [f32], lse:
             let o_blk = { o_ptr }.0.wrapping_add(mx.o + rows.start * o_t);
             // SAFETY: O's rows of this block of matrix b (within O by check_extents) are this
             // task's alone; the probabilities and V are read only.
-            unsafe { product(rows.len(), l.dv, kmax, o_blk, o_t, 1, mat(scores.as_ptr(), kmax, 1), mat(x.v[mx.v..].as_ptr(), l.rows.v_s, 1), false) };
+            unsafe {
+                product(
+                    rows.len(),
+                    l.dv,
+                    kmax,
+                    o_blk,
+                    o_t,
+                    1,
+                    mat(scores.as_ptr(), kmax, 1),
+                    mat(x.v[mx.v..].as_ptr(), l.rows.v_s, 1),
+                    false,
+                )
+            };
             // a row of −∞ scores: 0 under the NaN guard, else NaN as a plain softmax gives
             let fill = if p.guard { 0.0 } else { f32::NAN };
             for t in dead {

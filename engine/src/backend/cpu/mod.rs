@@ -26,6 +26,7 @@ mod pool;
 mod random;
 mod random_draws;
 mod reduce;
+mod rms_norm;
 mod shape_ops;
 mod softmax;
 pub mod tensor_view;
@@ -91,6 +92,7 @@ pub fn kernels() -> &'static KernelTable {
         random::register(&mut t);
         random_draws::register(&mut t);
         reduce::register(&mut t);
+        rms_norm::register(&mut t);
         shape_ops::register(&mut t);
         softmax::register(&mut t);
         t

@@ -17,7 +17,7 @@ const LANES: usize = 8;
 
 /// Σ f(v, j) over the row in f64, for N sums at once, each in `LANES` partial sums.
 #[inline(always)]
-fn row_sums<T: FloatElem, const N: usize>(row: &[T], f: impl Fn(f64, usize) -> [f64; N]) -> [f64; N] {
+pub(super) fn row_sums<T: FloatElem, const N: usize>(row: &[T], f: impl Fn(f64, usize) -> [f64; N]) -> [f64; N] {
     let mut acc = [[0f64; N]; LANES];
     let whole = row.len() - row.len() % LANES;
     for (c, chunk) in row[..whole].chunks_exact(LANES).enumerate() {

@@ -1,0 +1,187 @@
+//! CPU kernels of ops/rms_norm.rs, parallel over blocks of rows; row sums in f64 (norm.rs's
+//! `row_sums`), as LayerNormalization's.
+
+use rayon::prelude::*;
+
+use super::elementwise::{first, FloatElem};
+use super::norm::row_sums;
+use super::tensor_view::{In, Out};
+use super::{CpuCtx, KernelTable};
+use crate::error::Result;
+use crate::ir::Node;
+use crate::ops::rms_norm_layout_of;
+use crate::tensor::DType;
+
+/// Rows per parallel task.
+const ROWS_PER_TASK: usize = 16;
+
+fn opt<'v, 'a>(inputs: &'v [Option<In<'a>>], i: usize) -> Option<&'v In<'a>> {
+    inputs.get(i).and_then(|v| v.as_ref())
+}
+
+/// Writes one statistic per row into `o` (f32, or f64 for f64 inputs).
+fn write_stats(o: &mut Out, stats: &[f64]) -> Result<()> {
+    match o.dtype {
+        DType::F64 => o.slice::<f64>()?.iter_mut().zip(stats).for_each(|(v, s)| *v = *s),
+        _ => o.slice::<f32>()?.iter_mut().zip(stats).for_each(|(v, s)| *v = *s as f32),
+    }
+    Ok(())
+}
+
+/// Reads the per-row statistics of `r` as f64.
+fn read_stats(r: &In) -> Result<Vec<f64>> {
+    Ok(match r.dtype {
+        DType::F64 => r.slice::<f64>()?.to_vec(),
+        _ => r.slice::<f32>()?.iter().map(|&v| v as f64).collect(),
+    })
+}
+
+fn rms_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let x = first(node, inputs)?;
+    let scale = opt(inputs, 1);
+    let eps = node.attrs.float("epsilon", 1e-6)? as f64;
+    let (_, n) = rms_norm_layout_of(node, x.shape, scale.map(|s| s.shape))?;
+    fn go<T: FloatElem>(x: &In, scale: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+        let xv = x.slice::<T>()?;
+        let sv = match scale {
+            Some(s) => Some(s.slice::<T>()?),
+            None => None,
+        };
+        let [y, r] = out else { return Err(crate::error::Error::other("RmsNorm has two outputs")) };
+        if n == 0 {
+            return Ok(());
+        }
+        let inv: Vec<f64> = xv
+            .par_chunks(n)
+            .zip(y.slice::<T>()?.par_chunks_mut(n))
+            .map(|(xr, yr)| {
+                let [ss] = row_sums(xr, |v, _| [v * v]);
+                let r = 1.0 / (ss / n as f64 + eps).sqrt();
+                for (j, (o, &v)) in yr.iter_mut().zip(xr).enumerate() {
+                    let h = v.as_() * r;
+                    *o = T::from_f64(sv.map_or(h, |s| h * s[j].as_()));
+                }
+                r
+            })
+            .collect();
+        write_stats(r, &inv)
+    }
+    crate::dispatch_float!(x.dtype, node, go::<T>(x, scale, out, n, eps))
+}
+
+/// RmsNormGrad(dY, X, scale?, InvRms) -> (dX, dscale?).
+fn rms_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
+    let dy = first(node, inputs)?;
+    let x = opt(inputs, 1).ok_or_else(|| node.err("X missing"))?;
+    let scale = opt(inputs, 2);
+    let inv = read_stats(opt(inputs, 3).ok_or_else(|| node.err("InvRms missing"))?)?;
+    let (rows, n) = rms_norm_layout_of(node, x.shape, scale.map(|s| s.shape))?;
+    if inv.len() != rows || out.len() > 1 + scale.is_some() as usize {
+        return Err(node.err(format!("{} statistics for {rows} rows, {} outputs", inv.len(), out.len())));
+    }
+    let scale_grad = out.len() == 2;
+    fn go<T: FloatElem>(dy: &In, x: &In, scale: Option<&In>, inv: &[f64], out: &mut [Out], n: usize, scale_grad: bool) -> Result<()> {
+        let (dv, xv) = (dy.slice::<T>()?, x.slice::<T>()?);
+        let sv = match scale {
+            Some(s) => Some(s.slice::<T>()?),
+            None => None,
+        };
+        let (dx, rest) = out.split_first_mut().ok_or_else(|| crate::error::Error::other("RmsNormGrad: no output"))?;
+        if n == 0 {
+            return Ok(());
+        }
+        let w = |j: usize| sv.map_or(1.0, |s| s[j].as_());
+        let task = n * ROWS_PER_TASK;
+        // dX per row; per task, the partial sums of dscale's columns
+        let partial: Vec<Vec<f64>> = dv
+            .par_chunks(task)
+            .zip(xv.par_chunks(task))
+            .zip(dx.slice::<T>()?.par_chunks_mut(task))
+            .zip(inv.par_chunks(ROWS_PER_TASK))
+            .map(|(((db, xb), ob), rb)| {
+                let mut ds = vec![0f64; if scale_grad { n } else { 0 }];
+                for (((dr, xr), or), &r) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)).zip(rb) {
+                    let [s] = row_sums(dr, |d, j| [d * w(j) * xr[j].as_()]);
+                    let c = r * r * r * s / n as f64;
+                    for j in 0..n {
+                        let (d, v) = (dr[j].as_(), xr[j].as_());
+                        or[j] = T::from_f64(r * w(j) * d - v * c);
+                    }
+                    for (j, acc) in ds.iter_mut().enumerate() {
+                        *acc += dr[j].as_() * xr[j].as_() * r;
+                    }
+                }
+                ds
+            })
+            .collect();
+        if let Some(dscale) = rest.first_mut() {
+            for (j, d) in dscale.slice::<T>()?.iter_mut().enumerate() {
+                *d = T::from_f64(partial.iter().map(|p| p[j]).sum());
+            }
+        }
+        Ok(())
+    }
+    crate::dispatch_float!(dy.dtype, node, go::<T>(dy, x, scale, &inv, out, n, scale_grad))
+}
+
+pub fn register(t: &mut KernelTable) {
+    t.add("RmsNorm", rms_norm);
+    t.add("RmsNormGrad", rms_norm_grad);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testutil::try_run_opt;
+    use super::super::CpuCtx;
+    use crate::ir::{Attr, Attrs};
+    use crate::tensor::{Data, Tensor};
+
+    /// Forward and gradients against the formulas in f64, with and without a scale, on rows
+    /// of 37 (a partial block of rows, a partial lane block of columns).
+    #[test]
+    fn rms_norm_and_its_gradient_follow_the_formulas() {
+        let (rows, n) = (35, 37);
+        let val = |i: usize, k: f64| ((i as f64) * k).sin() * 2.0;
+        let x: Vec<f64> = (0..rows * n).map(|i| val(i, 0.37)).collect();
+        let dy: Vec<f64> = (0..rows * n).map(|i| val(i, 1.13)).collect();
+        let w: Vec<f64> = (0..n).map(|j| 0.5 + val(j, 0.7)).collect();
+        let eps = 1e-5f64;
+        let t = |shape: Vec<usize>, v: &[f64]| Tensor::new(shape, Data::F64(v.to_vec())).expect("tensor");
+        let (xt, dyt, wt) = (t(vec![5, 7, n], &x), t(vec![5, 7, n], &dy), t(vec![n], &w));
+        let attrs = Attrs::default().with("epsilon", Attr::Float(eps as f32));
+        let eps = eps as f32 as f64;
+        for scaled in [true, false] {
+            let wj = |j: usize| if scaled { w[j] } else { 1.0 };
+            let scale = scaled.then_some(&wt);
+            let fwd = try_run_opt("RmsNorm", attrs.clone(), &[Some(&xt), scale], &mut CpuCtx::new(0)).expect("RmsNorm");
+            let (y, r) = (fwd[0].to_f64_vec(), fwd[1].to_f64_vec());
+            assert_eq!(fwd[1].shape, vec![5, 7, 1]);
+            let mut dw = vec![0f64; n];
+            let rt = Tensor::new(vec![5, 7, 1], Data::F64(r.clone())).expect("r");
+            let grads = try_run_opt("RmsNormGrad", attrs.clone(), &[Some(&dyt), Some(&xt), scale, Some(&rt)], &mut CpuCtx::new(0))
+                .expect("RmsNormGrad");
+            assert_eq!(grads.len(), 1 + scaled as usize);
+            let dx = grads[0].to_f64_vec();
+            for i in 0..rows {
+                let row = &x[i * n..(i + 1) * n];
+                let want_r = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + eps).sqrt();
+                assert!((r[i] - want_r).abs() < 1e-12 * want_r, "row {i}: r {} vs {want_r}", r[i]);
+                let s: f64 = (0..n).map(|j| dy[i * n + j] * wj(j) * row[j]).sum();
+                for j in 0..n {
+                    let k = i * n + j;
+                    let want_y = row[j] * want_r * wj(j);
+                    assert!((y[k] - want_y).abs() < 1e-12, "y[{k}] {} vs {want_y}", y[k]);
+                    let want_dx = want_r * wj(j) * dy[k] - row[j] * want_r.powi(3) * s / n as f64;
+                    assert!((dx[k] - want_dx).abs() < 1e-11, "dx[{k}] {} vs {want_dx}", dx[k]);
+                    dw[j] += dy[k] * row[j] * want_r;
+                }
+            }
+            if scaled {
+                let got = grads[1].to_f64_vec();
+                for j in 0..n {
+                    assert!((got[j] - dw[j]).abs() < 1e-10, "dscale[{j}] {} vs {}", got[j], dw[j]);
+                }
+            }
+        }
+    }
+}
