@@ -96,6 +96,12 @@ def _lm_loss(logits, input_ids):
     return F.cross_entropy(logits[:, :-1, :].reshape(-1, vocab), input_ids[:, 1:].reshape(-1))
 
 
+def _causal_lm_loss(output, input_ids):
+    """The LM loss of a Hugging Face causal LM's output (a tuple, a ModelOutput or the logits)."""
+    logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+    return _lm_loss(logits, input_ids)
+
+
 def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dropout=0.0,
                batch=4, seq=32, seed=0, attn_implementation="eager", max_positions=128):
     """GPT2LMHeadModel from a small config (tied wte/lm_head). Output: logits [batch, seq, vocab]."""
@@ -109,12 +115,7 @@ def gpt2_small(vocab=1000, n_layer=2, n_embd=256, n_head=4, n_positions=128, dro
                      attn_implementation=attn_implementation)
     model = GPT2LMHeadModel(cfg).train()
     (ids,) = gpt2_inputs(vocab, batch, seq, seed)
-
-    def loss_fn(output, input_ids):
-        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-        return _lm_loss(logits, input_ids)
-
-    return model, (ids,), loss_fn
+    return model, (ids,), _causal_lm_loss
 
 
 def llama_small(vocab=200, n_layer=2, hidden=64, batch=2, seq=16, seed=0):
@@ -128,12 +129,7 @@ def llama_small(vocab=200, n_layer=2, hidden=64, batch=2, seq=16, seed=0):
                       attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).train()
     (ids,) = gpt2_inputs(vocab, batch, seq, seed)
-
-    def loss_fn(output, input_ids):
-        logits = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-        return _lm_loss(logits, input_ids)
-
-    return model, (ids,), loss_fn
+    return model, (ids,), _causal_lm_loss
 
 
 def train_gpt2_with_labels(checkpointing: bool, accelerated: bool, steps: int = 3):

@@ -232,7 +232,7 @@ def cases() -> list[Case]:
              {"transB": 1, "reduction": "mean", "ignore_index": -1}, extra_out=4, label="3d-bias-mean-ignore"))
     add(Case("LinearCrossEntropy", [W((3, 4)), W((4, 5)), None, C([1, 4, 0], np.int64), C([0.3, 1.0, 0.5, 0.8, 2.0])],
              {"transB": 0, "reduction": "sum"}, extra_out=4, label="2d-weights-sum"))
-    # the fused attention (made by the opt-in fuse_attention pass): O = softmax(scale·Q·Kt + M)·V;
+    # the fused attention (made by the fuse_attention pass): O = softmax(scale·Q·Kt + M)·V;
     # output 1 (the rows' log-sum-exp) is kept for the gradient, not differentiated
     causal = np.where(np.arange(5)[None, :] > np.arange(3)[:, None] + 2, -np.inf, 0.0)
     add(Case("Attention", [W((2, 3, 4)), W((2, 4, 5)), W((2, 5, 3)), C(causal, np.float64)],

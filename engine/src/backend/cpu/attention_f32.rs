@@ -409,22 +409,14 @@ pub(super) fn backward(node: &Node, p: &Params, x: &Operands, dout: &[f32], o: &
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::try_run_opt;
+    use super::super::testutil::{data, try_run_opt};
     use super::super::CpuCtx;
     use crate::ir::{Attr, Attrs};
     use crate::tensor::{Data, Tensor};
 
-    /// Values in (-1, 1) from a fixed sequence.
+    /// Values in [-1, 1) from a fixed sequence (f32 values: both runs see the same).
     fn noise(n: usize, seed: u64) -> Vec<f64> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-            })
-            .collect()
+        data(n, seed).into_iter().map(f64::from).collect()
     }
 
     fn f32_of(shape: &[usize], v: &[f64]) -> Tensor {

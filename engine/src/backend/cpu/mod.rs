@@ -170,4 +170,18 @@ pub(crate) mod testutil {
     pub fn run(op: &str, attrs: Attrs, inputs: &[&Tensor]) -> Vec<Tensor> {
         try_run(op, attrs, inputs).unwrap_or_else(|e| panic!("{op}: {e}"))
     }
+
+    /// Deterministic values in [-1, 1) with full f32 mantissas (so rounding matters): xorshift64
+    /// from `seed`.
+    pub fn data(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
 }

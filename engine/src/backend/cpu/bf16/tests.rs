@@ -8,19 +8,8 @@ use super::driver::{self, Kernel, Problem};
 use super::pack::{self, round_bf16, Lines, PackJob, PanelLayout};
 use super::round_bits as bf16_bits;
 use super::{detect, MatRef};
+use crate::backend::cpu::testutil::data;
 
-/// Deterministic values in [-1, 1) with full f32 mantissas (so rounding matters).
-fn data(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
-}
 
 fn have_bf16() -> bool {
     let ok = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16");
