@@ -46,7 +46,7 @@ fn options(matmul_precision: &str, target: Target) -> PyResult<SessionOptions> {
             "matmul_precision='fp16' needs device='cuda' (fp16 matmuls run on cuBLAS); on the CPU use 'bf16'",
         ));
     }
-    Ok(SessionOptions { matmul_precision })
+    Ok(SessionOptions { matmul_precision, ..Default::default() })
 }
 
 #[pyclass(frozen, name = "Session", module = "ortrain._ortrain")]

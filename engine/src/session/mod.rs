@@ -31,7 +31,7 @@ pub type Sig = (DType, Vec<usize>);
 /// A plan's key: (input types, backward, outputs bound, gradients bound from the forward on).
 type PlanKey = (Vec<Sig>, bool, Vec<bool>, bool);
 
-/// How a session runs, without changing its graph.
+/// How a session runs.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SessionOptions {
     /// Fp32 (default), or Bf16: every MatMul/Gemm/FusedMatMul on f32 operands (forward and
@@ -39,6 +39,10 @@ pub struct SessionOptions {
     /// for matmuls; weights, activations and gradients stay f32. Without avx512_bf16 or AMX the
     /// session runs fp32 and `matmul_description` says so.
     pub matmul_precision: MatmulPrecision,
+    /// Runs the graph as imported: no graph pass (what `ORTRAIN_DISABLE_PASSES=all` does to
+    /// every session, for this one alone): the unfused reference a test compares fused graphs
+    /// with, while other sessions of the process keep their passes.
+    pub unfused: bool,
 }
 
 pub struct Session {
@@ -152,7 +156,11 @@ impl Session {
             MatmulPrecision::Bf16 => Some(DType::BF16),
             MatmulPrecision::Fp16 => Some(DType::F16),
         };
-        let mut passes = crate::passes::run(&mut graph, crate::passes::PassCtx { target, half })?;
+        let mut passes = if options.unfused {
+            crate::passes::PassReport::default()
+        } else {
+            crate::passes::run(&mut graph, crate::passes::PassCtx { target, half })?
+        };
         let n_fwd = graph.nodes.len();
         let outputs = graph.outputs.clone();
         let mut seeds = Vec::with_capacity(outputs.len());
@@ -171,7 +179,9 @@ impl Session {
         }
         let wrt: Vec<ValueId> = weight_ids.iter().zip(trainable).filter(|(_, &t)| t).map(|(&v, _)| v).collect();
         let g = autodiff::build(&mut graph, &outputs, &seeds, &wrt)?;
-        crate::passes::run_on_train_graph(&mut graph, n_fwd, target, &mut passes)?;
+        if !options.unfused {
+            crate::passes::run_on_train_graph(&mut graph, n_fwd, target, &mut passes)?;
+        }
         let mut grads = vec![None; weight_ids.len()];
         let mut k = 0;
         for (i, &t) in trainable.iter().enumerate() {

@@ -10,7 +10,6 @@ use super::round_bits as bf16_bits;
 use super::{detect, MatRef};
 use crate::backend::cpu::testutil::data;
 
-
 fn have_bf16() -> bool {
     let ok = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16");
     if !ok {

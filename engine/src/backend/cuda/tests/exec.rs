@@ -25,13 +25,22 @@ pub(super) fn session_for(m: &Model, target: crate::session::Target) -> Session 
     session_with(m, target, MatmulPrecision::Fp32)
 }
 
+/// A CPU session of `m` with no graph pass: the unfused reference (CPU sessions fuse the
+/// attention themselves).
+pub(super) fn unfused_session(m: &Model) -> Session {
+    let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
+    let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
+    let options = SessionOptions { unfused: true, ..Default::default() };
+    Session::from_onnx_with(&bytes, None, &names, &vec![true; names.len()], None, crate::session::Target::Cpu, options).expect("import")
+}
+
 pub(super) fn session_with(m: &Model, target: crate::session::Target, precision: MatmulPrecision) -> Session {
     // the attention fusion and the autocast pass are opt-in; every test here wants them (no
     // test reads the variable expecting it unset; autocast changes bf16/fp16 sessions only)
     std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention,autocast");
     let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &HashMap::new(), 17).expect("export");
     let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
-    let options = SessionOptions { matmul_precision: precision };
+    let options = SessionOptions { matmul_precision: precision, ..Default::default() };
     Session::from_onnx_with(&bytes, None, &names, &vec![true; names.len()], None, target, options).expect("import")
 }
 

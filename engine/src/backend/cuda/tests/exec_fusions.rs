@@ -2,7 +2,7 @@
 //! executor (the reference the GPU is compared with in exec.rs): each fusion is found where it
 //! should be, and the fused train step gives the unfused one's outputs and gradients.
 
-use super::exec::{cpu_step, gpu_step_in, session, session_for, session_with, weight_data, LEGACY};
+use super::exec::{cpu_step, gpu_step_in, session, session_for, session_with, unfused_session, weight_data, LEGACY};
 use super::exec_models::*;
 use super::support::*;
 use crate::backend::cpu::bf16::MatmulPrecision;
@@ -56,14 +56,14 @@ fn the_gelu_and_its_gradient_come_out_of_the_products() {
 
 /// The exporters' attention becomes one Attention node in a CUDA session, and the fused graph's
 /// train step on the CPU executor (the reference the GPU is compared with) matches the unfused
-/// graph of a CPU session: outputs and every weight gradient.
+/// graph (a CPU session without graph passes): outputs and every weight gradient.
 #[test]
 fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
     let mut rng = Rng::new(11);
     // heads of 4 (the SIMT kernels' test models) and of 64 over 150 rows (the tensor-core ones')
     for (torchlib, t, hd) in [(true, 70, 4), (false, 70, 4), (true, 150, 64), (false, 150, 64)] {
         let m = self_attention_of(&mut rng, torchlib, t, hd);
-        let (fused, plain) = (session(&m), session_for(&m, crate::session::Target::Cpu));
+        let (fused, plain) = (session(&m), unfused_session(&m));
         let count = |s: &Session| s.graph.nodes[..s.n_fwd].iter().filter(|n| n.op_type == "Attention").count();
         assert_eq!((count(&fused), count(&plain)), (1, 0), "torchlib={torchlib}");
         // the scaling of Q and Kᵀ (torchlib's) or of the scores (eager) is the node's scale

@@ -67,7 +67,7 @@ fn open(p: &Probe, target: Target, precision: MatmulPrecision) -> Session {
     std::env::set_var(crate::passes::ENV_ENABLE, "fuse_attention,autocast");
     let names: Vec<String> = p.weights.iter().map(|w| w.0.clone()).collect();
     let trainable: Vec<bool> = p.weights.iter().map(|w| w.1).collect();
-    let options = SessionOptions { matmul_precision: precision };
+    let options = SessionOptions { matmul_precision: precision, ..Default::default() };
     Session::from_onnx_with(&p.onnx, None, &names, &trainable, None, target, options).unwrap_or_else(|e| panic!("import: {e}"))
 }
 
