@@ -225,6 +225,32 @@ def test_gpt2_trains_like_eager_on_the_gpu(fused_attention, monkeypatch):
     assert _lm_head_fusions(model) == 1
 
 
+def test_llama_trains_like_eager_on_the_gpu():
+    """A 2-layer Llama (Hugging Face: RMSNorm, rotary embeddings, grouped-query sdpa attention,
+    SwiGLU) with the `labels=` loss: its RMSNorms (two a layer and the final one) run as the
+    engine's fused RmsNorm kernels, and the loss curve follows eager's."""
+    import models
+
+    vocab, seq, batch = 1000, 64, 4
+
+    def make():
+        return models.llama_small(vocab=vocab, n_layer=2, hidden=128, batch=batch, seq=seq, seed=0)[0].cuda()
+
+    def forward_loss(m, ids):
+        return m(input_ids=ids, labels=ids).loss
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    batches = [(torch.randint(0, vocab, (batch, seq), device="cuda", generator=g), forward_loss) for _ in range(3)]
+    curves, model = _curves(make, batches, 10)
+    diffs = [abs(a - b) / abs(b) for a, b in zip(curves["ortrain"], curves["eager"])]
+    state = model.__dict__["_ortrain_state"]
+    runners = [r for r in list(state.runners.values()) + list(state.loss_runners.values()) if hasattr(r, "session")]
+    norms = max(dict(r.session.passes).get("fuse_rms_norm", 0) for r in runners)
+    print("llama", curves, f"max relative difference {max(diffs):.2e}, fused RMSNorms {norms}")
+    assert max(diffs) < 1e-3, curves
+    assert norms == 5, f"fuse_rms_norm rewrote {norms} norms, expected 2 a layer and the final one"
+
+
 def test_fused_loss_logits_are_replayed_on_the_gpu():
     """With the loss fused, the logits are never whole on the GPU either: the fused graph's only
     output is the loss, and logits read afterwards (here after optimizer.step(), from the

@@ -147,7 +147,7 @@ pub(super) fn forward_types(graph: &Graph) -> Vec<Option<DType>> {
                     Some(Attr::Tensor(v)) => Some(v.dtype()),
                     _ => Some(DType::F32),
                 },
-                ("LayerNormalization" | "BatchNormalization", k) if k > 0 => Some(DType::F32),
+                ("LayerNormalization" | "BatchNormalization" | "RmsNorm", k) if k > 0 => Some(DType::F32),
                 // a Linear adding a residual (passes/fuse_residual_linear.rs) gives its type
                 ("Linear", 0) if node.input(3).is_some() => of(3),
                 (op, _) if matches!(rule(op), Rule::Low(_) | Rule::Follow(_)) || KEEPS_TYPE.contains(&op) => first,
@@ -201,6 +201,7 @@ const KEEPS_TYPE: &[&str] = &[
     "Softmax",
     "LogSoftmax",
     "LayerNormalization",
+    "RmsNorm",
     "Exp",
     "Log",
     "Pow",

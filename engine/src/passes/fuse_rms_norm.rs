@@ -1,11 +1,11 @@
-//! fuse_rms_norm (CPU sessions): the RMS normalisation Llama-style models write out,
+//! fuse_rms_norm: the RMS normalisation Llama-style models write out,
 //! `X · Reciprocal(Sqrt(ReduceMean(Pow(X, 2), [-1]) + eps))` (or `1 / Sqrt(..)`, the product in
 //! either order), and the scale multiplying it when that is a value of shape [n], becomes one
 //! RmsNorm(X, scale?) (ops/rms_norm.rs): six element-wise passes over the activations forward
 //! and about twice that backward become one each way, and only X and one value per row are kept
 //! for the gradient. Only where every intermediate has no other reader, the mean is over the last
-//! axis alone (kept), and eps is a one-element constant. The CUDA backend has no RmsNorm kernels
-//! yet: CUDA sessions keep the unfused graph.
+//! axis alone (kept), and eps is a one-element constant. Kernels: backend/cpu/rms_norm.rs and
+//! kernels/rmsnorm.cu.
 
 use super::sym_shape::{declared, values, SymDim};
 use super::{scalar_const, scalar_value, sole_producer};

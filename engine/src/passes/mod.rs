@@ -93,8 +93,8 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // self-attention over the three parts of one split projection reads the projection itself
     ("attention_packed_qkv", |g, _| Ok(attention_packed_qkv::run(g)), Runs::CudaOnly),
     ("fuse_gelu_tanh", |g, _| fuse_gelu_tanh::run(g), Runs::Both),
-    // CPU only until the CUDA backend has RmsNorm kernels: Llama's RMS normalisation written out
-    ("fuse_rms_norm", |g, _| fuse_rms_norm::run(g), Runs::CpuOnly),
+    // Llama's RMS normalisation written out
+    ("fuse_rms_norm", |g, _| fuse_rms_norm::run(g), Runs::Both),
     ("fuse_linear", |g, _| fuse_linear::run(g), Runs::Both),
     // after fuse_linear, before the loss fusion: a shifted LM loss's slice moves onto the
     // LM head's input, so that the Linear feeds the loss's reshape directly

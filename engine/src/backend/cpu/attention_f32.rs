@@ -534,7 +534,7 @@ mod tests {
             attrs: attrs(0.25, true),
         });
         // keys 0..5 of batch 0 padded: its queries 0..4 see no key (equal weights over all)
-        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from(!(i < 5 || i >= 140 + 130))).collect();
+        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from((5..140 + 130).contains(&i))).collect();
         check(&Case {
             name: "causal with key padding at both ends",
             q: vec![2, 2, 140, 8],

@@ -103,13 +103,15 @@ pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kern
 
 /// Every header a kernel file may include, served to NVRTC from memory (and part of the cache
 /// key): the prelude, what the two attention families share, the tensor-core family's tile
-/// staging, and the flash kernels' data movement and templates (instantiated with and without key padding).
+/// staging, the flash kernels' data movement and templates (instantiated with and without key
+/// padding), and the row normalisations' templates (LayerNorm and RMSNorm).
 pub const HEADERS: &[(&str, &str)] = &[
     PRELUDE,
     ("attention.cuh", include_str!("../../../../kernels/attention.cuh")),
     ("attention_mma_stage.cuh", include_str!("../../../../kernels/attention_mma_stage.cuh")),
     ("attention_flash_fragments.cuh", include_str!("../../../../kernels/attention_flash_fragments.cuh")),
     ("attention_flash.cuh", include_str!("../../../../kernels/attention_flash.cuh")),
+    ("norm_rows.cuh", include_str!("../../../../kernels/norm_rows.cuh")),
 ];
 
 use types::*;
@@ -203,6 +205,13 @@ pub static FAMILIES: &[Family] = &[
                 HALVES,
                 &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64, AI64],
             ),
+        ]
+    ),
+    family!(
+        "rmsnorm",
+        [
+            g(&["rms_norm"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, AI64, AI64, AF32]),
+            g(&["rms_norm_grad"], FLOATS, &[Ptr, Ptr, Ptr, Ptr, Ptr, Ptr, AI64, AI64]),
         ]
     ),
     family!(

@@ -36,6 +36,7 @@ pub(crate) mod radix_sort;
 mod random;
 mod random_draws;
 mod reduce;
+mod rms_norm;
 mod softmax;
 pub mod strides;
 mod widen;
@@ -106,6 +107,7 @@ fn table() -> &'static CudaTable {
         movement::register(&mut t);
         softmax::register(&mut t);
         norm::register(&mut t);
+        rms_norm::register(&mut t);
         random::register(&mut t);
         random_draws::register(&mut t);
         loss::register(&mut t);

@@ -21,7 +21,7 @@ use crate::tensor::DType;
 const WARP_ROW_MAX: usize = 1024;
 
 /// The launch of the forward, statistics and dx kernels for `rows` rows of `n`.
-fn rows_grid(rows: usize, n: usize) -> Grid {
+pub(super) fn rows_grid(rows: usize, n: usize) -> Grid {
     if n <= WARP_ROW_MAX {
         Grid::new(rows.div_ceil(8).clamp(1, 65535 * 32) as u32, 256)
     } else {
@@ -30,7 +30,7 @@ fn rows_grid(rows: usize, n: usize) -> Grid {
 }
 
 /// Bytes of the statistics type A (f32, f64 for f64).
-fn stat_size(d: DType) -> usize {
+pub(super) fn stat_size(d: DType) -> usize {
     if d == DType::F64 {
         8
     } else {
@@ -43,7 +43,7 @@ fn stat_size(d: DType) -> usize {
 /// column sums in shared memory (4 * parts * n statistics), at most 3 blocks an SM (at the kernels'
 /// 151-168 registers, 12 warps an SM fit: sm_90, NVRTC 13.0); longer rows one block of 256 per
 /// row, at most 2 an SM. Fewer blocks mean fewer partials for the reduction to add.
-fn partial_grid(rows: usize, n: usize, parts: usize, stat: usize, sms: u32) -> Grid {
+pub(super) fn partial_grid(rows: usize, n: usize, parts: usize, stat: usize, sms: u32) -> Grid {
     let sms = sms.max(1) as usize;
     if n <= WARP_ROW_MAX {
         let blocks = rows.div_ceil(4).clamp(1, 3 * sms) as u32;
@@ -55,11 +55,11 @@ fn partial_grid(rows: usize, n: usize, parts: usize, stat: usize, sms: u32) -> G
 
 /// The reduction of `partial_grid`'s partials: a block of 32 columns x 32 chunk lanes per 32
 /// columns (the partials number a few hundred: each thread adds about a tenth of them).
-fn reduce_grid(n: usize) -> Grid {
+pub(super) fn reduce_grid(n: usize) -> Grid {
     Grid::new(n.div_ceil(32).clamp(1, 65535) as u32, 1024)
 }
 
-fn align(v: usize) -> usize {
+pub(super) fn align(v: usize) -> usize {
     v.div_ceil(256) * 256
 }
 

@@ -89,6 +89,33 @@ fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
     }
 }
 
+/// Llama's RMSNorm, written out, becomes one RmsNorm node in a CUDA session (with its trained
+/// weight, and without one), nothing of the unfused arithmetic left, and the fused train step
+/// on the CPU executor matches the unfused graph's: output and every weight gradient (the
+/// norm's weight's through RmsNormGrad's dscale). gpu_train_step_matches_the_cpu_executor runs
+/// the model on the GPU.
+#[test]
+fn rms_norm_fuses_for_cuda_and_matches_the_unfused_graph() {
+    let mut rng = Rng::new(17);
+    let m = rms_pre_norm(&mut rng);
+    let (fused, plain) = (session(&m), unfused_session(&m));
+    let forward = |s: &Session| s.graph.nodes[..s.n_fwd].iter().map(|n| n.op_type.clone()).collect::<Vec<_>>();
+    let ops = forward(&fused);
+    let norms: Vec<usize> = fused.graph.nodes[..fused.n_fwd].iter().filter(|n| n.op_type == "RmsNorm").map(|n| n.inputs.len()).collect();
+    assert_eq!(norms, [2, 1], "the first norm with its weight, the second without: {ops:?}");
+    for gone in ["Pow", "ReduceMean", "Sqrt", "Reciprocal", "Div"] {
+        assert!(!ops.iter().any(|o| o == gone), "{gone} left in {ops:?}");
+    }
+    assert!(forward(&plain).iter().any(|o| o == "Pow"), "the unfused session keeps the arithmetic");
+    let grads: Vec<usize> = fused.graph.nodes.iter().filter(|n| n.op_type == "RmsNormGrad").map(|n| n.outputs.len()).collect();
+    assert_eq!(grads, [1, 2], "dscale only for the trained weight (the backward runs last layer first)");
+    let ((fo, fg), (po, pg)) = cpu_steps(&m, &fused, &plain, &mut rng);
+    assert_close("rms_pre_norm: output", &fo[0], &po[0], 1e-5, 1e-6);
+    for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
+        assert_close(&format!("rms_pre_norm: gradient of {name}"), a, b, 1e-5, 1e-6);
+    }
+}
+
 /// CUDA sessions fuse the LM head with its loss, in chunks of at least 512 rows whose rows are
 /// padded to whole 64 classes (the scratch output): the 9000 rows of the big `lm_head` (8
 /// features: 3 times its weight would be 24 rows) take 18 chunks of 500, the 70 of the small

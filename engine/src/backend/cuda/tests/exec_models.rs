@@ -9,7 +9,8 @@
 //! (both exporters' attention), `lm_head` (the LM head and its loss), `reductions`
 //! (ReduceSum/Mean/Max/Min over several axis sets and ReduceGrad), `conv_net` (Conv, BatchNorm,
 //! the pools and their gradients), `conv1d_scan_gather` (a grouped dilated 1-D Conv, CumSum,
-//! GatherND and their gradients), `pow_mixed` (Pow with int and f64 exponents), and from
+//! GatherND and their gradients), `pow_mixed` (Pow with int and f64 exponents), `rms_pre_norm`
+//! (Llama's RMSNorm written out), and from
 //! exec_models_products.rs `qkv_select` and `folded_scores`. `dropout_mlp` (a training-mode Dropout: its masks differ
 //! between backends by design) and `random_draws_mlp` (the random-draw ops, likewise) are for
 //! tests comparing GPU runs with each other.
@@ -324,6 +325,42 @@ pub(super) fn pre_norm_residual(rng: &mut Rng) -> Model {
     Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
 }
 
+/// Llama-style pre-norm residual blocks, h = h + RMSNorm(h)·W, written out as Hugging Face's
+/// LlamaRMSNorm exports (`w · (h · Reciprocal(Sqrt(ReduceMean(Pow(h, 2), [-1]) + eps)))`): the
+/// first norm with a trained weight, the second without one (`1 / Sqrt`, the product the other
+/// way round), rows of 24; passes/fuse_rms_norm.rs makes each one RmsNorm.
+pub(super) fn rms_pre_norm(rng: &mut Rng) -> Model {
+    let input = vec![2, 5, 24];
+    let (mut g, x) = new_model(&input);
+    let mut ws = Vec::new();
+    let two = g.add_const("two", Tensor::from_f32(vec![], vec![2.0]));
+    let one = g.add_const("one", Tensor::from_f32(vec![], vec![1.0]));
+    let axes = ints(&mut g, "axes", &[-1]);
+    let eps = g.add_const("eps", Tensor::from_f32(vec![], vec![1e-6]));
+    let mut h = x;
+    for i in 0..2 {
+        let none = Attrs::default;
+        let sq = op(&mut g, &format!("pow{i}"), "Pow", &[h, two], none());
+        let ms = op(&mut g, &format!("mean{i}"), "ReduceMean", &[sq, axes], none());
+        let shifted = op(&mut g, &format!("eps{i}"), "Add", &[ms, eps], none());
+        let rms = op(&mut g, &format!("sqrt{i}"), "Sqrt", &[shifted], none());
+        let normed = if i == 0 {
+            let r = op(&mut g, "rsqrt0", "Reciprocal", &[rms], none());
+            let normed = op(&mut g, "normed0", "Mul", &[h, r], none());
+            let w = weight(&mut g, &mut ws, "norm0_weight", &[24], rng);
+            op(&mut g, "scaled0", "Mul", &[w, normed], none())
+        } else {
+            let r = op(&mut g, "rsqrt1", "Div", &[one, rms], none());
+            op(&mut g, "normed1", "Mul", &[r, h], none())
+        };
+        let w = weight(&mut g, &mut ws, &format!("w{i}"), &[24, 24], rng);
+        let y = op(&mut g, &format!("proj{i}"), "MatMul", &[normed, w], none());
+        h = op(&mut g, &format!("residual{i}"), "Add", &[h, y], none());
+    }
+    g.outputs.push(h);
+    Model { graph: g, input, input_dtype: DType::F32, index_bound: 0, weights: ws }
+}
+
 /// LayerNorm, Softmax, Dropout (inference mode: masks of a training-mode Dropout differ
 /// between backends by design), LogSoftmax and a softmax cross-entropy with ignore_index.
 pub(super) fn attention_bits(rng: &mut Rng) -> Model {
@@ -585,6 +622,7 @@ pub(super) fn models() -> Vec<(&'static str, Model)> {
         ("pow_mixed", pow_mixed(&mut rng)),
         ("gelu_mlp_12", gelu_mlp(&mut rng, 12)),
         ("folded_scores", folded_scores(&mut rng)),
+        ("rms_pre_norm", rms_pre_norm(&mut rng)),
     ]
 }
 

@@ -43,6 +43,7 @@ mod random_draws;
 mod recompute_segments;
 mod reduce;
 mod residual;
+mod rms_norm;
 mod smoke;
 mod softmax;
 mod sort;
