@@ -68,12 +68,12 @@ mutate "the radix sort unstable: equal digits of a round in reverse order" kerne
                 else if (u < t && same) last = false;" \
     backend::cuda::tests::gather::gpu_gather_grad "GatherGrad f32 case"
 
-mutate "LayerNorm's warp slices of the parameter-gradient sums added before every warp has written" kernels/layernorm.cu \
+mutate "LayerNorm's warp slices of the parameter-gradient sums added before every warp has written" kernels/norm_rows.cuh \
     "        __syncthreads();  // every warp's slice summed" \
     "" \
     backend::cuda::tests::layernorm
 
-mutate "LayerNorm's partials reduced before every chunk lane has written" kernels/layernorm.cu \
+mutate "LayerNorm's partials reduced before every chunk lane has written" kernels/norm_rows.cuh \
     "        __syncthreads();  // every chunk lane's sums written" \
     "" \
     backend::cuda::tests::layernorm
