@@ -40,6 +40,12 @@ def _tutorial_dropout():
 
 
 # model builder; the pass; how many rewrites it must at least make in that model
+def _checkpointed(built):
+    model, inputs, loss_fn = built
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, inputs, loss_fn
+
+
 CASES = {
     "tutorial-fuse_linear": (_tutorial, "fuse_linear", 5),
     "gpt2-fuse_linear": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_linear", 1),
@@ -64,17 +70,30 @@ CASES = {
     "tutorial-selects_to_split": (_tutorial_dropout, "selects_to_split", 2),
     # an unfused attention's q·kᵀ with its scalings (torchlib's decomposition, the scale computed
     # from q's declared head size, kᵀ as a merge-transpose-split of k; HF's k.transpose(-1, -2)):
-    # one FusedMatMul reading q and k (attentions with dropout on their probabilities: the others
-    # become fused attentions)
-    "tutorial-fold_matmul_transpose": (_tutorial_dropout, "fold_matmul_transpose", 2),
-    "gpt2-fold_matmul_transpose": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2),
-    "bert-fold_matmul_transpose": (lambda: models.bert_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2),
+    # one FusedMatMul reading q and k (with fuse_attention off, as CUDA sessions have it by default)
+    "tutorial-fold_matmul_transpose": (_tutorial_dropout, "fold_matmul_transpose", 2, "fuse_attention"),
+    "gpt2-fold_matmul_transpose": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2,
+                                   "fuse_attention"),
+    "bert-fold_matmul_transpose": (lambda: models.bert_small(vocab=200, dropout=0.1), "fold_matmul_transpose", 2,
+                                   "fuse_attention"),
     # an attention without dropout: one Attention node (the CPU's blocked f32 kernels), reading
     # Q, K, V in the projections' layout; BERT's attention_mask as one flag per key
     "tutorial-fuse_attention": (_tutorial, "fuse_attention", 2),
     "gpt2-fuse_attention": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "fuse_attention", 2),
     "gpt2-attention_layout": (lambda: models.gpt2_small(vocab=200, dropout=0.0), "attention_layout", 2),
     "bert-attention_key_padding": (lambda: models.bert_small(vocab=200, dropout=0.0), "attention_key_padding", 2),
+    # an attention with dropout on its probabilities (nn.MultiheadAttention's, HF's attn_pdrop and
+    # attention_probs_dropout_prob): the Dropout becomes the fused node's, its mask regenerated
+    # from the stream key the Dropout would have drawn (the same masks as the unfused graph's)
+    "tutorial-fuse_attention-dropout": (_tutorial_dropout, "fuse_attention", 2),
+    "gpt2-fuse_attention-dropout": (lambda: models.gpt2_small(vocab=200, dropout=0.1), "fuse_attention", 2),
+    "gpt2-sdpa-fuse_attention-dropout": (lambda: models.gpt2_small(vocab=200, dropout=0.1, attn_implementation="sdpa"),
+                                         "fuse_attention", 2),
+    # Hugging Face's gradient checkpointing: the attention recomputed in the backward pass keeps
+    # the key drawn in the forward, so it drops what the forward dropped
+    "gpt2-checkpointed-fuse_attention-dropout": (lambda: _checkpointed(models.gpt2_small(vocab=200, dropout=0.1)),
+                                                 "fuse_attention", 2),
+    "bert-fuse_attention-dropout": (lambda: models.bert_small(vocab=200, dropout=0.1), "fuse_attention", 2),
     # Llama's RMSNorm, written out as Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul and its weight's Mul:
     # one RmsNorm a norm (2 a layer, and the final one)
     "llama-fuse_rms_norm": (lambda: models.llama_small(), "fuse_rms_norm", 5),
@@ -110,11 +129,11 @@ def _train(model, inputs, loss_fn, disable: str | None, monkeypatch, precision: 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_pass_matches_unfused(case, monkeypatch):
-    build, name, min_rewrites = CASES[case]
+    build, name, min_rewrites, *also_off = CASES[case]
     torch.manual_seed(0)
     model, inputs, loss_fn = build()
     fused_model, plain_model = copy.deepcopy(model), copy.deepcopy(model)
-    fused, fused_grads, rewrites = _train(fused_model, inputs, loss_fn, None, monkeypatch)
+    fused, fused_grads, rewrites = _train(fused_model, inputs, loss_fn, ",".join(also_off) or None, monkeypatch)
     plain, plain_grads, plain_rewrites = _train(plain_model, inputs, loss_fn, "all", monkeypatch)
     assert rewrites.get(name, 0) >= min_rewrites, f"{name} rewrote {rewrites.get(name, 0)} sites, expected ≥ {min_rewrites}"
     assert not plain_rewrites, f"ORTRAIN_DISABLE_PASSES=all still ran {plain_rewrites}"

@@ -24,6 +24,15 @@
 //! key-independent part M stays a constant the planner folds (and the CUDA kernels find causal),
 //! the padding a [B, S] vector instead of a [B, 1, T, S] mask computed each step.
 //!
+//! Dropout on the probabilities (passes/fuse_attention.rs, CPU sessions): attribute `dropout` =
+//! the ratio r in (0, 1) and input 5 of Attention (8 of AttentionGrad) the stream key, an int64
+//! [1] from DropoutKey (ops/random.rs). O = (P ∘ Z) · V with Z = 1/(1 − r) where element
+//! (b, t, j) of the full batch's [batch.., T, S] probabilities is kept, else 0: kept when the
+//! counter-based stream's bits for element index (b·T + t)·S + j are at or above r·2³²
+//! (backend/cpu/random.rs). LSE is the softmax's, before the dropout; the gradient regenerates Z
+//! from the key instead of storing a [T, S] mask. The key is an input, not drawn by the node, so
+//! the node stays a function of its inputs (recomputed bit for bit where checkpointing asks).
+//!
 //! `layout = "BS3HD"` with `heads = H` (passes/attention_packed_qkv.rs, CUDA sessions): Q, K and
 //! V are one tensor [B, T, 3·H·D], the projection's output that the graph split in three: the
 //! head at (b, h) is Q[b, :, h·D..(h+1)·D], K the same H·D further along each row, V 2·H·D
@@ -101,6 +110,26 @@ pub fn key_padding_input(op_type: &str) -> Option<usize> {
         "Attention" => Some(4),
         "AttentionGrad" => Some(7),
         _ => None,
+    }
+}
+
+/// The input index of the dropout's stream key (this module's doc): 5 in Attention, 8 in
+/// AttentionGrad (after the key padding, which may be absent).
+pub fn dropout_key_input(op_type: &str) -> Option<usize> {
+    match op_type {
+        "Attention" => Some(5),
+        "AttentionGrad" => Some(8),
+        _ => None,
+    }
+}
+
+/// The node's dropout ratio (attribute `dropout`, 0 without one): in [0, 1).
+pub fn dropout_ratio(node: &Node) -> Result<f64> {
+    let r = node.attrs.float("dropout", 0.0)? as f64;
+    if (0.0..1.0).contains(&r) {
+        Ok(r)
+    } else {
+        Err(node.err(format!("attribute dropout {r}: the ratio must be in [0, 1)")))
     }
 }
 
@@ -334,6 +363,13 @@ fn layout_of(node: &Node, inputs: &[Option<InferIn>], first: usize) -> Result<(A
         }
         key_padding_strides(node, &l, kp.shape)?;
     }
+    let key = dropout_key_input(&node.op_type).and_then(|i| inputs.get(i)).and_then(|x| x.as_ref());
+    match (dropout_ratio(node)? > 0.0, key) {
+        (true, Some(k)) if k.dtype == DType::I64 && k.shape.iter().product::<usize>() == 1 => {}
+        (true, Some(k)) => return Err(node.err(format!("the dropout key is {} {:?}, expected one int64", k.dtype.name(), k.shape))),
+        (true, None) => return Err(node.err("attribute dropout needs the stream key input (DropoutKey's output)")),
+        (false, _) => {}
+    }
     Ok((l, q.dtype))
 }
 
@@ -353,7 +389,7 @@ impl OpDef for Attention {
         Ok(vec![TypeOut::new(dt, o), TypeOut::new(DType::F32, lse)])
     }
     fn non_differentiable_inputs(&self) -> &'static [usize] {
-        &[3, 4]
+        &[3, 4, 5]
     }
     fn gradient(&self) -> Option<fn(&Node, &mut GradCtx) -> Result<()>> {
         Some(|node, g| {
@@ -363,8 +399,12 @@ impl OpDef for Attention {
             }
             let (q, kt, v) = (g.x(0)?, g.x(1)?, g.x(2)?);
             let mut ins = vec![Some(dout), Some(q), Some(kt), Some(v), g.x_opt(3), Some(g.y(0)), Some(g.y(1))];
-            if let Some(kp) = g.x_opt(4) {
-                ins.push(Some(kp));
+            let (kp, key) = (g.x_opt(4), g.x_opt(5));
+            if kp.is_some() || key.is_some() {
+                ins.push(kp);
+            }
+            if key.is_some() {
+                ins.push(key);
             }
             if let Layout::Bs3hd(_) = layout_attr(node)? {
                 // one value read three times: its one gradient holds dQ, dK and dV

@@ -5,6 +5,10 @@
 //! DropoutAdd's gradient is a DropoutGrad carrying its `dropped_type`: dx in x's 16-bit type
 //! from an f32 dy (rounded to that type first, as the Cast it fused took dy there), so a bf16
 //! branch's gradient out of an f32 stream is one pass.
+//!
+//! DropoutKey() -> key (internal, made by passes/fuse_attention.rs from an attention's Dropout):
+//! an int64 [1] holding a fresh 64-bit key of the step's random stream, drawn where the Dropout
+//! drew its mask, which the fused attention keeps its dropout's elements by (ops/attention.rs).
 
 use super::util::input;
 use super::{InferIn, OpDef, Registry, TypeOut};
@@ -115,8 +119,22 @@ impl OpDef for DropoutGrad {
     }
 }
 
+struct DropoutKey;
+impl OpDef for DropoutKey {
+    fn infer(&self, node: &Node, inputs: &[Option<InferIn>]) -> Result<Vec<TypeOut>> {
+        if inputs.iter().any(|x| x.is_some()) {
+            return Err(node.err("DropoutKey takes no inputs"));
+        }
+        Ok(vec![TypeOut::new(DType::I64, vec![1])])
+    }
+    fn is_random(&self) -> bool {
+        true
+    }
+}
+
 pub fn register(r: &mut Registry) {
     r.add("Dropout", Dropout);
+    r.internal("DropoutKey", DropoutKey);
     r.internal("DropoutGrad", DropoutGrad);
     r.internal("DropoutAdd", DropoutAdd);
 }

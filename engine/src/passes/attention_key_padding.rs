@@ -67,7 +67,7 @@ pub fn run(graph: &mut Graph) -> usize {
         let readers = &consumers[m.0];
         let attention_mask = |&(n, slot): &(NodeId, usize)| {
             let node = &graph.nodes[n.0];
-            node.op_type == "Attention" && q_input(&node.op_type).map(|q| q + 3) == Some(slot) && node.inputs.len() <= 4
+            node.op_type == "Attention" && q_input(&node.op_type).map(|q| q + 3) == Some(slot) && node.input(4).is_none()
         };
         if readers.is_empty() || graph.outputs.contains(&m) || !readers.iter().all(attention_mask) {
             continue;
@@ -80,7 +80,7 @@ pub fn run(graph: &mut Graph) -> usize {
         for &(n, _) in readers {
             let node = &mut graph.nodes[n.0];
             let slot = key_padding_input(&node.op_type).unwrap_or(4);
-            node.inputs.resize(slot + 1, None);
+            node.inputs.resize(node.inputs.len().max(slot + 1), None);
             node.inputs[slot] = Some(kp);
             node.attrs.set("padding_value", Attr::Float(fill));
         }

@@ -7,6 +7,13 @@
 //! kernels take f32, bf16 and fp16, the CPU's fast ones f32; an f64 attention keeps its products
 //! and softmax). Every CPU session; CUDA sessions opt-in (`ORTRAIN_ENABLE_PASSES=fuse_attention`,
 //! see passes/mod.rs).
+//!
+//! A Dropout between the probabilities and the product (Hugging Face's attention dropout,
+//! torchlib's scaled_dot_product_attention with dropout_p) is taken in where its ratio and
+//! training mode are constants and nothing reads its mask: in training mode with a ratio > 0 it
+//! becomes the node's `dropout` attribute and the Dropout node a DropoutKey, whose stream key
+//! the fused node reads (ops/attention.rs); otherwise it is the identity and goes. CPU sessions
+//! only: the CUDA attention kernels have no dropout, so there it stays unfused.
 
 use super::{computed_from, scalar_const, scalar_value, sole_producer};
 use crate::error::Result;
@@ -73,9 +80,42 @@ fn unscaled(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> (V
         .unwrap_or((v, 1.0))
 }
 
+/// A Dropout of the probabilities in training mode: its ratio and its node.
+type ActiveDropout = (f64, NodeId);
+
+/// (x, the dropout) of `v` = Dropout(x, ratio, training_mode) with constant ratio and mode and
+/// its mask unread (an identity in inference mode or at ratio 0: no dropout), or (v, None) where
+/// no Dropout makes `v`; None where a Dropout does but cannot be fused (`allow`: whether an
+/// active one can).
+fn undrop(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, allow: bool) -> Option<(ValueId, Option<ActiveDropout>)> {
+    let Some(d) = sole_producer(graph, consumers, v, "Dropout") else { return Some((v, None)) };
+    let mask_unread = d.outputs.get(1).is_none_or(|m| consumers[m.0].is_empty() && !graph.outputs.contains(m));
+    // opset 12+: ratio 0.5 and inference mode where the inputs are absent
+    let ratio = d.input(1).map_or(Some(0.5), |r| scalar_const(graph, r))?;
+    let training = d.input(2).map_or(Some(0.0), |t| scalar_const(graph, t))? != 0.0;
+    if !mask_unread || !(0.0..1.0).contains(&ratio) {
+        return None;
+    }
+    let at = graph.value(v).producer?;
+    match training && ratio > 0.0 {
+        true if allow => Some((d.input(0)?, Some((ratio, at)))),
+        true => None,
+        false => Some((d.input(0)?, None)),
+    }
+}
+
+/// What the fused node takes: its inputs (Q, Kᵀ, V, the mask), scale, NaN guard and dropout.
+struct Matched {
+    inputs: Vec<Option<ValueId>>,
+    scale: f64,
+    guard: bool,
+    dropout: Option<ActiveDropout>,
+}
+
 /// The fused node replacing MatMul `node` (P' · V), if its first operand is an attention.
-fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> Option<(Vec<Option<ValueId>>, f64, bool)> {
-    let (p_prime, v) = (node.input(0)?, node.input(1)?);
+fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node, allow_dropout: bool) -> Option<Matched> {
+    let (dropped, v) = (node.input(0)?, node.input(1)?);
+    let (p_prime, dropout) = undrop(graph, consumers, dropped, allow_dropout)?;
     let (p, guard) = unguard(graph, consumers, p_prime)?;
     if !guard && consumers[p.0].len() != 1 {
         return None;
@@ -106,10 +146,11 @@ fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> O
         return None;
     }
     let inputs = vec![Some(a), Some(b), Some(v), mask];
-    Some((inputs, scale, guard))
+    Some(Matched { inputs, scale, guard, dropout })
 }
 
-pub fn run(graph: &mut Graph) -> Result<usize> {
+/// `allow_dropout`: whether an attention with an active dropout is fused (CPU sessions).
+pub fn run(graph: &mut Graph, allow_dropout: bool) -> Result<usize> {
     let consumers = graph.consumers();
     let types = super::autocast::forward_types(graph);
     let mut rewrites = 0;
@@ -117,7 +158,9 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
         if graph.nodes[n].op_type != "MatMul" {
             continue;
         }
-        let Some((inputs, scale, guard)) = match_at(graph, &consumers, &graph.nodes[n]) else { continue };
+        let Some(Matched { mut inputs, scale, guard, dropout }) = match_at(graph, &consumers, &graph.nodes[n], allow_dropout) else {
+            continue;
+        };
         if inputs[..3].iter().flatten().any(|x| types[x.0] == Some(DType::F64)) {
             continue;
         }
@@ -125,7 +168,23 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
         let out = graph.nodes[n].outputs[0];
         let lse = graph.add_value(&format!("{name}:lse"), ValueKind::Computed, Some(DType::F32), None);
         graph.values[lse.0].producer = Some(NodeId(n));
-        let attrs = Attrs::default().with("scale", Attr::Float(scale as f32)).with("nan_guard", Attr::Int(guard as i64));
+        let mut attrs = Attrs::default().with("scale", Attr::Float(scale as f32)).with("nan_guard", Attr::Int(guard as i64));
+        if let Some((ratio, at)) = dropout {
+            // the Dropout draws the stream key where it drew its mask: the fused node reads it
+            let key_name = format!("{}:key", graph.nodes[at.0].name);
+            let key = graph.add_value(&key_name, ValueKind::Computed, Some(DType::I64), None);
+            let d = &mut graph.nodes[at.0];
+            let dropped = std::mem::replace(&mut d.outputs, vec![key]);
+            d.op_type = "DropoutKey".into();
+            d.inputs.clear();
+            d.attrs = Attrs::default();
+            for o in dropped {
+                graph.values[o.0].producer = None;
+            }
+            graph.values[key.0].producer = Some(at);
+            inputs.extend([None, Some(key)]);
+            attrs.set("dropout", Attr::Float(ratio as f32));
+        }
         graph.nodes[n] = Node { name, op_type: "Attention".into(), inputs, outputs: vec![out, lse], attrs };
         rewrites += 1;
     }
@@ -136,6 +195,7 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
 mod tests {
     use super::*;
     use crate::ir::Dim;
+    use crate::tensor::{Data, Tensor};
 
     /// Softmax(q · k) · v over [2, 3, 4] q, [2, 4, 5] k and [2, 5, 4] v of type `t`.
     fn attention(t: DType) -> Graph {
@@ -155,10 +215,51 @@ mod tests {
     #[test]
     fn float64_attention_keeps_its_products() {
         let mut g = attention(DType::F32);
-        assert_eq!(run(&mut g).expect("run"), 1);
+        assert_eq!(run(&mut g, true).expect("run"), 1);
         assert_eq!(g.nodes[2].op_type, "Attention");
         let mut g = attention(DType::F64);
-        assert_eq!(run(&mut g).expect("run"), 0, "the CUDA attention kernels take no float64");
+        assert_eq!(run(&mut g, true).expect("run"), 0, "the CUDA attention kernels take no float64");
         assert!(g.nodes.iter().all(|n| n.op_type != "Attention"));
+    }
+
+    /// The attention with Dropout(p, ratio, training) between the softmax and the product.
+    fn dropped_attention(ratio: f32, training: bool, mask_read: bool) -> Graph {
+        let mut g = attention(DType::F32);
+        let p = g.nodes[1].outputs[0];
+        let r = g.add_const("ratio", Tensor::from_f32(vec![], vec![ratio]));
+        let t = g.add_const("training", Tensor::new(vec![], Data::Bool(vec![training as u8])).expect("bool"));
+        let outs = g.add_node("drop", "Dropout", vec![Some(p), Some(r), Some(t)], Attrs::default(), 2);
+        g.nodes[2].inputs[0] = Some(outs[0]);
+        // the Dropout before the product (its index after the softmax's)
+        let drop = g.nodes.pop().expect("dropout");
+        g.nodes.insert(2, drop);
+        if mask_read {
+            g.outputs.push(outs[1]);
+        }
+        g.renumber_producers();
+        g
+    }
+
+    /// A training-mode Dropout of the probabilities becomes the fused node's `dropout` and a
+    /// DropoutKey it reads (CPU sessions), an inference-mode one goes; CUDA sessions (no dropout
+    /// in their kernels) and a Dropout whose mask is read keep the attention unfused.
+    #[test]
+    fn the_probabilities_dropout_fuses_where_the_kernels_have_it() {
+        let mut g = dropped_attention(0.1, true, false);
+        assert_eq!(run(&mut g, true).expect("run"), 1);
+        let (key, attn) = (&g.nodes[2], &g.nodes[3]);
+        assert_eq!((key.op_type.as_str(), key.inputs.len()), ("DropoutKey", 0));
+        assert_eq!(attn.op_type, "Attention");
+        assert_eq!(attn.inputs.len(), 6);
+        assert_eq!(attn.inputs[5], Some(key.outputs[0]));
+        assert!((attn.attrs.float("dropout", 0.0).expect("dropout") - 0.1).abs() < 1e-7);
+        let mut g = dropped_attention(0.1, false, false);
+        assert_eq!(run(&mut g, true).expect("run"), 1);
+        assert_eq!(g.nodes[3].inputs.len(), 4, "inference mode: no dropout, {:?}", g.nodes[3]);
+        assert_eq!(g.nodes[3].attrs.float("dropout", 0.0).expect("dropout"), 0.0);
+        let mut g = dropped_attention(0.1, true, false);
+        assert_eq!(run(&mut g, false).expect("run"), 0, "CUDA sessions: no dropout kernels");
+        let mut g = dropped_attention(0.1, true, true);
+        assert_eq!(run(&mut g, true).expect("run"), 0, "the mask is read");
     }
 }

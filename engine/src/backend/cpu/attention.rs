@@ -16,7 +16,10 @@ use super::CpuCtx;
 use super::KernelTable;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, key_padding_input, key_padding_strides, layout_attr, permuted_offsets, AttnLayout, Layout};
+use crate::ops::attention::{
+    attention_layout, dropout_key_input, dropout_ratio, key_padding_input, key_padding_strides, layout_attr, permuted_offsets, AttnLayout,
+    Layout,
+};
 use crate::tensor::Tensor;
 
 /// Whether the node is in layout BSHD (run on BHSD copies); BS3HD has no CPU kernel.
@@ -46,6 +49,24 @@ pub(super) struct KeyPadding<'a> {
     pub value: f64,
 }
 
+/// The dropout on a node's probabilities (ops/attention.rs): its stream key, the draw below
+/// which an element is dropped, and the ratio.
+#[derive(Clone, Copy)]
+pub(super) struct AttnDropout {
+    pub key: u64,
+    pub threshold: u32,
+    pub ratio: f64,
+}
+
+impl AttnDropout {
+    /// Z of query `t` of batch matrix `b` over keys `0..z.len()`: `scale` (1/(1 − ratio), in
+    /// the caller's precision) where kept, else 0.
+    pub fn factors(&self, l: &AttnLayout, b: usize, t: usize, z: &mut [f32], scale: f32) {
+        let start = ((b * l.t + t) * l.s) as u64;
+        super::random::keep_factors::call(z, start, self.key, self.threshold, scale);
+    }
+}
+
 /// What a node's kernels need besides their operands.
 pub(super) struct Params<'a> {
     pub l: AttnLayout,
@@ -53,6 +74,7 @@ pub(super) struct Params<'a> {
     /// `nan_guard`: a row of -inf scores gives 0, not NaN.
     pub guard: bool,
     pub kp: Option<KeyPadding<'a>>,
+    pub dropout: Option<AttnDropout>,
 }
 
 /// The [`Params`] of a node whose Q, Kt, V, mask start at input `first`.
@@ -68,7 +90,16 @@ fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<Par
         }
         None => None,
     };
-    Ok(Params { l, scale: node.attrs.float("scale", 1.0)? as f64, guard: node.attrs.int("nan_guard", 0)? != 0, kp })
+    let ratio = dropout_ratio(node)?;
+    let dropout = match dropout_key_input(&node.op_type).and_then(|i| inputs.get(i)).and_then(|x| x.as_ref()) {
+        Some(key) if ratio > 0.0 => {
+            let &[key] = key.slice::<i64>()? else { return Err(node.err("the dropout key must be one int64")) };
+            Some(AttnDropout { key: key as u64, threshold: super::random::drop_threshold(ratio), ratio })
+        }
+        None if ratio > 0.0 => return Err(node.err("attribute dropout needs the stream key input")),
+        _ => None,
+    };
+    Ok(Params { l, scale: node.attrs.float("scale", 1.0)? as f64, guard: node.attrs.int("nan_guard", 0)? != 0, kp, dropout })
 }
 
 /// The scaled, masked scores of row `t` of batch matrix `b` (at offsets `off`).
@@ -90,6 +121,16 @@ fn scores<T: FloatElem>(p: &Params, b: usize, off: &[usize; 4], q: &[T], kt: &[T
             dot * scale + m
         })
         .collect()
+}
+
+/// The reference's dropout factors of query `t` of batch matrix `b` (ones without a dropout): the
+/// fast kernels' keep decisions, with 1/(1 − ratio) in f64.
+fn keep_factors(p: &Params, b: usize, t: usize) -> Vec<f64> {
+    let Some(d) = &p.dropout else { return vec![1.0; p.l.s] };
+    let mut kept = vec![0f32; p.l.s];
+    d.factors(&p.l, b, t, &mut kept, 1.0);
+    let scale = 1.0 / (1.0 - d.ratio);
+    kept.into_iter().map(|k| k as f64 * scale).collect()
 }
 
 /// A row's probabilities from its scores alone (two-pass softmax), zeros where all are -inf.
@@ -220,6 +261,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
             let off = l.offsets(b);
             for t in 0..l.t {
                 let s = scores(p, b, &off, q, kt, mask, t);
+                let z = keep_factors(p, b, t);
                 let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let orow = &mut ob[t * l.dv..(t + 1) * l.dv];
                 if m == f64::NEG_INFINITY {
@@ -231,7 +273,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
                 let p: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let sum: f64 = p.iter().sum();
                 for (c, x) in orow.iter_mut().enumerate() {
-                    let acc: f64 = p.iter().enumerate().map(|(j, pj)| pj * v[off[2] + j * l.dv + c].as_()).sum();
+                    let acc: f64 = p.iter().enumerate().map(|(j, pj)| pj * z[j] * v[off[2] + j * l.dv + c].as_()).sum();
                     *x = T::from_f64(acc / sum);
                 }
                 lb[t] = (m + sum.ln()) as f32;
@@ -285,6 +327,7 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
                 let lr = lse[row] as f64;
                 let dorow = &dout[row * l.dv..(row + 1) * l.dv];
                 let s = scores(params, b, &off, q, kt, mask, t);
+                let z = keep_factors(params, b, t);
                 let p: Vec<f64> = if lr > SETTLED {
                     s.iter().map(|&x| if x == f64::NEG_INFINITY { 0.0 } else { (x - lr).exp() }).collect()
                 } else {
@@ -293,10 +336,10 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
                 let delta: f64 = (0..l.dv).map(|c| dorow[c].as_() * o[row * l.dv + c].as_()).sum();
                 let mut gq = vec![0f64; l.d];
                 for j in 0..l.s {
-                    let dp: f64 = (0..l.dv).map(|c| dorow[c].as_() * v[off[2] + j * l.dv + c].as_()).sum();
+                    let dp: f64 = z[j] * (0..l.dv).map(|c| dorow[c].as_() * v[off[2] + j * l.dv + c].as_()).sum::<f64>();
                     let ds = p[j] * (dp - delta);
                     for c in 0..l.dv {
-                        gv[j * l.dv + c] += p[j] * dorow[c].as_();
+                        gv[j * l.dv + c] += p[j] * z[j] * dorow[c].as_();
                     }
                     for k in 0..l.d {
                         gq[k] += ds * kt[off[1] + k * l.s + j].as_();

@@ -5,6 +5,10 @@
 //! backward pass recomputes each block's probabilities from the saved LSE and makes dP, dV, dQ and
 //! dKᵀ with four gemms, one batch matrix per task (dK and dV sum over its blocks).
 //!
+//! A dropout on the probabilities (ops/attention.rs) multiplies each row by its keep factors,
+//! regenerated from the stream key per row (forward and backward alike), after the softmax and
+//! the LSE; the backward takes dP through them and dV from the dropped probabilities.
+//!
 //! Keys that no query of a block sees (a mask value at or below [`HIDDEN`]: −∞ or finfo.min, a
 //! causal mask's upper triangle, padding at the end) are left out of that block's products, as
 //! the GPU's flash kernels skip masked tiles: a causal attention over 256 keys makes about 60% of
@@ -246,17 +250,37 @@ fn exp_shifted_body<const FMA: bool>(x: &mut [f32], lse: f32) {
     x.iter_mut().for_each(|v| *v = exp_or_zero::<FMA>(*v - lse));
 }
 
-/// dS = scale · P ∘ (dP − Σ dO∘O), into dp; `d_o` and `o` are the row's dO and O.
+/// dS = scale · P ∘ (dP − Σ dO∘O), into dp; `d_o` and `o` are the row's dO and O. With dropout
+/// factors `z` (empty: none), dp holds d(P∘Z) and dP = Z ∘ it.
 #[inline(always)]
-fn score_grad_body<const FMA: bool>(dp: &mut [f32], p: &[f32], d_o: &[f32], o: &[f32], scale: f32) {
+fn score_grad_body<const FMA: bool>(dp: &mut [f32], p: &[f32], z: &[f32], d_o: &[f32], o: &[f32], scale: f32) {
     let delta = lane_sum(d_o, o, |a, b| a * b);
-    dp.iter_mut().zip(p).for_each(|(g, &p)| *g = scale * p * (*g - delta));
+    if z.is_empty() {
+        dp.iter_mut().zip(p).for_each(|(g, &p)| *g = scale * p * (*g - delta));
+    } else {
+        dp.iter_mut().zip(p).zip(z).for_each(|((g, &p), &z)| *g = scale * p * (z * *g - delta));
+    }
+}
+
+/// x = x ∘ z.
+#[inline(always)]
+fn times_body<const FMA: bool>(x: &mut [f32], z: &[f32]) {
+    x.iter_mut().zip(z).for_each(|(x, &z)| *x *= z);
 }
 
 multiversion!(scale_add, scale_add_body, (x: &mut [f32], m: &[f32], scale: f32) -> ());
 multiversion!(softmax_in_place, softmax_in_place_body, (x: &mut [f32]) -> f32);
 multiversion!(exp_shifted, exp_shifted_body, (x: &mut [f32], lse: f32) -> ());
-multiversion!(score_grad, score_grad_body, (dp: &mut [f32], p: &[f32], d_o: &[f32], o: &[f32], scale: f32) -> ());
+multiversion!(score_grad, score_grad_body, (dp: &mut [f32], p: &[f32], z: &[f32], d_o: &[f32], o: &[f32], scale: f32) -> ());
+multiversion!(times, times_body, (x: &mut [f32], z: &[f32]) -> ());
+
+/// The dropout factors of query `t` of batch matrix `b` over its first `z.len()` keys into `z`
+/// (Some(z)), or None without a dropout.
+fn dropout_row<'z>(p: &Params, b: usize, t: usize, z: &'z mut [f32]) -> Option<&'z [f32]> {
+    let d = p.dropout.as_ref()?;
+    d.factors(&p.l, b, t, z, (1.0 / (1.0 - d.ratio)) as f32);
+    Some(z)
+}
 
 /// Row ranges of the blocks of `t` query rows.
 fn blocks(t: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
@@ -293,10 +317,15 @@ pub(super) fn forward(node: &Node, p: &Params, x: &Operands, o: &mut [f32], lse:
         with_scratch(rows.len() * kmax, |scores, _| {
             block_scores(p, x, &mx, &rows, kmax, scores);
             let mut dead = vec![];
+            let mut z = vec![0f32; if p.dropout.is_some() { kmax } else { 0 }];
             for i in 0..rows.len() {
-                let row_lse = softmax_in_place::call(&mut scores[i * kmax..(i + 1) * kmax]);
+                let row = &mut scores[i * kmax..(i + 1) * kmax];
+                let row_lse = softmax_in_place::call(row);
                 if row_lse == f32::NEG_INFINITY {
                     dead.push(rows.start + i);
+                }
+                if let Some(z) = dropout_row(p, b, rows.start + i, &mut z) {
+                    times::call(row, z);
                 }
                 // SAFETY: this task's own LSE entry, within nb·t (check_extents).
                 unsafe { *{ lse_ptr }.0.add(b * l.t + rows.start + i) = row_lse };
@@ -386,10 +415,16 @@ pub(super) fn backward(node: &Node, p: &Params, x: &Operands, dout: &[f32], o: &
                 // SAFETY: dO's rows and V's keys (within them by check_extents) are read; ds is
                 // this thread's buffer.
                 unsafe { product(n, kmax, l.dv, ds.as_mut_ptr(), kmax, 1, d_o, v_t, false) };
+                let mut z = vec![0f32; if p.dropout.is_some() { kmax } else { 0 }];
                 for i in 0..n {
                     let at = mx.o + (rows.start + i) * r.o_t;
-                    let (g_row, p_row) = (&mut ds[i * kmax..(i + 1) * kmax], &probs[i * kmax..(i + 1) * kmax]);
-                    score_grad::call(g_row, p_row, &dout[at..at + l.dv], &o[at..at + l.dv], scale);
+                    let (g_row, p_row) = (&mut ds[i * kmax..(i + 1) * kmax], &mut probs[i * kmax..(i + 1) * kmax]);
+                    let z = dropout_row(p, b, rows.start + i, &mut z);
+                    score_grad::call(g_row, p_row, z.unwrap_or(&[]), &dout[at..at + l.dv], &o[at..at + l.dv], scale);
+                    // dV = (P ∘ Z)ᵀ · dO
+                    if let Some(z) = z {
+                        times::call(p_row, z);
+                    }
                 }
                 // SAFETY: dV's first kmax keys, dQ's rows of this block and dKᵀ's first kmax
                 // keys of matrix b are this task's alone (within them by check_extents); the
@@ -438,6 +473,19 @@ mod tests {
         mask: Option<(Vec<usize>, Vec<f64>)>,
         kp: Option<Tensor>,
         attrs: Attrs,
+        /// The dropout's stream key (with attribute `dropout`).
+        key: Option<i64>,
+    }
+
+    /// `ins` with the key padding (or its absence) and the dropout key appended.
+    fn extra<'t>(mut ins: Vec<Option<&'t Tensor>>, kp: Option<&'t Tensor>, key: Option<&'t Tensor>) -> Vec<Option<&'t Tensor>> {
+        if kp.is_some() || key.is_some() {
+            ins.push(kp);
+        }
+        if key.is_some() {
+            ins.push(key);
+        }
+        ins
     }
 
     fn run(op: &str, attrs: &Attrs, ins: &[Option<&Tensor>]) -> Vec<Vec<f64>> {
@@ -464,11 +512,9 @@ mod tests {
         };
         let t32 = [f32_of(&c.q, &q), f32_of(&c.kt, &kt), f32_of(&c.v, &v)];
         let t64 = [f64_of(&c.q, &q), f64_of(&c.kt, &kt), f64_of(&c.v, &v)];
+        let key = c.key.map(|k| Tensor::from_i64(vec![1], vec![k]));
         let with = |t: &[Tensor; 3], m: &Option<Tensor>| -> Vec<Vec<f64>> {
-            let mut ins = vec![Some(&t[0]), Some(&t[1]), Some(&t[2]), m.as_ref()];
-            if let Some(kp) = &c.kp {
-                ins.push(Some(kp));
-            }
+            let ins = extra(vec![Some(&t[0]), Some(&t[1]), Some(&t[2]), m.as_ref()], c.kp.as_ref(), key.as_ref());
             run("Attention", &c.attrs, &ins)
         };
         let (f, r) = (with(&t32, &m32), with(&t64, &m64));
@@ -491,11 +537,8 @@ mod tests {
             let make = |s: &[usize], v: &[f64]| if f32s { f32_of(s, v) } else { f64_of(s, v) };
             let (d, o) = (make(&o_shape, &dout), make(&o_shape, &fwd[0]));
             let lse = f32_of(&lse_shape, &fwd[1]);
-            let mut ins = vec![Some(&d), Some(&t[0]), Some(&t[1]), Some(&t[2]), m.as_ref(), Some(&o), Some(&lse)];
-            if let Some(kp) = &c.kp {
-                ins.push(Some(kp));
-            }
-            run("AttentionGrad", &c.attrs, &ins)
+            let ins = vec![Some(&d), Some(&t[0]), Some(&t[1]), Some(&t[2]), m.as_ref(), Some(&o), Some(&lse)];
+            run("AttentionGrad", &c.attrs, &extra(ins, c.kp.as_ref(), key.as_ref()))
         };
         // both from the f32 forward's O and LSE, so that only the gradients' arithmetic differs
         let (gf, gr) = (grads(&t32, &m32, &f, true), grads(&t64, &m64, &f, false));
@@ -523,6 +566,7 @@ mod tests {
             mask: None,
             kp: None,
             attrs: attrs(0.25, false),
+            key: None,
         });
         check(&Case {
             name: "causal finfo.min, 150 rows",
@@ -532,6 +576,7 @@ mod tests {
             mask: Some((vec![1, 1, 150, 150], causal(150, 150, fmin))),
             kp: None,
             attrs: attrs(0.25, true),
+            key: None,
         });
         // keys 0..5 of batch 0 padded: its queries 0..4 see no key (equal weights over all)
         let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from((5..140 + 130).contains(&i))).collect();
@@ -543,6 +588,7 @@ mod tests {
             mask: Some((vec![1, 1, 140, 140], causal(140, 140, 0.0).iter().map(|&x| if x == 0.0 { 0.0 } else { fmin }).collect())),
             kp: Some(Tensor::new(vec![2, 1, 1, 140], Data::Bool(flags)).expect("flags")),
             attrs: attrs(0.5, true).with("padding_value", Attr::Float(f32::MIN)),
+            key: None,
         });
         // −∞ above the diagonal, row 3 all −∞: NaN without the guard
         let mut m = causal(70, 90, f64::NEG_INFINITY);
@@ -555,6 +601,7 @@ mod tests {
             mask: Some((vec![70, 90], m)),
             kp: None,
             attrs: attrs(0.3, false),
+            key: None,
         });
     }
 
@@ -571,6 +618,66 @@ mod tests {
             mask: Some((vec![b, 1, t, s], mask)),
             kp: None,
             attrs: attrs(0.35, true).with("layout", Attr::String("BSHD".into())),
+            key: None,
         });
+    }
+
+    /// A dropout on the probabilities: the fast kernels keep and scale what the reference does,
+    /// forward and backward, in BHSD with a causal mask and key padding and in BSHD.
+    #[test]
+    fn dropout_blocks_match_the_f64_reference() {
+        let fmin = f32::MIN as f64;
+        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from((3..140 + 120).contains(&i))).collect();
+        check(&Case {
+            name: "dropout 0.2, causal finfo.min with key padding",
+            q: vec![2, 2, 140, 8],
+            kt: vec![2, 2, 8, 140],
+            v: vec![2, 2, 140, 8],
+            mask: Some((vec![1, 1, 140, 140], causal(140, 140, fmin))),
+            kp: Some(Tensor::new(vec![2, 1, 1, 140], Data::Bool(flags)).expect("flags")),
+            attrs: attrs(0.5, true).with("padding_value", Attr::Float(f32::MIN)).with("dropout", Attr::Float(0.2)),
+            key: Some(0x1234_5678_9abc_def0),
+        });
+        let (b, t, s, h, d) = (2, 70, 90, 3, 8);
+        check(&Case {
+            name: "dropout 0.5, BSHD",
+            q: vec![b, t, h, d],
+            kt: vec![b, s, h, d],
+            v: vec![b, s, h, d],
+            mask: None,
+            kp: None,
+            attrs: attrs(0.35, false).with("layout", Attr::String("BSHD".into())).with("dropout", Attr::Float(0.5)),
+            key: Some(-7),
+        });
+    }
+
+    /// What the dropout does, seen through V = I and Q = 0 (every probability 1/S, so O = Z / S):
+    /// each element kept with probability 1 − r and then scaled by 1/(1 − r), rows and keys
+    /// differing, another key another mask; ratio 0 or no attribute changes nothing.
+    #[test]
+    fn dropout_drops_the_ratio_and_scales_what_it_keeps() {
+        let (bh, t, s) = (4, 64, 64);
+        let q = Tensor::from_f32(vec![bh, t, 8], vec![0.0; bh * t * 8]);
+        let kt = Tensor::from_f32(vec![bh, 8, s], data(bh * 8 * s, 5));
+        let v = Tensor::from_f32(vec![bh, s, s], (0..bh * s * s).map(|i| f32::from(i % s == (i / s) % s)).collect());
+        let o = |ratio: f32, key: i64| {
+            let k = Tensor::from_i64(vec![1], vec![key]);
+            let a = attrs(1.0, false).with("dropout", Attr::Float(ratio));
+            run("Attention", &a, &[Some(&q), Some(&kt), Some(&v), None, None, Some(&k)]).swap_remove(0)
+        };
+        let ratio = 0.3;
+        let (a, b) = (o(ratio, 11), o(ratio, 12));
+        let kept = 1.0 / (1.0 - ratio as f64) / s as f64;
+        for x in a.iter().chain(&b) {
+            assert!(*x == 0.0 || (x - kept).abs() < 1e-6, "O = Z / S is 0 or 1/((1 - r) S), got {x}");
+        }
+        let dropped = a.iter().filter(|&&x| x == 0.0).count() as f64 / a.len() as f64;
+        assert!((dropped - ratio as f64).abs() < 0.02, "dropped {dropped}, ratio {ratio}");
+        let both = a.iter().zip(&b).filter(|(x, y)| **x == 0.0 && **y == 0.0).count() as f64 / a.len() as f64;
+        assert!((both - 0.09).abs() < 0.015, "two keys' masks are independent: both drop {both}, expected 0.09");
+        assert_ne!(a[..s], a[s..2 * s], "rows get their own masks");
+        let plain = run("Attention", &attrs(1.0, false), &[Some(&q), Some(&kt), Some(&v)]).swap_remove(0);
+        assert!(plain.iter().all(|x| (x - 1.0 / s as f64).abs() < 1e-6));
+        assert_eq!(o(0.0, 11), plain, "ratio 0: no dropout");
     }
 }

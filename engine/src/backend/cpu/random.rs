@@ -57,7 +57,7 @@ fn bits(key: u64, i: u64) -> u32 {
 }
 
 /// The 32-bit draw below which an element is dropped: P(drop) = ratio to within 2⁻³².
-fn drop_threshold(ratio: f64) -> u32 {
+pub(super) fn drop_threshold(ratio: f64) -> u32 {
     (ratio * 4_294_967_296.0).round().min(u32::MAX as f64) as u32
 }
 
@@ -108,6 +108,15 @@ multiversion!(
     dropout_f32_body,
     (y: &mut [f32], mask: &mut [u8], x: &[f32], start: u64, key: u64, threshold: u32, scale: f32) -> ()
 );
+
+/// z[k] = scale where element `start + k` of the stream `key` is kept, else 0: the fused
+/// attention's dropout factors (the draw a Dropout of those elements would make).
+#[inline(always)]
+fn keep_factors_body<const FMA: bool>(z: &mut [f32], start: u64, key: u64, threshold: u32, scale: f32) {
+    for_each_bits(z.len(), start, key, |k, b| z[k] = if b >= threshold { scale } else { 0.0 });
+}
+
+multiversion!(keep_factors, keep_factors_body, (z: &mut [f32], start: u64, key: u64, threshold: u32, scale: f32) -> ());
 
 /// o = dy · scale where the mask keeps the element, else 0 (f32, same shapes).
 #[inline(always)]
@@ -269,8 +278,17 @@ fn dropout_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cpu
     crate::dispatch_float!(dy.dtype, node, go::<T>(dy, mask, &mut out[0], scale))
 }
 
+/// DropoutKey() -> a fresh key of the step's stream, as an int64 [1].
+fn dropout_key(node: &Node, _: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
+    let key = out.first_mut().ok_or_else(|| node.err("DropoutKey has one output"))?.slice::<i64>()?;
+    let [k] = key else { return Err(node.err(format!("the key holds {} values, expected 1", key.len()))) };
+    *k = ctx.rng.next_key() as i64;
+    Ok(())
+}
+
 pub fn register(t: &mut KernelTable) {
     t.add("Dropout", dropout);
+    t.add("DropoutKey", dropout_key);
     t.add("DropoutGrad", dropout_grad);
     t.add("DropoutAdd", dropout_add);
 }

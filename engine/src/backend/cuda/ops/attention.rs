@@ -50,6 +50,9 @@ struct KeyPad {
 fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64, Option<KeyPad>)> {
     let (q, kt, v) = (input(node, ins, first)?, input(node, ins, first + 1)?, input(node, ins, first + 2)?);
     let mask = ins.get(first + 3).and_then(|m| m.as_ref());
+    if crate::ops::attention::dropout_ratio(node)? > 0.0 {
+        return Err(node.err("the CUDA attention kernels have no dropout (passes/fuse_attention.rs fuses it for CPU sessions only)"));
+    }
     if !matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(node.err(format!("the CUDA attention kernels take f32, bf16 or fp16 tensors, got {}", q.dtype.name())));
     }
