@@ -1,15 +1,18 @@
-//! CPU kernels of ops/rms_norm.rs, parallel over blocks of rows; row sums in f64 (norm.rs's
-//! `row_sums`), as LayerNormalization's.
+//! CPU kernels of ops/rms_norm.rs, parallel over blocks of rows. f32 rows run vectorised
+//! kernels (f32 lanes of partial sums, added in f64; the CPU's SIMD level picked at run time);
+//! other types the reference, row sums in f64 (norm.rs's `row_sums`), as LayerNormalization's.
 
 use rayon::prelude::*;
 
 use super::elementwise::{first, FloatElem};
 use super::norm::row_sums;
+use super::softmax::lane_sum;
 use super::tensor_view::{In, Out};
 use super::{CpuCtx, KernelTable};
 use crate::error::Result;
 use crate::ir::Node;
 use crate::ops::rms_norm_layout_of;
+use crate::simd::multiversion;
 use crate::tensor::DType;
 
 /// Rows per parallel task.
@@ -36,11 +39,82 @@ fn read_stats(r: &In) -> Result<Vec<f64>> {
     })
 }
 
+/// One f32 row of RmsNorm: y = x · r [∘ w] (w empty: no scale); returns r.
+#[inline(always)]
+fn forward_row_body<const FMA: bool>(y: &mut [f32], x: &[f32], w: &[f32], eps: f64) -> f64 {
+    let ss = lane_sum(x, x, |a, b| a * b) as f64;
+    let r = 1.0 / (ss / x.len() as f64 + eps).sqrt();
+    let rf = r as f32;
+    if w.is_empty() {
+        y.iter_mut().zip(x).for_each(|(y, &v)| *y = v * rf);
+    } else {
+        y.iter_mut().zip(x).zip(w).for_each(|((y, &v), &w)| *y = v * rf * w);
+    }
+    r
+}
+
+/// One f32 row of RmsNormGrad: dx = r · g − x · r³ Σ(g ∘ x) / n with g = dy [∘ w] (w empty: no
+/// scale), and ds += dy ∘ x · r (ds empty: no scale gradient).
+#[inline(always)]
+fn grad_row_body<const FMA: bool>(dx: &mut [f32], dy: &[f32], x: &[f32], w: &[f32], r: f64, ds: &mut [f32]) {
+    if w.is_empty() {
+        dx.copy_from_slice(dy);
+    } else {
+        dx.iter_mut().zip(dy).zip(w).for_each(|((g, &d), &w)| *g = d * w);
+    }
+    let s = lane_sum(dx, x, |g, v| g * v) as f64;
+    let (rf, c) = (r as f32, (r * r * r * s / x.len() as f64) as f32);
+    dx.iter_mut().zip(x).for_each(|(g, &v)| *g = rf * *g - v * c);
+    ds.iter_mut().zip(dy).zip(x).for_each(|((a, &d), &v)| *a += d * v * rf);
+}
+
+multiversion!(forward_row, forward_row_body, (y: &mut [f32], x: &[f32], w: &[f32], eps: f64) -> f64);
+multiversion!(grad_row, grad_row_body, (dx: &mut [f32], dy: &[f32], x: &[f32], w: &[f32], r: f64, ds: &mut [f32]) -> ());
+
+/// RmsNorm of f32 rows of `n`.
+fn rms_norm_f32(x: &In, scale: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
+    let (xv, w) = (x.slice::<f32>()?, scale.map_or(Ok(&[][..]), |s| s.slice::<f32>())?);
+    let [y, r] = out else { return Err(crate::error::Error::other("RmsNorm has two outputs")) };
+    let inv: Vec<f64> =
+        xv.par_chunks(n).zip(y.slice::<f32>()?.par_chunks_mut(n)).map(|(xr, yr)| forward_row::call(yr, xr, w, eps)).collect();
+    write_stats(r, &inv)
+}
+
+/// RmsNormGrad of f32 rows of `n`: dx per row; dscale (`scale_grad`) from per-task f32 column
+/// sums added in f64.
+fn rms_norm_grad_f32(dy: &In, x: &In, scale: Option<&In>, inv: &[f64], out: &mut [Out], n: usize, scale_grad: bool) -> Result<()> {
+    let (dv, xv, w) = (dy.slice::<f32>()?, x.slice::<f32>()?, scale.map_or(Ok(&[][..]), |s| s.slice::<f32>())?);
+    let (dx, rest) = out.split_first_mut().ok_or_else(|| crate::error::Error::other("RmsNormGrad: no output"))?;
+    let task = n * ROWS_PER_TASK;
+    let partial: Vec<Vec<f32>> = dv
+        .par_chunks(task)
+        .zip(xv.par_chunks(task))
+        .zip(dx.slice::<f32>()?.par_chunks_mut(task))
+        .zip(inv.par_chunks(ROWS_PER_TASK))
+        .map(|(((db, xb), ob), rb)| {
+            let mut ds = vec![0f32; if scale_grad { n } else { 0 }];
+            for (((dr, xr), or), &r) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)).zip(rb) {
+                grad_row::call(or, dr, xr, w, r, &mut ds);
+            }
+            ds
+        })
+        .collect();
+    if let Some(dscale) = rest.first_mut() {
+        for (j, d) in dscale.slice::<f32>()?.iter_mut().enumerate() {
+            *d = partial.iter().map(|p| p[j] as f64).sum::<f64>() as f32;
+        }
+    }
+    Ok(())
+}
+
 fn rms_norm(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut CpuCtx) -> Result<()> {
     let x = first(node, inputs)?;
     let scale = opt(inputs, 1);
     let eps = node.attrs.float("epsilon", 1e-6)? as f64;
     let (_, n) = rms_norm_layout_of(node, x.shape, scale.map(|s| s.shape))?;
+    if x.dtype == DType::F32 && n > 0 {
+        return rms_norm_f32(x, scale, out, n, eps);
+    }
     fn go<T: FloatElem>(x: &In, scale: Option<&In>, out: &mut [Out], n: usize, eps: f64) -> Result<()> {
         let xv = x.slice::<T>()?;
         let sv = match scale {
@@ -80,6 +154,9 @@ fn rms_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cp
         return Err(node.err(format!("{} statistics for {rows} rows, {} outputs", inv.len(), out.len())));
     }
     let scale_grad = out.len() == 2;
+    if dy.dtype == DType::F32 && n > 0 {
+        return rms_norm_grad_f32(dy, x, scale, &inv, out, n, scale_grad);
+    }
     fn go<T: FloatElem>(dy: &In, x: &In, scale: Option<&In>, inv: &[f64], out: &mut [Out], n: usize, scale_grad: bool) -> Result<()> {
         let (dv, xv) = (dy.slice::<T>()?, x.slice::<T>()?);
         let sv = match scale {
@@ -135,6 +212,38 @@ mod tests {
     use super::super::CpuCtx;
     use crate::ir::{Attr, Attrs};
     use crate::tensor::{Data, Tensor};
+
+    /// The f32 kernels against the f64 reference on the same values (rows of 37 and 515: lane
+    /// tails; 40 rows: a partial task), with and without a scale, and the scale's gradient.
+    #[test]
+    fn f32_rows_match_the_f64_reference() {
+        let data = super::super::testutil::data;
+        for n in [37, 515] {
+            let rows = 40;
+            let (x, dy, w) = (data(rows * n, 1), data(rows * n, 2), data(n, 3).iter().map(|v| 1.0 + v / 2.0).collect::<Vec<f32>>());
+            let f32s = |shape: Vec<usize>, v: &[f32]| Tensor::from_f32(shape, v.to_vec());
+            let f64s = |shape: Vec<usize>, v: &[f32]| Tensor::new(shape, Data::F64(v.iter().map(|&a| a as f64).collect())).expect("f64");
+            let attrs = Attrs::default().with("epsilon", Attr::Float(1e-5));
+            for scaled in [true, false] {
+                let run = |t: &dyn Fn(Vec<usize>, &[f32]) -> Tensor| {
+                    let (xt, dyt, wt) = (t(vec![rows, n], &x), t(vec![rows, n], &dy), t(vec![n], &w));
+                    let scale = scaled.then_some(&wt);
+                    let fwd = try_run_opt("RmsNorm", attrs.clone(), &[Some(&xt), scale], &mut CpuCtx::new(0)).expect("RmsNorm");
+                    let ins = [Some(&dyt), Some(&xt), scale, Some(&fwd[1])];
+                    let grads = try_run_opt("RmsNormGrad", attrs.clone(), &ins, &mut CpuCtx::new(0)).expect("RmsNormGrad");
+                    fwd.iter().chain(&grads).map(|t| t.to_f64_vec()).collect::<Vec<_>>()
+                };
+                let (fast, reference) = (run(&f32s), run(&f64s));
+                assert_eq!(fast.len(), 3 + scaled as usize);
+                for (k, what) in ["y", "1/rms", "dx", "dscale"].iter().enumerate().take(fast.len()) {
+                    let top = reference[k].iter().fold(0f64, |m, v| m.max(v.abs()));
+                    for (i, (a, b)) in fast[k].iter().zip(&reference[k]).enumerate() {
+                        assert!((a - b).abs() <= 2e-6 * top, "n {n}, scaled {scaled}: {what}[{i}] {a} vs the reference's {b}");
+                    }
+                }
+            }
+        }
+    }
 
     /// Forward and gradients against the formulas in f64, with and without a scale, on rows
     /// of 37 (a partial block of rows, a partial lane block of columns).
