@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import re
 import statistics
 import sys
 import time
@@ -55,14 +56,17 @@ def main():
             times.append(time.perf_counter() - t)
         medians[name] = statistics.median(times[args.warmup:]) * 1e3
         if name == "ortrain":
-            arenas = [line.strip()[:160] for line in ortrain.explain(model, ids).splitlines() if "peak arena" in line]
+            # "plan for inputs ...: peak arena X MiB" (the model's graph), "loss graph ...; peak
+            # arena Y MiB" (the graph with the loss fused, which the steps above ran)
+            arenas = [(line.strip().split(":")[0].split(" (")[0], m.group(1)) for line in ortrain.explain(model, ids).splitlines()
+                      if (m := re.search(r"peak arena ([\d.]+ MiB)", line))]
     off = os.environ.get("ORTRAIN_DISABLE_PASSES", "")
     print(f"GPT-2 {args.layers} layers, seq {args.seq} x batch {args.batch}, dropout 0.1"
           f"{f', ORTRAIN_DISABLE_PASSES={off}' if off else ''}: eager {medians['eager']:.1f} ms, "
           f"ortrain {medians['ortrain']:.1f} ms ({medians['eager'] / medians['ortrain']:.2f}x eager), "
           f"medians of {args.steps} steps after {args.warmup}")
-    for line in arenas:
-        print("  " + line)
+    for graph, arena in arenas:
+        print(f"  {graph}: planned peak arena {arena}")
 
 
 if __name__ == "__main__":
