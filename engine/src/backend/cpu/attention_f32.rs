@@ -551,6 +551,23 @@ mod tests {
         (0..t * s).map(|i| if i % s > i / s { hide } else { 0.0 }).collect()
     }
 
+    /// Batch 2 × 2 heads of 140 queries and keys of 8 under the causal finfo.min mask, key
+    /// padding keeping the flat flags `kept` of the 2 × 140 keys (finfo.min for the others), with
+    /// `attrs` and the dropout's `key`.
+    fn padded_causal(name: &'static str, kept: std::ops::Range<usize>, attrs: Attrs, key: Option<i64>) -> Case {
+        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from(kept.contains(&i))).collect();
+        Case {
+            name,
+            q: vec![2, 2, 140, 8],
+            kt: vec![2, 2, 8, 140],
+            v: vec![2, 2, 140, 8],
+            mask: Some((vec![1, 1, 140, 140], causal(140, 140, f32::MIN as f64))),
+            kp: Some(Tensor::new(vec![2, 1, 1, 140], Data::Bool(flags)).expect("flags")),
+            attrs: attrs.with("padding_value", Attr::Float(f32::MIN)),
+            key,
+        }
+    }
+
     fn attrs(scale: f32, guard: bool) -> Attrs {
         Attrs::default().with("scale", Attr::Float(scale)).with("nan_guard", Attr::Int(guard as i64))
     }
@@ -579,17 +596,7 @@ mod tests {
             key: None,
         });
         // keys 0..5 of batch 0 padded: its queries 0..4 see no key (equal weights over all)
-        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from((5..140 + 130).contains(&i))).collect();
-        check(&Case {
-            name: "causal with key padding at both ends",
-            q: vec![2, 2, 140, 8],
-            kt: vec![2, 2, 8, 140],
-            v: vec![2, 2, 140, 8],
-            mask: Some((vec![1, 1, 140, 140], causal(140, 140, 0.0).iter().map(|&x| if x == 0.0 { 0.0 } else { fmin }).collect())),
-            kp: Some(Tensor::new(vec![2, 1, 1, 140], Data::Bool(flags)).expect("flags")),
-            attrs: attrs(0.5, true).with("padding_value", Attr::Float(f32::MIN)),
-            key: None,
-        });
+        check(&padded_causal("causal with key padding at both ends", 5..140 + 130, attrs(0.5, true), None));
         // −∞ above the diagonal, row 3 all −∞: NaN without the guard
         let mut m = causal(70, 90, f64::NEG_INFINITY);
         m[3 * 90..4 * 90].iter_mut().for_each(|x| *x = f64::NEG_INFINITY);
@@ -626,18 +633,8 @@ mod tests {
     /// forward and backward, in BHSD with a causal mask and key padding and in BSHD.
     #[test]
     fn dropout_blocks_match_the_f64_reference() {
-        let fmin = f32::MIN as f64;
-        let flags: Vec<u8> = (0..2 * 140).map(|i| u8::from((3..140 + 120).contains(&i))).collect();
-        check(&Case {
-            name: "dropout 0.2, causal finfo.min with key padding",
-            q: vec![2, 2, 140, 8],
-            kt: vec![2, 2, 8, 140],
-            v: vec![2, 2, 140, 8],
-            mask: Some((vec![1, 1, 140, 140], causal(140, 140, fmin))),
-            kp: Some(Tensor::new(vec![2, 1, 1, 140], Data::Bool(flags)).expect("flags")),
-            attrs: attrs(0.5, true).with("padding_value", Attr::Float(f32::MIN)).with("dropout", Attr::Float(0.2)),
-            key: Some(0x1234_5678_9abc_def0),
-        });
+        let with_dropout = attrs(0.5, true).with("dropout", Attr::Float(0.2));
+        check(&padded_causal("dropout 0.2, causal finfo.min with key padding", 3..140 + 120, with_dropout, Some(0x1234_5678_9abc_def0)));
         let (b, t, s, h, d) = (2, 70, 90, 3, 8);
         check(&Case {
             name: "dropout 0.5, BSHD",

@@ -80,25 +80,41 @@ fn rms_norm_f32(x: &In, scale: Option<&In>, out: &mut [Out], n: usize, eps: f64)
     write_stats(r, &inv)
 }
 
+/// RmsNormGrad's rows in parallel tasks of [`ROWS_PER_TASK`]: `row(dx, dy, x, r, ds)` per row of
+/// `n`, with the task's partial column sums `ds` of dscale (n zeros to start, none without
+/// `scale_grad`); returns every task's sums.
+#[allow(clippy::too_many_arguments)]
+fn grad_tasks<T: Sync + Send, A: Copy + Default + Send>(
+    dv: &[T],
+    xv: &[T],
+    dx: &mut [T],
+    inv: &[f64],
+    n: usize,
+    scale_grad: bool,
+    row: impl Fn(&mut [T], &[T], &[T], f64, &mut [A]) + Sync,
+) -> Vec<Vec<A>> {
+    let task = n * ROWS_PER_TASK;
+    dv.par_chunks(task)
+        .zip(xv.par_chunks(task))
+        .zip(dx.par_chunks_mut(task))
+        .zip(inv.par_chunks(ROWS_PER_TASK))
+        .map(|(((db, xb), ob), rb)| {
+            let mut ds = vec![A::default(); if scale_grad { n } else { 0 }];
+            for (((dr, xr), or), &r) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)).zip(rb) {
+                row(or, dr, xr, r, &mut ds);
+            }
+            ds
+        })
+        .collect()
+}
+
 /// RmsNormGrad of f32 rows of `n`: dx per row; dscale (`scale_grad`) from per-task f32 column
 /// sums added in f64.
 fn rms_norm_grad_f32(dy: &In, x: &In, scale: Option<&In>, inv: &[f64], out: &mut [Out], n: usize, scale_grad: bool) -> Result<()> {
     let (dv, xv, w) = (dy.slice::<f32>()?, x.slice::<f32>()?, scale.map_or(Ok(&[][..]), |s| s.slice::<f32>())?);
     let (dx, rest) = out.split_first_mut().ok_or_else(|| crate::error::Error::other("RmsNormGrad: no output"))?;
-    let task = n * ROWS_PER_TASK;
-    let partial: Vec<Vec<f32>> = dv
-        .par_chunks(task)
-        .zip(xv.par_chunks(task))
-        .zip(dx.slice::<f32>()?.par_chunks_mut(task))
-        .zip(inv.par_chunks(ROWS_PER_TASK))
-        .map(|(((db, xb), ob), rb)| {
-            let mut ds = vec![0f32; if scale_grad { n } else { 0 }];
-            for (((dr, xr), or), &r) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)).zip(rb) {
-                grad_row::call(or, dr, xr, w, r, &mut ds);
-            }
-            ds
-        })
-        .collect();
+    let partial =
+        grad_tasks::<f32, f32>(dv, xv, dx.slice::<f32>()?, inv, n, scale_grad, |or, dr, xr, r, ds| grad_row::call(or, dr, xr, w, r, ds));
     if let Some(dscale) = rest.first_mut() {
         for (j, d) in dscale.slice::<f32>()?.iter_mut().enumerate() {
             *d = partial.iter().map(|p| p[j] as f64).sum::<f64>() as f32;
@@ -168,29 +184,18 @@ fn rms_norm_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], _: &mut Cp
             return Ok(());
         }
         let w = |j: usize| sv.map_or(1.0, |s| s[j].as_());
-        let task = n * ROWS_PER_TASK;
         // dX per row; per task, the partial sums of dscale's columns
-        let partial: Vec<Vec<f64>> = dv
-            .par_chunks(task)
-            .zip(xv.par_chunks(task))
-            .zip(dx.slice::<T>()?.par_chunks_mut(task))
-            .zip(inv.par_chunks(ROWS_PER_TASK))
-            .map(|(((db, xb), ob), rb)| {
-                let mut ds = vec![0f64; if scale_grad { n } else { 0 }];
-                for (((dr, xr), or), &r) in db.chunks(n).zip(xb.chunks(n)).zip(ob.chunks_mut(n)).zip(rb) {
-                    let [s] = row_sums(dr, |d, j| [d * w(j) * xr[j].as_()]);
-                    let c = r * r * r * s / n as f64;
-                    for j in 0..n {
-                        let (d, v) = (dr[j].as_(), xr[j].as_());
-                        or[j] = T::from_f64(r * w(j) * d - v * c);
-                    }
-                    for (j, acc) in ds.iter_mut().enumerate() {
-                        *acc += dr[j].as_() * xr[j].as_() * r;
-                    }
-                }
-                ds
-            })
-            .collect();
+        let partial = grad_tasks::<T, f64>(dv, xv, dx.slice::<T>()?, inv, n, scale_grad, |or, dr, xr, r, ds| {
+            let [s] = row_sums(dr, |d, j| [d * w(j) * xr[j].as_()]);
+            let c = r * r * r * s / n as f64;
+            for j in 0..n {
+                let (d, v) = (dr[j].as_(), xr[j].as_());
+                or[j] = T::from_f64(r * w(j) * d - v * c);
+            }
+            for (j, acc) in ds.iter_mut().enumerate() {
+                *acc += dr[j].as_() * xr[j].as_() * r;
+            }
+        });
         if let Some(dscale) = rest.first_mut() {
             for (j, d) in dscale.slice::<T>()?.iter_mut().enumerate() {
                 *d = T::from_f64(partial.iter().map(|p| p[j]).sum());
