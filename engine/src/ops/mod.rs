@@ -202,6 +202,11 @@ pub fn rms_norm_layout_of(node: &Node, x: &[usize], scale: Option<&[usize]>) -> 
     rms_norm::rms_norm_layout(node, x, scale)
 }
 
+/// RmsNorm's InvRms type for X of type `x`: f32, f64 for f64 (shared with backends).
+pub fn rms_norm_stat_type(x: DType) -> DType {
+    rms_norm::stat_type(x)
+}
+
 /// LayerNormGrad's optional outputs' indices: dx's 16-bit copy, dx's column sums (shared with
 /// backends).
 pub fn layer_norm_grad_extras_of(node: &Node) -> Result<(Option<usize>, Option<usize>)> {

@@ -38,7 +38,7 @@ fn float_input<'a>(node: &Node, inputs: &'a [Option<InferIn<'a>>], i: usize) -> 
 }
 
 /// The type of InvRms for X of type `x`.
-fn stat_type(x: DType) -> DType {
+pub fn stat_type(x: DType) -> DType {
     if x == DType::F64 {
         DType::F64
     } else {

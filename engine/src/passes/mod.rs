@@ -79,7 +79,7 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // a tensor taken apart whole by constant-index Gathers (nn.MultiheadAttention's packed
     // q, k, v): one Split, whose gradient is one Concat instead of n scatters and their sum
     ("selects_to_split", |g, _| Ok(selects_to_split::run(g)), Runs::Both),
-    // CPU sessions (backend/cpu/attention_f32.rs: blocked gemms, masked keys skipped, the
+    // CPU sessions (backend/cpu/attention_f32/: blocked gemms, masked keys skipped, the
     // probabilities' dropout too); CUDA
     // sessions opt-in: on an H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by
     // 38% but made its step slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)

@@ -1,5 +1,5 @@
 //! CPU kernels of ops/attention.rs. f32 attentions (and the 16-bit ones, which the CPU widens to
-//! f32) run attention_f32.rs's blocked kernels. The others run the reference here: one score
+//! f32) run attention_f32/'s blocked kernels. The others run the reference here: one score
 //! row at a time in f64 (two-pass softmax), parallel over batch matrices; the backward
 //! recomputes each row's probabilities from the saved LSE, as the GPU does. The reference runs
 //! layout BSHD on copies permuted to BHSD (and back), sharing nothing with the strided reads of
@@ -50,17 +50,17 @@ pub(super) struct KeyPadding<'a> {
 }
 
 /// The dropout on a node's probabilities (ops/attention.rs): its stream key, the draw below
-/// which an element is dropped, and the ratio.
+/// which an element is dropped, and what a kept one is scaled by, 1/(1 − ratio).
 #[derive(Clone, Copy)]
 pub(super) struct AttnDropout {
     pub key: u64,
     pub threshold: u32,
-    pub ratio: f64,
+    pub scale: f64,
 }
 
 impl AttnDropout {
-    /// Z of query `t` of batch matrix `b` over keys `0..z.len()`: `scale` (1/(1 − ratio), in
-    /// the caller's precision) where kept, else 0.
+    /// Z of query `t` of batch matrix `b` over keys `0..z.len()`: `scale` (the node's, in the
+    /// caller's precision) where kept, else 0.
     pub fn factors(&self, l: &AttnLayout, b: usize, t: usize, z: &mut [f32], scale: f32) {
         let start = ((b * l.t + t) * l.s) as u64;
         super::random::keep_factors::call(z, start, self.key, self.threshold, scale);
@@ -94,7 +94,7 @@ fn setup<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Result<Par
     let dropout = match dropout_key_input(&node.op_type).and_then(|i| inputs.get(i)).and_then(|x| x.as_ref()) {
         Some(key) if ratio > 0.0 => {
             let &[key] = key.slice::<i64>()? else { return Err(node.err("the dropout key must be one int64")) };
-            Some(AttnDropout { key: key as u64, threshold: super::random::drop_threshold(ratio), ratio })
+            Some(AttnDropout { key: key as u64, threshold: super::random::drop_threshold(ratio), scale: 1.0 / (1.0 - ratio) })
         }
         None if ratio > 0.0 => return Err(node.err("attribute dropout needs the stream key input")),
         _ => None,
@@ -124,13 +124,12 @@ fn scores<T: FloatElem>(p: &Params, b: usize, off: &[usize; 4], q: &[T], kt: &[T
 }
 
 /// The reference's dropout factors of query `t` of batch matrix `b` (ones without a dropout): the
-/// fast kernels' keep decisions, with 1/(1 − ratio) in f64.
+/// fast kernels' keep decisions, with the scale in f64.
 fn keep_factors(p: &Params, b: usize, t: usize) -> Vec<f64> {
     let Some(d) = &p.dropout else { return vec![1.0; p.l.s] };
     let mut kept = vec![0f32; p.l.s];
     d.factors(&p.l, b, t, &mut kept, 1.0);
-    let scale = 1.0 / (1.0 - d.ratio);
-    kept.into_iter().map(|k| k as f64 * scale).collect()
+    kept.into_iter().map(|k| k as f64 * d.scale).collect()
 }
 
 /// A row's probabilities from its scores alone (two-pass softmax), zeros where all are -inf.

@@ -207,22 +207,14 @@ pub fn register(t: &mut KernelTable) {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testutil::try_run_opt;
+    use super::super::testutil::{data, try_run_opt};
     use super::super::CpuCtx;
     use crate::ir::{Attr, Attrs};
     use crate::ops::{lce_chunk_rows, LceBudget};
     use crate::tensor::{Data, Tensor};
 
     fn vals(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % 20_000) as f64 / 10_000.0 - 1.0
-            })
-            .collect()
+        data(n, seed).into_iter().map(f64::from).collect()
     }
 
     fn tensor(shape: Vec<usize>, v: Vec<f64>, f64s: bool) -> Tensor {

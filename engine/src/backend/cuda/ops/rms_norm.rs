@@ -9,17 +9,7 @@ use super::{float_suffix, input, same_type, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::launch::KArg;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::rms_norm_layout_of;
-use crate::tensor::DType;
-
-/// The statistics type of X: f32, f64 for f64 (ops/rms_norm.rs).
-fn stat_type(x: DType) -> DType {
-    if x == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
+use crate::ops::{rms_norm_layout_of, rms_norm_stat_type as stat_type};
 
 fn optional<'v, 'a>(ins: &'v [Option<DView<'a>>], i: usize) -> Option<&'v DView<'a>> {
     ins.get(i).and_then(|v| v.as_ref())

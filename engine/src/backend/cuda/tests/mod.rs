@@ -22,6 +22,7 @@ mod elementwise;
 mod exec;
 mod exec_fusions;
 mod exec_models;
+mod exec_models_norms;
 mod exec_models_products;
 mod flash_attention;
 mod gather;
