@@ -19,7 +19,10 @@
 // heads inside the rows (q [B, T, H, D], k [B, S, H, D], ...): `a` carries every tensor's batch
 // strides and the strides inside its matrices (attention.cuh), which the loads and stores use. A row whose scores are all -inf gives 0 when
 // nan_guard (the exporters' `Where(IsNaN(softmax), 0, softmax)`), else NaN as softmax does,
-// and LSE = -inf; its gradient is 0.
+// and LSE = -inf; its gradient is 0. With dropout (AttnShape drop_*, attention.cuh att_drop) the
+// forward multiplies each probability by its keep factor before the product with V (the row's
+// sum and LSE are the softmax's), and the backward regenerates the factors: dV from P∘Z, and
+// dS = P∘(Z∘dP − Δ) with dP = dO·Vᵀ and Δ = Σ dO·O as before.
 // Launch: 128 threads (4 warps of 8 rows or keys), a 1-D grid of batch · ceil(T / 32) blocks
 // (dq, fwd) or batch · ceil(S / 32) (dkv), dynamic shared memory for the regions each kernel
 // lays out (the dispatcher computes the same sizes). 32 x 32 tiles whose mask is all -inf (a
@@ -158,6 +161,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
     const i64 tiles = (T + ATT_TILE - 1) / ATT_TILE;
     const i64 bi = blockIdx.x / tiles, t0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
+    const AttDrop drop = att_drop(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     att_load_rows(qs, d_, q + off.q, a.q_t, t0, T, d_);
     f32 m[8], l[8], acc[8][4];
@@ -185,7 +189,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_fwd_f32(const f32* q
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[r][i] *= corr;
             m[r] = mnew;
-            ps[(w * 8 + r) * ATT_PLD + lane] = p;
+            ps[(w * 8 + r) * ATT_PLD + lane] = p * att_drop_at(drop, t0 + w * 8 + r, s0 + lane);
         }
         __syncthreads();  // the K tile is read
         att_load_rows(kv, dv_, v + off.v, a.v_s, s0, S, dv_);
@@ -233,6 +237,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
     const i64 tiles = (T + ATT_TILE - 1) / ATT_TILE;
     const i64 bi = blockIdx.x / tiles, t0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
+    const AttDrop drop = att_drop(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     att_load_rows(qs, d_, q + off.q, a.q_t, t0, T, d_);
     att_load_rows(dos, dv_, dout + off.o, a.o_t, t0, T, dv_);
@@ -263,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dq_f32(const f32
         f32 dp[8];
         att_dot8(dos, dv_, kv, dv_, w, lane, dp);
 #pragma unroll
-        for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (dp[r] - delta[r]);
+        for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (att_drop_at(drop, t0 + w * 8 + r, s0 + lane) * dp[r] - delta[r]);
         __syncthreads();
         att_load_cols_t(kv, d_ + 1, kt + off.k, a, s0, d_);  // K: [32][D+1]
         __syncthreads();
@@ -296,6 +301,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
     const i64 tiles = (S + ATT_TILE - 1) / ATT_TILE;
     const i64 bi = blockIdx.x / tiles, s0 = (blockIdx.x % tiles) * ATT_TILE;
     const AttnOff off = attn_offsets(a, bi);
+    const AttDrop drop = att_drop(a, bi);
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31;
     att_load_cols_t(ks, d_, kt + off.k, a, s0, d_);
     att_load_rows(vs, dv_, v + off.v, a.v_s, s0, S, dv_);
@@ -325,17 +331,19 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
         att_dot8(ks, d_, x, d_, w, lane, p);  // p[r] = K[key w·8 + r] · Q[row lane]
         const i64 row = t0 + lane;
         const f32 lr = rows_lse[lane];
+        f32 z[8];  // the dropout's factors
 #pragma unroll
         for (int r = 0; r < 8; ++r) {
             const f32 sc = att_score(p[r], scale, mask, off.m, row, s0 + w * 8 + r, T, S, mask_t, mask_s);
             p[r] = (lr == -ATT_INF || sc == -ATT_INF) ? 0.f : expf(sc - lr);
-            ps[(w * 8 + r) * ATT_PLD + lane] = p[r];
+            z[r] = att_drop_at(drop, row, s0 + w * 8 + r);
+            ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * z[r];
         }
         __syncthreads();
         att_load_rows(x, dv_, dout + off.o, a.o_t, t0, T, dv_);  // dO: [32][Dv]
         __syncthreads();
         const int n = (int)min((i64)ATT_TILE, T - t0);
-        att_acc8(ps, x, dv_, n, dv_, w, lane, acc_v);  // dV[key] += Σ_row P · dO[row]
+        att_acc8(ps, x, dv_, n, dv_, w, lane, acc_v);  // dV[key] += Σ_row P∘Z · dO[row]
         __syncthreads();
         att_load_rows_t(x, dout + off.o, a.o_t, t0, T, dv_);  // dOᵀ: [Dv][33]
         __syncthreads();
@@ -343,7 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_bwd_dkv_f32(const f3
         att_dot8(vs, dv_, x, dv_, w, lane, dp);  // dP[row lane][key] = V[key] · dO[row]
         const f32 dl = rows_delta[lane];
 #pragma unroll
-        for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (dp[r] - dl);
+        for (int r = 0; r < 8; ++r) ps[(w * 8 + r) * ATT_PLD + lane] = p[r] * (z[r] * dp[r] - dl);
         __syncthreads();
         att_load_rows(x, d_, q + off.q, a.q_t, t0, T, d_);  // Q: [32][D]
         __syncthreads();

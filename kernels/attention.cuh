@@ -1,6 +1,9 @@
 // Shared by the attention kernel families (kernels/attention.cu: SIMT f32; kernels/attention_mma.cu:
-// tensor cores): the kernels' shape argument, batch offsets, warp reductions and the masked,
-// scaled score. Served from memory like prelude.cuh (engine/src/backend/cuda/registry.rs HEADERS).
+// tensor cores): the kernels' shape argument, batch offsets, warp reductions, the masked,
+// scaled score and the probabilities' dropout. Served from memory like prelude.cuh
+// (engine/src/backend/cuda/registry.rs HEADERS).
+
+#include "philox.cuh"
 
 #define ATT_INF __int_as_float(0x7f800000)
 #define ATT_NAN __int_as_float(0x7fc00000)
@@ -20,6 +23,10 @@ struct AttnShape {
     // strides inside the matrices (columns of Q, V, O contiguous): Q and dQ along T; Kt and dKt
     // along S and D (1 and S in layout BHSD, H·D and 1 in BSHD); V and dV along S; O and dO along T
     i64 q_t, k_s, k_d, v_s, o_t;
+    // the probabilities' dropout (att_drop): the device address of its stream key, an int64
+    // DropoutKey wrote (0: no dropout), its ratio and 1 / (1 - ratio)
+    u64 drop_key;
+    f32 drop_p, drop_scale;
 };
 
 struct AttnOff {
@@ -50,6 +57,50 @@ __device__ __forceinline__ f32 att_warp_max(f32 v) {
 __device__ __forceinline__ f32 att_warp_sum(f32 v) {
     for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
     return v;
+}
+
+// The dropout of one batch matrix's probabilities (engine/src/ops/attention.rs, AttnShape's
+// drop_*). Its element (row, col) is element flat = (bi·T + row)·S + col of the full batch's
+// [.., T, S] probabilities, and a Dropout of that tensor keyed as the DropoutKey's key
+// (kernels/dropout.cu: word flat % 4 of Philox counter flat / 4, a 24-bit uniform at or above
+// the ratio) keeps it: the fused kernels multiply a kept probability by 1 / (1 - ratio) and a
+// dropped one by 0, exactly where the unfused graph's Dropout would have. Without dropout
+// every factor is 1.
+struct AttDrop {
+    u64 key;
+    i64 base, S;  // bi·T·S, and S
+    f32 p, scale;
+    bool on;
+};
+__device__ __forceinline__ AttDrop att_drop(const AttnShape& a, i64 bi) {
+    AttDrop d;
+    d.on = a.drop_key != 0;
+    d.key = d.on ? *reinterpret_cast<const u64*>(a.drop_key) : 0;
+    d.base = bi * a.T * a.S;
+    d.S = a.S;
+    d.p = a.drop_p;
+    d.scale = a.drop_scale;
+    return d;
+}
+__device__ __forceinline__ f32 att_drop_keep(const AttDrop& d, u32 word) { return uniform24(word) >= d.p ? d.scale : 0.f; }
+// The factor of element (row, col).
+__device__ __forceinline__ f32 att_drop_at(const AttDrop& d, i64 row, i64 col) {
+    if (!d.on) return 1.f;
+    const u64 flat = (u64)(d.base + row * d.S + col);
+    return att_drop_keep(d, philox_word(philox_words(d.key, flat >> 2), (int)(flat & 3)));
+}
+// The factors of (row, col) and (row, col + 1), one counter's words serving both unless col
+// is its last.
+__device__ __forceinline__ void att_drop_pair(const AttDrop& d, i64 row, i64 col, f32 z[2]) {
+    if (!d.on) {
+        z[0] = z[1] = 1.f;
+        return;
+    }
+    const u64 flat = (u64)(d.base + row * d.S + col);
+    const int k = (int)(flat & 3);
+    const U4 r = philox_words(d.key, flat >> 2);
+    z[0] = att_drop_keep(d, philox_word(r, k));
+    z[1] = att_drop_keep(d, k < 3 ? philox_word(r, k + 1) : philox_words(d.key, (flat >> 2) + 1).x);
 }
 
 // A mask value at or below this is PyTorch's finfo(float32).min (-3.40e38; bf16's -3.39e38), the

@@ -6,7 +6,8 @@
 // (`precision="bf16"` or `"fp16"`): Q·Kᵀ, P·V and the backward's four products are mma.sync
 // m16n8k16 with 16-bit operands P (attention_mma_stage.cuh: bf16 or f16, rounded to nearest from
 // f32 tensors, and P / dS from their f32 values) and f32 accumulation; softmax statistics, LSE,
-// Δ and the outputs' arithmetic are f32.
+// Δ and the outputs' arithmetic are f32. The probabilities' dropout (AttnShape drop_*) as in
+// kernels/attention.cu: P∘Z into the product with V (and dV), dS = P∘(Z∘dP − Δ).
 //
 //   attention_mma_fwd_dHD_T(q, kt, v, mask, o, lse, AttnShape a, f32 scale, i32 nan_guard, i32 causal)
 //   attention_mma_bwd_dq_dHD_T(dout, q, kt, v, mask, o, lse, dq, a, scale, causal)
@@ -115,6 +116,20 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
     return p;
 }
 
+// x (16 x 64 of one warp: rows rows[0], rows[1], keys s0 + 8j + 2qd + c) times the dropout's
+// factors (attention.cuh att_drop), one Philox draw for each pair of adjacent keys.
+__device__ __forceinline__ void am_drop_scale(f32 x[8][4], const AttDrop& drop, const i64 rows[2], i64 s0, int qd) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            f32 z[2];
+            att_drop_pair(drop, rows[h], s0 + 8 * j + 2 * qd, z);
+            x[j][2 * h] *= z[0];
+            x[j][2 * h + 1] *= z[1];
+        }
+}
+
 template <int HD, typename E, typename P>
 __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard, i32 causal) {
@@ -127,6 +142,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
     const AmPlace at = am_place(a, T);
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
+    const AttDrop drop = att_drop(a, bi);
     const int w = at.w, g = at.g, qd = at.qd;
     am_stage<HD, P>(qs, nullptr, q + off.q, a.q_t, t0, T);
     __syncthreads();
@@ -181,6 +197,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
+        if (drop.on) am_drop_scale(s, drop, rows, s0, qd);  // P∘Z
         am_accumulate<HD, P>(acc, s, vt, g, qd);
     }
 #pragma unroll
@@ -226,6 +243,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
     const AmPlace at = am_place(a, T);
     const i64 bi = at.bi, t0 = at.r0, *rows = at.own;
     const AttnOff off = at.off;
+    const AttDrop drop = att_drop(a, bi);
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
     am_stage<HD, P>(qs, nullptr, q + off.q, a.q_t, t0, T);
     am_stage<HD, P>(dos, nullptr, dout + off.o, a.o_t, t0, T);
@@ -254,6 +272,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
         am_scores<HD, P>(p, qa, ks, g, qd);
         am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a, causal);
         am_scores<HD, P>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
+        if (drop.on) am_drop_scale(dp, drop, rows, s0, qd);  // Z∘dP
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -288,6 +307,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
     const AmPlace at = am_place(a, S);
     const i64 bi = at.bi, s0 = at.r0, *keys = at.own;
     const AttnOff off = at.off;
+    const AttDrop drop = att_drop(a, bi);
     const int w = at.w, lane = at.lane, g = at.g, qd = at.qd;
     am_stage_keys<HD, P>(ks, nullptr, kt + off.k, a, s0);
     am_stage<HD, P>(vs, nullptr, v + off.v, a.v_s, s0, S);
@@ -314,6 +334,16 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
         f32 p[8][4], dp[8][4];
         am_scores<HD, P>(p, ka, qs, g, qd);   // Sᵀ: element (key, row 8j + 2qd + (e & 1))
         am_scores<HD, P>(dp, va, dos, g, qd);  // dPᵀ = V · dOᵀ
+        u32 kept = 0;  // with dropout: bit 4j + e set where element (j, e) is kept
+        if (drop.on)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const f32 z = att_drop_at(drop, t0 + 8 * j + 2 * qd + (e & 1), keys[e >> 1]);
+                    kept |= (z != 0.f ? 1u : 0u) << (4 * j + e);
+                    dp[j][e] *= z;  // Z∘dPᵀ
+                }
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -324,7 +354,12 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
                 p[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
                 dp[j][e] = p[j][e] * (dp[j][e] - delta[r]);  // dSᵀ
             }
-        am_accumulate<HD, P>(acc_v, p, dot, g, qd);  // dV += Pᵀ · dO
+        if (drop.on)
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) p[j][e] = (kept >> (4 * j + e)) & 1u ? p[j][e] * drop.scale : 0.f;  // P∘Z
+        am_accumulate<HD, P>(acc_v, p, dot, g, qd);  // dV += (P∘Z)ᵀ · dO
         am_accumulate<HD, P>(acc_k, dp, qt, g, qd);  // dK += dSᵀ · Q
     }
 #pragma unroll

@@ -49,26 +49,13 @@
 //       y = mean + scale·z, z standard normal (Box-Muller over words (0, 1) and (2, 3))
 //   bernoulli_T(const T* p, T* y, i64 n, const u64* seed, u64 key)
 //       y = 1 where a 24-bit uniform < p, else 0
+//   dropout_key_i64(u64* out, const u64* seed, u64 key)
+//       DropoutKey (ops/random.rs): *out = the Philox key (seed and key as above), the one a
+//       Dropout of the node's name would key its mask with (dropout_T's `seed`, offset 0); the
+//       fused attention regenerates that mask from it (kernels/attention.cuh att_drop). One thread.
 
 #include "prelude.cuh"
-
-struct U4 { u32 x, y, z, w; };
-
-__device__ __forceinline__ U4 philox4x32_10(U4 c, u32 k0, u32 k1) {
-    const u32 M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
-#pragma unroll
-    for (int r = 0; r < 10; ++r) {
-        const u32 hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
-        const u32 hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
-        c = U4{hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0};
-        k0 += W0;
-        k1 += W1;
-    }
-    return c;
-}
-
-// Uniform in [0, 1) from the top 24 bits (exact in f32).
-__device__ __forceinline__ f32 uniform24(u32 r) { return (f32)(r >> 8) * (1.0f / 16777216.0f); }
+#include "philox.cuh"
 
 // The ratio at ratio_at, of type ratio_type (see the header).
 __device__ __forceinline__ f32 read_ratio(const void* at, i32 type) {
@@ -110,7 +97,7 @@ __device__ __forceinline__ void dropout_fwd(const T* x, const R* res, R* y, u8* 
     const i64 groups = (n + 3) / 4;
     ORT_GRID_LOOP(g, groups) {
         const u64 c = offset + (u64)g;
-        const U4 r = philox4x32_10(U4{(u32)c, (u32)(c >> 32), 0u, 0u}, (u32)seed, (u32)(seed >> 32));
+        const U4 r = philox_words(seed, c);
         const u32 rs[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -124,14 +111,6 @@ __device__ __forceinline__ void dropout_fwd(const T* x, const R* res, R* y, u8* 
             }
         }
     }
-}
-
-// SplitMix64's finaliser (Steele, Lea and Flood, OOPSLA 2014), as ops/random.rs computes it.
-__device__ __forceinline__ u64 splitmix64(u64 z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
 }
 
 // the rate's operands every kernel ends with (see the header)
@@ -181,10 +160,14 @@ DROPOUT_ADD_WIDE(_, f16)
 // ---- random draws ------------------------------------------------------------------------
 
 __device__ __forceinline__ u64 draw_key(const u64* seed, u64 key) { return seed ? splitmix64(*seed ^ key) : key; }
+
+extern "C" __global__ void dropout_key_i64(u64* out, const u64* seed, u64 key) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) *out = draw_key(seed, key);
+}
 // The four 32-bit words of counter g under `key`.
 struct Words { u32 w[4]; };
 __device__ __forceinline__ Words draw_words(u64 key, u64 g) {
-    const U4 r = philox4x32_10(U4{(u32)g, (u32)(g >> 32), 0u, 0u}, (u32)key, (u32)(key >> 32));
+    const U4 r = philox_words(key, g);
     return Words{{r.x, r.y, r.z, r.w}};
 }
 

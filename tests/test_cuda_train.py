@@ -342,6 +342,44 @@ def test_a_failing_gpu_update_falls_back_to_torchs_step(monkeypatch):
         assert float(opt.state[b]["step"]) == float(opt_ref.state[a]["step"]) == 3.0
 
 
+def _tutorial_dropout_losses(steps: int):
+    """(losses, model) of `steps` Adam steps of the tutorial model with dropout 0.2 (its
+    attentions' probabilities too) under ortrain on the GPU, from torch seed 0."""
+    import models
+
+    vocab = 500
+    torch.manual_seed(0)
+    m = models.tutorial_transformer(vocab, dropout=0.2, seed=0)[0].cuda()
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    ortrain.accelerate(m, opt, device="cuda", strict=True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    src = torch.randint(0, vocab, (35, 20), device="cuda", generator=g)
+    tgt = torch.randint(0, vocab, (700,), device="cuda", generator=g)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(m(src).view(-1, vocab), tgt)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, m
+
+
+def test_attention_dropout_fuses_on_the_gpu_and_drops_what_the_unfused_step_drops(monkeypatch):
+    """With the opt-in attention fusion, the tutorial model's two attentions fuse with their
+    dropout (ratio 0.2): the fused kernels regenerate the Philox mask the unfused Dropout draws
+    under the same node name, so the losses are the unfused run's to float rounding (the online
+    softmax sums in another order), where other masks would move them by far more."""
+    monkeypatch.delenv("ORTRAIN_ENABLE_PASSES", raising=False)
+    plain, _ = _tutorial_dropout_losses(5)
+    monkeypatch.setenv("ORTRAIN_ENABLE_PASSES", "fuse_attention")
+    fused, model = _tutorial_dropout_losses(5)
+    print("tutorial, dropout 0.2: unfused", plain, "fused", fused)
+    assert _fused_attentions(model) == 2
+    diffs = [abs(a - b) / abs(b) for a, b in zip(fused, plain)]
+    assert max(diffs) < 1e-4, (fused, plain)
+
+
 def test_dropout_on_the_gpu_is_seeded_and_trains():
     """Dropout masks come from the engine's Philox stream: they differ from PyTorch's (as
     PyTorch's own CPU and CUDA masks differ), so the check is statistical: the model trains,
@@ -349,28 +387,7 @@ def test_dropout_on_the_gpu_is_seeded_and_trains():
     of the step sums in a varying order (the embedding's gradient sums its repeated rows in
     position order; with float atomics two runs once differed by 4e-5 relative after 15
     steps on an H100)."""
-    import models
-
-    vocab = 500
-
-    def run():
-        torch.manual_seed(0)
-        m = models.tutorial_transformer(vocab, dropout=0.2, seed=0)[0].cuda()
-        opt = torch.optim.Adam(m.parameters(), lr=3e-3)
-        ortrain.accelerate(m, opt, device="cuda", strict=True)
-        g = torch.Generator(device="cuda").manual_seed(5)
-        src = torch.randint(0, vocab, (35, 20), device="cuda", generator=g)
-        tgt = torch.randint(0, vocab, (700,), device="cuda", generator=g)
-        losses = []
-        for _ in range(15):
-            opt.zero_grad()
-            loss = nn.functional.cross_entropy(m(src).view(-1, vocab), tgt)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    a, b = run(), run()
+    a, b = _tutorial_dropout_losses(15)[0], _tutorial_dropout_losses(15)[0]
     # the first loss depends only on the forward pass: the same seed, the same masks, bit for bit
     assert a[0] == b[0], (a, b)
     # a difference from the second step on is a kernel summing in a varying order

@@ -240,7 +240,7 @@ def cases() -> list[Case]:
     # K and V shared by the heads (broadcast batch: their gradients are summed), no mask
     add(Case("Attention", [W((2, 2, 3, 4)), W((2, 1, 4, 5)), W((2, 1, 5, 2))], {"scale": 1.0},
              extra_out=1, label="shared-kv"))
-    # dropout on the probabilities (CPU sessions): the stream key a constant, so the kept
+    # dropout on the probabilities: the stream key a constant, so the kept
     # elements and the function are fixed; the gradient regenerates the same factors from it
     add(Case("Attention", [W((2, 3, 4)), W((2, 4, 5)), W((2, 5, 3)), C(causal, np.float64), None, C([987654321], np.int64)],
              {"scale": 0.7, "nan_guard": 1, "dropout": 0.4}, extra_out=1, label="dropout"))

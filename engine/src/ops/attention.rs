@@ -24,12 +24,13 @@
 //! key-independent part M stays a constant the planner folds (and the CUDA kernels find causal),
 //! the padding a [B, S] vector instead of a [B, 1, T, S] mask computed each step.
 //!
-//! Dropout on the probabilities (passes/fuse_attention.rs, CPU sessions): attribute `dropout` =
+//! Dropout on the probabilities (passes/fuse_attention.rs): attribute `dropout` =
 //! the ratio r in (0, 1) and input 5 of Attention (8 of AttentionGrad) the stream key, an int64
 //! [1] from DropoutKey (ops/random.rs). O = (P ∘ Z) · V with Z = 1/(1 − r) where element
 //! (b, t, j) of the full batch's [batch.., T, S] probabilities is kept, else 0: kept when the
 //! counter-based stream's bits for element index (b·T + t)·S + j are at or above r·2³²
-//! (backend/cpu/random.rs). LSE is the softmax's, before the dropout; the gradient regenerates Z
+//! (backend/cpu/random.rs; on CUDA the Philox draw of that element, kernels/attention.cuh: in
+//! both, what the backend's Dropout of those probabilities keeps). LSE is the softmax's, before the dropout; the gradient regenerates Z
 //! from the key instead of storing a [T, S] mask. The key is an input, not drawn by the node, so
 //! the node stays a function of its inputs (recomputed bit for bit where checkpointing asks).
 //!

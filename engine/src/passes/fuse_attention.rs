@@ -12,8 +12,7 @@
 //! torchlib's scaled_dot_product_attention with dropout_p) is taken in where its ratio and
 //! training mode are constants and nothing reads its mask: in training mode with a ratio > 0 it
 //! becomes the node's `dropout` attribute and the Dropout node a DropoutKey, whose stream key
-//! the fused node reads (ops/attention.rs); otherwise it is the identity and goes. CPU sessions
-//! only: the CUDA attention kernels have no dropout, so there it stays unfused.
+//! the fused node reads (ops/attention.rs); otherwise it is the identity and goes.
 
 use super::{computed_from, scalar_const, scalar_value, sole_producer};
 use crate::error::Result;
@@ -85,9 +84,8 @@ type ActiveDropout = (f64, NodeId);
 
 /// (x, the dropout) of `v` = Dropout(x, ratio, training_mode) with constant ratio and mode and
 /// its mask unread (an identity in inference mode or at ratio 0: no dropout), or (v, None) where
-/// no Dropout makes `v`; None where a Dropout does but cannot be fused (`allow`: whether an
-/// active one can).
-fn undrop(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, allow: bool) -> Option<(ValueId, Option<ActiveDropout>)> {
+/// no Dropout makes `v`; None where a Dropout does but cannot be fused.
+fn undrop(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId) -> Option<(ValueId, Option<ActiveDropout>)> {
     let Some(d) = sole_producer(graph, consumers, v, "Dropout") else { return Some((v, None)) };
     let mask_unread = d.outputs.get(1).is_none_or(|m| consumers[m.0].is_empty() && !graph.outputs.contains(m));
     // opset 12+: ratio 0.5 and inference mode where the inputs are absent
@@ -97,11 +95,8 @@ fn undrop(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], v: ValueId, allow: 
         return None;
     }
     let at = graph.value(v).producer?;
-    match training && ratio > 0.0 {
-        true if allow => Some((d.input(0)?, Some((ratio, at)))),
-        true => None,
-        false => Some((d.input(0)?, None)),
-    }
+    let active = training && ratio > 0.0;
+    Some((d.input(0)?, active.then_some((ratio, at))))
 }
 
 /// What the fused node takes: its inputs (Q, Kᵀ, V, the mask), scale, NaN guard and dropout.
@@ -113,9 +108,9 @@ struct Matched {
 }
 
 /// The fused node replacing MatMul `node` (P' · V), if its first operand is an attention.
-fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node, allow_dropout: bool) -> Option<Matched> {
+fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> Option<Matched> {
     let (dropped, v) = (node.input(0)?, node.input(1)?);
-    let (p_prime, dropout) = undrop(graph, consumers, dropped, allow_dropout)?;
+    let (p_prime, dropout) = undrop(graph, consumers, dropped)?;
     let (p, guard) = unguard(graph, consumers, p_prime)?;
     if !guard && consumers[p.0].len() != 1 {
         return None;
@@ -149,8 +144,7 @@ fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node, allo
     Some(Matched { inputs, scale, guard, dropout })
 }
 
-/// `allow_dropout`: whether an attention with an active dropout is fused (CPU sessions).
-pub fn run(graph: &mut Graph, allow_dropout: bool) -> Result<usize> {
+pub fn run(graph: &mut Graph) -> Result<usize> {
     let consumers = graph.consumers();
     let types = super::autocast::forward_types(graph);
     let mut rewrites = 0;
@@ -158,7 +152,7 @@ pub fn run(graph: &mut Graph, allow_dropout: bool) -> Result<usize> {
         if graph.nodes[n].op_type != "MatMul" {
             continue;
         }
-        let Some(Matched { mut inputs, scale, guard, dropout }) = match_at(graph, &consumers, &graph.nodes[n], allow_dropout) else {
+        let Some(Matched { mut inputs, scale, guard, dropout }) = match_at(graph, &consumers, &graph.nodes[n]) else {
             continue;
         };
         if inputs[..3].iter().flatten().any(|x| types[x.0] == Some(DType::F64)) {
@@ -215,10 +209,10 @@ mod tests {
     #[test]
     fn float64_attention_keeps_its_products() {
         let mut g = attention(DType::F32);
-        assert_eq!(run(&mut g, true).expect("run"), 1);
+        assert_eq!(run(&mut g).expect("run"), 1);
         assert_eq!(g.nodes[2].op_type, "Attention");
         let mut g = attention(DType::F64);
-        assert_eq!(run(&mut g, true).expect("run"), 0, "the CUDA attention kernels take no float64");
+        assert_eq!(run(&mut g).expect("run"), 0, "the CUDA attention kernels take no float64");
         assert!(g.nodes.iter().all(|n| n.op_type != "Attention"));
     }
 
@@ -241,12 +235,12 @@ mod tests {
     }
 
     /// A training-mode Dropout of the probabilities becomes the fused node's `dropout` and a
-    /// DropoutKey it reads (CPU sessions), an inference-mode one goes; CUDA sessions (no dropout
-    /// in their kernels) and a Dropout whose mask is read keep the attention unfused.
+    /// DropoutKey it reads, an inference-mode one goes; a Dropout whose mask is read keeps the
+    /// attention unfused.
     #[test]
-    fn the_probabilities_dropout_fuses_where_the_kernels_have_it() {
+    fn the_probabilities_dropout_fuses_unless_its_mask_is_read() {
         let mut g = dropped_attention(0.1, true, false);
-        assert_eq!(run(&mut g, true).expect("run"), 1);
+        assert_eq!(run(&mut g).expect("run"), 1);
         let (key, attn) = (&g.nodes[2], &g.nodes[3]);
         assert_eq!((key.op_type.as_str(), key.inputs.len()), ("DropoutKey", 0));
         assert_eq!(attn.op_type, "Attention");
@@ -254,12 +248,10 @@ mod tests {
         assert_eq!(attn.inputs[5], Some(key.outputs[0]));
         assert!((attn.attrs.float("dropout", 0.0).expect("dropout") - 0.1).abs() < 1e-7);
         let mut g = dropped_attention(0.1, false, false);
-        assert_eq!(run(&mut g, true).expect("run"), 1);
+        assert_eq!(run(&mut g).expect("run"), 1);
         assert_eq!(g.nodes[3].inputs.len(), 4, "inference mode: no dropout, {:?}", g.nodes[3]);
         assert_eq!(g.nodes[3].attrs.float("dropout", 0.0).expect("dropout"), 0.0);
-        let mut g = dropped_attention(0.1, true, false);
-        assert_eq!(run(&mut g, false).expect("run"), 0, "CUDA sessions: no dropout kernels");
         let mut g = dropped_attention(0.1, true, true);
-        assert_eq!(run(&mut g, true).expect("run"), 0, "the mask is read");
+        assert_eq!(run(&mut g).expect("run"), 0, "the mask is read");
     }
 }

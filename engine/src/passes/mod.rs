@@ -80,10 +80,10 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // q, k, v): one Split, whose gradient is one Concat instead of n scatters and their sum
     ("selects_to_split", |g, _| Ok(selects_to_split::run(g)), Runs::Both),
     // CPU sessions (backend/cpu/attention_f32/: blocked gemms, masked keys skipped, the
-    // probabilities' dropout too); CUDA
+    // probabilities' dropout too, as in the CUDA kernels); CUDA
     // sessions opt-in: on an H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by
     // 38% but made its step slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
-    ("fuse_attention", |g, c| fuse_attention::run(g, c.target == Target::Cpu), Runs::CpuAndCudaOptIn),
+    ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CpuAndCudaOptIn),
     // after it: an attention_mask input's padding reaches the fused attention as one flag per
     // key, the rest of its mask a constant (a no-op without fused attentions)
     ("attention_key_padding", |g, _| Ok(attention_key_padding::run(g)), Runs::Both),

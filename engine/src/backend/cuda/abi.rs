@@ -118,10 +118,10 @@ pub struct Reduce {
 
 /// kernels/attention.cuh `AttnShape`: the full batch (padded to 4 dims with leading 1s), each
 /// input's batch strides (0 where broadcast), those of O/dO and of the three gradients, the
-/// matrix sizes, the mask's row/column strides and the strides inside the matrices
-/// (`ops::attention::RowStrides`).
+/// matrix sizes, the mask's row/column strides, the strides inside the matrices
+/// (`ops::attention::RowStrides`) and the probabilities' dropout.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AttnShape {
     pub dims: [i64; 4],
     pub q: [i64; 4],
@@ -143,6 +143,11 @@ pub struct AttnShape {
     pub k_d: i64,
     pub v_s: i64,
     pub o_t: i64,
+    /// The probabilities' dropout: the device address of its stream key (an int64 DropoutKey
+    /// wrote; 0: none), its ratio and 1 / (1 − ratio).
+    pub drop_key: u64,
+    pub drop_p: f32,
+    pub drop_scale: f32,
 }
 
 /// kernels/prelude.cuh `Win2d`: a sliding window over two spatial axes (Conv's im2col, the
@@ -282,7 +287,7 @@ mod tests {
         // i32 + pad + 8 + 24 + 3 i64, 8 + 8 u32, i32 + pad
         assert_eq!(std::mem::size_of::<Strides>(), 8 + 8 * 8 + 3 * 8 * 8 + 3 * 8 + 2 * 8 * 4 + 8);
         assert_eq!(std::mem::size_of::<Reduce>(), 8 + 4 * 8 * 8 + 2 * 8);
-        assert_eq!(std::mem::size_of::<AttnShape>(), (9 * 4 + 11) * 8);
+        assert_eq!(std::mem::size_of::<AttnShape>(), (9 * 4 + 12) * 8 + 2 * 4);
         assert_eq!(std::mem::size_of::<Win2d>(), 15 * 8);
         assert_eq!(std::mem::size_of::<AdamTensor>(), 40);
         assert_eq!(std::mem::size_of::<SgdTensor>(), 32);

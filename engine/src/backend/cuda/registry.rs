@@ -107,6 +107,7 @@ pub const PRELUDE: (&str, &str) = ("prelude.cuh", include_str!("../../../../kern
 /// padding), and the row normalisations' templates (LayerNorm and RMSNorm).
 pub const HEADERS: &[(&str, &str)] = &[
     PRELUDE,
+    ("philox.cuh", include_str!("../../../../kernels/philox.cuh")),
     ("attention.cuh", include_str!("../../../../kernels/attention.cuh")),
     ("attention_mma_stage.cuh", include_str!("../../../../kernels/attention_mma_stage.cuh")),
     ("attention_flash_fragments.cuh", include_str!("../../../../kernels/attention_flash_fragments.cuh")),
@@ -286,6 +287,7 @@ pub static FAMILIES: &[Family] = &[
             g(&["dropout_grad_wide"], HALVES, &[Ptr, Ptr, Ptr, AI64, AF32, Ptr, AI32, Ptr, Ptr]),
             g(&["random_uniform", "random_normal"], FLOATS, &[Ptr, AI64, AF64, AF64, Ptr, AU64]),
             g(&["bernoulli"], FLOATS, &[Ptr, Ptr, AI64, Ptr, AU64]),
+            g(&["dropout_key"], I64, &[Ptr, Ptr, AU64]),
         ]
     ),
     family!(

@@ -14,6 +14,10 @@
 //! Face's finfo.min, both: GPT-2), and without a mask where the mask hides nothing (BERT);
 //! otherwise the mask it makes with the padding is written to the
 //! runtime's mask memory and the kernels that read masks run on that.
+//! The probabilities' dropout (attribute `dropout`, the stream key an input: ops/attention.rs)
+//! rides in the launch shape (`AttnShape::drop_key`): the SIMT and tensor-core kernels
+//! regenerate the keep factors of the Dropout it replaced (kernels/attention.cuh `att_drop`);
+//! the flash kernels have none, so such bf16 and f16 attentions run the tensor-core kernels.
 
 use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;
@@ -22,7 +26,7 @@ use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, key_padding_input, key_padding_strides, AttnLayout};
+use crate::ops::attention::{attention_layout, dropout_key_input, dropout_ratio, key_padding_input, key_padding_strides, AttnLayout};
 use crate::ops::util::broadcast_shapes;
 use crate::tensor::DType;
 
@@ -50,9 +54,7 @@ struct KeyPad {
 fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout, AttnShape, u64, Option<KeyPad>)> {
     let (q, kt, v) = (input(node, ins, first)?, input(node, ins, first + 1)?, input(node, ins, first + 2)?);
     let mask = ins.get(first + 3).and_then(|m| m.as_ref());
-    if crate::ops::attention::dropout_ratio(node)? > 0.0 {
-        return Err(node.err("the CUDA attention kernels have no dropout (passes/fuse_attention.rs fuses it for CPU sessions only)"));
-    }
+    let (drop_key, drop_p, drop_scale) = dropout(node, ins)?;
     if !matches!(q.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(node.err(format!("the CUDA attention kernels take f32, bf16 or fp16 tensors, got {}", q.dtype.name())));
     }
@@ -94,6 +96,9 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
         k_d: r.k_d as i64,
         v_s: r.v_s as i64,
         o_t: r.o_t as i64,
+        drop_key,
+        drop_p,
+        drop_scale,
     };
     let kp = match key_padding_input(&node.op_type).and_then(|i| ins.get(i)).and_then(|x| x.as_ref()) {
         Some(kp) => {
@@ -104,6 +109,21 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
         None => None,
     };
     Ok((l, shape, mask.map_or(0, |m| m.ptr), kp))
+}
+
+/// The kernels' dropout operands of a node (AttnShape `drop_key`, `drop_p`, `drop_scale`): the
+/// stream key's address, the ratio and 1 / (1 − ratio) in f32, as kernels/dropout.cu scales a
+/// kept f32 element; (0, 0, 1) without dropout.
+fn dropout(node: &Node, ins: &[Option<DView>]) -> Result<(u64, f32, f32)> {
+    let ratio = dropout_ratio(node)? as f32;
+    if ratio == 0.0 {
+        return Ok((0, 0.0, 1.0));
+    }
+    match dropout_key_input(&node.op_type).and_then(|i| ins.get(i)).and_then(|k| k.as_ref()) {
+        Some(k) if k.dtype == DType::I64 && k.numel() == 1 && k.ptr != 0 => Ok((k.ptr, ratio, 1.0 / (1.0 - ratio))),
+        Some(k) => Err(node.err(format!("the dropout key is {} {:?}, expected one int64 on the GPU", k.dtype.name(), k.shape))),
+        None => Err(node.err("attribute dropout needs the stream key input (DropoutKey's output)")),
+    }
 }
 
 /// Whether the flash kernels take this key padding, and if so whether with the causal mask
@@ -293,7 +313,7 @@ fn mma_smem(hd: usize, rows_tiles: usize, cols_tiles: usize) -> usize {
     2 * (rows_tiles * MMA_TILE * (hd + MMA_PAD) + cols_tiles * hd * (MMA_TILE + MMA_PAD))
 }
 
-/// Runs `kernel` (attention or attention_grad) on the node's inputs up to its key padding at
+/// Runs `kernel` (attention or attention_grad) on the node's inputs without its key padding at
 /// `kp_at`, with the mask at `mask_at` replaced by the one made from the padding
 /// ([`padded_mask`]).
 #[allow(clippy::too_many_arguments)]
@@ -308,8 +328,9 @@ fn with_padded_mask(
     kernel: super::CudaKernel,
 ) -> Result<()> {
     let (dtype, shape, ptr) = padded_mask(node, ins, mask_at, kp_at, value, ctx)?;
-    let mut plain: Vec<Option<DView>> = ins[..kp_at.min(ins.len())].to_vec();
-    plain.resize(kp_at, None);
+    let mut plain: Vec<Option<DView>> = ins.to_vec();
+    plain.resize(plain.len().max(kp_at + 1), None);
+    plain[kp_at] = None; // the dropout's key, after it, stays
     plain[mask_at] = Some(DView { dtype, shape: &shape, ptr, host: None });
     kernel(node, &plain, outs, ctx)?;
     if ctx.rt.attention_path(node) == Some(path::MMA_READ) {

@@ -1,6 +1,7 @@
 //! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cuh),
 //! and their launches: bf16 or f16 tensors with heads of 64 or 128, no mask or the computed
-//! causal one (with or without key padding: attention.rs says when), keys with d contiguous
+//! causal one (with or without key padding: attention.rs says when), no dropout of the
+//! probabilities (the tensor-core kernels take it), keys with d contiguous
 //! (layout BSHD), every row 16-byte aligned. Everything else
 //! keeps the kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
 //! plan replayed from a CUDA graph keeps what it was recorded with): for timing the two kernel
@@ -81,7 +82,8 @@ pub fn variant<'a>(
     let positive_scale = node.attrs.float("scale", 1.0).is_ok_and(|s| s > 0.0 && s.is_finite());
     let lengths = l.t > 0 && l.s > 0 && l.t < (1 << 30) && l.s < (1 << 30); // the kernels index rows with i32
     let half = matches!(dtype, DType::BF16 | DType::F16);
-    let ok = half && a.k_d == 1 && (!mask || causal) && lengths && aligned && positive_scale && enabled();
+    let no_dropout = a.drop_key == 0; // the tensor-core kernels have it
+    let ok = half && a.k_d == 1 && (!mask || causal) && no_dropout && lengths && aligned && positive_scale && enabled();
     ok.then_some(Flash { hd, dtype: dtype_suffix(dtype), l, a: *a, causal })
 }
 

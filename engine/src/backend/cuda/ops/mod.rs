@@ -44,7 +44,7 @@ mod widen;
 pub use attention::{computes_mask, path as attention_path};
 pub use attention_flash::{ENV_FLASH, ENV_FLASH_ROWS};
 pub use matmul::ENV_CUBLASLT;
-pub use random::random_key;
+pub use random::{random_key, salt_of};
 
 /// A value on the device: its type, shape and address (contiguous, row-major), and for
 /// constants (folded at plan time: shapes, axes, slice bounds, masks) the host copy too, shared

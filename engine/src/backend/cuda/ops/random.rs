@@ -4,6 +4,7 @@
 //! in the model-and-loss graph that numbers its values differently (they differ from the CPU
 //! backend's masks, as PyTorch's CPU and CUDA masks differ). In a step recorded into a CUDA
 //! graph the seed is read from device memory (`dropout_slot_T`), which computes the same key.
+//! DropoutKey writes that key for a fused attention whose Dropout it replaced.
 
 use cudarc::driver::result;
 
@@ -223,8 +224,22 @@ fn dropout_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut Cu
     ctx.rt.launch(ctx.stream, &kernel, ctx.rt.elementwise_grid(n), &args)
 }
 
+/// DropoutKey() -> key: the Philox key a Dropout of this node's name would draw its mask with
+/// (`random_key`; a recorded step's replay computes it from the seed slot), which the fused
+/// attention keeps its probabilities by (kernels/attention.cuh `att_drop`).
+fn dropout_key(node: &Node, _: &[Option<DView>], outs: &[DView], ctx: &mut CudaCtx) -> Result<()> {
+    let out = outs.first().ok_or_else(|| node.err("DropoutKey has one output"))?;
+    if out.dtype != DType::I64 || out.numel() != 1 {
+        return Err(node.err(format!("the key is {} {:?}, expected one int64", out.dtype.name(), out.shape)));
+    }
+    let salt = salt_of(node);
+    let (seed, key) = if ctx.seed_slot != 0 { (ctx.seed_slot, salt) } else { (0, random_key(ctx.seed, salt)) };
+    ctx.rt.launch(ctx.stream, "dropout_key_i64", ctx.rt.elementwise_grid(1), &[KArg::Ptr(out.ptr), KArg::Ptr(seed), KArg::U64(key)])
+}
+
 pub fn register(t: &mut CudaTable) {
     t.add("Dropout", dropout);
+    t.add("DropoutKey", dropout_key);
     t.add("DropoutGrad", dropout_grad);
     t.add("DropoutAdd", dropout_add);
 }

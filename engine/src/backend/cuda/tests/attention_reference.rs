@@ -14,11 +14,19 @@ pub struct AttnDims {
 /// An f64 reference of the unfused attention on BSHD tensors (Q and dO [b, t, h, d], K and V
 /// [b, s, h, d]): O, LSE [b, h, t], dQ, dK, dV of softmax(scale · Q·Kᵀ + M) with M at (batch row,
 /// query, key) `mask(bi, i, j)` (-inf: a key the query does not see), and its gradient.
-pub fn attention_reference(
+pub fn attention_reference(n: AttnDims, scale: f64, ins: [&[f64]; 4], mask: impl Fn(usize, usize, usize) -> f64) -> [Vec<f64>; 5] {
+    attention_reference_dropped(n, scale, ins, mask, |_, _, _| 1.0)
+}
+
+/// The same with the probabilities' dropout: probability (query i, key j) of head matrix
+/// bh = batch row · h + head multiplied by `keep(bh, i, j)` (0, or 1 / (1 − ratio) where kept)
+/// before the product with V: O = (P∘Z)·V, dV = (P∘Z)ᵀ·dO, dS = P∘(Z∘dP − Σ dO·O).
+pub fn attention_reference_dropped(
     n: AttnDims,
     scale: f64,
     [q, k, v, dout]: [&[f64]; 4],
     mask: impl Fn(usize, usize, usize) -> f64,
+    keep: impl Fn(usize, usize, usize) -> f64,
 ) -> [Vec<f64>; 5] {
     let AttnDims { b, h, t, s, d } = n;
     let (mut o, mut lse, mut dq, mut dk, mut dv) =
@@ -34,20 +42,21 @@ pub fn attention_reference(
                 let sum: f64 = x.iter().map(|z| (z - m).exp()).sum();
                 let p: Vec<f64> = x.iter().map(|z| (z - m).exp() / sum).collect();
                 lse[(bi * h + hi) * t + i] = m + sum.ln();
+                let z: Vec<f64> = (0..s).map(|j| keep(bi * h + hi, i, j)).collect();
                 for (j, &pj) in p.iter().enumerate() {
                     for e in 0..d {
-                        o[qi + e] += pj * v[row(bi, j, hi, s) + e];
+                        o[qi + e] += pj * z[j] * v[row(bi, j, hi, s) + e];
                     }
                 }
                 let delta: f64 = (0..d).map(|e| dout[qi + e] * o[qi + e]).sum();
                 for (j, &pj) in p.iter().enumerate() {
                     let kj = row(bi, j, hi, s);
                     let dp: f64 = (0..d).map(|e| dout[qi + e] * v[kj + e]).sum();
-                    let ds = pj * (dp - delta);
+                    let ds = pj * (z[j] * dp - delta);
                     for e in 0..d {
                         dq[qi + e] += scale * ds * k[kj + e];
                         dk[kj + e] += scale * ds * q[qi + e];
-                        dv[kj + e] += pj * dout[qi + e];
+                        dv[kj + e] += pj * z[j] * dout[qi + e];
                     }
                 }
             }

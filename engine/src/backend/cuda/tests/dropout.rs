@@ -103,6 +103,9 @@ fn dropout_argument_lists_match_the_registry() {
         checked.extend([format!("dropout_{t}"), format!("dropout_slot_{t}"), format!("dropout_grad_{t}")]);
     }
     checked.extend(super::random_draws::draw_kernels_checked()); // the family's random draws
+                                                                 // DropoutKey's (attention_dropout.rs runs it): out, the seed slot (null: none), the key or salt
+    check("dropout_key_i64", &[KArg::Ptr(1), KArg::Ptr(0), KArg::U64(SEED)]);
+    checked.push("dropout_key_i64".into());
     assert_covers("dropout", &checked);
 }
 

@@ -2,8 +2,9 @@
 //! executor (the reference the GPU is compared with in exec.rs): each fusion is found where it
 //! should be, and the fused train step gives the unfused one's outputs and gradients.
 
-use super::exec::{cpu_step, gpu_step_in, session, session_for, session_with, unfused_session, weight_data, LEGACY};
+use super::exec::{assert_step_close, cpu_step, gpu_step_in, session, session_for, session_with, unfused_session, weight_data, LEGACY};
 use super::exec_models::*;
+use super::gpu_run::GpuRun;
 use super::support::*;
 use crate::backend::cpu::bf16::MatmulPrecision;
 use crate::backend::cuda::blas::F32Mode;
@@ -86,6 +87,48 @@ fn attention_fuses_for_cuda_and_matches_the_unfused_graph() {
         for ((name, _), (a, b)) in m.weights.iter().zip(fg.iter().zip(&pg)) {
             close(format!("torchlib={torchlib}, heads of {hd}: gradient of {name}"), a, b);
         }
+    }
+}
+
+/// An attention's dropout fuses in a CUDA session: the Dropout becomes a DropoutKey of its name
+/// and the Attention's `dropout`. On the GPU the fused step draws the unfused CUDA graph's masks
+/// (the Philox stream keyed by the Dropout's name): its outputs and gradients are the unfused
+/// step's, to the products' rounding. Heads of 4 over 70 rows in f32 (the SIMT kernels, a padding
+/// mask read) and heads of 64 over 71 rows with bf16 products (the tensor-core kernels, the
+/// causal mask computed). The check has teeth: the unfused step with another seed, whose masks
+/// differ, is far from it.
+#[test]
+fn attention_dropout_fuses_for_cuda_and_draws_the_unfused_masks() {
+    use crate::session::{SessionOptions, Target};
+    for (torchlib, t, hd, precision, rtol) in [(false, 70, 4, MatmulPrecision::Fp32, 1e-5), (true, 71, 64, MatmulPrecision::Bf16, 2e-2)] {
+        let case = format!("torchlib={torchlib}, heads of {hd}, {precision:?}");
+        let m = self_attention_dropped(&mut Rng::new(5), torchlib, t, hd, 0.3);
+        let fused = session_with(&m, Target::Cuda, precision);
+        let key = fused.graph.nodes.iter().find(|n| n.op_type == "DropoutKey").unwrap_or_else(|| panic!("{case}: no DropoutKey"));
+        assert_eq!(key.name, "attn_drop", "{case}: the key is drawn under the Dropout's name");
+        let attn = fused.graph.nodes.iter().find(|n| n.op_type == "Attention").unwrap_or_else(|| panic!("{case}: no Attention"));
+        assert!((attn.attrs.float("dropout", 0.0).expect("dropout") - 0.3).abs() < 1e-7, "{case}");
+        assert!(!fused.graph.nodes.iter().any(|n| n.op_type == "Dropout"), "{case}: a Dropout is left");
+        let bytes = crate::onnx::export_model(&m.graph, m.graph.nodes.len(), &Default::default(), 17).expect("export");
+        let names: Vec<String> = m.weights.iter().map(|w| w.0.clone()).collect();
+        let options = SessionOptions { unfused: true, matmul_precision: precision };
+        let plain = Session::from_onnx_with(&bytes, None, &names, &vec![true; names.len()], None, Target::Cuda, options).expect("import");
+        assert!(plain.graph.nodes.iter().any(|n| n.op_type == "Dropout"), "{case}: the unfused graph keeps its Dropout");
+        let Some(_) = gpu("attention_dropout_fuses_for_cuda_and_draws_the_unfused_masks") else { continue };
+        let mut rng = Rng::new(9);
+        let x = m.input_bytes(&mut rng);
+        let plan = fused.plan(&[m.sig()], true).expect("plan");
+        let seeds: Vec<Vec<f32>> = fused.outputs.iter().map(|&o| rng.f32s(plan.shape(o).iter().product(), -1.0, 1.0)).collect();
+        let mode = if precision == MatmulPrecision::Bf16 { F32Mode::Bf16 } else { F32Mode::Exact };
+        let step = |s: &Session| gpu_step_in(s, &x, &m.sig(), &weight_data(&m), &seeds, mode, LEGACY);
+        let (got, want) = (step(&fused), step(&plain));
+        assert_step_close(&case, &m, &got, &want, rtol);
+        let other = GpuRun::new(&plain, &[m.sig()], &weight_data(&m), &seeds, mode, LEGACY).with_seed(2).step(&[&x]);
+        let wide = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        let (o, w) = (wide(&other.0[0]), wide(&want.0[0]));
+        let apart = o.iter().zip(&w).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max) / max_abs(&w);
+        assert!(apart > 20.0 * rtol, "{case}: another seed's step is only {apart:.2e} from this one's: the masks were not drawn");
+        println!("{case}: the fused step matches the unfused one within {rtol:e}; another seed's output is {apart:.2e} away");
     }
 }
 

@@ -340,6 +340,16 @@ pub(super) fn self_attention_of(rng: &mut Rng, torchlib: bool, t: usize, hd: usi
 /// As `self_attention_of`, the torchlib form's causal mask filled with `masked` above the
 /// diagonal (-inf as torchlib writes it; f32::MIN, finfo.min, as Hugging Face's models do).
 pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd: usize, masked: f32) -> Model {
+    self_attention_built(rng, torchlib, t, hd, masked, 0.0)
+}
+
+/// As `self_attention_of`, with a training-mode Dropout of `ratio` on the probabilities (as
+/// Hugging Face's attn_pdrop and torchlib's dropout_p put it): named "attn_drop".
+pub(super) fn self_attention_dropped(rng: &mut Rng, torchlib: bool, t: usize, hd: usize, ratio: f32) -> Model {
+    self_attention_built(rng, torchlib, t, hd, f32::NEG_INFINITY, ratio)
+}
+
+fn self_attention_built(rng: &mut Rng, torchlib: bool, t: usize, hd: usize, masked: f32, ratio: f32) -> Model {
     #[allow(non_snake_case)]
     let T = t;
     let width = 2 * hd;
@@ -347,6 +357,14 @@ pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd:
     let (mut g, x) = new_model(&input);
     let mut ws = Vec::new();
     let perm = |p: &[i64]| Attrs::default().with("perm", Attr::Ints(p.to_vec()));
+    let dropped = |g: &mut crate::ir::Graph, p| {
+        if ratio == 0.0 {
+            return p;
+        }
+        let r = g.add_const("attn_ratio", Tensor::from_f32(vec![], vec![ratio]));
+        let on = g.add_const("attn_training", Tensor::new(vec![], crate::tensor::Data::Bool(vec![1])).expect("bool"));
+        g.add_node("attn_drop", "Dropout", vec![Some(p), Some(r), Some(on)], Attrs::default(), 1)[0]
+    };
     let heads = ints(&mut g, "heads", &[2, T as i64, 2, hd as i64]);
     let q = {
         let w = weight(&mut g, &mut ws, "wq", &[width, width], rng);
@@ -381,6 +399,7 @@ pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd:
         let nan = op(&mut g, "isnan", "IsNaN", &[p], Attrs::default());
         let zero = g.add_const("zero", Tensor::from_f32(vec![], vec![0.0]));
         let p = g.add_node("guard", "Where", vec![Some(nan), Some(zero), Some(p)], Attrs::default(), 1)[0];
+        let p = dropped(&mut g, p);
         op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
     } else {
         let s = op(&mut g, "scores", "MatMul", &[q, kt], Attrs::default());
@@ -391,6 +410,7 @@ pub(super) fn self_attention_masked(rng: &mut Rng, torchlib: bool, t: usize, hd:
         let mask = g.add_const("padding", Tensor::from_f32(vec![2, 1, 1, T], pad));
         let s = op(&mut g, "masked", "Add", &[mask, s], Attrs::default());
         let p = op(&mut g, "probs", "Softmax", &[s], Attrs::default().with("axis", Attr::Int(-1)));
+        let p = dropped(&mut g, p);
         op(&mut g, "context", "MatMul", &[p, v], Attrs::default())
     };
     let o = op(&mut g, "merge_t", "Transpose", &[o], perm(&[0, 2, 1, 3]));

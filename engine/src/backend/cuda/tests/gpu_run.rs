@@ -31,6 +31,8 @@ pub(super) struct GpuRun<'s> {
     _buffers: Vec<DeviceBuffer>,
     mode: F32Mode,
     stream: cudarc::driver::sys::CUstream,
+    /// The step's seed (the random ops' streams): 1 unless `with_seed`.
+    seed: u64,
 }
 
 impl<'s> GpuRun<'s> {
@@ -65,7 +67,12 @@ impl<'s> GpuRun<'s> {
         }
         let sizes = weights.iter().map(Vec::len).collect();
         let buffers = dw.into_iter().chain(ds).collect();
-        GpuRun { s, g, plan, kernels, consts, _arena: arena, base, bind, sizes, _buffers: buffers, mode, stream }
+        GpuRun { s, g, plan, kernels, consts, _arena: arena, base, bind, sizes, _buffers: buffers, mode, stream, seed: 1 }
+    }
+
+    /// The same run stepping with another seed: other dropout masks.
+    pub(super) fn with_seed(self, seed: u64) -> Self {
+        GpuRun { seed, ..self }
     }
 
     /// How many of the plan's constants stayed on the host (masks the attention computes).
@@ -86,7 +93,7 @@ impl<'s> GpuRun<'s> {
                 unsafe { self.bind.bind(*gv, b.ptr()) };
             }
         }
-        let mut ctx = CudaCtx { rt, stream: self.stream, seed: 1, seed_slot: 0, f32_mode: self.mode, error_flag: 0, error_base: 0 };
+        let mut ctx = CudaCtx { rt, stream: self.stream, seed: self.seed, seed_slot: 0, f32_mode: self.mode, error_flag: 0, error_base: 0 };
         let feed: Vec<_> = s.inputs.iter().zip(inputs).map(|(&v, x)| (v, InputSrc::Host(x))).collect();
         let (plan, kernels, consts, base, bind) = (&self.plan, &self.kernels, &self.consts, self.base, &self.bind);
         let run = |phase, feed: &[_], ctx: &mut CudaCtx| {

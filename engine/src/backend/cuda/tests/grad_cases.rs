@@ -7,8 +7,9 @@
 //! ulps at 1) of the largest value, as the two backends may sum in different orders and their
 //! math functions differ by ulps (on cuda-emu the largest differences are 3.4e-16, 4.9e-7,
 //! 8.9e-4 and 8.9e-3, and about half of the cases are bit for bit equal). The training Dropout
-//! cases compare nothing but run: the CUDA masks come from Philox, the CPU's from SplitMix64
-//! (ops/random.rs); their kernel tests check the dropout identities.
+//! cases and the attention's dropout compare nothing but run: the CUDA masks come from Philox,
+//! the CPU's from SplitMix64 (ops/random.rs); their kernel tests check the dropout identities
+//! (dropout.rs, and attention_dropout.rs against an f64 reference with the Philox mask).
 //!
 //! The cases come from a folder written by `python tests/gradcheck_export.py DIR`; the test
 //! reads `ORTRAIN_GRAD_CASES=DIR`:
@@ -33,12 +34,12 @@ const TOL_BF16: f64 = 0.03125;
 
 /// Why a case is not compared, as (part of) the error the CUDA backend must give: the fused
 /// attention has no float64 kernels (fuse_attention leaves an f64 attention unfused; its `@f32`,
-/// `@f16` and `@bf16` cases run), nor a dropout (fuse_attention fuses one for CPU sessions only).
-/// A case named here that starts to run must leave this list.
+/// `@f16` and `@bf16` cases run). A case named here that starts to run must leave this list.
 fn refused(id: &str) -> Option<&'static str> {
     match id {
-        "Attention-causal-mask" | "Attention-shared-kv" => Some("the CUDA attention kernels take f32, bf16 or fp16 tensors, got float64"),
-        _ if id.starts_with("Attention-dropout") => Some("the CUDA attention kernels have no dropout"),
+        "Attention-causal-mask" | "Attention-shared-kv" | "Attention-dropout" => {
+            Some("the CUDA attention kernels take f32, bf16 or fp16 tensors, got float64")
+        }
         _ => None,
     }
 }
@@ -169,7 +170,7 @@ fn gpu_gradient_rules_match_the_cpu_executor() {
     let (mut tally, mut random_runs) = (Tally::default(), 0);
     for id in &ids {
         let c = read_case(&dir.join(id));
-        let random = id.starts_with("Dropout") && id.contains("-train");
+        let random = (id.starts_with("Dropout") && id.contains("-train")) || id.starts_with("Attention-dropout@");
         let problem = match (cpu_step(&c), gpu_step(g, &c)) {
             (Err(e), _) => Some(format!("CPU: {}", e.lines().next().unwrap_or(""))),
             (_, Err(e)) => Some(format!("CUDA: {}", e.lines().next().unwrap_or(""))),

@@ -9,6 +9,7 @@
 //! built elsewhere (scripts/gpu_prepare.sh) and run by scripts/gpu_checks.sh.
 
 mod activation;
+mod attention_dropout;
 mod attention_layout;
 mod attention_reference;
 mod blas;

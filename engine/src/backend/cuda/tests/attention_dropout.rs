@@ -1,0 +1,169 @@
+//! The probabilities' dropout inside the fused attention kernels (kernels/attention.cuh
+//! `att_drop`): DropoutKey writes the Philox key a Dropout of its name draws with, and the SIMT,
+//! tensor-core and widened kernels' outputs and gradients match an f64 reference that drops
+//! exactly what `philox::dropout_keep` drops (the unfused Dropout's mask, which dropout.rs checks
+//! bit for bit against the kernels of dropout.cu).
+
+use std::sync::Arc;
+
+use super::attention_reference::{attention_reference, attention_reference_dropped, AttnDims};
+use super::flash_attention::SCALE;
+use super::support::*;
+use crate::backend::cuda::blas::F32Mode;
+use crate::backend::cuda::ops::{kernel, random_key, salt_of, DView};
+use crate::backend::cuda::philox::dropout_keep;
+use crate::ir::{Attr, Attrs, Node};
+use crate::tensor::{DType, Data, Tensor};
+
+const RATIO: f32 = 0.3;
+/// Both key words non-zero.
+const KEY: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// A fused attention node with the dropout attribute: scale 1/8, nan_guard, layout BSHD.
+fn node(op: &str) -> Node {
+    let attrs = Attrs::default()
+        .with("scale", Attr::Float(SCALE as f32))
+        .with("nan_guard", Attr::Int(1))
+        .with("layout", Attr::String("BSHD".into()))
+        .with("dropout", Attr::Float(RATIO));
+    Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
+}
+
+/// One case: the tensors' type, the session's f32 mode, the sizes, whether causal (T = S), and
+/// the forward kernel that must have run.
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    dt: &'static str,
+    mode: F32Mode,
+    n: AttnDims,
+    causal: bool,
+    forward: &'static str,
+}
+
+/// The kernels' O, LSE, dQ, dK, dV with the dropout keyed by `key`.
+fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> [Vec<f64>; 5] {
+    let g = gpu_or_reason().expect("under gpu()");
+    let AttnDims { b, h, t, s, d } = c.n;
+    let dt = c.dt;
+    let dtype = match dt {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        _ => DType::BF16,
+    };
+    let shapes = [[b, t, h, d], [b, s, h, d], [b, s, h, d], [b, t, h, d]];
+    let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
+    let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
+    let mask_values: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+    let host = Arc::new(Tensor::new(vec![1, 1, t, t], Data::F32(mask_values.clone())).expect("mask"));
+    let dmask = dev(g, &mask_values);
+    let mask_shape = [1, 1, t, t];
+    let m = c.causal.then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
+    let dkey = dev(g, &[key as i64]);
+    let key_view = Some(DView { dtype: DType::I64, shape: &[1], ptr: dkey.ptr(), host: None });
+    let (mut ctx, _claim) = direct_ctx(c.mode, 0);
+    let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
+    let lse_shape = [b, h, t];
+    let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };
+    let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
+    let fwd_ins = [view(0), view(1), view(2), m, None, key_view];
+    kernel("Attention").expect("Attention")(&node("Attention"), &fwd_ins, &[o_view, lse_view], &mut ctx)
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let grads: Vec<_> = (0..3).map(|i| zeros_as(g, dt, ins[i].len())).collect();
+    let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
+    let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view), None, key_view];
+    kernel("AttentionGrad").expect("AttentionGrad")(&node("AttentionGrad"), &bins, &gouts, &mut ctx)
+        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    g.synchronize().expect("sync");
+    [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)]
+}
+
+/// Largest error over the largest reference value.
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let err = got.iter().zip(want).fold(0.0f64, |m, (g, w)| if g.is_finite() { m.max((g - w).abs()) } else { f64::INFINITY });
+    err / max_abs(want).max(1e-30)
+}
+
+/// Causal self-attention over 71 positions and cross-attention of 45 queries over 99 keys (S
+/// odd: a Philox counter's words straddle two rows, and in every other row the tensor-core
+/// kernels' pairs of adjacent keys straddle two counters), ratio 0.3: f32 on the SIMT kernels (exact
+/// session) and on the tensor-core ones (bf16 products), bf16 and f16 tensors on the
+/// tensor-core kernels (heads of 64, where the flash kernels would otherwise run: they have no
+/// dropout), and bf16 with heads of 32 on the SIMT kernels through f32 copies. Every output and
+/// gradient is within the kernels' precision of the f64 reference with the Dropout's mask, and
+/// that reference is far from the one without dropout (and from another key's), so a kernel
+/// that dropped other elements, or none, fails.
+#[test]
+fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
+    let Some(_) = gpu_alone("gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(73);
+    let dims = |t, s, d| AttnDims { b: 2, h: 2, t, s, d };
+    let case = |dt, mode, n, causal, forward| Case { dt, mode, n, causal, forward };
+    let cases = [
+        (case("f32", F32Mode::Exact, dims(71, 71, 32), true, "attention_fwd_f32"), 2e-5),
+        (case("f32", F32Mode::Exact, dims(45, 99, 32), false, "attention_fwd_f32"), 2e-5),
+        (case("f32", F32Mode::Bf16, dims(71, 71, 64), true, "attention_mma_fwd_d64_f32"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, dims(71, 71, 64), true, "attention_mma_fwd_d64_bf16"), 1.5e-2),
+        (case("f16", F32Mode::F16, dims(45, 99, 64), false, "attention_mma_fwd_d64_f16"), 3e-3),
+        (case("bf16", F32Mode::Bf16, dims(71, 71, 32), true, "attention_fwd_f32"), 1.5e-2),
+    ];
+    let scale = (1.0f32 / (1.0 - RATIO)) as f64;
+    for (c, precision) in cases {
+        let AttnDims { b, h, t, s, d } = c.n;
+        let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, c.dt, n, -1.0, 1.0));
+        let refs = [&ins[0][..], &ins[1][..], &ins[2][..], &ins[3][..]];
+        let mask = |_: usize, i: usize, j: usize| if c.causal && j > i { f64::NEG_INFINITY } else { 0.0 };
+        let dropped = |key: u64| {
+            let keep = move |bh: usize, i: usize, j: usize| {
+                let flat = ((bh * t + i) * s + j) as u64;
+                if dropout_keep(key, 0, flat, RATIO) {
+                    scale
+                } else {
+                    0.0
+                }
+            };
+            attention_reference_dropped(c.n, SCALE, refs, mask, keep)
+        };
+        let want = dropped(KEY);
+        let (plain, other) = (attention_reference(c.n, SCALE, refs, mask), dropped(KEY ^ 1));
+        let got = run(c, &ins, KEY);
+        assert!(rt.has_launched(c.forward), "{c:?}: {} never launched", c.forward);
+        for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+            let err = rel_err(&got[i], &want[i]);
+            println!("{c:?} {name}: {err:.2e} of the largest value from the f64 reference");
+            assert!(err <= precision, "{c:?} {name}: {err:.2e} of the largest value from the f64 reference with the dropout's mask");
+            if *name != "LSE" {
+                // LSE is the softmax's, the same with or without dropout
+                let (off, apart) = (rel_err(&plain[i], &want[i]), rel_err(&other[i], &want[i]));
+                assert!(off.min(apart) > 10.0 * precision, "{c:?} {name}: the references differ by only {off:.2e} / {apart:.2e}");
+            }
+        }
+    }
+}
+
+/// DropoutKey writes `random_key(seed, salt_of(node))`, the key `dropout_T` of a Dropout of the
+/// same name draws its mask with: from the step's seed on the host, and from the seed slot a
+/// CUDA graph's replay reads (the same key for the same seed).
+#[test]
+fn gpu_dropout_key_is_the_key_of_the_dropout_it_replaced() {
+    let Some(g) = gpu("gpu_dropout_key_is_the_key_of_the_dropout_it_replaced") else { return };
+    let node = Node {
+        name: "layer.0.attn.dropout".into(),
+        op_type: "DropoutKey".into(),
+        inputs: vec![],
+        outputs: vec![],
+        attrs: Attrs::default(),
+    };
+    let want = random_key(1, salt_of(&node));
+    for slot in [None, Some(1u64)] {
+        let out = zeros::<i64>(g, 1);
+        let seed = slot.map(|s| dev(g, &[s]));
+        let (mut ctx, _claim) = direct_ctx(F32Mode::Exact, 0);
+        assert_eq!(ctx.seed, 1, "the direct context's step seed");
+        ctx.seed_slot = seed.as_ref().map_or(0, |b| b.ptr());
+        let outs = [DView { dtype: DType::I64, shape: &[1], ptr: out.ptr(), host: None }];
+        kernel("DropoutKey").expect("DropoutKey")(&node, &[], &outs, &mut ctx).expect("DropoutKey");
+        g.synchronize().expect("sync");
+        assert_eq!(host::<i64>(&out)[0] as u64, want, "seed slot {slot:?}");
+    }
+}
