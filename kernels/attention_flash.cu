@@ -12,12 +12,12 @@
 // keys a warp, each fragment of the other operand read from shared memory once for two row tiles:
 // the forward's and dQ's shared-memory traffic per FLOP halved, dK/dV's cut by a third): 255
 // registers, 2 blocks an SM, 4 (forward), 36 (dQ) and 48 (dK/dV) bytes of spills.
-#define FA_KERNELS(P)                        \
-    FA_ROW_KERNELS(64, 1, , 3, P, false)     \
-    FA_ROW_KERNELS(64, 2, r128, 2, P, false) \
-    FA_ROW_KERNELS(128, 1, , 1, P, false)    \
-    FA_DKV_KERNEL(64, 1, , P, false)         \
-    FA_DKV_KERNEL(64, 2, r128, P, false)     \
-    FA_DKV_KERNEL(128, 1, , P, false)
+#define FA_KERNELS(P)                               \
+    FA_ROW_KERNELS(64, 1, , 3, P, false, false)     \
+    FA_ROW_KERNELS(64, 2, r128, 2, P, false, false) \
+    FA_ROW_KERNELS(128, 1, , 1, P, false, false)    \
+    FA_DKV_KERNEL(64, 1, , P, false, false)         \
+    FA_DKV_KERNEL(64, 2, r128, P, false, false)     \
+    FA_DKV_KERNEL(128, 1, , P, false, false)
 FA_KERNELS(bf16)
 FA_KERNELS(f16)

@@ -26,9 +26,16 @@
 //   kernels give that query the score 0 for every key (p = 1, LSE = ln S, so the backward's
 //   p = 1/S) and walk every key tile for it.
 //
+// - the probabilities' dropout (DROP, AttnShape drop_*: kernels/attention.cuh att_drop): the
+//   forward multiplies each probability by its keep factor before the product with V (the
+//   row's sum and LSE stay the softmax's); the backward regenerates the factors for dV from P∘Z
+//   and dS = P∘(Z∘dP − Δ), Δ = Σ dO·O as before.
+//
 // These are the templates: attention_flash.cu instantiates them without key padding,
 // attention_flash_padded.cu with it (PAD = true, names ending `_kp_P`): those are compiled only
-// when a model has an attention_mask, and the others keep their registers and spills.
+// when a model has an attention_mask, and the others keep their registers and spills;
+// attention_flash_dropout.cu and attention_flash_padded_dropout.cu instantiate both with DROP
+// (names ending `_dp_P`, `_kp_dp_P`), compiled only when a model has an attention dropout.
 //
 //   attention_flash_fwd_dHD[r128]_P(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal, kp)
 //   attention_flash_bwd_dq_dHD[r128]_P(dout, q, k, v, o, lse, delta, dq, a, scale, causal, kp)
@@ -292,7 +299,24 @@ __device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const P* kb, const 
 
 // ---- forward ----
 
-template <int HD, int MT, bool PAD, typename P>
+// x[mt] (16 x 64 accumulators of rows row0 + 16mt + g, + 8 against keys c0 + 8j + 2qd + c)
+// times the dropout's factors, one Philox draw for each pair of adjacent keys.
+template <int MT>
+__device__ __forceinline__ void fa_drop_rows(f32 x[MT][8][4], const AttDrop& drop, int row0, int c0, int g, int qd) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                f32 z[2];
+                att_drop_pair(drop, row0 + 16 * mt + g + 8 * h, c0 + 8 * j + 2 * qd, z);
+                x[mt][j][2 * h] *= z[0];
+                x[mt][j][2 * h + 1] *= z[1];
+            }
+}
+
+template <int HD, int MT, bool PAD, bool DROP, typename P>
 __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 causal, const u8* kp) {
     ORT_DYNAMIC_SHARED(u16, smem);
@@ -305,6 +329,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
     const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
     const int tiles = PAD && t0 < pad.uni ? (S + AM_TILE - 1) / AM_TILE : causal_tiles;  // rows without a visible key see every key
     const bool skips = causal != 0 && (!PAD || row0 >= pad.uni);
+    const AttDrop drop = DROP ? att_drop(a, at.bi) : AttDrop{};
     fa_load<HD, AM_TILE * MT>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
     fa_load<HD>(vs, vb, a.v_s, 0, S);
@@ -363,6 +388,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][n][e] *= corr[e >> 1];
             }
+            if (DROP) fa_drop_rows<MT>(s, drop, row0, s0, g, qd);  // P∘Z
             fa_accumulate<P, HD, MT>(acc, s, vs + buf * E, lane);
         }
         __syncthreads();  // this buffer is read: the next iteration but one refills it
@@ -385,7 +411,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
 
 // ---- backward: dQ (and Δ) ----
 
-template <int HD, int MT, bool PAD, typename P>
+template <int HD, int MT, bool PAD, bool DROP, typename P>
 __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k, const P* v, const P* o, const f32* lse,
                                           f32* delta, P* dq, const AttnShape& a, f32 scale, i32 causal, const u8* kp) {
     ORT_DYNAMIC_SHARED(u16, smem);
@@ -400,6 +426,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
     const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
     const int tiles = PAD && t0 < pad.uni ? (S + AM_TILE - 1) / AM_TILE : causal_tiles;
     const bool skips = causal != 0 && (!PAD || row0 >= pad.uni);
+    const AttDrop drop = DROP ? att_drop(a, at.bi) : AttDrop{};
     fa_load<HD, ROWS>(qs, q + at.off.q, a.q_t, t0, T);
     fa_load<HD, ROWS>(dos, dout + at.off.o, a.o_t, t0, T);
     fa_load<HD>(ks, kb, a.k_s, 0, S);
@@ -435,6 +462,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad);
             fa_dots<P, HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
+            if (DROP) fa_drop_rows<MT>(dp, drop, row0, s0, g, qd);  // Z∘dP
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -460,7 +488,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
 // the query tiles of 64 rows (causal: from its own diagonal on), each in MT parts of 64 / MT
 // queries (the accumulators of 16·MT keys leave registers for that many score columns):
 // Sᵀ = K·Qᵀ, Pᵀ, dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ, dK += dSᵀ·Q.
-template <int HD, int MT, bool PAD, typename P>
+template <int HD, int MT, bool PAD, bool DROP, typename P>
 __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k, const P* v, const f32* lse,
                                            const f32* delta, P* dk, P* dv, const AttnShape& a, f32 scale, i32 causal, const u8* kp) {
     ORT_DYNAMIC_SHARED(u16, smem);
@@ -477,6 +505,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
     const P *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
     const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
+    const AttDrop drop = DROP ? att_drop(a, at.bi) : AttDrop{};
     // causal: rows before the block's first key see none of its keys, unless they see every key
     const int t_begin = causal && (!PAD || pad.uni == 0) ? s0 : 0;
     const int tiles = (T - t_begin + AM_TILE - 1) / AM_TILE;
@@ -520,6 +549,18 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<true, PAD, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd, pad);
             fa_dots<P, HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
+            u32 kept = 0;  // DROP: bit (mt·NJ + j)·4 + e set where element (mt, j, e) is kept (MT·NJ·4 = 32)
+            if (DROP)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const f32 z = att_drop_at(drop, tq + 8 * jj + 2 * qd + (e & 1), key0 + 16 * mt + g + 8 * (e >> 1));
+                            kept |= (z != 0.f ? 1u : 0u) << ((mt * NJ + jj) * 4 + e);
+                            dp[mt][jj][e] *= z;  // Z∘dPᵀ
+                        }
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -531,7 +572,15 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
                         p[mt][jj][e] = pe;
                         dp[mt][jj][e] = pe * (dp[mt][jj][e] - dr[r]);  // dSᵀ
                     }
-            fa_accumulate<P, HD, MT, NJ>(acc_v, p, dot, lane);  // dV += Pᵀ · dO
+            if (DROP)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int jj = 0; jj < NJ; ++jj)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            p[mt][jj][e] = (kept >> ((mt * NJ + jj) * 4 + e)) & 1u ? p[mt][jj][e] * drop.scale : 0.f;  // P∘Z
+            fa_accumulate<P, HD, MT, NJ>(acc_v, p, dot, lane);  // dV += (P∘Z)ᵀ · dO
             fa_accumulate<P, HD, MT, NJ>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
         }
         __syncthreads();
@@ -546,21 +595,22 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
 // One forward and one dQ kernel of MT m16 row tiles a warp (64 · MT query rows a block), named
 // with SUFFIX, for tensors (and products) of the 16-bit type P; BLOCKS: blocks an SM must hold
 // (ptxas keeps their registers to fit); PAD: with key padding (every kernel takes `kp`; those
-// without PAD ignore it).
-#define FA_ROW_KERNELS(HD, MT, SUFFIX, BLOCKS, P, PAD)                                                                                      \
+// without PAD ignore it); DROP: with the probabilities' dropout (those without it ignore
+// AttnShape's drop_*).
+#define FA_ROW_KERNELS(HD, MT, SUFFIX, BLOCKS, P, PAD, DROP)                                                                                      \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_fwd_d##HD##SUFFIX##_##P(                                 \
         const P* q, const P* k, const P* v, P* o, f32* lse, AttnShape a, f32 scale, i32 causal, const u8* kp) {                        \
-        fa_fwd<HD, MT, PAD>(q, k, v, o, lse, a, scale, causal, kp);                                                                      \
+        fa_fwd<HD, MT, PAD, DROP>(q, k, v, o, lse, a, scale, causal, kp);                                                                     \
     }                                                                                                                               \
     extern "C" __global__ void __launch_bounds__(128, BLOCKS) attention_flash_bwd_dq_d##HD##SUFFIX##_##P(                              \
         const P* dout, const P* q, const P* k, const P* v, const P* o, const f32* lse, f32* delta, P* dq, AttnShape a, f32 scale,    \
         i32 causal, const u8* kp) {                                                                                                 \
-        fa_bwd_dq<HD, MT, PAD>(dout, q, k, v, o, lse, delta, dq, a, scale, causal, kp);                                                  \
+        fa_bwd_dq<HD, MT, PAD, DROP>(dout, q, k, v, o, lse, delta, dq, a, scale, causal, kp);                                                 \
     }
 // One dK/dV kernel of MT m16 key tiles a warp (64 · MT keys a block).
-#define FA_DKV_KERNEL(HD, MT, SUFFIX, P, PAD)                                                                                            \
+#define FA_DKV_KERNEL(HD, MT, SUFFIX, P, PAD, DROP)                                                                                            \
     extern "C" __global__ void __launch_bounds__(128) attention_flash_bwd_dkv_d##HD##SUFFIX##_##P(                                 \
         const P* dout, const P* q, const P* k, const P* v, const f32* lse, const f32* delta, P* dk, P* dv, AttnShape a, f32 scale,   \
         i32 causal, const u8* kp) {                                                                                                 \
-        fa_bwd_dkv<HD, MT, PAD>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal, kp);                                               \
+        fa_bwd_dkv<HD, MT, PAD, DROP>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal, kp);                                              \
     }

@@ -351,6 +351,34 @@ pub static FAMILIES: &[Family] = &[
         ]
     ),
     family!(
+        "attention_flash_dropout",
+        [
+            g(&["attention_flash_fwd_d64_dp", "attention_flash_fwd_d64r128_dp", "attention_flash_fwd_d128_dp"], HALVES, FLASH_FWD),
+            g(&["attention_flash_bwd_dq_d64_dp", "attention_flash_bwd_dq_d64r128_dp", "attention_flash_bwd_dq_d128_dp"], HALVES, FLASH_BWD),
+            g(
+                &["attention_flash_bwd_dkv_d64_dp", "attention_flash_bwd_dkv_d64r128_dp", "attention_flash_bwd_dkv_d128_dp"],
+                HALVES,
+                FLASH_BWD
+            ),
+        ]
+    ),
+    family!(
+        "attention_flash_padded_dropout",
+        [
+            g(&["attention_flash_fwd_d64_kp_dp", "attention_flash_fwd_d64r128_kp_dp", "attention_flash_fwd_d128_kp_dp"], HALVES, FLASH_FWD),
+            g(
+                &["attention_flash_bwd_dq_d64_kp_dp", "attention_flash_bwd_dq_d64r128_kp_dp", "attention_flash_bwd_dq_d128_kp_dp"],
+                HALVES,
+                FLASH_BWD
+            ),
+            g(
+                &["attention_flash_bwd_dkv_d64_kp_dp", "attention_flash_bwd_dkv_d64r128_kp_dp", "attention_flash_bwd_dkv_d128_kp_dp"],
+                HALVES,
+                FLASH_BWD
+            ),
+        ]
+    ),
+    family!(
         "optim",
         [
             g(&["adam"], GRADS, &[Ptr, Ptr, Ptr, AI64, AI64, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AF32, AI32, AI32]),

@@ -15,9 +15,9 @@
 //! otherwise the mask it makes with the padding is written to the
 //! runtime's mask memory and the kernels that read masks run on that.
 //! The probabilities' dropout (attribute `dropout`, the stream key an input: ops/attention.rs)
-//! rides in the launch shape (`AttnShape::drop_key`): the SIMT and tensor-core kernels
-//! regenerate the keep factors of the Dropout it replaced (kernels/attention.cuh `att_drop`);
-//! the flash kernels have none, so such bf16 and f16 attentions run the tensor-core kernels.
+//! rides in the launch shape (`AttnShape::drop_key`): every kernel family regenerates the keep
+//! factors of the Dropout it replaced (kernels/attention.cuh `att_drop`; the flash kernels'
+//! instances with it are kernels/attention_flash_dropout.cu).
 
 use super::{attention_flash as flash, causal_mask, input, widen, CudaCtx, CudaTable, DView};
 use crate::backend::cuda::abi::AttnShape;

@@ -1,7 +1,7 @@
 //! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cuh),
 //! and their launches: bf16 or f16 tensors with heads of 64 or 128, no mask or the computed
-//! causal one (with or without key padding: attention.rs says when), no dropout of the
-//! probabilities (the tensor-core kernels take it), keys with d contiguous
+//! causal one (with or without key padding: attention.rs says when; with or without the
+//! probabilities' dropout: kernels/attention_flash_dropout.cu), keys with d contiguous
 //! (layout BSHD), every row 16-byte aligned. Everything else
 //! keeps the kernels of attention.rs. `ORTRAIN_FLASH_ATTENTION=0` turns them off (read at each call; a
 //! plan replayed from a CUDA graph keeps what it was recorded with): for timing the two kernel
@@ -82,8 +82,7 @@ pub fn variant<'a>(
     let positive_scale = node.attrs.float("scale", 1.0).is_ok_and(|s| s > 0.0 && s.is_finite());
     let lengths = l.t > 0 && l.s > 0 && l.t < (1 << 30) && l.s < (1 << 30); // the kernels index rows with i32
     let half = matches!(dtype, DType::BF16 | DType::F16);
-    let no_dropout = a.drop_key == 0; // the tensor-core kernels have it
-    let ok = half && a.k_d == 1 && (!mask || causal) && no_dropout && lengths && aligned && positive_scale && enabled();
+    let ok = half && a.k_d == 1 && (!mask || causal) && lengths && aligned && positive_scale && enabled();
     ok.then_some(Flash { hd, dtype: dtype_suffix(dtype), l, a: *a, causal })
 }
 
@@ -99,13 +98,15 @@ impl Flash<'_> {
     }
 
     /// A kernel's name (`kind` "fwd", "bwd_dq" or "bwd_dkv"; `padded`: the key-padding
-    /// instance, kernels/attention_flash_padded.cu), its block rows (or keys) and the number of
-    /// 64-row tiles each of its whole-block operands takes in shared memory.
+    /// instance, kernels/attention_flash_padded.cu; with the launch shape's dropout, the
+    /// instances of kernels/attention_flash_dropout.cu), its block rows (or keys) and the number
+    /// of 64-row tiles each of its whole-block operands takes in shared memory.
     fn row_kernel(&self, node: &Node, kind: &str, padded: bool) -> Result<(String, usize, usize)> {
         let rows = block_rows(self.l.d).map_err(|e| node.err(e))?;
         let suffix = if rows == TILE { "" } else { "r128" };
         let kp = if padded { "_kp" } else { "" };
-        Ok((format!("attention_flash_{kind}_{}{suffix}{kp}_{}", self.hd, self.dtype), rows, rows / TILE))
+        let dp = if self.a.drop_key != 0 { "_dp" } else { "" };
+        Ok((format!("attention_flash_{kind}_{}{suffix}{kp}{dp}_{}", self.hd, self.dtype), rows, rows / TILE))
     }
 
     /// Attention(Q, K, V) -> (O, LSE); `kp`: the key-padding flags, read through the launch

@@ -1,8 +1,8 @@
 //! The probabilities' dropout inside the fused attention kernels (kernels/attention.cuh
 //! `att_drop`): DropoutKey writes the Philox key a Dropout of its name draws with, and the SIMT,
-//! tensor-core and widened kernels' outputs and gradients match an f64 reference that drops
-//! exactly what `philox::dropout_keep` drops (the unfused Dropout's mask, which dropout.rs checks
-//! bit for bit against the kernels of dropout.cu).
+//! tensor-core, flash and widened kernels' outputs and gradients match an f64 reference that
+//! drops exactly what `philox::dropout_keep` drops (the unfused Dropout's mask, which dropout.rs
+//! checks bit for bit against the kernels of dropout.cu).
 
 use std::sync::Arc;
 
@@ -10,7 +10,7 @@ use super::attention_reference::{attention_reference, attention_reference_droppe
 use super::flash_attention::SCALE;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
-use crate::backend::cuda::ops::{kernel, random_key, salt_of, DView};
+use crate::backend::cuda::ops::{attention_path, kernel, random_key, salt_of, DView, ENV_FLASH, ENV_FLASH_ROWS};
 use crate::backend::cuda::philox::dropout_keep;
 use crate::ir::{Attr, Attrs, Node};
 use crate::tensor::{DType, Data, Tensor};
@@ -19,29 +19,52 @@ const RATIO: f32 = 0.3;
 /// Both key words non-zero.
 const KEY: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// A fused attention node with the dropout attribute: scale 1/8, nan_guard, layout BSHD.
+/// The key padding's masked value (Hugging Face's finfo.min).
+const PADDING: f32 = f32::MIN;
+
+/// A fused attention node with the dropout attribute: scale 1/8, nan_guard, layout BSHD, and
+/// the key padding's value.
 fn node(op: &str) -> Node {
     let attrs = Attrs::default()
         .with("scale", Attr::Float(SCALE as f32))
         .with("nan_guard", Attr::Int(1))
         .with("layout", Attr::String("BSHD".into()))
-        .with("dropout", Attr::Float(RATIO));
+        .with("dropout", Attr::Float(RATIO))
+        .with("padding_value", Attr::Float(PADDING));
     Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
 }
 
-/// One case: the tensors' type, the session's f32 mode, the sizes, whether causal (T = S), and
-/// the forward kernel that must have run.
+/// Whether the flash kernels may run (bf16 and f16 heads of 64 and 128), and in which blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Flash {
+    Off,
+    Rows128,
+    Rows64,
+}
+
+/// One case: the tensors' type, the session's f32 mode, the sizes, whether causal (T = S),
+/// whether with key padding (no mask: the last 7 keys of batch row 0 and 20 of row 1 hidden),
+/// the flash setting, and the forward kernel that must have run.
 #[derive(Clone, Copy, Debug)]
 struct Case {
     dt: &'static str,
     mode: F32Mode,
     n: AttnDims,
     causal: bool,
+    padded: bool,
+    flash: Flash,
     forward: &'static str,
 }
 
-/// The kernels' O, LSE, dQ, dK, dV with the dropout keyed by `key`.
-fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> [Vec<f64>; 5] {
+/// The key padding's flags of a case, [b, 1, 1, s] (1: a key the queries see).
+fn flags(c: Case) -> Vec<u8> {
+    let s = c.n.s;
+    (0..c.n.b * s).map(|i| u8::from(i % s < s - if i / s == 0 { 7 } else { 20 })).collect()
+}
+
+/// The kernels' O, LSE, dQ, dK, dV with the dropout keyed by `key`, and the forward's path
+/// (ops::attention_path).
+fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> ([Vec<f64>; 5], Option<&'static str>) {
     let g = gpu_or_reason().expect("under gpu()");
     let AttnDims { b, h, t, s, d } = c.n;
     let dt = c.dt;
@@ -60,21 +83,32 @@ fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> [Vec<f64>; 5] {
     let m = c.causal.then(|| DView { dtype: DType::F32, shape: &mask_shape, ptr: dmask.ptr(), host: Some(&host) });
     let dkey = dev(g, &[key as i64]);
     let key_view = Some(DView { dtype: DType::I64, shape: &[1], ptr: dkey.ptr(), host: None });
+    let dflags = dev(g, &flags(c));
+    let kp_shape = [b, 1, 1, s];
+    let kp = c.padded.then(|| DView { dtype: DType::Bool, shape: &kp_shape, ptr: dflags.ptr(), host: None });
+    match c.flash {
+        Flash::Off => std::env::set_var(ENV_FLASH, "0"),
+        Flash::Rows64 => std::env::set_var(ENV_FLASH_ROWS, "64"),
+        Flash::Rows128 => {}
+    }
     let (mut ctx, _claim) = direct_ctx(c.mode, 0);
     let (o, lse) = (zeros_as(g, dt, b * t * h * d), zeros_as(g, "f32", b * h * t));
     let lse_shape = [b, h, t];
     let o_view = DView { dtype, shape: &shapes[0], ptr: o.ptr(), host: None };
     let lse_view = DView { dtype: DType::F32, shape: &lse_shape, ptr: lse.ptr(), host: None };
-    let fwd_ins = [view(0), view(1), view(2), m, None, key_view];
-    kernel("Attention").expect("Attention")(&node("Attention"), &fwd_ins, &[o_view, lse_view], &mut ctx)
-        .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let fwd_ins = [view(0), view(1), view(2), m, kp, key_view];
+    let forward = node("Attention");
+    kernel("Attention").expect("Attention")(&forward, &fwd_ins, &[o_view, lse_view], &mut ctx).unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    let path = ctx.rt.attention_path(&forward);
     let grads: Vec<_> = (0..3).map(|i| zeros_as(g, dt, ins[i].len())).collect();
     let gouts: Vec<DView> = (0..3).map(|i| DView { dtype, shape: &shapes[i], ptr: grads[i].ptr(), host: None }).collect();
-    let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view), None, key_view];
+    let bins = [view(3), view(0), view(1), view(2), m, Some(o_view), Some(lse_view), kp, key_view];
     kernel("AttentionGrad").expect("AttentionGrad")(&node("AttentionGrad"), &bins, &gouts, &mut ctx)
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    std::env::remove_var(ENV_FLASH);
+    std::env::remove_var(ENV_FLASH_ROWS);
     g.synchronize().expect("sync");
-    [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)]
+    ([host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)], path)
 }
 
 /// Largest error over the largest reference value.
@@ -84,35 +118,51 @@ fn rel_err(got: &[f64], want: &[f64]) -> f64 {
 }
 
 /// Causal self-attention over 71 positions and cross-attention of 45 queries over 99 keys (S
-/// odd: a Philox counter's words straddle two rows, and in every other row the tensor-core
-/// kernels' pairs of adjacent keys straddle two counters), ratio 0.3: f32 on the SIMT kernels (exact
-/// session) and on the tensor-core ones (bf16 products), bf16 and f16 tensors on the
-/// tensor-core kernels (heads of 64, where the flash kernels would otherwise run: they have no
-/// dropout), and bf16 with heads of 32 on the SIMT kernels through f32 copies. Every output and
-/// gradient is within the kernels' precision of the f64 reference with the Dropout's mask, and
-/// that reference is far from the one without dropout (and from another key's), so a kernel
-/// that dropped other elements, or none, fails.
+/// odd: a Philox counter's words straddle two rows, and in every other row the pairs of
+/// adjacent keys the tensor-core and flash kernels draw together straddle two counters), ratio
+/// 0.3: f32 on the SIMT kernels (exact session) and on the tensor-core ones (bf16 products);
+/// bf16 and f16 tensors on the flash kernels (heads of 64 in blocks of 128 and 64 rows, heads
+/// of 128, key padding without a mask) and, with them turned off, on the tensor-core kernels;
+/// bf16 with heads of 32 on the SIMT kernels through f32 copies. Every output and gradient is
+/// within the kernels' precision of the f64 reference with the Dropout's mask, and that
+/// reference is far from the one without dropout (and from another key's), so a kernel that
+/// dropped other elements, or none, fails.
 #[test]
 fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
     let Some(_) = gpu_alone("gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops") else { return };
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(73);
     let dims = |t, s, d| AttnDims { b: 2, h: 2, t, s, d };
-    let case = |dt, mode, n, causal, forward| Case { dt, mode, n, causal, forward };
+    let case = |dt, mode, n, causal, flash, forward| Case { dt, mode, n, causal, padded: false, flash, forward };
+    let (self71, cross) = (|d| dims(71, 71, d), |d| dims(45, 99, d));
+    use Flash::*;
     let cases = [
-        (case("f32", F32Mode::Exact, dims(71, 71, 32), true, "attention_fwd_f32"), 2e-5),
-        (case("f32", F32Mode::Exact, dims(45, 99, 32), false, "attention_fwd_f32"), 2e-5),
-        (case("f32", F32Mode::Bf16, dims(71, 71, 64), true, "attention_mma_fwd_d64_f32"), 1.5e-2),
-        (case("bf16", F32Mode::Bf16, dims(71, 71, 64), true, "attention_mma_fwd_d64_bf16"), 1.5e-2),
-        (case("f16", F32Mode::F16, dims(45, 99, 64), false, "attention_mma_fwd_d64_f16"), 3e-3),
-        (case("bf16", F32Mode::Bf16, dims(71, 71, 32), true, "attention_fwd_f32"), 1.5e-2),
+        (case("f32", F32Mode::Exact, self71(32), true, Rows128, "attention_fwd_f32"), 2e-5),
+        (case("f32", F32Mode::Exact, cross(32), false, Rows128, "attention_fwd_f32"), 2e-5),
+        (case("f32", F32Mode::Bf16, self71(64), true, Rows128, "attention_mma_fwd_d64_f32"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, self71(64), true, Off, "attention_mma_fwd_d64_bf16"), 1.5e-2),
+        (case("f16", F32Mode::F16, cross(64), false, Off, "attention_mma_fwd_d64_f16"), 3e-3),
+        (case("bf16", F32Mode::Bf16, self71(32), true, Rows128, "attention_fwd_f32"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, self71(64), true, Rows128, "attention_flash_fwd_d64r128_dp_bf16"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, self71(64), true, Rows64, "attention_flash_fwd_d64_dp_bf16"), 1.5e-2),
+        (case("f16", F32Mode::F16, cross(128), false, Rows128, "attention_flash_fwd_d128_dp_f16"), 3e-3),
+        (case("f16", F32Mode::F16, cross(64), false, Rows128, "attention_flash_fwd_d64r128_dp_f16"), 3e-3),
+        (
+            Case { padded: true, ..case("bf16", F32Mode::Bf16, self71(64), false, Rows128, "attention_flash_fwd_d64r128_kp_dp_bf16") },
+            1.5e-2,
+        ),
     ];
     let scale = (1.0f32 / (1.0 - RATIO)) as f64;
     for (c, precision) in cases {
         let AttnDims { b, h, t, s, d } = c.n;
         let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, c.dt, n, -1.0, 1.0));
         let refs = [&ins[0][..], &ins[1][..], &ins[2][..], &ins[3][..]];
-        let mask = |_: usize, i: usize, j: usize| if c.causal && j > i { f64::NEG_INFINITY } else { 0.0 };
+        let kp = flags(c);
+        let mask = |bi: usize, i: usize, j: usize| match () {
+            _ if c.causal && j > i => f64::NEG_INFINITY,
+            _ if c.padded && kp[bi * s + j] == 0 => PADDING as f64,
+            _ => 0.0,
+        };
         let dropped = |key: u64| {
             let keep = move |bh: usize, i: usize, j: usize| {
                 let flat = ((bh * t + i) * s + j) as u64;
@@ -126,8 +176,12 @@ fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
         };
         let want = dropped(KEY);
         let (plain, other) = (attention_reference(c.n, SCALE, refs, mask), dropped(KEY ^ 1));
-        let got = run(c, &ins, KEY);
-        assert!(rt.has_launched(c.forward), "{c:?}: {} never launched", c.forward);
+        let (got, path) = run(c, &ins, KEY);
+        if c.dt != "f32" && d == 32 {
+            assert_eq!(path, Some(attention_path::WIDENED), "{c:?}");
+        }
+        let backward = c.forward.replace("_fwd_", "_bwd_dkv_");
+        assert!(rt.has_launched(c.forward) && rt.has_launched(&backward), "{c:?}: {} or {backward} never launched", c.forward);
         for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
             let err = rel_err(&got[i], &want[i]);
             println!("{c:?} {name}: {err:.2e} of the largest value from the f64 reference");
