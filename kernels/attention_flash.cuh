@@ -32,10 +32,10 @@
 //   and dS = P∘(Z∘dP − Δ), Δ = Σ dO·O as before.
 //
 // These are the templates: attention_flash.cu instantiates them without key padding,
-// attention_flash_padded.cu with it (PAD = true, names ending `_kp_P`): those are compiled only
-// when a model has an attention_mask, and the others keep their registers and spills;
-// attention_flash_dropout.cu and attention_flash_padded_dropout.cu instantiate both with DROP
-// (names ending `_dp_P`, `_kp_dp_P`), compiled only when a model has an attention dropout.
+// attention_flash_padded.cu with it (PAD = true, names ending `_kp_P`), and
+// attention_flash_dropout.cu and attention_flash_padded_dropout.cu both with DROP (names ending
+// `_dp_P`, `_kp_dp_P`): compile-time flags, so that each instance keeps only the registers and
+// spills of what it does (the plain kernels are the same code as without the flags).
 //
 //   attention_flash_fwd_dHD[r128]_P(q, k, v, o, lse, AttnShape a, f32 scale, i32 causal, kp)
 //   attention_flash_bwd_dq_dHD[r128]_P(dout, q, k, v, o, lse, delta, dq, a, scale, causal, kp)

@@ -1,8 +1,7 @@
 // The flash attention kernels with key padding and the probabilities' dropout (PAD and DROP in
 // kernels/attention_flash.cuh, which says what they compute): the same blocks and launch bounds
 // as attention_flash_padded.cu's, named with `_kp_dp` after the block size
-// (attention_flash_fwd_d64r128_kp_dp_bf16). Compiled only when a model with an attention_mask
-// has an attention dropout.
+// (attention_flash_fwd_d64r128_kp_dp_bf16).
 
 #include "prelude.cuh"
 #include "attention.cuh"

@@ -21,7 +21,9 @@
 #              every weight gradient's distance from f32 (engine test onnx_parity;
 #              PARITY_ARGS replaces the model's size arguments)
 #   pytest     pytest -m gpu tests/test_cuda*.py tests/test_random_draws.py tests/test_distributed.py tests/test_checkpointing.py tests/test_model_loss.py (the Python path: torch interop, training)
-#   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain-nographs; then
+#   tutorial   bench.gpu on the tutorial model: eager, compile, ortrain, ortrain+fuse_attention (its
+#              two attentions fused with their dropout 0.2: SIMT kernels, heads of 100),
+#              ortrain-nographs; then
 #              bench.host_overhead on the GPU: the step's host time phase by phase against its
 #              wall time, eager and ortrain (host ~ wall: the host is what the step waits on),
 #              and ortrain's step under cProfile by function (where the host time goes)
@@ -244,7 +246,7 @@ if has pytest; then
     fi
 fi
 if has tutorial; then
-    bench 200 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain-nographs \
+    bench 240 tutorial bench-tutorial.json --workloads tutorial --systems eager,compile,ortrain,ortrain+fuse_attention,ortrain-nographs \
         --steps 30 --warmup 6
     section "bench.host_overhead: the tutorial step's host time on the GPU"
     PYTHONPATH="$PYTHONPATH:$PWD" capped 90 "host overhead tutorial" "$LOG_DIR/host-overhead.log" \

@@ -1,6 +1,8 @@
 //! Kernel files compiled once per process and cached on disk: [`cubin`] returns the CUBIN of a
 //! family for an architecture, from the process memo, else the disk cache (checked), else
-//! NVRTC (then stored). Loading the CUBIN into a CUDA context is the executor's part.
+//! NVRTC (then stored); [`in_parallel`] runs such work for many families on several threads
+//! (a cold start compiles every family). Loading the CUBIN into a CUDA context is the
+//! executor's part.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -105,6 +107,42 @@ pub fn cubin(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<
     Ok(c)
 }
 
+/// Most kernel files compiled at once: NVRTC compiles one program on one core, taking up to a
+/// few GiB for the largest attention files.
+const MAX_COMPILE_THREADS: usize = 8;
+
+/// The threads [`in_parallel`] compiles on: the machine's cores, at most [`MAX_COMPILE_THREADS`].
+pub fn compile_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, MAX_COMPILE_THREADS)
+}
+
+/// `work(family)` for every family, on up to [`MAX_COMPILE_THREADS`] threads (never more than
+/// the machine's cores), each thread taking the next family when it finishes one; results in
+/// the families' order. The attention families go first: their templates are the long
+/// compiles (sm_90, NVRTC 13.0, one core: attention_mma.cu 33 s, attention_flash_dropout.cu and
+/// attention_flash_padded_dropout.cu about 19 s each, attention_flash_padded.cu 10 s; most
+/// files under 2 s), so they do not start last and leave the other threads idle.
+pub fn in_parallel<T: Send>(families: &'static [Family], work: impl Fn(&'static Family) -> T + Sync) -> Vec<T> {
+    let mut order: Vec<usize> = (0..families.len()).collect();
+    order.sort_by_key(|&i| (!families[i].source.contains("#include \"attention"), std::cmp::Reverse(families[i].source.len())));
+    let threads = compile_threads().min(families.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let done: Mutex<Vec<Option<T>>> = Mutex::new((0..families.len()).map(|_| None).collect());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let k = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let Some(&i) = order.get(k) else { break };
+                let out = work(&families[i]);
+                done.lock().unwrap_or_else(|p| p.into_inner())[i] = Some(out);
+            });
+        }
+    });
+    // every index was taken by a thread that stored its result (a panicking `work` propagates
+    // out of the scope above)
+    done.into_inner().unwrap_or_else(|p| p.into_inner()).into_iter().flatten().collect()
+}
+
 /// The disk cache, else NVRTC (storing the result), without the process memo.
 pub fn load_or_compile(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<&Path>) -> Result<Cubin> {
     let version = nv.version_string();
@@ -120,4 +158,26 @@ pub fn load_or_compile(nv: &Nvrtc, family: &'static Family, arch: &str, cache_di
         }
     };
     Ok(Cubin { family: family.name, arch: arch.into(), bytes: Arc::new(bytes), origin, log })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::registry::FAMILIES;
+
+    /// Every family's work is done once and its result comes back at the family's place,
+    /// whatever thread took it and in whatever order they finished.
+    #[test]
+    fn in_parallel_returns_every_familys_result_in_order() {
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let names = in_parallel(FAMILIES, |f| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            // the attention families (taken first) finish last
+            std::thread::sleep(std::time::Duration::from_millis(if f.name.starts_with("attention") { 20 } else { 1 }));
+            f.name
+        });
+        assert_eq!(names, FAMILIES.iter().map(|f| f.name).collect::<Vec<_>>());
+        assert_eq!(calls.into_inner(), FAMILIES.len());
+        assert!(compile_threads() >= 1 && compile_threads() <= MAX_COMPILE_THREADS);
+    }
 }

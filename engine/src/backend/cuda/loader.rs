@@ -65,8 +65,9 @@ pub fn load_all(ordinal: usize, nv: &Nvrtc, cache_dir: Option<&Path>) -> Result<
     let arch = arch_of(major, minor);
     let mut modules = Vec::new();
     let mut origins = Vec::new();
-    for f in FAMILIES {
-        let c = compile::cubin(nv, f, &arch, cache_dir)?;
+    let cubins = compile::in_parallel(FAMILIES, |f| compile::cubin(nv, f, &arch, cache_dir));
+    for (f, c) in FAMILIES.iter().zip(cubins) {
+        let c = c?;
         let m =
             ctx.load_module(Ptx::from_binary(c.bytes.to_vec())).map_err(|e| Error::Cuda(format!("loading {} ({arch}): {e}", f.file())))?;
         for k in f.kernel_names() {

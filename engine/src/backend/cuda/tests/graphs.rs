@@ -1,5 +1,6 @@
 //! Steps replayed from CUDA graphs (session/cuda_graph.rs) against the same steps launched
-//! kernel by kernel: for every test model plus one with a training-mode Dropout, three steps
+//! kernel by kernel: for every test model plus ones with a training-mode Dropout (alone, before
+//! a residual add, and on an attention's probabilities, fused), three steps
 //! with different inputs and seeds through one recorded forward and backward graph give the
 //! outputs and gradients of the launched steps bit for bit (the same kernels in the same
 //! order; Dropout reads its seed from the seed slot and draws the same masks; gradients summed
@@ -76,6 +77,10 @@ fn gpu_graphed_steps_match_launched_steps_bit_for_bit() {
     all.push(("residual_dropout", residual_dropout(&mut rng, true), MatmulPrecision::Fp32));
     // a bf16 branch's dropout into an f32 stream: dropout_add_wide_slot_bf16
     all.push(("residual_dropout bf16 into f32", residual_dropout_of(&mut rng, true, true), MatmulPrecision::Bf16));
+    // an attention's dropout fused: DropoutKey reads the seed slot, the kernels the key it wrote
+    // (the SIMT kernels; heads of 64 with bf16 products: the tensor-core ones)
+    all.push(("attention_dropout", self_attention_dropped(&mut rng, false, 70, 4, 0.3), MatmulPrecision::Fp32));
+    all.push(("attention_dropout heads of 64", self_attention_dropped(&mut rng, true, 71, 64, 0.3), MatmulPrecision::Bf16));
     for (name, m, precision) in all {
         let s = session_with(&m, crate::session::Target::Cuda, precision);
         let plan = s.plan(&[m.sig()], true).expect("plan");
