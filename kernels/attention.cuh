@@ -103,6 +103,24 @@ __device__ __forceinline__ void att_drop_pair(const AttDrop& d, i64 row, i64 col
     z[1] = att_drop_keep(d, k < 3 ? philox_word(r, k + 1) : philox_words(d.key, (flat >> 2) + 1).x);
 }
 
+// x[mt] (a warp's 16 x 64 mma accumulators: rows row0 + 16mt + g and + 8, keys
+// c0 + 8j + 2qd + c) times the dropout's factors, one Philox draw for each pair of adjacent keys
+// (the tensor-core and flash kernels).
+template <int MT>
+__device__ __forceinline__ void att_drop_rows(f32 x[MT][8][4], const AttDrop& drop, i64 row0, i64 c0, int g, int qd) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                f32 z[2];
+                att_drop_pair(drop, row0 + 16 * mt + g + 8 * h, c0 + 8 * j + 2 * qd, z);
+                x[mt][j][2 * h] *= z[0];
+                x[mt][j][2 * h + 1] *= z[1];
+            }
+}
+
 // A mask value at or below this is PyTorch's finfo(float32).min (-3.40e38; bf16's -3.39e38), the
 // "minus infinity" of Hugging Face's causal masks (GPT-2 exports Where(causal, 0, finfo.min)).
 #define ATT_MASKED_MIN (-3.0e38f)

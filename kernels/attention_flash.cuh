@@ -299,23 +299,6 @@ __device__ __forceinline__ void fa_next_kv(u16* ks, u16* vs, const P* kb, const 
 
 // ---- forward ----
 
-// x[mt] (16 x 64 accumulators of rows row0 + 16mt + g, + 8 against keys c0 + 8j + 2qd + c)
-// times the dropout's factors, one Philox draw for each pair of adjacent keys.
-template <int MT>
-__device__ __forceinline__ void fa_drop_rows(f32 x[MT][8][4], const AttDrop& drop, int row0, int c0, int g, int qd) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                f32 z[2];
-                att_drop_pair(drop, row0 + 16 * mt + g + 8 * h, c0 + 8 * j + 2 * qd, z);
-                x[mt][j][2 * h] *= z[0];
-                x[mt][j][2 * h + 1] *= z[1];
-            }
-}
-
 template <int HD, int MT, bool PAD, bool DROP, typename P>
 __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 causal, const u8* kp) {
@@ -388,7 +371,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][n][e] *= corr[e >> 1];
             }
-            if (DROP) fa_drop_rows<MT>(s, drop, row0, s0, g, qd);  // P∘Z
+            if (DROP) att_drop_rows<MT>(s, drop, row0, s0, g, qd);  // P∘Z
             fa_accumulate<P, HD, MT>(acc, s, vs + buf * E, lane);
         }
         __syncthreads();  // this buffer is read: the next iteration but one refills it
@@ -462,7 +445,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad);
             fa_dots<P, HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
-            if (DROP) fa_drop_rows<MT>(dp, drop, row0, s0, g, qd);  // Z∘dP
+            if (DROP) att_drop_rows<MT>(dp, drop, row0, s0, g, qd);  // Z∘dP
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll

@@ -116,20 +116,6 @@ __device__ __forceinline__ AmPlace am_place(const AttnShape& a, i64 extent) {
     return p;
 }
 
-// x (16 x 64 of one warp: rows rows[0], rows[1], keys s0 + 8j + 2qd + c) times the dropout's
-// factors (attention.cuh att_drop), one Philox draw for each pair of adjacent keys.
-__device__ __forceinline__ void am_drop_scale(f32 x[8][4], const AttDrop& drop, const i64 rows[2], i64 s0, int qd) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            f32 z[2];
-            att_drop_pair(drop, rows[h], s0 + 8 * j + 2 * qd, z);
-            x[j][2 * h] *= z[0];
-            x[j][2 * h + 1] *= z[1];
-        }
-}
-
 template <int HD, typename E, typename P>
 __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, const f32* mask, E* o, f32* lse, const AttnShape& a, f32 scale,
                                        i32 nan_guard, i32 causal) {
@@ -197,7 +183,7 @@ __device__ __forceinline__ void am_fwd(const E* q, const E* kt, const E* v, cons
         for (int n = 0; n < HD / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[n][e] *= corr[e >> 1];
-        if (drop.on) am_drop_scale(s, drop, rows, s0, qd);  // P∘Z
+        if (drop.on) att_drop_rows<1>(&s, drop, rows[0] - g, s0, g, qd);  // P∘Z
         am_accumulate<HD, P>(acc, s, vt, g, qd);
     }
 #pragma unroll
@@ -272,7 +258,7 @@ __device__ __forceinline__ void am_bwd_dq(const E* dout, const E* q, const E* kt
         am_scores<HD, P>(p, qa, ks, g, qd);
         am_probs(p, rows, lrow, s0, qd, scale, mask, off.m, a, causal);
         am_scores<HD, P>(dp, doa, vs, g, qd);  // dP = dO · Vᵀ
-        if (drop.on) am_drop_scale(dp, drop, rows, s0, qd);  // Z∘dP
+        if (drop.on) att_drop_rows<1>(&dp, drop, rows[0] - g, s0, g, qd);  // Z∘dP
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::attention_reference::{attention_reference, attention_reference_dropped, AttnDims};
+use super::attention_reference::{attention_reference, attention_reference_dropped, rel_err, AttnDims};
 use super::flash_attention::SCALE;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
@@ -109,12 +109,6 @@ fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> ([Vec<f64>; 5], Option<&'stati
     std::env::remove_var(ENV_FLASH_ROWS);
     g.synchronize().expect("sync");
     ([host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)], path)
-}
-
-/// Largest error over the largest reference value.
-fn rel_err(got: &[f64], want: &[f64]) -> f64 {
-    let err = got.iter().zip(want).fold(0.0f64, |m, (g, w)| if g.is_finite() { m.max((g - w).abs()) } else { f64::INFINITY });
-    err / max_abs(want).max(1e-30)
 }
 
 /// Causal self-attention over 71 positions and cross-attention of 45 queries over 99 keys (S

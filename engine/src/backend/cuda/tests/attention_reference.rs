@@ -1,5 +1,6 @@
-//! The f64 reference the attention kernel tests (flash_attention.rs, key_padding_attention.rs)
-//! check against: the unfused graph's arithmetic (scores plus the mask, softmax, its gradient).
+//! The f64 reference the attention kernel tests (flash_attention.rs, key_padding_attention.rs,
+//! attention_dropout.rs) check against: the unfused graph's arithmetic (scores plus the mask,
+//! softmax, the probabilities' dropout, its gradient), and their error measure.
 
 /// Sizes of an attention test in layout BSHD: batch, heads, queries, keys, head size.
 #[derive(Clone, Copy, Debug)]
@@ -63,4 +64,10 @@ pub fn attention_reference_dropped(
         }
     }
     [o, lse, dq, dk, dv]
+}
+
+/// The largest error over the largest reference value (a non-finite result: infinite).
+pub fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let err = got.iter().zip(want).fold(0.0f64, |m, (g, w)| if g.is_finite() { m.max((g - w).abs()) } else { f64::INFINITY });
+    err / super::support::max_abs(want).max(1e-30)
 }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use super::attention_reference::{attention_reference, AttnDims};
+use super::attention_reference::{attention_reference, rel_err, AttnDims};
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::ops::{kernel, DView, ENV_FLASH, ENV_FLASH_ROWS};
@@ -75,12 +75,6 @@ fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
         .unwrap_or_else(|e| panic!("{c:?}: {e}"));
     g.synchronize().expect("sync");
     [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)]
-}
-
-/// Largest error over the largest reference value.
-fn rel_err(got: &[f64], want: &[f64]) -> f64 {
-    let err = got.iter().zip(want).fold(0.0f64, |m, (g, w)| if g.is_finite() { m.max((g - w).abs()) } else { f64::INFINITY });
-    err / max_abs(want).max(1e-30)
 }
 
 /// Causal self-attention over partial tiles (150 = 2 · 64 + 22) with heads of 64 and 128, full
