@@ -121,6 +121,36 @@ __device__ __forceinline__ void att_drop_rows(f32 x[MT][8][4], const AttDrop& dr
             }
 }
 
+// The transposed products of the dK/dV kernels: x[mt] (a warp's 16 x 8·NJ accumulators: keys
+// key0 + 16mt + g and + 8, queries q0 + 8j + 2qd + c) times the dropout's factors, one Philox
+// draw per element (adjacent queries are S elements apart). Returns which elements are kept:
+// bit (mt·NJ + j)·4 + e (MT·NJ·4 <= 32), for `att_drop_kept`.
+template <int MT, int NJ>
+__device__ __forceinline__ u32 att_drop_keys(f32 x[MT][NJ][4], const AttDrop& drop, i64 key0, i64 q0, int g, int qd) {
+    u32 kept = 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const f32 z = att_drop_at(drop, q0 + 8 * j + 2 * qd + (e & 1), key0 + 16 * mt + g + 8 * (e >> 1));
+                kept |= (z != 0.f ? 1u : 0u) << ((mt * NJ + j) * 4 + e);
+                x[mt][j][e] *= z;
+            }
+    return kept;
+}
+// x∘Z from the bits `att_drop_keys` returned: kept elements times 1 / (1 - ratio), others 0.
+template <int MT, int NJ>
+__device__ __forceinline__ void att_drop_kept(f32 x[MT][NJ][4], u32 kept, const AttDrop& drop) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[mt][j][e] = (kept >> ((mt * NJ + j) * 4 + e)) & 1u ? x[mt][j][e] * drop.scale : 0.f;
+}
+
 // A mask value at or below this is PyTorch's finfo(float32).min (-3.40e38; bf16's -3.39e38), the
 // "minus infinity" of Hugging Face's causal masks (GPT-2 exports Where(causal, 0, finfo.min)).
 #define ATT_MASKED_MIN (-3.0e38f)

@@ -532,18 +532,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) fa_mask<true, PAD, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd, pad);
             fa_dots<P, HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
-            u32 kept = 0;  // DROP: bit (mt·NJ + j)·4 + e set where element (mt, j, e) is kept (MT·NJ·4 = 32)
-            if (DROP)
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const f32 z = att_drop_at(drop, tq + 8 * jj + 2 * qd + (e & 1), key0 + 16 * mt + g + 8 * (e >> 1));
-                            kept |= (z != 0.f ? 1u : 0u) << ((mt * NJ + jj) * 4 + e);
-                            dp[mt][jj][e] *= z;  // Z∘dPᵀ
-                        }
+            const u32 kept = DROP ? att_drop_keys<MT, NJ>(dp, drop, key0, tq, g, qd) : 0u;  // Z∘dPᵀ
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -555,14 +544,7 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
                         p[mt][jj][e] = pe;
                         dp[mt][jj][e] = pe * (dp[mt][jj][e] - dr[r]);  // dSᵀ
                     }
-            if (DROP)
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int jj = 0; jj < NJ; ++jj)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            p[mt][jj][e] = (kept >> ((mt * NJ + jj) * 4 + e)) & 1u ? p[mt][jj][e] * drop.scale : 0.f;  // P∘Z
+            if (DROP) att_drop_kept<MT, NJ>(p, kept, drop);  // P∘Z
             fa_accumulate<P, HD, MT, NJ>(acc_v, p, dot, lane);  // dV += (P∘Z)ᵀ · dO
             fa_accumulate<P, HD, MT, NJ>(acc_k, dp, qt, lane);  // dK += dSᵀ · Q
         }

@@ -320,16 +320,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
         f32 p[8][4], dp[8][4];
         am_scores<HD, P>(p, ka, qs, g, qd);   // Sᵀ: element (key, row 8j + 2qd + (e & 1))
         am_scores<HD, P>(dp, va, dos, g, qd);  // dPᵀ = V · dOᵀ
-        u32 kept = 0;  // with dropout: bit 4j + e set where element (j, e) is kept
-        if (drop.on)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const f32 z = att_drop_at(drop, t0 + 8 * j + 2 * qd + (e & 1), keys[e >> 1]);
-                    kept |= (z != 0.f ? 1u : 0u) << (4 * j + e);
-                    dp[j][e] *= z;  // Z∘dPᵀ
-                }
+        const u32 kept = drop.on ? att_drop_keys<1, 8>(&dp, drop, keys[0] - g, t0, g, qd) : 0u;  // Z∘dPᵀ
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -340,11 +331,7 @@ __device__ __forceinline__ void am_bwd_dkv(const E* dout, const E* q, const E* k
                 p[j][e] = (lr == -ATT_INF || x == -ATT_INF) ? 0.f : expf(x - lr);
                 dp[j][e] = p[j][e] * (dp[j][e] - delta[r]);  // dSᵀ
             }
-        if (drop.on)
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) p[j][e] = (kept >> (4 * j + e)) & 1u ? p[j][e] * drop.scale : 0.f;  // P∘Z
+        if (drop.on) att_drop_kept<1, 8>(&p, kept, drop);  // P∘Z
         am_accumulate<HD, P>(acc_v, p, dot, g, qd);  // dV += (P∘Z)ᵀ · dO
         am_accumulate<HD, P>(acc_k, dp, qt, g, qd);  // dK += dSᵀ · Q
     }
