@@ -9,13 +9,15 @@
 //! wanted, ORTRAIN_SKIP_NVRTC=1 turns the failure into a skip that says so.
 #![cfg(feature = "cuda")]
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ortrain_engine::backend::cuda::abi::{self, Arg};
 use ortrain_engine::backend::cuda::compile::{self, Origin};
 use ortrain_engine::backend::cuda::elf;
 use ortrain_engine::backend::cuda::nvrtc::{self, Nvrtc};
-use ortrain_engine::backend::cuda::registry::{types, Family, Group, FAMILIES};
+use ortrain_engine::backend::cuda::registry::{types, Family, Group, FAMILIES, HEADERS};
+use ortrain_engine::backend::cuda::resources::{self, Resources};
 use ortrain_engine::Error;
 
 const ARCH: &str = "sm_90";
@@ -41,6 +43,7 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
     println!("NVRTC {} ({})", nv.version_string(), nv.path.as_ref().map_or("found by name".into(), |p| p.display().to_string()));
     let mut failures = Vec::new();
     let mut total = 0.0;
+    let mut table = Vec::new();
     let start = std::time::Instant::now();
     let compiled = compile::in_parallel(FAMILIES, |f| compile::compile_checked(nv, f, ARCH));
     let wall = start.elapsed().as_secs_f64() * 1e3;
@@ -48,6 +51,10 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
         match c {
             Ok((cubin, log, ms)) => {
                 total += ms;
+                match resources::kernel_resources(&cubin) {
+                    Ok(r) => failures.extend(over_budget(f, &r, &mut table)),
+                    Err(e) => failures.push(format!("{}: resources: {e}", f.file())),
+                }
                 let sm = elf::header(&cubin).map(|h| h.sm()).unwrap_or(0);
                 println!("{:<26} {:>7.0} ms  {:>4} kernels  {:>8} bytes  sm_{sm}", f.file(), ms, f.kernel_names().len(), cubin.len());
                 if sm != 90 {
@@ -61,7 +68,64 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
         }
     }
     println!("all kernel files: {total:.0} ms of compiles in {wall:.0} ms on {} threads", compile::compile_threads());
+    report_resources(&table);
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The stack frames (spills, local arrays) kernels may have, by family, with why; every kernel
+/// of a family not listed must have none. Values as NVRTC 13.0 compiles them for sm_90 at
+/// 255 registers: a change that makes a kernel spill more fails here, and is either undone or
+/// written down here with the reason, before any GPU times it.
+const FRAME_BUDGETS: &[(&str, u32, &str)] = &[
+    ("elementwise", 40, "sin and cos in f64: libdevice's reduction of huge arguments keeps a local array"),
+    ("dropout", 40, "random_normal's sin and cos (Box-Muller): libdevice's reduction of huge arguments"),
+    ("attention_mma", 640, "heads of 128: dK/dV's accumulators and the scores of a 64 x 64 tile (d64: 8 bytes)"),
+    ("attention_flash", 72, "d128 dK/dV and the 128-row d64 kernels at 255 registers"),
+    ("attention_flash_padded", 80, "as attention_flash, with the key flags"),
+    ("attention_flash_dropout", 208, "d128 dK/dV with the kept-bit masks"),
+    ("attention_flash_padded_dropout", 232, "d128 dK/dV with the kept-bit masks and key flags"),
+];
+
+/// Adds each kernel of `f` to `table` and returns the kernels whose stack frame is over the
+/// family's budget.
+fn over_budget(f: &Family, kernels: &BTreeMap<String, Resources>, table: &mut Vec<(String, String, Resources)>) -> Vec<String> {
+    let (budget, why) = FRAME_BUDGETS.iter().find(|(name, ..)| *name == f.name).map_or((0, "none"), |(_, b, w)| (*b, *w));
+    let mut over = Vec::new();
+    for (k, r) in kernels {
+        table.push((f.file(), k.clone(), *r));
+        if r.frame_bytes > budget {
+            over.push(format!(
+                "{}: kernel {k} has a {}-byte stack frame (spills or local arrays) at {} registers; the family's budget is {budget} ({why}): \
+                 keep it in registers, or raise FRAME_BUDGETS in engine/tests/cuda_kernels.rs with the reason",
+                f.file(),
+                r.frame_bytes,
+                r.registers
+            ));
+        }
+    }
+    over
+}
+
+/// Writes every kernel's resources to target/kernel-resources.tsv and prints the ones that
+/// spill or whose registers cap a block under 1024 threads.
+fn report_resources(table: &[(String, String, Resources)]) {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace").join("target"), PathBuf::from);
+    let mut tsv = String::from("file\tkernel\tregisters\tframe_bytes\tstatic_shared_bytes\tlaunch_bound\tmax_block_threads\n");
+    for (file, k, r) in table {
+        let bound = r.launch_bound.map_or(String::new(), |b| b.to_string());
+        tsv += &format!("{file}\t{k}\t{}\t{}\t{}\t{bound}\t{}\n", r.registers, r.frame_bytes, r.static_shared_bytes, r.max_block_threads());
+    }
+    let path = target.join("kernel-resources.tsv");
+    match std::fs::create_dir_all(&target).and_then(|_| std::fs::write(&path, tsv)) {
+        Ok(()) => println!("{} kernels' registers, stack frames and shared memory: {}", table.len(), path.display()),
+        Err(e) => println!("could not write {}: {e}", path.display()),
+    }
+    let spilling: Vec<_> = table.iter().filter(|(.., r)| r.frame_bytes > 0).collect();
+    println!("{} kernels with a stack frame (sm_90):", spilling.len());
+    for (_, k, r) in spilling {
+        println!("  {k:<48} {:>3} registers {:>5} bytes of frame", r.registers, r.frame_bytes);
+    }
 }
 
 static TINY: Family = Family {
@@ -130,4 +194,79 @@ fn a_signature_that_differs_from_the_kernel_is_caught_without_a_gpu() {
     let e = compile::compile_checked(nv, &WRONG_SIGNATURE, ARCH).unwrap_err().to_string();
     assert!(e.contains("launch ABI") && e.contains("k_f32: the CUBIN has (offset, size) [(0, 8), (8, 4)]"), "{e}");
     assert_eq!(abi::layout(&[Arg::Ptr, Arg::I64]), vec![(0, 8), (8, 8)]);
+}
+
+/// Two kernels ptxas gives a stack frame (a local array indexed at run time) and a launch bound,
+/// and static shared memory.
+static RESOURCEFUL: Family = Family {
+    name: "resourceful_test",
+    source: "#include \"prelude.cuh\"\n\
+extern \"C\" __global__ void __launch_bounds__(96) local_f32(float* x, int i) {\n\
+  float a[40]; for (int k = 0; k < 40; ++k) a[k] = x[k]; for (int k = 0; k < 40; ++k) a[(k * i) % 40] += a[k];\n\
+  x[threadIdx.x] = a[i % 40]; }\n\
+extern \"C\" __global__ void shared_f32(float* x, int i) {\n\
+  __shared__ float s[300]; s[threadIdx.x] = x[threadIdx.x]; __syncthreads(); x[threadIdx.x] = s[(threadIdx.x + i) % 300]; }\n",
+    groups: &[Group { ops: &["local", "shared"], dtypes: types::F32, args: &[Arg::Ptr, Arg::I32] }],
+};
+
+/// ptxas's own report (`--ptxas-options=-v`) of registers, stack frame and shared memory, by
+/// kernel.
+fn ptxas_report(log: &str) -> BTreeMap<String, (u32, u32, u64)> {
+    let number = |line: &str, before: &str| -> Option<u64> {
+        let head = &line[..line.find(before)?];
+        head.rsplit(|c: char| !c.is_ascii_digit()).find(|w| !w.is_empty())?.parse().ok()
+    };
+    let mut out = BTreeMap::new();
+    let mut kernel = None;
+    let mut frame = 0;
+    for line in log.lines() {
+        if let Some(rest) = line.split("Function properties for ").nth(1) {
+            kernel = Some(rest.trim().to_string());
+        } else if line.contains("bytes stack frame") {
+            frame = number(line, " bytes stack frame").unwrap_or(0) as u32;
+        } else if line.contains("Used") && line.contains("registers") {
+            let regs = number(line, " registers").unwrap_or(0) as u32;
+            let smem = number(line, " bytes smem").unwrap_or(0);
+            if let Some(k) = kernel.take() {
+                out.insert(k, (regs, frame, smem));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_resources_read_from_the_cubin_are_what_ptxas_reports() {
+    let Some(nv) = nvrtc_or_skip("kernel resources") else { return };
+    for (family, arch) in [(&RESOURCEFUL, ARCH), (&RESOURCEFUL, "sm_80"), (FAMILIES.iter().find(|f| f.name == "softmax").unwrap(), ARCH)] {
+        let out = nvrtc::compile_cubin_with(nv, &family.file(), family.source, HEADERS, arch, &["--ptxas-options=-v"]).unwrap();
+        let ptxas = ptxas_report(&out.log);
+        let read = resources::kernel_resources(&out.cubin).unwrap();
+        assert_eq!(ptxas.keys().collect::<Vec<_>>(), read.keys().collect::<Vec<_>>(), "{}", out.log);
+        for (k, r) in &read {
+            assert_eq!((r.registers, r.frame_bytes, r.static_shared_bytes), ptxas[k], "{k} on {arch}:\n{}", out.log);
+        }
+        if family.name == "resourceful_test" {
+            let local = &read["local_f32"];
+            assert!(local.frame_bytes >= 160, "a local array of 40 floats indexed at run time is in the frame: {local:?}");
+            assert_eq!(local.launch_bound, Some(96));
+            assert_eq!(local.max_block_threads(), 96);
+            assert_eq!((read["shared_f32"].static_shared_bytes, read["shared_f32"].launch_bound), (1200, None));
+        }
+    }
+}
+
+#[test]
+fn a_kernel_over_its_familys_frame_budget_is_named() {
+    let mut table = Vec::new();
+    let spilled = Resources { registers: 255, frame_bytes: 648, ..Default::default() };
+    let family = FAMILIES.iter().find(|f| f.name == "attention_mma").unwrap();
+    let kernels = BTreeMap::from([("fits".to_string(), Resources { frame_bytes: 640, ..spilled }), ("spills".to_string(), spilled)]);
+    let over = over_budget(family, &kernels, &mut table);
+    assert_eq!(over.len(), 1, "{over:?}");
+    assert!(over[0].contains("kernel spills has a 648-byte stack frame") && over[0].contains("budget is 640"), "{}", over[0]);
+    let softmax = FAMILIES.iter().find(|f| f.name == "softmax").unwrap();
+    let kernels = BTreeMap::from([("k".to_string(), Resources { registers: 40, frame_bytes: 8, ..Default::default() })]);
+    assert!(over_budget(softmax, &kernels, &mut table)[0].contains("budget is 0 (none)"));
+    assert_eq!(table.len(), 3);
 }

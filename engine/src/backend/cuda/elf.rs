@@ -1,6 +1,6 @@
 //! A minimal reader of a CUBIN (a 64-bit little-endian ELF file whose machine is `EM_CUDA`):
 //! the kernel entry points of its symbol table, and each kernel's parameter layout from its
-//! `.nv.info.<kernel>` section. Enough to check the kernel registry, and the launch ABI the
+//! `.nv.info.<kernel>` section, and the records and sections [`super::resources`] reads. Enough to check the kernel registry, and the launch ABI the
 //! host will use, against what NVRTC compiled, without a GPU; and to check a cached CUBIN before
 //! it is used. Every read is bounds-checked; a malformed file is an error.
 
@@ -9,6 +9,7 @@ use std::collections::HashMap;
 /// `e_machine` of NVIDIA CUDA objects.
 pub const EM_CUDA: u16 = 190;
 const SHT_SYMTAB: u32 = 2;
+const SHT_NOBITS: u32 = 8;
 const STT_FUNC: u8 = 2;
 const STB_GLOBAL: u8 = 1;
 /// `st_other` flag NVIDIA sets on kernel entry points (`__global__` functions).
@@ -49,10 +50,10 @@ fn slice(b: &[u8], at: u64, len: u64) -> Result<&[u8], String> {
     let end = at.checked_add(len).ok_or("offset overflow")?;
     b.get(at as usize..end as usize).ok_or_else(|| format!("truncated ELF: bytes {at}..{end} of {}", b.len()))
 }
-fn u16_at(b: &[u8], at: u64) -> Result<u16, String> {
+pub(crate) fn u16_at(b: &[u8], at: u64) -> Result<u16, String> {
     Ok(u16::from_le_bytes(slice(b, at, 2)?.try_into().expect("2 bytes")))
 }
-fn u32_at(b: &[u8], at: u64) -> Result<u32, String> {
+pub(crate) fn u32_at(b: &[u8], at: u64) -> Result<u32, String> {
     Ok(u32::from_le_bytes(slice(b, at, 4)?.try_into().expect("4 bytes")))
 }
 fn u64_at(b: &[u8], at: u64) -> Result<u64, String> {
@@ -165,43 +166,93 @@ const EIFMT_HVAL: u8 = 3;
 const EIFMT_SVAL: u8 = 4;
 const EIATTR_KPARAM_INFO: u8 = 0x17;
 
-/// Every kernel's parameters (sorted by ordinal), from the `.nv.info.<kernel>` sections.
-pub fn kernel_params(b: &[u8]) -> Result<HashMap<String, Vec<Param>>, String> {
+/// A section whose name starts with the prefix asked for: the rest of its name, its size, and
+/// its bytes (none for a section that occupies no file space, such as `.nv.shared.<kernel>`).
+pub(crate) struct NamedSection<'a> {
+    pub rest: String,
+    pub size: u64,
+    pub data: &'a [u8],
+}
+
+/// The sections whose names start with `prefix`.
+pub(crate) fn sections_named<'a>(b: &'a [u8], prefix: &str) -> Result<Vec<NamedSection<'a>>, String> {
     let secs = sections(b)?;
     let shstrndx = u16_at(b, 0x3E)? as usize;
     let names_sec = secs.get(shstrndx).ok_or("no section name table")?;
     let names = slice(b, names_sec.offset, names_sec.size)?;
-    let mut out = HashMap::new();
+    let mut out = Vec::new();
     for s in &secs {
         let name = c_str(names, s.name_at)?;
-        if let Some(kernel) = name.strip_prefix(".nv.info.") {
-            out.insert(kernel.to_string(), params_of(&name, slice(b, s.offset, s.size)?)?);
+        if let Some(rest) = name.strip_prefix(prefix) {
+            let data = if s.kind == SHT_NOBITS { &[][..] } else { slice(b, s.offset, s.size)? };
+            out.push(NamedSection { rest: rest.to_string(), size: s.size, data });
         }
+    }
+    Ok(out)
+}
+
+/// The name of every entry of the first symbol table, by index (empty where a symbol has
+/// none): what `.nv.info` records name a kernel by.
+pub(crate) fn symbols_by_index(b: &[u8]) -> Result<Vec<String>, String> {
+    let secs = sections(b)?;
+    let Some(s) = secs.iter().find(|s| s.kind == SHT_SYMTAB) else { return Ok(Vec::new()) };
+    let strtab = secs.get(s.link as usize).ok_or("symbol table links to a missing string table")?;
+    let names = slice(b, strtab.offset, strtab.size)?;
+    let ent = if s.entsize == 0 { 24 } else { s.entsize };
+    if ent < 24 {
+        return Err(format!("symbol entry size {ent} is too small"));
+    }
+    let table = slice(b, s.offset, s.size)?;
+    (0..s.size / ent).map(|k| c_str(names, u32::from_le_bytes(table[(k * ent) as usize..][..4].try_into().expect("4 bytes")))).collect()
+}
+
+/// One `.nv.info` record: its attribute and its payload (the 2 value bytes of an NVAL, BVAL or
+/// HVAL record, the sized bytes of an SVAL one).
+pub(crate) struct InfoRecord<'a> {
+    pub attr: u8,
+    pub payload: &'a [u8],
+}
+
+/// The records of a `.nv.info` section (`section` names it in errors).
+pub(crate) fn info_records<'a>(section: &str, info: &'a [u8]) -> Result<Vec<InfoRecord<'a>>, String> {
+    let mut out = Vec::new();
+    let mut i = 0usize;
+    while i + 2 <= info.len() {
+        let (fmt, attr) = (info[i], info[i + 1]);
+        match fmt {
+            EIFMT_NVAL | EIFMT_BVAL | EIFMT_HVAL => {
+                out.push(InfoRecord { attr, payload: slice(info, i as u64 + 2, 2)? });
+                i += 4;
+            }
+            EIFMT_SVAL => {
+                let size = u16_at(info, i as u64 + 2)? as usize;
+                out.push(InfoRecord { attr, payload: slice(info, i as u64 + 4, size as u64)? });
+                i += 4 + size;
+            }
+            other => return Err(format!("{section}: unknown attribute format {other} at byte {i}")),
+        }
+    }
+    Ok(out)
+}
+
+/// Every kernel's parameters (sorted by ordinal), from the `.nv.info.<kernel>` sections.
+pub fn kernel_params(b: &[u8]) -> Result<HashMap<String, Vec<Param>>, String> {
+    let mut out = HashMap::new();
+    for s in sections_named(b, ".nv.info.")? {
+        let section = format!(".nv.info.{}", s.rest);
+        out.insert(s.rest, params_of(&section, s.data)?);
     }
     Ok(out)
 }
 
 fn params_of(section: &str, info: &[u8]) -> Result<Vec<Param>, String> {
     let mut params = Vec::new();
-    let mut i = 0usize;
-    while i + 2 <= info.len() {
-        let (fmt, attr) = (info[i], info[i + 1]);
-        match fmt {
-            EIFMT_NVAL | EIFMT_BVAL | EIFMT_HVAL => i += 4,
-            EIFMT_SVAL => {
-                let size = u16_at(info, i as u64 + 2)? as usize;
-                let payload = slice(info, i as u64 + 4, size as u64)?;
-                if attr == EIATTR_KPARAM_INFO {
-                    if size < 12 {
-                        return Err(format!("{section}: parameter record of {size} bytes"));
-                    }
-                    // u32 index, u16 ordinal, u16 offset, u32 with the size in its top 14 bits
-                    params.push(Param { ordinal: u16_at(payload, 4)?, offset: u16_at(payload, 6)?, size: u32_at(payload, 8)? >> 18 });
-                }
-                i += 4 + size;
-            }
-            other => return Err(format!("{section}: unknown attribute format {other} at byte {i}")),
+    for r in info_records(section, info)?.iter().filter(|r| r.attr == EIATTR_KPARAM_INFO) {
+        if r.payload.len() < 12 {
+            return Err(format!("{section}: parameter record of {} bytes", r.payload.len()));
         }
+        // u32 index, u16 ordinal, u16 offset, u32 with the size in its top 14 bits
+        params.push(Param { ordinal: u16_at(r.payload, 4)?, offset: u16_at(r.payload, 6)?, size: u32_at(r.payload, 8)? >> 18 });
     }
     params.sort_by_key(|p| p.ordinal);
     Ok(params)

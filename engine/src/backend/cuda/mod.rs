@@ -4,7 +4,7 @@
 //! What it has: the driver probe ([`driver`]), NVRTC loading and compilation to CUBIN
 //! ([`nvrtc`]), the on-disk CUBIN cache ([`cache`], [`compile`]), the kernel registry
 //! ([`registry`], the kernel sources in kernels/*.cu at the repository root), a CUBIN symbol
-//! reader ([`elf`]), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
+//! reader ([`elf`]) and what each kernel takes from an SM ([`resources`]: registers, spills), the module loader ([`loader`]), checked launches ([`launch`]), cuBLAS
 //! ([`blas`]; mixed-precision f32 gemms as 16-bit ones, [`half_gemm`]), the per-process GPU runtime ([`runtime`]), the kernel table of the executor
 //! ([`ops`]; the executor itself is `crate::exec::cuda`), CUDA graphs of recorded step phases
 //! ([`graph`]) and the fused optimizer update for the Python optimizer bridge ([`optim`]). CI compiles every kernel file for sm_90
@@ -33,6 +33,7 @@ pub mod ops;
 pub mod optim;
 pub mod philox;
 pub mod registry;
+pub mod resources;
 pub mod runtime;
 
 #[cfg(test)]

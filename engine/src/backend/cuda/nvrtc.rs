@@ -212,7 +212,13 @@ pub const BASE_OPTIONS: &[&str] = &["--std=c++17", "--fmad=true"];
 
 /// Compiles `source` (named `file` in messages) to a CUBIN for `arch` ("sm_90"). `headers` are
 /// (include name, text) pairs served from memory: no CUDA include folder is needed.
-pub fn compile_cubin(_nv: &Nvrtc, file: &str, source: &str, headers: &[(&str, &str)], arch: &str) -> Result<Compiled> {
+pub fn compile_cubin(nv: &Nvrtc, file: &str, source: &str, headers: &[(&str, &str)], arch: &str) -> Result<Compiled> {
+    compile_cubin_with(nv, file, source, headers, arch, &[])
+}
+
+/// [`compile_cubin`] with `extra` options after [`BASE_OPTIONS`] (tests: `--ptxas-options=-v`
+/// puts ptxas's resource report in the log).
+pub fn compile_cubin_with(_nv: &Nvrtc, file: &str, source: &str, headers: &[(&str, &str)], arch: &str, extra: &[&str]) -> Result<Compiled> {
     let fail = |msg: String, log: String| Error::KernelCompile { file: file.into(), arch: arch.into(), msg, log };
     let src = cstring(file, source)?;
     let name = cstring("file name", file)?;
@@ -231,7 +237,7 @@ pub fn compile_cubin(_nv: &Nvrtc, file: &str, source: &str, headers: &[(&str, &s
     }
     let prog = Program(raw);
     let mut opts: Vec<CString> = vec![cstring("option", &format!("--gpu-architecture={arch}"))?];
-    for o in BASE_OPTIONS {
+    for o in BASE_OPTIONS.iter().chain(extra) {
         opts.push(cstring("option", o)?);
     }
     let opt_p: Vec<*const c_char> = opts.iter().map(|c| c.as_ptr()).collect();
