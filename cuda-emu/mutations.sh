@@ -4,10 +4,11 @@
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
 # it lands or refilled while still read, an ldmatrix of the wrong orientation, f16 operands
 # rounded through bf16, key padding's rows without a key skipped or taken as causal, a reduction
-# without its barrier), builds the emulator from the copy and runs the GPU tests that cover it,
-# which must fail. A mutation the tests survive fails this script: the emulator (or the tests)
-# lost the power to see that bug. The engine's test binary is the normal one (its embedded
-# kernels only go to NVRTC); what runs is the emulator built from the mutated copy.
+# without its barrier, the attention's dropout bits drawn or shared wrong), builds the emulator
+# from the copy and runs the GPU tests that cover it, which must fail. A mutation the tests
+# survive fails this script: the emulator (or the tests) lost the power to see that bug. The
+# engine's test binary is the normal one (its embedded kernels only go to NVRTC); what runs is
+# the emulator built from the mutated copy.
 #
 #   bash cuda-emu/mutations.sh        (CI runs it after the emulated GPU tests; ~3 minutes)
 set -euo pipefail
@@ -150,6 +151,18 @@ mutate "f16 attention's P and dS operands rounded through bf16 before f16" kerne
     "#define AM_PROD_PACK(P, PTX) return (u32)ort_emu_f32_to_##P(lo) | ((u32)ort_emu_f32_to_##P(hi) << 16);" \
     "#define AM_PROD_PACK(P, PTX) return (u32)ort_emu_f32_to_##P(bf16_to_f32(f32_to_bf16(lo))) | ((u32)ort_emu_f32_to_##P(bf16_to_f32(f32_to_bf16(hi))) << 16);" \
     backend::cuda::tests::flash_attention "over f16's"
+
+# the attention's dropout: a warp's lanes draw a run's Philox counters between them and share
+# the keep bits by shuffles (kernels/attention.cuh)
+mutate "the attention's dropout without the 17th counter of a query's 64 keys (rows not starting on a counter)" kernels/attention.cuh \
+    "if (i < 16 || (i == 16 && skew != 0)) {" \
+    "if (i < 16) {" \
+    backend::cuda::tests::attention_dropout::gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops
+
+mutate "the dK/dV kernels' dropout bits not gathered from the lanes 16 apart" kernels/attention.cuh \
+    "    return bits | __shfl_xor_sync(0xffffffffu, bits, 16);" \
+    "    return bits;" \
+    backend::cuda::tests::attention_dropout::gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops
 
 # the next two leave every value as it was: only the emulator's alignment trap and the guard
 # page after dynamic shared memory can see them (as a GPU's misaligned-address and

@@ -89,55 +89,102 @@ __device__ __forceinline__ f32 att_drop_at(const AttDrop& d, i64 row, i64 col) {
     const u64 flat = (u64)(d.base + row * d.S + col);
     return att_drop_keep(d, philox_word(philox_words(d.key, flat >> 2), (int)(flat & 3)));
 }
-// The factors of (row, col) and (row, col + 1), one counter's words serving both unless col
-// is its last.
-__device__ __forceinline__ void att_drop_pair(const AttDrop& d, i64 row, i64 col, f32 z[2]) {
-    if (!d.on) {
-        z[0] = z[1] = 1.f;
-        return;
+
+// Where the tensor-core and flash kernels' dropout draws: an element's keep bit is one word of
+// a Philox counter that covers 4 consecutive elements of a row, and an mma accumulator
+// fragment spreads those elements over several lanes (8 consecutive keys of a query row over
+// the 4 lanes of a quad in the forward and dQ kernels, 16 consecutive keys of a query over the
+// 8 lanes of a column in the transposed dK/dV products). So the lanes that hold a run of
+// elements draw its counters between them, one or two each, and OR their keep bits together
+// by shuffles: a quarter of a draw per element, where a draw per pair of adjacent keys
+// (forward, dQ) or per element (dK/dV) would draw each counter two or four times over.
+
+// The keep bits of keys c0 .. c0 + 63 of query `row` (bit c: key c0 + c kept), for each lane of
+// the quad `qd` belongs to: the run spans 16 counters (17 unless flat(row, c0) is a multiple of
+// 4), which the quad's lanes draw in turn. Every lane of the warp calls it.
+__device__ __forceinline__ u64 att_drop_row_bits(const AttDrop& d, i64 row, i64 c0, int qd) {
+    const u64 f0 = (u64)(d.base + row * d.S + c0);
+    const int skew = (int)(f0 & 3);  // key c0 + c is word (skew + c) % 4 of counter f0 / 4 + (skew + c) / 4
+    u64 bits = 0;
+#pragma unroll
+    for (int n = 0; n < 5; ++n) {
+        const int i = qd + 4 * n;
+        if (i < 16 || (i == 16 && skew != 0)) {
+            const U4 r = philox_words(d.key, (f0 >> 2) + (u64)i);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int c = 4 * i + k - skew;
+                if (c >= 0 && c < 64 && uniform24(w[k]) >= d.p) bits |= 1ull << c;
+            }
+        }
     }
-    const u64 flat = (u64)(d.base + row * d.S + col);
-    const int k = (int)(flat & 3);
-    const U4 r = philox_words(d.key, flat >> 2);
-    z[0] = att_drop_keep(d, philox_word(r, k));
-    z[1] = att_drop_keep(d, k < 3 ? philox_word(r, k + 1) : philox_words(d.key, (flat >> 2) + 1).x);
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 1);
+    return bits | __shfl_xor_sync(0xffffffffu, bits, 2);
 }
 
 // x[mt] (a warp's 16 x 64 mma accumulators: rows row0 + 16mt + g and + 8, keys
-// c0 + 8j + 2qd + c) times the dropout's factors, one Philox draw for each pair of adjacent keys
-// (the tensor-core and flash kernels).
+// c0 + 8j + 2qd + c) times the dropout's factors (the tensor-core and flash kernels).
 template <int MT>
 __device__ __forceinline__ void att_drop_rows(f32 x[MT][8][4], const AttDrop& drop, i64 row0, i64 c0, int g, int qd) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int h = 0; h < 2; ++h) {
+            const u64 bits = att_drop_row_bits(drop, row0 + 16 * mt + g + 8 * h, c0, qd);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                f32 z[2];
-                att_drop_pair(drop, row0 + 16 * mt + g + 8 * h, c0 + 8 * j + 2 * qd, z);
-                x[mt][j][2 * h] *= z[0];
-                x[mt][j][2 * h + 1] *= z[1];
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) x[mt][j][2 * h + c] *= (bits >> (8 * j + 2 * qd + c)) & 1ull ? drop.scale : 0.f;
+        }
+}
+
+// The keep bits of keys key0 .. key0 + 15 for queries q and q + 1 (bit 16·dq + kk: query
+// q + dq, key key0 + kk), for each lane of the column (the 8 lanes of quad index qd, g = 0..7)
+// holding them in a transposed product: lanes g = 0..3 draw query q's 4 counters (a fifth
+// unless flat(q, key0) is a multiple of 4), lanes 4..7 query q + 1's. Every lane of the warp
+// calls it.
+__device__ __forceinline__ u32 att_drop_col_bits(const AttDrop& d, i64 q, i64 key0, int g) {
+    const int dq = g >> 2, part = g & 3;
+    const u64 f0 = (u64)(d.base + (q + dq) * d.S + key0);
+    const int skew = (int)(f0 & 3);
+    u32 bits = 0;
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+        const int i = part + 4 * n;
+        if (i < 4 || (i == 4 && skew != 0)) {
+            const U4 r = philox_words(d.key, (f0 >> 2) + (u64)i);
+            const u32 w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const int kk = 4 * i + k - skew;
+                if (kk >= 0 && kk < 16 && uniform24(w[k]) >= d.p) bits |= 1u << (16 * dq + kk);
             }
+        }
+    }
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 4);
+    bits |= __shfl_xor_sync(0xffffffffu, bits, 8);
+    return bits | __shfl_xor_sync(0xffffffffu, bits, 16);
 }
 
 // The transposed products of the dK/dV kernels: x[mt] (a warp's 16 x 8·NJ accumulators: keys
-// key0 + 16mt + g and + 8, queries q0 + 8j + 2qd + c) times the dropout's factors, one Philox
-// draw per element (adjacent queries are S elements apart). Returns which elements are kept:
-// bit (mt·NJ + j)·4 + e (MT·NJ·4 <= 32), for `att_drop_kept`.
+// key0 + 16mt + g and + 8, queries q0 + 8j + 2qd + c) times the dropout's factors. Returns
+// which elements are kept: bit (mt·NJ + j)·4 + e (MT·NJ·4 <= 32), for `att_drop_kept`.
 template <int MT, int NJ>
 __device__ __forceinline__ u32 att_drop_keys(f32 x[MT][NJ][4], const AttDrop& drop, i64 key0, i64 q0, int g, int qd) {
     u32 kept = 0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j)
+        for (int j = 0; j < NJ; ++j) {
+            const u32 bits = att_drop_col_bits(drop, q0 + 8 * j + 2 * qd, key0 + 16 * mt, g);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const f32 z = att_drop_at(drop, q0 + 8 * j + 2 * qd + (e & 1), key0 + 16 * mt + g + 8 * (e >> 1));
-                kept |= (z != 0.f ? 1u : 0u) << ((mt * NJ + j) * 4 + e);
-                x[mt][j][e] *= z;
+                const u32 k = (bits >> (16 * (e & 1) + g + 8 * (e >> 1))) & 1u;
+                kept |= k << ((mt * NJ + j) * 4 + e);
+                x[mt][j][e] *= k ? drop.scale : 0.f;
             }
+        }
     return kept;
 }
 // x∘Z from the bits `att_drop_keys` returned: kept elements times 1 / (1 - ratio), others 0.

@@ -38,7 +38,7 @@ echo "[test] every gradient rule on the CUDA executor (cuda-emu): tests/test_gra
 .venv/bin/python tests/gradcheck_export.py target/grad-cases
 ORTRAIN_GRAD_CASES="$root/target/grad-cases" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib grad_cases -- --ignored --nocapture
-echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, key padding's queries without a key skipped or taken as causal, a reduction read before its barrier, a misaligned tile and a shared-memory overrun (mutated kernel copies must fail)"
+echo "[test] cuda-emu still catches a missing barrier, a wrong mma fragment, a wrong divider, swapped strides, a cp.async tile read early or refilled while read, an untransposed ldmatrix, f16 operands rounded through bf16, key padding's queries without a key skipped or taken as causal, a reduction read before its barrier, a misaligned tile, a shared-memory overrun and the attention's dropout bits drawn or shared wrong (mutated kernel copies must fail)"
 bash cuda-emu/mutations.sh
 
 echo "[test] cargo check (engine without the cuda feature)"
