@@ -155,8 +155,8 @@ mutate "f16 attention's P and dS operands rounded through bf16 before f16" kerne
 # the attention's dropout: a warp's lanes draw a run's Philox counters between them and share
 # the keep bits by shuffles (kernels/attention.cuh)
 mutate "the attention's dropout without the 17th counter of a query's 64 keys (rows not starting on a counter)" kernels/attention.cuh \
-    "if (i < 16 || (i == 16 && skew != 0)) {" \
-    "if (i < 16) {" \
+    "    u32 hi = skew != 0 && qd == 0 ? att_drop_nibble(d, m0 + 16) : 0u;  // bits 64 .. 67" \
+    "    u32 hi = 0u;" \
     backend::cuda::tests::attention_dropout::gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops
 
 mutate "the dK/dV kernels' dropout bits not gathered from the lanes 16 apart" kernels/attention.cuh \

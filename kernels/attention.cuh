@@ -69,7 +69,11 @@ __device__ __forceinline__ f32 att_warp_sum(f32 v) {
 struct AttDrop {
     u64 key;
     i64 base, S;  // bi·T·S, and S
-    f32 p, scale;
+    // a word keeps its element when word >= thr: uniform24(word) >= ratio exactly, since
+    // (word >> 8)·2^-24 >= ratio ⇔ word >> 8 >= ceil(ratio·2^24) (ratio·2^24 is exact in f32,
+    // and below 2^24 for a ratio under 1, so the shift cannot overflow)
+    u32 thr;
+    f32 scale;
     bool on;
 };
 __device__ __forceinline__ AttDrop att_drop(const AttnShape& a, i64 bi) {
@@ -78,16 +82,21 @@ __device__ __forceinline__ AttDrop att_drop(const AttnShape& a, i64 bi) {
     d.key = d.on ? *reinterpret_cast<const u64*>(a.drop_key) : 0;
     d.base = bi * a.T * a.S;
     d.S = a.S;
-    d.p = a.drop_p;
+    d.thr = (u32)ceilf(a.drop_p * 16777216.f) << 8;
     d.scale = a.drop_scale;
     return d;
 }
-__device__ __forceinline__ f32 att_drop_keep(const AttDrop& d, u32 word) { return uniform24(word) >= d.p ? d.scale : 0.f; }
+__device__ __forceinline__ f32 att_drop_keep(const AttDrop& d, u32 word) { return word >= d.thr ? d.scale : 0.f; }
 // The factor of element (row, col).
 __device__ __forceinline__ f32 att_drop_at(const AttDrop& d, i64 row, i64 col) {
     if (!d.on) return 1.f;
     const u64 flat = (u64)(d.base + row * d.S + col);
     return att_drop_keep(d, philox_word(philox_words(d.key, flat >> 2), (int)(flat & 3)));
+}
+// The keep bits of the 4 elements of a counter (bit k: word k's).
+__device__ __forceinline__ u32 att_drop_nibble(const AttDrop& d, u64 counter) {
+    const U4 r = philox_words(d.key, counter);
+    return (u32)(r.x >= d.thr) | (u32)(r.y >= d.thr) << 1 | (u32)(r.z >= d.thr) << 2 | (u32)(r.w >= d.thr) << 3;
 }
 
 // Where the tensor-core and flash kernels' dropout draws: an element's keep bit is one word of
@@ -100,27 +109,25 @@ __device__ __forceinline__ f32 att_drop_at(const AttDrop& d, i64 row, i64 col) {
 // (forward, dQ) or per element (dK/dV) would draw each counter two or four times over.
 
 // The keep bits of keys c0 .. c0 + 63 of query `row` (bit c: key c0 + c kept), for each lane of
-// the quad `qd` belongs to: the run spans 16 counters (17 unless flat(row, c0) is a multiple of
-// 4), which the quad's lanes draw in turn. Every lane of the warp calls it.
+// the quad `qd` belongs to. Key c0 + c is word (skew + c) % 4 of counter f0 / 4 + (skew + c) / 4
+// for f0 = flat(row, c0) and skew = f0 % 4: the run spans 16 counters, 17 unless skew is 0;
+// lane qd draws counters qd, qd + 4, qd + 8 and qd + 12 (and lane 0 the 17th), each a nibble
+// of bits placed without a shift that depends on the lane until the quad's OR. Every lane of
+// the warp calls it.
 __device__ __forceinline__ u64 att_drop_row_bits(const AttDrop& d, i64 row, i64 c0, int qd) {
     const u64 f0 = (u64)(d.base + row * d.S + c0);
-    const int skew = (int)(f0 & 3);  // key c0 + c is word (skew + c) % 4 of counter f0 / 4 + (skew + c) / 4
-    u64 bits = 0;
+    const int skew = (int)(f0 & 3);
+    const u64 m0 = (f0 >> 2) + (u64)qd;
+    u64 lo = 0;  // bit skew + c (c < 64 - skew)
 #pragma unroll
-    for (int n = 0; n < 5; ++n) {
-        const int i = qd + 4 * n;
-        if (i < 16 || (i == 16 && skew != 0)) {
-            const U4 r = philox_words(d.key, (f0 >> 2) + (u64)i);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int c = 4 * i + k - skew;
-                if (c >= 0 && c < 64 && uniform24(w[k]) >= d.p) bits |= 1ull << c;
-            }
-        }
-    }
-    bits |= __shfl_xor_sync(0xffffffffu, bits, 1);
-    return bits | __shfl_xor_sync(0xffffffffu, bits, 2);
+    for (int n = 0; n < 4; ++n) lo |= (u64)att_drop_nibble(d, m0 + 4 * n) << (16 * n);
+    lo <<= 4 * qd;
+    u32 hi = skew != 0 && qd == 0 ? att_drop_nibble(d, m0 + 16) : 0u;  // bits 64 .. 67
+    lo |= __shfl_xor_sync(0xffffffffu, lo, 1);
+    lo |= __shfl_xor_sync(0xffffffffu, lo, 2);
+    hi |= __shfl_xor_sync(0xffffffffu, hi, 1);
+    hi |= __shfl_xor_sync(0xffffffffu, hi, 2);
+    return skew != 0 ? lo >> skew | (u64)hi << (64 - skew) : lo;
 }
 
 // x[mt] (a warp's 16 x 64 mma accumulators: rows row0 + 16mt + g and + 8, keys
@@ -131,37 +138,26 @@ __device__ __forceinline__ void att_drop_rows(f32 x[MT][8][4], const AttDrop& dr
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const u64 bits = att_drop_row_bits(drop, row0 + 16 * mt + g + 8 * h, c0, qd);
+            const u64 bits = att_drop_row_bits(drop, row0 + 16 * mt + g + 8 * h, c0, qd) >> (2 * qd);
 #pragma unroll
             for (int j = 0; j < 8; ++j)
 #pragma unroll
-                for (int c = 0; c < 2; ++c) x[mt][j][2 * h + c] *= (bits >> (8 * j + 2 * qd + c)) & 1ull ? drop.scale : 0.f;
+                for (int c = 0; c < 2; ++c) x[mt][j][2 * h + c] *= (bits >> (8 * j + c)) & 1ull ? drop.scale : 0.f;
         }
 }
 
 // The keep bits of keys key0 .. key0 + 15 for queries q and q + 1 (bit 16·dq + kk: query
 // q + dq, key key0 + kk), for each lane of the column (the 8 lanes of quad index qd, g = 0..7)
-// holding them in a transposed product: lanes g = 0..3 draw query q's 4 counters (a fifth
-// unless flat(q, key0) is a multiple of 4), lanes 4..7 query q + 1's. Every lane of the warp
-// calls it.
+// holding them in a transposed product: lanes g = 0..3 draw query q's 4 counters (lane 0 a
+// fifth unless flat(q, key0) is a multiple of 4), lanes 4..7 query q + 1's. Every lane of the
+// warp calls it.
 __device__ __forceinline__ u32 att_drop_col_bits(const AttDrop& d, i64 q, i64 key0, int g) {
     const int dq = g >> 2, part = g & 3;
     const u64 f0 = (u64)(d.base + (q + dq) * d.S + key0);
     const int skew = (int)(f0 & 3);
-    u32 bits = 0;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) {
-        const int i = part + 4 * n;
-        if (i < 4 || (i == 4 && skew != 0)) {
-            const U4 r = philox_words(d.key, (f0 >> 2) + (u64)i);
-            const u32 w[4] = {r.x, r.y, r.z, r.w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int kk = 4 * i + k - skew;
-                if (kk >= 0 && kk < 16 && uniform24(w[k]) >= d.p) bits |= 1u << (16 * dq + kk);
-            }
-        }
-    }
+    u32 v = att_drop_nibble(d, (f0 >> 2) + (u64)part) << (4 * part);  // bit skew + kk
+    if (skew != 0 && part == 0) v |= att_drop_nibble(d, (f0 >> 2) + 4) << 16;
+    u32 bits = (v >> skew & 0xffffu) << (16 * dq);
     bits |= __shfl_xor_sync(0xffffffffu, bits, 4);
     bits |= __shfl_xor_sync(0xffffffffu, bits, 8);
     return bits | __shfl_xor_sync(0xffffffffu, bits, 16);
@@ -177,10 +173,10 @@ __device__ __forceinline__ u32 att_drop_keys(f32 x[MT][NJ][4], const AttDrop& dr
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NJ; ++j) {
-            const u32 bits = att_drop_col_bits(drop, q0 + 8 * j + 2 * qd, key0 + 16 * mt, g);
+            const u32 bits = att_drop_col_bits(drop, q0 + 8 * j + 2 * qd, key0 + 16 * mt, g) >> g;
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const u32 k = (bits >> (16 * (e & 1) + g + 8 * (e >> 1))) & 1u;
+                const u32 k = (bits >> (16 * (e & 1) + 8 * (e >> 1))) & 1u;
                 kept |= k << ((mt * NJ + j) * 4 + e);
                 x[mt][j][e] *= k ? drop.scale : 0.f;
             }
