@@ -51,6 +51,7 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
         match c {
             Ok((cubin, log, ms)) => {
                 total += ms;
+                keep_cubin(f, &cubin);
                 match resources::kernel_resources(&cubin) {
                     Ok(r) => failures.extend(over_budget(f, &r, &mut table)),
                     Err(e) => failures.push(format!("{}: resources: {e}", f.file())),
@@ -106,11 +107,25 @@ fn over_budget(f: &Family, kernels: &BTreeMap<String, Resources>, table: &mut Ve
     over
 }
 
+/// The workspace's target folder (CARGO_TARGET_DIR, else target/ beside the engine).
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace").join("target"), PathBuf::from)
+}
+
+/// Keeps the family's sm_90 CUBIN as target/cubins/sm_90/<family>.cubin, for
+/// `python -m bench.kernel_loops` (the kernels' main loops from their SASS).
+fn keep_cubin(f: &Family, cubin: &[u8]) {
+    let dir = target_dir().join("cubins").join(ARCH);
+    if let Err(e) = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(dir.join(format!("{}.cubin", f.name)), cubin)) {
+        println!("could not keep {}'s CUBIN in {}: {e}", f.file(), dir.display());
+    }
+}
+
 /// Writes every kernel's resources to target/kernel-resources.tsv and prints the ones that
 /// spill or whose registers cap a block under 1024 threads.
 fn report_resources(table: &[(String, String, Resources)]) {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace").join("target"), PathBuf::from);
+    let target = target_dir();
     let mut tsv = String::from("file\tkernel\tregisters\tframe_bytes\tstatic_shared_bytes\tlaunch_bound\tmax_block_threads\n");
     for (file, k, r) in table {
         let bound = r.launch_bound.map_or(String::new(), |b| b.to_string());
