@@ -109,24 +109,30 @@ fn c_str(table: &[u8], at: u32) -> Result<String, String> {
     String::from_utf8(rest[..end].to_vec()).map_err(|_| "symbol name is not UTF-8".to_string())
 }
 
+/// The entries of symbol table `s` in order: name (empty for none), `st_info`, `st_other`.
+fn table_entries(b: &[u8], secs: &[Section], s: &Section) -> Result<Vec<(String, u8, u8)>, String> {
+    let strtab = secs.get(s.link as usize).ok_or("symbol table links to a missing string table")?;
+    let names = slice(b, strtab.offset, strtab.size)?;
+    let ent = if s.entsize == 0 { 24 } else { s.entsize };
+    if ent < 24 {
+        return Err(format!("symbol entry size {ent} is too small"));
+    }
+    let table = slice(b, s.offset, s.size)?;
+    (0..s.size / ent)
+        .map(|k| {
+            let e = &table[(k * ent) as usize..(k * ent + 24) as usize];
+            Ok((c_str(names, u32::from_le_bytes(e[..4].try_into().expect("4 bytes")))?, e[4], e[5]))
+        })
+        .collect()
+}
+
 /// Every symbol of every symbol table in the file.
 pub fn symbols(b: &[u8]) -> Result<Vec<Symbol>, String> {
     header(b)?;
     let secs = sections(b)?;
     let mut out = Vec::new();
     for s in secs.iter().filter(|s| s.kind == SHT_SYMTAB) {
-        let strtab = secs.get(s.link as usize).ok_or("symbol table links to a missing string table")?;
-        let names = slice(b, strtab.offset, strtab.size)?;
-        let ent = if s.entsize == 0 { 24 } else { s.entsize };
-        if ent < 24 {
-            return Err(format!("symbol entry size {ent} is too small"));
-        }
-        let table = slice(b, s.offset, s.size)?;
-        for k in 0..(s.size / ent) {
-            let e = &table[(k * ent) as usize..(k * ent + 24) as usize];
-            let name_at = u32::from_le_bytes(e[..4].try_into().expect("4 bytes"));
-            let (info, other) = (e[4], e[5]);
-            let name = c_str(names, name_at)?;
+        for (name, info, other) in table_entries(b, &secs, s)? {
             if name.is_empty() {
                 continue;
             }
@@ -196,14 +202,7 @@ pub(crate) fn sections_named<'a>(b: &'a [u8], prefix: &str) -> Result<Vec<NamedS
 pub(crate) fn symbols_by_index(b: &[u8]) -> Result<Vec<String>, String> {
     let secs = sections(b)?;
     let Some(s) = secs.iter().find(|s| s.kind == SHT_SYMTAB) else { return Ok(Vec::new()) };
-    let strtab = secs.get(s.link as usize).ok_or("symbol table links to a missing string table")?;
-    let names = slice(b, strtab.offset, strtab.size)?;
-    let ent = if s.entsize == 0 { 24 } else { s.entsize };
-    if ent < 24 {
-        return Err(format!("symbol entry size {ent} is too small"));
-    }
-    let table = slice(b, s.offset, s.size)?;
-    (0..s.size / ent).map(|k| c_str(names, u32::from_le_bytes(table[(k * ent) as usize..][..4].try_into().expect("4 bytes")))).collect()
+    Ok(table_entries(b, &secs, s)?.into_iter().map(|(name, ..)| name).collect())
 }
 
 /// One `.nv.info` record: its attribute and its payload (the 2 value bytes of an NVAL, BVAL or

@@ -189,6 +189,70 @@ fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
     }
 }
 
+/// Every kernel family keeps exactly the elements the Dropout keeps, read off bit by bit: with
+/// Q = 0 every score is 0 and every probability 1/S, and with K = V = I (key j's row is the
+/// unit vector j, S <= D) an output or gradient element is one probability. O[t, j] is
+/// P∘Z[t, j] (the forward's bits); with dO = I, dV[j, t] is P∘Z[t, j] again (the dK/dV kernel's
+/// transposed bits); with dO all ones, dP = 1 and dQ[t, j] = scale·P[t, j]·(Z[t, j] − Δ_t) with
+/// Δ_t = Σ_j P·Z, positive where kept and negative where dropped (the dQ kernel's bits). S odd:
+/// runs start on every word of a counter; 127 keys: two key tiles. A kernel that drew one
+/// counter wrong, or shared one lane's bits with another's, fails here, where the tolerances
+/// of the test above might let a few wrong elements pass.
+#[test]
+fn gpu_every_kernel_keeps_exactly_the_dropouts_elements() {
+    let Some(_) = gpu_alone("gpu_every_kernel_keeps_exactly_the_dropouts_elements") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let dims = |n, d| AttnDims { b: 2, h: 2, t: n, s: n, d };
+    let case = |dt, mode, n, flash, forward| Case { dt, mode, n, causal: false, padded: false, flash, forward };
+    use Flash::*;
+    let cases = [
+        case("f32", F32Mode::Exact, dims(31, 32), Rows128, "attention_fwd_f32"),
+        case("f32", F32Mode::Bf16, dims(61, 64), Rows128, "attention_mma_fwd_d64_f32"),
+        case("bf16", F32Mode::Bf16, dims(61, 64), Off, "attention_mma_fwd_d64_bf16"),
+        case("bf16", F32Mode::Bf16, dims(61, 64), Rows128, "attention_flash_fwd_d64r128_dp_bf16"),
+        case("bf16", F32Mode::Bf16, dims(61, 64), Rows64, "attention_flash_fwd_d64_dp_bf16"),
+        case("f16", F32Mode::F16, dims(127, 128), Rows128, "attention_flash_fwd_d128_dp_f16"),
+    ];
+    for c in cases {
+        let AttnDims { b, h, t, s, d } = c.n;
+        let at = |bi: usize, i: usize, hi: usize, e: usize| ((bi * t + i) * h + hi) * d + e;
+        let unit = |ones: bool| {
+            let mut x = vec![0.0; b * t * h * d];
+            for (bi, i, hi) in (0..b).flat_map(|bi| (0..t).flat_map(move |i| (0..h).map(move |hi| (bi, i, hi)))) {
+                for e in 0..d {
+                    x[at(bi, i, hi, e)] = f64::from(u8::from(ones || e == i));
+                }
+            }
+            x
+        };
+        let (zero, eye, ones) = (vec![0.0; b * t * h * d], unit(false), unit(true));
+        let (by_eye, _) = run(c, &[zero.clone(), eye.clone(), eye.clone(), eye.clone()], KEY);
+        let (by_ones, _) = run(c, &[zero, eye.clone(), eye.clone(), ones], KEY);
+        assert!(rt.has_launched(c.forward), "{c:?}: {} never launched", c.forward);
+        let mut wrong = Vec::new();
+        for (bi, hi, i, j) in (0..b).flat_map(|bi| (0..h).flat_map(move |hi| (0..t).flat_map(move |i| (0..s).map(move |j| (bi, hi, i, j)))))
+        {
+            let keep = dropout_keep(KEY, 0, (((bi * h + hi) * t + i) * s + j) as u64, RATIO);
+            let seen = [
+                ("O", by_eye[0][at(bi, i, hi, j)] != 0.0),
+                ("dV", by_eye[4][at(bi, j, hi, i)] != 0.0),
+                ("dQ", by_ones[2][at(bi, i, hi, j)] > 0.0),
+            ];
+            for (name, kept) in seen {
+                if kept != keep {
+                    wrong.push(format!("{name} of batch {bi} head {hi} query {i} key {j}: kept {kept}, the Dropout's {keep}"));
+                }
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "{c:?}: {} elements disagree with the Dropout's mask, e.g. {:?}",
+            wrong.len(),
+            &wrong[..wrong.len().min(6)]
+        );
+    }
+}
+
 /// DropoutKey writes `random_key(seed, salt_of(node))`, the key `dropout_T` of a Dropout of the
 /// same name draws its mask with: from the step's seed on the host, and from the seed slot a
 /// CUDA graph's replay reads (the same key for the same seed).
