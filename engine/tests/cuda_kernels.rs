@@ -83,8 +83,8 @@ const FRAME_BUDGETS: &[(&str, u32, &str)] = &[
     ("attention_mma", 640, "heads of 128: dK/dV's accumulators and the scores of a 64 x 64 tile (d64: 8 bytes)"),
     ("attention_flash", 72, "d128 dK/dV and the 128-row d64 kernels at 255 registers"),
     ("attention_flash_padded", 80, "as attention_flash, with the key flags"),
-    ("attention_flash_dropout", 208, "d128 dK/dV with the kept-bit masks"),
-    ("attention_flash_padded_dropout", 232, "d128 dK/dV with the kept-bit masks and key flags"),
+    ("attention_flash_dropout", 128, "d128 dK/dV with the kept-bit masks"),
+    ("attention_flash_padded_dropout", 160, "d128 dK/dV with the kept-bit masks and key flags"),
 ];
 
 /// Adds each kernel of `f` to `table` and returns the kernels whose stack frame is over the
