@@ -1,7 +1,10 @@
 //! Compile-only checks of the CUDA kernels (no GPU needed): every kernels/*.cu file is compiled
 //! by NVRTC to an sm_90 CUBIN, and the CUBIN's symbol table must list exactly the kernels the
 //! registry names; the CUBIN cache round-trips and rejects corrupt entries; compile errors carry
-//! NVRTC's log and the file name.
+//! NVRTC's log and the file name. Every kernel's registers, stack frame and shared memory (read
+//! from the CUBIN, checked against ptxas's own report) go to target/kernel-resources.tsv, its
+//! stack frame is held to its family's budget, and each CUBIN is kept in target/cubins/sm_90/
+//! for `python -m bench.kernel_loops`.
 //!
 //! NVRTC comes from the pinned CUDA 13.0 wheels that scripts/bootstrap.sh installs into
 //! `.cuda-wheels/` (requirements-cuda.txt), or from ORTRAIN_NVRTC_LIB. Without NVRTC these
@@ -80,7 +83,7 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
 const FRAME_BUDGETS: &[(&str, u32, &str)] = &[
     ("elementwise", 40, "sin and cos in f64: libdevice's reduction of huge arguments keeps a local array"),
     ("dropout", 40, "random_normal's sin and cos (Box-Muller): libdevice's reduction of huge arguments"),
-    ("attention_mma", 640, "heads of 128: dK/dV's accumulators and the scores of a 64 x 64 tile (d64: 8 bytes)"),
+    ("attention_mma", 640, "heads of 128: dK/dV's accumulators and the scores of a 64 x 64 tile (d64: none)"),
     ("attention_flash", 72, "d128 dK/dV and the 128-row d64 kernels at 255 registers"),
     ("attention_flash_padded", 80, "as attention_flash, with the key flags"),
     ("attention_flash_dropout", 128, "d128 dK/dV with the kept-bit masks"),
