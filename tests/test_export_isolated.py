@@ -153,6 +153,9 @@ def test_where_the_child_is_not_used_it_says_why(monkeypatch):
     model, x = _tutorial()
     assert isolated.why_not_isolated(model, (x,), None) is None
     assert isolated.why_not_isolated(model, (x,), None, quiet_logs=False) == "exporter output requested"
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert isolated.why_not_isolated(model, (x,), None) == "a torch.distributed process group is initialised in this process"
+    monkeypatch.undo()
     monkeypatch.setenv("ORTRAIN_EXPORT_IN_CHILD", "0")
     assert isolated.why_not_isolated(model, (x,), None) == "ORTRAIN_EXPORT_IN_CHILD=0"
     assert not export_cached(model, (x,), training=True).in_child

@@ -10,7 +10,8 @@ touched). Its cyclic GC is off (a collection would write to every tracked object
 the whole heap) and torch runs single-threaded there (no OpenMP pool crosses a fork).
 
 Where the child cannot be used, the export runs here, as before: not Linux; CUDA initialised
-in this process (a forked child cannot use it); a parameter, buffer or input not on the CPU;
+in this process (a forked child cannot use it); a torch.distributed process group initialised
+(its communication threads may hold locks across the fork); a parameter, buffer or input not on the CPU;
 exporter output asked for (`ORTRAIN_EXPORT_VERBOSE=1`, `quiet_logs=False`: the user is debugging
 it); the torch.export programs kept for `check_parity` (export.dynamo.capture_programs);
 `ORTRAIN_EXPORT_IN_CHILD=0`. It also runs here, with a warning naming the reason, when the
@@ -56,6 +57,10 @@ def why_not_isolated(module: torch.nn.Module, args: tuple, kwargs: dict | None, 
         return "the torch.export programs are kept (ortrain.check_parity)"
     if torch.cuda.is_initialized():
         return "CUDA is initialised in this process"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # the process group's threads (gloo's, NCCL's) may hold a lock the child would wait on
+        # forever: a DDP rank's export child was seen blocked on a futex from its start
+        return "a torch.distributed process group is initialised in this process"
     tensors = [*module.parameters(), *module.buffers()]
     tensors += [v for v in (*args, *(kwargs or {}).values()) if isinstance(v, torch.Tensor)]
     if any(t.device.type != "cpu" for t in tensors):
