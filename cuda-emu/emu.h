@@ -54,6 +54,7 @@ void ort_emu_syncthreads();
 int ort_emu_syncthreads_count(int pred, int* arrived);
 void ort_emu_fresh_shared(void* p, size_t bytes);
 uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask);
+unsigned ort_emu_ballot(unsigned mask, int pred);
 void ort_emu_mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, int f16);
 // ldmatrix .x4 (trans: .trans): this lane's row address; the registers it gets
 void ort_emu_ldmatrix_x4(uint32_t r[4], const void* row, int trans);
@@ -85,6 +86,8 @@ template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask
     memcpy(&r, &bits, sizeof(T));
     return r;
 }
+
+inline unsigned __ballot_sync(unsigned mask, int pred) { return ort_emu_ballot(mask, pred); }
 
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }

@@ -68,7 +68,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr size_t kDynamicSharedBytes = 256 * 1024;
 
 enum class State { Ready, AtBarrier, AtWarpOp, Done };
-enum class WarpOp { None, Shuffle, Mma, Ldmatrix };
+enum class WarpOp { None, Shuffle, Ballot, Mma, Ldmatrix };
 
 // A cp.async copy a thread issued and that has not landed yet (ort_emu_cp_async_commit says when
 // it lands).
@@ -260,6 +260,29 @@ void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
     }
 }
 
+// __ballot_sync: each lane gets the predicates (its `value`) of the lanes its mask names, lane l
+// at bit l.
+void complete_ballot(Scheduler& s, int warp_base, int lanes) {
+    uint64_t result[32];
+    for (int l = 0; l < lanes; ++l) {
+        const Fiber& f = s.fibers[warp_base + l];
+        if (f.op != WarpOp::Ballot) continue;
+        uint32_t bits = 0;
+        for (int src = 0; src < lanes; ++src) {
+            const Fiber& from = s.fibers[warp_base + src];
+            if ((f.mask >> src & 1u) && from.op == WarpOp::Ballot && from.value) bits |= 1u << src;
+        }
+        result[l] = bits;
+    }
+    for (int l = 0; l < lanes; ++l) {
+        Fiber& f = s.fibers[warp_base + l];
+        if (f.op != WarpOp::Ballot) continue;
+        f.value = result[l];
+        f.op = WarpOp::None;
+        f.state = State::Ready;
+    }
+}
+
 std::string block_name();
 
 // mma.m16n8k16.row.col bf16 or f16 -> f32, with the PTX ISA's fragment layout (g = lane / 4,
@@ -357,7 +380,7 @@ std::string block_name() {
     return b;
 }
 
-// Completes the warp operations (shuffle, mma, ldmatrix) every lane of their warp has reached:
+// Completes the warp operations (shuffle, ballot, mma, ldmatrix) every lane of their warp has reached:
 // how many, or -1 on an error (s.error says which).
 int complete_warp_ops(Scheduler& s) {
     int released = 0;
@@ -396,6 +419,7 @@ int complete_warp_ops(Scheduler& s) {
         }
         if (!complete) continue;
         if (op == WarpOp::Shuffle) complete_shuffle(s, base, lanes);
+        else if (op == WarpOp::Ballot) complete_ballot(s, base, lanes);
         else if (op == WarpOp::Mma) {
             if (!complete_mma(s, base)) return -1;
         }
@@ -675,6 +699,17 @@ uint64_t ort_emu_shfl_xor(unsigned mask, uint64_t bits, int lane_mask) {
     f.state = State::AtWarpOp;
     yield_to_scheduler();
     return f.value;
+}
+
+unsigned ort_emu_ballot(unsigned mask, int pred) {
+    Scheduler& s = *sched();
+    Fiber& f = s.fibers[s.current];
+    f.op = WarpOp::Ballot;
+    f.mask = mask;
+    f.value = pred != 0;
+    f.state = State::AtWarpOp;
+    yield_to_scheduler();
+    return (unsigned)f.value;
 }
 
 void ort_emu_mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, int f16) {

@@ -3,12 +3,12 @@
 # one such bug into a copy of kernels/ (a missing barrier, a wrong mma fragment, a wrong
 # divider, a misaligned tile, a tile past the end of shared memory, a cp.async tile read before
 # it lands or refilled while still read, an ldmatrix of the wrong orientation, f16 operands
-# rounded through bf16, key padding's rows without a key skipped or taken as causal, a reduction
-# without its barrier, the attention's dropout bits drawn or shared wrong), builds the emulator
-# from the copy and runs the GPU tests that cover it, which must fail. A mutation the tests
-# survive fails this script: the emulator (or the tests) lost the power to see that bug. The
-# engine's test binary is the normal one (its embedded kernels only go to NVRTC); what runs is
-# the emulator built from the mutated copy.
+# rounded through bf16, key padding's rows without a key skipped or taken as causal, a padded
+# key taken as visible, a reduction without its barrier, the attention's dropout bits drawn or
+# shared wrong), builds the emulator from the copy and runs the GPU tests that cover it, which
+# must fail. A mutation the tests survive fails this script: the emulator (or the tests) lost the
+# power to see that bug. The engine's test binary is the normal one (its embedded kernels only go
+# to NVRTC); what runs is the emulator built from the mutated copy.
 #
 #   bash cuda-emu/mutations.sh        (CI runs it after the emulated GPU tests; ~3 minutes)
 set -euo pipefail
@@ -142,6 +142,16 @@ mutate "the first visible key read before every warp has written its minimum" ke
     "    if ((threadIdx.x & 31) == 0) warp_first[threadIdx.x >> 5] = first;
     __syncthreads();" \
     "    if ((threadIdx.x & 31) == 0) warp_first[threadIdx.x >> 5] = first;" \
+    backend::cuda::tests::key_padding_attention
+
+mutate "key padding's tile visibility taking every key of a tile's second half as visible (the ballot's upper word)" kernels/attention_flash.cuh \
+    "v1 = k1 >= pad.S || pad.kp[k1 * pad.ks] != 0;" \
+    "v1 = true;" \
+    backend::cuda::tests::key_padding_attention
+
+mutate "flash dK/dV's padded key rows unmasked where no query of the part is keyless" kernels/attention_flash.cuh \
+    "const int pad_below = key_vis >> 31 ? T : pad.uni;" \
+    "const int pad_below = pad.uni;" \
     backend::cuda::tests::key_padding_attention
 
 # rounding an f16 product's operands through bf16 (bf16's own are unchanged by it) stays close to

@@ -24,7 +24,9 @@
 //   without a mask: every query of a batch entry whose keys are all padding) gets equal
 //   weights over all S keys, as PyTorch's softmax of its scores, all finfo.min, gives it: the
 //   kernels give that query the score 0 for every key (p = 1, LSE = ln S, so the backward's
-//   p = 1/S) and walk every key tile for it.
+//   p = 1/S) and walk every key tile for it. The forward and dQ warps gather a key tile's 64
+//   flags by two ballots, the dK/dV threads read their key rows' flags once; a tile that hides
+//   no key and holds no such query skips the mask, as in the kernels without padding.
 //
 // - the probabilities' dropout (DROP, AttnShape drop_*: kernels/attention.cuh att_drop): the
 //   forward multiplies each probability by its keep factor before the product with V (the
@@ -144,26 +146,51 @@ template <bool PAD> __device__ __forceinline__ FaPad fa_pad(const u8* kp, const 
     return FaPad{kp + mo, a.mask_s, S, causal ? min(first, T) : (first < S ? 0 : T)};
 }
 
+// The visibility of key tile s0's 64 keys to a warp (bit i: key s0 + i is no padding, or lies
+// past S, where the tile's bounds test hides it): each lane reads two flags, a ballot gathers each
+// half. Every lane of the warp calls it.
+__device__ __forceinline__ u64 fa_keys_visible(const FaPad& pad, int s0, int lane) {
+    const int k0 = s0 + lane, k1 = k0 + 32;
+    const bool v0 = k0 >= pad.S || pad.kp[k0 * pad.ks] != 0, v1 = k1 >= pad.S || pad.kp[k1 * pad.ks] != 0;
+    return (u64)__ballot_sync(0xffffffffu, v0) | (u64)__ballot_sync(0xffffffffu, v1) << 32;
+}
+
+// The visibility of a dK/dV thread's key rows key0 + 16mt + g + 8h (bit 2mt + h), and at bit 31
+// whether any key row of its warp is padding. Every lane of the warp calls it.
+template <int MT> __device__ __forceinline__ u32 fa_rows_visible(const FaPad& pad, int key0, int g) {
+    u32 vis = 0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int key = key0 + 16 * mt + g + 8 * h;
+            if (key >= pad.S || pad.kp[key * pad.ks]) vis |= 1u << (2 * mt + h);
+        }
+    return vis | (__ballot_sync(0xffffffffu, vis != (1u << 2 * MT) - 1) != 0 ? 1u << 31 : 0u);
+}
+
 // s (16 x 8·NJ of one warp: its rows r0 + g, + 8, its columns c0 + 8j + 2qd + (e & 1)) with -inf
-// from column `cols` on and, where causal, where the key is past the query, or the key is
-// padding; 0 for a query with no visible key (every key of it, equal weights). Rows are queries
-// and columns keys, or (KEY_ROWS, the dK/dV kernel's transposed scores) rows are keys and
-// columns queries. Only a tile that reaches past the diagonal or the matrix, or any tile with key
-// padding, needs it. Scores stay unscaled: the scale (> 0, the dispatcher checks) goes into the
-// exp2's FMA.
+// from column `cols` on and, where causal, where the key is past the query, or (PAD) the key is
+// padding; 0 for a query below `uni` (no visible key: every key of it, equal weights). Rows are
+// queries and columns keys, or (KEY_ROWS, the dK/dV kernel's transposed scores) rows are keys and
+// columns queries. `vis`: the keys' visibility, bit 8j + (e & 1) for column j, e (the tile's
+// fa_keys_visible shifted right by 2qd), or KEY_ROWS bit h for row g + 8h. Only a tile that
+// reaches past the diagonal or the matrix, or (PAD) holds a padded key or a query below `uni`,
+// needs it. Scores stay unscaled: the scale (> 0, the dispatcher checks) goes into the exp2's FMA.
 template <bool KEY_ROWS, bool PAD, int NJ = 8>
-__device__ __forceinline__ void fa_mask(f32 s[NJ][4], bool causal, int r0, int c0, int cols, int g, int qd, const FaPad& pad) {
+__device__ __forceinline__ void fa_mask(f32 s[NJ][4], bool causal, int r0, int c0, int cols, int g, int qd, int uni, u64 vis) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int r = r0 + g + 8 * (e >> 1), c = c0 + 8 * j + 2 * qd + (e & 1);
             const int query = KEY_ROWS ? c : r, key = KEY_ROWS ? r : c;
+            const bool hidden = PAD && !(vis >> (KEY_ROWS ? e >> 1 : 8 * j + (e & 1)) & 1u);
             if (c >= cols)
                 s[j][e] = -ATT_INF;
-            else if (PAD && query < pad.uni)
+            else if (PAD && query < uni)
                 s[j][e] = 0.f;
-            else if ((causal && key > query) || (PAD && key < pad.S && !pad.kp[key * pad.ks]))
+            else if ((causal && key > query) || hidden)
                 s[j][e] = -ATT_INF;
         }
 }
@@ -336,11 +363,12 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
                 for (int kk = 0; kk < HD / 16; ++kk) fa_a(qa[mt][kk], qs, LD, row0 - t0 + 16 * mt, 16 * kk, lane);
         const int s0 = j * AM_TILE;
         if (!fa_tile_dead<MT>(s0, skips, row0)) {
+            const u64 vis = PAD ? fa_keys_visible(pad, s0, lane) : ~0ull;
             f32 s[MT][8][4];
             fa_dots<P, HD, MT>(s, nullptr, 0, qa, ks + buf * E, lane);
-            if (PAD || fa_tile_masked(s0, S, causal != 0, row0))
+            if ((PAD && (~vis != 0 || row0 < pad.uni)) || fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(s[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad);
+                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(s[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad.uni, vis >> 2 * qd);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 f32 mx[2] = {m[mt][0], m[mt][1]};
@@ -439,11 +467,12 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
         const int s0 = j * AM_TILE;
         if (!fa_tile_dead<MT>(s0, skips, row0)) {
             const u16 *kt = ks + buf * E, *vt = vs + buf * E;
+            const u64 vis = PAD ? fa_keys_visible(pad, s0, lane) : ~0ull;
             f32 p[MT][8][4], dp[MT][8][4];
             fa_dots<P, HD, MT>(p, qs, wr, nullptr, kt, lane);
-            if (PAD || fa_tile_masked(s0, S, causal != 0, row0))
+            if ((PAD && (~vis != 0 || row0 < pad.uni)) || fa_tile_masked(s0, S, causal != 0, row0))
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad);
+                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad.uni, vis >> 2 * qd);
             fa_dots<P, HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
             if (DROP) att_drop_rows<MT>(dp, drop, row0, s0, g, qd);  // Z∘dP
 #pragma unroll
@@ -488,6 +517,10 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
     const P *qb = q + at.off.q, *dob = dout + at.off.o;
     const f32 *lb = lse + at.bi * T, *db = delta + at.bi * T;
     const FaPad pad = fa_pad<PAD>(kp, a, at.off.m, S, T, causal != 0);
+    const u32 key_vis = PAD ? fa_rows_visible<MT>(pad, key0, g) : ~0u;
+    // the query parts from which on the padding masks nothing: none where a key of the warp is
+    // padding, else those past the queries without a visible key
+    const int pad_below = key_vis >> 31 ? T : pad.uni;
     const AttDrop drop = DROP ? att_drop(a, at.bi) : AttDrop{};
     // causal: rows before the block's first key see none of its keys, unless they see every key
     const int t_begin = causal && (!PAD || pad.uni == 0) ? s0 : 0;
@@ -528,9 +561,9 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
             const f32 *lr = lse_s + buf * AM_TILE + QP * part, *dr = dl_s + buf * AM_TILE + QP * part;
             f32 p[MT][NJ][4], dp[MT][NJ][4];
             fa_dots<P, HD, MT, NJ>(p, ks, wk, nullptr, qt, lane);  // Sᵀ: element (key, query 8j + 2qd + (e & 1))
-            if (PAD || tq + QP > T || (causal && tq < key0 + 16 * MT - 1))
+            if ((PAD && tq < pad_below) || tq + QP > T || (causal && tq < key0 + 16 * MT - 1))
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) fa_mask<true, PAD, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd, pad);
+                for (int mt = 0; mt < MT; ++mt) fa_mask<true, PAD, NJ>(p[mt], causal != 0, key0 + 16 * mt, tq, T, g, qd, pad.uni, key_vis >> 2 * mt);
             fa_dots<P, HD, MT, NJ>(dp, vs, wk, nullptr, dot, lane);  // dPᵀ = V · dOᵀ
             const u32 kept = DROP ? att_drop_keys<MT, NJ>(dp, drop, key0, tq, g, qd) : 0u;  // Z∘dPᵀ
 #pragma unroll

@@ -2,8 +2,9 @@
 the sm_90 CUBINs the CI compile test keeps (target/cubins/sm_90), no GPU needed. One pass of the
 forward's loop is one 64-key tile for a warp's 32 query rows: 2 row tiles x (8 key tiles x 4
 head-dim steps for S = QKᵀ + 8 head-dim tiles x 4 key steps for O += PV) = 128 HMMA. The
-dropout's share of the forward's, dQ's and dK/dV's loops is held to a budget here, so that a
-change which makes the fused dropout costlier shows without a GPU."""
+dropout's share of the forward's, dQ's and dK/dV's loops is held to a budget here, and so is
+the key padding's (an attention_mask's flags), so that a change which makes the fused dropout
+or the padding costlier shows without a GPU."""
 from __future__ import annotations
 
 import json
@@ -19,11 +20,16 @@ FORWARD = "attention_flash_fwd_d64r128_bf16"
 # this commit: forward 2.67x, dQ 2.56x, dK/dV 2.53x; at stop 59, before the lanes shared their
 # Philox counters and the keep bits came as nibbles: 4.68x, 4.32x, 4.05x.
 DROPOUT_BUDGET = 3.0
+# The key-padding kernels' (`_kp`) innermost main loops against the plain kernels'. At this
+# commit: forward 1.16x, dQ 1.15x, dK/dV 1.33x (a tile's flags gathered by two ballots a warp,
+# the mask skipped where the tile hides no key); at stop 60, which read every element's flag from
+# global memory on every tile: 3.12x, 3.06x, 2.13x.
+KEY_PADDING_BUDGET = 1.5
 
 
 def _cubins() -> str:
     """The kept CUBINs, compiled by the CI compile test now if an earlier run has not."""
-    if not os.path.isfile(os.path.join(CUBINS, "attention_flash_dropout.cubin")):
+    if not all(os.path.isfile(os.path.join(CUBINS, f"attention_flash_{f}.cubin")) for f in ("dropout", "padded")):
         cmd = ["cargo", "test", "--release", "-q", "-p", "ortrain-engine", "--features", "cuda", "--test", "cuda_kernels",
                "every_kernel_file"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -74,6 +80,20 @@ def test_the_dropout_stays_within_its_share_of_each_main_loop(tmp_path):
         if dropped > DROPOUT_BUDGET * plain:
             over.append(f"{kind}: the dropout makes the main loop {dropped / plain:.2f}x the plain one's ({dropped} against {plain})")
     assert not over, f"over the budget of {DROPOUT_BUDGET}x: {over}"
+
+
+def test_the_key_padding_stays_within_its_share_of_each_main_loop(tmp_path):
+    kernels = _loops(tmp_path, kernels="^attention_flash_(fwd|bwd_dq|bwd_dkv)_d64r128_(kp_)?bf16$")[0]["kernels"]
+    over = []
+    for kind in ("fwd", "bwd_dq", "bwd_dkv"):
+        plain = _main_loop(kernels[f"attention_flash_{kind}_d64r128_bf16"])["instructions"]
+        padded = _main_loop(kernels[f"attention_flash_{kind}_d64r128_kp_bf16"])
+        print(f"{kind}: {padded['instructions']} / {plain} instructions = {padded['instructions'] / plain:.2f}x")
+        assert padded["HMMA"] == _main_loop(kernels[f"attention_flash_{kind}_d64r128_bf16"])["HMMA"], padded
+        if padded["instructions"] > KEY_PADDING_BUDGET * plain:
+            over.append(f"{kind}: the key padding makes the main loop {padded['instructions'] / plain:.2f}x the plain one's "
+                        f"({padded['instructions']} against {plain})")
+    assert not over, f"over the budget of {KEY_PADDING_BUDGET}x: {over}"
 
 
 def test_compare_sets_each_loop_against_another_folders(tmp_path):
