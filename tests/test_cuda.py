@@ -7,8 +7,10 @@ tests; training on a GPU by tests/test_cuda_train.py."""
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -77,3 +79,29 @@ def test_gpu_driver_probe_finds_the_gpu():
     ok, why = ortrain.cuda_available()
     assert ok, why
     assert torch.cuda.get_device_name() in why, why
+
+
+def _warm(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ortrain.cuda", "warm", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_warming_the_kernel_cache_names_a_bad_architecture():
+    """`python -m ortrain.cuda warm` (the Databricks init script's warm-up; tests/test_databricks.py
+    runs a whole one) refuses what is not an architecture the kernels support, naming it."""
+    r = _warm("--arch", "sm_75")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert 'arch "sm_75": ortrain\'s CUDA kernels need compute capability 8.0 (sm_80, Ampere) or newer' in r.stderr, r.stderr
+    r = _warm("--arch", "compute_90")
+    assert r.returncode == 1 and "an architecture is sm_ and the compute capability's digits, e.g. sm_80" in r.stderr, r.stderr
+    r = _warm("--arch", ",")
+    assert r.returncode == 2 and "--arch names no architecture" in r.stderr, r.stderr
+
+
+def test_warming_without_a_gpu_or_an_arch_warms_nothing(tmp_path):
+    """--arch auto on a machine without nvidia-smi (a CPU node of a cluster): nothing to do, exit 0."""
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this machine has nvidia-smi: auto finds its GPUs (tests/test_databricks.py warms with a stand-in)")
+    r = _warm(env={"ORTRAIN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0 and "no NVIDIA GPU found (nvidia-smi is not on PATH" in r.stdout, r.stdout + r.stderr
+    assert not any(tmp_path.iterdir())

@@ -1,13 +1,17 @@
 """databricks/: the cluster init script against a fresh virtual environment standing in for the
 cluster's Python (installs the built wheel, is idempotent, fails loudly on a missing wheel or
-Python), and the generated Databricks source notebook (parses back into the notebook's cells;
-the committed file is up to date)."""
+Python, warms the CUDA kernel cache for the node's GPUs in the background or before it ends),
+and the generated Databricks source notebook (parses back into the notebook's cells; the
+committed file is up to date). This machine has no GPU: the warm-up test puts an `nvidia-smi`
+that reports a compute capability 9.0 GPU first on PATH (the driver's tool, which is all the
+warm-up asks the node); NVRTC compiles for real."""
 from __future__ import annotations
 
 import glob
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ def built_wheel() -> str:
 
 
 def run_init(env_extra: dict, home: Path):
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), **env_extra}
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "ORTRAIN_WARM_KERNELS": "0", **env_extra}
     return subprocess.run(["bash", str(INIT)], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -68,6 +72,47 @@ def test_init_script_fails_loudly(cluster_python, tmp_path, env, message):
     r = run_init(env, tmp_path)
     assert r.returncode != 0
     assert "ortrain init script: ERROR:" in r.stderr and message in r.stderr, r.stderr
+
+
+def test_init_script_warms_the_kernel_cache_for_the_nodes_gpus(cluster_python, tmp_path):
+    """Background (the default): the script ends before the compiles, whose log says every kernel
+    file was compiled for sm_90 into the cache the notebooks' startup file names; `wait` on a
+    second start finds them all in the cache; a node without nvidia-smi warms nothing."""
+    nvrtc = os.environ.get("ORTRAIN_NVRTC_LIB") or str(ROOT / ".cuda-wheels" / "nvidia" / "cu13" / "lib")
+    if not os.path.exists(nvrtc):
+        pytest.skip(f"no NVRTC at {nvrtc} (scripts/bootstrap.sh installs the pinned CUDA wheels)")
+    wheel = built_wheel()
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    smi = tools / "nvidia-smi"
+    smi.write_text('#!/bin/sh\n[ "$1" = "--query-gpu=compute_cap" ] && printf "9.0\\n9.0\\n" && exit 0\nexit 9\n')
+    smi.chmod(0o755)
+    cache, log = tmp_path / "kernel-cache", tmp_path / "warm.log"
+    env = {"ORTRAIN_PYTHON": str(cluster_python), "ORTRAIN_WHEEL": wheel, "ORTRAIN_NVRTC_LIB": nvrtc,
+           "ORTRAIN_CACHE_DIR": str(cache), "ORTRAIN_WARM_LOG": str(log), "ORTRAIN_WARM_KERNELS": "background",
+           "PATH": f"{tools}:{os.environ['PATH']}"}
+    start = time.monotonic()
+    r = run_init(env, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"warming the CUDA kernel cache in {cache} in the background (log: {log})" in r.stdout, r.stdout
+    files = len(glob.glob(str(ROOT / "kernels" / "*.cu")))  # one kernel family a file
+    summary = f"{files} kernel files for sm_90: {files} compiled"
+    while summary not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() - start < 900, f"the background warm-up did not finish:\n{log.read_text() if log.exists() else ''}"
+        assert "failed" not in (log.read_text() if log.exists() else ""), log.read_text()
+        time.sleep(2)
+    assert "kernels/attention_flash.cu" in log.read_text() and len(list((cache / "cuda").iterdir())) == files
+    startup = (tmp_path / ".ipython" / "profile_default" / "startup" / "50-ortrain.py").read_text()
+    assert f'os.environ.setdefault("ORTRAIN_CACHE_DIR", {str(cache)!r})' in startup, startup
+
+    r = run_init({**env, "ORTRAIN_WARM_KERNELS": "wait"}, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"{files} kernel files for sm_90: 0 compiled" in r.stdout and f"{files} already cached" in r.stdout, r.stdout
+
+    r = run_init({**env, "ORTRAIN_WARM_KERNELS": "wait", "PATH": os.environ["PATH"]}, tmp_path)
+    assert r.returncode == 0 and "no NVIDIA GPU found" in r.stdout and "no CUDA kernels to warm" in r.stdout, r.stdout + r.stderr
+    r = run_init({**env, "ORTRAIN_WARM_KERNELS": "yes"}, tmp_path)
+    assert r.returncode != 0 and "ORTRAIN_WARM_KERNELS='yes': allowed values are background (default), wait, 0" in r.stderr
 
 
 def test_init_script_fails_on_a_directory_without_wheels(cluster_python, tmp_path):

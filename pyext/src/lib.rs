@@ -25,10 +25,26 @@ fn cuda_status(py: Python<'_>, lib_dirs: Vec<String>, device: usize) -> (bool, S
     }
 }
 
+/// Per kernel file: (file, compiled now, milliseconds).
+type WarmedFiles = Vec<(String, bool, f64)>;
+
+/// (cache folder, [(kernel file, compiled now, milliseconds)]): every CUDA kernel family
+/// compiled by NVRTC for `arch` ("sm_90") into the engine's disk cache, no GPU needed.
+/// `lib_dirs`: folders holding NVRTC. Raises with the engine's message (a bad architecture, no
+/// NVRTC, a cache that cannot be written).
+#[pyfunction]
+#[pyo3(signature = (arch, lib_dirs=Vec::new()))]
+fn cuda_warm_kernels(py: Python<'_>, arch: String, lib_dirs: Vec<String>) -> PyResult<(String, WarmedFiles)> {
+    let dirs: Vec<std::path::PathBuf> = lib_dirs.into_iter().map(Into::into).collect();
+    let (dir, warmed) = py.detach(move || ortrain_engine::backend::cuda_warm_kernels(&arch, &dirs)).map_err(session::to_py)?;
+    Ok((dir.display().to_string(), warmed))
+}
+
 #[pymodule]
 fn _ortrain(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_VERSION", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_warm_kernels, m)?)?;
     session::register(m)?;
     #[cfg(feature = "cuda")]
     cuda::register(m)?;

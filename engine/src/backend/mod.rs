@@ -5,6 +5,29 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+/// The kernel cache's folder and, per kernel file, (file, compiled now, milliseconds).
+pub type WarmedCache = (std::path::PathBuf, Vec<(String, bool, f64)>);
+
+/// Fills the CUDA kernels' disk cache (the engine's: ORTRAIN_CACHE_DIR, XDG_CACHE_HOME or
+/// ~/.cache, then ortrain/cuda) with every kernel family compiled for `arch` ("sm_90"), no GPU
+/// needed: (the cache folder, per family its file, whether it was compiled now rather than found
+/// there, the compile's milliseconds). `dirs`: extra folders holding NVRTC.
+pub fn cuda_warm_kernels(arch: &str, dirs: &[std::path::PathBuf]) -> crate::Result<WarmedCache> {
+    #[cfg(feature = "cuda")]
+    {
+        let dir = cuda::cache::default_dir()
+            .ok_or_else(|| crate::Error::Other("no kernel cache folder: set ORTRAIN_CACHE_DIR (HOME is not set either)".into()))?;
+        let nv = cuda::nvrtc::load(dirs)?;
+        let warmed = cuda::warm::warm(nv, arch, &dir)?;
+        Ok((dir, warmed.into_iter().map(|w| (w.file, w.compiled, w.millis)).collect()))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (arch, dirs);
+        Err(crate::Error::CudaUnavailable("this build of ortrain has no CUDA backend (built without the engine's `cuda` feature)".into()))
+    }
+}
+
 /// The narrow interface the executor needs from a device.
 pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;

@@ -35,6 +35,7 @@ pub mod philox;
 pub mod registry;
 pub mod resources;
 pub mod runtime;
+pub mod warm;
 
 #[cfg(test)]
 mod tests;
