@@ -1,6 +1,7 @@
 //! Loading the kernel files into a device: the CUBIN of every family, compiled for the device's
 //! architecture (memo, disk cache or NVRTC), loaded into the device's primary context (the one
-//! PyTorch uses; never a context of our own), with every registered kernel resolved.
+//! PyTorch uses; never a context of our own), with every registered kernel resolved; a warm-up
+//! still compiling into the disk cache (warm.rs) is waited for first.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use super::driver;
 use super::launch::{self, Grid, KArg};
 use super::nvrtc::Nvrtc;
 use super::registry::FAMILIES;
+use super::warm;
 use crate::error::{Error, Result};
 
 fn driver_err(what: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
@@ -50,6 +52,10 @@ impl Loaded {
     }
 }
 
+/// The longest a first load waits for a kernel-cache warm-up in progress before compiling
+/// itself (a cold warm-up takes about a minute on a few cores).
+const WARM_UP_PATIENCE: std::time::Duration = std::time::Duration::from_secs(600);
+
 /// Loads every family on device `ordinal` and resolves every registered kernel.
 pub fn load_all(ordinal: usize, nv: &Nvrtc, cache_dir: Option<&Path>) -> Result<Loaded> {
     // the probe first: cudarc panics where there is no driver or an old one
@@ -65,6 +71,10 @@ pub fn load_all(ordinal: usize, nv: &Nvrtc, cache_dir: Option<&Path>) -> Result<
     let arch = arch_of(major, minor);
     let mut modules = Vec::new();
     let mut origins = Vec::new();
+    if let Some(dir) = cache_dir {
+        // a warm-up compiling into this cache (a cluster's init script): its CUBINs, not our own
+        warm::wait_for_warm_up(dir, &arch, WARM_UP_PATIENCE);
+    }
     let cubins = compile::in_parallel(FAMILIES, |f| compile::cubin(nv, f, &arch, cache_dir));
     for (f, c) in FAMILIES.iter().zip(cubins) {
         let c = c?;
