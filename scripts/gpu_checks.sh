@@ -13,6 +13,10 @@
 #              node cases of tests/conformance/manifest.txt (node_cases) and the cases of
 #              tests/test_gradcheck.py in four float types (grad_cases) on the CUDA executor
 #              against onnx's outputs / the CPU executor's step
+#   warm       `python -m ortrain.cuda warm --arch auto` (the Databricks init script's warm-up):
+#              nvidia-smi's compute capability read as sm_90, and (after kernels) every kernel
+#              file found in the cache the test binaries filled: the wheel and the engine agree
+#              on the cache keys
 #   gpt2       bench.gpu on GPT-2 124M (bf16): ortrain+fuse_attention+autocast (the engine's
 #              intended path), torch.compile and eager: issue 6's target rows (50 steps each,
 #              with every 5th step's loss: the loss curves side by side)
@@ -46,7 +50,7 @@
 #              and eager; then the padded parity model's step (bench.parity_model --padding), and
 #              BERT-base's (--model bert --padding: key padding without a causal mask)
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
-#   session    env,kernels,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
+#   session    env,kernels,warm,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
 #
 # GPU_DEADLINE (seconds from the start; "session" defaults to 540, else none) caps the whole
@@ -65,7 +69,7 @@ rm -rf "$LOG_DIR"
 mkdir -p "$OUT_DIR" "$LOG_DIR"
 WHAT=${GPU_CHECKS:-session}
 if [[ ",$WHAT," == *",session,"* ]]; then
-    WHAT="$WHAT,env,kernels,gpt2,parity,profile,variants,pytest,tutorial"
+    WHAT="$WHAT,env,kernels,warm,gpt2,parity,profile,variants,pytest,tutorial"
     DEADLINE=${GPU_DEADLINE:-540}
 else
     DEADLINE=${GPU_DEADLINE:-0}
@@ -169,9 +173,15 @@ if has kernels; then
     fi
 fi
 
-if has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16 || has padded; then
+if has warm || has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16 || has padded; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
+fi
+
+if has warm; then
+    section "python -m ortrain.cuda warm --arch auto"
+    capped 120 "kernel cache warm-up" "$LOG_DIR/warm.log" $PY -m ortrain.cuda warm --arch auto
+    [ -f "$LOG_DIR/warm.log" ] && tail -3 "$LOG_DIR/warm.log" && note "warm-up: $(tail -1 "$LOG_DIR/warm.log")"
 fi
 
 # bench.gpu rows, each its own process; WORKER_TIMEOUT bounds one row so a hang costs one row
