@@ -243,6 +243,17 @@ float bf16_value(uint16_t b) {
     return f;
 }
 
+// Hands each lane waiting at `op` its result[lane] as its value and lets it run on.
+void release_lanes(Scheduler& s, int warp_base, int lanes, WarpOp op, const uint64_t* result) {
+    for (int l = 0; l < lanes; ++l) {
+        Fiber& f = s.fibers[warp_base + l];
+        if (f.op != op) continue;
+        f.value = result[l];
+        f.op = WarpOp::None;
+        f.state = State::Ready;
+    }
+}
+
 void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
     uint64_t result[32];
     for (int l = 0; l < lanes; ++l) {
@@ -251,13 +262,7 @@ void complete_shuffle(Scheduler& s, int warp_base, int lanes) {
         const int src = l ^ (f.lane_mask & 31);  // PTX uses the low 5 bits
         result[l] = (src < lanes && s.fibers[warp_base + src].op == WarpOp::Shuffle) ? s.fibers[warp_base + src].value : f.value;
     }
-    for (int l = 0; l < lanes; ++l) {
-        Fiber& f = s.fibers[warp_base + l];
-        if (f.op != WarpOp::Shuffle) continue;
-        f.value = result[l];
-        f.op = WarpOp::None;
-        f.state = State::Ready;
-    }
+    release_lanes(s, warp_base, lanes, WarpOp::Shuffle, result);
 }
 
 // __ballot_sync: each lane gets the predicates (its `value`) of the lanes its mask names, lane l
@@ -274,13 +279,7 @@ void complete_ballot(Scheduler& s, int warp_base, int lanes) {
         }
         result[l] = bits;
     }
-    for (int l = 0; l < lanes; ++l) {
-        Fiber& f = s.fibers[warp_base + l];
-        if (f.op != WarpOp::Ballot) continue;
-        f.value = result[l];
-        f.op = WarpOp::None;
-        f.state = State::Ready;
-    }
+    release_lanes(s, warp_base, lanes, WarpOp::Ballot, result);
 }
 
 std::string block_name();

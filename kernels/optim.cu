@@ -17,7 +17,8 @@
 //         i32 nesterov, i32 maximize, i32 first)       buf null: no momentum
 //   sum_squares_G(const GradTensor* ts, ..., f64* partial)   partial[c] = sum of g^2 over chunk c
 //   grad_norm_f64(const f64* partial, i64 chunks, f32 max_norm, f32* norm, f32* coef)
-//       ONE block: norm = sqrt(sum partial); coef = min(1, max_norm / (norm + 1e-6))
+//       ONE block: norm = sqrt(sum partial); coef = min(1, max_norm / (norm + 1e-6)) in f32 as
+//       optim::clip_coefficient (a NaN norm: NaN)
 //       (torch.nn.utils.clip_grad_norm_), both on the device: clipping needs no host sync
 //   scale_by_G(const GradTensor* ts, ..., const f32* coef)   g *= *coef
 
@@ -159,8 +160,8 @@ extern "C" __global__ void grad_norm_f64(const f64* partial, i64 chunks, f32 max
     s = block_reduce<OpSum>(s, scratch);
     if (threadIdx.x == 0) {
         const f32 nrm = (f32)sqrt(s);
-        const f32 k = max_norm / (nrm + 1e-6f);
+        const f32 k = 1.0f / (nrm + 1e-6f) * max_norm;  // torch's max_norm / t: a reciprocal, then the product
         *norm = nrm;
-        *coef = k < 1.0f ? k : 1.0f;
+        *coef = k > 1.0f ? 1.0f : k;  // a NaN norm gives a NaN coefficient, as torch's clamp does
     }
 }

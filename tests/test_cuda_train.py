@@ -317,7 +317,7 @@ def test_a_failing_gpu_update_falls_back_to_torchs_step(monkeypatch):
     from ortrain import _ortrain
     from ortrain.engine import optimizer as engine_optimizer
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise _ortrain.EngineError("no kernel named adam_f32 (simulated)")
 
     monkeypatch.setattr(_ortrain, "cuda_adam_step", broken)
@@ -541,7 +541,7 @@ def test_clip_grad_norm_of_gpu_gradients_runs_in_the_engine(max_norm, monkeypatc
         ref_params.append(q)
     calls = []
     real = _ortrain.cuda_clip_grad_norm
-    monkeypatch.setattr(_ortrain, "cuda_clip_grad_norm", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(_ortrain, "cuda_clip_grad_norm", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
     total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     want = clip._ORIGINAL[0](ref_params, max_norm)
     assert len(calls) == 1, "the engine did not clip"

@@ -282,8 +282,10 @@ fn gpu_clip_grad_norm_matches_the_global_norm_math() {
 
 /// `optim::clip_f32`, the three launches the Python clip_grad_norm_ bridge queues: on f32
 /// gradients (one of them two of the engine's chunks), the norm and coefficient of the global
-/// norm math, each gradient multiplied by that coefficient as optim::scale does; a max_norm past
-/// the norm leaves them as they were.
+/// norm math (the coefficient exactly the CPU clip's of that norm), each gradient multiplied by
+/// that coefficient as optim::scale does; a max_norm past the norm leaves them as they were; a
+/// NaN among the gradients makes the norm, the coefficient and so every gradient NaN, as
+/// torch's clip_grad_norm_ does (its clamp keeps the NaN).
 #[test]
 fn gpu_clip_f32_clips_by_the_global_norm() {
     let Some(g) = gpu("gpu_clip_f32_clips_by_the_global_norm") else { return };
@@ -293,8 +295,11 @@ fn gpu_clip_f32_clips_by_the_global_norm() {
     let (ct, cs) = crate::backend::cuda::optim::chunk_list(&sizes);
     assert_eq!(ct.len(), 4, "the middle gradient spans two chunks");
     let (dct, dcs) = (dev(g, &ct), dev(g, &cs));
-    for max_norm in [1.0f32, 1e6] {
-        let gv: Vec<Vec<f32>> = sizes.iter().map(|&n| (0..n).map(|_| rng.f32(-1.0, 1.0)).collect()).collect();
+    for (max_norm, nan) in [(1.0f32, false), (1e6, false), (1.0, true), (1e6, true)] {
+        let mut gv: Vec<Vec<f32>> = sizes.iter().map(|&n| (0..n).map(|_| rng.f32(-1.0, 1.0)).collect()).collect();
+        if nan {
+            gv[1][40_000] = f32::NAN;
+        }
         let dg: Vec<DeviceBuffer> = gv.iter().map(|v| dev(g, v)).collect();
         let ts: Vec<GradTensor> = (0..sizes.len()).map(|i| GradTensor { g: dg[i].ptr(), n: sizes[i] as i64 }).collect();
         let dts = dev(g, &ts);
@@ -307,11 +312,16 @@ fn gpu_clip_f32_clips_by_the_global_norm() {
         }
         .expect("clip_f32");
         g.synchronize().expect("sync");
-        let total = gv.iter().map(|v| optim::sum_squares(v)).sum::<f64>().sqrt();
-        let case = format!("max_norm {max_norm}");
+        let case = format!("max_norm {max_norm}{}", if nan { ", a NaN gradient element" } else { "" });
         let (gn, gc) = (host::<f32>(&norm)[0], host::<f32>(&coef)[0]);
+        if nan {
+            assert!(gn.is_nan() && gc.is_nan(), "{case}: norm {gn} and coefficient {gc} must be NaN");
+            assert!(dg.iter().all(|d| host::<f32>(d).iter().all(|x| x.is_nan())), "{case}: every gradient NaN, as torch's");
+            continue;
+        }
+        let total = gv.iter().map(|v| optim::sum_squares(v)).sum::<f64>().sqrt();
         assert_close(&format!("{case}: norm"), &[gn as f64], &[total], rtol("f32"), 0.0);
-        assert_close(&format!("{case}: coefficient"), &[gc as f64], &[(max_norm as f64 / (total + 1e-6)).min(1.0)], rtol("f32"), 0.0);
+        assert_eq!(gc.to_bits(), optim::clip_coefficient(gn, max_norm as f64).to_bits(), "{case}: the CPU clip's coefficient of that norm");
         for (i, v) in gv.iter().enumerate() {
             let mut want = v.clone();
             optim::scale(&mut want, gc);
