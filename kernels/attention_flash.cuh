@@ -307,6 +307,17 @@ template <int MT> __device__ __forceinline__ bool fa_tile_dead(int s0, bool caus
     return MT > 1 && causal && s0 > row0 + 16 * MT - 1;
 }
 
+// The forward's and dQ's mask of a warp's MT row tiles of scores s against key tile s0, applied
+// only where the tile needs it: it reaches past the matrix or the diagonal (fa_tile_masked), or
+// (PAD) it hides a key (`vis`: the tile's fa_keys_visible) or the warp holds a query without a
+// visible key.
+template <int MT, bool PAD>
+__device__ __forceinline__ void fa_mask_rows(f32 s[MT][8][4], bool causal, int row0, int s0, int S, int g, int qd, const FaPad& pad, u64 vis) {
+    if ((PAD && (~vis != 0 || row0 < pad.uni)) || fa_tile_masked(s0, S, causal, row0))
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(s[mt], causal, row0 + 16 * mt, s0, S, g, qd, pad.uni, vis >> 2 * qd);
+}
+
 // Tile j + 1 of K and V (of `tiles`) into the buffers tile j - 1 used (the caller's barrier after
 // that tile lets them be refilled), then the wait that leaves this thread's part of tile j
 // landed (the caller's next barrier publishes the block's).
@@ -366,9 +377,7 @@ __device__ __forceinline__ void fa_fwd(const P* q, const P* k, const P* v, P* o,
             const u64 vis = PAD ? fa_keys_visible(pad, s0, lane) : ~0ull;
             f32 s[MT][8][4];
             fa_dots<P, HD, MT>(s, nullptr, 0, qa, ks + buf * E, lane);
-            if ((PAD && (~vis != 0 || row0 < pad.uni)) || fa_tile_masked(s0, S, causal != 0, row0))
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(s[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad.uni, vis >> 2 * qd);
+            fa_mask_rows<MT, PAD>(s, causal != 0, row0, s0, S, g, qd, pad, vis);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 f32 mx[2] = {m[mt][0], m[mt][1]};
@@ -470,9 +479,7 @@ __device__ __forceinline__ void fa_bwd_dq(const P* dout, const P* q, const P* k,
             const u64 vis = PAD ? fa_keys_visible(pad, s0, lane) : ~0ull;
             f32 p[MT][8][4], dp[MT][8][4];
             fa_dots<P, HD, MT>(p, qs, wr, nullptr, kt, lane);
-            if ((PAD && (~vis != 0 || row0 < pad.uni)) || fa_tile_masked(s0, S, causal != 0, row0))
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt) fa_mask<false, PAD>(p[mt], causal != 0, row0 + 16 * mt, s0, S, g, qd, pad.uni, vis >> 2 * qd);
+            fa_mask_rows<MT, PAD>(p, causal != 0, row0, s0, S, g, qd, pad, vis);
             fa_dots<P, HD, MT>(dp, dos, wr, nullptr, vt, lane);  // dP = dO · Vᵀ
             if (DROP) att_drop_rows<MT>(dp, drop, row0, s0, g, qd);  // Z∘dP
 #pragma unroll

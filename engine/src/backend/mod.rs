@@ -5,6 +5,12 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+/// What a CUDA request answers in a build without the engine's `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn no_cuda_backend() -> crate::Error {
+    crate::Error::CudaUnavailable("this build of ortrain has no CUDA backend (built without the engine's `cuda` feature)".into())
+}
+
 /// The kernel cache's folder and, per kernel file, (file, compiled now, milliseconds).
 pub type WarmedCache = (std::path::PathBuf, Vec<(String, bool, f64)>);
 
@@ -24,7 +30,7 @@ pub fn cuda_warm_kernels(arch: &str, dirs: &[std::path::PathBuf]) -> crate::Resu
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (arch, dirs);
-        Err(crate::Error::CudaUnavailable("this build of ortrain has no CUDA backend (built without the engine's `cuda` feature)".into()))
+        Err(no_cuda_backend())
     }
 }
 
@@ -51,6 +57,6 @@ pub fn cuda_status(device: usize, dirs: &[std::path::PathBuf]) -> crate::Result<
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, dirs);
-        Err(crate::Error::CudaUnavailable("this build of ortrain has no CUDA backend (built without the engine's `cuda` feature)".into()))
+        Err(no_cuda_backend())
     }
 }
