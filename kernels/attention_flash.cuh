@@ -2,8 +2,9 @@
 // Fused attention for bf16 and f16 tensors in the FlashAttention-2 manner
 // (engine/src/ops/attention.rs semantics; kernels/attention_mma.cu computes the same for every
 // case and stays the fallback): the dispatcher (ops/attention_flash.rs `variant`) sends here bf16
-// or f16 Q, K, V, O (the products in that type, f32 accumulation) with heads of 64 or 128 whose
-// rows are 16-byte aligned, keys d-contiguous (layout BSHD, as the attention_layout pass leaves
+// or f16 Q, K, V, O (the products in that type, f32 accumulation) with heads of 32, 64, 80, 96 or
+// 128 (any multiple of 16 compiles: FA_INSTANCES at the end picks these) whose rows are 16-byte
+// aligned, keys d-contiguous (layout BSHD, as the attention_layout pass leaves
 // them), and no mask or the computed causal one. What differs from attention_mma.cu:
 //
 // - tiles go from global to shared memory by cp.async (16 bytes a thread, zero-filled past the
@@ -49,7 +50,7 @@
 // P: bf16 or f16, the tensors' type and the products'.
 //
 // k / dk: element (key, d) at [key·k_s + d] (k_d = 1). Launch: 128 threads; the forward and dQ
-// kernels take blocks of 64 query rows (16 a warp) or, r128 (heads of 64), 128 (32 a warp: each
+// kernels take blocks of 64 query rows (16 a warp) or, r128 (heads of 32 and 64), 128 (32 a warp: each
 // fragment of the other operand read by ldmatrix serves two row tiles), a 1-D grid of
 // batch · ceil(T / rows) blocks; the dK/dV kernel blocks of 64 or (r128) 128 keys,
 // batch · ceil(S / keys). Dynamic shared memory: the tiles each kernel's first lines lay out,
@@ -619,3 +620,27 @@ __device__ __forceinline__ void fa_bwd_dkv(const P* dout, const P* q, const P* k
         i32 causal, const u8* kp) {                                                                                                 \
         fa_bwd_dkv<HD, MT, PAD, DROP>(dout, q, k, v, lse, delta, dk, dv, a, scale, causal, kp);                                              \
     }
+
+// Every head size's kernels for the 16-bit type P, named with TAG after the block size (empty,
+// _kp, _dp, _kp_dp: one per file, so that the four files instantiate the same blocks and launch
+// bounds). Heads of 64, 64-row blocks: 3 blocks (12 warps) an SM at 168 registers a thread, where
+// unbounded ptxas takes 182 (forward) and 203 (dQ), which leave 2; the price is 24 bytes of dQ
+// spills (NVRTC 13.0, bf16). 128-row blocks (r128: 32 rows or keys a warp, each fragment of the
+// other operand read from shared memory once for two row tiles: the forward's and dQ's
+// shared-memory traffic per FLOP halved, dK/dV's cut by a third): 255 registers, 2 blocks an SM.
+// Heads of 32 only in 128-row blocks, 2 an SM (196-255 registers; at 3, 168 registers, the dQ
+// kernels with dropout spilled 192 bytes); heads of 80 and 96 in 64-row blocks, 2 an SM (200-255
+// registers, no spills); heads of 128, 1.
+#define FA_INSTANCES(P, TAG, PAD, DROP)                    \
+    FA_ROW_KERNELS(32, 2, r128##TAG, 2, P, PAD, DROP)      \
+    FA_ROW_KERNELS(64, 1, TAG, 3, P, PAD, DROP)            \
+    FA_ROW_KERNELS(64, 2, r128##TAG, 2, P, PAD, DROP)      \
+    FA_ROW_KERNELS(80, 1, TAG, 2, P, PAD, DROP)            \
+    FA_ROW_KERNELS(96, 1, TAG, 2, P, PAD, DROP)            \
+    FA_ROW_KERNELS(128, 1, TAG, 1, P, PAD, DROP)           \
+    FA_DKV_KERNEL(32, 2, r128##TAG, P, PAD, DROP)          \
+    FA_DKV_KERNEL(64, 1, TAG, P, PAD, DROP)                \
+    FA_DKV_KERNEL(64, 2, r128##TAG, P, PAD, DROP)          \
+    FA_DKV_KERNEL(80, 1, TAG, P, PAD, DROP)                \
+    FA_DKV_KERNEL(96, 1, TAG, P, PAD, DROP)                \
+    FA_DKV_KERNEL(128, 1, TAG, P, PAD, DROP)

@@ -10,12 +10,5 @@
 #include "attention_mma_stage.cuh"
 #include "attention_flash.cuh"
 
-#define FA_DROPOUT_KERNELS(P)                             \
-    FA_ROW_KERNELS(64, 1, _dp, 3, P, false, true)         \
-    FA_ROW_KERNELS(64, 2, r128_dp, 2, P, false, true)     \
-    FA_ROW_KERNELS(128, 1, _dp, 1, P, false, true)        \
-    FA_DKV_KERNEL(64, 1, _dp, P, false, true)             \
-    FA_DKV_KERNEL(64, 2, r128_dp, P, false, true)         \
-    FA_DKV_KERNEL(128, 1, _dp, P, false, true)
-FA_DROPOUT_KERNELS(bf16)
-FA_DROPOUT_KERNELS(f16)
+FA_INSTANCES(bf16, _dp, false, true)
+FA_INSTANCES(f16, _dp, false, true)

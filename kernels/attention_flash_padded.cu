@@ -7,12 +7,5 @@
 #include "attention_mma_stage.cuh"
 #include "attention_flash.cuh"
 
-#define FA_PADDED_KERNELS(P)                          \
-    FA_ROW_KERNELS(64, 1, _kp, 3, P, true, false)     \
-    FA_ROW_KERNELS(64, 2, r128_kp, 2, P, true, false) \
-    FA_ROW_KERNELS(128, 1, _kp, 1, P, true, false)    \
-    FA_DKV_KERNEL(64, 1, _kp, P, true, false)         \
-    FA_DKV_KERNEL(64, 2, r128_kp, P, true, false)     \
-    FA_DKV_KERNEL(128, 1, _kp, P, true, false)
-FA_PADDED_KERNELS(bf16)
-FA_PADDED_KERNELS(f16)
+FA_INSTANCES(bf16, _kp, true, false)
+FA_INSTANCES(f16, _kp, true, false)

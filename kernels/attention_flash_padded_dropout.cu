@@ -8,12 +8,5 @@
 #include "attention_mma_stage.cuh"
 #include "attention_flash.cuh"
 
-#define FA_PADDED_DROPOUT_KERNELS(P)                      \
-    FA_ROW_KERNELS(64, 1, _kp_dp, 3, P, true, true)       \
-    FA_ROW_KERNELS(64, 2, r128_kp_dp, 2, P, true, true)   \
-    FA_ROW_KERNELS(128, 1, _kp_dp, 1, P, true, true)      \
-    FA_DKV_KERNEL(64, 1, _kp_dp, P, true, true)           \
-    FA_DKV_KERNEL(64, 2, r128_kp_dp, P, true, true)       \
-    FA_DKV_KERNEL(128, 1, _kp_dp, P, true, true)
-FA_PADDED_DROPOUT_KERNELS(bf16)
-FA_PADDED_DROPOUT_KERNELS(f16)
+FA_INSTANCES(bf16, _kp_dp, true, true)
+FA_INSTANCES(f16, _kp_dp, true, true)

@@ -47,6 +47,10 @@ use crate::error::Result;
 use crate::ir::Node;
 use crate::tensor::DType;
 
+/// The largest head size (D, Dv) the CUDA attention kernels take: passes/fuse_attention.rs leaves
+/// a larger attention of a CUDA session unfused.
+pub const CUDA_MAX_HEAD_SIZE: usize = 128;
+
 /// The sizes of one Attention node and each input's batch strides in the full batch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct AttnLayout {

@@ -6,7 +6,8 @@
 //! on no weight (the fused op gives the mask no gradient), and not in float64 (the CUDA attention
 //! kernels take f32, bf16 and fp16, the CPU's fast ones f32; an f64 attention keeps its products
 //! and softmax). Every CPU session; CUDA sessions opt-in (`ORTRAIN_ENABLE_PASSES=fuse_attention`,
-//! see passes/mod.rs).
+//! see passes/mod.rs), and there not where Q's or V's declared head size is over what the CUDA
+//! kernels take (`CUDA_MAX_HEAD_SIZE`: Gemma's 256 keeps its products and softmax).
 //!
 //! A Dropout between the probabilities and the product (Hugging Face's attention dropout,
 //! torchlib's scaled_dot_product_attention with dropout_p) is taken in where its ratio and
@@ -14,9 +15,11 @@
 //! becomes the node's `dropout` attribute and the Dropout node a DropoutKey, whose stream key
 //! the fused node reads (ops/attention.rs); otherwise it is the identity and goes.
 
-use super::{computed_from, scalar_const, scalar_value, sole_producer};
+use super::sym_shape::{shape_of, SymDim};
+use super::{computed_from, scalar_const, scalar_value, sole_producer, Target};
 use crate::error::Result;
 use crate::ir::{Attr, Attrs, Graph, Node, NodeId, ValueId, ValueKind};
+use crate::ops::attention::CUDA_MAX_HEAD_SIZE;
 use crate::tensor::DType;
 
 /// Whether any value `v` is computed from is a weight.
@@ -144,7 +147,12 @@ fn match_at(graph: &Graph, consumers: &[Vec<(NodeId, usize)>], node: &Node) -> O
     Some(Matched { inputs, scale, guard, dropout })
 }
 
-pub fn run(graph: &mut Graph) -> Result<usize> {
+/// Whether `v`'s last dim is known to be over the CUDA kernels' largest head size.
+fn heads_too_large_for_cuda(graph: &Graph, v: ValueId) -> bool {
+    shape_of(graph, v).and_then(|s| s.last().cloned()).is_some_and(|d| matches!(d, SymDim::Known(n) if n > CUDA_MAX_HEAD_SIZE as i64))
+}
+
+pub fn run(graph: &mut Graph, target: Target) -> Result<usize> {
     let consumers = graph.consumers();
     let types = super::autocast::forward_types(graph);
     let mut rewrites = 0;
@@ -156,6 +164,10 @@ pub fn run(graph: &mut Graph) -> Result<usize> {
             continue;
         };
         if inputs[..3].iter().flatten().any(|x| types[x.0] == Some(DType::F64)) {
+            continue;
+        }
+        // Q [.., T, D] and V [.., S, Dv]
+        if target == Target::Cuda && [inputs[0], inputs[2]].into_iter().flatten().any(|x| heads_too_large_for_cuda(graph, x)) {
             continue;
         }
         let name = graph.nodes[n].name.clone();
@@ -193,11 +205,16 @@ mod tests {
 
     /// Softmax(q · k) · v over [2, 3, 4] q, [2, 4, 5] k and [2, 5, 4] v of type `t`.
     fn attention(t: DType) -> Graph {
+        attention_of_heads(t, 4)
+    }
+
+    /// The same with heads of `d`: [2, 3, d] q, [2, d, 5] k, [2, 5, d] v.
+    fn attention_of_heads(t: DType, d: usize) -> Graph {
         let mut g = Graph::default();
         let dims = |d: &[usize]| Some(d.iter().map(|&x| Dim::Known(x)).collect());
-        let q = g.add_value("q", ValueKind::Input, Some(t), dims(&[2, 3, 4]));
-        let k = g.add_value("k", ValueKind::Input, Some(t), dims(&[2, 4, 5]));
-        let v = g.add_value("v", ValueKind::Input, Some(t), dims(&[2, 5, 4]));
+        let q = g.add_value("q", ValueKind::Input, Some(t), dims(&[2, 3, d]));
+        let k = g.add_value("k", ValueKind::Input, Some(t), dims(&[2, d, 5]));
+        let v = g.add_value("v", ValueKind::Input, Some(t), dims(&[2, 5, d]));
         g.inputs.extend([q, k, v]);
         let s = g.add_node("scores", "MatMul", vec![Some(q), Some(k)], Attrs::default(), 1)[0];
         let p = g.add_node("p", "Softmax", vec![Some(s)], Attrs::default().with("axis", Attr::Int(-1)), 1)[0];
@@ -209,11 +226,21 @@ mod tests {
     #[test]
     fn float64_attention_keeps_its_products() {
         let mut g = attention(DType::F32);
-        assert_eq!(run(&mut g).expect("run"), 1);
+        assert_eq!(run(&mut g, Target::Cpu).expect("run"), 1);
         assert_eq!(g.nodes[2].op_type, "Attention");
         let mut g = attention(DType::F64);
-        assert_eq!(run(&mut g).expect("run"), 0, "the CUDA attention kernels take no float64");
+        assert_eq!(run(&mut g, Target::Cpu).expect("run"), 0, "the CUDA attention kernels take no float64");
         assert!(g.nodes.iter().all(|n| n.op_type != "Attention"));
+    }
+
+    /// A CUDA session leaves an attention with heads over 128 (Gemma's 256) unfused: its kernels
+    /// would refuse it at the first step; a CPU session fuses it.
+    #[test]
+    fn cuda_sessions_leave_heads_over_128_unfused() {
+        for (d, cuda) in [(128, 1), (256, 0)] {
+            assert_eq!(run(&mut attention_of_heads(DType::BF16, d), Target::Cuda).expect("run"), cuda, "heads of {d}");
+            assert_eq!(run(&mut attention_of_heads(DType::BF16, d), Target::Cpu).expect("run"), 1, "heads of {d}");
+        }
     }
 
     /// The attention with Dropout(p, ratio, training) between the softmax and the product.
@@ -240,7 +267,7 @@ mod tests {
     #[test]
     fn the_probabilities_dropout_fuses_unless_its_mask_is_read() {
         let mut g = dropped_attention(0.1, true, false);
-        assert_eq!(run(&mut g).expect("run"), 1);
+        assert_eq!(run(&mut g, Target::Cpu).expect("run"), 1);
         let (key, attn) = (&g.nodes[2], &g.nodes[3]);
         assert_eq!((key.op_type.as_str(), key.inputs.len()), ("DropoutKey", 0));
         assert_eq!(attn.op_type, "Attention");
@@ -248,10 +275,10 @@ mod tests {
         assert_eq!(attn.inputs[5], Some(key.outputs[0]));
         assert!((attn.attrs.float("dropout", 0.0).expect("dropout") - 0.1).abs() < 1e-7);
         let mut g = dropped_attention(0.1, false, false);
-        assert_eq!(run(&mut g).expect("run"), 1);
+        assert_eq!(run(&mut g, Target::Cpu).expect("run"), 1);
         assert_eq!(g.nodes[3].inputs.len(), 4, "inference mode: no dropout, {:?}", g.nodes[3]);
         assert_eq!(g.nodes[3].attrs.float("dropout", 0.0).expect("dropout"), 0.0);
         let mut g = dropped_attention(0.1, true, true);
-        assert_eq!(run(&mut g).expect("run"), 0, "the mask is read");
+        assert_eq!(run(&mut g, Target::Cpu).expect("run"), 0, "the mask is read");
     }
 }

@@ -83,7 +83,7 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // probabilities' dropout too, as in the CUDA kernels); CUDA
     // sessions opt-in: on an H100 the GPU kernels (SIMT f32) cut GPT-2 124M's peak memory by
     // 38% but made its step slower than the unfused graph (doc/GPU-RUNS.md, 2026-11-24)
-    ("fuse_attention", |g, _| fuse_attention::run(g), Runs::CpuAndCudaOptIn),
+    ("fuse_attention", |g, c| fuse_attention::run(g, c.target), Runs::CpuAndCudaOptIn),
     // after it: an attention_mask input's padding reaches the fused attention as one flag per
     // key, the rest of its mask a constant (a no-op without fused attentions)
     ("attention_key_padding", |g, _| Ok(attention_key_padding::run(g)), Runs::Both),

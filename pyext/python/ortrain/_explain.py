@@ -173,7 +173,7 @@ def _attention_lines(runner) -> list:
                  "the flash kernels take no mask, one of zeros or a constant causal one)")
     if any(p and "key padding and read" in p for _, p in paths):
         line += ("\n      (the flash kernels take an attention_mask's padding with no mask, one of zeros, or a causal "
-                 "mask hiding keys with the padding's value, on 16-bit Q, K, V with heads of 64 or 128)")
+                 "mask hiding keys with the padding's value, on 16-bit Q, K, V with heads of 32, 64, 80, 96 or 128)")
     return [line]
 
 

@@ -333,18 +333,80 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_flash",
         [
-            g(&["attention_flash_fwd_d64", "attention_flash_fwd_d64r128", "attention_flash_fwd_d128"], HALVES, FLASH_FWD),
-            g(&["attention_flash_bwd_dq_d64", "attention_flash_bwd_dq_d64r128", "attention_flash_bwd_dq_d128"], HALVES, FLASH_BWD),
-            g(&["attention_flash_bwd_dkv_d64", "attention_flash_bwd_dkv_d64r128", "attention_flash_bwd_dkv_d128"], HALVES, FLASH_BWD),
+            g(
+                &[
+                    "attention_flash_fwd_d32r128",
+                    "attention_flash_fwd_d64",
+                    "attention_flash_fwd_d64r128",
+                    "attention_flash_fwd_d80",
+                    "attention_flash_fwd_d96",
+                    "attention_flash_fwd_d128",
+                ],
+                HALVES,
+                FLASH_FWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dq_d32r128",
+                    "attention_flash_bwd_dq_d64",
+                    "attention_flash_bwd_dq_d64r128",
+                    "attention_flash_bwd_dq_d80",
+                    "attention_flash_bwd_dq_d96",
+                    "attention_flash_bwd_dq_d128",
+                ],
+                HALVES,
+                FLASH_BWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dkv_d32r128",
+                    "attention_flash_bwd_dkv_d64",
+                    "attention_flash_bwd_dkv_d64r128",
+                    "attention_flash_bwd_dkv_d80",
+                    "attention_flash_bwd_dkv_d96",
+                    "attention_flash_bwd_dkv_d128",
+                ],
+                HALVES,
+                FLASH_BWD
+            ),
         ]
     ),
     family!(
         "attention_flash_padded",
         [
-            g(&["attention_flash_fwd_d64_kp", "attention_flash_fwd_d64r128_kp", "attention_flash_fwd_d128_kp"], HALVES, FLASH_FWD),
-            g(&["attention_flash_bwd_dq_d64_kp", "attention_flash_bwd_dq_d64r128_kp", "attention_flash_bwd_dq_d128_kp"], HALVES, FLASH_BWD),
             g(
-                &["attention_flash_bwd_dkv_d64_kp", "attention_flash_bwd_dkv_d64r128_kp", "attention_flash_bwd_dkv_d128_kp"],
+                &[
+                    "attention_flash_fwd_d32r128_kp",
+                    "attention_flash_fwd_d64_kp",
+                    "attention_flash_fwd_d64r128_kp",
+                    "attention_flash_fwd_d80_kp",
+                    "attention_flash_fwd_d96_kp",
+                    "attention_flash_fwd_d128_kp",
+                ],
+                HALVES,
+                FLASH_FWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dq_d32r128_kp",
+                    "attention_flash_bwd_dq_d64_kp",
+                    "attention_flash_bwd_dq_d64r128_kp",
+                    "attention_flash_bwd_dq_d80_kp",
+                    "attention_flash_bwd_dq_d96_kp",
+                    "attention_flash_bwd_dq_d128_kp",
+                ],
+                HALVES,
+                FLASH_BWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dkv_d32r128_kp",
+                    "attention_flash_bwd_dkv_d64_kp",
+                    "attention_flash_bwd_dkv_d64r128_kp",
+                    "attention_flash_bwd_dkv_d80_kp",
+                    "attention_flash_bwd_dkv_d96_kp",
+                    "attention_flash_bwd_dkv_d128_kp",
+                ],
                 HALVES,
                 FLASH_BWD
             ),
@@ -353,10 +415,39 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_flash_dropout",
         [
-            g(&["attention_flash_fwd_d64_dp", "attention_flash_fwd_d64r128_dp", "attention_flash_fwd_d128_dp"], HALVES, FLASH_FWD),
-            g(&["attention_flash_bwd_dq_d64_dp", "attention_flash_bwd_dq_d64r128_dp", "attention_flash_bwd_dq_d128_dp"], HALVES, FLASH_BWD),
             g(
-                &["attention_flash_bwd_dkv_d64_dp", "attention_flash_bwd_dkv_d64r128_dp", "attention_flash_bwd_dkv_d128_dp"],
+                &[
+                    "attention_flash_fwd_d32r128_dp",
+                    "attention_flash_fwd_d64_dp",
+                    "attention_flash_fwd_d64r128_dp",
+                    "attention_flash_fwd_d80_dp",
+                    "attention_flash_fwd_d96_dp",
+                    "attention_flash_fwd_d128_dp",
+                ],
+                HALVES,
+                FLASH_FWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dq_d32r128_dp",
+                    "attention_flash_bwd_dq_d64_dp",
+                    "attention_flash_bwd_dq_d64r128_dp",
+                    "attention_flash_bwd_dq_d80_dp",
+                    "attention_flash_bwd_dq_d96_dp",
+                    "attention_flash_bwd_dq_d128_dp",
+                ],
+                HALVES,
+                FLASH_BWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dkv_d32r128_dp",
+                    "attention_flash_bwd_dkv_d64_dp",
+                    "attention_flash_bwd_dkv_d64r128_dp",
+                    "attention_flash_bwd_dkv_d80_dp",
+                    "attention_flash_bwd_dkv_d96_dp",
+                    "attention_flash_bwd_dkv_d128_dp",
+                ],
                 HALVES,
                 FLASH_BWD
             ),
@@ -365,14 +456,39 @@ pub static FAMILIES: &[Family] = &[
     family!(
         "attention_flash_padded_dropout",
         [
-            g(&["attention_flash_fwd_d64_kp_dp", "attention_flash_fwd_d64r128_kp_dp", "attention_flash_fwd_d128_kp_dp"], HALVES, FLASH_FWD),
             g(
-                &["attention_flash_bwd_dq_d64_kp_dp", "attention_flash_bwd_dq_d64r128_kp_dp", "attention_flash_bwd_dq_d128_kp_dp"],
+                &[
+                    "attention_flash_fwd_d32r128_kp_dp",
+                    "attention_flash_fwd_d64_kp_dp",
+                    "attention_flash_fwd_d64r128_kp_dp",
+                    "attention_flash_fwd_d80_kp_dp",
+                    "attention_flash_fwd_d96_kp_dp",
+                    "attention_flash_fwd_d128_kp_dp",
+                ],
+                HALVES,
+                FLASH_FWD
+            ),
+            g(
+                &[
+                    "attention_flash_bwd_dq_d32r128_kp_dp",
+                    "attention_flash_bwd_dq_d64_kp_dp",
+                    "attention_flash_bwd_dq_d64r128_kp_dp",
+                    "attention_flash_bwd_dq_d80_kp_dp",
+                    "attention_flash_bwd_dq_d96_kp_dp",
+                    "attention_flash_bwd_dq_d128_kp_dp",
+                ],
                 HALVES,
                 FLASH_BWD
             ),
             g(
-                &["attention_flash_bwd_dkv_d64_kp_dp", "attention_flash_bwd_dkv_d64r128_kp_dp", "attention_flash_bwd_dkv_d128_kp_dp"],
+                &[
+                    "attention_flash_bwd_dkv_d32r128_kp_dp",
+                    "attention_flash_bwd_dkv_d64_kp_dp",
+                    "attention_flash_bwd_dkv_d64r128_kp_dp",
+                    "attention_flash_bwd_dkv_d80_kp_dp",
+                    "attention_flash_bwd_dkv_d96_kp_dp",
+                    "attention_flash_bwd_dkv_d128_kp_dp",
+                ],
                 HALVES,
                 FLASH_BWD
             ),

@@ -5,8 +5,9 @@
 //! (kernels/attention_mma.cu: 64-row tiles, mma.sync with bf16 or f16 operands, f32
 //! accumulation); other f32 tensors the SIMT f32 kernels (kernels/attention.cu: 32-row tiles),
 //! exact as the CPU's; other 16-bit tensors (other head sizes) those kernels on f32 copies
-//! (widen.rs). bf16 and f16 tensors in layout BSHD with no mask or the computed causal one run
-//! the FlashAttention-2-style kernels instead (attention_flash.rs).
+//! (widen.rs). bf16 and f16 tensors in layout BSHD with no mask or the computed causal one, with
+//! heads of 32, 64, 80, 96 or 128, run the FlashAttention-2-style kernels instead
+//! (attention_flash.rs).
 //! Layout BS3HD (Q, K, V packed in one tensor) is layout BSHD's strides with K and V starting
 //! further along each row: every kernel takes it through its addresses (`operands`, `gradients`).
 //! Key padding (an attention_mask's flags, ops/attention.rs): the flash kernels take it with the
@@ -26,7 +27,9 @@ use crate::backend::cuda::launch::{Grid, KArg};
 use crate::backend::cuda::registry::dtype_suffix;
 use crate::error::Result;
 use crate::ir::Node;
-use crate::ops::attention::{attention_layout, dropout_key_input, dropout_ratio, key_padding_input, key_padding_strides, AttnLayout};
+use crate::ops::attention::{
+    attention_layout, dropout_key_input, dropout_ratio, key_padding_input, key_padding_strides, AttnLayout, CUDA_MAX_HEAD_SIZE,
+};
 use crate::ops::util::broadcast_shapes;
 use crate::tensor::DType;
 
@@ -59,8 +62,10 @@ fn setup(node: &Node, ins: &[Option<DView>], first: usize) -> Result<(AttnLayout
         return Err(node.err(format!("the CUDA attention kernels take f32, bf16 or fp16 tensors, got {}", q.dtype.name())));
     }
     let l = attention_layout(node, q.shape, kt.shape, v.shape, mask.map(|m| m.shape))?;
-    if l.d > 128 || l.dv > 128 {
-        return Err(node.err(format!("the CUDA attention kernels take head sizes up to 128, got D = {}, Dv = {}", l.d, l.dv)));
+    if l.d > CUDA_MAX_HEAD_SIZE || l.dv > CUDA_MAX_HEAD_SIZE {
+        return Err(
+            node.err(format!("the CUDA attention kernels take head sizes up to {CUDA_MAX_HEAD_SIZE}, got D = {}, Dv = {}", l.d, l.dv))
+        );
     }
     if l.batch.len() > 4 {
         return Err(node.err(format!("the CUDA attention kernels take up to 4 batch dims, got {:?}", l.batch)));
@@ -243,25 +248,19 @@ fn mma_instance(l: &AttnLayout, tensors: &str, mask: Option<DType>) -> Option<St
     }
 }
 
-/// The mask address the kernels get and, for the tensor-core kernels (`mma`), whether the mask
-/// at input `i` is a constant causal mask (ops/causal_mask.rs) of this self-attention, which
-/// they compute instead of reading (then no mask address): their last argument `causal`. An
-/// error where a kernel would read a mask constant that was not uploaded ([`computes_mask`]
-/// and this disagree: a bug, never a null read).
-fn mask_or_causal(
-    node: &Node,
-    ins: &[Option<DView>],
-    i: usize,
-    l: &AttnLayout,
-    mma: Option<&String>,
-    mask: u64,
-) -> Result<(u64, Option<bool>)> {
+/// The mask address the kernels get and, where kernels that can compute the causal mask may
+/// run (`computes`: the tensor-core kernels, or the flash kernels' head sizes on 16-bit tensors),
+/// whether the mask at input `i` is a constant causal mask (ops/causal_mask.rs) of this
+/// self-attention, which they compute instead of reading (then no mask address): their last
+/// argument `causal`. An error where a kernel would read a mask constant that was not uploaded
+/// ([`computes_mask`] and this disagree: a bug, never a null read).
+fn mask_or_causal(node: &Node, ins: &[Option<DView>], i: usize, l: &AttnLayout, computes: bool, mask: u64) -> Result<(u64, Option<bool>)> {
     let host = ins.get(i).and_then(|m| m.as_ref()).and_then(|m| m.host);
-    let causal = mma.is_some() && l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
+    let causal = computes && l.t == l.s && host.is_some_and(|h| causal_mask::is_causal(h, l.t));
     if !causal && mask == 0 && host.is_some() {
         return Err(node.err("the causal mask constant was left on the host as computed, but this attention reads it"));
     }
-    Ok((if causal { 0 } else { mask }, mma.map(|_| causal)))
+    Ok((if causal { 0 } else { mask }, computes.then_some(causal)))
 }
 
 /// Whether an Attention or AttentionGrad step computes its mask, the constant `mask`, in every
@@ -353,12 +352,8 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
         return with_padded_mask(node, ins, outs, ctx, 3, 4, kp.value, attention);
     }
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 3));
-    let (mask, causal) = mask_or_causal(node, ins, 3, &l, mma.as_ref(), mask)?;
-    if dtype.is_half() && mma.is_none() {
-        widen::widened(node, ins, outs, ctx, attention)?;
-        ctx.rt.note_attention(node, path::WIDENED);
-        return Ok(());
-    }
+    let flash_heads = dtype.is_half() && flash::takes_heads(&l);
+    let (mask, causal) = mask_or_causal(node, ins, 3, &l, mma.is_some() || flash_heads, mask)?;
     if l.batch_count() == 0 || l.t == 0 {
         return Ok(());
     }
@@ -368,6 +363,11 @@ fn attention(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut CudaC
     if let Some(f) = flash::variant(node, &l, &shape, dtype, has_mask, causal == Some(true), &tensors) {
         ctx.rt.note_attention(node, if has_mask { path::FLASH_CAUSAL } else { path::FLASH });
         return f.forward(node, [q, k, v], [outs[0].ptr, outs[1].ptr], None, ctx);
+    }
+    if dtype.is_half() && mma.is_none() {
+        widen::widened(node, ins, outs, ctx, attention)?;
+        ctx.rt.note_attention(node, path::WIDENED);
+        return Ok(());
     }
     ctx.rt.note_attention(
         node,
@@ -418,10 +418,8 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
         return with_padded_mask(node, ins, outs, ctx, 4, 7, kp.value, attention_grad);
     }
     let mma = mma_variant(&l, ctx, dtype, mask_type(ins, 4));
-    let (mask, causal) = mask_or_causal(node, ins, 4, &l, mma.as_ref(), mask)?;
-    if dtype.is_half() && mma.is_none() {
-        return widen::widened(node, ins, outs, ctx, attention_grad);
-    }
+    let flash_heads = dtype.is_half() && flash::takes_heads(&l);
+    let (mask, causal) = mask_or_causal(node, ins, 4, &l, mma.is_some() || flash_heads, mask)?;
     if l.batch_count() == 0 {
         return Ok(());
     }
@@ -431,6 +429,9 @@ fn attention_grad(node: &Node, ins: &[Option<DView>], outs: &[DView], ctx: &mut 
     let tensors = [ptr(0), q, k, v, ptr(5), dq, dk, dv_];
     if let Some(f) = flash::variant(node, &l, &shape, dtype, mask_type(ins, 4).is_some(), causal == Some(true), &tensors) {
         return f.backward(node, [ptr(0), q, k, v, ptr(5), ptr(6)], [dq, dk, dv_], None, ctx);
+    }
+    if dtype.is_half() && mma.is_none() {
+        return widen::widened(node, ins, outs, ctx, attention_grad);
     }
     let (d, dv, wide) = (l.d, l.dv, l.d.max(l.dv));
     let p = |i: usize| KArg::Ptr(ptr(i));

@@ -1,5 +1,5 @@
 //! Which fused attentions run the FlashAttention-2-style kernels (kernels/attention_flash.cuh),
-//! and their launches: bf16 or f16 tensors with heads of 64 or 128, no mask or the computed
+//! and their launches: bf16 or f16 tensors with heads of 32, 64, 80, 96 or 128, no mask or the computed
 //! causal one (with or without key padding: attention.rs says when; with or without the
 //! probabilities' dropout: kernels/attention_flash_dropout.cu), keys with d contiguous
 //! (layout BSHD), every row 16-byte aligned. Everything else
@@ -8,7 +8,7 @@
 //! families against each other on a GPU. Heads of 64 run in blocks of 128 query rows (forward,
 //! dQ) or keys (dK/dV), 32 a warp, so that each fragment read from shared memory serves two row
 //! tiles; `ORTRAIN_FLASH_ROWS=64` gives them blocks of 64 (16 a warp), for timing one against
-//! the other.
+//! the other. Heads of 32 always run in blocks of 128, heads of 80, 96 and 128 in blocks of 64.
 
 use super::CudaCtx;
 use crate::backend::cuda::abi::AttnShape;
@@ -32,11 +32,15 @@ fn enabled() -> bool {
 }
 
 /// Query rows per forward and dQ block, keys per dK/dV block: 128 for heads of 64 unless
-/// `ORTRAIN_FLASH_ROWS` says 64; 64 for heads of 128 (two row tiles a warp would not fit the
-/// registers).
+/// `ORTRAIN_FLASH_ROWS` says 64; 128 for heads of 32 (their only instance); 64 for heads of 80
+/// and more (two row tiles a warp would not fit the registers).
 fn block_rows(hd: usize) -> std::result::Result<usize, String> {
     let rows = rows_setting(std::env::var(ENV_FLASH_ROWS).ok().as_deref())?;
-    Ok(if hd == 64 { rows } else { TILE })
+    Ok(match hd {
+        32 => 2 * TILE,
+        64 => rows,
+        _ => TILE,
+    })
 }
 
 /// The value of `ORTRAIN_FLASH_ROWS` (None: unset) as block rows.
@@ -48,13 +52,31 @@ fn rows_setting(value: Option<&str>) -> std::result::Result<usize, String> {
     }
 }
 
-/// An attention the flash kernels take: their instance ("d64", "d128") and the launch's shape.
+/// An attention the flash kernels take: their instance ("d32" .. "d128") and the launch's shape.
 pub struct Flash<'a> {
     hd: &'static str,
     dtype: &'static str,
     l: &'a AttnLayout,
     a: AttnShape,
     pub causal: bool,
+}
+
+/// The flash kernels' instance for this attention's head size, if they have one.
+fn instance(l: &AttnLayout) -> Option<&'static str> {
+    match (l.d, l.dv) {
+        (32, 32) => Some("d32"),
+        (64, 64) => Some("d64"),
+        (80, 80) => Some("d80"),
+        (96, 96) => Some("d96"),
+        (128, 128) => Some("d128"),
+        _ => None,
+    }
+}
+
+/// Whether the flash kernels have an instance for this attention's head size (whether they
+/// take it depends on the rest: [`variant`]).
+pub fn takes_heads(l: &AttnLayout) -> bool {
+    instance(l).is_some()
 }
 
 /// The flash kernels' launch for this attention, if they take it: `mask` says whether it has a
@@ -70,11 +92,7 @@ pub fn variant<'a>(
     causal: bool,
     ptrs: &[u64],
 ) -> Option<Flash<'a>> {
-    let hd = match (l.d, l.dv) {
-        (64, 64) => "d64",
-        (128, 128) => "d128",
-        _ => return None,
-    };
+    let hd = instance(l)?;
     let row_strides = [a.q_t, a.k_s, a.v_s, a.o_t];
     let batch_strides = [a.q, a.k, a.v, a.o, a.gq, a.gk, a.gv];
     let strides_of_8 = row_strides.iter().chain(batch_strides.iter().flatten()).all(|s| s % 8 == 0);

@@ -34,7 +34,8 @@ fn node(op: &str) -> Node {
     Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
 }
 
-/// Whether the flash kernels may run (bf16 and f16 heads of 64 and 128), and in which blocks.
+/// Whether the flash kernels may run (bf16 and f16 heads of 32, 64, 80, 96 and 128), and in which
+/// blocks.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Flash {
     Off,
@@ -116,8 +117,9 @@ fn run(c: Case, ins: &[Vec<f64>; 4], key: u64) -> ([Vec<f64>; 5], Option<&'stati
 /// adjacent keys the tensor-core and flash kernels draw together straddle two counters), ratio
 /// 0.3: f32 on the SIMT kernels (exact session) and on the tensor-core ones (bf16 products);
 /// bf16 and f16 tensors on the flash kernels (heads of 64 in blocks of 128 and 64 rows, heads
-/// of 128, key padding without a mask) and, with them turned off, on the tensor-core kernels;
-/// bf16 with heads of 32 on the SIMT kernels through f32 copies. Every output and gradient is
+/// of 32, 96 and 128, key padding without a mask with heads of 64 and 80) and, with them turned
+/// off, on the tensor-core kernels; bf16 with heads of 48 (no flash instance) on the SIMT
+/// kernels through f32 copies. Every output and gradient is
 /// within the kernels' precision of the f64 reference with the Dropout's mask, and that
 /// reference is far from the one without dropout (and from another key's), so a kernel that
 /// dropped other elements, or none, fails.
@@ -136,7 +138,9 @@ fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
         (case("f32", F32Mode::Bf16, self71(64), true, Rows128, "attention_mma_fwd_d64_f32"), 1.5e-2),
         (case("bf16", F32Mode::Bf16, self71(64), true, Off, "attention_mma_fwd_d64_bf16"), 1.5e-2),
         (case("f16", F32Mode::F16, cross(64), false, Off, "attention_mma_fwd_d64_f16"), 3e-3),
-        (case("bf16", F32Mode::Bf16, self71(32), true, Rows128, "attention_fwd_f32"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, self71(48), true, Rows128, "attention_fwd_f32"), 1.5e-2),
+        (case("bf16", F32Mode::Bf16, self71(32), true, Rows128, "attention_flash_fwd_d32r128_dp_bf16"), 1.5e-2),
+        (case("f16", F32Mode::F16, cross(96), false, Rows128, "attention_flash_fwd_d96_dp_f16"), 3e-3),
         (case("bf16", F32Mode::Bf16, self71(64), true, Rows128, "attention_flash_fwd_d64r128_dp_bf16"), 1.5e-2),
         (case("bf16", F32Mode::Bf16, self71(64), true, Rows64, "attention_flash_fwd_d64_dp_bf16"), 1.5e-2),
         (case("f16", F32Mode::F16, cross(128), false, Rows128, "attention_flash_fwd_d128_dp_f16"), 3e-3),
@@ -145,6 +149,7 @@ fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
             Case { padded: true, ..case("bf16", F32Mode::Bf16, self71(64), false, Rows128, "attention_flash_fwd_d64r128_kp_dp_bf16") },
             1.5e-2,
         ),
+        (Case { padded: true, ..case("bf16", F32Mode::Bf16, self71(80), false, Rows128, "attention_flash_fwd_d80_kp_dp_bf16") }, 1.5e-2),
     ];
     let scale = (1.0f32 / (1.0 - RATIO)) as f64;
     for (c, precision) in cases {
@@ -171,7 +176,7 @@ fn gpu_attention_dropout_drops_what_the_dropout_of_its_key_drops() {
         let want = dropped(KEY);
         let (plain, other) = (attention_reference(c.n, SCALE, refs, mask), dropped(KEY ^ 1));
         let (got, path) = run(c, &ins, KEY);
-        if c.dt != "f32" && d == 32 {
+        if c.dt != "f32" && c.forward == "attention_fwd_f32" {
             assert_eq!(path, Some(attention_path::WIDENED), "{c:?}");
         }
         let backward = c.forward.replace("_fwd_", "_bwd_dkv_");
@@ -212,6 +217,8 @@ fn gpu_every_kernel_keeps_exactly_the_dropouts_elements() {
         case("bf16", F32Mode::Bf16, dims(61, 64), Rows128, "attention_flash_fwd_d64r128_dp_bf16"),
         case("bf16", F32Mode::Bf16, dims(61, 64), Rows64, "attention_flash_fwd_d64_dp_bf16"),
         case("f16", F32Mode::F16, dims(127, 128), Rows128, "attention_flash_fwd_d128_dp_f16"),
+        case("bf16", F32Mode::Bf16, dims(31, 32), Rows128, "attention_flash_fwd_d32r128_dp_bf16"),
+        case("f16", F32Mode::F16, dims(79, 80), Rows128, "attention_flash_fwd_d80_dp_f16"),
     ];
     for c in cases {
         let AttnDims { b, h, t, s, d } = c.n;

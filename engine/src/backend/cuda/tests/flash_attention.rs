@@ -3,7 +3,8 @@
 //! on the same 16-bit inputs, no further from it than the tensor-core kernels they replace
 //! (attention_mma.cu, the path `ORTRAIN_FLASH_ATTENTION=0` keeps) and within the type's
 //! precision; heads of 64 in both block sizes (128 query rows or keys, and 64 under
-//! `ORTRAIN_FLASH_ROWS=64`).
+//! `ORTRAIN_FLASH_ROWS=64`). Heads of 32, 80 and 96, which the tensor-core kernels do not take,
+//! within the type's precision.
 
 use std::sync::Arc;
 
@@ -27,6 +28,18 @@ pub(super) fn node(op: &str) -> Node {
         .with("nan_guard", Attr::Int(1))
         .with("layout", Attr::String("BSHD".into()));
     Node { name: op.into(), op_type: op.into(), inputs: vec![], outputs: vec![], attrs }
+}
+
+/// The flash kernels' instance for heads of `d` ("d64") and the block settings to run them in:
+/// (`ORTRAIN_FLASH_ROWS`, the suffix of the kernels that setting launches). Heads of 64 run in
+/// blocks of 128 rows and, set to 64, of 64; heads of 32 only in 128; the others only in 64.
+pub(super) fn flash_blocks(d: usize) -> (String, &'static [(Option<&'static str>, &'static str)]) {
+    let blocks: &[(Option<&str>, &str)] = match d {
+        64 => &[(None, "r128"), (Some("64"), "")],
+        32 => &[(None, "r128"), (Some("64"), "r128")],
+        _ => &[(None, "")],
+    };
+    (format!("d{d}"), blocks)
 }
 
 /// Sizes of one case: batch, heads, queries, keys, head size, and whether causal (T = S).
@@ -108,12 +121,10 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
             std::env::set_var(ENV_FLASH, "0");
             let mma = run(c, dt, &ins);
             std::env::remove_var(ENV_FLASH);
-            let v = if d == 64 { "d64" } else { "d128" };
+            let (v, blocks) = flash_blocks(d);
             for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_mma_{k}_{v}_{dt}")) {
                 assert!(rt.has_launched(&k), "{dt} {c:?}: {k} never launched");
             }
-            // (rows setting, the forward's and dQ's kernel suffix)
-            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
             for &(rows, suffix) in blocks {
                 match rows {
                     Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
@@ -137,6 +148,57 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
                     );
                 }
                 assert!(flash != mma, "{dt} {c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
+            }
+        }
+    }
+}
+
+/// Heads of 32, 80 and 96, which only the flash kernels and the CUDA-core ones (on f32 copies)
+/// take: causal self-attention over partial tiles (150) with heads of 32 and 96, three full key
+/// tiles without a mask (192, heads of 96: the double buffer refilled), cross-attention of 100
+/// queries over 45 keys with heads of 80, bf16 and f16. Every output and gradient within the
+/// type's precision of the f64 reference; the flash kernels of the head size were launched (heads
+/// of 32 in blocks of 128 whatever `ORTRAIN_FLASH_ROWS` says), and their results are not the
+/// CUDA-core kernels' bits.
+#[test]
+fn gpu_flash_attention_takes_heads_of_32_80_and_96() {
+    let Some(_) = gpu_alone("gpu_flash_attention_takes_heads_of_32_80_and_96") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(79);
+    let cases = [
+        Case { b: 1, h: 2, t: 150, s: 150, d: 32, causal: true },
+        Case { b: 2, h: 1, t: 150, s: 150, d: 96, causal: true },
+        Case { b: 1, h: 1, t: 192, s: 192, d: 96, causal: false },
+        Case { b: 1, h: 2, t: 100, s: 45, d: 80, causal: false },
+    ];
+    for (dt, precision) in PRECISION {
+        for c in cases {
+            let Case { b, h, t, s, d, .. } = c;
+            let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, dt, n, -1.0, 1.0));
+            let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
+            std::env::set_var(ENV_FLASH, "0");
+            let simt = run(c, dt, &ins);
+            std::env::remove_var(ENV_FLASH);
+            let (v, blocks) = flash_blocks(d);
+            for &(rows, suffix) in blocks {
+                match rows {
+                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                    None => std::env::remove_var(ENV_FLASH_ROWS),
+                }
+                let flash = run(c, dt, &ins);
+                std::env::remove_var(ENV_FLASH_ROWS);
+                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_{dt}")) {
+                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                }
+                for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+                    let e = rel_err(&flash[i], &want[i]);
+                    println!("{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} of the largest value from the f64 reference");
+                    assert!(
+                        e <= precision,
+                        "{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} from the f64 reference, over {dt}'s {precision:e}"
+                    );
+                }
+                assert!(flash != simt, "{dt} {c:?}: the same bits as the CUDA-core kernels: did the flash kernels run?");
             }
         }
     }

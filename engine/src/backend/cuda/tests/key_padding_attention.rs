@@ -16,7 +16,7 @@ use crate::backend::cuda::ops::{attention_path, kernel, DView, ENV_FLASH, ENV_FL
 use crate::ir::{Attr, Node};
 use crate::tensor::{DType, Data, Tensor};
 
-use super::flash_attention::{PRECISION, SCALE};
+use super::flash_attention::{flash_blocks, PRECISION, SCALE};
 
 /// Hugging Face's masked value (finfo(float32).min), in the mask and as the padding's value.
 const MIN: f32 = f32::MIN;
@@ -148,8 +148,8 @@ fn check(what: &str, c: Case, mask: Mask, kp: &[u8], got: &[Vec<f64>; 5], want: 
 }
 
 /// The flash kernels with key padding and each of `masks` (which give the same scores: one
-/// reference), bf16 and f16, on `cases` (heads of 64 in blocks of 128 and of 64 rows, heads of
-/// 128): the path recorded is `want_path`, their `_kp` kernels were launched, and every output
+/// reference), bf16 and f16, on `cases` (each in the blocks `flash_blocks` gives its head size):
+/// the path recorded is `want_path`, their `_kp` kernels were launched, and every output
 /// and gradient is within the type's precision of the reference, the rows without a visible key
 /// included (their gradients counted: dO is not zero there).
 fn flash_takes_key_padding(seed: u64, cases: [Case; 2], masks: &[Mask], want_path: &str) {
@@ -161,8 +161,7 @@ fn flash_takes_key_padding(seed: u64, cases: [Case; 2], masks: &[Mask], want_pat
             let kp = flags(c);
             let ins = [(); 4].map(|_| rand_as(&mut rng, dt, b * t * h * d, -1.0, 1.0));
             let want = reference(c, masks[0], &kp, &ins[0], &ins[1], &ins[2], &ins[3]);
-            let v = if d == 64 { "d64" } else { "d128" };
-            let blocks: &[(Option<&str>, &str)] = if d == 64 { &[(None, "r128"), (Some("64"), "")] } else { &[(None, "")] };
+            let (v, blocks) = flash_blocks(d);
             for &(rows, suffix) in blocks {
                 for &mask in masks {
                     match rows {
@@ -189,6 +188,14 @@ fn gpu_flash_attention_takes_key_padding_and_rows_without_a_key() {
     let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_and_rows_without_a_key") else { return };
     let cases = [Case { b: 5, h: 2, t: 150, d: 64 }, Case { b: 2, h: 1, t: 150, d: 128 }];
     flash_takes_key_padding(83, cases, &[Mask::Causal], attention_path::FLASH_PADDED);
+}
+
+/// The same with heads of 32 (blocks of 128 rows) and 96 (blocks of 64).
+#[test]
+fn gpu_flash_attention_takes_key_padding_with_heads_of_32_and_96() {
+    let Some(_) = gpu_alone("gpu_flash_attention_takes_key_padding_with_heads_of_32_and_96") else { return };
+    let cases = [Case { b: 5, h: 1, t: 150, d: 32 }, Case { b: 5, h: 1, t: 150, d: 96 }];
+    flash_takes_key_padding(89, cases, &[Mask::Causal], attention_path::FLASH_PADDED);
 }
 
 /// Where the flash kernels do not run (turned off: the tensor-core kernels; f32 tensors: the
