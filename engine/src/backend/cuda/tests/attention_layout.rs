@@ -5,6 +5,7 @@
 
 use super::exec::session;
 use super::exec_models::self_attention_of;
+use super::flash_attention::flash_blocks;
 use super::support::*;
 use crate::backend::cuda::blas::F32Mode;
 use crate::backend::cuda::loader::Loaded;
@@ -160,10 +161,11 @@ fn run_both(
 /// tensor, dQ, dK and dV written into one, give bit for bit what layout BSHD gives on the three
 /// parts, for every kernel family: the SIMT f32 kernels (heads of 24), fp16 through them
 /// (widened), the tensor-core kernels (f32 at bf16 precision, heads of 64), and the
-/// FlashAttention-2-style kernels (bf16, heads of 64 and 128; f16, heads of 64).
+/// FlashAttention-2-style kernels (bf16, heads of 64, 80, 96 and 128; f16, heads of 32 and 64).
 #[test]
 fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
     let Some(g) = gpu("gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts") else { return };
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let mut rng = Rng::new(53);
     let (b, h, t) = (2usize, 3usize, 70usize);
     for (dt, d, mode) in [
@@ -173,6 +175,9 @@ fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
         ("bf16", 64, F32Mode::Bf16),
         ("bf16", 128, F32Mode::Bf16),
         ("f16", 64, F32Mode::F16),
+        ("f16", 32, F32Mode::F16),
+        ("bf16", 80, F32Mode::Bf16),
+        ("bf16", 96, F32Mode::Bf16),
     ] {
         let case = format!("{dt}, heads of {d}, {mode:?}");
         let hd = h * d;
@@ -199,5 +204,10 @@ fn gpu_attention_in_layout_bs3hd_is_bshd_on_the_parts() {
             assert_eq!(got, parts[2 + i], "{case}: {what}");
         }
         assert!(dx.iter().any(|&x| x != 0.0) && packed[0].iter().all(|x| x.is_finite()), "{case}: computed");
+        if dt != "f32" && d != 24 {
+            let (v, blocks) = flash_blocks(d);
+            let k = format!("attention_flash_bwd_dkv_{v}{}_{dt}", blocks[0].1);
+            assert!(rt.has_launched(&k), "{case}: {k} never launched");
+        }
     }
 }
