@@ -1,20 +1,21 @@
 """Writes a GPT-2 language model with its fused cross-entropy loss (the graph `accelerate()` builds
 for `criterion(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))`), or with `--model bert` a
 BERT masked-language model with its loss over every position (`criterion(logits.reshape(-1, V),
-labels)`), its weights and one batch to a folder, for the engine's cross-backend step check
+labels)`), or with `--model llama` a Llama language model (rotary embeddings, grouped-query attention
+with half as many key/value heads, RMSNorm) with GPT-2's loss, its weights and one batch to a folder, for the engine's cross-backend step check
 (engine/src/backend/cuda/tests/onnx_parity.rs): one training step of that graph on the CPU in
 exact f32, on the CPU at bf16 matmul precision and on CUDA at bf16 and fp16 (cuda-emu without a GPU), every
 weight gradient compared. It puts a whole exported model through the CUDA-only passes and
 kernels (tensor-core attention, the causal mask, the chunked LM head over an odd vocabulary, the
 16-bit activations), which the engine's own CUDA tests only see one at a time.
 
-    python -m bench.parity_model OUT_DIR [--model gpt2|bert] [--layers 2] [--width 128] [--heads 2]
+    python -m bench.parity_model OUT_DIR [--model gpt2|bert|llama] [--layers 2] [--width 128] [--heads 2]
                                          [--seq 256] [--batch 2] [--vocab 50257] [--padding]
 
 OUT_DIR gets model.onnx, weights.bin (every bound initializer's f32 data, in meta.txt's order),
 inputs.bin (the int64 inputs in the graph's order: the ids, with --padding the attention_mask,
 then the targets) and meta.txt (one line per weight: `weight NAME TRAINABLE NUMEL`, one per
-input: `input NAME DIMS...`, and `model gpt2` or `model bert`).
+input: `input NAME DIMS...`, and `model gpt2`, `model bert` or `model llama`).
 
 --padding: the model is called with Hugging Face's attention_mask (as a tokenizer's batch gives
 it), the first row padded on the left (its first 70 positions: those queries see no key and
@@ -46,6 +47,19 @@ def padding_mask(batch: int, seq: int, all_padding_row: bool = False):
     return mask
 
 
+def llama(vocab: int, layers: int, width: int, heads: int, seq: int):
+    """A LlamaForCausalLM (rotary embeddings, RMSNorm, SwiGLU) with grouped-query attention (half
+    as many key/value heads), every weight trainable, in training mode."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=seq,
+                      use_cache=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).train()
+
+
 def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, vocab: int, padding: bool = False,
           kind: str = "gpt2") -> None:
     import numpy as np
@@ -55,7 +69,9 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
     from ortrain.engine.cross_entropy import TARGET, _with_cross_entropy
     from ortrain.export import export_module
 
-    if kind == "bert":
+    if kind == "llama":
+        model = llama(vocab, layers, width, heads, seq)
+    elif kind == "bert":
         model, _, _ = models.bert_small(vocab=vocab, layers=layers, hidden=width, heads=heads, intermediate=4 * width,
                                         dropout=0.0, batch=batch, seq=seq, seed=0, attn_implementation="sdpa",
                                         max_positions=seq)
@@ -64,7 +80,7 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
                                         dropout=0.0, batch=batch, seq=seq, seed=0, attn_implementation="sdpa")
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
-    # GPT-2 predicts the next token; BERT's labels here are its own ids at every position
+    # GPT-2 and Llama predict the next token; BERT's labels here are its own ids at every position
     targets = ids.reshape(-1) if kind == "bert" else ids[:, 1:].reshape(-1)
 
     class Logits(torch.nn.Module):
@@ -106,7 +122,8 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
     lines.append(f"model {kind}")
     with open(os.path.join(out, "meta.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"{out}: {'BERT' if kind == 'bert' else 'GPT-2'} {layers} layers, width {width}, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}; "
+    name = {"bert": "BERT", "gpt2": "GPT-2", "llama": "Llama"}[kind]
+    print(f"{out}: {name} {layers} layers, width {width}, {heads} heads, seq {seq}, batch {batch}, vocab {vocab}; "
           f"{'attention_mask with left and right padding, ' if padding else ''}"
           f"exporter {exported.exporter}, {len(exported.param_map)} weights")
 
@@ -114,7 +131,7 @@ def write(out: str, layers: int, width: int, heads: int, seq: int, batch: int, v
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out")
-    ap.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
+    ap.add_argument("--model", choices=("gpt2", "bert", "llama"), default="gpt2")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--heads", type=int, default=2)

@@ -16,6 +16,10 @@
 //! batch is [B, H], the mask broadcasts to [B, H, T, S] and LSE is [B, H, T] as before. dQ, dK, dV
 //! come in the layouts of Q, K, V. No batch broadcasting (B and H are the same in all three).
 //!
+//! `layout = "BHSD_K"` (passes/attention_keys.rs): BHSD with K [.., S, D] itself where BHSD
+//! takes Kᵀ [.., D, S] (the graph's transpose of K not made); dK comes as K, [batch.., S, D].
+//! Batch dims broadcast as in BHSD.
+//!
 //! Key padding (passes/attention_key_padding.rs): Attention(Q, Kt, V, M, KP) and
 //! AttentionGrad(dO, Q, Kt, V, M, O, LSE, KP) with KP a bool tensor broadcast to [batch.., 1, S]
 //! (one flag per key, the same for every query: Hugging Face's attention_mask) and the attribute
@@ -93,6 +97,8 @@ pub struct RowStrides {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Layout {
     Bhsd,
+    /// BHSD with K [.., S, D] in place of Kᵀ.
+    BhsdK,
     Bshd,
     /// Q, K and V packed in one [B, T, 3·H·D] tensor, with this many heads.
     Bs3hd(usize),
@@ -155,18 +161,19 @@ pub fn key_padding_strides(node: &Node, l: &AttnLayout, kp: &[usize]) -> Result<
 pub fn layout_attr(node: &Node) -> Result<Layout> {
     match node.attrs.string("layout", "BHSD")?.as_str() {
         "BHSD" => Ok(Layout::Bhsd),
+        "BHSD_K" => Ok(Layout::BhsdK),
         "BSHD" => Ok(Layout::Bshd),
         "BS3HD" => match node.attrs.int("heads", 0)? {
             h if h > 0 => Ok(Layout::Bs3hd(h as usize)),
             h => Err(node.err(format!("layout BS3HD needs a positive `heads` attribute, got {h}"))),
         },
-        other => Err(node.err(format!("layout '{other}': expected BHSD (the default), BSHD or BS3HD"))),
+        other => Err(node.err(format!("layout '{other}': expected BHSD (the default), BHSD_K, BSHD or BS3HD"))),
     }
 }
 
 /// Whether Q, K, V and O have the heads inside each row (layouts BSHD and BS3HD).
 pub fn heads_inside(node: &Node) -> Result<bool> {
-    Ok(layout_attr(node)? != Layout::Bhsd)
+    Ok(matches!(layout_attr(node)?, Layout::Bshd | Layout::Bs3hd(_)))
 }
 
 impl AttnLayout {
@@ -218,18 +225,24 @@ fn mask_strides(node: &Node, batch: &[usize], t: usize, s: usize, mask: Option<&
 
 /// Checks the shapes of an Attention node's inputs (Q, Kt or K, V, the mask) and lays them out.
 pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mask: Option<&[usize]>) -> Result<AttnLayout> {
-    match layout_attr(node)? {
+    let keys = match layout_attr(node)? {
         Layout::Bshd => return heads_inside_layout(node, q, kt, v, mask),
         Layout::Bs3hd(h) => return packed_layout(node, q, kt, v, mask, h),
-        Layout::Bhsd => {}
-    }
+        Layout::Bhsd => false,
+        Layout::BhsdK => true,
+    };
     if q.len() < 2 || kt.len() < 2 || v.len() < 2 {
         return Err(node.err(format!("Q, Kt and V must have rank >= 2, got {q:?}, {kt:?}, {v:?}")));
     }
     let split = |x: &[usize]| (x[..x.len() - 2].to_vec(), x[x.len() - 2], x[x.len() - 1]);
-    let ((bq, t, d), (bk, dk, s), (bv, sv, dv)) = (split(q), split(kt), split(v));
+    let ((bq, t, d), (bk, k0, k1), (bv, sv, dv)) = (split(q), split(kt), split(v));
+    // K [.., S, D] (BHSD_K) or Kt [.., D, S]
+    let (dk, s) = if keys { (k1, k0) } else { (k0, k1) };
     if dk != d || sv != s {
-        return Err(node.err(format!("Q {q:?}, Kt {kt:?} and V {v:?} do not chain: Q·Kt·V needs [.., T, D], [.., D, S], [.., S, Dv]")));
+        let (name, want) = if keys { ("K", "[.., S, D]") } else { ("Kt", "[.., D, S]") };
+        return Err(
+            node.err(format!("Q {q:?}, {name} {kt:?} and V {v:?} do not chain: Q·Kᵀ·V needs [.., T, D], {name} {want}, [.., S, Dv]"))
+        );
     }
     let batch = broadcast_shapes(node, &[&bq, &bk, &bv])?;
     let full = |b: &[usize], rows: usize, cols: usize| {
@@ -240,7 +253,11 @@ pub fn attention_layout(node: &Node, q: &[usize], kt: &[usize], v: &[usize], mas
     let m = mask_strides(node, &batch, t, s, mask)?;
     // outputs and gradients: contiguous in the full batch
     let out = |rows: usize, cols: usize| full(&batch, rows, cols);
-    let rows = RowStrides { q_t: d, k_s: 1, k_d: s, v_s: dv, o_t: dv };
+    let rows = if keys {
+        RowStrides { q_t: d, k_s: d, k_d: 1, v_s: dv, o_t: dv }
+    } else {
+        RowStrides { q_t: d, k_s: 1, k_d: s, v_s: dv, o_t: dv }
+    };
     let (o, gq, gk, gv) = (out(t, dv), out(t, d), out(d, s), out(s, dv));
     Ok(AttnLayout {
         q: full(&bq, t, d),
@@ -443,14 +460,15 @@ impl OpDef for AttentionGrad {
             // the inputs' own layouts (no batch broadcasting)
             Layout::Bshd => return Ok(vec![like(1)?, like(2)?, like(3)?]),
             Layout::Bs3hd(_) => return Ok(vec![like(1)?]),
-            Layout::Bhsd => {}
+            Layout::Bhsd | Layout::BhsdK => {}
         }
         let with = |rows: usize, cols: usize| {
             let mut s = l.batch.clone();
             s.extend([rows, cols]);
             TypeOut::new(dt, s)
         };
-        Ok(vec![with(l.t, l.d), with(l.d, l.s), with(l.s, l.dv)])
+        let dk = if layout_attr(node)? == Layout::BhsdK { with(l.s, l.d) } else { with(l.d, l.s) };
+        Ok(vec![with(l.t, l.d), dk, with(l.s, l.dv)])
     }
 }
 

@@ -31,21 +31,26 @@ pub(super) fn reshaped(graph: &Graph, v: ValueId) -> Option<(ValueId, Vec<SymDim
     (!target.contains(&SymDim::Known(0))).then_some((node.input(0)?, target))
 }
 
-/// Xk of an operand Kᵀ [B, H, D, S] made from K = Transpose(Xk, [0, 2, 1, 3]).
-fn key_source(graph: &Graph, kt: ValueId) -> Option<ValueId> {
-    if let Some(xk) = transposed(graph, kt, &[0, 2, 3, 1]) {
-        return Some(xk);
-    }
+/// K [B, H, S, D] of an operand Kᵀ [B, H, D, S] written as Transpose(K, [0, 1, 3, 2]) or as
+/// torchlib writes it, Reshape(Transpose(Reshape(K, [-1, S, D]), [0, 2, 1]), [B, H, D, S]).
+pub(super) fn keys_of(graph: &Graph, kt: ValueId) -> Option<ValueId> {
     if let Some(k) = transposed(graph, kt, &[0, 1, 3, 2]) {
-        return transposed(graph, k, &HEADS_OUT);
+        return Some(k);
     }
-    // torchlib: Reshape(Transpose(Reshape(K, [-1, S, D]), [0, 2, 1]), [B, H, D, S])
     let (flat_t, split) = reshaped(graph, kt)?;
     let flat = transposed(graph, flat_t, &[0, 2, 1])?;
     let (k, merge) = reshaped(graph, flat)?;
     let [b, h, s, d] = <[SymDim; 4]>::try_from(shape_of(graph, k)?).ok()?;
     let merged = reshapes_to(&merge, &[SymDim::Known(-1), s.clone(), d.clone()]);
-    (merged && reshapes_to(&split, &[b, h, d, s])).then(|| transposed(graph, k, &HEADS_OUT)).flatten()
+    (merged && reshapes_to(&split, &[b, h, d, s])).then_some(k)
+}
+
+/// Xk of an operand Kᵀ [B, H, D, S] made from K = Transpose(Xk, [0, 2, 1, 3]).
+fn key_source(graph: &Graph, kt: ValueId) -> Option<ValueId> {
+    if let Some(xk) = transposed(graph, kt, &[0, 2, 3, 1]) {
+        return Some(xk);
+    }
+    transposed(graph, keys_of(graph, kt)?, &HEADS_OUT)
 }
 
 /// Whether Xq [B, T, H, D], Xk [B, S, H, D] and Xv [B, S, H, Dv] are known to share B, H and

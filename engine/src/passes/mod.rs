@@ -6,6 +6,7 @@
 //! backends only runs for sessions built for those (`Target`).
 
 mod attention_key_padding;
+mod attention_keys;
 mod attention_layout;
 mod attention_packed_qkv;
 mod autocast;
@@ -90,6 +91,9 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after it: the fused attention reads Q, K, V and writes O with the heads inside the rows,
     // where the graph transposed them out and back
     ("attention_layout", |g, _| Ok(attention_layout::run(g)), Runs::Both),
+    // after it: an attention it left in BHSD (Llama's: rotary Q, repeated K) reads K itself
+    // where the graph transposed it for the product
+    ("attention_keys", |g, _| Ok(attention_keys::run(g)), Runs::Both),
     // after it, before autocast renames the values whose shapes the exporter declared: a
     // self-attention over the three parts of one split projection reads the projection itself
     ("attention_packed_qkv", |g, _| Ok(attention_packed_qkv::run(g)), Runs::CudaOnly),

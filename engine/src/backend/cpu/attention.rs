@@ -22,10 +22,16 @@ use crate::ops::attention::{
 };
 use crate::tensor::Tensor;
 
-/// Whether the node is in layout BSHD (run on BHSD copies); BS3HD has no CPU kernel.
-fn via_copies(node: &Node) -> Result<bool> {
+/// Whether the node is in layout BSHD (run on BHSD copies); BS3HD has no CPU kernel, and
+/// BHSD_K only the f32 one (`reference`: asked by the reference kernel, which reads Kt).
+fn via_copies(node: &Node, reference: bool) -> Result<bool> {
     match layout_attr(node)? {
         Layout::Bhsd => Ok(false),
+        Layout::BhsdK if !reference => Ok(false),
+        Layout::BhsdK => Err(node.err(
+            "layout BHSD_K (K not transposed, made by passes/attention_keys.rs) has only the CPU's f32 kernels; \
+             this attention's tensors are not f32",
+        )),
         Layout::Bshd => Ok(true),
         Layout::Bs3hd(_) => Err(node.err(
             "layout BS3HD (Q, K and V packed in one tensor, made by passes/attention_packed_qkv.rs for CUDA sessions) has no CPU kernel",
@@ -231,13 +237,13 @@ fn f32_operands<'a>(node: &Node, inputs: &[Option<In<'a>>], first: usize) -> Res
 }
 
 fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    via_copies(node)?; // BS3HD has no CPU kernel
+    via_copies(node, false)?; // BS3HD has no CPU kernel
     if let Some(x) = f32_operands(node, inputs, 0)? {
         let params = setup(node, inputs, 0)?;
         let [o, lse] = out else { return Err(node.err("Attention has two outputs")) };
         return attention_f32::forward(node, &params, &x, o.slice::<f32>()?, lse.slice::<f32>()?);
     }
-    if via_copies(node)? {
+    if via_copies(node, true)? {
         let o = permuted_shape(out[0].shape, TO_BHSD);
         let ins = [Some(TO_BHSD), Some(K_TO_KT), Some(TO_BHSD)];
         return via_bhsd(node, inputs, out, ctx, attention, &ins, &[Some((o, TO_BHSD))]);
@@ -286,7 +292,7 @@ fn attention(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuC
 
 /// AttentionGrad(dO, Q, Kt, V, M?, O, LSE, KP?) -> (dQ, dKt, dV).
 fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut CpuCtx) -> Result<()> {
-    via_copies(node)?; // BS3HD has no CPU kernel
+    via_copies(node, false)?; // BS3HD has no CPU kernel
     if let Some(x) = f32_operands(node, inputs, 1)? {
         let params = setup(node, inputs, 1)?;
         let sl = |i: usize| req(node, inputs, i).and_then(|t| t.slice::<f32>());
@@ -295,7 +301,7 @@ fn attention_grad(node: &Node, inputs: &[Option<In>], out: &mut [Out], ctx: &mut
         let g = Grads { dq: dq.slice::<f32>()?, dk: dk.slice::<f32>()?, dv: dv.slice::<f32>()? };
         return attention_f32::backward(node, &params, &x, dout, o, lse, g);
     }
-    if via_copies(node)? {
+    if via_copies(node, true)? {
         let outs = [
             Some((permuted_shape(out[0].shape, TO_BHSD), TO_BHSD)),
             Some((permuted_shape(out[1].shape, K_TO_KT), KT_TO_K)),

@@ -48,9 +48,10 @@ fn node(op: &str, layout: Option<&str>) -> Node {
 
 /// Attention and AttentionGrad on B = 2, H = 3, T = 70 queries (a partial last tile) over S = 70
 /// keys (self-attention) and S = 45 (cross-attention), a mask hiding keys past each query's
-/// index: in layout BSHD, and on the same tensors transposed to BHSD; outputs and gradients
-/// equal bit for bit once transposed back. The SIMT kernels (f32, heads of 24) and the
-/// tensor-core ones (heads of 64: f32 tensors with bf16 products, and bf16 tensors).
+/// index: in layout BSHD, on the same tensors transposed to BHSD, and in BHSD_K (BHSD with K
+/// [B, H, S, D] untransposed, passes/attention_keys.rs); outputs and gradients equal bit for bit
+/// once transposed back. The SIMT kernels (f32, heads of 24) and the tensor-core ones (heads of
+/// 64: f32 tensors with bf16 products, and bf16 tensors).
 #[test]
 fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
     let Some(g) = gpu("gpu_attention_in_layout_bshd_is_bhsd_transposed") else { return };
@@ -74,12 +75,14 @@ fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
                 permute(&v, keys, heads_out),
                 permute(&dout, rows, heads_out),
             );
+            let kb = permute(&k, keys, heads_out);
             let (mut ctx, _claim) = direct_ctx(mode, 0);
             let mut results = Vec::new();
             // (layout, Q, Kt or K, V, dO, and their shapes)
             for (layout, ins, shapes) in [
                 (Some("BSHD"), [&q, &k, &v, &dout], [rows, keys, keys, rows]),
                 (None, [&qb, &ktb, &vb, &doutb], [bhtd, kt_shape, bhsd, bhtd]),
+                (Some("BHSD_K"), [&qb, &kb, &vb, &doutb], [bhtd, bhsd, bhsd, bhtd]),
             ] {
                 let bufs: Vec<_> = ins.iter().map(|x| dev_as(g, dt, x)).collect();
                 let view = |i: usize| Some(DView { dtype, shape: &shapes[i], ptr: bufs[i].ptr(), host: None });
@@ -101,7 +104,11 @@ fn gpu_attention_in_layout_bshd_is_bhsd_transposed() {
                 got.extend(grads.iter().map(|x| host_as(x, dt)));
                 results.push(got);
             }
-            let (s, p) = (&results[0], &results[1]);
+            let (s, p, u) = (&results[0], &results[1], &results[2]);
+            for i in [0, 1, 2, 4] {
+                assert_eq!(u[i], p[i], "{case}: BHSD_K's output {i}, BHSD's");
+            }
+            assert_eq!(u[3], permute(&p[3], kt_shape, [0, 1, 3, 2]), "{case}: BHSD_K's dK, BHSD's dKt transposed");
             assert_eq!(s[0], permute(&p[0], bhtd, heads_out), "{case}: O");
             assert_eq!(s[1], p[1], "{case}: LSE");
             assert_eq!(s[2], permute(&p[2], bhtd, heads_out), "{case}: dQ");

@@ -8,8 +8,8 @@
 //! small shapes, can miss. The CUDA bf16 step runs twice on the same plan and arena and must
 //! give the same bits both times.
 //!
-//! The model comes from a folder written by `python -m bench.parity_model DIR [--model bert]
-//! [--padding]` (a GPT-2 or a BERT with its fused cross-entropy loss; with --padding called with
+//! The model comes from a folder written by `python -m bench.parity_model DIR [--model bert|llama]
+//! [--padding]` (a GPT-2, a BERT or a Llama with its fused cross-entropy loss; with --padding called with
 //! an attention_mask, padded left and right (BERT: one row all padding), which the CUDA sessions'
 //! attentions must take as key padding, the queries without a visible key included); the test
 //! reads `ORTRAIN_PARITY_MODEL=DIR`:
@@ -25,20 +25,28 @@ use crate::backend::cuda::blas::F32Mode;
 use crate::session::{Session, SessionOptions, Sig, Target};
 use crate::tensor::DType;
 
+/// Which model a probe folder holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Model {
+    Gpt2,
+    Bert,
+    Llama,
+}
+
 /// The folder's contents: the graph, the bound weights (name, trainable, f32 data), the int64
 /// inputs (shape, little-endian bytes), in the graph's input order, and which model it is.
 struct Probe {
     onnx: Vec<u8>,
     weights: Vec<(String, bool, Vec<f32>)>,
     inputs: Vec<(Vec<usize>, Vec<u8>)>,
-    bert: bool,
+    model: Model,
 }
 
 fn read_probe(dir: &Path) -> Probe {
     let read = |f: &str| std::fs::read(dir.join(f)).unwrap_or_else(|e| panic!("{}: {e}", dir.join(f).display()));
     let meta = String::from_utf8(read("meta.txt")).expect("meta.txt is UTF-8");
     let (weight_bytes, input_bytes) = (read("weights.bin"), read("inputs.bin"));
-    let (mut weights, mut inputs, mut wat, mut iat, mut bert) = (Vec::new(), Vec::new(), 0usize, 0usize, false);
+    let (mut weights, mut inputs, mut wat, mut iat, mut model) = (Vec::new(), Vec::new(), 0usize, 0usize, Model::Gpt2);
     for line in meta.lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         let num = |s: &str| s.parse::<usize>().unwrap_or_else(|e| panic!("meta.txt: {line:?}: {e}"));
@@ -55,12 +63,19 @@ fn read_probe(dir: &Path) -> Probe {
                 inputs.push((shape, input_bytes[iat..iat + bytes].to_vec()));
                 iat += bytes;
             }
-            Some("model") if f.len() == 2 && matches!(f[1], "gpt2" | "bert") => bert = f[1] == "bert",
+            Some("model") if f.len() == 2 => {
+                model = match f[1] {
+                    "gpt2" => Model::Gpt2,
+                    "bert" => Model::Bert,
+                    "llama" => Model::Llama,
+                    other => panic!("meta.txt: model {other:?} is not one of gpt2, bert, llama"),
+                }
+            }
             _ => panic!("meta.txt: unexpected line {line:?}"),
         }
     }
     assert_eq!((wat, iat), (weight_bytes.len(), input_bytes.len()), "meta.txt does not describe the .bin files whole");
-    Probe { onnx: read("model.onnx"), weights, inputs, bert }
+    Probe { onnx: read("model.onnx"), weights, inputs, model }
 }
 
 fn open(p: &Probe, target: Target, precision: MatmulPrecision) -> Session {
@@ -105,9 +120,12 @@ fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> 
     let weights: Vec<Vec<f32>> = p.weights.iter().map(|w| w.2.clone()).collect();
     let mut run = GpuRun::new(s, &sigs(p), &weights, &[vec![seed]], mode, LEGACY);
     // GPT-2's folded causal mask: every attention computes it, so it is not on the GPU (with key
-    // padding it is uploaded: a kernel that does not take the padding reads the two combined)
-    let on_host = if padded(p) || p.bert { 0 } else { 1 };
-    assert_eq!(run.masks_on_host(), on_host, "causal mask constants kept on the host");
+    // padding it is uploaded: a kernel that does not take the padding reads the two combined).
+    // Llama's stays on the host only with heads the tensor-core kernels also take (ops::computes_mask)
+    if p.model != Model::Llama {
+        let on_host = if padded(p) || p.model == Model::Bert { 0 } else { 1 };
+        assert_eq!(run.masks_on_host(), on_host, "causal mask constants kept on the host");
+    }
     let inputs: Vec<&[u8]> = p.inputs.iter().map(|i| &i.1[..]).collect();
     (0..steps)
         .map(|_| {
@@ -120,12 +138,17 @@ fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> 
 
 /// The attention layouts of a CUDA session's fused attentions: GPT-2's read its c_attn
 /// projection in place (passes/attention_packed_qkv.rs), layout BS3HD; BERT's separate Q, K, V
-/// projections in theirs (passes/attention_layout.rs), layout BSHD.
+/// projections in theirs (passes/attention_layout.rs), layout BSHD; Llama's rotated Q and
+/// repeated K and V with the heads out, K untransposed (passes/attention_keys.rs), BHSD_K.
 fn assert_attention_layout(p: &Probe, s: &Session, what: &str) {
     let layouts: Vec<String> =
         s.graph.nodes.iter().filter(|n| n.op_type == "Attention").map(|n| n.attrs.string("layout", "BHSD").expect("layout")).collect();
     println!("{what}: attention layouts: {layouts:?}");
-    let want = if p.bert { "BSHD" } else { "BS3HD" };
+    let want = match p.model {
+        Model::Gpt2 => "BS3HD",
+        Model::Bert => "BSHD",
+        Model::Llama => "BHSD_K",
+    };
     assert!(!layouts.is_empty() && layouts.iter().all(|l| l == want), "{what}: every attention in layout {want}: {layouts:?}");
 }
 
@@ -190,7 +213,8 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     // computed (and the attention_mask's key padding), BERT's with no mask (or the key padding)
     let paths = cuda_session.attention_paths_cuda();
     use crate::backend::cuda::ops::attention_path::{FLASH, FLASH_CAUSAL, FLASH_KEY_PADDING, FLASH_PADDED};
-    let want = match (p.bert, padded(&p)) {
+    let bert = p.model == Model::Bert;
+    let want = match (bert, padded(&p)) {
         (false, false) => FLASH_CAUSAL,
         (false, true) => FLASH_PADDED,
         (true, false) => FLASH,
@@ -210,7 +234,8 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     );
     let rt = super::support::runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
     let family = |f: &str, t: &str| {
-        let variants = ["d64", "d64r128", "d128", "d64_kp", "d64r128_kp", "d128_kp"];
+        let variants = ["d32r128", "d64", "d64r128", "d80", "d96", "d128"];
+        let variants = variants.iter().flat_map(|v| [v.to_string(), format!("{v}_kp")]).collect::<Vec<_>>();
         ["fwd", "bwd_dq", "bwd_dkv"].iter().all(|k| variants.iter().any(|v| rt.has_launched(&format!("attention_{f}_{k}_{v}_{t}"))))
     };
     for t in ["bf16", "f16"] {
@@ -218,7 +243,7 @@ fn gpu_exported_model_step_is_as_close_to_f32_as_the_cpus_bf16_step() {
     }
     // GPT-2's bf16 LM head makes its logits in bf16 and G from them in place (BERT's takes f32
     // X and W, rounded for its bf16 products: its transform's LayerNorm stays f32)
-    assert!(p.bert || rt.has_launched("lce_rows_v16_bf16"), "the bf16 session's LM head rows: lce_rows_v16_bf16 never launched");
+    assert!(bert || rt.has_launched("lce_rows_v16_bf16"), "the bf16 session's LM head rows: lce_rows_v16_bf16 never launched");
     let mut worst = Vec::new();
     // a gradient that is 0 in exact arithmetic (BERT's key bias: adding q·b to every key's score
     // leaves the softmax as it was) is f32 noise in the reference: its errors count against the
