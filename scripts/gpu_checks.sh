@@ -49,6 +49,9 @@
 #              the key padding in the flash kernels): ortrain+fuse_attention+autocast, torch.compile
 #              and eager; then the padded parity model's step (bench.parity_model --padding), and
 #              BERT-base's (--model bert --padding: key padding without a causal mask)
+#   llama      an exported Llama's step (4 layers, width 1024, heads of 64 with 8 key/value heads,
+#              seq 1024; LLAMA_PARITY_ARGS replaces the sizes), plain and with a padded
+#              attention_mask: its attentions in layout BHSD_K on the flash kernels
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
 #   session    env,kernels,warm,gpt2,parity,profile,variants,pytest,tutorial under a deadline: one call of a
 #              15-minute lease (the later sections run only as far as time is left)
@@ -173,7 +176,7 @@ if has kernels; then
     fi
 fi
 
-if has warm || has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16 || has padded; then
+if has warm || has pytest || has bench || has tutorial || has gpt2 || has parity || has variants || has profile || has fp16 || has padded || has llama; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ortrain-site .gpu/*.whl
     export PYTHONPATH=/tmp/ortrain-site
 fi
@@ -193,21 +196,30 @@ bench() {
         $PY -m bench.gpu --worker-timeout "${WORKER_TIMEOUT:-240}" --json "$LOG_DIR/$json" "$@"
     [ -f "$LOG_DIR/${json%.json}.log" ] && tail -25 "$LOG_DIR/${json%.json}.log"
 }
+# One exported model's training step on the CPU in f32 and at bf16 and on this GPU at bf16 and
+# fp16, every weight gradient against f32 (the engine test onnx_parity):
+# parity_step TITLE NAME PARITY_MODEL_ARGS... (NAME: its folder under /tmp and its logs' name)
+parity_step() {
+    local title=$1 name=$2
+    shift 2
+    section "$title"
+    rm -rf "/tmp/$name"
+    capped 90 "$name export" "$LOG_DIR/$name-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
+        $PY -m bench.parity_model "/tmp/$name" "$@"
+    if [ -f "/tmp/$name/meta.txt" ] && [ -x .gpu/cuda_lib ]; then
+        ORTRAIN_PARITY_MODEL="/tmp/$name" capped 150 "$name step" "$LOG_DIR/$name.log" .gpu/cuda_lib onnx_parity --ignored --nocapture
+        tail -40 "$LOG_DIR/$name.log"
+    fi
+}
+
 if has gpt2; then
     # the engine's intended GPT-2 path first: its row is the one the targets need
     bench 300 "GPT-2 124M" bench-gpt2.json --workloads gpt2-124m --steps 40 --warmup 10 \
         --systems ortrain+fuse_attention+autocast,compile,eager
 fi
 if has parity; then
-    section "one exported GPT-2 124M step: CPU f32, CPU bf16, GPU bf16"
-    rm -rf /tmp/parity-gpt2
-    capped 90 "parity model export" "$LOG_DIR/parity-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
-        $PY -m bench.parity_model /tmp/parity-gpt2 ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
-    if [ -f /tmp/parity-gpt2/meta.txt ] && [ -x .gpu/cuda_lib ]; then
-        ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2 capped 150 "parity GPT-2 124M step" "$LOG_DIR/parity.log" \
-            .gpu/cuda_lib onnx_parity --ignored --nocapture
-        tail -40 "$LOG_DIR/parity.log"
-    fi
+    parity_step "one exported GPT-2 124M step: CPU f32, CPU bf16, GPU bf16" parity-gpt2 \
+        ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
 fi
 if has profile; then
     section "bench.gpu_profile: GPT-2 124M, ortrain with fuse_attention,autocast"
@@ -228,24 +240,17 @@ fi
 if has padded; then
     bench 300 "GPT-2 124M, padded attention_mask" bench-gpt2-padded.json --workloads gpt2-124m-padded --steps 20 --warmup 4 \
         --systems ortrain+fuse_attention+autocast,compile,eager
-    section "one exported GPT-2 step with a padded attention_mask: CPU f32, CPU bf16, GPU bf16"
-    rm -rf /tmp/parity-gpt2-padded
-    capped 90 "padded parity model export" "$LOG_DIR/parity-padded-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
-        $PY -m bench.parity_model /tmp/parity-gpt2-padded --padding ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
-    if [ -f /tmp/parity-gpt2-padded/meta.txt ] && [ -x .gpu/cuda_lib ]; then
-        ORTRAIN_PARITY_MODEL=/tmp/parity-gpt2-padded capped 150 "padded parity step" "$LOG_DIR/parity-padded.log" \
-            .gpu/cuda_lib onnx_parity --ignored --nocapture
-        tail -40 "$LOG_DIR/parity-padded.log"
-    fi
-    section "one exported BERT-base step with a padded attention_mask (one row all padding): no causal mask, key padding in the flash kernels"
-    rm -rf /tmp/parity-bert-padded
-    capped 90 "BERT parity model export" "$LOG_DIR/parity-bert-export.log" env PYTHONPATH="$PYTHONPATH:$PWD:$PWD/tests" \
-        $PY -m bench.parity_model /tmp/parity-bert-padded --model bert --padding ${BERT_PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 512 --batch 3 --vocab 30522}
-    if [ -f /tmp/parity-bert-padded/meta.txt ] && [ -x .gpu/cuda_lib ]; then
-        ORTRAIN_PARITY_MODEL=/tmp/parity-bert-padded capped 150 "BERT padded parity step" "$LOG_DIR/parity-bert.log" \
-            .gpu/cuda_lib onnx_parity --ignored --nocapture
-        tail -40 "$LOG_DIR/parity-bert.log"
-    fi
+    parity_step "one exported GPT-2 step with a padded attention_mask: CPU f32, CPU bf16, GPU bf16" parity-gpt2-padded \
+        --padding ${PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 1024 --batch 2}
+    parity_step "one exported BERT-base step with a padded attention_mask (one row all padding): no causal mask, key padding in the flash kernels" \
+        parity-bert-padded --model bert --padding ${BERT_PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 512 --batch 3 --vocab 30522}
+fi
+if has llama; then
+    # grouped-query attention (8 key/value heads of 16), rotary embeddings: layout BHSD_K, flash
+    parity_step "one exported Llama step (4 layers, width 1024, heads of 64, GQA): CPU f32, CPU bf16, GPU bf16" parity-llama \
+        --model llama ${LLAMA_PARITY_ARGS:---layers 4 --width 1024 --heads 16 --seq 1024 --batch 2 --vocab 32000}
+    parity_step "the same Llama with a padded attention_mask" parity-llama-padded \
+        --model llama --padding ${LLAMA_PARITY_ARGS:---layers 4 --width 1024 --heads 16 --seq 1024 --batch 2 --vocab 32000}
 fi
 if has pytest; then
     section "pytest -m gpu"
