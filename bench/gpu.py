@@ -1,7 +1,7 @@
 """The GPU benchmark: PyTorch eager, torch.compile and ortrain on one NVIDIA GPU, in one run, with
 ms/step, tokens/s, MFU and peak GPU memory (issue 6's targets).
 
-    python -m bench.gpu [--workloads tutorial,gpt2-124m[,gpt2-124m-padded]] [--systems eager,compile,ortrain[,ortrain-nographs]]
+    python -m bench.gpu [--workloads tutorial,gpt2-124m[,gpt2-124m-padded,llama-gqa]] [--systems eager,compile,ortrain[,ortrain-nographs]]
                         [--steps 50] [--warmup 10] [--gpt2-batch 16] [--gpt2-precision bf16|fp16]
                         [--worker-timeout 900] [--json PATH]
 
@@ -14,7 +14,9 @@ per-batch log sees. MFU counts the model FLOPs of a training step (6 per paramet
 the matmul weights plus 12·L·H·Q·T for attention, as nanoGPT/PaLM) against the GPU's dense peak
 for the precision (tensor-core bf16 or fp16, or plain fp32 since TF32 is off). GPT-2 runs in
 mixed precision: eager and torch.compile under torch.autocast (fp16 with a GradScaler), ortrain
-with `precision=` the same (fp16 with the engine's dynamic loss scaler). `ortrain-nographs` is
+with `precision=` the same (fp16 with the engine's dynamic loss scaler); so does llama-gqa, a
+Llama-architecture model of 156M parameters with grouped-query attention (LLAMA_* below),
+at half GPT-2's batch. `ortrain-nographs` is
 ortrain with `cuda_graphs=False` (every kernel launched): what the CUDA graphs bring, in one run.
 An ortrain system may name opt-in engine passes after `+` (`ortrain+fuse_attention+autocast`), and
 passes to turn off as `+no_<pass>` (`ortrain+fuse_attention+autocast+no_recompute`): that row's
@@ -68,6 +70,10 @@ PEAKS = {("H100", "bf16"): 989.4e12, ("H100", "fp16"): 989.4e12, ("H100", "fp32"
 
 # the tutorial model's depth and width (tests/models.py: 2 layers, emsize 200)
 TUTORIAL_LAYERS, TUTORIAL_WIDTH = 2, 200
+# llama-gqa: a Llama-architecture model of 156M parameters (rotary embeddings, RMSNorm,
+# SwiGLU, grouped-query attention: 16 query heads of 64 over 4 key/value heads), seq 1024, at
+# half GPT-2's batch, bf16, AdamW, clip 1.0: the Llama family's attention (layout BHSD_K)
+LLAMA_LAYERS, LLAMA_WIDTH, LLAMA_VOCAB = 8, 1024, 32000
 
 
 def train_flops(model, lookup, layers: int, width: int, seq: int, tokens: int) -> float:
@@ -126,7 +132,29 @@ def _build(workload: str, gpt2_batch: int, gpt2_precision: str = "bf16", for_ort
         # wte counts: it is the tied LM head
         flops = train_flops(model, [model.transformer.wpe.weight], 12, 768, seq, tokens)
         return model, optimizer, lambda s: batches[s % len(batches)], forward_loss, None, gpt2_precision, tokens, flops
-    raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m, gpt2-124m-padded")
+    if workload == "llama-gqa":
+        import transformers
+
+        seq, bsz = 1024, max(gpt2_batch // 2, 1)
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=LLAMA_WIDTH, intermediate_size=2816,
+                                       num_hidden_layers=LLAMA_LAYERS, num_attention_heads=16, num_key_value_heads=4,
+                                       max_position_embeddings=seq, use_cache=False, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(cfg).to(dev)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=not for_ortrain)
+        g = torch.Generator().manual_seed(1)
+        batches = [(torch.randint(0, LLAMA_VOCAB, (bsz, seq), generator=g).to(dev),) for _ in range(8)]
+        criterion = nn.CrossEntropyLoss()
+
+        def llama_loss(m, b):
+            (ids,) = b
+            logits = m(ids).logits
+            return criterion(logits[:, :-1].reshape(-1, LLAMA_VOCAB), ids[:, 1:].reshape(-1))
+
+        tokens = seq * bsz
+        flops = train_flops(model, [model.model.embed_tokens.weight], LLAMA_LAYERS, LLAMA_WIDTH, seq, tokens)
+        return model, optimizer, lambda s: batches[s % len(batches)], llama_loss, 1.0, gpt2_precision, tokens, flops
+    raise SystemExit(f"unknown workload {workload!r}; known: tutorial, gpt2-124m, gpt2-124m-padded, llama-gqa")
 
 
 def _padded(ids):

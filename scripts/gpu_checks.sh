@@ -49,7 +49,8 @@
 #              the key padding in the flash kernels): ortrain+fuse_attention+autocast, torch.compile
 #              and eager; then the padded parity model's step (bench.parity_model --padding), and
 #              BERT-base's (--model bert --padding: key padding without a causal mask)
-#   llama      an exported Llama's step (4 layers, width 1024, heads of 64 with 8 key/value heads,
+#   llama      bench.gpu's llama-gqa (a 156M-parameter Llama, GQA, bf16): ortrain+fuse_attention+autocast,
+#              torch.compile and eager; then an exported Llama's step (4 layers, width 1024, heads of 64 with 8 key/value heads,
 #              seq 1024; LLAMA_PARITY_ARGS replaces the sizes), plain and with a padded
 #              attention_mask: its attentions in layout BHSD_K on the flash kernels
 #   bench      bench.gpu with $BENCH_ARGS (default: both workloads, the default systems)
@@ -246,6 +247,8 @@ if has padded; then
         parity-bert-padded --model bert --padding ${BERT_PARITY_ARGS:---layers 12 --width 768 --heads 12 --seq 512 --batch 3 --vocab 30522}
 fi
 if has llama; then
+    bench 300 "Llama (GQA, 156M parameters)" bench-llama.json --workloads llama-gqa --steps 20 --warmup 4 \
+        --systems ortrain+fuse_attention+autocast,compile,eager
     # grouped-query attention (8 key/value heads of 16), rotary embeddings: layout BHSD_K, flash
     parity_step "one exported Llama step (4 layers, width 1024, heads of 64, GQA): CPU f32, CPU bf16, GPU bf16" parity-llama \
         --model llama ${LLAMA_PARITY_ARGS:---layers 4 --width 1024 --heads 16 --seq 1024 --batch 2 --vocab 32000}
