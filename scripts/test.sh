@@ -30,10 +30,11 @@ echo "[test] an exported BERT masked-language model (2 layers, seq 256) called w
 .venv/bin/python -m bench.parity_model target/parity-bert-padded --model bert --padding --batch 3 --vocab 1000
 ORTRAIN_PARITY_MODEL="$root/target/parity-bert-padded" LD_LIBRARY_PATH="$emu_path" \
     cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
-echo "[test] an exported Llama (2 layers, heads of 32, grouped-query attention, rotary embeddings, RMSNorm), with and without a padded attention_mask: its attentions read K untransposed (layout BHSD_K) on the flash kernels"
-for padding in "" --padding; do
-    .venv/bin/python -m bench.parity_model "target/parity-llama$padding" --model llama --width 128 --heads 4 --seq 128 --vocab 1000 $padding
-    ORTRAIN_PARITY_MODEL="$root/target/parity-llama$padding" LD_LIBRARY_PATH="$emu_path" \
+echo "[test] an exported Llama (2 layers, heads of 32, grouped-query attention, rotary embeddings, RMSNorm), with and without a padded attention_mask: its attentions read K untransposed (layout BHSD_K) and K and V before their repeat, on the flash kernels"
+for padded in "" -padded; do
+    .venv/bin/python -m bench.parity_model "target/parity-llama$padded" --model llama --width 128 --heads 4 --seq 128 --vocab 1000 \
+        ${padded:+--padding}
+    ORTRAIN_PARITY_MODEL="$root/target/parity-llama$padded" LD_LIBRARY_PATH="$emu_path" \
         cargo test --release -q -p ortrain-engine --features cuda --lib onnx_parity -- --ignored --nocapture
 done
 echo "[test] the ONNX node cases of tests/conformance/manifest.txt on the CUDA executor (cuda-emu): onnx's expected outputs, as the CPU gives them"

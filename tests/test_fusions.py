@@ -40,6 +40,16 @@ def _tutorial_dropout():
 
 
 # model builder; the pass; how many rewrites it must at least make in that model
+def _llama_padded():
+    """llama_small called with an attention_mask as a tokenizer pads a batch: row 0 padded on
+    the left by 5 (its first queries see no key), row 1 on the right by 3."""
+    model, (ids,), loss_fn = models.llama_small()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[1, -3:] = 0
+    return model, (ids, mask), lambda out, ids, mask: loss_fn(out, ids)
+
+
 def _checkpointed(built):
     model, inputs, loss_fn = built
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -98,6 +108,11 @@ CASES = {
     # one RmsNorm a norm (2 a layer, and the final one)
     "llama-fuse_rms_norm": (lambda: models.llama_small(), "fuse_rms_norm", 5),
     "llama-fuse_attention": (lambda: models.llama_small(), "fuse_attention", 2),
+    # Llama's Kᵀ (rotary K, repeated for its grouped-query heads) read as K; K and V read before
+    # their repeat, Q and O viewed in groups, the mask and the key padding given the groups' axis
+    "llama-attention_keys": (lambda: models.llama_small(), "attention_keys", 2),
+    "llama-attention_grouped_kv": (lambda: models.llama_small(), "attention_grouped_kv", 2),
+    "llama-padded-attention_grouped_kv": (_llama_padded, "attention_grouped_kv", 2),
 }
 
 

@@ -5,6 +5,7 @@
 //! `ORTRAIN_ENABLE_PASSES` turns on the opt-in ones. A pass whose fused op has kernels on some
 //! backends only runs for sessions built for those (`Target`).
 
+mod attention_grouped_kv;
 mod attention_key_padding;
 mod attention_keys;
 mod attention_layout;
@@ -94,6 +95,8 @@ const PIPELINE: &[(&str, Pass, Runs)] = &[
     // after it: an attention it left in BHSD (Llama's: rotary Q, repeated K) reads K itself
     // where the graph transposed it for the product
     ("attention_keys", |g, _| Ok(attention_keys::run(g)), Runs::Both),
+    // after it: a grouped-query attention reads its keys and values before their repeat
+    ("attention_grouped_kv", |g, _| Ok(attention_grouped_kv::run(g)), Runs::Both),
     // after it, before autocast renames the values whose shapes the exporter declared: a
     // self-attention over the three parts of one split projection reads the projection itself
     ("attention_packed_qkv", |g, _| Ok(attention_packed_qkv::run(g)), Runs::CudaOnly),

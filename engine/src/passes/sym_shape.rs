@@ -110,7 +110,8 @@ fn broadcast(a: &[SymDim], b: &[SymDim]) -> Option<Vec<SymDim>> {
 
 /// The symbolic shape of `v`: declared, or that of a Reshape's target (without -1 or 0), of
 /// a Transpose, a Cast or an Identity of a value whose shape is known, of the broadcast of an
-/// Add, Sub, Mul or Div of two such values, or of a Linear's residual; up to 16 producers back.
+/// Add, Sub, Mul or Div of two such values or a Where of three, or of a Linear's residual; up to
+/// 16 producers back.
 pub fn shape_of(graph: &Graph, v: ValueId) -> Option<Vec<SymDim>> {
     shape_within(graph, v, 16)
 }
@@ -130,6 +131,7 @@ fn shape_within(graph: &Graph, v: ValueId, depth: usize) -> Option<Vec<SymDim>> 
         // a Linear adding a residual (passes/fuse_residual_linear.rs) has the residual's shape
         "Linear" if node.input(3).is_some() => up(3),
         "Add" | "Sub" | "Mul" | "Div" if node.inputs.len() == 2 => broadcast(&up(0)?, &up(1)?),
+        "Where" if node.inputs.len() == 3 => broadcast(&broadcast(&up(0)?, &up(1)?)?, &up(2)?),
         "Reshape" => values(graph, node.input(1)?).filter(|t| !t.iter().any(|d| matches!(d, SymDim::Known(-1 | 0)))),
         "Transpose" => {
             let x = up(0)?;

@@ -139,11 +139,17 @@ fn gpu_steps(s: &Session, p: &Probe, steps: usize, mode: F32Mode, seed: f32) -> 
 /// The attention layouts of a CUDA session's fused attentions: GPT-2's read its c_attn
 /// projection in place (passes/attention_packed_qkv.rs), layout BS3HD; BERT's separate Q, K, V
 /// projections in theirs (passes/attention_layout.rs), layout BSHD; Llama's rotated Q and
-/// repeated K and V with the heads out, K untransposed (passes/attention_keys.rs), BHSD_K.
+/// repeated K and V with the heads out, K untransposed (passes/attention_keys.rs), BHSD_K, and
+/// K and V read before their repeat.
 fn assert_attention_layout(p: &Probe, s: &Session, what: &str) {
     let layouts: Vec<String> =
         s.graph.nodes.iter().filter(|n| n.op_type == "Attention").map(|n| n.attrs.string("layout", "BHSD").expect("layout")).collect();
     println!("{what}: attention layouts: {layouts:?}");
+    if p.model == Model::Llama {
+        // grouped-query attention: K and V read before their repeat (passes/attention_grouped_kv.rs)
+        let grouped = s.passes.rewrites.iter().find(|(name, _)| *name == "attention_grouped_kv").map_or(0, |r| r.1);
+        assert_eq!(grouped, layouts.len(), "{what}: every attention reads K and V unrepeated: passes {:?}", s.passes.rewrites);
+    }
     let want = match p.model {
         Model::Gpt2 => "BS3HD",
         Model::Bert => "BSHD",
