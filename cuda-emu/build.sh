@@ -11,8 +11,9 @@ src="$root/cuda-emu"
 out="$root/target/cuda-emu"
 mkdir -p "$out/gen" "$out/obj"
 CXX=${CXX:-g++}
-flags=(-std=c++20 -O2 -g -fPIC -fvisibility=hidden -fno-strict-aliasing -Wall -Wno-unknown-pragmas -Wno-unused-function
-       -Wno-unused-variable -Wno-unused-but-set-variable -I "$src" -I "$root/kernels")
+code_flags=(-std=c++20 -O2 -g -fPIC -fvisibility=hidden -fno-strict-aliasing -Wall -Wno-unknown-pragmas -Wno-unused-function
+            -Wno-unused-variable -Wno-unused-but-set-variable)
+flags=("${code_flags[@]}" -I "$src" -I "$root/kernels")
 
 # one table per kernel file: the names of its `extern "C"` kernels, found in the preprocessed source
 jobs=()
@@ -47,15 +48,31 @@ for f in fibers driver queues cubin registry cublas cublaslt; do jobs+=("$src/$f
 # an FMA where the CPU has one, as NVRTC's --fmad=true does on the GPU.
 kernel_flags=(-fsanitize=alignment -fsanitize-undefined-trap-on-error)
 if grep -qw fma /proc/cpuinfo 2>/dev/null; then kernel_flags+=(-mfma -ffp-contract=fast); fi
-# a change of flags (another CPU, this script) rebuilds everything
+# a change of flags (another CPU, this script) rebuilds everything; the include folders do not
+# count (mutations.sh builds a copy of the tree in another folder from this tree's objects)
 stamp="$out/obj/flags"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$CXX ${flags[*]} ${kernel_flags[*]}" ]; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$CXX ${code_flags[*]} ${kernel_flags[*]}" ]; then
     rm -f "$out"/obj/*.o
-    echo "$CXX ${flags[*]} ${kernel_flags[*]}" > "$stamp"
+    echo "$CXX ${code_flags[*]} ${kernel_flags[*]}" > "$stamp"
 fi
 
-# compile what is older than its inputs (the kernel sources, the emulator's headers)
-deps=("$src/emu.h" "$src/emu_runtime.h" "$src/queues.h" "$src/cubin.h" "$src/blas_math.h" "$root"/kernels/*.cuh)
+# kernels/'s headers that `file` includes, directly or through another of them
+included() {
+    local seen=" " queue=("$1") f h
+    while [ "${#queue[@]}" -gt 0 ]; do
+        f=${queue[0]}
+        queue=("${queue[@]:1}")
+        for h in $(sed -n 's/^#include "\([a-z_0-9]*\.cuh\)".*/\1/p' "$f"); do
+            [[ "$seen" == *" $h "* ]] && continue
+            seen="$seen$h "
+            queue+=("$root/kernels/$h")
+            echo "$root/kernels/$h"
+        done
+    done
+}
+# compile what is older than its inputs (the emulator's headers; a kernel file and the headers
+# of kernels/ it includes: cuda-emu/mutations.sh rebuilds only the files a mutation touches)
+deps=("$src/emu.h" "$src/emu_runtime.h" "$src/queues.h" "$src/cubin.h" "$src/blas_math.h")
 objs=()
 todo=()
 for j in "${jobs[@]}"; do
@@ -64,7 +81,7 @@ for j in "${jobs[@]}"; do
     k="$root/kernels/$(basename "$j" .cpp).cu"
     stale=0
     [ -f "$o" ] || stale=1
-    for d in "$j" "${deps[@]}" $( [ -f "$k" ] && echo "$k" ); do [ "$d" -nt "$o" ] 2>/dev/null && stale=1; done
+    for d in "$j" "${deps[@]}" $( [ -f "$k" ] && echo "$k" && included "$k" ); do [ "$d" -nt "$o" ] 2>/dev/null && stale=1; done
     [ "$stale" = 1 ] && todo+=("$j")
 done
 if [ "${#todo[@]}" -gt 0 ]; then

@@ -90,6 +90,52 @@ fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
     [host_as(&o, dt), host_as(&lse, "f32"), host_as(&grads[0], dt), host_as(&grads[1], dt), host_as(&grads[2], dt)]
 }
 
+/// One flash run of a case: the tensors' type and its precision bound, the case, the
+/// `ORTRAIN_FLASH_ROWS` setting, and [O, LSE, dQ, dK, dV] from the flash kernels, from the
+/// kernels `ORTRAIN_FLASH_ATTENTION=0` leaves, and from the f64 reference.
+struct FlashRun<'a> {
+    dt: &'a str,
+    precision: f64,
+    c: Case,
+    rows: Option<&'a str>,
+    flash: &'a [Vec<f64>; 5],
+    other: &'a [Vec<f64>; 5],
+    want: &'a [Vec<f64>; 5],
+}
+
+/// Every case on random bf16 and f16 inputs (drawn from `seed`), its kernels run with the flash
+/// kernels off and then on in each block setting of its head size (`flash_blocks`, the
+/// setting's kernels asserted launched, their results asserted not the other kernels' bits);
+/// `check` gets each flash run.
+fn each_flash_run(seed: u64, cases: &[Case], mut check: impl FnMut(&FlashRun)) {
+    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
+    let mut rng = Rng::new(seed);
+    for (dt, precision) in PRECISION {
+        for &c in cases {
+            let Case { b, h, t, s, d, .. } = c;
+            let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, dt, n, -1.0, 1.0));
+            let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
+            std::env::set_var(ENV_FLASH, "0");
+            let other = run(c, dt, &ins);
+            std::env::remove_var(ENV_FLASH);
+            let (v, blocks) = flash_blocks(d);
+            for &(rows, suffix) in blocks {
+                match rows {
+                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
+                    None => std::env::remove_var(ENV_FLASH_ROWS),
+                }
+                let flash = run(c, dt, &ins);
+                std::env::remove_var(ENV_FLASH_ROWS);
+                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_{dt}")) {
+                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
+                }
+                check(&FlashRun { dt, precision, c, rows, flash: &flash, other: &other, want: &want });
+                assert!(flash != other, "{dt} {c:?}: the same bits as the other kernels: did the flash kernels run?");
+            }
+        }
+    }
+}
+
 /// Causal self-attention over partial tiles (150 = 2 · 64 + 22) with heads of 64 and 128, full
 /// tiles without a mask (three key tiles: the double buffer is refilled), and cross-attention
 /// of 100 queries over 45 keys and of 45 over 100, on bf16 and on f16 tensors: every output and
@@ -105,7 +151,6 @@ fn run(c: Case, dt: &str, ins: &[Vec<f64>; 4]) -> [Vec<f64>; 5] {
 fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
     let Some(_) = gpu_alone("gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels") else { return };
     let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let mut rng = Rng::new(71);
     let cases = [
         Case { b: 2, h: 3, t: 150, s: 150, d: 64, causal: true },
         Case { b: 1, h: 2, t: 150, s: 150, d: 128, causal: true },
@@ -113,44 +158,25 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
         Case { b: 2, h: 2, t: 100, s: 45, d: 64, causal: false },
         Case { b: 1, h: 2, t: 45, s: 100, d: 64, causal: false },
     ];
-    for (dt, precision) in PRECISION {
-        for c in cases {
-            let Case { b, h, t, s, d, .. } = c;
-            let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, dt, n, -1.0, 1.0));
-            let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
-            std::env::set_var(ENV_FLASH, "0");
-            let mma = run(c, dt, &ins);
-            std::env::remove_var(ENV_FLASH);
-            let (v, blocks) = flash_blocks(d);
-            for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_mma_{k}_{v}_{dt}")) {
-                assert!(rt.has_launched(&k), "{dt} {c:?}: {k} never launched");
-            }
-            for &(rows, suffix) in blocks {
-                match rows {
-                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
-                    None => std::env::remove_var(ENV_FLASH_ROWS),
-                }
-                let flash = run(c, dt, &ins);
-                std::env::remove_var(ENV_FLASH_ROWS);
-                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_{dt}")) {
-                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
-                }
-                for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
-                    let (ef, em) = (rel_err(&flash[i], &want[i]), rel_err(&mma[i], &want[i]));
-                    println!("{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
-                    assert!(
-                        ef <= 1.25 * em + 1e-3,
-                        "{dt} {c:?} rows {rows:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
-                    );
-                    assert!(
-                        ef.max(em) <= precision,
-                        "{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} from the f64 reference, over {dt}'s {precision:e}"
-                    );
-                }
-                assert!(flash != mma, "{dt} {c:?}: the same bits as the tensor-core kernels: did the flash kernels run?");
-            }
+    each_flash_run(71, &cases, |r| {
+        let FlashRun { dt, precision, c, rows, .. } = *r;
+        let v = flash_blocks(c.d).0;
+        for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_mma_{k}_{v}_{dt}")) {
+            assert!(rt.has_launched(&k), "{dt} {c:?}: {k} never launched");
         }
-    }
+        for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+            let (ef, em) = (rel_err(&r.flash[i], &r.want[i]), rel_err(&r.other[i], &r.want[i]));
+            println!("{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} of the largest value");
+            assert!(
+                ef <= 1.25 * em + 1e-3,
+                "{dt} {c:?} rows {rows:?} {name}: flash kernels {ef:.2e} from the f64 reference, the tensor-core kernels {em:.2e}"
+            );
+            assert!(
+                ef.max(em) <= precision,
+                "{dt} {c:?} rows {rows:?} {name}: flash {ef:.2e}, tensor-core kernels {em:.2e} from the f64 reference, over {dt}'s {precision:e}"
+            );
+        }
+    });
 }
 
 /// Heads of 32, 80 and 96, which only the flash kernels and the CUDA-core ones (on f32 copies)
@@ -163,43 +189,18 @@ fn gpu_flash_attention_is_as_close_to_f64_as_the_tensor_core_kernels() {
 #[test]
 fn gpu_flash_attention_takes_heads_of_32_80_and_96() {
     let Some(_) = gpu_alone("gpu_flash_attention_takes_heads_of_32_80_and_96") else { return };
-    let rt = runtime_or_reason().unwrap_or_else(|e| panic!("{e}"));
-    let mut rng = Rng::new(79);
     let cases = [
         Case { b: 1, h: 2, t: 150, s: 150, d: 32, causal: true },
         Case { b: 2, h: 1, t: 150, s: 150, d: 96, causal: true },
         Case { b: 1, h: 1, t: 192, s: 192, d: 96, causal: false },
         Case { b: 1, h: 2, t: 100, s: 45, d: 80, causal: false },
     ];
-    for (dt, precision) in PRECISION {
-        for c in cases {
-            let Case { b, h, t, s, d, .. } = c;
-            let ins = [b * t * h * d, b * s * h * d, b * s * h * d, b * t * h * d].map(|n| rand_as(&mut rng, dt, n, -1.0, 1.0));
-            let want = reference(c, &ins[0], &ins[1], &ins[2], &ins[3]);
-            std::env::set_var(ENV_FLASH, "0");
-            let simt = run(c, dt, &ins);
-            std::env::remove_var(ENV_FLASH);
-            let (v, blocks) = flash_blocks(d);
-            for &(rows, suffix) in blocks {
-                match rows {
-                    Some(r) => std::env::set_var(ENV_FLASH_ROWS, r),
-                    None => std::env::remove_var(ENV_FLASH_ROWS),
-                }
-                let flash = run(c, dt, &ins);
-                std::env::remove_var(ENV_FLASH_ROWS);
-                for k in ["fwd", "bwd_dq", "bwd_dkv"].map(|k| format!("attention_flash_{k}_{v}{suffix}_{dt}")) {
-                    assert!(rt.has_launched(&k), "{dt} {c:?} {rows:?}: {k} never launched");
-                }
-                for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
-                    let e = rel_err(&flash[i], &want[i]);
-                    println!("{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} of the largest value from the f64 reference");
-                    assert!(
-                        e <= precision,
-                        "{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} from the f64 reference, over {dt}'s {precision:e}"
-                    );
-                }
-                assert!(flash != simt, "{dt} {c:?}: the same bits as the CUDA-core kernels: did the flash kernels run?");
-            }
+    each_flash_run(79, &cases, |r| {
+        let FlashRun { dt, precision, c, rows, .. } = *r;
+        for (i, name) in ["O", "LSE", "dQ", "dK", "dV"].iter().enumerate() {
+            let e = rel_err(&r.flash[i], &r.want[i]);
+            println!("{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} of the largest value from the f64 reference");
+            assert!(e <= precision, "{dt} {c:?} rows {rows:?} {name}: flash {e:.2e} from the f64 reference, over {dt}'s {precision:e}");
         }
-    }
+    });
 }
