@@ -15,11 +15,44 @@ code_flags=(-std=c++20 -O2 -g -fPIC -fvisibility=hidden -fno-strict-aliasing -Wa
             -Wno-unused-variable -Wno-unused-but-set-variable)
 flags=("${code_flags[@]}" -I "$src" -I "$root/kernels")
 
+# kernels/'s headers that `file` includes, directly or through another of them
+included() {
+    local seen=" " queue=("$1") f h
+    while [ "${#queue[@]}" -gt 0 ]; do
+        f=${queue[0]}
+        queue=("${queue[@]:1}")
+        for h in $(sed -n 's/^#include "\([a-z_0-9]*\.cuh\)".*/\1/p' "$f"); do
+            [[ "$seen" == *" $h "* ]] && continue
+            seen="$seen$h "
+            queue+=("$root/kernels/$h")
+            echo "$root/kernels/$h"
+        done
+    done
+}
+# whether `target` is missing or older than any of the files after it
+older_than() {
+    local target=$1 f
+    shift
+    [ -f "$target" ] || return 0
+    for f in "$@"; do [ "$f" -nt "$target" ] && return 0; done
+    return 1
+}
+
+# EMU_ONLY (cuda-emu/mutations.sh): the kernel files (names without .cu) to bring up to date; the
+# others keep the tables and objects they have, where they have them, stale or not
+wanted() { [ -z "${EMU_ONLY:-}" ] || [[ " $EMU_ONLY " == *" $1 "* ]]; }
+
 # one table per kernel file: the names of its `extern "C"` kernels, found in the preprocessed source
+# (again only where the file, a header it includes or emu.h changed: preprocessing all of them
+# took about 3 s of each of mutations.sh's builds)
 jobs=()
 for cu in "$root"/kernels/*.cu; do
     name=$(basename "$cu" .cu)
     gen="$out/gen/$name.cpp"
+    jobs+=("$gen")
+    wanted "$name" || [ ! -f "$gen" ] || continue
+    # shellcheck disable=SC2046
+    older_than "$gen.checked" "$cu" "$src/emu.h" "$src/build.sh" $(included "$cu") || continue
     # "name max_threads" per kernel (0: no __launch_bounds__)
     names=$("$CXX" -E -x c++ -std=c++20 -DORT_EMU_KEEP_LAUNCH_BOUNDS -include "$src/emu.h" -I "$root/kernels" "$cu" |
         grep -oE 'extern "C" +void +(__launch_bounds__ *\( *[0-9]+[^)]*\) +)?[A-Za-z_][A-Za-z0-9_]* *\(' |
@@ -37,8 +70,10 @@ for cu in "$root"/kernels/*.cu; do
         echo "};"
         echo "static ort_emu::Registrar kRegistrar(kTable, sizeof kTable / sizeof kTable[0]);"
     } > "$gen.new"
+    # the table keeps its time where it is unchanged (its object is not compiled again for it);
+    # `.checked` says when it was last found up to date
     if ! cmp -s "$gen.new" "$gen"; then mv "$gen.new" "$gen"; else rm "$gen.new"; fi
-    jobs+=("$gen")
+    touch "$gen.checked"
 done
 for f in fibers driver queues cubin registry cublas cublaslt; do jobs+=("$src/$f.cpp"); done
 
@@ -56,20 +91,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$CXX ${code_flags[*]} ${kernel_flags[*]}"
     echo "$CXX ${code_flags[*]} ${kernel_flags[*]}" > "$stamp"
 fi
 
-# kernels/'s headers that `file` includes, directly or through another of them
-included() {
-    local seen=" " queue=("$1") f h
-    while [ "${#queue[@]}" -gt 0 ]; do
-        f=${queue[0]}
-        queue=("${queue[@]:1}")
-        for h in $(sed -n 's/^#include "\([a-z_0-9]*\.cuh\)".*/\1/p' "$f"); do
-            [[ "$seen" == *" $h "* ]] && continue
-            seen="$seen$h "
-            queue+=("$root/kernels/$h")
-            echo "$root/kernels/$h"
-        done
-    done
-}
 # compile what is older than its inputs (the emulator's headers; a kernel file and the headers
 # of kernels/ it includes: cuda-emu/mutations.sh rebuilds only the files a mutation touches)
 deps=("$src/emu.h" "$src/emu_runtime.h" "$src/queues.h" "$src/cubin.h" "$src/blas_math.h")
@@ -79,6 +100,7 @@ for j in "${jobs[@]}"; do
     o="$out/obj/$(basename "$j" .cpp).o"
     objs+=("$o")
     k="$root/kernels/$(basename "$j" .cpp).cu"
+    [ -f "$k" ] && [ -f "$o" ] && ! wanted "$(basename "$j" .cpp)" && continue
     stale=0
     [ -f "$o" ] || stale=1
     for d in "$j" "${deps[@]}" $( [ -f "$k" ] && echo "$k" && included "$k" ); do [ "$d" -nt "$o" ] 2>/dev/null && stale=1; done
@@ -90,7 +112,9 @@ if [ "${#todo[@]}" -gt 0 ]; then
          '"$CXX ${flags[*]}"' $extra -include "'"$src/emu.h"'" -c "$1" -o "'"$out/obj/"'$(basename "$1" .cpp).o" || exit 255' \
         sh {} "${kernel_flags[*]}"
 fi
-"$CXX" -shared -o "$out/libortemu.so" "${objs[@]}" -Wl,-soname,libortemu.so -lpthread -ldl
+if older_than "$out/libortemu.so" "${objs[@]}"; then
+    "$CXX" -shared -o "$out/libortemu.so" "${objs[@]}" -Wl,-soname,libortemu.so -lpthread -ldl
+fi
 for link in libcuda.so.1 libcublas.so.13 libcublasLt.so.13; do ln -sf libortemu.so "$out/$link"; done
 # the emulator's own checks (selftest.cpp; scripts/test.sh runs it)
 if [ "$src/selftest.cpp" -nt "$out/selftest" ] || [ "$out/libortemu.so" -nt "$out/selftest" ]; then
