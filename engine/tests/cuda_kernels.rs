@@ -4,7 +4,8 @@
 //! NVRTC's log and the file name. Every kernel's registers, stack frame and shared memory (read
 //! from the CUBIN, checked against ptxas's own report) go to target/kernel-resources.tsv, its
 //! stack frame is held to its family's budget, and each CUBIN is kept in target/cubins/sm_90/
-//! for `python -m bench.kernel_loops`.
+//! for `python -m bench.kernel_loops`, and in the engine's disk cache (`cache::default_dir`), so
+//! that the emulated GPU tests CI runs next load them instead of compiling them again.
 //!
 //! NVRTC comes from the pinned CUDA 13.0 wheels that scripts/bootstrap.sh installs into
 //! `.cuda-wheels/` (requirements-cuda.txt), or from ORTRAIN_NVRTC_LIB. Without NVRTC these
@@ -16,6 +17,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use ortrain_engine::backend::cuda::abi::{self, Arg};
+use ortrain_engine::backend::cuda::cache;
 use ortrain_engine::backend::cuda::compile::{self, Origin};
 use ortrain_engine::backend::cuda::elf;
 use ortrain_engine::backend::cuda::nvrtc::{self, Nvrtc};
@@ -78,6 +80,12 @@ fn every_kernel_file_compiles_for_sm_90_with_exactly_the_registered_kernels() {
                     Err(e) => failures.push(format!("{}: resources: {e}", f.file())),
                 }
                 keep_cubin(f, &cubin);
+                if failures.is_empty() {
+                    if let Some(dir) = cache::default_dir() {
+                        // best effort: a cache that cannot be written costs the next process a compile
+                        let _ = compile::store(nv, f, ARCH, &dir, &cubin);
+                    }
+                }
                 let sm = elf::header(&cubin).map(|h| h.sm()).unwrap_or(0);
                 println!("{:<26} {:>7.0} ms  {:>4} kernels  {:>8} bytes  sm_{sm}", f.file(), ms, f.kernel_names().len(), cubin.len());
                 if sm != 90 {

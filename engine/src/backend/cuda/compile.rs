@@ -143,11 +143,23 @@ pub fn in_parallel<T: Send>(families: &'static [Family], work: impl Fn(&'static 
     done.into_inner().unwrap_or_else(|p| p.into_inner()).into_iter().flatten().collect()
 }
 
+/// The disk cache's key of `family`'s CUBIN for `arch` compiled by this NVRTC (`version`: its
+/// version string).
+fn key<'a>(family: &'a Family, arch: &'a str, version: &'a str) -> Key<'a> {
+    Key { family: family.name, source: family.source, headers: HEADERS, arch, nvrtc_version: version, options: nvrtc::BASE_OPTIONS }
+}
+
+/// Stores a CUBIN of [`compile_checked`] in the disk cache at `dir`, where [`load_or_compile`]
+/// finds it: engine/tests/cuda_kernels.rs, which compiles every family, leaves them for the
+/// emulated GPU tests that CI runs next (a cold cache cost them the same compiles again).
+pub fn store(nv: &Nvrtc, family: &Family, arch: &str, dir: &Path, cubin: &[u8]) -> std::io::Result<()> {
+    cache::write(dir, &key(family, arch, &nv.version_string()), cubin)
+}
+
 /// The disk cache, else NVRTC (storing the result), without the process memo.
 pub fn load_or_compile(nv: &Nvrtc, family: &'static Family, arch: &str, cache_dir: Option<&Path>) -> Result<Cubin> {
     let version = nv.version_string();
-    let key =
-        Key { family: family.name, source: family.source, headers: HEADERS, arch, nvrtc_version: &version, options: nvrtc::BASE_OPTIONS };
+    let key = key(family, arch, &version);
     let expected = family.kernel_names();
     let (bytes, origin, log) = match cache_dir.map(|d| cache::read(d, &key, &expected)) {
         Some(Ok(b)) => (b, Origin::Disk, String::new()),
