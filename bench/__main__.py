@@ -2,7 +2,7 @@
 one run; prints a table per workload and writes the raw per-step times to a JSON file.
 
     python -m bench                              # all workloads, all systems, 60 timed steps each
-    python -m bench --quick                      # CI: 2 warm-up + 3 timed steps, one round
+    python -m bench --quick                      # CI: 1 warm-up + 2 timed steps, one round
     python -m bench --workloads tutorial,gpt2 --systems eager,ortrain --steps 100 --threads 2
     python -m bench --workloads tutorial --busy-core 1:0.5   # another tenant takes half of core 1
 
@@ -25,7 +25,7 @@ from bench.rounds import log_stderr, run_workload
 from bench.systems import SYSTEMS
 from bench.workloads import WORKLOADS
 
-QUICK = {"steps": 3, "warmup": 2, "rounds": 1}
+QUICK = {"steps": 2, "warmup": 1, "rounds": 1}  # the output's shape, never its times: the fewest steps that give it
 QUICK_COMPILE_WORKLOADS = ["tutorial"]  # a cold torch.compile takes 20-70 s a model on 2 cores
 
 
@@ -45,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help=f"comma list of {', '.join(WORKLOADS)} (default: all)")
     ap.add_argument("--systems", type=lambda t: _names(t, SYSTEMS, "system"), default=list(SYSTEMS),
                     help=f"comma list of {', '.join(SYSTEMS)} (default: all)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per system (default 60; --quick 3)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per system (default 60; --quick 2)")
     ap.add_argument("--warmup", type=int, default=None,
-                    help="untimed steps before, the first reported as 'first step' (default 5; --quick 2)")
+                    help="untimed steps before, the first reported as 'first step' (default 5; --quick 1)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="interleaved rounds the timed steps are split into (default 6; --quick 1)")
     ap.add_argument("--compile-workloads", type=lambda t: _names(t, WORKLOADS, "workload"), default=None,
