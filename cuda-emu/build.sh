@@ -46,13 +46,15 @@ wanted() { [ -z "${EMU_ONLY:-}" ] || [[ " $EMU_ONLY " == *" $1 "* ]]; }
 # (again only where the file, a header it includes or emu.h changed: preprocessing all of them
 # took about 3 s of each of mutations.sh's builds)
 jobs=()
+declare -A headers_of  # kernel file name -> the kernels/ headers it includes (`included`)
 for cu in "$root"/kernels/*.cu; do
     name=$(basename "$cu" .cu)
     gen="$out/gen/$name.cpp"
     jobs+=("$gen")
+    headers_of[$name]=$(included "$cu")
     wanted "$name" || [ ! -f "$gen" ] || continue
-    # shellcheck disable=SC2046
-    older_than "$gen.checked" "$cu" "$src/emu.h" "$src/build.sh" $(included "$cu") || continue
+    # shellcheck disable=SC2086
+    older_than "$gen.checked" "$cu" "$src/emu.h" "$src/build.sh" ${headers_of[$name]} || continue
     # "name max_threads" per kernel (0: no __launch_bounds__)
     names=$("$CXX" -E -x c++ -std=c++20 -DORT_EMU_KEEP_LAUNCH_BOUNDS -include "$src/emu.h" -I "$root/kernels" "$cu" |
         grep -oE 'extern "C" +void +(__launch_bounds__ *\( *[0-9]+[^)]*\) +)?[A-Za-z_][A-Za-z0-9_]* *\(' |
@@ -99,11 +101,13 @@ todo=()
 for j in "${jobs[@]}"; do
     o="$out/obj/$(basename "$j" .cpp).o"
     objs+=("$o")
-    k="$root/kernels/$(basename "$j" .cpp).cu"
-    [ -f "$k" ] && [ -f "$o" ] && ! wanted "$(basename "$j" .cpp)" && continue
+    name=$(basename "$j" .cpp)
+    k="$root/kernels/$name.cu"
+    [ -f "$k" ] && [ -f "$o" ] && ! wanted "$name" && continue
     stale=0
     [ -f "$o" ] || stale=1
-    for d in "$j" "${deps[@]}" $( [ -f "$k" ] && echo "$k" && included "$k" ); do [ "$d" -nt "$o" ] 2>/dev/null && stale=1; done
+    # shellcheck disable=SC2086
+    for d in "$j" "${deps[@]}" $( [ -f "$k" ] && echo "$k" ${headers_of[$name]:-} ); do [ "$d" -nt "$o" ] 2>/dev/null && stale=1; done
     [ "$stale" = 1 ] && todo+=("$j")
 done
 if [ "${#todo[@]}" -gt 0 ]; then

@@ -9,14 +9,15 @@ cd "$root"
 # under 45 minutes on 2 cores).
 section_start=$SECONDS
 section_title="bootstrap"
+section_took() { echo "[test] ${section_title}: $((SECONDS - section_start)) s (total $SECONDS s)"; }
 section() {
-    echo "[test] ${section_title}: $((SECONDS - section_start)) s (total $SECONDS s)"
+    section_took
     section_title="${1%%:*}"
     section_title="${section_title:0:80}"
     section_start=$SECONDS
     echo "[test] $1"
 }
-trap 'echo "[test] ${section_title}: $((SECONDS - section_start)) s (total $SECONDS s)"' EXIT
+trap section_took EXIT
 bash scripts/bootstrap.sh
 
 section "cargo test (engine, with the cuda feature)"
